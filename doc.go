@@ -1,0 +1,2 @@
+// Package ratelimit is a distributed rate limiter for Caddy.
+package ratelimit

@@ -1,0 +1,109 @@
+// Package engine is the local decision engine of the rate limiter: per-key
+// sliding-window counters in memory, decided without a network round trip,
+// with hooks through which a regional origin (see package origin) converges
+// the counts of several processes.
+//
+// The engine imports nothing from Caddy, Redis or MySQL. Time comes from an
+// injectable clock so tests cross window borders without sleeping.
+package engine
+
+import (
+	"context"
+	"time"
+)
+
+// Key identifies one limit: the zone it belongs to (its namespace), the
+// evaluated identifier and the window length. The limit value itself is not
+// part of the key: it may change between requests (overrides, reloads).
+type Key struct {
+	// Namespace is the zone name.
+	Namespace string
+	// Identifier is the evaluated key of the request (an API key, an IP
+	// prefix, a tenant). Identifiers longer than MaxIdentifierLen bytes are
+	// replaced by a fixed-size hash (see NormalizeIdentifier).
+	Identifier string
+	// Window is the length of one fixed window; it is used at millisecond
+	// precision and must be at least one millisecond.
+	Window time.Duration
+}
+
+// Limit is one limit to decide for a request.
+type Limit struct {
+	Key
+	// Limit is the number of units admitted per sliding window (≥ 0).
+	Limit int64
+	// Cost is the number of units this request consumes (≥ 0).
+	Cost int64
+}
+
+// Never is the RetryAfter of a request whose cost exceeds its limit: it can
+// never pass, whatever the wait.
+const Never time.Duration = -1
+
+// Decision is the engine's answer for one limit.
+type Decision struct {
+	// Allowed reports whether the request passes this limit. In a batch
+	// (DecideMany) it reports the limit's own verdict; the batch passes only
+	// when every limit allows.
+	Allowed bool
+	// Limit is the limit the decision was made against.
+	Limit int64
+	// Remaining is floor(max(0, limit − effective)) after the decision, where
+	// effective = current + previous × (1 − progress); a denied or rolled back
+	// request charged nothing.
+	Remaining int64
+	// Reset is the time until the end of the current fixed window.
+	Reset time.Duration
+	// RetryAfter is, for a denied limit, the earliest time after which the
+	// same request would pass if no other traffic arrived; Never when its cost
+	// exceeds the limit. Zero when allowed.
+	RetryAfter time.Duration
+}
+
+// Origin is what the engine needs of a regional origin (Redis in
+// production). Implementations do I/O only; the engine decides when to call
+// them and merges what they return.
+type Origin interface {
+	// Read returns the origin's totals for the cell of key at sequence seq and
+	// for the previous cell (seq − 1). The engine calls it with a deadline in
+	// ctx (the read timeout) and never on a denial.
+	Read(ctx context.Context, key Key, seq int64) (cur, prev int64, err error)
+	// Flush adds each batch[i].Delta to its cell and stores the cell's total
+	// afterwards in batch[i].Total, setting batch[i].Done for every item the
+	// origin applied. Items left not Done are given back to their cells and
+	// replayed later, so an implementation must never report Done for an item
+	// it did not apply, nor leave Done unset for one it applied.
+	Flush(ctx context.Context, batch []Delta) error
+}
+
+// Delta is one cell's committed units that are due for replay to the origin.
+type Delta struct {
+	// Key and Sequence name the cell.
+	Key      Key
+	Sequence int64
+	// Delta is the number of units committed locally since the cell's last
+	// replay.
+	Delta int64
+	// Own is every unit this process has committed to the cell, Delta
+	// included. An origin whose total comes back below Own lost this
+	// process's contribution (restarted empty) and should re-add the
+	// difference.
+	Own int64
+	// Total is set by Flush: the origin's total for the cell after the add.
+	Total int64
+	// Done is set by Flush for each item the origin applied.
+	Done bool
+
+	cell *cell
+}
+
+// The rest of the public surface, implemented in engine.go and its
+// neighbours:
+//
+//	func New(cfg Config) *Engine
+//	func (e *Engine) Close(ctx context.Context) error     // flush pending deltas within ctx, stop goroutines
+//	func (e *Engine) SetOrigin(o Origin)                  // nil: local-only; swapped on reload
+//	func (e *Engine) Decide(ctx context.Context, l Limit) Decision
+//	func (e *Engine) DecideMany(ctx context.Context, ls []Limit, out []Decision) bool
+//	func (e *Engine) MergeMax(key Key, seq, total int64)
+//	func (e *Engine) Stats() Stats
