@@ -1,0 +1,146 @@
+package engine
+
+import "sync/atomic"
+
+// A cell holds the counters of one fixed window of one key:
+// (namespace, identifier, window, sequence). Every field is atomic; the hot
+// path never takes a lock.
+type cell struct {
+	// seq never changes after the cell is created.
+	seq int64
+	// count is every unit this process knows of in the cell: units committed
+	// here, units merged from the origin, and units reserved speculatively by
+	// a batch in flight. Decisions compare-and-swap it.
+	count atomic.Int64
+	// spec is the part of count reserved by batches that have not committed
+	// yet; it is never replayed.
+	spec atomic.Int64
+	// global is the count imported from other regions, kept apart from count
+	// so that it is never replayed or published again.
+	global atomic.Int64
+	// pending is committed units not yet handed to the origin.
+	pending atomic.Int64
+	// own is every unit of this process handed to the origin so far.
+	own atomic.Int64
+	// fresh is, once the cell is hydrated, the Unix millisecond until which
+	// its origin view counts as fresh; before that, the earliest time to
+	// retry the hydration.
+	fresh atomic.Int64
+	// state holds the st* bits.
+	state atomic.Uint32
+	// prev is the cell of the previous sequence, if this process has one. It
+	// is cleared when this cell itself becomes the previous one, so a key
+	// holds at most two cells.
+	prev atomic.Pointer[cell]
+}
+
+const (
+	// stHydrated: the cell has been read from the origin, or descends from a
+	// cell that was, or the engine runs without origin.
+	stHydrated uint32 = 1 << iota
+	// stDirty: the cell sits in a replay queue.
+	stDirty
+	// stFast: the cell sits in the fast replay queue.
+	stFast
+	// stBlocked: the cell has denied a request (first-denial notification
+	// sent).
+	stBlocked
+)
+
+// setBits sets bits in the state and reports whether this call set any of
+// them (false when all were already set).
+func (c *cell) setBits(bits uint32) bool {
+	for {
+		old := c.state.Load()
+		if old&bits == bits {
+			return false
+		}
+		if c.state.CompareAndSwap(old, old|bits) {
+			return true
+		}
+	}
+}
+
+// clearBits clears bits in the state.
+func (c *cell) clearBits(bits uint32) {
+	for {
+		old := c.state.Load()
+		if old&bits == 0 || c.state.CompareAndSwap(old, old&^bits) {
+			return
+		}
+	}
+}
+
+// committed is the cell's count without the speculative part.
+func (c *cell) committed() int64 { return c.count.Load() - c.spec.Load() }
+
+// total is what decisions weigh: local and regional units plus the count
+// imported from other regions.
+func (c *cell) total() int64 { return c.count.Load() + c.global.Load() }
+
+// mergeMax raises count to at least v. Counts only ever grow by merges, so a
+// late or repeated merge can never undo units counted since.
+func (c *cell) mergeMax(v int64) {
+	for {
+		old := c.count.Load()
+		if v <= old || c.count.CompareAndSwap(old, v) {
+			return
+		}
+	}
+}
+
+// mergeOrigin merges an origin total into the cell. The origin has not seen
+// this process's pending units, nor its speculative reservations, so they
+// are added on top of the origin's total.
+func (c *cell) mergeOrigin(total int64) {
+	c.mergeMax(total + c.pending.Load() + c.spec.Load())
+}
+
+// extendFresh moves the freshness deadline forward to until (never back).
+func (c *cell) extendFresh(until int64) {
+	for {
+		old := c.fresh.Load()
+		if until <= old || c.fresh.CompareAndSwap(old, until) {
+			return
+		}
+	}
+}
+
+// entry is one (namespace, identifier, window): a pointer to its current
+// cell, which links to the previous one. Rotation swaps the pointer.
+type entry struct {
+	cur atomic.Pointer[cell]
+}
+
+// tombstone marks an entry removed from the map: a request that still holds
+// the entry looks it up again instead of counting into a forgotten cell.
+var tombstone = &cell{seq: -1}
+
+// current returns the entry's cell for seq, rotating when seq has advanced,
+// or nil when the entry has been removed. A clock that steps backwards never
+// moves a key back: the newer cell is returned.
+func (en *entry) current(seq int64) *cell {
+	for {
+		c := en.cur.Load()
+		if c == tombstone {
+			return nil
+		}
+		if c.seq >= seq {
+			return c
+		}
+		n := &cell{seq: seq}
+		// A rotated cell of a key that was hydrated counts as hydrated but
+		// stale: the tiers decide whether it is read now or in the
+		// background. Only a first touch hydrates synchronously.
+		n.state.Store(c.state.Load() & stHydrated)
+		if c.seq == seq-1 {
+			n.prev.Store(c)
+		}
+		if en.cur.CompareAndSwap(c, n) {
+			// c is now the previous cell (or gone); what it weighed is no
+			// longer needed.
+			c.prev.Store(nil)
+			return n
+		}
+	}
+}

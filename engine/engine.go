@@ -1,0 +1,398 @@
+package engine
+
+import (
+	"context"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/puzpuzpuz/xsync/v4"
+)
+
+// Defaults of Config. Each says why.
+const (
+	// DefaultMaxEntries bounds live entries: about 230 MB at the budget of
+	// 250 bytes per entry, far beyond the keys an edge node sees in a window,
+	// and small enough that a flood of identifiers cannot exhaust memory.
+	DefaultMaxEntries = 1_000_000
+	// DefaultReadTimeout bounds a synchronous origin read: a regional Redis
+	// answers in about a millisecond, so 50 ms is a sick origin, and no
+	// request should wait longer for one.
+	DefaultReadTimeout = 50 * time.Millisecond
+	// DefaultFreshness is how long an origin read or replay keeps a cell
+	// fresh: short enough that an idle node never serves an old view for the
+	// rest of a long window, long enough that a busy key is kept fresh by its
+	// own replays.
+	DefaultFreshness = time.Second
+	// DefaultSlowTick replays keys below half their limit: ten round trips a
+	// second per busy node, whatever the request rate.
+	DefaultSlowTick = 100 * time.Millisecond
+	// DefaultFastTick replays keys at half their limit or more, where other
+	// nodes need our count soon.
+	DefaultFastTick = 10 * time.Millisecond
+	// DefaultReplayWorkers flush batches in parallel, so one slow partition
+	// does not hold up the others.
+	DefaultReplayWorkers = 8
+	// DefaultJanitorInterval is how often idle entries and expired strict
+	// deadlines are dropped.
+	DefaultJanitorInterval = 10 * time.Second
+)
+
+// Config configures an Engine. The zero value is a local-only engine with
+// every default.
+type Config struct {
+	// Now is the clock; default time.Now.
+	Now func() time.Time
+	// MaxEntries is the hard cap on live entries; default DefaultMaxEntries.
+	MaxEntries int
+	// ReadTimeout bounds every synchronous origin read; default
+	// DefaultReadTimeout.
+	ReadTimeout time.Duration
+	// Freshness is how long a read or replay keeps a cell fresh; default
+	// DefaultFreshness.
+	Freshness time.Duration
+	// SlowTick and FastTick are the replay intervals below and above half
+	// the limit; defaults DefaultSlowTick and DefaultFastTick.
+	SlowTick, FastTick time.Duration
+	// ReplayWorkers is the number of concurrent flushes; default
+	// DefaultReplayWorkers.
+	ReplayWorkers int
+	// JanitorInterval is how often idle entries are dropped; default
+	// DefaultJanitorInterval.
+	JanitorInterval time.Duration
+	// OnFirstDenial, if set, is called once per cell, on the request path,
+	// when the cell denies its first request. It must not block.
+	OnFirstDenial func(Denial)
+	// OnEvict, if set, is called after the entry cap forced evictions, with
+	// their number. It runs on the janitor goroutine.
+	OnEvict func(n int)
+}
+
+// Denial describes the first denial of a cell.
+type Denial struct {
+	Limit
+	// Sequence is the denying cell's sequence.
+	Sequence int64
+	// Used is the effective count before the request's cost.
+	Used int64
+}
+
+// Engine decides limits. It is safe for concurrent use; one Engine serves a
+// whole process.
+type Engine struct {
+	cfg     Config
+	now     func() time.Time
+	entries *xsync.Map[Key, *entry]
+	live    atomic.Int64
+	strict  *xsync.Map[Key, *atomic.Int64]
+	flights *xsync.Map[*cell, *flight]
+	origin  atomic.Pointer[originBox]
+
+	slowQ, fastQ *ring
+	bgReads      atomic.Int64
+
+	stats counters
+
+	evictNow chan struct{}
+	stop     chan struct{}
+	stopOnce sync.Once
+	wg       sync.WaitGroup
+}
+
+// originBox lets an interface sit in an atomic.Pointer.
+type originBox struct{ o Origin }
+
+// New returns an engine and starts its background goroutines (janitor and
+// replay); Close stops them.
+func New(cfg Config) *Engine {
+	if cfg.Now == nil {
+		cfg.Now = time.Now
+	}
+	if cfg.MaxEntries <= 0 {
+		cfg.MaxEntries = DefaultMaxEntries
+	}
+	if cfg.ReadTimeout <= 0 {
+		cfg.ReadTimeout = DefaultReadTimeout
+	}
+	if cfg.Freshness <= 0 {
+		cfg.Freshness = DefaultFreshness
+	}
+	if cfg.SlowTick <= 0 {
+		cfg.SlowTick = DefaultSlowTick
+	}
+	if cfg.FastTick <= 0 {
+		cfg.FastTick = DefaultFastTick
+	}
+	if cfg.ReplayWorkers <= 0 {
+		cfg.ReplayWorkers = DefaultReplayWorkers
+	}
+	if cfg.JanitorInterval <= 0 {
+		cfg.JanitorInterval = DefaultJanitorInterval
+	}
+	e := &Engine{
+		cfg:      cfg,
+		now:      cfg.Now,
+		entries:  xsync.NewMap[Key, *entry](),
+		strict:   xsync.NewMap[Key, *atomic.Int64](),
+		flights:  xsync.NewMap[*cell, *flight](),
+		slowQ:    newRing(replayQueueLen),
+		fastQ:    newRing(replayQueueLen),
+		evictNow: make(chan struct{}, 1),
+		stop:     make(chan struct{}),
+	}
+	e.wg.Add(2)
+	go e.janitorLoop()
+	go e.replayLoop()
+	return e
+}
+
+// SetOrigin attaches the regional origin, or detaches it with nil (local
+// only). Cells already counted keep their counts.
+func (e *Engine) SetOrigin(o Origin) {
+	if o == nil {
+		e.origin.Store(nil)
+		return
+	}
+	e.origin.Store(&originBox{o})
+}
+
+func (e *Engine) getOrigin() Origin {
+	if b := e.origin.Load(); b != nil {
+		return b.o
+	}
+	return nil
+}
+
+// Close replays every pending delta to the origin within ctx's deadline,
+// then stops the background goroutines. Decisions made after Close still
+// work, locally.
+func (e *Engine) Close(ctx context.Context) error {
+	var err error
+	if o := e.getOrigin(); o != nil {
+		err = e.flushAll(ctx, o)
+	}
+	e.stopOnce.Do(func() { close(e.stop) })
+	e.wg.Wait()
+	return err
+}
+
+func (e *Engine) nowMs() int64 { return e.now().UnixMilli() }
+
+// located is one limit resolved to its cell at the time of the decision.
+type located struct {
+	key  Key
+	cur  *cell
+	w, r int64
+}
+
+// locate finds (or creates) the entry of l and its current cell at now.
+func (e *Engine) locate(l *Limit, now int64) located {
+	key, w := normalize(l.Key)
+	seq := now / w
+	hasOrigin := e.origin.Load() != nil
+	for {
+		en, ok := e.entries.Load(key)
+		if !ok {
+			en = e.insert(key, seq, hasOrigin)
+		}
+		if c := en.current(seq); c != nil {
+			r := now - c.seq*w
+			if r < 0 {
+				r = 0
+			}
+			return located{key: key, cur: c, w: w, r: r}
+		}
+		// Removed by the janitor between the load and the rotation: look
+		// again, a fresh entry may already stand in its place.
+	}
+}
+
+// insert adds a new entry for key, or returns the one that won a race.
+func (e *Engine) insert(key Key, seq int64, hasOrigin bool) *entry {
+	en, loaded := e.entries.LoadOrCompute(key, func() (*entry, bool) {
+		c := &cell{seq: seq}
+		if !hasOrigin {
+			c.state.Store(stHydrated)
+		}
+		n := &entry{}
+		n.cur.Store(c)
+		return n, false
+	})
+	if !loaded {
+		if e.live.Add(1) > int64(e.cfg.MaxEntries) {
+			select {
+			case e.evictNow <- struct{}{}:
+			default:
+			}
+		}
+	}
+	return en
+}
+
+// counts returns the cell's weighed counts: current and previous.
+func (lc *located) counts() (cur, prev int64) {
+	cur = lc.cur.total()
+	if p := lc.cur.prev.Load(); p != nil {
+		prev = p.total()
+	}
+	return cur, prev
+}
+
+// Decide decides one limit and, when it allows, charges its cost.
+func (e *Engine) Decide(ctx context.Context, l Limit) Decision {
+	now := e.nowMs()
+	lc := e.locate(&l, now)
+	if o := e.getOrigin(); o != nil {
+		e.converge(ctx, o, &lc, &l, now)
+	}
+	for {
+		cur, prev := lc.counts()
+		if !fits(cur, prev, l.Cost, l.Limit, lc.w, lc.r) {
+			return e.deny(&lc, &l, cur, prev, now)
+		}
+		// Only the cell's own count is swapped: global and previous counts
+		// only grow, so a concurrent change there can only make this allow
+		// slightly early, never admit past the local count.
+		n := lc.cur.count.Load()
+		if l.Cost == 0 || lc.cur.count.CompareAndSwap(n, n+l.Cost) {
+			e.committed(&lc, l.Cost, cur+l.Cost+weighted(prev, lc.w, lc.r), l.Limit)
+			return Decision{
+				Allowed:   true,
+				Limit:     l.Limit,
+				Remaining: remaining(cur+l.Cost, prev, l.Limit, lc.w, lc.r),
+				Reset:     msDuration(lc.w - lc.r),
+			}
+		}
+	}
+}
+
+// deny builds a denial and records what a denial records: strict mode and
+// the cell's first denial. It never waits and never calls the origin.
+func (e *Engine) deny(lc *located, l *Limit, cur, prev, now int64) Decision {
+	d := Decision{
+		Limit:     l.Limit,
+		Remaining: remaining(cur, prev, l.Limit, lc.w, lc.r),
+		Reset:     msDuration(lc.w - lc.r),
+	}
+	if ra := retryAfterMs(cur, prev, l.Cost, l.Limit, lc.w, lc.r); ra < 0 {
+		d.RetryAfter = Never
+	} else {
+		d.RetryAfter = msDuration(ra)
+	}
+	if e.origin.Load() != nil {
+		e.markStrict(lc.key, (lc.cur.seq+1)*lc.w)
+	}
+	if lc.cur.state.Load()&stBlocked == 0 && lc.cur.setBits(stBlocked) {
+		e.stats.firstDenials.Add(1)
+		if f := e.cfg.OnFirstDenial; f != nil {
+			used := cur + weighted(prev, lc.w, lc.r)
+			lim := *l
+			lim.Key = lc.key
+			f(Denial{Limit: lim, Sequence: lc.cur.seq, Used: used})
+		}
+	}
+	return d
+}
+
+// committed records cost committed units in the cell for replay; effective
+// is the key's effective count with them, which picks the replay tier.
+func (e *Engine) committed(lc *located, cost, effective, limit int64) {
+	if cost == 0 || e.origin.Load() == nil {
+		return
+	}
+	lc.cur.pending.Add(cost)
+	e.markDirty(lc.key, lc.cur, pressureAtLeast(effective, limit, 1, 2))
+}
+
+// DecideMany decides several limits all-or-nothing: every cost is reserved
+// speculatively, and either every reservation commits (the request passes
+// every limit) or every one is rolled back, so a denial by one limit charges
+// no other. out[i] receives limit i's own verdict; len(out) must be at least
+// len(ls). It reports whether the request passes.
+func (e *Engine) DecideMany(ctx context.Context, ls []Limit, out []Decision) bool {
+	if len(ls) == 1 {
+		out[0] = e.Decide(ctx, ls[0])
+		return out[0].Allowed
+	}
+	var stack [8]located
+	lcs := stack[:0]
+	if len(ls) > len(stack) {
+		lcs = make([]located, 0, len(ls))
+	}
+	now := e.nowMs()
+	o := e.getOrigin()
+	for i := range ls {
+		lc := e.locate(&ls[i], now)
+		if o != nil {
+			e.converge(ctx, o, &lc, &ls[i], now)
+		}
+		lcs = append(lcs, lc)
+	}
+	reserved := 0
+	denied := false
+	for i := range ls {
+		if !e.reserve(&lcs[i], ls[i].Cost, ls[i].Limit) {
+			denied = true
+			break
+		}
+		reserved++
+	}
+	if denied {
+		// Give back every reservation before any verdict is written, so a
+		// limit's Remaining shows the state without this request.
+		for i := 0; i < reserved; i++ {
+			lcs[i].cur.count.Add(-ls[i].Cost)
+			lcs[i].cur.spec.Add(-ls[i].Cost)
+		}
+		for i := range ls {
+			cur, prev := lcs[i].counts()
+			if fits(cur, prev, ls[i].Cost, ls[i].Limit, lcs[i].w, lcs[i].r) {
+				out[i] = Decision{
+					Allowed:   true,
+					Limit:     ls[i].Limit,
+					Remaining: remaining(cur, prev, ls[i].Limit, lcs[i].w, lcs[i].r),
+					Reset:     msDuration(lcs[i].w - lcs[i].r),
+				}
+				continue
+			}
+			out[i] = e.deny(&lcs[i], &ls[i], cur, prev, now)
+		}
+		return false
+	}
+	for i := range ls {
+		lc := &lcs[i]
+		// Commit: the reservation stops being speculative. count already
+		// holds it, so the committed count only grows.
+		lc.cur.spec.Add(-ls[i].Cost)
+		cur, prev := lc.counts()
+		e.committed(lc, ls[i].Cost, cur+weighted(prev, lc.w, lc.r), ls[i].Limit)
+		out[i] = Decision{
+			Allowed:   true,
+			Limit:     ls[i].Limit,
+			Remaining: remaining(cur, prev, ls[i].Limit, lc.w, lc.r),
+			Reset:     msDuration(lc.w - lc.r),
+		}
+	}
+	return true
+}
+
+// reserve adds cost to the cell's count as a speculative reservation if it
+// fits.
+func (e *Engine) reserve(lc *located, cost, limit int64) bool {
+	// spec first: a reader that sees the count raised also sees it marked
+	// speculative, so nothing replays a reservation that may roll back.
+	lc.cur.spec.Add(cost)
+	for {
+		cur, prev := lc.counts()
+		if !fits(cur, prev, cost, limit, lc.w, lc.r) {
+			lc.cur.spec.Add(-cost)
+			return false
+		}
+		n := lc.cur.count.Load()
+		if cost == 0 || lc.cur.count.CompareAndSwap(n, n+cost) {
+			return true
+		}
+	}
+}
+
+func msDuration(ms int64) time.Duration { return time.Duration(ms) * time.Millisecond }

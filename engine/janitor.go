@@ -1,0 +1,154 @@
+package engine
+
+import (
+	"math/bits"
+	"sync/atomic"
+	"time"
+)
+
+// The janitor bounds memory. Every JanitorInterval it drops entries whose
+// cells are both older than the previous window (they weigh nothing any
+// more) and expired strict deadlines. When live entries pass MaxEntries it
+// evicts down to evictLowWater of the cap, coldest and lowest-count first,
+// so that a flood of fresh identifiers (one request each) is evicted before
+// any key that is busy now.
+
+// evictLowWater is the fraction of MaxEntries that eviction shrinks to, so
+// that a steady flood evicts in batches rather than on every insert.
+const evictLowWater = 0.9
+
+func (e *Engine) janitorLoop() {
+	defer e.wg.Done()
+	t := time.NewTicker(e.cfg.JanitorInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-e.stop:
+			return
+		case <-t.C:
+			e.Sweep()
+			e.Evict()
+		case <-e.evictNow:
+			e.Evict()
+		}
+	}
+}
+
+// Sweep is one janitor pass: it drops idle entries and expired strict
+// deadlines and requeues pending deltas that a full replay queue left
+// behind. It returns the number of entries dropped.
+func (e *Engine) Sweep() int {
+	now := e.nowMs()
+	hasOrigin := e.origin.Load() != nil
+	dropped := e.entries.DeleteMatching(func(key Key, en *entry) (bool, bool) {
+		c := en.cur.Load()
+		if c == tombstone {
+			return true, false
+		}
+		if hasOrigin {
+			e.requeue(key, c)
+		}
+		if c.seq >= now/key.Window.Milliseconds()-1 {
+			return false, false
+		}
+		// A request that still holds the entry sees the tombstone and looks
+		// the key up again, so nothing is counted into a dropped cell.
+		return en.cur.CompareAndSwap(c, tombstone), false
+	})
+	e.live.Add(-int64(dropped))
+	e.strict.DeleteMatching(func(_ Key, d *atomic.Int64) (bool, bool) {
+		return d.Load() <= now, false
+	})
+	return dropped
+}
+
+// requeue queues c and its previous cell if they hold pending units but sit
+// in no queue.
+func (e *Engine) requeue(key Key, c *cell) {
+	for _, x := range [2]*cell{c, c.prev.Load()} {
+		if x != nil && x.pending.Load() > 0 && x.state.Load()&stDirty == 0 {
+			e.markDirty(key, x, false)
+		}
+	}
+}
+
+// Evict enforces MaxEntries: when live entries exceed it, it evicts down to
+// evictLowWater of it, in order of age (windows since the key was last
+// touched, oldest first) and then of count (lowest first). Pending deltas
+// of evicted cells stay queued for replay. It returns the number evicted.
+func (e *Engine) Evict() int {
+	over := e.live.Load() - int64(e.cfg.MaxEntries)
+	if over <= 0 {
+		return 0
+	}
+	want := e.live.Load() - int64(float64(e.cfg.MaxEntries)*evictLowWater)
+	now := e.nowMs()
+	var hist [evictClasses]int64
+	e.entries.Range(func(key Key, en *entry) bool {
+		if c := en.cur.Load(); c != tombstone {
+			hist[evictClass(key, c, now)]++
+		}
+		return true
+	})
+	// Find the class at which the coldest want entries end.
+	threshold, atThreshold := 0, int64(0)
+	for acc := int64(0); threshold < evictClasses; threshold++ {
+		if acc+hist[threshold] >= want {
+			atThreshold = want - acc
+			break
+		}
+		acc += hist[threshold]
+	}
+	hasOrigin := e.origin.Load() != nil
+	evicted := e.entries.DeleteMatching(func(key Key, en *entry) (bool, bool) {
+		c := en.cur.Load()
+		if c == tombstone {
+			return true, false
+		}
+		class := evictClass(key, c, now)
+		if class > threshold || (class == threshold && atThreshold <= 0) {
+			return false, false
+		}
+		if hasOrigin {
+			e.requeue(key, c)
+		}
+		if !en.cur.CompareAndSwap(c, tombstone) {
+			return false, false
+		}
+		if class == threshold {
+			atThreshold--
+		}
+		return true, false
+	})
+	e.live.Add(-int64(evicted))
+	e.stats.evictions.Add(int64(evicted))
+	if evicted > 0 && e.cfg.OnEvict != nil {
+		e.cfg.OnEvict(evicted)
+	}
+	return evicted
+}
+
+const (
+	ageClasses   = 4  // touched this window, last window, two ago, older
+	countClasses = 65 // bit length of the count
+	evictClasses = ageClasses * countClasses
+)
+
+// evictClass orders entries for eviction: lower classes go first.
+func evictClass(key Key, c *cell, now int64) int {
+	age := now/key.Window.Milliseconds() - c.seq
+	if age < 0 {
+		age = 0
+	}
+	if age >= ageClasses {
+		age = ageClasses - 1
+	}
+	n := c.count.Load()
+	if p := c.prev.Load(); p != nil {
+		n += p.count.Load()
+	}
+	if n < 0 {
+		n = 0
+	}
+	return int(ageClasses-1-age)*countClasses + bits.Len64(uint64(n))
+}

@@ -1,0 +1,271 @@
+package engine
+
+import (
+	"context"
+	"time"
+)
+
+// Replay hands committed units to the origin off the request path. A commit
+// adds its cost to the cell's pending delta and, the first time, queues the
+// cell in the slow or the fast queue by its pressure; the ticks drain the
+// queues in batches to the workers, which call Origin.Flush and merge the
+// totals back with max. A full queue leaves the delta pending in its cell
+// (counted as a drop) until the next commit or the janitor queues it again:
+// the request path never waits for replay.
+
+const (
+	// replayQueueLen is the capacity of each replay queue: more cells than a
+	// node commits to in a fast tick, at 56 bytes a slot.
+	replayQueueLen = 1 << 14
+	// replayBatch is the number of cells per Flush: one pipeline each.
+	replayBatch = 256
+	// flushTimeout bounds one Flush. It is off the request path, so it may
+	// be longer than a read, but a hung origin must not stall replay.
+	flushTimeout = time.Second
+)
+
+// Tier names a replay queue.
+type Tier int
+
+const (
+	// Slow is the queue of cells below half their limit.
+	Slow Tier = iota
+	// Fast is the queue of cells at half their limit or more.
+	Fast
+)
+
+func (e *Engine) queue(t Tier) *ring {
+	if t == Fast {
+		return e.fastQ
+	}
+	return e.slowQ
+}
+
+// markDirty queues c for replay in the tier its pressure asks for. A cell
+// already queued in that tier is not queued again.
+func (e *Engine) markDirty(key Key, c *cell, fast bool) {
+	st := c.state.Load()
+	if fast {
+		if st&stFast != 0 || !c.setBits(stDirty|stFast) {
+			return
+		}
+		if !e.fastQ.push(key, c) {
+			c.clearBits(stFast)
+			e.stats.replayDrops.Add(1)
+			e.markDirty(key, c, false)
+		}
+		return
+	}
+	if st&stDirty != 0 || !c.setBits(stDirty) {
+		return
+	}
+	if !e.slowQ.push(key, c) {
+		c.clearBits(stDirty)
+		e.stats.replayDrops.Add(1)
+	}
+}
+
+// drain takes up to max due deltas from the tier's queue.
+func (e *Engine) drain(t Tier, max int, out []Delta) []Delta {
+	q := e.queue(t)
+	for len(out) < max {
+		key, c, ok := q.pop()
+		if !ok {
+			break
+		}
+		out = e.take(out, key, c)
+	}
+	return out
+}
+
+// take moves c's pending delta into a Delta. The dirty bits are cleared
+// first, so a commit that lands after the swap queues the cell again.
+func (e *Engine) take(out []Delta, key Key, c *cell) []Delta {
+	c.clearBits(stDirty | stFast)
+	d := c.pending.Swap(0)
+	if d == 0 {
+		return out
+	}
+	return append(out, Delta{Key: key, Sequence: c.seq, Delta: d, Own: c.own.Add(d), cell: c})
+}
+
+// flush sends one batch to the origin and merges the results. Items the
+// origin did not apply go back to their cells, to be replayed later.
+func (e *Engine) flush(ctx context.Context, o Origin, batch []Delta) error {
+	if len(batch) == 0 {
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(ctx, flushTimeout)
+	defer cancel()
+	err := o.Flush(ctx, batch)
+	now := e.nowMs()
+	failed := false
+	for i := range batch {
+		d := &batch[i]
+		if d.Done {
+			d.cell.mergeOrigin(d.Total)
+			d.cell.setBits(stHydrated)
+			d.cell.extendFresh(now + e.cfg.Freshness.Milliseconds())
+			continue
+		}
+		failed = true
+		d.cell.own.Add(-d.Delta)
+		d.cell.pending.Add(d.Delta)
+		e.markDirty(d.Key, d.cell, false)
+	}
+	if failed || err != nil {
+		e.stats.flushErrors.Add(1)
+	} else {
+		e.stats.flushes.Add(1)
+		e.stats.lastFlush.Store(now)
+	}
+	return err
+}
+
+// ReplayOnce drains the tier's queue and flushes it on the calling
+// goroutine: one iteration of the replay loop, for tests and shutdown. It
+// returns the number of cells flushed and the first error.
+func (e *Engine) ReplayOnce(ctx context.Context, t Tier) (int, error) {
+	o := e.getOrigin()
+	if o == nil {
+		return 0, nil
+	}
+	var first error
+	n := 0
+	for budget := e.queue(t).len(); budget > 0; budget -= replayBatch {
+		batch := e.drain(t, replayBatch, make([]Delta, 0, replayBatch))
+		if len(batch) == 0 && e.queue(t).len() == 0 {
+			break
+		}
+		if err := e.flush(ctx, o, batch); err != nil && first == nil {
+			first = err
+		}
+		n += len(batch)
+	}
+	return n, first
+}
+
+// replayLoop runs the ticks and the workers until Close.
+func (e *Engine) replayLoop() {
+	defer e.wg.Done()
+	work := make(chan []Delta)
+	done := make(chan struct{})
+	for i := 0; i < e.cfg.ReplayWorkers; i++ {
+		go func() {
+			defer func() { done <- struct{}{} }()
+			for batch := range work {
+				if o := e.getOrigin(); o != nil {
+					_ = e.flush(context.Background(), o, batch)
+				}
+			}
+		}()
+	}
+	slow := time.NewTicker(e.cfg.SlowTick)
+	fast := time.NewTicker(e.cfg.FastTick)
+	defer func() {
+		slow.Stop()
+		fast.Stop()
+		close(work)
+		for i := 0; i < e.cfg.ReplayWorkers; i++ {
+			<-done
+		}
+	}()
+	for {
+		var t Tier
+		select {
+		case <-e.stop:
+			return
+		case <-slow.C:
+			t = Slow
+		case <-fast.C:
+			t = Fast
+		}
+		if e.getOrigin() == nil {
+			continue
+		}
+		for budget := e.queue(t).len(); budget > 0; budget -= replayBatch {
+			batch := e.drain(t, replayBatch, make([]Delta, 0, min(budget, replayBatch)))
+			if len(batch) == 0 {
+				continue
+			}
+			select {
+			case work <- batch:
+			case <-e.stop:
+				e.giveBack(batch)
+				return
+			}
+		}
+	}
+}
+
+// giveBack returns drained deltas to their cells unflushed.
+func (e *Engine) giveBack(batch []Delta) {
+	for i := range batch {
+		d := &batch[i]
+		d.cell.own.Add(-d.Delta)
+		d.cell.pending.Add(d.Delta)
+	}
+}
+
+// flushAll replays every pending delta of every cell, for shutdown.
+func (e *Engine) flushAll(ctx context.Context, o Origin) error {
+	batch := make([]Delta, 0, replayBatch)
+	var first error
+	send := func() {
+		if err := e.flush(ctx, o, batch); err != nil && first == nil {
+			first = err
+		}
+		batch = batch[:0]
+	}
+	// Queued cells first: an evicted or long rotated cell is only there.
+	for _, q := range []*ring{e.fastQ, e.slowQ} {
+		for {
+			key, c, ok := q.pop()
+			if !ok {
+				break
+			}
+			if batch = e.take(batch, key, c); len(batch) >= replayBatch {
+				send()
+			}
+		}
+	}
+	e.entries.Range(func(key Key, en *entry) bool {
+		c := en.cur.Load()
+		if c == tombstone {
+			return true
+		}
+		if p := c.prev.Load(); p != nil {
+			batch = e.take(batch, key, p)
+		}
+		batch = e.take(batch, key, c)
+		if len(batch) >= replayBatch {
+			send()
+		}
+		return ctx.Err() == nil
+	})
+	send()
+	if first == nil {
+		first = ctx.Err()
+	}
+	return first
+}
+
+// MergeMax raises the regional count of the cell (key, seq) to at least
+// total, as an origin total that has not seen this process's pending units.
+// It reports whether the cell is held by this process.
+func (e *Engine) MergeMax(key Key, seq, total int64) bool {
+	key, _ = normalize(key)
+	en, ok := e.entries.Load(key)
+	if !ok {
+		return false
+	}
+	c := en.cur.Load()
+	if c != tombstone && c.seq != seq {
+		c = c.prev.Load()
+	}
+	if c == nil || c == tombstone || c.seq != seq {
+		return false
+	}
+	c.mergeOrigin(total)
+	return true
+}

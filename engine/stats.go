@@ -1,0 +1,235 @@
+package engine
+
+import (
+	"sort"
+	"strings"
+	"sync/atomic"
+	"time"
+)
+
+// counters are the engine's own monotonic counters.
+type counters struct {
+	reads, readErrors, readWaitTimeouts, sharedReads atomic.Int64
+	flushes, flushErrors                             atomic.Int64
+	replayDrops, evictions, firstDenials             atomic.Int64
+	lastRead, lastFlush                              atomic.Int64 // Unix ms
+}
+
+// Stats is a snapshot of the engine for operators.
+type Stats struct {
+	// Entries is the number of live keys; StrictKeys the number of keys in
+	// strict mode (expired ones linger until the next sweep).
+	Entries, StrictKeys int64
+	// Evictions counts entries evicted by the cap.
+	Evictions int64
+	// FirstDenials counts cells that denied their first request.
+	FirstDenials int64
+	// PendingCells is the number of cells queued for replay; ReplayDrops
+	// counts cells a full queue could not take (their units stay pending).
+	PendingCells, ReplayDrops int64
+	// Reads and ReadErrors count origin reads; ReadWaitTimeouts the
+	// requests that stopped waiting for one at the read timeout;
+	// SharedReads the requests that joined a read already in flight.
+	Reads, ReadErrors, ReadWaitTimeouts, SharedReads int64
+	// Flushes and FlushErrors count replay batches.
+	Flushes, FlushErrors int64
+	// LastRead and LastFlush are the last successful origin read and flush;
+	// zero if none.
+	LastRead, LastFlush time.Time
+}
+
+// Stats returns a snapshot of the engine's counters.
+func (e *Engine) Stats() Stats {
+	s := &e.stats
+	return Stats{
+		Entries:          e.live.Load(),
+		StrictKeys:       int64(e.strict.Size()),
+		Evictions:        s.evictions.Load(),
+		FirstDenials:     s.firstDenials.Load(),
+		PendingCells:     int64(e.slowQ.len() + e.fastQ.len()),
+		ReplayDrops:      s.replayDrops.Load(),
+		Reads:            s.reads.Load(),
+		ReadErrors:       s.readErrors.Load(),
+		ReadWaitTimeouts: s.readWaitTimeouts.Load(),
+		SharedReads:      s.sharedReads.Load(),
+		Flushes:          s.flushes.Load(),
+		FlushErrors:      s.flushErrors.Load(),
+		LastRead:         msTime(s.lastRead.Load()),
+		LastFlush:        msTime(s.lastFlush.Load()),
+	}
+}
+
+func msTime(ms int64) time.Time {
+	if ms == 0 {
+		return time.Time{}
+	}
+	return time.UnixMilli(ms)
+}
+
+// CellState is one cell of a key as an operator sees it.
+type CellState struct {
+	// Sequence is the cell's window number: floor(unix_ms / window_ms).
+	Sequence int64
+	// Regional is the committed count (local and merged from the origin),
+	// Speculative the units reserved by batches in flight, Global the count
+	// imported from other regions, Pending the committed units not yet
+	// replayed.
+	Regional, Speculative, Global, Pending int64
+	// Blocked is set once the cell has denied a request.
+	Blocked bool
+}
+
+// KeyState is a key as an operator sees it, at the time of the call.
+type KeyState struct {
+	Key Key
+	// Effective is current + previous × (1 − progress), rounded up: what a
+	// request of cost 0 would be weighed against.
+	Effective int64
+	// StrictUntil and FreshUntil are the strict-mode and freshness deadlines;
+	// zero when unset or passed.
+	StrictUntil, FreshUntil time.Time
+	// Cells holds the current cell first, then the previous one, if any.
+	Cells []CellState
+}
+
+// Inspect returns the state of key now, or false if the engine holds no
+// entry for it. Identifiers are normalized as in decisions.
+func (e *Engine) Inspect(key Key) (KeyState, bool) {
+	key, _ = normalize(key)
+	en, ok := e.entries.Load(key)
+	if !ok {
+		return KeyState{}, false
+	}
+	return e.inspect(key, en, e.nowMs())
+}
+
+func (e *Engine) inspect(key Key, en *entry, now int64) (KeyState, bool) {
+	c := en.cur.Load()
+	if c == tombstone {
+		return KeyState{}, false
+	}
+	w := key.Window.Milliseconds()
+	seq := now / w
+	ks := KeyState{Key: key}
+	// Weigh the cells as a decision now would, without rotating anything.
+	var cur, prev *cell
+	switch {
+	case c.seq >= seq:
+		cur, prev = c, c.prev.Load()
+		if prev != nil && prev.seq != c.seq-1 {
+			prev = nil
+		}
+	case c.seq == seq-1:
+		prev = c
+	}
+	r := now - seq*w
+	if cur != nil && cur.seq > seq {
+		r = 0
+	}
+	var curN, prevN int64
+	if cur != nil {
+		curN = cur.total()
+		ks.Cells = append(ks.Cells, cellState(cur))
+		if f := cur.fresh.Load(); cur.state.Load()&stHydrated != 0 && f > now {
+			ks.FreshUntil = time.UnixMilli(f)
+		}
+	}
+	if prev != nil {
+		prevN = prev.total()
+		ks.Cells = append(ks.Cells, cellState(prev))
+	}
+	ks.Effective = curN + weighted(prevN, w, r)
+	if s := e.strictUntil(key); s > now {
+		ks.StrictUntil = time.UnixMilli(s)
+	}
+	return ks, true
+}
+
+func cellState(c *cell) CellState {
+	spec := c.spec.Load()
+	return CellState{
+		Sequence:    c.seq,
+		Regional:    c.count.Load() - spec,
+		Speculative: spec,
+		Global:      c.global.Load(),
+		Pending:     c.pending.Load(),
+		Blocked:     c.state.Load()&stBlocked != 0,
+	}
+}
+
+// Scan returns up to max keys of the namespace whose identifier starts with
+// prefix, sorted by identifier and window.
+func (e *Engine) Scan(namespace, prefix string, max int) []KeyState {
+	now := e.nowMs()
+	var out []KeyState
+	e.entries.Range(func(key Key, en *entry) bool {
+		if key.Namespace != namespace || !strings.HasPrefix(key.Identifier, prefix) {
+			return true
+		}
+		if ks, ok := e.inspect(key, en, now); ok {
+			out = append(out, ks)
+		}
+		return true
+	})
+	sort.Slice(out, func(i, j int) bool {
+		if out[i].Key.Identifier != out[j].Key.Identifier {
+			return out[i].Key.Identifier < out[j].Key.Identifier
+		}
+		return out[i].Key.Window < out[j].Key.Window
+	})
+	if max >= 0 && len(out) > max {
+		out = out[:max]
+	}
+	return out
+}
+
+// Forget drops key's entry and strict deadline on this process. With an
+// origin the next request hydrates the key again from it. It reports whether
+// there was anything to forget.
+func (e *Engine) Forget(key Key) bool {
+	key, _ = normalize(key)
+	found := false
+	if en, ok := e.entries.LoadAndDelete(key); ok {
+		found = true
+		if c := en.cur.Swap(tombstone); c != tombstone {
+			e.live.Add(-1)
+			if e.origin.Load() != nil {
+				e.requeue(key, c)
+			}
+		}
+	}
+	if _, ok := e.strict.LoadAndDelete(key); ok {
+		found = true
+	}
+	return found
+}
+
+// StrictKey is one key in strict mode.
+type StrictKey struct {
+	Key   Key
+	Until time.Time
+}
+
+// StrictKeys returns the keys whose strict deadline has not passed, sorted
+// by namespace, identifier and window.
+func (e *Engine) StrictKeys() []StrictKey {
+	now := e.nowMs()
+	var out []StrictKey
+	e.strict.Range(func(key Key, d *atomic.Int64) bool {
+		if u := d.Load(); u > now {
+			out = append(out, StrictKey{Key: key, Until: time.UnixMilli(u)})
+		}
+		return true
+	})
+	sort.Slice(out, func(i, j int) bool {
+		a, b := out[i].Key, out[j].Key
+		if a.Namespace != b.Namespace {
+			return a.Namespace < b.Namespace
+		}
+		if a.Identifier != b.Identifier {
+			return a.Identifier < b.Identifier
+		}
+		return a.Window < b.Window
+	})
+	return out
+}

@@ -1,0 +1,35 @@
+package engine
+
+import "sync/atomic"
+
+// Strict mode: a denial records a deadline (the end of the denying window)
+// per (namespace, identifier, window), not per sequence, so it survives the
+// rollover into the next window, where the denied cell still weighs as the
+// previous one. Until the deadline, a decision that would allow first
+// refreshes from the origin. Counts only grow, so a refresh can never turn a
+// denial into an allow: denials themselves never wait.
+
+// markStrict raises key's strict deadline to until (Unix ms). The first
+// denial of a key allocates its deadline; later ones are an atomic max.
+func (e *Engine) markStrict(key Key, until int64) {
+	d, ok := e.strict.Load(key)
+	if !ok {
+		d, _ = e.strict.LoadOrCompute(key, func() (*atomic.Int64, bool) {
+			return new(atomic.Int64), false
+		})
+	}
+	for {
+		old := d.Load()
+		if until <= old || d.CompareAndSwap(old, until) {
+			return
+		}
+	}
+}
+
+// strictUntil returns key's strict deadline in Unix ms, or 0.
+func (e *Engine) strictUntil(key Key) int64 {
+	if d, ok := e.strict.Load(key); ok {
+		return d.Load()
+	}
+	return 0
+}

@@ -1,0 +1,97 @@
+package engine
+
+import "math/bits"
+
+// The sliding window, in integer arithmetic so that every node computes the
+// same verdict and the same Retry-After from the same counts:
+//
+//	effective = cur + prev × (w − r) / w + cost,   allow iff effective ≤ limit
+//
+// where w is the window in milliseconds and r the milliseconds elapsed in the
+// current window. Multiplying through by w gives the exact test
+// (cur + cost − limit) × w + prev × (w − r) ≤ 0, evaluated with 128-bit
+// products so large counts and long windows cannot overflow.
+
+// fits reports whether cost more units fit: cur + prev×(w−r)/w + cost ≤ limit.
+func fits(cur, prev, cost, limit, w, r int64) bool {
+	room := limit - cur - cost
+	if room < 0 {
+		return false
+	}
+	if prev == 0 || r >= w {
+		return true
+	}
+	return !mulLess(uint64(room), uint64(w), uint64(prev), uint64(w-r))
+}
+
+// mulLess reports whether a×b < c×d.
+func mulLess(a, b, c, d uint64) bool {
+	h1, l1 := bits.Mul64(a, b)
+	h2, l2 := bits.Mul64(c, d)
+	return h1 < h2 || (h1 == h2 && l1 < l2)
+}
+
+// mulDiv returns floor(a×b/c) for a×b/c < 2⁶⁴ (callers guarantee b ≤ c or
+// a ≤ c, so the quotient fits).
+func mulDiv(a, b, c uint64) uint64 {
+	h, l := bits.Mul64(a, b)
+	q, _ := bits.Div64(h, l, c)
+	return q
+}
+
+// weighted returns ceil(prev × (w−r) / w): the previous cell's contribution,
+// rounded up so that Remaining never promises a unit that would be denied.
+func weighted(prev, w, r int64) int64 {
+	if prev == 0 || r >= w {
+		return 0
+	}
+	h, l := bits.Mul64(uint64(prev), uint64(w-r))
+	q, rem := bits.Div64(h, l, uint64(w))
+	if rem != 0 {
+		q++
+	}
+	return int64(q)
+}
+
+// remaining returns floor(max(0, limit − cur − prev×(w−r)/w)).
+func remaining(cur, prev, limit, w, r int64) int64 {
+	rem := limit - cur - weighted(prev, w, r)
+	if rem < 0 {
+		return 0
+	}
+	return rem
+}
+
+// retryAfterMs returns the milliseconds from now until the same request
+// would first pass with no other traffic, or -1 when cost > limit. It is
+// called for a denied request, so the answer is always at least 1.
+//
+// Within the current window only the previous cell's weight decays: the
+// request passes at the first r' with prev×(w−r') ≤ (limit−cur−cost)×w. If
+// that cannot happen before the window ends, the current cell becomes the
+// previous one of the next window and decays in turn.
+func retryAfterMs(cur, prev, cost, limit, w, r int64) int64 {
+	if cost > limit {
+		return -1
+	}
+	if room := limit - cur - cost; room >= 0 && prev > 0 {
+		// Denied now, so prev×(w−r) > room×w and room×w/prev < w.
+		at := w - int64(mulDiv(uint64(room), uint64(w), uint64(prev)))
+		if at < w {
+			return at - r
+		}
+	}
+	room := limit - cost
+	if cur <= room {
+		return w - r
+	}
+	// cur > room ≥ 0, so room×w/cur < w.
+	at := w - int64(mulDiv(uint64(room), uint64(w), uint64(cur)))
+	return w - r + at
+}
+
+// pressureAtLeast reports whether effective ≥ limit × num/den: the test of
+// the pressure tiers (num/den is 1/2 or 9/10).
+func pressureAtLeast(effective, limit, num, den int64) bool {
+	return effective*den >= limit*num
+}
