@@ -1,0 +1,255 @@
+package ratelimit
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"go.uber.org/zap"
+
+	"github.com/edgelimit/caddy-ratelimit/engine"
+)
+
+func init() {
+	caddy.RegisterModule(new(App))
+}
+
+// App is the `ratelimit` app: process-wide settings of the rate limiter
+// (the Caddyfile's global `ratelimit` option). Without it the limiter runs
+// local-only with every default; handlers load it on demand.
+//
+// The engine itself does not belong to any one config: it lives in a
+// package-level pool shared by every config the process loads, so a reload
+// keeps every counter.
+type App struct {
+	// Region names the region this Caddy runs in (letters, digits, '_', '-'
+	// and '.'). It labels what the process publishes to other regions.
+	// Default empty: a single-region deployment.
+	Region string `json:"region,omitempty"`
+
+	state   *state
+	logger  *zap.Logger
+	mu      sync.Mutex
+	handler int // ordinal of the last handler registered, for messages
+}
+
+// CaddyModule returns the Caddy module information.
+func (*App) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{
+		ID:  "ratelimit",
+		New: func() caddy.Module { return new(App) },
+	}
+}
+
+// Provision takes a reference to the process's engine. It starts no I/O:
+// `caddy validate` provisions and cleans up configs it never runs.
+func (a *App) Provision(ctx caddy.Context) error {
+	a.logger = ctx.Logger()
+	if err := a.Validate(); err != nil {
+		return err
+	}
+	st, err := acquireState()
+	if err != nil {
+		return err
+	}
+	a.state = st
+	return nil
+}
+
+// Validate checks the app's settings.
+func (a *App) Validate() error {
+	if a.Region != "" {
+		if err := validateRegion(a.Region); err != nil {
+			return fmt.Errorf("ratelimit app: %w", err)
+		}
+	}
+	return nil
+}
+
+func validateRegion(region string) error {
+	if len(region) > maxZoneName {
+		return fmt.Errorf("region %q is longer than %d bytes", region, maxZoneName)
+	}
+	for i := 0; i < len(region); i++ {
+		c := region[i]
+		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '_' || c == '-' || c == '.') {
+			return fmt.Errorf("region %q: only letters, digits, '_', '-' and '.' are allowed", region)
+		}
+	}
+	return nil
+}
+
+// Start does nothing yet: the engine's goroutines follow the pool's
+// reference count, not Start and Stop, because the old config's Stop runs
+// after the new config's Start.
+func (a *App) Start() error { return nil }
+
+// Stop does nothing; see Start.
+func (a *App) Stop() error { return nil }
+
+// Cleanup releases the app's reference to the engine.
+func (a *App) Cleanup() error {
+	if a.state == nil {
+		return nil
+	}
+	a.state = nil
+	return releaseState()
+}
+
+// nextHandler numbers the handlers of one config in provisioning order, so
+// a zone conflict can say which handlers disagree.
+func (a *App) nextHandler() int {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.handler++
+	return a.handler
+}
+
+// The process's one engine, shared by every config through the pool.
+var pool = caddy.NewUsagePool()
+
+// poolKey is the pool key of the process's state; there is only one.
+const poolKey = "ratelimit.state"
+
+// closeTimeout bounds how long the last user of the engine waits for
+// pending deltas to be flushed: long enough for a few origin round trips,
+// short enough not to hold up a shutdown.
+const closeTimeout = 5 * time.Second
+
+// newEngineConfig returns the configuration of a new engine; tests replace
+// it to inject a clock.
+var newEngineConfig = func() engine.Config { return engine.Config{} }
+
+// state is what the pool holds: the engine and the zone definitions of the
+// configs that use it.
+type state struct {
+	engine *engine.Engine
+	zones  zoneRegistry
+}
+
+// acquireState returns the process's state, creating its engine if this is
+// the first user; every call must be matched by releaseState.
+func acquireState() (*state, error) {
+	v, _, err := pool.LoadOrNew(poolKey, func() (caddy.Destructor, error) {
+		return &state{engine: engine.New(newEngineConfig())}, nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("ratelimit engine: %w", err)
+	}
+	st, ok := v.(*state)
+	if !ok {
+		return nil, fmt.Errorf("ratelimit engine: pool holds %T", v)
+	}
+	return st, nil
+}
+
+// releaseState drops one reference; the last one closes the engine.
+func releaseState() error {
+	if _, err := pool.Delete(poolKey); err != nil {
+		return fmt.Errorf("ratelimit engine: %w", err)
+	}
+	return nil
+}
+
+// Destruct closes the engine when its last user is gone: pending deltas are
+// flushed within closeTimeout and every background goroutine stops.
+func (s *state) Destruct() error {
+	ctx, cancel := context.WithTimeout(context.Background(), closeTimeout)
+	defer cancel()
+	if err := s.engine.Close(ctx); err != nil {
+		return fmt.Errorf("closing ratelimit engine: %w", err)
+	}
+	return nil
+}
+
+// zoneRegistry tracks where each zone is defined. Zone names are global to
+// the process, so within one config every definition of a zone must agree
+// on what is counted (key, IP prefixes) and for how long (window); limits,
+// costs and overrides may differ. Definitions of different configs do not
+// conflict: a reload may redefine a zone, and the old config goes away.
+type zoneRegistry struct {
+	mu   sync.Mutex
+	defs map[string][]zoneDef
+}
+
+// zoneDef is one handler's definition of a zone.
+type zoneDef struct {
+	app     *App // the config it belongs to
+	handler *Handler
+	ordinal int
+	key     string
+	window  time.Duration
+	v4, v6  int
+}
+
+func (d zoneDef) sameCounting(o zoneDef) bool {
+	return d.key == o.key && d.window == o.window && d.v4 == o.v4 && d.v6 == o.v6
+}
+
+func (d zoneDef) String() string {
+	return fmt.Sprintf("key %q window %s ipv4_prefix %d ipv6_prefix %d (ratelimit handler #%d)",
+		d.key, d.window, d.v4, d.v6, d.ordinal)
+}
+
+// register records every zone of h as defined in app's config, or records
+// none and reports the first conflict.
+func (r *zoneRegistry) register(app *App, h *Handler) error {
+	ordinal := app.nextHandler()
+	defs := make([]zoneDef, len(h.zones))
+	for i := range h.zones {
+		z := &h.zones[i]
+		defs[i] = zoneDef{app: app, handler: h, ordinal: ordinal, key: z.key.raw, window: z.window, v4: z.v4, v6: z.v6}
+	}
+
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.defs == nil {
+		r.defs = make(map[string][]zoneDef)
+	}
+	var errs []error
+	for i := range h.zones {
+		name := h.zones[i].name
+		for _, prev := range r.defs[name] {
+			if prev.app == app && !prev.sameCounting(defs[i]) {
+				errs = append(errs, fmt.Errorf("zone %q is defined with %s and with %s: a zone counts one key over one window everywhere; use another zone name",
+					name, prev, defs[i]))
+				break
+			}
+		}
+	}
+	if len(errs) > 0 {
+		return errors.Join(errs...)
+	}
+	for i := range h.zones {
+		name := h.zones[i].name
+		r.defs[name] = append(r.defs[name], defs[i])
+	}
+	return nil
+}
+
+// unregister forgets every definition made by h.
+func (r *zoneRegistry) unregister(h *Handler) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for name, defs := range r.defs {
+		defs = slices.DeleteFunc(defs, func(d zoneDef) bool { return d.handler == h })
+		if len(defs) == 0 {
+			delete(r.defs, name)
+		} else {
+			r.defs[name] = defs
+		}
+	}
+}
+
+// Interface guards.
+var (
+	_ caddy.App          = (*App)(nil)
+	_ caddy.Provisioner  = (*App)(nil)
+	_ caddy.Validator    = (*App)(nil)
+	_ caddy.CleanerUpper = (*App)(nil)
+	_ caddy.Destructor   = (*state)(nil)
+)

@@ -1,0 +1,394 @@
+package ratelimit
+
+import (
+	"encoding/json"
+	"fmt"
+	"strconv"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+)
+
+func init() {
+	httpcaddyfile.RegisterHandlerDirective("ratelimit", parseHandlerDirective)
+	// Before authentication, like Caddy's other rate limiter: it protects the
+	// login from brute force. To key by an authenticated identity, put the
+	// directive after the auth directive inside a route.
+	httpcaddyfile.RegisterDirectiveOrder("ratelimit", httpcaddyfile.Before, "basic_auth")
+	httpcaddyfile.RegisterGlobalOption("ratelimit", parseGlobalOption)
+}
+
+// parseHandlerDirective parses the `ratelimit` directive and checks, across
+// every site of the Caddyfile, that a zone name always means the same key
+// and window.
+func parseHandlerDirective(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error) {
+	handler := new(Handler)
+	zones, err := handler.unmarshal(h.Dispenser)
+	if err != nil {
+		return nil, err
+	}
+	if err := checkZonesAcrossSites(h.State, zones); err != nil {
+		return nil, err
+	}
+	return handler, nil
+}
+
+// stateZones is the httpcaddyfile.Helper.State key of the zones seen so far.
+const stateZones = "ratelimit.zones"
+
+// parsedZone is a zone as parsed, with a dispenser over its own tokens so an
+// error can point at its line.
+type parsedZone struct {
+	zone *Zone
+	d    *caddyfile.Dispenser
+}
+
+// at returns the zone's "file:line".
+func (p parsedZone) at() string {
+	p.d.Reset()
+	p.d.Next()
+	return p.d.File() + ":" + strconv.Itoa(p.d.Line())
+}
+
+// errf reports an error at the zone's line.
+func (p parsedZone) errf(format string, args ...any) error {
+	p.d.Reset()
+	p.d.Next()
+	return p.d.Errf(format, args...)
+}
+
+// checkZonesAcrossSites is the adapt-time form of the provision-time zone
+// check, able to name both places in the Caddyfile.
+func checkZonesAcrossSites(st map[string]any, zones []parsedZone) error {
+	seen, _ := st[stateZones].(map[string]parsedZone)
+	if seen == nil {
+		seen = make(map[string]parsedZone)
+		st[stateZones] = seen
+	}
+	for _, p := range zones {
+		prev, ok := seen[p.zone.Name]
+		if !ok {
+			seen[p.zone.Name] = p
+			continue
+		}
+		a, b := prev.zone, p.zone
+		if a.Key != b.Key || a.Window != b.Window || a.IPv4Prefix != b.IPv4Prefix || a.IPv6Prefix != b.IPv6Prefix {
+			return p.errf("zone %q redefined with a different key, window or IP prefix than at %s: a zone counts one key over one window everywhere; use another zone name",
+				p.zone.Name, prev.at())
+		}
+	}
+	return nil
+}
+
+// UnmarshalCaddyfile sets up the handler from Caddyfile tokens. Syntax:
+//
+//	ratelimit [<matcher>] {
+//	    zone <name> {
+//	        key         <placeholder or text>
+//	        limit       <positive integer>
+//	        window      <duration, ≥ 1s>
+//	        cost        <integer or placeholder> [<default cost>]   # default 1
+//	        override    <identifier> <limit>                        # repeatable
+//	        ipv4_prefix <1-32>                                      # default 32
+//	        ipv6_prefix <1-128>                                     # default 64
+//	    }
+//	    headers        draft|legacy|both|off    # default draft
+//	    on_missing_key shared|skip|deny         # default shared
+//	    dry_run
+//	    retry_jitter   <duration>               # default 0
+//	}
+//
+// The zone block may be repeated; every zone applies to every request the
+// directive matches.
+func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	_, err := h.unmarshal(d)
+	return err
+}
+
+func (h *Handler) unmarshal(d *caddyfile.Dispenser) ([]parsedZone, error) {
+	d.Next() // directive name
+	if d.NextArg() {
+		return nil, d.ArgErr()
+	}
+	var zones []parsedZone
+	byName := map[string]parsedZone{}
+	seen := map[string]bool{}
+	for d.NextBlock(0) {
+		sub := d.Val()
+		if sub != "zone" {
+			if seen[sub] {
+				return nil, d.Errf("%s given twice", sub)
+			}
+			seen[sub] = true
+		}
+		switch sub {
+		case "zone":
+			zd := d.NewFromNextSegment()
+			z, err := unmarshalZone(zd)
+			if err != nil {
+				return nil, err
+			}
+			p := parsedZone{zone: z, d: zd}
+			if prev, dup := byName[z.Name]; dup {
+				return nil, p.errf("zone %q defined twice in one ratelimit directive (first at %s)", z.Name, prev.at())
+			}
+			byName[z.Name] = p
+			zones = append(zones, p)
+			h.Zones = append(h.Zones, z)
+		case "headers":
+			v, err := oneArg(d)
+			if err != nil {
+				return nil, err
+			}
+			if err := validateHeaders(v); err != nil {
+				return nil, d.WrapErr(err)
+			}
+			h.Headers = v
+		case "on_missing_key":
+			v, err := oneArg(d)
+			if err != nil {
+				return nil, err
+			}
+			if err := validateOnMissingKey(v); err != nil {
+				return nil, d.WrapErr(err)
+			}
+			h.OnMissingKey = v
+		case "dry_run":
+			if d.NextArg() {
+				return nil, d.ArgErr()
+			}
+			h.DryRun = true
+		case "retry_jitter":
+			v, err := oneArg(d)
+			if err != nil {
+				return nil, err
+			}
+			dur, err := caddy.ParseDuration(v)
+			if err != nil {
+				return nil, d.Errf("malformed retry_jitter %q: %w", v, err)
+			}
+			if dur < 0 {
+				return nil, d.Errf("retry_jitter %s is negative", dur)
+			}
+			h.RetryJitter = caddy.Duration(dur)
+		default:
+			return nil, d.Errf("unknown subdirective %q of ratelimit (want zone, headers, on_missing_key, dry_run or retry_jitter)", sub)
+		}
+	}
+	if len(zones) == 0 {
+		return nil, d.Err("ratelimit needs at least one zone block")
+	}
+	return zones, nil
+}
+
+// unmarshalZone parses one `zone <name> { … }` segment.
+func unmarshalZone(d *caddyfile.Dispenser) (*Zone, error) {
+	d.Next() // "zone"
+	if !d.NextArg() {
+		return nil, d.Errf("zone needs a name")
+	}
+	z := &Zone{Name: d.Val()}
+	if err := validateZoneName(z.Name); err != nil {
+		return nil, d.WrapErr(err)
+	}
+	if d.NextArg() {
+		return nil, d.ArgErr()
+	}
+	seen := map[string]bool{}
+	for d.NextBlock(0) {
+		sub := d.Val()
+		if sub != "override" {
+			if seen[sub] {
+				return nil, d.Errf("zone %q: %s given twice", z.Name, sub)
+			}
+			seen[sub] = true
+		}
+		if err := unmarshalZoneLine(d, z, sub); err != nil {
+			return nil, err
+		}
+	}
+	// Required settings are checked at the zone's line.
+	d.Reset()
+	d.Next()
+	switch {
+	case z.Key == "":
+		return nil, d.Errf("zone %q: missing key", z.Name)
+	case z.Limit == 0:
+		return nil, d.Errf("zone %q: missing limit", z.Name)
+	case z.Window == 0:
+		return nil, d.Errf("zone %q: missing window", z.Name)
+	}
+	return z, nil
+}
+
+func unmarshalZoneLine(d *caddyfile.Dispenser, z *Zone, sub string) error {
+	switch sub {
+	case "key":
+		v, err := oneArg(d)
+		if err != nil {
+			return err
+		}
+		z.Key = v
+	case "limit":
+		v, err := oneArg(d)
+		if err != nil {
+			return err
+		}
+		n, err := strconv.ParseInt(v, 10, 64)
+		if err != nil {
+			return d.Errf("zone %q: limit %q is not an integer", z.Name, v)
+		}
+		if err := validateLimit(n); err != nil {
+			return d.Errf("zone %q: %w", z.Name, err)
+		}
+		z.Limit = n
+	case "window":
+		v, err := oneArg(d)
+		if err != nil {
+			return err
+		}
+		dur, err := caddy.ParseDuration(v)
+		if err != nil {
+			return d.Errf("zone %q: malformed window %q: %w", z.Name, v, err)
+		}
+		if err := validateWindow(dur); err != nil {
+			return d.Errf("zone %q: %w", z.Name, err)
+		}
+		z.Window = caddy.Duration(dur)
+	case "cost":
+		args := d.RemainingArgs()
+		if len(args) < 1 || len(args) > 2 {
+			return d.ArgErr()
+		}
+		if err := validateCost(args[0]); err != nil {
+			return d.Errf("zone %q: %w", z.Name, err)
+		}
+		z.Cost = caddyhttp.WeakString(args[0])
+		if len(args) == 2 {
+			n, err := strconv.ParseInt(args[1], 10, 64)
+			if err != nil || n < 1 {
+				return d.Errf("zone %q: default cost %q must be a positive integer", z.Name, args[1])
+			}
+			z.DefaultCost = n
+		}
+	case "override":
+		args := d.RemainingArgs()
+		if len(args) != 2 {
+			return d.ArgErr()
+		}
+		n, err := strconv.ParseInt(args[1], 10, 64)
+		if err != nil {
+			return d.Errf("zone %q: override limit %q is not an integer", z.Name, args[1])
+		}
+		if err := validateOverride(args[0], n); err != nil {
+			return d.Errf("zone %q: %w", z.Name, err)
+		}
+		if _, dup := z.Overrides[args[0]]; dup {
+			return d.Errf("zone %q: override %q given twice", z.Name, args[0])
+		}
+		if z.Overrides == nil {
+			z.Overrides = map[string]int64{}
+		}
+		z.Overrides[args[0]] = n
+	case "ipv4_prefix", "ipv6_prefix":
+		v, err := oneArg(d)
+		if err != nil {
+			return err
+		}
+		max := 32
+		if sub == "ipv6_prefix" {
+			max = 128
+		}
+		bits, err := strconv.Atoi(v)
+		if err != nil {
+			return d.Errf("zone %q: %s %q is not an integer", z.Name, sub, v)
+		}
+		if err := validatePrefix(sub, bits, max); err != nil {
+			return d.Errf("zone %q: %w", z.Name, err)
+		}
+		if sub == "ipv4_prefix" {
+			z.IPv4Prefix = bits
+		} else {
+			z.IPv6Prefix = bits
+		}
+	default:
+		return d.Errf("zone %q: unknown subdirective %q (want key, limit, window, cost, override, ipv4_prefix or ipv6_prefix)", z.Name, sub)
+	}
+	return nil
+}
+
+// oneArg returns the single argument of the current line.
+func oneArg(d *caddyfile.Dispenser) (string, error) {
+	if !d.NextArg() {
+		return "", d.ArgErr()
+	}
+	v := d.Val()
+	if d.NextArg() {
+		return "", d.ArgErr()
+	}
+	return v, nil
+}
+
+// parseGlobalOption parses the global `ratelimit` option into the
+// `ratelimit` app. Given twice, the second block adds to the first.
+func parseGlobalOption(d *caddyfile.Dispenser, existing any) (any, error) {
+	app := new(App)
+	if prev, ok := existing.(httpcaddyfile.App); ok && len(prev.Value) > 0 {
+		if err := json.Unmarshal(prev.Value, app); err != nil {
+			return nil, fmt.Errorf("ratelimit global option: %w", err)
+		}
+	}
+	if err := app.UnmarshalCaddyfile(d); err != nil {
+		return nil, err
+	}
+	return httpcaddyfile.App{Name: "ratelimit", Value: caddyconfig.JSON(app, nil)}, nil
+}
+
+// appSubdirectives parse the lines of the global `ratelimit` block, one
+// function per subdirective; the dispenser is on the subdirective's name.
+// Backends add their own (`redis …`, `mysql …`) here.
+var appSubdirectives = map[string]func(d *caddyfile.Dispenser, a *App) error{
+	"region": func(d *caddyfile.Dispenser, a *App) error {
+		v, err := oneArg(d)
+		if err != nil {
+			return err
+		}
+		if err := validateRegion(v); err != nil {
+			return d.WrapErr(err)
+		}
+		a.Region = v
+		return nil
+	},
+}
+
+// UnmarshalCaddyfile sets up the app from the global option's tokens.
+// Syntax:
+//
+//	ratelimit {
+//	    region <name>
+//	}
+func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	d.Next() // option name
+	if d.NextArg() {
+		return d.ArgErr()
+	}
+	for d.NextBlock(0) {
+		parse, ok := appSubdirectives[d.Val()]
+		if !ok {
+			return d.Errf("unknown subdirective %q of the ratelimit global option", d.Val())
+		}
+		if err := parse(d, a); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// Interface guards.
+var (
+	_ caddyfile.Unmarshaler = (*Handler)(nil)
+	_ caddyfile.Unmarshaler = (*App)(nil)
+)

@@ -1,0 +1,816 @@
+package ratelimit
+
+import (
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"net/http"
+	"net/netip"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+
+	"github.com/edgelimit/caddy-ratelimit/engine"
+)
+
+func init() {
+	caddy.RegisterModule(new(Handler))
+}
+
+// ErrRateLimited is wrapped by the error a denied request returns, so error
+// routes and tests can recognise a rate limit denial with errors.Is.
+var ErrRateLimited = errors.New("rate limit exceeded")
+
+// ErrMissingKey is wrapped by the error a request returns when a zone's key
+// is empty and on_missing_key is deny.
+var ErrMissingKey = errors.New("rate limit key missing")
+
+// Header modes (Handler.Headers).
+const (
+	headersDraft  = "draft"
+	headersLegacy = "legacy"
+	headersBoth   = "both"
+	headersOff    = "off"
+)
+
+// Empty-key policies (Handler.OnMissingKey).
+const (
+	missingShared = "shared"
+	missingSkip   = "skip"
+	missingDeny   = "deny"
+)
+
+// Zone defaults and bounds.
+const (
+	defaultIPv4Prefix = 32
+	defaultIPv6Prefix = 64
+	defaultCost       = 1
+	// minWindow keeps windows in whole seconds: the draft header's w and t
+	// parameters are integer seconds, and a sub-second window would make
+	// every request a window rollover.
+	minWindow = time.Second
+	// maxZoneName bounds zone names: they travel in headers, origin keys and
+	// metric labels.
+	maxZoneName = 64
+	// stackZones is how many zones a request decides without a heap
+	// allocation for its limits and decisions; handlers with more zones
+	// allocate per request.
+	stackZones = 8
+)
+
+// Counters for rare outcomes the metrics can export; they are package level
+// because zones and handlers come and go with every reload.
+var (
+	// invalidCostTotal counts requests whose cost placeholder did not
+	// evaluate to a non-negative integer and were charged the zone's default
+	// cost instead.
+	invalidCostTotal atomic.Int64
+	// dryRunDeniedTotal counts requests a dry_run handler would have denied.
+	dryRunDeniedTotal atomic.Int64
+	// missingKeyDeniedTotal counts requests denied by on_missing_key deny.
+	missingKeyDeniedTotal atomic.Int64
+)
+
+// Handler limits the rate of requests. Each request is decided against all
+// of the handler's zones at once, all or nothing: it passes only when every
+// zone admits it, and a denied request charges no zone. A denied request
+// ends in a 429 error through Caddy's error flow (so `handle_errors` can
+// shape the body), with Retry-After and the rate limit headers set.
+//
+// Zone names are global to the process: the same zone in several handlers or
+// sites shares one count per identifier. Two separate ratelimit handlers on
+// one request are two separate decisions.
+type Handler struct {
+	// Zones are the limits this handler enforces, in the order their header
+	// members are written. At least one.
+	Zones []*Zone `json:"zones,omitempty"`
+
+	// Headers selects the rate limit headers written on every response,
+	// allowed or denied: "draft" (default;
+	// draft-ietf-httpapi-ratelimit-headers-10 `RateLimit-Policy` and
+	// `RateLimit`), "legacy" (`X-RateLimit-Limit`, `X-RateLimit-Remaining`,
+	// `X-RateLimit-Reset` of the most restrictive zone), "both" or "off".
+	// Retry-After is written on denials in every mode.
+	Headers string `json:"headers,omitempty"`
+
+	// OnMissingKey decides what happens to a request whose key evaluates to
+	// the empty string (e.g. the header it names is missing): "shared"
+	// (default; all such requests share one bucket per zone), "skip" (the
+	// zone does not apply to the request) or "deny" (429 without counting).
+	OnMissingKey string `json:"on_missing_key,omitempty"`
+
+	// DryRun never denies: requests that would have been denied are served,
+	// counted as served, and logged. Headers show the real state. Default
+	// false.
+	DryRun bool `json:"dry_run,omitempty"`
+
+	// RetryJitter adds a uniformly random delay between zero and this
+	// duration to Retry-After, so clients denied together do not return
+	// together. It only ever adds. Default 0 (exact Retry-After).
+	RetryJitter caddy.Duration `json:"retry_jitter,omitempty"`
+
+	zones     []zone
+	draft     bool
+	legacy    bool
+	onMissing string
+	// policyAll is the RateLimit-Policy value when every zone applies with
+	// its own limit, which is nearly every request.
+	policyAll string
+
+	state  *state
+	engine *engine.Engine
+	logger *zap.Logger
+}
+
+// Zone is one limit: at most Limit units of cost per sliding Window for each
+// distinct value of Key.
+type Zone struct {
+	// Name identifies the zone across the process (and, with an origin,
+	// across processes): the same name means the same counters. Letters,
+	// digits, '_', '-' and '.', at most 64 bytes. Required.
+	Name string `json:"name"`
+
+	// Key is evaluated for each request (placeholders allowed, e.g.
+	// `{http.request.header.X-API-Key}` or `{http.vars.client_ip}`) to the
+	// identifier that is counted. When it evaluates to an IP address, the
+	// address is masked to IPv4Prefix or IPv6Prefix bits. Required.
+	Key string `json:"key"`
+
+	// Limit is the number of cost units admitted per window for each
+	// identifier. Required, at least 1.
+	Limit int64 `json:"limit"`
+
+	// Window is the length of the sliding window, in whole seconds, at least
+	// 1s. Required.
+	Window caddy.Duration `json:"window"`
+
+	// Cost is what one request consumes: a non-negative integer, or a
+	// placeholder evaluated per request. A placeholder that does not
+	// evaluate to a non-negative integer is charged DefaultCost (and
+	// counted). Default 1.
+	Cost caddyhttp.WeakString `json:"cost,omitempty"`
+
+	// DefaultCost is charged when a Cost placeholder does not evaluate to a
+	// non-negative integer. Default 1; never 0, so a bad value is never a
+	// free pass.
+	DefaultCost int64 `json:"default_cost,omitempty"`
+
+	// Overrides maps identifiers to their own limit, replacing Limit for
+	// them. Identifiers are compared after IP masking (e.g.
+	// "203.0.113.0/24" with ipv4_prefix 24). A limit of 0 blocks the
+	// identifier (every request with a positive cost is denied).
+	Overrides map[string]int64 `json:"overrides,omitempty"`
+
+	// IPv4Prefix is the prefix length an IPv4 identifier is masked to, 1–32.
+	// Default 32 (one bucket per address).
+	IPv4Prefix int `json:"ipv4_prefix,omitempty"`
+
+	// IPv6Prefix is the prefix length an IPv6 identifier is masked to,
+	// 1–128. Default 64: a client usually holds a whole /64, so one key per
+	// /128 would be a free bypass.
+	IPv6Prefix int `json:"ipv6_prefix,omitempty"`
+}
+
+// zone is a Zone compiled for the request path.
+type zone struct {
+	name        string
+	key         template
+	limit       int64
+	window      time.Duration
+	cost        template
+	staticCost  int64 // used when cost has no placeholder
+	defaultCost int64
+	overrides   map[string]int64
+	v4, v6      int
+
+	// Header fragments, built once: policy is the whole RateLimit-Policy
+	// member for the zone's own limit; policyQ and policyW surround an
+	// overridden limit; remainingR starts the RateLimit member.
+	policy     string
+	policyQ    string
+	policyW    string
+	remainingR string
+
+	denied  error
+	missing error
+}
+
+// template is a placeholder string prepared for cheap evaluation.
+type template struct {
+	raw string
+	// single is the placeholder name when raw is exactly one placeholder,
+	// which is looked up without building a string.
+	single string
+	// literal is true when raw has no placeholder at all.
+	literal bool
+}
+
+func newTemplate(raw string) template {
+	t := template{raw: raw}
+	if !strings.ContainsAny(raw, "{}") {
+		t.literal = true
+		return t
+	}
+	if len(raw) > 2 && raw[0] == '{' && raw[len(raw)-1] == '}' {
+		name := raw[1 : len(raw)-1]
+		// File placeholders are memoised by ReplaceAll only; escapes need its
+		// parser.
+		if !strings.ContainsAny(name, "{}\\") && !strings.HasPrefix(name, "file.") {
+			t.single = name
+		}
+	}
+	return t
+}
+
+func (t *template) eval(repl *caddy.Replacer) string {
+	switch {
+	case t.literal:
+		return t.raw
+	case repl == nil:
+		return ""
+	case t.single != "":
+		v, _ := repl.Get(t.single)
+		return caddy.ToString(v)
+	default:
+		return repl.ReplaceAll(t.raw, "")
+	}
+}
+
+// CaddyModule returns the Caddy module information.
+func (*Handler) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{
+		ID:  "http.handlers.ratelimit",
+		New: func() caddy.Module { return new(Handler) },
+	}
+}
+
+// Provision compiles the zones, takes a reference to the process's engine
+// and registers the zones' definitions.
+func (h *Handler) Provision(ctx caddy.Context) error {
+	h.logger = ctx.Logger()
+	appAny, err := ctx.App("ratelimit")
+	if err != nil {
+		return fmt.Errorf("loading ratelimit app: %w", err)
+	}
+	app, ok := appAny.(*App)
+	if !ok {
+		return fmt.Errorf("ratelimit app has unexpected type %T", appAny)
+	}
+	return h.provision(app)
+}
+
+// provision is Provision after the app lookup, so tests can provision a
+// handler without a running config.
+func (h *Handler) provision(app *App) error {
+	if err := h.Validate(); err != nil {
+		return err
+	}
+	h.compile()
+	st, err := acquireState()
+	if err != nil {
+		return err
+	}
+	h.state, h.engine = st, st.engine
+	return st.zones.register(app, h)
+}
+
+func (h *Handler) compile() {
+	mode := h.Headers
+	if mode == "" {
+		mode = headersDraft
+	}
+	h.draft = mode == headersDraft || mode == headersBoth
+	h.legacy = mode == headersLegacy || mode == headersBoth
+	h.onMissing = h.OnMissingKey
+	if h.onMissing == "" {
+		h.onMissing = missingShared
+	}
+
+	h.zones = make([]zone, len(h.Zones))
+	policies := make([]string, len(h.Zones))
+	for i, zc := range h.Zones {
+		z := &h.zones[i]
+		z.name = zc.Name
+		z.key = newTemplate(zc.Key)
+		z.limit = zc.Limit
+		z.window = time.Duration(zc.Window)
+		z.cost = newTemplate(string(zc.Cost))
+		z.staticCost = defaultCost
+		if z.cost.literal && zc.Cost != "" {
+			z.staticCost, _ = strconv.ParseInt(string(zc.Cost), 10, 64) // checked by Validate
+		}
+		z.defaultCost = zc.DefaultCost
+		if z.defaultCost == 0 {
+			z.defaultCost = defaultCost
+		}
+		if len(zc.Overrides) > 0 {
+			z.overrides = zc.Overrides
+		}
+		z.v4, z.v6 = zc.IPv4Prefix, zc.IPv6Prefix
+		if z.v4 == 0 {
+			z.v4 = defaultIPv4Prefix
+		}
+		if z.v6 == 0 {
+			z.v6 = defaultIPv6Prefix
+		}
+		// Zone names are restricted to token characters, so quoting them as a
+		// structured-field string needs no escaping.
+		windowSecs := strconv.FormatInt(int64(z.window/time.Second), 10)
+		z.policyQ = `"` + z.name + `";q=`
+		z.policyW = ";w=" + windowSecs
+		z.policy = z.policyQ + strconv.FormatInt(z.limit, 10) + z.policyW
+		z.remainingR = `"` + z.name + `";r=`
+		z.denied = fmt.Errorf("%w: zone %s", ErrRateLimited, z.name)
+		z.missing = fmt.Errorf("%w: zone %s", ErrMissingKey, z.name)
+		policies[i] = z.policy
+	}
+	h.policyAll = strings.Join(policies, ", ")
+}
+
+// Validate checks the configuration; it is also what rejects a bad JSON
+// config, since the Caddyfile parser's checks do not run on JSON.
+func (h *Handler) Validate() error {
+	if len(h.Zones) == 0 {
+		return errors.New("ratelimit: at least one zone is required")
+	}
+	if err := validateHeaders(h.Headers); err != nil {
+		return fmt.Errorf("ratelimit: %w", err)
+	}
+	if err := validateOnMissingKey(h.OnMissingKey); err != nil {
+		return fmt.Errorf("ratelimit: %w", err)
+	}
+	if h.RetryJitter < 0 {
+		return fmt.Errorf("ratelimit: retry_jitter %s is negative", time.Duration(h.RetryJitter))
+	}
+	seen := make(map[string]struct{}, len(h.Zones))
+	for i, z := range h.Zones {
+		if z == nil {
+			return fmt.Errorf("ratelimit: zone %d is null", i)
+		}
+		if _, dup := seen[z.Name]; dup {
+			return fmt.Errorf("ratelimit: zone %q defined twice in one handler", z.Name)
+		}
+		seen[z.Name] = struct{}{}
+		if err := z.validate(); err != nil {
+			return fmt.Errorf("ratelimit: zone %q: %w", z.Name, err)
+		}
+	}
+	return nil
+}
+
+func (z *Zone) validate() error {
+	if err := validateZoneName(z.Name); err != nil {
+		return err
+	}
+	if z.Key == "" {
+		return errors.New("missing key")
+	}
+	if err := validateLimit(z.Limit); err != nil {
+		return err
+	}
+	if err := validateWindow(time.Duration(z.Window)); err != nil {
+		return err
+	}
+	if err := validateCost(string(z.Cost)); err != nil {
+		return err
+	}
+	if z.DefaultCost < 0 {
+		return fmt.Errorf("default_cost %d is negative", z.DefaultCost)
+	}
+	for id, l := range z.Overrides {
+		if err := validateOverride(id, l); err != nil {
+			return err
+		}
+	}
+	if z.IPv4Prefix != 0 {
+		if err := validatePrefix("ipv4_prefix", z.IPv4Prefix, 32); err != nil {
+			return err
+		}
+	}
+	if z.IPv6Prefix != 0 {
+		if err := validatePrefix("ipv6_prefix", z.IPv6Prefix, 128); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// The validators below are shared by Validate and the Caddyfile parser, so
+// both say the same thing.
+
+func validateZoneName(name string) error {
+	if name == "" {
+		return errors.New("zone name is empty")
+	}
+	if len(name) > maxZoneName {
+		return fmt.Errorf("zone name %q is longer than %d bytes", name, maxZoneName)
+	}
+	for i := 0; i < len(name); i++ {
+		c := name[i]
+		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '_' || c == '-' || c == '.') {
+			return fmt.Errorf("zone name %q: only letters, digits, '_', '-' and '.' are allowed", name)
+		}
+	}
+	return nil
+}
+
+func validateLimit(limit int64) error {
+	if limit <= 0 {
+		return fmt.Errorf("limit must be positive, got %d", limit)
+	}
+	return nil
+}
+
+func validateWindow(w time.Duration) error {
+	if w < minWindow {
+		return fmt.Errorf("window must be at least %s, got %s", minWindow, w)
+	}
+	if w%time.Second != 0 {
+		return fmt.Errorf("window must be a whole number of seconds, got %s", w)
+	}
+	return nil
+}
+
+func validateCost(cost string) error {
+	if cost == "" || strings.ContainsAny(cost, "{}") {
+		return nil
+	}
+	n, err := strconv.ParseInt(cost, 10, 64)
+	if err != nil || n < 0 {
+		return fmt.Errorf("cost %q is neither a non-negative integer nor a placeholder", cost)
+	}
+	return nil
+}
+
+func validateOverride(id string, limit int64) error {
+	if id == "" {
+		return errors.New("override with an empty identifier")
+	}
+	if limit < 0 {
+		return fmt.Errorf("override %q: limit must not be negative, got %d", id, limit)
+	}
+	return nil
+}
+
+func validatePrefix(name string, bits, max int) error {
+	if bits < 1 || bits > max {
+		return fmt.Errorf("%s must be between 1 and %d, got %d", name, max, bits)
+	}
+	return nil
+}
+
+func validateHeaders(mode string) error {
+	switch mode {
+	case "", headersDraft, headersLegacy, headersBoth, headersOff:
+		return nil
+	}
+	return fmt.Errorf("headers must be draft, legacy, both or off, got %q", mode)
+}
+
+func validateOnMissingKey(mode string) error {
+	switch mode {
+	case "", missingShared, missingSkip, missingDeny:
+		return nil
+	}
+	return fmt.Errorf("on_missing_key must be shared, skip or deny, got %q", mode)
+}
+
+// Cleanup unregisters the zones and releases the engine; the engine closes
+// when its last user is cleaned up.
+func (h *Handler) Cleanup() error {
+	if h.state == nil {
+		return nil
+	}
+	h.state.zones.unregister(h)
+	h.state, h.engine = nil, nil
+	return releaseState()
+}
+
+// ServeHTTP decides the request against every zone and either passes it on
+// or returns a 429 error.
+func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
+	repl, _ := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+
+	var (
+		limArr  [stackZones]engine.Limit
+		decArr  [stackZones]engine.Decision
+		zoneArr [stackZones]int
+	)
+	lims, decs, zi := limArr[:0], decArr[:], zoneArr[:0]
+	if len(h.zones) > stackZones {
+		lims = make([]engine.Limit, 0, len(h.zones))
+		decs = make([]engine.Decision, len(h.zones))
+		zi = make([]int, 0, len(h.zones))
+	}
+
+	ownLimits := true
+	for i := range h.zones {
+		z := &h.zones[i]
+		id := z.key.eval(repl)
+		if id == "" {
+			switch h.onMissing {
+			case missingSkip:
+				continue
+			case missingDeny:
+				missingKeyDeniedTotal.Add(1)
+				return caddyhttp.Error(http.StatusTooManyRequests, z.missing)
+			}
+		} else {
+			id = maskIP(id, z.v4, z.v6)
+		}
+		limit := z.limit
+		if z.overrides != nil {
+			if l, ok := z.overrides[id]; ok {
+				limit = l
+				ownLimits = false
+			}
+		}
+		lims = append(lims, engine.Limit{
+			Key:   engine.Key{Namespace: z.name, Identifier: id, Window: z.window},
+			Limit: limit,
+			Cost:  z.costOf(repl),
+		})
+		zi = append(zi, i)
+	}
+	if len(lims) == 0 {
+		return next.ServeHTTP(w, r)
+	}
+	decs = decs[:len(lims)]
+
+	ctx := r.Context()
+	var allowed bool
+	if len(lims) == 1 {
+		decs[0] = h.engine.Decide(ctx, lims[0])
+		allowed = decs[0].Allowed
+	} else {
+		allowed = h.engine.DecideMany(ctx, lims, decs)
+	}
+
+	hdr := w.Header()
+	h.writeHeaders(hdr, lims, decs, zi, ownLimits && len(zi) == len(h.zones))
+
+	if allowed {
+		return next.ServeHTTP(w, r)
+	}
+	if h.DryRun {
+		h.dryRunDenied(r, lims, decs, zi)
+		return next.ServeHTTP(w, r)
+	}
+	if secs, ok := h.retryAfter(decs); ok {
+		hdr[hdrRetryAfter] = []string{strconv.FormatInt(secs, 10)}
+	}
+	for k := range decs {
+		if !decs[k].Allowed {
+			return caddyhttp.Error(http.StatusTooManyRequests, h.zones[zi[k]].denied)
+		}
+	}
+	// The batch denied but no limit says why; deny with the first zone
+	// rather than let the request through.
+	return caddyhttp.Error(http.StatusTooManyRequests, h.zones[zi[0]].denied)
+}
+
+// costOf evaluates the zone's cost for one request.
+func (z *zone) costOf(repl *caddy.Replacer) int64 {
+	if z.cost.literal {
+		return z.staticCost
+	}
+	s := z.cost.eval(repl)
+	n, err := strconv.ParseInt(s, 10, 64)
+	if err != nil || n < 0 {
+		invalidCostTotal.Add(1)
+		return z.defaultCost
+	}
+	return n
+}
+
+// dryRunCommitLimit is the limit a dry_run handler re-decides a denied
+// request with, so that it is counted as served: high enough to admit any
+// request, low enough that effective count plus cost cannot overflow.
+const dryRunCommitLimit = 1 << 60
+
+// dryRunDenied logs and counts a would-be denial and then charges the
+// request to every zone, because it is served.
+func (h *Handler) dryRunDenied(r *http.Request, lims []engine.Limit, decs []engine.Decision, zi []int) {
+	dryRunDeniedTotal.Add(1)
+	if c := h.logger.Check(zapcore.InfoLevel, "dry run: request would have been rate limited"); c != nil {
+		var names []string
+		for k := range decs {
+			if !decs[k].Allowed {
+				names = append(names, h.zones[zi[k]].name)
+			}
+		}
+		c.Write(zap.Strings("zones", names), zap.String("method", r.Method), zap.String("uri", r.RequestURI))
+	}
+	// A second decision with a limit nothing can exceed commits the cost.
+	var arr [stackZones]engine.Limit
+	force := arr[:0]
+	if len(lims) > stackZones {
+		force = make([]engine.Limit, 0, len(lims))
+	}
+	for _, l := range lims {
+		l.Limit = dryRunCommitLimit
+		force = append(force, l)
+	}
+	var out [stackZones]engine.Decision
+	outs := out[:]
+	if len(lims) > stackZones {
+		outs = make([]engine.Decision, len(lims))
+	}
+	h.engine.DecideMany(r.Context(), force, outs)
+}
+
+// retryAfter is the Retry-After in seconds: the largest wait over the
+// denying zones, rounded up, at least 1, plus jitter. ok is false when a
+// denying zone can never admit the request.
+func (h *Handler) retryAfter(decs []engine.Decision) (secs int64, ok bool) {
+	var wait time.Duration
+	for k := range decs {
+		d := &decs[k]
+		if d.Allowed {
+			continue
+		}
+		if d.RetryAfter < 0 {
+			return 0, false
+		}
+		wait = max(wait, d.RetryAfter)
+	}
+	if h.RetryJitter > 0 {
+		wait += rand.N(time.Duration(h.RetryJitter) + 1)
+	}
+	return max(ceilSeconds(wait), 1), true
+}
+
+// ceilSeconds rounds a duration up to whole seconds.
+func ceilSeconds(d time.Duration) int64 {
+	if d <= 0 {
+		return 0
+	}
+	return int64((d + time.Second - 1) / time.Second)
+}
+
+// Canonical header keys, so writing them is a plain map assignment.
+var (
+	hdrPolicy       = http.CanonicalHeaderKey("RateLimit-Policy")
+	hdrRateLimit    = http.CanonicalHeaderKey("RateLimit")
+	hdrLegacyLimit  = http.CanonicalHeaderKey("X-RateLimit-Limit")
+	hdrLegacyRemain = http.CanonicalHeaderKey("X-RateLimit-Remaining")
+	hdrLegacyReset  = http.CanonicalHeaderKey("X-RateLimit-Reset")
+	hdrRetryAfter   = http.CanonicalHeaderKey("Retry-After")
+)
+
+// writeHeaders sets the configured rate limit headers for the decided zones.
+// Every dynamic value is appended to one buffer and turned into one string,
+// whose substrings become the header values: two allocations per response
+// (that string and the value slices) whatever the number of zones.
+func (h *Handler) writeHeaders(hdr http.Header, lims []engine.Limit, decs []engine.Decision, zi []int, ownLimits bool) {
+	if !h.draft && !h.legacy {
+		return
+	}
+	var arr [512]byte
+	buf := arr[:0]
+	// Offsets into buf: draft policy (only when a limit was overridden or a
+	// zone skipped), draft RateLimit, then the three legacy values.
+	var policyEnd, rateEnd, limitEnd, remainEnd, resetEnd int
+
+	if h.draft {
+		if !ownLimits {
+			for k := range lims {
+				if k > 0 {
+					buf = append(buf, ", "...)
+				}
+				z := &h.zones[zi[k]]
+				if lims[k].Limit == z.limit {
+					buf = append(buf, z.policy...)
+					continue
+				}
+				buf = append(buf, z.policyQ...)
+				buf = strconv.AppendInt(buf, lims[k].Limit, 10)
+				buf = append(buf, z.policyW...)
+			}
+		}
+		policyEnd = len(buf)
+		for k := range decs {
+			if k > 0 {
+				buf = append(buf, ", "...)
+			}
+			buf = append(buf, h.zones[zi[k]].remainingR...)
+			buf = strconv.AppendInt(buf, decs[k].Remaining, 10)
+			buf = append(buf, ";t="...)
+			buf = strconv.AppendInt(buf, ceilSeconds(decs[k].Reset), 10)
+		}
+	}
+	rateEnd = len(buf)
+	if h.legacy {
+		// The most restrictive zone is the one with the lowest remaining;
+		// on a tie, the first.
+		m := 0
+		for k := 1; k < len(decs); k++ {
+			if decs[k].Remaining < decs[m].Remaining {
+				m = k
+			}
+		}
+		buf = strconv.AppendInt(buf, lims[m].Limit, 10)
+		limitEnd = len(buf)
+		buf = strconv.AppendInt(buf, decs[m].Remaining, 10)
+		remainEnd = len(buf)
+		buf = strconv.AppendInt(buf, ceilSeconds(decs[m].Reset), 10)
+		resetEnd = len(buf)
+	}
+	s := string(buf)
+
+	n := 0
+	if h.draft {
+		n += 2
+	}
+	if h.legacy {
+		n += 3
+	}
+	vals := make([]string, n)
+	i := 0
+	set := func(key, v string) {
+		vals[i] = v
+		hdr[key] = vals[i : i+1 : i+1]
+		i++
+	}
+	if h.draft {
+		if ownLimits {
+			set(hdrPolicy, h.policyAll)
+		} else {
+			set(hdrPolicy, s[:policyEnd])
+		}
+		set(hdrRateLimit, s[policyEnd:rateEnd])
+	}
+	if h.legacy {
+		set(hdrLegacyLimit, s[rateEnd:limitEnd])
+		set(hdrLegacyRemain, s[limitEnd:remainEnd])
+		set(hdrLegacyReset, s[remainEnd:resetEnd])
+	}
+}
+
+// maskIP masks id to its network prefix when it is an IP address and
+// returns it unchanged otherwise. An IPv4 address kept whole is returned as
+// the address; a masked one as "addr/bits". IPv4-mapped IPv6 addresses count
+// as IPv4.
+func maskIP(id string, v4, v6 int) string {
+	if !maybeIP(id) {
+		return id
+	}
+	addr, err := netip.ParseAddr(id)
+	if err != nil {
+		return id
+	}
+	canonical := !addr.Is4In6() && addr.Zone() == ""
+	addr = addr.Unmap().WithZone("")
+	bits := v6
+	if addr.Is4() {
+		bits = v4
+	}
+	if bits >= addr.BitLen() {
+		if canonical && addr.Is4() {
+			return id // ParseAddr accepts only the canonical dotted quad
+		}
+		return addr.String()
+	}
+	p, err := addr.Prefix(bits)
+	if err != nil {
+		return id
+	}
+	return p.String()
+}
+
+// maybeIP is a cheap filter that keeps non-IP keys (API keys, tenants) away
+// from netip.ParseAddr, whose error would cost an allocation per request.
+func maybeIP(s string) bool {
+	if len(s) < 2 || len(s) > 64 {
+		return false
+	}
+	sep := false
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		switch {
+		case c == '.' || c == ':':
+			sep = true
+		case c >= '0' && c <= '9', c >= 'a' && c <= 'f', c >= 'A' && c <= 'F':
+		case c == '%':
+			return sep // an IPv6 zone follows
+		default:
+			return false
+		}
+	}
+	return sep
+}
+
+// Interface guards.
+var (
+	_ caddy.Module                = (*Handler)(nil)
+	_ caddy.Provisioner           = (*Handler)(nil)
+	_ caddy.Validator             = (*Handler)(nil)
+	_ caddy.CleanerUpper          = (*Handler)(nil)
+	_ caddyhttp.MiddlewareHandler = (*Handler)(nil)
+)
