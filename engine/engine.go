@@ -88,8 +88,10 @@ type Engine struct {
 	flights *xsync.Map[*cell, *flight]
 	origin  atomic.Pointer[originBox]
 
-	slowQ, fastQ *ring
-	bgReads      atomic.Int64
+	// queues are the replay queues, made when an origin is first set.
+	queues    atomic.Pointer[replayQueues]
+	queueOnce sync.Once
+	bgReads   atomic.Int64
 
 	stats counters
 
@@ -135,8 +137,6 @@ func New(cfg Config) *Engine {
 		entries:  xsync.NewMap[Key, *entry](),
 		strict:   xsync.NewMap[Key, *atomic.Int64](),
 		flights:  xsync.NewMap[*cell, *flight](),
-		slowQ:    newRing(replayQueueLen),
-		fastQ:    newRing(replayQueueLen),
 		evictNow: make(chan struct{}, 1),
 		stop:     make(chan struct{}),
 	}
@@ -153,6 +153,9 @@ func (e *Engine) SetOrigin(o Origin) {
 		e.origin.Store(nil)
 		return
 	}
+	e.queueOnce.Do(func() {
+		e.queues.Store(&replayQueues{slow: newRing(replayQueueLen), fast: newRing(replayQueueLen)})
+	})
 	e.origin.Store(&originBox{o})
 }
 

@@ -34,12 +34,24 @@ const (
 	Fast
 )
 
+// replayQueues are the two replay queues.
+type replayQueues struct{ slow, fast *ring }
+
+// queue returns the tier's queue; with no origin ever set, an empty one.
 func (e *Engine) queue(t Tier) *ring {
-	if t == Fast {
-		return e.fastQ
+	q := e.queues.Load()
+	switch {
+	case q == nil:
+		return emptyRing
+	case t == Fast:
+		return q.fast
 	}
-	return e.slowQ
+	return q.slow
 }
+
+// emptyRing stands in for the queues of an engine that never had an
+// origin; nothing is ever pushed to it.
+var emptyRing = newRing(1)
 
 // markDirty queues c for replay in the tier its pressure asks for. A cell
 // already queued in that tier is not queued again.
@@ -49,7 +61,7 @@ func (e *Engine) markDirty(key Key, c *cell, fast bool) {
 		if st&stFast != 0 || !c.setBits(stDirty|stFast) {
 			return
 		}
-		if !e.fastQ.push(key, c) {
+		if !e.queue(Fast).push(key, c) {
 			c.clearBits(stFast)
 			e.stats.replayDrops.Add(1)
 			e.markDirty(key, c, false)
@@ -59,7 +71,7 @@ func (e *Engine) markDirty(key Key, c *cell, fast bool) {
 	if st&stDirty != 0 || !c.setBits(stDirty) {
 		return
 	}
-	if !e.slowQ.push(key, c) {
+	if !e.queue(Slow).push(key, c) {
 		c.clearBits(stDirty)
 		e.stats.replayDrops.Add(1)
 	}
@@ -218,7 +230,7 @@ func (e *Engine) flushAll(ctx context.Context, o Origin) error {
 		batch = batch[:0]
 	}
 	// Queued cells first: an evicted or long rotated cell is only there.
-	for _, q := range []*ring{e.fastQ, e.slowQ} {
+	for _, q := range []*ring{e.queue(Fast), e.queue(Slow)} {
 		for {
 			key, c, ok := q.pop()
 			if !ok {

@@ -46,7 +46,7 @@ func (e *Engine) Stats() Stats {
 		StrictKeys:       int64(e.strict.Size()),
 		Evictions:        s.evictions.Load(),
 		FirstDenials:     s.firstDenials.Load(),
-		PendingCells:     int64(e.slowQ.len() + e.fastQ.len()),
+		PendingCells:     int64(e.queue(Slow).len() + e.queue(Fast).len()),
 		ReplayDrops:      s.replayDrops.Load(),
 		Reads:            s.reads.Load(),
 		ReadErrors:       s.readErrors.Load(),
