@@ -1,0 +1,392 @@
+// Package redistest starts private redis-server processes for tests: on free
+// loopback ports, in temporary directories, without persistence, killed when
+// the test ends. Tests never touch a shared Redis.
+//
+// When redis-server is not on PATH the test is skipped, unless the
+// environment variable CI is "true", where a missing server fails it.
+package redistest
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// Timeouts of the helper. Each says why.
+const (
+	// startTimeout is how long a fresh redis-server may take to answer
+	// PING: it starts in milliseconds, but the test machine is shared and
+	// may be busy compiling.
+	startTimeout = 20 * time.Second
+	// clusterTimeout bounds the creation of a cluster until every node
+	// reports cluster_state:ok; gossip between three local nodes settles
+	// in about a second.
+	clusterTimeout = 60 * time.Second
+	// startAttempts retries a start whose port another process took
+	// between our probe and the server's bind.
+	startAttempts = 5
+	// pollInterval is how often a condition is re-checked while waiting.
+	pollInterval = 10 * time.Millisecond
+)
+
+// Server is one private redis-server.
+type Server struct {
+	t        testing.TB
+	bin      string
+	dir      string
+	port     int
+	password string
+	extra    []string
+
+	mu   sync.Mutex
+	cmd  *exec.Cmd
+	exit chan struct{}
+}
+
+// Option configures Start.
+type Option func(*Server)
+
+// WithPassword sets requirepass.
+func WithPassword(pw string) Option { return func(s *Server) { s.password = pw } }
+
+// WithArgs adds redis-server arguments, as "--name", "value" pairs.
+func WithArgs(args ...string) Option {
+	return func(s *Server) { s.extra = append(s.extra, args...) }
+}
+
+// Binary returns the path of redis-server, or skips (fails when CI=true)
+// the test if it is not installed.
+func Binary(t testing.TB) string {
+	t.Helper()
+	bin, err := exec.LookPath("redis-server")
+	if err != nil {
+		if os.Getenv("CI") == "true" {
+			t.Fatalf("redis-server not found on PATH (required when CI=true): %v", err)
+		}
+		t.Skipf("redis-server not found on PATH: %v", err)
+	}
+	return bin
+}
+
+// Start starts a redis-server on a free loopback port and stops it when the
+// test ends.
+func Start(t testing.TB, opts ...Option) *Server {
+	t.Helper()
+	s := &Server{t: t, bin: Binary(t), dir: t.TempDir()}
+	for _, o := range opts {
+		o(s)
+	}
+	var err error
+	for attempt := 0; attempt < startAttempts; attempt++ {
+		if s.port, err = FreePort(); err != nil {
+			t.Fatalf("redistest: %v", err)
+		}
+		if err = s.launch(); err == nil {
+			t.Cleanup(s.Stop)
+			return s
+		}
+	}
+	t.Fatalf("redistest: start redis-server: %v", err)
+	return nil
+}
+
+// FreePort returns a loopback TCP port that was free a moment ago.
+func FreePort() (int, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, fmt.Errorf("find a free port: %w", err)
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port, nil
+}
+
+// Addr is host:port.
+func (s *Server) Addr() string { return net.JoinHostPort("127.0.0.1", strconv.Itoa(s.port)) }
+
+// Port is the server's port.
+func (s *Server) Port() int { return s.port }
+
+// URL is a redis:// URL of the server, with its password if it has one.
+func (s *Server) URL() string {
+	if s.password != "" {
+		return "redis://:" + s.password + "@" + s.Addr() + "/0"
+	}
+	return "redis://" + s.Addr() + "/0"
+}
+
+func (s *Server) args() []string {
+	args := []string{
+		"--port", strconv.Itoa(s.port),
+		"--bind", "127.0.0.1",
+		"--dir", s.dir,
+		"--save", "",
+		"--appendonly", "no",
+		"--daemonize", "no",
+		"--logfile", filepath.Join(s.dir, "redis.log"),
+	}
+	if s.password != "" {
+		args = append(args, "--requirepass", s.password)
+	}
+	return append(args, s.extra...)
+}
+
+// launch starts the process and waits until it answers PING.
+func (s *Server) launch() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	cmd := exec.Command(s.bin, s.args()...)
+	cmd.Dir = s.dir
+	if err := cmd.Start(); err != nil {
+		return fmt.Errorf("exec %s: %w", s.bin, err)
+	}
+	exit := make(chan struct{})
+	go func() {
+		_ = cmd.Wait()
+		close(exit)
+	}()
+	s.cmd, s.exit = cmd, exit
+
+	c := redis.NewClient(&redis.Options{Addr: s.Addr(), Password: s.password, MaxRetries: -1, DialTimeout: time.Second})
+	defer c.Close()
+	deadline := time.Now().Add(startTimeout)
+	for {
+		select {
+		case <-exit:
+			return fmt.Errorf("redis-server on port %d exited at start: %s", s.port, s.logTail())
+		default:
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		err := c.Ping(ctx).Err()
+		cancel()
+		if err == nil {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			s.killLocked()
+			return fmt.Errorf("redis-server on port %d did not answer PING within %s: %v; log: %s", s.port, startTimeout, err, s.logTail())
+		}
+		time.Sleep(pollInterval)
+	}
+}
+
+func (s *Server) logTail() string {
+	b, _ := os.ReadFile(filepath.Join(s.dir, "redis.log"))
+	if len(b) > 2000 {
+		b = b[len(b)-2000:]
+	}
+	return string(b)
+}
+
+// Stop kills the server (SIGKILL: a crash, nothing is saved) and waits for
+// it to exit. Stopping a stopped server does nothing.
+func (s *Server) Stop() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.killLocked()
+}
+
+func (s *Server) killLocked() {
+	if s.cmd == nil {
+		return
+	}
+	_ = s.cmd.Process.Signal(syscall.SIGCONT) // a paused server must die too
+	_ = s.cmd.Process.Kill()
+	<-s.exit
+	s.cmd = nil
+}
+
+// Restart starts the server again on the same port, empty: the temporary
+// directory is wiped first. It fails the test if the port cannot be bound.
+func (s *Server) Restart() {
+	s.t.Helper()
+	s.Stop()
+	entries, _ := os.ReadDir(s.dir)
+	for _, e := range entries {
+		if e.Name() != "redis.log" {
+			_ = os.RemoveAll(filepath.Join(s.dir, e.Name()))
+		}
+	}
+	var err error
+	deadline := time.Now().Add(startTimeout)
+	for {
+		if err = s.launch(); err == nil {
+			return
+		}
+		if time.Now().After(deadline) {
+			s.t.Fatalf("redistest: restart on port %d: %v", s.port, err)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// Pause stops the process (SIGSTOP) without closing its sockets: a hung
+// Redis, whose calls time out instead of failing fast. Resume undoes it.
+func (s *Server) Pause() { s.signal(syscall.SIGSTOP) }
+
+// Resume continues a paused server.
+func (s *Server) Resume() { s.signal(syscall.SIGCONT) }
+
+func (s *Server) signal(sig syscall.Signal) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.cmd != nil {
+		_ = s.cmd.Process.Signal(sig)
+	}
+}
+
+// Client returns a plain client for assertions, closed when the test ends.
+func (s *Server) Client() *redis.Client {
+	c := redis.NewClient(&redis.Options{Addr: s.Addr(), Password: s.password, MaxRetries: -1})
+	s.t.Cleanup(func() { _ = c.Close() })
+	return c
+}
+
+// CommandStats returns the calls per command ("incrby", "mget", …) from
+// INFO commandstats.
+func (s *Server) CommandStats(ctx context.Context) (map[string]int64, error) {
+	c := redis.NewClient(&redis.Options{Addr: s.Addr(), Password: s.password, MaxRetries: -1})
+	defer c.Close()
+	info, err := c.Info(ctx, "commandstats").Result()
+	if err != nil {
+		return nil, fmt.Errorf("INFO commandstats on %s: %w", s.Addr(), err)
+	}
+	return ParseCommandStats(info)
+}
+
+// ParseCommandStats parses the text of INFO commandstats.
+func ParseCommandStats(info string) (map[string]int64, error) {
+	out := make(map[string]int64)
+	sc := bufio.NewScanner(strings.NewReader(info))
+	for sc.Scan() {
+		line := strings.TrimSpace(sc.Text())
+		name, rest, ok := strings.Cut(line, ":")
+		if !ok || !strings.HasPrefix(name, "cmdstat_") {
+			continue
+		}
+		for _, f := range strings.Split(rest, ",") {
+			k, v, _ := strings.Cut(f, "=")
+			if k == "calls" {
+				n, err := strconv.ParseInt(v, 10, 64)
+				if err != nil {
+					return nil, fmt.Errorf("commandstats line %q: %w", line, err)
+				}
+				out[strings.TrimPrefix(name, "cmdstat_")] = n
+			}
+		}
+	}
+	return out, sc.Err()
+}
+
+// Cluster is a Redis Cluster of private servers, every node a master.
+type Cluster struct {
+	Nodes []*Server
+}
+
+// Addrs returns the nodes' host:port addresses.
+func (c *Cluster) Addrs() []string {
+	out := make([]string, len(c.Nodes))
+	for i, n := range c.Nodes {
+		out[i] = n.Addr()
+	}
+	return out
+}
+
+// StartCluster starts n cluster-enabled servers with explicit cluster bus
+// ports, joins them with `redis-cli --cluster create` (all masters, slots
+// split evenly) and waits until every node reports cluster_state:ok.
+func StartCluster(t testing.TB, n int) *Cluster {
+	t.Helper()
+	cli, err := exec.LookPath("redis-cli")
+	if err != nil {
+		if os.Getenv("CI") == "true" {
+			t.Fatalf("redis-cli not found on PATH (required when CI=true): %v", err)
+		}
+		t.Skipf("redis-cli not found on PATH: %v", err)
+	}
+	c := &Cluster{}
+	for i := 0; i < n; i++ {
+		// The bus port must be free too: by default it is port + 10000,
+		// which nothing reserves for us.
+		bus, err := FreePort()
+		if err != nil {
+			t.Fatalf("redistest: %v", err)
+		}
+		c.Nodes = append(c.Nodes, Start(t, WithArgs(
+			"--cluster-enabled", "yes",
+			"--cluster-config-file", "nodes.conf",
+			"--cluster-port", strconv.Itoa(bus),
+			"--cluster-node-timeout", "5000",
+		)))
+	}
+	args := append([]string{"--cluster", "create"}, c.Addrs()...)
+	args = append(args, "--cluster-replicas", "0", "--cluster-yes")
+	ctx, cancel := context.WithTimeout(context.Background(), clusterTimeout)
+	defer cancel()
+	var out bytes.Buffer
+	cmd := exec.CommandContext(ctx, cli, args...)
+	cmd.Stdout, cmd.Stderr = &out, &out
+	if err := cmd.Run(); err != nil {
+		t.Fatalf("redistest: redis-cli --cluster create: %v\n%s", err, out.String())
+	}
+	for _, node := range c.Nodes {
+		cl := redis.NewClient(&redis.Options{Addr: node.Addr(), MaxRetries: -1})
+		err := waitFor(ctx, func() error {
+			info, err := cl.ClusterInfo(ctx).Result()
+			if err != nil {
+				return err
+			}
+			if !strings.Contains(info, "cluster_state:ok") {
+				return errors.New("cluster_state is not ok yet")
+			}
+			return nil
+		})
+		cl.Close()
+		if err != nil {
+			t.Fatalf("redistest: cluster node %s: %v", node.Addr(), err)
+		}
+	}
+	return c
+}
+
+// waitFor polls check until it succeeds or ctx ends.
+func waitFor(ctx context.Context, check func() error) error {
+	for {
+		err := check()
+		if err == nil {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("%w (last: %v)", ctx.Err(), err)
+		case <-time.After(pollInterval):
+		}
+	}
+}
+
+// Eventually polls cond until it returns true or timeout passes, then fails
+// the test with msg. It is the way to wait for a condition without sleeping
+// a guessed time.
+func Eventually(t testing.TB, timeout time.Duration, msg string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("condition not met within %s: %s", timeout, msg)
+		}
+		time.Sleep(pollInterval)
+	}
+}

@@ -1,0 +1,133 @@
+package origin
+
+import (
+	"context"
+	"crypto/tls"
+	"net"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+	"github.com/redis/go-redis/v9/maintnotifications"
+)
+
+// Connection tunables. Every call also carries its own deadline (the
+// engine's read timeout, or the replay deadline), which go-redis honours
+// because ContextTimeoutEnabled is set; these are backstops.
+const (
+	// maxCallTimeout bounds a call whose context has no earlier deadline, and
+	// is the socket timeout: never wait a full client default (5 s) for a
+	// rate limit counter.
+	maxCallTimeout = time.Second
+	// dialTimeout bounds one connection attempt. Dials happen on a replay
+	// worker or a read batcher, never on a request's goroutine, so it may
+	// be longer than a read timeout; shorter than maxCallTimeout so a dead
+	// host is noticed within one call.
+	dialTimeout = 500 * time.Millisecond
+	// dialAttempts is one: a refused dial fails the call at once and counts
+	// against the breaker, instead of go-redis retrying five times inside
+	// one call's budget.
+	dialAttempts = 1
+	// noRetries disables go-redis's command retries (-1 means none). A
+	// retried INCRBY whose first attempt reached Redis but lost its reply
+	// would count twice; the engine replays whatever was not reported Done,
+	// and the breaker sees every failure.
+	noRetries = -1
+	// poolSize is the connections per server: enough for every replay
+	// worker and read batcher at once (maxReadRoundTrips + the default 8
+	// workers) with room to spare, so a pipeline never waits for a
+	// connection on a healthy Redis.
+	poolSize = 32
+	// maxRedirects bounds MOVED/ASK hops in a Cluster during resharding.
+	maxRedirects = 3
+)
+
+// newClient builds the go-redis client of one endpoint. It does not dial:
+// go-redis connects on the first command, so a Caddy `validate` that
+// provisions and cleans up never touches the network.
+func newClient(s endpointSpec) redis.UniversalClient {
+	var tlsConfig *tls.Config
+	if s.tls {
+		// ServerName is left empty: the TLS dialer takes it from the
+		// address dialled, which is right for every node of a Cluster too.
+		tlsConfig = &tls.Config{
+			MinVersion:         tls.VersionTLS12,
+			InsecureSkipVerify: s.tlsSkipVer, //nolint:gosec // the operator's explicit skip_verify=true
+		}
+	}
+	dial := dialer(tlsConfig)
+	// Maintenance notifications (a Redis Enterprise feature) would send an
+	// extra command on every connection and expect RESP3 push messages.
+	maint := &maintnotifications.Config{Mode: maintnotifications.ModeDisabled}
+
+	switch s.kind {
+	case KindCluster:
+		return redis.NewClusterClient(&redis.ClusterOptions{
+			Addrs:                    s.addrs,
+			Username:                 s.username,
+			Password:                 s.password,
+			Dialer:                   dial,
+			TLSConfig:                tlsConfig,
+			MaxRetries:               noRetries,
+			MaxRedirects:             maxRedirects,
+			DialTimeout:              dialTimeout,
+			DialerRetries:            dialAttempts,
+			ReadTimeout:              maxCallTimeout,
+			WriteTimeout:             maxCallTimeout,
+			ContextTimeoutEnabled:    true,
+			PoolSize:                 poolSize,
+			PoolTimeout:              maxCallTimeout,
+			DisableIdentity:          true,
+			MaintNotificationsConfig: maint,
+		})
+	case KindSentinel:
+		return redis.NewFailoverClient(&redis.FailoverOptions{
+			MasterName:            s.master,
+			SentinelAddrs:         s.addrs,
+			SentinelUsername:      s.sentinelUser,
+			SentinelPassword:      s.sentinelPass,
+			Username:              s.username,
+			Password:              s.password,
+			DB:                    s.db,
+			Dialer:                dial,
+			TLSConfig:             tlsConfig,
+			MaxRetries:            noRetries,
+			DialTimeout:           dialTimeout,
+			DialerRetries:         dialAttempts,
+			ReadTimeout:           maxCallTimeout,
+			WriteTimeout:          maxCallTimeout,
+			ContextTimeoutEnabled: true,
+			PoolSize:              poolSize,
+			PoolTimeout:           maxCallTimeout,
+			DisableIdentity:       true,
+		})
+	}
+	return redis.NewClient(&redis.Options{
+		Addr:                     s.addrs[0],
+		Username:                 s.username,
+		Password:                 s.password,
+		DB:                       s.db,
+		Dialer:                   dial,
+		TLSConfig:                tlsConfig,
+		MaxRetries:               noRetries,
+		DialTimeout:              dialTimeout,
+		DialerRetries:            dialAttempts,
+		ReadTimeout:              maxCallTimeout,
+		WriteTimeout:             maxCallTimeout,
+		ContextTimeoutEnabled:    true,
+		PoolSize:                 poolSize,
+		PoolTimeout:              maxCallTimeout,
+		DisableIdentity:          true,
+		MaintNotificationsConfig: maint,
+	})
+}
+
+// dialer returns a dial function that honours the context's deadline for
+// TLS too (go-redis's default TLS dialer only knows DialTimeout).
+func dialer(tlsConfig *tls.Config) func(ctx context.Context, network, addr string) (net.Conn, error) {
+	nd := &net.Dialer{Timeout: dialTimeout, KeepAlive: 30 * time.Second}
+	if tlsConfig == nil {
+		return nd.DialContext
+	}
+	td := &tls.Dialer{NetDialer: nd, Config: tlsConfig}
+	return td.DialContext
+}

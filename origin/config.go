@@ -1,0 +1,487 @@
+package origin
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"net/url"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/edgelimit/caddy-ratelimit/engine"
+)
+
+// Defaults of the breaker settings. Each says why.
+const (
+	// DefaultBreakerInterval is the rolling window over which the breaker
+	// counts calls: long enough to hold a meaningful sample at ten replay
+	// ticks a second, short enough that successes from before an outage do
+	// not mask it.
+	DefaultBreakerInterval = 10 * time.Second
+	// DefaultBreakerTimeout is how long an open breaker keeps decisions
+	// local before one probe tries Redis again: a restarting Redis is back
+	// within seconds, and every probe that fails costs a request no latency
+	// (the probe is a background read or a replay).
+	DefaultBreakerTimeout = 5 * time.Second
+	// DefaultBreakerMinRequests is the smallest sample on which the breaker
+	// may trip: a handful of timeouts in a quiet second is noise, not an
+	// outage.
+	DefaultBreakerMinRequests = 20
+	// DefaultBreakerFailureRatio trips the breaker when at least half of the
+	// sampled calls failed. A ratio, not a count: a busy node making many
+	// calls must not trip on the same absolute number of failures that would
+	// be an outage for a quiet one.
+	DefaultBreakerFailureRatio = 0.5
+)
+
+// Config is the regional origin's configuration: where Redis is, how keys
+// are named, how the breaker behaves, and the engine's tunables that only
+// matter when an origin is configured. It is the JSON shape of the
+// `ratelimit` global option's Redis settings; exactly one of Redis, Cluster
+// and Sentinel must be set.
+//
+// Passwords belong in the URLs (or SentinelPassword) and should come from
+// runtime placeholders such as {env.REDIS_URL}, resolved by the caller before
+// New: a {$VAR} substituted at adapt time would put the password into the
+// JSON config that the admin API serves. Nothing in this package prints a
+// password: errors, String and Stats show addresses only.
+type Config struct {
+	// Redis lists standalone servers as redis:// or rediss:// URLs
+	// (redis://[user:password@]host[:port][/db]). Several URLs are
+	// partitions: each (namespace, identifier) is placed on one of them by
+	// rendezvous hashing of its address (host:port/db), so every process of
+	// a region must list the same addresses; the order does not matter, and
+	// adding or removing one partition moves only the keys it gains or loses.
+	Redis []string `json:"redis,omitempty"`
+	// Cluster is a Redis Cluster.
+	Cluster *ClusterConfig `json:"redis_cluster,omitempty"`
+	// Sentinel is a master monitored by Redis Sentinel.
+	Sentinel *SentinelConfig `json:"redis_sentinel,omitempty"`
+
+	// Prefix starts every key (default "ratelimit"). It may not contain
+	// braces, spaces or control characters.
+	Prefix string `json:"prefix,omitempty"`
+
+	// ReplayWorkers is the number of concurrent flushes (default 8).
+	ReplayWorkers int `json:"replay_workers,omitempty"`
+	// ReadTimeout bounds every synchronous origin read on the request path
+	// (default 50ms).
+	ReadTimeout Duration `json:"read_timeout,omitempty"`
+	// Freshness is how long a read or replay keeps a cell fresh (default 1s).
+	Freshness Duration `json:"freshness,omitempty"`
+	// SlowTick is the replay interval of keys below half their limit
+	// (default 100ms).
+	SlowTick Duration `json:"slow_tick,omitempty"`
+	// FastTick is the replay interval of keys at half their limit or more
+	// (default 10ms).
+	FastTick Duration `json:"fast_tick,omitempty"`
+
+	// Breaker configures the circuit breaker of each endpoint.
+	Breaker BreakerConfig `json:"breaker,omitempty"`
+}
+
+// ClusterConfig names a Redis Cluster by some of its nodes.
+type ClusterConfig struct {
+	// Addrs are seed nodes, as host:port or as redis:// / rediss:// URLs.
+	// Credentials and TLS come from the URLs; every URL must agree on them,
+	// and bare host:port seeds use the same.
+	Addrs []string `json:"addrs,omitempty"`
+}
+
+// SentinelConfig names a master monitored by Redis Sentinel.
+type SentinelConfig struct {
+	// Master is the master's name as the sentinels know it.
+	Master string `json:"master,omitempty"`
+	// Addrs are the sentinels, as host:port or as redis:// / rediss://
+	// URLs. Credentials, TLS and the database number in the URLs are those
+	// of the master (and its replicas); every URL must agree on them.
+	Addrs []string `json:"addrs,omitempty"`
+	// SentinelUsername and SentinelPassword authenticate to the sentinels
+	// themselves, when they require it.
+	SentinelUsername string `json:"sentinel_username,omitempty"`
+	SentinelPassword string `json:"sentinel_password,omitempty"`
+}
+
+// BreakerConfig configures the circuit breaker of each endpoint.
+type BreakerConfig struct {
+	// Interval is the rolling window over which calls are counted
+	// (default 10s).
+	Interval Duration `json:"interval,omitempty"`
+	// Timeout is how long the breaker stays open before a probe (default
+	// 5s).
+	Timeout Duration `json:"timeout,omitempty"`
+	// MinRequests is the smallest number of completed calls in the window on
+	// which the breaker may trip (default 20).
+	MinRequests int `json:"min_requests,omitempty"`
+	// FailureRatio trips the breaker when at least this share of the
+	// completed calls in the window failed, in (0, 1] (default 0.5).
+	FailureRatio float64 `json:"failure_ratio,omitempty"`
+}
+
+// Duration is a time.Duration that reads from JSON either as a Go duration
+// string ("50ms") or as an integer of nanoseconds, as caddy.Duration does.
+type Duration time.Duration
+
+// UnmarshalJSON implements json.Unmarshaler.
+func (d *Duration) UnmarshalJSON(b []byte) error {
+	if len(b) > 0 && b[0] == '"' {
+		var s string
+		if err := json.Unmarshal(b, &s); err != nil {
+			return fmt.Errorf("duration: %w", err)
+		}
+		v, err := time.ParseDuration(s)
+		if err != nil {
+			return fmt.Errorf("duration: %w", err)
+		}
+		*d = Duration(v)
+		return nil
+	}
+	var n int64
+	if err := json.Unmarshal(b, &n); err != nil {
+		return fmt.Errorf("duration: %w", err)
+	}
+	*d = Duration(n)
+	return nil
+}
+
+// WithDefaults returns c with every unset field at its default.
+func (c Config) WithDefaults() Config {
+	if c.Prefix == "" {
+		c.Prefix = DefaultPrefix
+	}
+	if c.ReplayWorkers == 0 {
+		c.ReplayWorkers = engine.DefaultReplayWorkers
+	}
+	if c.ReadTimeout == 0 {
+		c.ReadTimeout = Duration(engine.DefaultReadTimeout)
+	}
+	if c.Freshness == 0 {
+		c.Freshness = Duration(engine.DefaultFreshness)
+	}
+	if c.SlowTick == 0 {
+		c.SlowTick = Duration(engine.DefaultSlowTick)
+	}
+	if c.FastTick == 0 {
+		c.FastTick = Duration(engine.DefaultFastTick)
+	}
+	if c.Breaker.Interval == 0 {
+		c.Breaker.Interval = Duration(DefaultBreakerInterval)
+	}
+	if c.Breaker.Timeout == 0 {
+		c.Breaker.Timeout = Duration(DefaultBreakerTimeout)
+	}
+	if c.Breaker.MinRequests == 0 {
+		c.Breaker.MinRequests = DefaultBreakerMinRequests
+	}
+	if c.Breaker.FailureRatio == 0 {
+		c.Breaker.FailureRatio = DefaultBreakerFailureRatio
+	}
+	return c
+}
+
+// ApplyEngine copies the engine tunables of c (after defaults) into ec:
+// ReadTimeout, Freshness, SlowTick, FastTick and ReplayWorkers.
+func (c Config) ApplyEngine(ec *engine.Config) {
+	c = c.WithDefaults()
+	ec.ReadTimeout = time.Duration(c.ReadTimeout)
+	ec.Freshness = time.Duration(c.Freshness)
+	ec.SlowTick = time.Duration(c.SlowTick)
+	ec.FastTick = time.Duration(c.FastTick)
+	ec.ReplayWorkers = c.ReplayWorkers
+}
+
+// Validate reports the first thing wrong with c, naming the field. It does
+// no network I/O. Its messages never contain a password.
+func (c Config) Validate() error {
+	_, err := c.endpoints()
+	if err != nil {
+		return err
+	}
+	if err := validatePrefix(c.Prefix); err != nil {
+		return err
+	}
+	if c.ReplayWorkers < 0 {
+		return fmt.Errorf("replay_workers: must be positive, got %d", c.ReplayWorkers)
+	}
+	for _, f := range []struct {
+		name string
+		v    Duration
+	}{
+		{"read_timeout", c.ReadTimeout},
+		{"freshness", c.Freshness},
+		{"slow_tick", c.SlowTick},
+		{"fast_tick", c.FastTick},
+		{"breaker.interval", c.Breaker.Interval},
+		{"breaker.timeout", c.Breaker.Timeout},
+	} {
+		if f.v < 0 {
+			return fmt.Errorf("%s: must not be negative, got %s", f.name, time.Duration(f.v))
+		}
+	}
+	d := c.WithDefaults()
+	if d.FastTick > d.SlowTick {
+		return fmt.Errorf("fast_tick (%s) must not be longer than slow_tick (%s)",
+			time.Duration(d.FastTick), time.Duration(d.SlowTick))
+	}
+	if c.Breaker.MinRequests < 0 {
+		return fmt.Errorf("breaker.min_requests: must be positive, got %d", c.Breaker.MinRequests)
+	}
+	if r := c.Breaker.FailureRatio; r < 0 || r > 1 {
+		return fmt.Errorf("breaker.failure_ratio: must be in (0, 1], got %g", r)
+	}
+	return nil
+}
+
+func validatePrefix(p string) error {
+	for i := 0; i < len(p); i++ {
+		c := p[i]
+		if c == '{' || c == '}' || c <= ' ' || c == 0x7f {
+			return fmt.Errorf("prefix: %q may not contain braces, spaces or control characters", p)
+		}
+	}
+	return nil
+}
+
+// Endpoint kinds, as shown in Stats.
+const (
+	KindStandalone = "standalone"
+	KindCluster    = "cluster"
+	KindSentinel   = "sentinel"
+)
+
+// endpointSpec is one endpoint resolved from the configuration, before any
+// client exists.
+type endpointSpec struct {
+	kind string
+	// address is the endpoint's name for operators: scheme, hosts, port
+	// and database, never credentials. Partitions are placed by it.
+	address string
+
+	addrs      []string // host:port
+	username   string
+	password   string
+	db         int
+	tls        bool
+	tlsSkipVer bool
+
+	master                     string
+	sentinelUser, sentinelPass string
+}
+
+// endpoints resolves the configured backend into endpoint specs.
+func (c Config) endpoints() ([]endpointSpec, error) {
+	set := 0
+	if len(c.Redis) > 0 {
+		set++
+	}
+	if c.Cluster != nil {
+		set++
+	}
+	if c.Sentinel != nil {
+		set++
+	}
+	switch {
+	case set == 0:
+		return nil, errors.New("redis: no Redis configured (set redis, redis_cluster or redis_sentinel)")
+	case set > 1:
+		return nil, errors.New("redis: set only one of redis, redis_cluster and redis_sentinel")
+	}
+
+	switch {
+	case c.Cluster != nil:
+		s, err := parseGroup("redis_cluster", c.Cluster.Addrs)
+		if err != nil {
+			return nil, err
+		}
+		if s.db != 0 {
+			return nil, errors.New("redis_cluster: a cluster has no databases but database 0")
+		}
+		s.kind = KindCluster
+		s.address = groupAddress(s, "")
+		return []endpointSpec{s}, nil
+
+	case c.Sentinel != nil:
+		if c.Sentinel.Master == "" {
+			return nil, errors.New("redis_sentinel: the master name is missing")
+		}
+		s, err := parseGroup("redis_sentinel", c.Sentinel.Addrs)
+		if err != nil {
+			return nil, err
+		}
+		s.kind = KindSentinel
+		s.master = c.Sentinel.Master
+		s.sentinelUser = c.Sentinel.SentinelUsername
+		s.sentinelPass = c.Sentinel.SentinelPassword
+		s.address = groupAddress(s, c.Sentinel.Master)
+		return []endpointSpec{s}, nil
+	}
+
+	specs := make([]endpointSpec, 0, len(c.Redis))
+	seen := make(map[string]int, len(c.Redis))
+	for i, raw := range c.Redis {
+		s, err := parseRedisURL(raw)
+		if err != nil {
+			return nil, fmt.Errorf("redis #%d: %w", i+1, err)
+		}
+		s.kind = KindStandalone
+		s.address = fmt.Sprintf("%s://%s/%d", scheme(s.tls), s.addrs[0], s.db)
+		if j, dup := seen[s.partitionLabel()]; dup {
+			return nil, fmt.Errorf("redis #%d: %s is already partition #%d", i+1, s.address, j+1)
+		}
+		seen[s.partitionLabel()] = i
+		specs = append(specs, s)
+	}
+	return specs, nil
+}
+
+// partitionLabel is what rendezvous hashing places keys by: the server and
+// database, which every process of a region names alike, and not the scheme
+// or credentials, which may differ per process.
+func (s *endpointSpec) partitionLabel() string {
+	return s.addrs[0] + "/" + strconv.Itoa(s.db)
+}
+
+func scheme(tls bool) string {
+	if tls {
+		return "rediss"
+	}
+	return "redis"
+}
+
+func groupAddress(s endpointSpec, master string) string {
+	var b strings.Builder
+	b.WriteString(scheme(s.tls))
+	if s.kind == KindSentinel {
+		b.WriteString("+sentinel://")
+		b.WriteString(master)
+		b.WriteByte('@')
+	} else {
+		b.WriteString("+cluster://")
+	}
+	b.WriteString(strings.Join(s.addrs, ","))
+	if s.kind == KindSentinel {
+		fmt.Fprintf(&b, "/%d", s.db)
+	}
+	return b.String()
+}
+
+// parseRedisURL parses one redis:// or rediss:// URL. Its errors never
+// quote the URL: a malformed one may have its password anywhere.
+func parseRedisURL(raw string) (endpointSpec, error) {
+	var s endpointSpec
+	u, err := url.Parse(raw)
+	if err != nil {
+		// url.Error quotes the whole URL, and its inner error may quote the
+		// part of a password that broke the syntax: say neither.
+		return s, errors.New("not a valid URL (percent-encode special characters in the password)")
+	}
+	switch u.Scheme {
+	case "redis":
+	case "rediss":
+		s.tls = true
+	case "":
+		return s, errors.New("missing scheme: use redis:// or rediss://")
+	default:
+		return s, fmt.Errorf("unsupported scheme %q: use redis:// or rediss://", u.Scheme)
+	}
+	if u.Opaque != "" {
+		return s, errors.New("not a valid URL: use redis://host:port")
+	}
+	host, port := u.Hostname(), u.Port()
+	if host == "" {
+		return s, errors.New("missing host")
+	}
+	if port == "" {
+		port = "6379"
+	}
+	if n, err := strconv.Atoi(port); err != nil || n < 1 || n > 65535 {
+		return s, errors.New("invalid port")
+	}
+	s.addrs = []string{net.JoinHostPort(host, port)}
+	if u.User != nil {
+		s.username = u.User.Username()
+		s.password, _ = u.User.Password()
+	}
+	switch p := strings.Trim(u.Path, "/"); {
+	case p == "":
+	case strings.Contains(p, "/"):
+		return s, errors.New("invalid path: only a database number may follow the host")
+	default:
+		db, err := strconv.Atoi(p)
+		if err != nil || db < 0 {
+			// Not quoted: in a URL whose password broke the syntax, the
+			// path may hold the rest of the password.
+			return s, errors.New("invalid database number in the path")
+		}
+		s.db = db
+	}
+	for k, vs := range u.Query() {
+		switch k {
+		case "skip_verify":
+			if !s.tls {
+				return s, errors.New("skip_verify applies to rediss:// only")
+			}
+			v := vs[len(vs)-1]
+			b, err := strconv.ParseBool(v)
+			if err != nil {
+				return s, errors.New("skip_verify: not a boolean")
+			}
+			s.tlsSkipVer = b
+		default:
+			// Connection tuning is this package's job (timeouts, retries and
+			// pools are chosen for the request path); a silently ignored
+			// parameter would surprise more than an error.
+			return s, fmt.Errorf("unsupported URL parameter %q (only skip_verify is accepted)", k)
+		}
+	}
+	return s, nil
+}
+
+// parseGroup parses the addresses of a Cluster or of Sentinels: bare
+// host:port seeds and URLs, whose credentials and TLS must agree.
+func parseGroup(field string, addrs []string) (endpointSpec, error) {
+	var s endpointSpec
+	if len(addrs) == 0 {
+		return s, fmt.Errorf("%s: at least one address is required", field)
+	}
+	var first *endpointSpec
+	seen := make(map[string]bool, len(addrs))
+	for i, a := range addrs {
+		var addr string
+		if strings.Contains(a, "://") {
+			u, err := parseRedisURL(a)
+			if err != nil {
+				return s, fmt.Errorf("%s address #%d: %w", field, i+1, err)
+			}
+			if first == nil {
+				first = &u
+			} else if u.username != first.username || u.password != first.password ||
+				u.tls != first.tls || u.tlsSkipVer != first.tlsSkipVer || u.db != first.db {
+				return s, fmt.Errorf("%s address #%d: credentials, scheme, database or skip_verify differ from an earlier URL; all must agree", field, i+1)
+			}
+			addr = u.addrs[0]
+		} else {
+			host, port, err := net.SplitHostPort(a)
+			if err != nil || host == "" {
+				// Not quoted: "user:password@host:port" without a scheme lands here.
+				return s, fmt.Errorf("%s address #%d: not host:port or a redis:// URL", field, i+1)
+			}
+			if n, err := strconv.Atoi(port); err != nil || n < 1 || n > 65535 {
+				return s, fmt.Errorf("%s address #%d: invalid port", field, i+1)
+			}
+			addr = net.JoinHostPort(host, port)
+		}
+		if seen[addr] {
+			return s, fmt.Errorf("%s address #%d: %s is listed twice", field, i+1, addr)
+		}
+		seen[addr] = true
+		s.addrs = append(s.addrs, addr)
+	}
+	if first != nil {
+		s.username, s.password = first.username, first.password
+		s.tls, s.tlsSkipVer, s.db = first.tls, first.tlsSkipVer, first.db
+	}
+	return s, nil
+}

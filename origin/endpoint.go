@@ -1,0 +1,142 @@
+package origin
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+	"github.com/sony/gobreaker/v2"
+
+	"github.com/edgelimit/caddy-ratelimit/engine"
+)
+
+// endpoint is one Redis deployment (a standalone partition, a Cluster or a
+// Sentinel group) with its client, its breaker and its counters.
+type endpoint struct {
+	r       *Redis
+	address string
+	kind    string
+	seed    uint64
+	client  redis.UniversalClient
+	cb      *gobreaker.CircuitBreaker[struct{}]
+
+	calls      [numOps][numOutcomes]atomic.Uint64
+	lastOK     [numOps]atomic.Int64 // unix nanoseconds
+	roundTrips atomic.Uint64
+	readded    atomic.Uint64
+
+	// Read batching (read.go): mu guards queue, drainers and closing; idle
+	// is signalled when the last drainer leaves.
+	mu       sync.Mutex
+	idle     *sync.Cond
+	queue    []*readReq
+	drainers int
+	closing  bool
+}
+
+func (ep *endpoint) breakerSettings(c BreakerConfig) gobreaker.Settings {
+	interval := time.Duration(c.Interval)
+	minRequests := uint32(c.MinRequests)
+	ratio := c.FailureRatio
+	return gobreaker.Settings{
+		Name:         BreakerName,
+		MaxRequests:  halfOpenProbes,
+		Interval:     interval,
+		BucketPeriod: interval / breakerBuckets,
+		Timeout:      time.Duration(c.Timeout),
+		// A ratio over a minimum sample, counted per round trip: the herd of
+		// cold reads at a window rollover shares a few batched round trips
+		// (read.go) that succeed on a healthy Redis, and reads that merely
+		// ran out of time waiting for a batch never reach the breaker.
+		ReadyToTrip: func(n gobreaker.Counts) bool {
+			done := n.TotalSuccesses + n.TotalFailures
+			return done >= minRequests && float64(n.TotalFailures) >= ratio*float64(done)
+		},
+		// A caller that gave up says nothing about Redis.
+		IsExcluded: func(err error) bool { return errors.Is(err, context.Canceled) },
+		OnStateChange: func(_ string, from, to gobreaker.State) {
+			ep.r.emit(stateEvent{endpoint: ep.address, from: breakerState(from), to: breakerState(to)})
+		},
+	}
+}
+
+// open reports whether the breaker refuses calls right now (a cheap check
+// before any work, so an open breaker costs a request nothing).
+func (ep *endpoint) open() bool { return ep.cb.State() == gobreaker.StateOpen }
+
+// guard runs fn through the breaker, translating its refusals.
+func (ep *endpoint) guard(fn func() error) error {
+	_, err := ep.cb.Execute(func() (struct{}, error) { return struct{}{}, fn() })
+	if errors.Is(err, gobreaker.ErrOpenState) || errors.Is(err, gobreaker.ErrTooManyRequests) {
+		return ErrBreakerOpen
+	}
+	return err
+}
+
+// record counts a finished call and reports it to OnCall.
+func (ep *endpoint) record(op Op, err error, start time.Time, cells int) {
+	o := classify(err)
+	ep.calls[op][o].Add(1)
+	now := time.Now()
+	if o == OutcomeOK {
+		ep.lastOK[op].Store(now.UnixNano())
+	}
+	if f := ep.r.hooks.OnCall; f != nil {
+		f(CallInfo{Endpoint: ep.address, Op: op, Outcome: o, Duration: now.Sub(start), Cells: cells})
+	}
+}
+
+func (ep *endpoint) stats() EndpointStats {
+	s := EndpointStats{
+		Address:    ep.address,
+		Kind:       ep.kind,
+		Breaker:    breakerState(ep.cb.State()),
+		Calls:      make(map[string]map[string]uint64, numOps),
+		RoundTrips: ep.roundTrips.Load(),
+		Readded:    ep.readded.Load(),
+	}
+	for op := Op(0); op < numOps; op++ {
+		m := make(map[string]uint64, numOutcomes)
+		for o := Outcome(0); o < numOutcomes; o++ {
+			m[o.String()] = ep.calls[op][o].Load()
+		}
+		s.Calls[op.String()] = m
+	}
+	if ns := ep.lastOK[OpRead].Load(); ns != 0 {
+		s.LastRead = time.Unix(0, ns)
+	}
+	if ns := ep.lastOK[OpFlush].Load(); ns != 0 {
+		s.LastFlush = time.Unix(0, ns)
+	}
+	return s
+}
+
+// shutdown refuses new reads and waits for the read batches in flight.
+func (ep *endpoint) shutdown() {
+	ep.mu.Lock()
+	ep.closing = true
+	for ep.drainers > 0 {
+		ep.idle.Wait()
+	}
+	ep.mu.Unlock()
+}
+
+// flushRecorded flushes the items idx of batch (all of them when idx is
+// nil) to this endpoint, and counts the call.
+func (ep *endpoint) flushRecorded(ctx context.Context, batch []engine.Delta, idx []int) error {
+	start := time.Now()
+	n := len(batch)
+	if idx != nil {
+		n = len(idx)
+	}
+	err := ep.flush(ctx, batch, idx)
+	ep.record(OpFlush, err, start, n)
+	if err != nil {
+		return fmt.Errorf("redis flush %s (%d cells): %w", ep.address, n, err)
+	}
+	return nil
+}

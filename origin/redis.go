@@ -1,0 +1,247 @@
+// Package origin is the regional origin of the rate limiter: the Redis I/O
+// behind engine.Origin. The engine decides when to read and replay (pressure
+// tiers, ticks, single flight, timeouts) and merges what comes back with
+// max; this package only moves counts in and out of Redis, with a circuit
+// breaker per endpoint so a sick Redis costs requests no latency.
+//
+// Cells live at <prefix>:{<namespace>:<identifier>}:<window_ms>:<sequence>
+// (see cellKey). A read is one MGET of the current and previous cell; a
+// flush is one pipeline of INCRBY and PEXPIREAT per endpoint.
+package origin
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+	"github.com/sony/gobreaker/v2"
+
+	"github.com/edgelimit/caddy-ratelimit/engine"
+)
+
+// BreakerName is the name of every endpoint's circuit breaker.
+const BreakerName = "ratelimit_origin"
+
+// Tunables of the breaker and the state-change notifications.
+const (
+	// breakerBuckets splits the breaker's counting interval into a rolling
+	// window, so counts age out one bucket at a time instead of all at
+	// once at the end of each interval (which would forget a building
+	// outage every 10 s).
+	breakerBuckets = 10
+	// halfOpenProbes is the number of calls a half-open breaker lets
+	// through; one successful round trip is enough evidence that Redis
+	// answers again, and more would keep decisions local for longer.
+	halfOpenProbes = 1
+	// stateEventBuffer holds breaker transitions until OnStateChange takes
+	// them; transitions are rare (seconds apart), so a full buffer means a
+	// stuck hook, and dropping is better than blocking a Redis call.
+	stateEventBuffer = 64
+)
+
+// Redis is the regional origin backed by Redis: one or several standalone
+// partitions, a Cluster, or a Sentinel-monitored master. It implements
+// engine.Origin and is safe for concurrent use.
+type Redis struct {
+	prefix    string
+	endpoints []*endpoint
+	hooks     Hooks
+
+	events  chan stateEvent
+	dropped atomic.Uint64
+	closed  atomic.Bool
+	once    sync.Once
+	done    chan struct{}
+}
+
+type stateEvent struct {
+	endpoint string
+	from, to BreakerState
+}
+
+var _ engine.Origin = (*Redis)(nil)
+
+// New validates cfg and returns the origin. It does not dial: connections
+// are made by the first Read or Flush, so it is safe in Caddy's Provision.
+// Close releases the clients.
+func New(cfg Config, hooks Hooks) (*Redis, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, fmt.Errorf("origin config: %w", err)
+	}
+	cfg = cfg.WithDefaults()
+	specs, err := cfg.endpoints()
+	if err != nil {
+		return nil, fmt.Errorf("origin config: %w", err)
+	}
+	r := &Redis{
+		prefix: cfg.Prefix,
+		hooks:  hooks,
+		done:   make(chan struct{}),
+	}
+	if hooks.OnStateChange != nil {
+		r.events = make(chan stateEvent, stateEventBuffer)
+		go r.notify()
+	}
+	for _, s := range specs {
+		ep := &endpoint{
+			r:       r,
+			address: s.address,
+			kind:    s.kind,
+			seed:    labelHash(s.kind, s.partitionLabelOrAddress()),
+			client:  newClient(s),
+		}
+		ep.idle = sync.NewCond(&ep.mu)
+		ep.cb = gobreaker.NewCircuitBreaker[struct{}](ep.breakerSettings(cfg.Breaker))
+		r.endpoints = append(r.endpoints, ep)
+	}
+	return r, nil
+}
+
+func (s *endpointSpec) partitionLabelOrAddress() string {
+	if s.kind == KindStandalone {
+		return s.partitionLabel()
+	}
+	return s.address
+}
+
+// String lists the endpoints' addresses, never credentials.
+func (r *Redis) String() string {
+	s := "redis origin ["
+	for i, ep := range r.endpoints {
+		if i > 0 {
+			s += " "
+		}
+		s += ep.address
+	}
+	return s + "]"
+}
+
+// Read returns the totals of the cell (key, seq) and of the cell before it;
+// a missing cell is 0. It returns by ctx's deadline whatever Redis does, and
+// at once when the endpoint's breaker is open. Concurrent reads of one
+// endpoint share round trips.
+func (r *Redis) Read(ctx context.Context, key engine.Key, seq int64) (cur, prev int64, err error) {
+	start := time.Now()
+	ep := r.route(key)
+	cur, prev, err = ep.read(ctx, key, seq)
+	ep.record(OpRead, err, start, 2)
+	if err != nil {
+		return 0, 0, fmt.Errorf("redis read %s (zone %q): %w", ep.address, key.Namespace, err)
+	}
+	return cur, prev, nil
+}
+
+// Flush adds each item's Delta to its cell in one pipeline per endpoint
+// (INCRBY and PEXPIREAT at the end of the cell plus two windows), and
+// stores the total in Total and Done for each item Redis applied. When the
+// total comes back below the item's Own, Redis lost this process's earlier
+// contribution (it restarted empty): the difference is added again in a
+// second round trip, so the cell holds this process's units exactly once,
+// and Total is the total after that.
+//
+// Endpoints are written concurrently; an endpoint whose breaker is open or
+// whose round trip fails leaves its items not Done. The error joins every
+// endpoint's error.
+func (r *Redis) Flush(ctx context.Context, batch []engine.Delta) error {
+	if len(batch) == 0 {
+		return nil
+	}
+	ctx, cancel := boundContext(ctx)
+	defer cancel()
+	if len(r.endpoints) == 1 {
+		return r.endpoints[0].flushRecorded(ctx, batch, nil)
+	}
+	groups := make(map[*endpoint][]int, len(r.endpoints))
+	for i := range batch {
+		ep := r.route(batch[i].Key)
+		groups[ep] = append(groups[ep], i)
+	}
+	if len(groups) == 1 {
+		for ep := range groups {
+			return ep.flushRecorded(ctx, batch, nil)
+		}
+	}
+	var (
+		wg   sync.WaitGroup
+		mu   sync.Mutex
+		errs []error
+	)
+	for ep, idx := range groups {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			// Each goroutine writes only its own items of batch.
+			if err := ep.flushRecorded(ctx, batch, idx); err != nil {
+				mu.Lock()
+				errs = append(errs, err)
+				mu.Unlock()
+			}
+		}()
+	}
+	wg.Wait()
+	return errors.Join(errs...)
+}
+
+// Stats returns a snapshot for operators.
+func (r *Redis) Stats() Stats {
+	st := Stats{Endpoints: make([]EndpointStats, len(r.endpoints))}
+	for i, ep := range r.endpoints {
+		st.Endpoints[i] = ep.stats()
+	}
+	return st
+}
+
+// Close stops accepting calls, waits for the read batches in flight (each
+// bounded by its deadline) and closes every client. It is idempotent.
+func (r *Redis) Close() error {
+	var errs []error
+	r.once.Do(func() {
+		r.closed.Store(true)
+		for _, ep := range r.endpoints {
+			ep.shutdown()
+			if err := ep.client.Close(); err != nil && !errors.Is(err, redis.ErrClosed) {
+				errs = append(errs, fmt.Errorf("close %s: %w", ep.address, err))
+			}
+		}
+		close(r.done)
+	})
+	return errors.Join(errs...)
+}
+
+// emit queues a breaker transition for OnStateChange. gobreaker calls its
+// hook with its lock held, so the user's hook runs elsewhere and may call
+// Stats.
+func (r *Redis) emit(ev stateEvent) {
+	if r.events == nil {
+		return
+	}
+	select {
+	case r.events <- ev:
+	default:
+		r.dropped.Add(1)
+	}
+}
+
+func (r *Redis) notify() {
+	for {
+		select {
+		case ev := <-r.events:
+			r.hooks.OnStateChange(ev.endpoint, ev.from, ev.to)
+		case <-r.done:
+			return
+		}
+	}
+}
+
+// boundContext gives ctx a deadline no later than maxCallTimeout from now.
+func boundContext(ctx context.Context) (context.Context, context.CancelFunc) {
+	limit := time.Now().Add(maxCallTimeout)
+	if d, ok := ctx.Deadline(); ok && d.Before(limit) {
+		return ctx, func() {}
+	}
+	return context.WithDeadline(ctx, limit)
+}

@@ -1,0 +1,175 @@
+package origin
+
+import (
+	"context"
+	"errors"
+	"net"
+	"os"
+	"time"
+
+	"github.com/sony/gobreaker/v2"
+)
+
+// Op is the kind of an origin call.
+type Op uint8
+
+// Ops.
+const (
+	// OpRead is a Read: one cell pair, possibly batched with others into
+	// one round trip.
+	OpRead Op = iota
+	// OpFlush is the part of one Flush that went to one endpoint: one
+	// round trip (two when contributions had to be re-added).
+	OpFlush
+	numOps
+)
+
+// String returns "read" or "flush".
+func (o Op) String() string {
+	switch o {
+	case OpRead:
+		return "read"
+	case OpFlush:
+		return "flush"
+	}
+	return "unknown"
+}
+
+// Outcome is how an origin call ended.
+type Outcome uint8
+
+// Outcomes.
+const (
+	// OutcomeOK: Redis answered.
+	OutcomeOK Outcome = iota
+	// OutcomeError: Redis or the connection failed.
+	OutcomeError
+	// OutcomeTimeout: the deadline passed first (a slow or hung Redis, or
+	// a read that waited its whole budget for a batch).
+	OutcomeTimeout
+	// OutcomeRejected: the breaker refused the call, or the origin is
+	// closed; no I/O happened.
+	OutcomeRejected
+	numOutcomes
+)
+
+// String returns "ok", "error", "timeout" or "rejected".
+func (o Outcome) String() string {
+	switch o {
+	case OutcomeOK:
+		return "ok"
+	case OutcomeError:
+		return "error"
+	case OutcomeTimeout:
+		return "timeout"
+	case OutcomeRejected:
+		return "rejected"
+	}
+	return "unknown"
+}
+
+// BreakerState is the state of an endpoint's circuit breaker.
+type BreakerState string
+
+// Breaker states.
+const (
+	// BreakerClosed: calls go to Redis.
+	BreakerClosed BreakerState = "closed"
+	// BreakerOpen: calls fail at once and decisions stay local.
+	BreakerOpen BreakerState = "open"
+	// BreakerHalfOpen: one probe call may go to Redis; the rest are
+	// rejected until it answers.
+	BreakerHalfOpen BreakerState = "half-open"
+)
+
+func breakerState(s gobreaker.State) BreakerState {
+	switch s {
+	case gobreaker.StateOpen:
+		return BreakerOpen
+	case gobreaker.StateHalfOpen:
+		return BreakerHalfOpen
+	}
+	return BreakerClosed
+}
+
+// CallInfo describes one finished origin call, for latency metrics.
+type CallInfo struct {
+	// Endpoint is the endpoint's address (never credentials).
+	Endpoint string
+	Op       Op
+	Outcome  Outcome
+	// Duration is the time the caller waited, batching included.
+	Duration time.Duration
+	// Cells is the number of cells read or flushed.
+	Cells int
+}
+
+// Hooks let the caller observe the origin. Both are optional.
+type Hooks struct {
+	// OnCall runs on the calling goroutine after every Read and after every
+	// endpoint's part of a Flush: keep it cheap (update a histogram).
+	OnCall func(CallInfo)
+	// OnStateChange runs when an endpoint's breaker changes state, in
+	// order, on a goroutine of its own, so it may log, update metrics or
+	// call Stats. A slow hook delays later notifications only.
+	OnStateChange func(endpoint string, from, to BreakerState)
+}
+
+// Stats is a snapshot of the origin for operators.
+type Stats struct {
+	Endpoints []EndpointStats `json:"endpoints"`
+}
+
+// EndpointStats is a snapshot of one endpoint.
+type EndpointStats struct {
+	// Address names the endpoint: scheme, hosts, port and database, never
+	// credentials.
+	Address string `json:"address"`
+	// Kind is "standalone", "cluster" or "sentinel".
+	Kind string `json:"kind"`
+	// Breaker is the breaker's state.
+	Breaker BreakerState `json:"breaker"`
+	// Calls counts calls by op ("read", "flush") and outcome ("ok",
+	// "error", "timeout", "rejected").
+	Calls map[string]map[string]uint64 `json:"calls"`
+	// RoundTrips counts pipelines sent to Redis: concurrent reads share one.
+	RoundTrips uint64 `json:"round_trips"`
+	// Readded counts units this process re-added because Redis returned a
+	// total below its own contribution (Redis restarted empty).
+	Readded uint64 `json:"readded"`
+	// LastRead and LastFlush are the times of the last successful read and
+	// flush (zero if none yet).
+	LastRead  time.Time `json:"last_read,omitzero"`
+	LastFlush time.Time `json:"last_flush,omitzero"`
+}
+
+// Errors returned by Read and Flush, wrapped with the endpoint's address.
+var (
+	// ErrBreakerOpen: the endpoint's breaker is open (or half-open with its
+	// probe in flight); nothing was sent.
+	ErrBreakerOpen = errors.New("circuit breaker open")
+	// ErrClosed: Close was called.
+	ErrClosed = errors.New("origin closed")
+)
+
+// classify maps an error to the outcome it counts as.
+func classify(err error) Outcome {
+	if err == nil {
+		return OutcomeOK
+	}
+	if errors.Is(err, ErrBreakerOpen) || errors.Is(err, ErrClosed) {
+		return OutcomeRejected
+	}
+	if isTimeout(err) {
+		return OutcomeTimeout
+	}
+	return OutcomeError
+}
+
+func isTimeout(err error) bool {
+	if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, os.ErrDeadlineExceeded) {
+		return true
+	}
+	var ne net.Error
+	return errors.As(err, &ne) && ne.Timeout()
+}
