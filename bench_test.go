@@ -1,0 +1,100 @@
+package ratelimit
+
+import (
+	"context"
+	"net/http"
+	"net/http/httptest"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+)
+
+// warmRequest returns a handler of the given zones (limits too high to deny)
+// and a function that serves one request on a warm key through it.
+func warmRequest(tb testing.TB, headers string, zones int) func() {
+	tb.Helper()
+	var zs []*Zone
+	vars := map[string]string{}
+	for i := range zones {
+		name := string(rune('a' + i))
+		zs = append(zs, zoneOf(name, 1<<50, time.Hour))
+		vars[name] = "203.0.113.7"
+	}
+	h := &Handler{Zones: zs, Headers: headers}
+	if t, ok := tb.(*testing.T); ok {
+		provisionTest(t, nil, h)
+	} else {
+		provisionBench(tb.(*testing.B), h)
+	}
+	repl := caddy.NewReplacer()
+	for k, v := range vars {
+		repl.Set("test."+k, v)
+	}
+	req := httptest.NewRequest(http.MethodGet, "/", nil)
+	req = req.WithContext(context.WithValue(req.Context(), caddy.ReplacerCtxKey, repl))
+	rec := httptest.NewRecorder()
+	next := caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error { return nil })
+	serveOne := func() {
+		if err := h.ServeHTTP(rec, req, next); err != nil {
+			tb.Fatal(err)
+		}
+	}
+	serveOne() // warm: the entry exists from now on
+	return serveOne
+}
+
+func provisionBench(b *testing.B, h *Handler) {
+	if err := h.provision(new(App)); err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { _ = h.Cleanup() })
+}
+
+// TestHandler_WarmAllowAllocations pins the allocations of an allowed
+// request on a warm key: none without headers, two with any header set (one
+// string holding every value, one slice of header values).
+func TestHandler_WarmAllowAllocations(t *testing.T) {
+	if raceEnabled {
+		t.Skip("the race detector changes allocations")
+	}
+	useClock(t, 0)
+	for _, tc := range []struct {
+		headers string
+		zones   int
+		want    float64
+	}{
+		{"off", 1, 0},
+		{"off", 3, 0},
+		{"draft", 1, 2},
+		{"draft", 3, 2},
+		{"both", 2, 2},
+	} {
+		serveOne := warmRequest(t, tc.headers, tc.zones)
+		if got := testing.AllocsPerRun(200, serveOne); got > tc.want {
+			t.Errorf("headers %s, %d zones: %.1f allocations per request, want at most %.0f", tc.headers, tc.zones, got, tc.want)
+		}
+	}
+}
+
+func BenchmarkHandler_Allow(b *testing.B) {
+	for _, bc := range []struct {
+		name    string
+		headers string
+		zones   int
+	}{
+		{"1zone_off", "off", 1},
+		{"1zone_draft", "draft", 1},
+		{"3zones_both", "both", 3},
+	} {
+		b.Run(bc.name, func(b *testing.B) {
+			serveOne := warmRequest(b, bc.headers, bc.zones)
+			b.ReportAllocs()
+			b.ResetTimer()
+			for b.Loop() {
+				serveOne()
+			}
+		})
+	}
+}
