@@ -1,0 +1,239 @@
+package ratelimit
+
+import (
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2/caddytest"
+)
+
+// freePort asks the kernel for a loopback port nobody listens on.
+func freePort(t *testing.T) int {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port
+}
+
+// e2eConfig renders a Caddyfile for the in-process Caddy: its admin endpoint
+// on a port of its own (never caddytest's default 2999, so this package and
+// others can test in parallel), one plain-HTTP site on loopback.
+func e2eConfig(admin, port int, routes string) string {
+	return fmt.Sprintf(`{
+	admin localhost:%d
+	http_port %d
+	auto_https off
+	persist_config off
+	skip_install_trust
+	grace_period 1ns
+}
+
+http://127.0.0.1:%d {
+	bind 127.0.0.1
+%s
+	respond "fallback"
+}
+`, admin, port, port, routes)
+}
+
+// e2eRoutes is the first config: one zone on /one, two zones on /two, and
+// an error route, so denials are seen through Caddy's error flow.
+const e2eRoutes = `
+	handle /one {
+		ratelimit {
+			zone e2e_one {
+				key    {http.request.header.X-Key}
+				limit  3
+				window 1m
+			}
+		}
+		respond "one"
+	}
+	handle /two {
+		ratelimit {
+			zone e2e_tight {
+				key    {http.request.header.X-Key}
+				limit  1
+				window 1m
+			}
+			zone e2e_wide {
+				key    {http.request.header.X-Tenant}
+				limit  10
+				window 1h
+			}
+			headers both
+		}
+		respond "two"
+	}
+	handle_errors 429 {
+		respond "slow down: {err.message}" {err.status_code}
+	}
+`
+
+// e2eRoutesReloaded keeps zone e2e_one with a higher limit and drops /two.
+const e2eRoutesReloaded = `
+	handle /one {
+		ratelimit {
+			zone e2e_one {
+				key    {http.request.header.X-Key}
+				limit  5
+				window 1m
+			}
+			headers legacy
+		}
+		respond "one again"
+	}
+`
+
+type e2eResponse struct {
+	status int
+	body   string
+	header http.Header
+}
+
+func get(t *testing.T, tester *caddytest.Tester, url string, headers ...string) e2eResponse {
+	t.Helper()
+	req, err := http.NewRequest(http.MethodGet, url, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i+1 < len(headers); i += 2 {
+		req.Header.Set(headers[i], headers[i+1])
+	}
+	resp, err := tester.Client.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return e2eResponse{status: resp.StatusCode, body: string(body), header: resp.Header}
+}
+
+func (r e2eResponse) expect(t *testing.T, status int, body string, headers ...string) {
+	t.Helper()
+	if r.status != status || r.body != body {
+		t.Fatalf("got %d %q, want %d %q", r.status, r.body, status, body)
+	}
+	for i := 0; i+1 < len(headers); i += 2 {
+		k, want := headers[i], headers[i+1]
+		got, present := r.header[http.CanonicalHeaderKey(k)]
+		switch {
+		case want == "" && present:
+			t.Fatalf("%s: %q, want absent", k, got)
+		case want != "" && r.header.Get(k) != want:
+			t.Fatalf("%s: %q, want %q", k, r.header.Get(k), want)
+		}
+	}
+}
+
+// currentState returns the pooled state, or nil when the pool is empty.
+func currentState() *state {
+	var st *state
+	pool.Range(func(_, v any) bool {
+		st, _ = v.(*state)
+		return false
+	})
+	return st
+}
+
+// TestCaddy_EndToEnd runs Caddy in-process with the module: statuses and
+// both header sets for one and two zones, a denial that charges no other
+// zone, a reload that keeps the counts, and no engine goroutine left once
+// the last config using it is unloaded.
+func TestCaddy_EndToEnd(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts Caddy")
+	}
+	// 15 s into a minute (and an hour) window, frozen: header values are
+	// exact.
+	useClock(t, 15*time.Second)
+	admin, port := freePort(t), freePort(t)
+	base := fmt.Sprintf("http://127.0.0.1:%d", port)
+
+	tester := caddytest.NewTester(t).WithDefaultOverrides(caddytest.Config{AdminPort: admin})
+	tester.InitServer(e2eConfig(admin, port, e2eRoutes), "caddyfile")
+	if t.Failed() {
+		t.FailNow()
+	}
+	st := currentState()
+	if st == nil {
+		t.Fatal("no engine in the pool after loading a config with ratelimit")
+	}
+
+	t.Run("one zone", func(t *testing.T) {
+		for r := 2; r >= 0; r-- {
+			get(t, tester, base+"/one", "X-Key", "alice").expect(t, 200, "one",
+				"RateLimit-Policy", `"e2e_one";q=3;w=60`,
+				"RateLimit", fmt.Sprintf(`"e2e_one";r=%d;t=45`, r),
+				"X-RateLimit-Remaining", "",
+				"Retry-After", "")
+		}
+		// The error route shapes the body; the identifier appears nowhere.
+		get(t, tester, base+"/one", "X-Key", "alice").expect(t, 429, "slow down: rate limit exceeded: zone e2e_one",
+			"RateLimit-Policy", `"e2e_one";q=3;w=60`,
+			"RateLimit", `"e2e_one";r=0;t=45`,
+			"Retry-After", "65")
+		get(t, tester, base+"/one", "X-Key", "bob").expect(t, 200, "one", "RateLimit", `"e2e_one";r=2;t=45`)
+	})
+
+	t.Run("two zones", func(t *testing.T) {
+		get(t, tester, base+"/two", "X-Key", "k1", "X-Tenant", "acme").expect(t, 200, "two",
+			"RateLimit-Policy", `"e2e_tight";q=1;w=60, "e2e_wide";q=10;w=3600`,
+			"RateLimit", `"e2e_tight";r=0;t=45, "e2e_wide";r=9;t=3585`,
+			"X-RateLimit-Limit", "1",
+			"X-RateLimit-Remaining", "0",
+			"X-RateLimit-Reset", "45")
+		// Denied by the tight zone twice: the wide zone is not charged.
+		for range 2 {
+			get(t, tester, base+"/two", "X-Key", "k1", "X-Tenant", "acme").expect(t, 429, "slow down: rate limit exceeded: zone e2e_tight",
+				"RateLimit", `"e2e_tight";r=0;t=45, "e2e_wide";r=9;t=3585`,
+				"X-RateLimit-Limit", "1",
+				"X-RateLimit-Remaining", "0",
+				"Retry-After", "105")
+		}
+		get(t, tester, base+"/two", "X-Key", "k2", "X-Tenant", "acme").expect(t, 200, "two",
+			"RateLimit", `"e2e_tight";r=0;t=45, "e2e_wide";r=8;t=3585`)
+	})
+
+	t.Run("reload keeps counts", func(t *testing.T) {
+		tester.InitServer(e2eConfig(admin, port, e2eRoutesReloaded), "caddyfile")
+		if t.Failed() {
+			t.FailNow()
+		}
+		if currentState() != st {
+			t.Fatal("the reload replaced the engine")
+		}
+		// alice used 3 of the zone's units before the reload; the limit is
+		// now 5.
+		get(t, tester, base+"/one", "X-Key", "alice").expect(t, 200, "one again",
+			"X-RateLimit-Limit", "5",
+			"X-RateLimit-Remaining", "1",
+			"X-RateLimit-Reset", "45",
+			"RateLimit", "")
+		get(t, tester, base+"/one", "X-Key", "alice").expect(t, 200, "one again", "X-RateLimit-Remaining", "0")
+		// 5 units weigh at most 4 a fifth into the next window: 45 s + 12 s.
+		get(t, tester, base+"/one", "X-Key", "alice").expect(t, 429, "", "X-RateLimit-Remaining", "0", "Retry-After", "57")
+	})
+
+	t.Run("unload stops the engine", func(t *testing.T) {
+		tester.InitServer(e2eConfig(admin, port, ""), "caddyfile")
+		if t.Failed() {
+			t.FailNow()
+		}
+		get(t, tester, base+"/one").expect(t, 200, "fallback", "RateLimit", "", "X-RateLimit-Limit", "")
+		if n, ok := pool.References(poolKey); ok {
+			t.Fatalf("engine pool still has %d users after the last ratelimit config was unloaded", n)
+		}
+		waitNoEngineGoroutines(t)
+	})
+}
