@@ -30,6 +30,10 @@ type Key struct {
 // Limit is one limit to decide for a request.
 type Limit struct {
 	Key
+	// Zone, if set, is the zone of Key.Namespace and Key.Window resolved
+	// beforehand with Engine.Zone; it saves a lookup per decision, and its
+	// namespace and window are used instead of Key's.
+	Zone *Zone
 	// Limit is the number of units admitted per sliding window (≥ 0).
 	Limit int64
 	// Cost is the number of units this request consumes (≥ 0).
@@ -94,6 +98,7 @@ type Delta struct {
 	// Done is set by Flush for each item the origin applied.
 	Done bool
 
+	zone *Zone
 	cell *cell
 }
 

@@ -82,9 +82,8 @@ type Denial struct {
 type Engine struct {
 	cfg     Config
 	now     func() time.Time
-	entries *xsync.Map[Key, *entry]
+	zones   *xsync.Map[zoneKey, *Zone]
 	live    atomic.Int64
-	strict  *xsync.Map[Key, *atomic.Int64]
 	flights *xsync.Map[*cell, *flight]
 	origin  atomic.Pointer[originBox]
 
@@ -134,8 +133,7 @@ func New(cfg Config) *Engine {
 	e := &Engine{
 		cfg:      cfg,
 		now:      cfg.Now,
-		entries:  xsync.NewMap[Key, *entry](),
-		strict:   xsync.NewMap[Key, *atomic.Int64](),
+		zones:    xsync.NewMap[zoneKey, *Zone](),
 		flights:  xsync.NewMap[*cell, *flight](),
 		evictNow: make(chan struct{}, 1),
 		stop:     make(chan struct{}),
@@ -183,36 +181,48 @@ func (e *Engine) nowMs() int64 { return e.now().UnixMilli() }
 
 // located is one limit resolved to its cell at the time of the decision.
 type located struct {
-	key  Key
+	zone *Zone
+	id   string
 	cur  *cell
 	w, r int64
 }
 
+func (lc *located) key() Key { return lc.zone.key(lc.id) }
+
 // locate finds (or creates) the entry of l and its current cell at now.
-func (e *Engine) locate(l *Limit, now int64) located {
-	key, w := normalize(l.Key)
+func (e *Engine) locate(lc *located, l *Limit, now int64) {
+	z := l.Zone
+	if z == nil {
+		z = e.Zone(l.Namespace, l.Window)
+	}
+	id := l.Identifier
+	if len(id) > MaxIdentifierLen {
+		id = NormalizeIdentifier(id)
+	}
+	w := z.w
 	seq := now / w
-	hasOrigin := e.origin.Load() != nil
 	for {
-		en, ok := e.entries.Load(key)
+		en, ok := z.entries.Load(id)
 		if !ok {
-			en = e.insert(key, seq, hasOrigin)
+			en = e.insert(z, id, seq)
 		}
 		if c := en.current(seq); c != nil {
 			r := now - c.seq*w
 			if r < 0 {
 				r = 0
 			}
-			return located{key: key, cur: c, w: w, r: r}
+			lc.zone, lc.id, lc.cur, lc.w, lc.r = z, id, c, w, r
+			return
 		}
 		// Removed by the janitor between the load and the rotation: look
 		// again, a fresh entry may already stand in its place.
 	}
 }
 
-// insert adds a new entry for key, or returns the one that won a race.
-func (e *Engine) insert(key Key, seq int64, hasOrigin bool) *entry {
-	en, loaded := e.entries.LoadOrCompute(key, func() (*entry, bool) {
+// insert adds a new entry for id, or returns the one that won a race.
+func (e *Engine) insert(z *Zone, id string, seq int64) *entry {
+	hasOrigin := e.origin.Load() != nil
+	en, loaded := z.entries.LoadOrCompute(id, func() (*entry, bool) {
 		c := &cell{seq: seq}
 		if !hasOrigin {
 			c.state.Store(stHydrated)
@@ -244,14 +254,17 @@ func (lc *located) counts() (cur, prev int64) {
 // Decide decides one limit and, when it allows, charges its cost.
 func (e *Engine) Decide(ctx context.Context, l Limit) Decision {
 	now := e.nowMs()
-	lc := e.locate(&l, now)
+	var lc located
+	e.locate(&lc, &l, now)
 	if o := e.getOrigin(); o != nil {
 		e.converge(ctx, o, &lc, &l, now)
 	}
 	for {
 		cur, prev := lc.counts()
 		if !fits(cur, prev, l.Cost, l.Limit, lc.w, lc.r) {
-			return e.deny(&lc, &l, cur, prev, now)
+			var d Decision
+			e.deny(&d, &lc, &l, cur, prev)
+			return d
 		}
 		// Only the cell's own count is swapped: global and previous counts
 		// only grow, so a concurrent change there can only make this allow
@@ -271,30 +284,28 @@ func (e *Engine) Decide(ctx context.Context, l Limit) Decision {
 
 // deny builds a denial and records what a denial records: strict mode and
 // the cell's first denial. It never waits and never calls the origin.
-func (e *Engine) deny(lc *located, l *Limit, cur, prev, now int64) Decision {
-	d := Decision{
-		Limit:     l.Limit,
-		Remaining: remaining(cur, prev, l.Limit, lc.w, lc.r),
-		Reset:     msDuration(lc.w - lc.r),
-	}
+func (e *Engine) deny(d *Decision, lc *located, l *Limit, cur, prev int64) {
+	d.Allowed = false
+	d.Limit = l.Limit
+	d.Remaining = remaining(cur, prev, l.Limit, lc.w, lc.r)
+	d.Reset = msDuration(lc.w - lc.r)
 	if ra := retryAfterMs(cur, prev, l.Cost, l.Limit, lc.w, lc.r); ra < 0 {
 		d.RetryAfter = Never
 	} else {
 		d.RetryAfter = msDuration(ra)
 	}
 	if e.origin.Load() != nil {
-		e.markStrict(lc.key, (lc.cur.seq+1)*lc.w)
+		markStrict(lc.zone, lc.id, (lc.cur.seq+1)*lc.w)
 	}
 	if lc.cur.state.Load()&stBlocked == 0 && lc.cur.setBits(stBlocked) {
 		e.stats.firstDenials.Add(1)
 		if f := e.cfg.OnFirstDenial; f != nil {
 			used := cur + weighted(prev, lc.w, lc.r)
 			lim := *l
-			lim.Key = lc.key
+			lim.Key, lim.Zone = lc.key(), lc.zone
 			f(Denial{Limit: lim, Sequence: lc.cur.seq, Used: used})
 		}
 	}
-	return d
 }
 
 // committed records cost committed units in the cell for replay; effective
@@ -304,7 +315,7 @@ func (e *Engine) committed(lc *located, cost, effective, limit int64) {
 		return
 	}
 	lc.cur.pending.Add(cost)
-	e.markDirty(lc.key, lc.cur, pressureAtLeast(effective, limit, 1, 2))
+	e.markDirty(lc.zone, lc.id, lc.cur, pressureAtLeast(effective, limit, 1, 2))
 }
 
 // DecideMany decides several limits all-or-nothing: every cost is reserved
@@ -320,16 +331,16 @@ func (e *Engine) DecideMany(ctx context.Context, ls []Limit, out []Decision) boo
 	var stack [8]located
 	lcs := stack[:0]
 	if len(ls) > len(stack) {
-		lcs = make([]located, 0, len(ls))
+		lcs = make([]located, len(ls))
 	}
 	now := e.nowMs()
 	o := e.getOrigin()
+	lcs = lcs[:len(ls)]
 	for i := range ls {
-		lc := e.locate(&ls[i], now)
+		e.locate(&lcs[i], &ls[i], now)
 		if o != nil {
-			e.converge(ctx, o, &lc, &ls[i], now)
+			e.converge(ctx, o, &lcs[i], &ls[i], now)
 		}
-		lcs = append(lcs, lc)
 	}
 	reserved := 0
 	denied := false
@@ -358,7 +369,7 @@ func (e *Engine) DecideMany(ctx context.Context, ls []Limit, out []Decision) boo
 				}
 				continue
 			}
-			out[i] = e.deny(&lcs[i], &ls[i], cur, prev, now)
+			e.deny(&out[i], &lcs[i], &ls[i], cur, prev)
 		}
 		return false
 	}

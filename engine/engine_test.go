@@ -134,7 +134,8 @@ func TestDecide_RetryAfterIsExact(t *testing.T) {
 // copyKey copies one key's cells to another identifier in the same engine.
 func copyKey(t *testing.T, e *Engine, key Key, id string) {
 	t.Helper()
-	en, ok := e.entries.Load(key)
+	z := e.Zone(key.Namespace, key.Window)
+	en, ok := z.entries.Load(key.Identifier)
 	if !ok {
 		t.Fatal("key not in engine")
 	}
@@ -149,8 +150,7 @@ func copyKey(t *testing.T, e *Engine, key Key, id string) {
 	}
 	n := &entry{}
 	n.cur.Store(c)
-	key.Identifier = id
-	e.entries.Store(key, n)
+	z.entries.Store(id, n)
 	e.live.Add(1)
 }
 

@@ -16,12 +16,11 @@ func newFakeClock(ms int64) *fakeClock {
 	return c
 }
 
-func (c *fakeClock) Now() time.Time            { return time.UnixMilli(c.ms.Load()) }
-func (c *fakeClock) Set(ms int64)              { c.ms.Store(ms) }
-func (c *fakeClock) Add(d time.Duration)       { c.ms.Add(d.Milliseconds()) }
-func (c *fakeClock) AddMs(ms int64)            { c.ms.Add(ms) }
-func (c *fakeClock) UnixMilli() int64          { return c.ms.Load() }
-func (c *fakeClock) windowStart(w int64) int64 { return c.ms.Load() / w * w }
+func (c *fakeClock) Now() time.Time      { return time.UnixMilli(c.ms.Load()) }
+func (c *fakeClock) Set(ms int64)        { c.ms.Store(ms) }
+func (c *fakeClock) Add(d time.Duration) { c.ms.Add(d.Milliseconds()) }
+func (c *fakeClock) AddMs(ms int64)      { c.ms.Add(ms) }
+func (c *fakeClock) UnixMilli() int64    { return c.ms.Load() }
 
 // epoch is a window-aligned start time for tests (aligned to every window
 // the tests use: 1 s, 1 min, 1 h, 1 day).

@@ -53,7 +53,7 @@ func (e *Engine) converge(ctx context.Context, o Origin, lc *located, l *Limit, 
 	}
 	fresh := c.fresh.Load()
 	switch {
-	case pressureAtLeast(effective, l.Limit, 9, 10) || e.strictUntil(lc.key) > now:
+	case pressureAtLeast(effective, l.Limit, 9, 10) || strictUntil(lc.zone, lc.id) > now:
 		if now-(fresh-e.cfg.Freshness.Milliseconds()) >= e.cfg.FastTick.Milliseconds() {
 			e.read(ctx, o, lc, true)
 		}
@@ -111,7 +111,7 @@ func (e *Engine) startRead(o Origin, lc *located, wait bool) (*flight, bool) {
 		}
 		return f, false
 	}
-	key, c := lc.key, lc.cur
+	key, c := lc.key(), lc.cur
 	go func() {
 		defer func() {
 			e.flights.Delete(c)

@@ -40,34 +40,40 @@ func (e *Engine) janitorLoop() {
 func (e *Engine) Sweep() int {
 	now := e.nowMs()
 	hasOrigin := e.origin.Load() != nil
-	dropped := e.entries.DeleteMatching(func(key Key, en *entry) (bool, bool) {
-		c := en.cur.Load()
-		if c == tombstone {
-			return true, false
-		}
-		if hasOrigin {
-			e.requeue(key, c)
-		}
-		if c.seq >= now/key.Window.Milliseconds()-1 {
-			return false, false
-		}
-		// A request that still holds the entry sees the tombstone and looks
-		// the key up again, so nothing is counted into a dropped cell.
-		return en.cur.CompareAndSwap(c, tombstone), false
+	dropped := 0
+	e.rangeZones(func(z *Zone) bool {
+		oldest := now/z.w - 1
+		dropped += z.entries.DeleteMatching(func(id string, en *entry) (bool, bool) {
+			c := en.cur.Load()
+			if c == tombstone {
+				return true, false
+			}
+			if hasOrigin {
+				e.requeue(z, id, c)
+			}
+			if c.seq >= oldest {
+				return false, false
+			}
+			// A request that still holds the entry sees the tombstone and
+			// looks the key up again, so nothing is counted into a dropped
+			// cell.
+			return en.cur.CompareAndSwap(c, tombstone), false
+		})
+		z.strict.DeleteMatching(func(_ string, d *atomic.Int64) (bool, bool) {
+			return d.Load() <= now, false
+		})
+		return true
 	})
 	e.live.Add(-int64(dropped))
-	e.strict.DeleteMatching(func(_ Key, d *atomic.Int64) (bool, bool) {
-		return d.Load() <= now, false
-	})
 	return dropped
 }
 
 // requeue queues c and its previous cell if they hold pending units but sit
 // in no queue.
-func (e *Engine) requeue(key Key, c *cell) {
+func (e *Engine) requeue(z *Zone, id string, c *cell) {
 	for _, x := range [2]*cell{c, c.prev.Load()} {
 		if x != nil && x.pending.Load() > 0 && x.state.Load()&stDirty == 0 {
-			e.markDirty(key, x, false)
+			e.markDirty(z, id, x, false)
 		}
 	}
 }
@@ -77,17 +83,19 @@ func (e *Engine) requeue(key Key, c *cell) {
 // touched, oldest first) and then of count (lowest first). Pending deltas
 // of evicted cells stay queued for replay. It returns the number evicted.
 func (e *Engine) Evict() int {
-	over := e.live.Load() - int64(e.cfg.MaxEntries)
-	if over <= 0 {
+	if e.live.Load() <= int64(e.cfg.MaxEntries) {
 		return 0
 	}
 	want := e.live.Load() - int64(float64(e.cfg.MaxEntries)*evictLowWater)
 	now := e.nowMs()
 	var hist [evictClasses]int64
-	e.entries.Range(func(key Key, en *entry) bool {
-		if c := en.cur.Load(); c != tombstone {
-			hist[evictClass(key, c, now)]++
-		}
+	e.rangeZones(func(z *Zone) bool {
+		z.entries.Range(func(_ string, en *entry) bool {
+			if c := en.cur.Load(); c != tombstone {
+				hist[evictClass(z, c, now)]++
+			}
+			return true
+		})
 		return true
 	})
 	// Find the class at which the coldest want entries end.
@@ -100,25 +108,29 @@ func (e *Engine) Evict() int {
 		acc += hist[threshold]
 	}
 	hasOrigin := e.origin.Load() != nil
-	evicted := e.entries.DeleteMatching(func(key Key, en *entry) (bool, bool) {
-		c := en.cur.Load()
-		if c == tombstone {
+	evicted := 0
+	e.rangeZones(func(z *Zone) bool {
+		evicted += z.entries.DeleteMatching(func(id string, en *entry) (bool, bool) {
+			c := en.cur.Load()
+			if c == tombstone {
+				return true, false
+			}
+			class := evictClass(z, c, now)
+			if class > threshold || (class == threshold && atThreshold <= 0) {
+				return false, false
+			}
+			if hasOrigin {
+				e.requeue(z, id, c)
+			}
+			if !en.cur.CompareAndSwap(c, tombstone) {
+				return false, false
+			}
+			if class == threshold {
+				atThreshold--
+			}
 			return true, false
-		}
-		class := evictClass(key, c, now)
-		if class > threshold || (class == threshold && atThreshold <= 0) {
-			return false, false
-		}
-		if hasOrigin {
-			e.requeue(key, c)
-		}
-		if !en.cur.CompareAndSwap(c, tombstone) {
-			return false, false
-		}
-		if class == threshold {
-			atThreshold--
-		}
-		return true, false
+		})
+		return true
 	})
 	e.live.Add(-int64(evicted))
 	e.stats.evictions.Add(int64(evicted))
@@ -135,8 +147,8 @@ const (
 )
 
 // evictClass orders entries for eviction: lower classes go first.
-func evictClass(key Key, c *cell, now int64) int {
-	age := now/key.Window.Milliseconds() - c.seq
+func evictClass(z *Zone, c *cell, now int64) int {
+	age := now/z.w - c.seq
 	if age < 0 {
 		age = 0
 	}

@@ -3,7 +3,6 @@ package engine
 import (
 	"crypto/sha256"
 	"encoding/hex"
-	"time"
 )
 
 // MaxIdentifierLen is the longest identifier kept as it is. Longer ones are
@@ -28,15 +27,9 @@ func NormalizeIdentifier(id string) string {
 	return hashedPrefix + hex.EncodeToString(sum[:])
 }
 
-// normalize returns the key as the engine stores it: identifier bounded and
-// window truncated to whole milliseconds (at least one), with the window in
-// milliseconds.
-func normalize(k Key) (Key, int64) {
-	w := int64(k.Window / time.Millisecond)
-	if w < 1 {
-		w = 1
-	}
-	k.Window = time.Duration(w) * time.Millisecond
-	k.Identifier = NormalizeIdentifier(k.Identifier)
-	return k, w
+// findKey returns the zone and normalized identifier of key, if the zone
+// exists.
+func (e *Engine) findKey(key Key) (*Zone, string, bool) {
+	z, ok := e.lookupZone(key)
+	return z, NormalizeIdentifier(key.Identifier), ok
 }

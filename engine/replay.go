@@ -55,23 +55,23 @@ var emptyRing = newRing(1)
 
 // markDirty queues c for replay in the tier its pressure asks for. A cell
 // already queued in that tier is not queued again.
-func (e *Engine) markDirty(key Key, c *cell, fast bool) {
+func (e *Engine) markDirty(z *Zone, id string, c *cell, fast bool) {
 	st := c.state.Load()
 	if fast {
 		if st&stFast != 0 || !c.setBits(stDirty|stFast) {
 			return
 		}
-		if !e.queue(Fast).push(key, c) {
+		if !e.queue(Fast).push(z, id, c) {
 			c.clearBits(stFast)
 			e.stats.replayDrops.Add(1)
-			e.markDirty(key, c, false)
+			e.markDirty(z, id, c, false)
 		}
 		return
 	}
 	if st&stDirty != 0 || !c.setBits(stDirty) {
 		return
 	}
-	if !e.queue(Slow).push(key, c) {
+	if !e.queue(Slow).push(z, id, c) {
 		c.clearBits(stDirty)
 		e.stats.replayDrops.Add(1)
 	}
@@ -81,24 +81,24 @@ func (e *Engine) markDirty(key Key, c *cell, fast bool) {
 func (e *Engine) drain(t Tier, max int, out []Delta) []Delta {
 	q := e.queue(t)
 	for len(out) < max {
-		key, c, ok := q.pop()
+		z, id, c, ok := q.pop()
 		if !ok {
 			break
 		}
-		out = e.take(out, key, c)
+		out = e.take(out, z, id, c)
 	}
 	return out
 }
 
 // take moves c's pending delta into a Delta. The dirty bits are cleared
 // first, so a commit that lands after the swap queues the cell again.
-func (e *Engine) take(out []Delta, key Key, c *cell) []Delta {
+func (e *Engine) take(out []Delta, z *Zone, id string, c *cell) []Delta {
 	c.clearBits(stDirty | stFast)
 	d := c.pending.Swap(0)
 	if d == 0 {
 		return out
 	}
-	return append(out, Delta{Key: key, Sequence: c.seq, Delta: d, Own: c.own.Add(d), cell: c})
+	return append(out, Delta{Key: z.key(id), Sequence: c.seq, Delta: d, Own: c.own.Add(d), zone: z, cell: c})
 }
 
 // flush sends one batch to the origin and merges the results. Items the
@@ -123,7 +123,7 @@ func (e *Engine) flush(ctx context.Context, o Origin, batch []Delta) error {
 		failed = true
 		d.cell.own.Add(-d.Delta)
 		d.cell.pending.Add(d.Delta)
-		e.markDirty(d.Key, d.cell, false)
+		e.markDirty(d.zone, d.Key.Identifier, d.cell, false)
 	}
 	if failed || err != nil {
 		e.stats.flushErrors.Add(1)
@@ -232,27 +232,30 @@ func (e *Engine) flushAll(ctx context.Context, o Origin) error {
 	// Queued cells first: an evicted or long rotated cell is only there.
 	for _, q := range []*ring{e.queue(Fast), e.queue(Slow)} {
 		for {
-			key, c, ok := q.pop()
+			z, id, c, ok := q.pop()
 			if !ok {
 				break
 			}
-			if batch = e.take(batch, key, c); len(batch) >= replayBatch {
+			if batch = e.take(batch, z, id, c); len(batch) >= replayBatch {
 				send()
 			}
 		}
 	}
-	e.entries.Range(func(key Key, en *entry) bool {
-		c := en.cur.Load()
-		if c == tombstone {
-			return true
-		}
-		if p := c.prev.Load(); p != nil {
-			batch = e.take(batch, key, p)
-		}
-		batch = e.take(batch, key, c)
-		if len(batch) >= replayBatch {
-			send()
-		}
+	e.rangeZones(func(z *Zone) bool {
+		z.entries.Range(func(id string, en *entry) bool {
+			c := en.cur.Load()
+			if c == tombstone {
+				return true
+			}
+			if p := c.prev.Load(); p != nil {
+				batch = e.take(batch, z, id, p)
+			}
+			batch = e.take(batch, z, id, c)
+			if len(batch) >= replayBatch {
+				send()
+			}
+			return ctx.Err() == nil
+		})
 		return ctx.Err() == nil
 	})
 	send()
@@ -266,8 +269,11 @@ func (e *Engine) flushAll(ctx context.Context, o Origin) error {
 // total, as an origin total that has not seen this process's pending units.
 // It reports whether the cell is held by this process.
 func (e *Engine) MergeMax(key Key, seq, total int64) bool {
-	key, _ = normalize(key)
-	en, ok := e.entries.Load(key)
+	z, id, ok := e.findKey(key)
+	if !ok {
+		return false
+	}
+	en, ok := z.entries.Load(id)
 	if !ok {
 		return false
 	}

@@ -16,7 +16,8 @@ type ring struct {
 
 type slot struct {
 	turn atomic.Uint64
-	key  Key
+	zone *Zone
+	id   string
 	cell *cell
 }
 
@@ -29,8 +30,8 @@ func newRing(n int) *ring {
 	return r
 }
 
-// push enqueues (key, c) and reports false when the ring is full.
-func (r *ring) push(key Key, c *cell) bool {
+// push enqueues (z, id, c) and reports false when the ring is full.
+func (r *ring) push(z *Zone, id string, c *cell) bool {
 	for {
 		pos := r.tail.Load()
 		s := &r.slots[pos&r.mask]
@@ -38,7 +39,7 @@ func (r *ring) push(key Key, c *cell) bool {
 		switch {
 		case turn == pos:
 			if r.tail.CompareAndSwap(pos, pos+1) {
-				s.key, s.cell = key, c
+				s.zone, s.id, s.cell = z, id, c
 				s.turn.Store(pos + 1)
 				return true
 			}
@@ -49,7 +50,7 @@ func (r *ring) push(key Key, c *cell) bool {
 }
 
 // pop dequeues one item; ok is false when the ring is empty.
-func (r *ring) pop() (key Key, c *cell, ok bool) {
+func (r *ring) pop() (z *Zone, id string, c *cell, ok bool) {
 	for {
 		pos := r.head.Load()
 		s := &r.slots[pos&r.mask]
@@ -57,13 +58,13 @@ func (r *ring) pop() (key Key, c *cell, ok bool) {
 		switch {
 		case turn == pos+1:
 			if r.head.CompareAndSwap(pos, pos+1) {
-				key, c = s.key, s.cell
-				s.key, s.cell = Key{}, nil
+				z, id, c = s.zone, s.id, s.cell
+				s.zone, s.id, s.cell = nil, "", nil
 				s.turn.Store(pos + r.mask + 1)
-				return key, c, true
+				return z, id, c, true
 			}
 		case turn < pos+1:
-			return Key{}, nil, false
+			return nil, "", nil, false
 		}
 	}
 }

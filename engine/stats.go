@@ -43,7 +43,7 @@ func (e *Engine) Stats() Stats {
 	s := &e.stats
 	return Stats{
 		Entries:          e.live.Load(),
-		StrictKeys:       int64(e.strict.Size()),
+		StrictKeys:       e.strictCount(),
 		Evictions:        s.evictions.Load(),
 		FirstDenials:     s.firstDenials.Load(),
 		PendingCells:     int64(e.queue(Slow).len() + e.queue(Fast).len()),
@@ -57,6 +57,15 @@ func (e *Engine) Stats() Stats {
 		LastRead:         msTime(s.lastRead.Load()),
 		LastFlush:        msTime(s.lastFlush.Load()),
 	}
+}
+
+func (e *Engine) strictCount() int64 {
+	var n int64
+	e.rangeZones(func(z *Zone) bool {
+		n += int64(z.strict.Size())
+		return true
+	})
+	return n
 }
 
 func msTime(ms int64) time.Time {
@@ -95,22 +104,25 @@ type KeyState struct {
 // Inspect returns the state of key now, or false if the engine holds no
 // entry for it. Identifiers are normalized as in decisions.
 func (e *Engine) Inspect(key Key) (KeyState, bool) {
-	key, _ = normalize(key)
-	en, ok := e.entries.Load(key)
+	z, id, ok := e.findKey(key)
 	if !ok {
 		return KeyState{}, false
 	}
-	return e.inspect(key, en, e.nowMs())
+	en, ok := z.entries.Load(id)
+	if !ok {
+		return KeyState{}, false
+	}
+	return e.inspect(z, id, en, e.nowMs())
 }
 
-func (e *Engine) inspect(key Key, en *entry, now int64) (KeyState, bool) {
+func (e *Engine) inspect(z *Zone, id string, en *entry, now int64) (KeyState, bool) {
 	c := en.cur.Load()
 	if c == tombstone {
 		return KeyState{}, false
 	}
-	w := key.Window.Milliseconds()
+	w := z.w
 	seq := now / w
-	ks := KeyState{Key: key}
+	ks := KeyState{Key: z.key(id)}
 	// Weigh the cells as a decision now would, without rotating anything.
 	var cur, prev *cell
 	switch {
@@ -139,7 +151,7 @@ func (e *Engine) inspect(key Key, en *entry, now int64) (KeyState, bool) {
 		ks.Cells = append(ks.Cells, cellState(prev))
 	}
 	ks.Effective = curN + weighted(prevN, w, r)
-	if s := e.strictUntil(key); s > now {
+	if s := strictUntil(z, id); s > now {
 		ks.StrictUntil = time.UnixMilli(s)
 	}
 	return ks, true
@@ -162,13 +174,19 @@ func cellState(c *cell) CellState {
 func (e *Engine) Scan(namespace, prefix string, max int) []KeyState {
 	now := e.nowMs()
 	var out []KeyState
-	e.entries.Range(func(key Key, en *entry) bool {
-		if key.Namespace != namespace || !strings.HasPrefix(key.Identifier, prefix) {
+	e.rangeZones(func(z *Zone) bool {
+		if z.name != namespace {
 			return true
 		}
-		if ks, ok := e.inspect(key, en, now); ok {
-			out = append(out, ks)
-		}
+		z.entries.Range(func(id string, en *entry) bool {
+			if !strings.HasPrefix(id, prefix) {
+				return true
+			}
+			if ks, ok := e.inspect(z, id, en, now); ok {
+				out = append(out, ks)
+			}
+			return true
+		})
 		return true
 	})
 	sort.Slice(out, func(i, j int) bool {
@@ -187,18 +205,21 @@ func (e *Engine) Scan(namespace, prefix string, max int) []KeyState {
 // origin the next request hydrates the key again from it. It reports whether
 // there was anything to forget.
 func (e *Engine) Forget(key Key) bool {
-	key, _ = normalize(key)
+	z, id, ok := e.findKey(key)
+	if !ok {
+		return false
+	}
 	found := false
-	if en, ok := e.entries.LoadAndDelete(key); ok {
+	if en, ok := z.entries.LoadAndDelete(id); ok {
 		found = true
 		if c := en.cur.Swap(tombstone); c != tombstone {
 			e.live.Add(-1)
 			if e.origin.Load() != nil {
-				e.requeue(key, c)
+				e.requeue(z, id, c)
 			}
 		}
 	}
-	if _, ok := e.strict.LoadAndDelete(key); ok {
+	if _, ok := z.strict.LoadAndDelete(id); ok {
 		found = true
 	}
 	return found
@@ -215,10 +236,13 @@ type StrictKey struct {
 func (e *Engine) StrictKeys() []StrictKey {
 	now := e.nowMs()
 	var out []StrictKey
-	e.strict.Range(func(key Key, d *atomic.Int64) bool {
-		if u := d.Load(); u > now {
-			out = append(out, StrictKey{Key: key, Until: time.UnixMilli(u)})
-		}
+	e.rangeZones(func(z *Zone) bool {
+		z.strict.Range(func(id string, d *atomic.Int64) bool {
+			if u := d.Load(); u > now {
+				out = append(out, StrictKey{Key: z.key(id), Until: time.UnixMilli(u)})
+			}
+			return true
+		})
 		return true
 	})
 	sort.Slice(out, func(i, j int) bool {

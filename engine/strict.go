@@ -9,12 +9,12 @@ import "sync/atomic"
 // refreshes from the origin. Counts only grow, so a refresh can never turn a
 // denial into an allow: denials themselves never wait.
 
-// markStrict raises key's strict deadline to until (Unix ms). The first
+// markStrict raises id's strict deadline to until (Unix ms). The first
 // denial of a key allocates its deadline; later ones are an atomic max.
-func (e *Engine) markStrict(key Key, until int64) {
-	d, ok := e.strict.Load(key)
+func markStrict(z *Zone, id string, until int64) {
+	d, ok := z.strict.Load(id)
 	if !ok {
-		d, _ = e.strict.LoadOrCompute(key, func() (*atomic.Int64, bool) {
+		d, _ = z.strict.LoadOrCompute(id, func() (*atomic.Int64, bool) {
 			return new(atomic.Int64), false
 		})
 	}
@@ -26,9 +26,9 @@ func (e *Engine) markStrict(key Key, until int64) {
 	}
 }
 
-// strictUntil returns key's strict deadline in Unix ms, or 0.
-func (e *Engine) strictUntil(key Key) int64 {
-	if d, ok := e.strict.Load(key); ok {
+// strictUntil returns id's strict deadline in Unix ms, or 0.
+func strictUntil(z *Zone, id string) int64 {
+	if d, ok := z.strict.Load(id); ok {
 		return d.Load()
 	}
 	return 0

@@ -1,0 +1,118 @@
+package engine
+
+import (
+	"runtime"
+	"strconv"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// The hot path through the public API, map lookup included, on a warm key.
+// The "RealClock" variants read time.Now like production does.
+
+func benchDecide(b *testing.B, cfg Config, limit int64, warm int) {
+	e, _ := newTestEngine(b, cfg)
+	l := lim("api-key-0123456789", time.Hour, limit, 1)
+	l.Zone = e.Zone(l.Namespace, l.Window)
+	for i := 0; i < warm; i++ {
+		e.Decide(bg, l)
+	}
+	allowed := e.Decide(bg, l).Allowed
+	b.ReportAllocs()
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		e.Decide(bg, l)
+	}
+	b.StopTimer()
+	if got := e.Decide(bg, l).Allowed; got != allowed {
+		b.Fatalf("verdict changed during the benchmark: %v then %v", allowed, got)
+	}
+}
+
+func BenchmarkDecideAllow(b *testing.B) { benchDecide(b, Config{}, 1<<62, 1) }
+func BenchmarkDecideDeny(b *testing.B)  { benchDecide(b, Config{}, 10, 10) }
+func BenchmarkDecideAllowRealClock(b *testing.B) {
+	benchDecide(b, Config{Now: time.Now}, 1<<62, 1)
+}
+func BenchmarkDecideDenyRealClock(b *testing.B) {
+	benchDecide(b, Config{Now: time.Now}, 10, 10)
+}
+
+func BenchmarkDecideManyAllow2(b *testing.B) {
+	e, _ := newTestEngine(b, Config{})
+	ls := []Limit{lim("k", time.Hour, 1<<62, 1), {Key: Key{"ip", "10.0.0.0", time.Minute}, Limit: 1 << 62, Cost: 1}}
+	for i := range ls {
+		ls[i].Zone = e.Zone(ls[i].Namespace, ls[i].Window)
+	}
+	out := make([]Decision, 2)
+	e.DecideMany(bg, ls, out)
+	b.ReportAllocs()
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		e.DecideMany(bg, ls, out)
+	}
+}
+
+// BenchmarkDecideParallel spreads allows over 1,000 keys from every
+// processor; compare -cpu 1 and -cpu 2 for the scaling.
+func BenchmarkDecideParallel(b *testing.B) {
+	e, _ := newTestEngine(b, Config{Now: time.Now})
+	ls := make([]Limit, 1000)
+	for i := range ls {
+		ls[i] = lim("key-"+strconv.Itoa(i), time.Hour, 1<<62, 1)
+		ls[i].Zone = e.Zone(ls[i].Namespace, ls[i].Window)
+		e.Decide(bg, ls[i])
+	}
+	var seed atomic.Uint64
+	b.ReportAllocs()
+	b.ResetTimer()
+	b.RunParallel(func(pb *testing.PB) {
+		i := seed.Add(7919)
+		for pb.Next() {
+			i++
+			e.Decide(bg, ls[i%1000])
+		}
+	})
+}
+
+// BenchmarkMemoryPerEntry inserts a million distinct identifiers and reports
+// the live heap per entry, key included, then checks that the janitor frees
+// them two windows after the traffic stops.
+func BenchmarkMemoryPerEntry(b *testing.B) {
+	const n = 1_000_000
+	for i := 0; i < b.N; i++ {
+		e, clk := newTestEngine(b, Config{MaxEntries: 2 * n})
+		ids := make([]string, n)
+		for j := range ids {
+			ids[j] = "user-" + strconv.Itoa(10_000_000+j)
+		}
+		before := liveHeap()
+		for j := range ids {
+			e.Decide(bg, lim(ids[j], time.Minute, 100, 1))
+		}
+		after := liveHeap()
+		idBytes := uint64(0)
+		for j := range ids {
+			idBytes += uint64(len(ids[j]))
+		}
+		b.ReportMetric(float64(after-before)/n, "heap-B/entry")
+		b.ReportMetric(float64(after-before+idBytes)/n, "heap+ids-B/entry")
+		if got := e.Stats().Entries; got != n {
+			b.Fatalf("live entries = %d, want %d", got, n)
+		}
+		clk.Add(2 * time.Minute)
+		if dropped := e.Sweep(); dropped != n {
+			b.Fatalf("janitor dropped %d entries two windows later, want %d", dropped, n)
+		}
+		runtime.KeepAlive(ids)
+	}
+}
+
+func liveHeap() uint64 {
+	var m runtime.MemStats
+	runtime.GC()
+	runtime.GC()
+	runtime.ReadMemStats(&m)
+	return m.HeapAlloc
+}
