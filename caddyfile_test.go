@@ -77,3 +77,47 @@ func TestCaddyfileAdapt_Golden(t *testing.T) {
 		})
 	}
 }
+
+// TestCaddyfileExample_Adapts keeps the README's example working: it adapts
+// and carries the demo zone.
+func TestCaddyfileExample_Adapts(t *testing.T) {
+	src, err := os.ReadFile("Caddyfile.example")
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := adapt(t, string(src))
+	if err != nil {
+		t.Fatalf("Caddyfile.example: %v", err)
+	}
+	for _, want := range []string{`"handler":"ratelimit"`, `"name":"demo"`, `"limit":5`, `"window":60000000000`} {
+		if !bytes.Contains(out, []byte(want)) {
+			t.Errorf("adapted Caddyfile.example lacks %s", want)
+		}
+	}
+}
+
+// TestHandler_JSONShapes loads a handler the way a JSON config does: cost as
+// a number or a string, windows as strings.
+func TestHandler_JSONShapes(t *testing.T) {
+	var h Handler
+	err := json.Unmarshal([]byte(`{"zones": [
+		{"name": "a", "key": "{http.vars.client_ip}", "limit": 5, "window": "1m", "cost": 3},
+		{"name": "b", "key": "k", "limit": 5, "window": 3600000000000, "cost": "{http.request.header.X-Cost}"}
+	], "retry_jitter": "2s"}`), &h)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := h.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	h.compile()
+	if h.zones[0].staticCost != 3 || !h.zones[0].cost.literal {
+		t.Errorf("numeric cost compiled to %+v", h.zones[0].cost)
+	}
+	if h.zones[1].cost.single != "http.request.header.X-Cost" {
+		t.Errorf("placeholder cost compiled to %+v", h.zones[1].cost)
+	}
+	if h.policyAll != `"a";q=5;w=60, "b";q=5;w=3600` {
+		t.Errorf("policy %q", h.policyAll)
+	}
+}

@@ -583,3 +583,33 @@ func TestPool_EngineClosesWithItsLastUser(t *testing.T) {
 	}
 	waitNoEngineGoroutines(t)
 }
+
+func TestTemplate_Eval(t *testing.T) {
+	repl := caddy.NewReplacer()
+	repl.Set("test.a", "alpha")
+	repl.Set("test.n", 42)
+	tests := []struct {
+		raw, want string
+		single    bool
+	}{
+		{"constant", "constant", false},
+		{"{test.a}", "alpha", true},
+		{"{test.n}", "42", true},
+		{"{test.missing}", "", true},
+		{"{test.a}:{test.n}", "alpha:42", false},
+		{"tenant-{test.a}", "tenant-alpha", false},
+		{`\{test.a\}`, "{test.a}", false},
+	}
+	for _, tc := range tests {
+		tpl := newTemplate(tc.raw)
+		if got := tpl.eval(repl); got != tc.want {
+			t.Errorf("eval(%q) = %q, want %q", tc.raw, got, tc.want)
+		}
+		if (tpl.single != "") != tc.single {
+			t.Errorf("%q: single-placeholder fast path = %q", tc.raw, tpl.single)
+		}
+	}
+	if tpl := newTemplate("{test.a}"); tpl.eval(nil) != "" {
+		t.Errorf("eval without a replacer = %q", tpl.eval(nil))
+	}
+}

@@ -1,0 +1,25 @@
+# make test   vet, formatting, then every test with the race detector
+# make bench  every benchmark, with allocations
+
+GO       ?= go
+TIMEOUT  ?= 20m
+
+.PHONY: test vet fmt-check servers bench
+
+test: vet fmt-check servers
+	PATH="$$PATH:/usr/sbin:/usr/local/sbin" $(GO) test -race -count=1 -timeout $(TIMEOUT) ./...
+
+vet:
+	$(GO) vet ./...
+
+# gofmt -l lists the files whose formatting differs; any is a failure.
+fmt-check:
+	@files="$$(gofmt -l .)"; \
+	if [ -n "$$files" ]; then echo "gofmt needed on:"; echo "$$files"; exit 1; fi
+
+# The Redis and MariaDB tests start private servers; make sure they exist.
+servers:
+	@scripts/ensure-servers.sh
+
+bench:
+	$(GO) test -run '^$$' -bench . -benchmem ./...
