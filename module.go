@@ -188,6 +188,9 @@ type zone struct {
 	defaultCost int64
 	overrides   map[string]int64
 	v4, v6      int
+	// handle is the engine's zone, resolved at Provision so that a
+	// decision costs one lookup by identifier.
+	handle *engine.Zone
 
 	// Header fragments, built once: policy is the whole RateLimit-Policy
 	// member for the zone's own limit; policyQ and policyW surround an
@@ -277,6 +280,9 @@ func (h *Handler) provision(app *App) error {
 		return err
 	}
 	h.state, h.engine = st, st.engine
+	for i := range h.zones {
+		h.zones[i].handle = st.engine.Zone(h.zones[i].name, h.zones[i].window)
+	}
 	return st.zones.register(app, h)
 }
 
@@ -533,6 +539,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		}
 		lims = append(lims, engine.Limit{
 			Key:   engine.Key{Namespace: z.name, Identifier: id, Window: z.window},
+			Zone:  z.handle,
 			Limit: limit,
 			Cost:  z.costOf(repl),
 		})
