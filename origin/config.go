@@ -371,6 +371,9 @@ func groupAddress(s endpointSpec, master string) string {
 // quote the URL: a malformed one may have its password anywhere.
 func parseRedisURL(raw string) (endpointSpec, error) {
 	var s endpointSpec
+	if !strings.Contains(raw, "://") {
+		return s, errors.New("missing scheme: use redis://host:port or rediss://host:port")
+	}
 	u, err := url.Parse(raw)
 	if err != nil {
 		// url.Error quotes the whole URL, and its inner error may quote the
@@ -381,8 +384,6 @@ func parseRedisURL(raw string) (endpointSpec, error) {
 	case "redis":
 	case "rediss":
 		s.tls = true
-	case "":
-		return s, errors.New("missing scheme: use redis:// or rediss://")
 	default:
 		return s, fmt.Errorf("unsupported scheme %q: use redis:// or rediss://", u.Scheme)
 	}

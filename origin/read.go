@@ -27,6 +27,14 @@ const (
 	// KiB of request for typical keys, a millisecond of Redis time, so one
 	// batch never holds the others back for long.
 	maxReadBatch = 256
+	// roundTripFloor is the least time a read pipeline gets, whatever is
+	// left of its callers' budgets. The breaker judges Redis by its round
+	// trips; a pipeline sent with 2 ms left because its reads queued behind
+	// a herd (or a busy CPU) would time out and count as a Redis failure
+	// that was ours. Callers still leave at their own deadlines: a late
+	// answer only serves the breaker, and a hung Redis still trips it
+	// within a second (maxReadRoundTrips pipelines every 250 ms).
+	roundTripFloor = 250 * time.Millisecond
 )
 
 // readReq is one Read waiting for a batch. The drainer writes cur, prev and
@@ -137,10 +145,11 @@ func (ep *endpoint) take() []*readReq {
 
 // readBatch sends one pipeline of MGETs, one per request, and hands each
 // request its result. The pipeline runs until the latest deadline in the
-// batch, not bound to any one caller's context: the others still wait.
+// batch (at least roundTripFloor), not bound to any one caller's context:
+// the others still wait.
 func (ep *endpoint) readBatch(batch []*readReq) {
-	deadline := batch[0].deadline
-	for _, q := range batch[1:] {
+	deadline := time.Now().Add(roundTripFloor)
+	for _, q := range batch {
 		if q.deadline.After(deadline) {
 			deadline = q.deadline
 		}
