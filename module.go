@@ -488,13 +488,15 @@ func validateOnMissingKey(mode string) error {
 }
 
 // Cleanup unregisters the zones and releases the engine; the engine closes
-// when its last user is cleaned up.
+// when its last user is cleaned up. h.engine stays set: a request of the old
+// config still running after a reload's grace period decides locally on the
+// closed engine instead of crashing.
 func (h *Handler) Cleanup() error {
 	if h.state == nil {
 		return nil
 	}
 	h.state.zones.unregister(h)
-	h.state, h.engine = nil, nil
+	h.state = nil
 	return releaseState()
 }
 
@@ -612,7 +614,9 @@ func (h *Handler) dryRunDenied(r *http.Request, lims []engine.Limit, decs []engi
 				names = append(names, h.zones[zi[k]].name)
 			}
 		}
-		c.Write(zap.Strings("zones", names), zap.String("method", r.Method), zap.String("uri", r.RequestURI))
+		// Zone names only: the identifier, and a URI that may carry it, stay
+		// out of the logs.
+		c.Write(zap.Strings("zones", names))
 	}
 	// A second decision with a limit nothing can exceed commits the cost.
 	var arr [stackZones]engine.Limit

@@ -613,3 +613,18 @@ func TestTemplate_Eval(t *testing.T) {
 		t.Errorf("eval without a replacer = %q", tpl.eval(nil))
 	}
 }
+
+// TestHandler_ServesAfterCleanup covers a request of the old config still
+// running after a reload cleaned the config up: it is decided, locally.
+func TestHandler_ServesAfterCleanup(t *testing.T) {
+	useClock(t, 0)
+	h := provisionTest(t, nil, &Handler{Zones: []*Zone{zoneOf("late", 1, time.Minute)}})
+	if err := h.Cleanup(); err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := pool.References(poolKey); ok {
+		t.Fatal("engine still pooled")
+	}
+	wantStatus(t, serve(h, map[string]string{"late": "k"}), http.StatusOK)
+	wantStatus(t, serve(h, map[string]string{"late": "k"}), http.StatusTooManyRequests)
+}
