@@ -66,6 +66,10 @@ type Config struct {
 	// OnEvict, if set, is called after the entry cap forced evictions, with
 	// their number. It runs on the janitor goroutine.
 	OnEvict func(n int)
+
+	// manual, for tests, starts no background loop: they are driven with
+	// ReplayOnce, Sweep and Evict.
+	manual bool
 }
 
 // Denial describes the first denial of a cell.
@@ -138,9 +142,11 @@ func New(cfg Config) *Engine {
 		evictNow: make(chan struct{}, 1),
 		stop:     make(chan struct{}),
 	}
-	e.wg.Add(2)
-	go e.janitorLoop()
-	go e.replayLoop()
+	if !cfg.manual {
+		e.wg.Add(2)
+		go e.janitorLoop()
+		go e.replayLoop()
+	}
 	return e
 }
 
@@ -295,7 +301,7 @@ func (e *Engine) deny(d *Decision, lc *located, l *Limit, cur, prev int64) {
 		d.RetryAfter = msDuration(ra)
 	}
 	if e.origin.Load() != nil {
-		markStrict(lc.zone, lc.id, (lc.cur.seq+1)*lc.w)
+		markStrict(lc.zone, lc.id, lc.cur.seq*lc.w+lc.r+lc.w)
 	}
 	if lc.cur.state.Load()&stBlocked == 0 && lc.cur.setBits(stBlocked) {
 		e.stats.firstDenials.Add(1)

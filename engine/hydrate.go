@@ -72,8 +72,12 @@ func (e *Engine) converge(ctx context.Context, o Origin, lc *located, l *Limit, 
 func (e *Engine) read(ctx context.Context, o Origin, lc *located, wait bool) {
 	f, started := e.startRead(o, lc, wait)
 	if f == nil || !wait {
+		if started {
+			e.stats.backgroundReads.Add(1)
+		}
 		return
 	}
+	e.stats.syncReads.Add(1)
 	if !started {
 		e.stats.sharedReads.Add(1)
 	}

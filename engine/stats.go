@@ -10,6 +10,7 @@ import (
 // counters are the engine's own monotonic counters.
 type counters struct {
 	reads, readErrors, readWaitTimeouts, sharedReads atomic.Int64
+	syncReads, backgroundReads                       atomic.Int64
 	flushes, flushErrors                             atomic.Int64
 	replayDrops, evictions, firstDenials             atomic.Int64
 	lastRead, lastFlush                              atomic.Int64 // Unix ms
@@ -31,6 +32,10 @@ type Stats struct {
 	// requests that stopped waiting for one at the read timeout;
 	// SharedReads the requests that joined a read already in flight.
 	Reads, ReadErrors, ReadWaitTimeouts, SharedReads int64
+	// SyncReads counts decisions that waited for an origin read (cold,
+	// stale at half the limit, or near the limit); BackgroundReads the
+	// refreshes started without waiting.
+	SyncReads, BackgroundReads int64
 	// Flushes and FlushErrors count replay batches.
 	Flushes, FlushErrors int64
 	// LastRead and LastFlush are the last successful origin read and flush;
@@ -52,6 +57,8 @@ func (e *Engine) Stats() Stats {
 		ReadErrors:       s.readErrors.Load(),
 		ReadWaitTimeouts: s.readWaitTimeouts.Load(),
 		SharedReads:      s.sharedReads.Load(),
+		SyncReads:        s.syncReads.Load(),
+		BackgroundReads:  s.backgroundReads.Load(),
 		Flushes:          s.flushes.Load(),
 		FlushErrors:      s.flushErrors.Load(),
 		LastRead:         msTime(s.lastRead.Load()),

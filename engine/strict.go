@@ -2,10 +2,11 @@ package engine
 
 import "sync/atomic"
 
-// Strict mode: a denial records a deadline (the end of the denying window)
-// per (namespace, identifier, window), not per sequence, so it survives the
-// rollover into the next window, where the denied cell still weighs as the
-// previous one. Until the deadline, a decision that would allow first
+// Strict mode: a denial records a deadline per (namespace, identifier,
+// window), not per sequence: the end of the sliding window that ends at the
+// denial, one window length later. So it survives the rollover into the
+// next fixed window, where the denied cell still weighs as the previous
+// one. Until the deadline, a decision that would allow first
 // refreshes from the origin. Counts only grow, so a refresh can never turn a
 // denial into an allow: denials themselves never wait.
 

@@ -1,0 +1,331 @@
+package engine
+
+import (
+	"context"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// manual is a config whose background loops never tick on their own: the
+// tests drive replay with ReplayOnce and the janitor with Sweep.
+func manual(c Config) Config {
+	c.manual = true
+	if c.ReadTimeout == 0 {
+		c.ReadTimeout = 5 * time.Second
+	}
+	return c
+}
+
+func withOrigin(t *testing.T, cfg Config) (*Engine, *fakeClock, *memOrigin) {
+	t.Helper()
+	e, clk := newTestEngine(t, manual(cfg))
+	o := newMemOrigin()
+	e.SetOrigin(o)
+	return e, clk, o
+}
+
+// waitFor polls cond until it holds or a generous deadline passes.
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+func TestHydration_ColdKeyReadsOnceUnderConcurrentFirstRequests(t *testing.T) {
+	e, clk, o := withOrigin(t, Config{})
+	l := lim("cold", time.Minute, 20, 1)
+	seq := clk.UnixMilli() / time.Minute.Milliseconds()
+	o.add(l.Key, seq, 12) // other nodes used 12 of 20
+	gate := make(chan struct{})
+	o.gate.Store(&gate)
+
+	var admitted atomic.Int64
+	var wg sync.WaitGroup
+	for g := 0; g < 64; g++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if e.Decide(bg, l).Allowed {
+				admitted.Add(1)
+			}
+		}()
+	}
+	waitFor(t, "63 requests to join the first one's read", func() bool {
+		return e.Stats().SharedReads == 63
+	})
+	close(gate)
+	wg.Wait()
+	if n := o.reads.Load(); n != 1 {
+		t.Fatalf("origin reads = %d, want 1 for 64 concurrent first requests", n)
+	}
+	if admitted.Load() != 8 {
+		t.Fatalf("admitted %d, want the 8 the origin's count leaves", admitted.Load())
+	}
+}
+
+func TestHydration_FailedHydrationIsRetried(t *testing.T) {
+	e, clk, o := withOrigin(t, Config{})
+	l := lim("k", time.Minute, 10, 1)
+	seq := clk.UnixMilli() / time.Minute.Milliseconds()
+	o.add(l.Key, seq, 9)
+	o.failReads(errOriginDown)
+	if d := e.Decide(bg, l); !d.Allowed {
+		t.Fatalf("an origin failure denied the request: %+v", d)
+	}
+	if d := e.Decide(bg, l); !d.Allowed || o.reads.Load() != 1 {
+		t.Fatalf("a read was retried before the back-off (reads=%d)", o.reads.Load())
+	}
+	o.failReads(nil)
+	clk.Add(hydrateRetry)
+	if d := e.Decide(bg, l); d.Allowed {
+		t.Fatalf("after the retry the origin's 9 + local 2 should deny: %+v", d)
+	}
+	if o.reads.Load() != 2 {
+		t.Fatalf("origin reads = %d, want the retry to be the second", o.reads.Load())
+	}
+	ks, _ := e.Inspect(l.Key)
+	if ks.Cells[0].Regional != 11 {
+		t.Fatalf("regional count = %d, want 9 from the origin + 2 local", ks.Cells[0].Regional)
+	}
+}
+
+func TestTiers_HotKeyBelowHalfMakesNoSynchronousRead(t *testing.T) {
+	e, clk, o := withOrigin(t, Config{})
+	l := lim("hot", time.Hour, 1_000_000, 1)
+	for i := 0; i < 5000; i++ {
+		e.Decide(bg, l)
+		clk.AddMs(1) // 5 s in all: freshness lapses several times
+		if i%100 == 0 {
+			if _, err := e.ReplayOnce(bg, Slow); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	s := e.Stats()
+	if s.SyncReads != 1 {
+		t.Fatalf("synchronous reads = %d, want only the cold hydration", s.SyncReads)
+	}
+	if got := o.total(l.Key, clk.UnixMilli()/time.Hour.Milliseconds()); got < 4900 {
+		t.Fatalf("origin total = %d, replay is not reaching the origin", got)
+	}
+	if calls := o.reads.Load() + o.flushes.Load(); calls > 5000/100+1 {
+		t.Fatalf("%d origin calls for 5000 requests, want at most one per 100", calls)
+	}
+}
+
+func TestTiers_StaleKeyAtHalfRefreshesSynchronously(t *testing.T) {
+	e, clk, o := withOrigin(t, Config{})
+	l := lim("k", time.Hour, 100, 1)
+	for i := 0; i < 60; i++ {
+		e.Decide(bg, l)
+	}
+	before := e.Stats().SyncReads
+	e.Decide(bg, l) // fresh: no read
+	if e.Stats().SyncReads != before {
+		t.Fatal("a fresh key at 60 % read synchronously")
+	}
+	clk.Add(DefaultFreshness)
+	o.add(l.Key, clk.UnixMilli()/time.Hour.Milliseconds(), 30)
+	e.Decide(bg, l)
+	if e.Stats().SyncReads != before+1 {
+		t.Fatal("a stale key at 60 % did not refresh before deciding")
+	}
+	ks, _ := e.Inspect(l.Key)
+	if ks.Cells[0].Regional < 92 {
+		t.Fatalf("regional = %d, the refresh did not merge the other node's 30", ks.Cells[0].Regional)
+	}
+}
+
+func TestTiers_WouldAllowAtNinetyPercentRefreshesFirst(t *testing.T) {
+	e, clk, o := withOrigin(t, Config{})
+	l := lim("k", time.Hour, 100, 1)
+	seq := clk.UnixMilli() / time.Hour.Milliseconds()
+	for i := 0; i < 90; i++ {
+		if !e.Decide(bg, l).Allowed {
+			t.Fatal("denied below the limit")
+		}
+	}
+	// Another node took the last ten; this node's view is fresh but older
+	// than a fast tick.
+	o.add(l.Key, seq, 10)
+	clk.Add(DefaultFastTick)
+	if d := e.Decide(bg, l); d.Allowed {
+		t.Fatalf("allowed at 90 %% without seeing the other node's count: %+v", d)
+	}
+}
+
+func TestStrict_DenialMakesNoOriginCallAndRolloverRefreshes(t *testing.T) {
+	e, clk, o := withOrigin(t, Config{})
+	l := lim("k", time.Minute, 10, 1)
+	for i := 0; i < 10; i++ {
+		e.Decide(bg, l)
+	}
+	clk.Set(epoch + 50_000)
+	reads := o.reads.Load()
+	for i := 0; i < 100; i++ {
+		if e.Decide(bg, l).Allowed {
+			t.Fatal("allowed over the limit")
+		}
+	}
+	if o.reads.Load() != reads || o.flushes.Load() != 0 {
+		t.Fatalf("denials called the origin: reads %d→%d, flushes %d", reads, o.reads.Load(), o.flushes.Load())
+	}
+	ks, _ := e.Inspect(l.Key)
+	wantUntil := time.UnixMilli(epoch + 110_000)
+	if !ks.StrictUntil.Equal(wantUntil) {
+		t.Fatalf("strict until %v, want one window after the last denial, %v", ks.StrictUntil, wantUntil)
+	}
+	// Next window, three quarters in: the previous cell weighs 2.5, so a
+	// request would pass locally; strict mode sends it to the origin first.
+	clk.Set(epoch + 60_000 + 45_000)
+	if _, err := e.ReplayOnce(bg, Fast); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.ReplayOnce(bg, Slow); err != nil {
+		t.Fatal(err)
+	}
+	o.add(l.Key, clk.UnixMilli()/60_000, 8) // another node's traffic
+	reads = o.reads.Load()
+	if d := e.Decide(bg, l); d.Allowed {
+		t.Fatalf("strict mode did not refresh: %+v", d)
+	}
+	if o.reads.Load() != reads+1 {
+		t.Fatalf("reads = %d, want one refresh", o.reads.Load()-reads)
+	}
+}
+
+func TestOrigin_HungReadCostsAtMostTheReadTimeout(t *testing.T) {
+	const timeout = 30 * time.Millisecond
+	e, _ := newTestEngine(t, Config{ReadTimeout: timeout, SlowTick: time.Hour, FastTick: time.Hour})
+	o := newMemOrigin()
+	gate := make(chan struct{})
+	o.gate.Store(&gate)
+	defer close(gate)
+	e.SetOrigin(o)
+	start := time.Now()
+	d := e.Decide(bg, lim("k", time.Minute, 10, 1))
+	elapsed := time.Since(start)
+	if !d.Allowed {
+		t.Fatal("a hung origin denied the request")
+	}
+	if elapsed < timeout || elapsed > timeout+500*time.Millisecond {
+		t.Fatalf("decision took %v with a hung origin, want about the read timeout %v", elapsed, timeout)
+	}
+	if e.Stats().ReadWaitTimeouts != 1 {
+		t.Fatal("the timeout was not counted")
+	}
+}
+
+func TestReplay_MergesOtherNodesAndNeverDoubles(t *testing.T) {
+	e, clk, o := withOrigin(t, Config{})
+	l := lim("k", time.Hour, 1000, 1)
+	seq := clk.UnixMilli() / time.Hour.Milliseconds()
+	for i := 0; i < 5; i++ {
+		e.Decide(bg, l)
+	}
+	o.add(l.Key, seq, 100)
+	if n, err := e.ReplayOnce(bg, Slow); err != nil || n != 1 {
+		t.Fatalf("ReplayOnce = %d, %v", n, err)
+	}
+	if got := o.total(l.Key, seq); got != 105 {
+		t.Fatalf("origin total = %d, want 105", got)
+	}
+	ks, _ := e.Inspect(l.Key)
+	if ks.Cells[0].Regional != 105 || ks.Cells[0].Pending != 0 {
+		t.Fatalf("cell = %+v, want regional 105 and nothing pending", ks.Cells[0])
+	}
+	// A second replay with nothing new sends nothing.
+	if n, _ := e.ReplayOnce(bg, Slow); n != 0 {
+		t.Fatalf("replayed %d cells with nothing pending", n)
+	}
+}
+
+func TestReplay_FailedFlushKeepsUnitsForLater(t *testing.T) {
+	e, clk, o := withOrigin(t, Config{})
+	l := lim("k", time.Hour, 1000, 1)
+	seq := clk.UnixMilli() / time.Hour.Milliseconds()
+	for i := 0; i < 7; i++ {
+		e.Decide(bg, l)
+	}
+	o.failFlushes(errOriginDown)
+	if _, err := e.ReplayOnce(bg, Slow); err == nil {
+		t.Fatal("a failed flush reported no error")
+	}
+	o.failFlushes(nil)
+	e.Decide(bg, l)
+	if _, err := e.ReplayOnce(bg, Slow); err != nil {
+		t.Fatal(err)
+	}
+	if got := o.total(l.Key, seq); got != 8 {
+		t.Fatalf("origin total = %d, want all 8 units exactly once", got)
+	}
+	en, _ := e.Zone("zone", time.Hour).entries.Load("k")
+	if own := en.cur.Load().own.Load(); own != 8 {
+		t.Fatalf("own contribution = %d, want 8", own)
+	}
+}
+
+func TestDecideMany_RolledBackUnitsAreNeverReplayed(t *testing.T) {
+	e, clk, o := withOrigin(t, Config{})
+	a := Limit{Key: Key{"a", "x", time.Hour}, Limit: 100, Cost: 5}
+	b := Limit{Key: Key{"b", "x", time.Hour}, Limit: 1, Cost: 1}
+	out := make([]Decision, 2)
+	if !e.DecideMany(bg, []Limit{a, b}, out) {
+		t.Fatal("first batch denied")
+	}
+	for i := 0; i < 3; i++ {
+		if e.DecideMany(bg, []Limit{a, b}, out) {
+			t.Fatal("batch passed a full limit")
+		}
+	}
+	e.ReplayOnce(bg, Slow)
+	e.ReplayOnce(bg, Fast)
+	seq := clk.UnixMilli() / time.Hour.Milliseconds()
+	if got := o.total(a.Key, seq); got != 5 {
+		t.Fatalf("origin has %d for a, want only the committed 5", got)
+	}
+}
+
+func TestClose_FlushesPendingUnits(t *testing.T) {
+	e, clk := newTestEngine(t, manual(Config{}))
+	o := newMemOrigin()
+	e.SetOrigin(o)
+	l := lim("k", time.Hour, 1000, 1)
+	for i := 0; i < 42; i++ {
+		e.Decide(bg, l)
+	}
+	ctx, cancel := context.WithTimeout(bg, 5*time.Second)
+	defer cancel()
+	if err := e.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if got := o.total(l.Key, clk.UnixMilli()/time.Hour.Milliseconds()); got != 42 {
+		t.Fatalf("origin total after Close = %d, want 42", got)
+	}
+}
+
+func TestMergeMax_NeverLowersACount(t *testing.T) {
+	e, clk := newTestEngine(t, Config{})
+	l := lim("k", time.Hour, 1000, 1)
+	for i := 0; i < 10; i++ {
+		e.Decide(bg, l)
+	}
+	seq := clk.UnixMilli() / time.Hour.Milliseconds()
+	if !e.MergeMax(l.Key, seq, 4) {
+		t.Fatal("MergeMax did not find the cell")
+	}
+	if ks, _ := e.Inspect(l.Key); ks.Cells[0].Regional != 10 {
+		t.Fatalf("a lower total lowered the count to %d", ks.Cells[0].Regional)
+	}
+	e.MergeMax(l.Key, seq, 50)
+	if ks, _ := e.Inspect(l.Key); ks.Cells[0].Regional != 50 {
+		t.Fatalf("count = %d after merging 50", ks.Cells[0].Regional)
+	}
+}
