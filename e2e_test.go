@@ -5,6 +5,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"sync"
 	"testing"
 	"time"
 
@@ -20,6 +21,18 @@ func freePort(t *testing.T) int {
 	}
 	defer l.Close()
 	return l.Addr().(*net.TCPAddr).Port
+}
+
+// adminPort is the in-process Caddy's admin port, chosen once: caddytest
+// starts Caddy the first time and reuses it afterwards (-count=N).
+var adminPort struct {
+	once sync.Once
+	port int
+}
+
+func e2eAdminPort(t *testing.T) int {
+	adminPort.once.Do(func() { adminPort.port = freePort(t) })
+	return adminPort.port
 }
 
 // e2eConfig renders a Caddyfile for the in-process Caddy: its admin endpoint
@@ -157,7 +170,7 @@ func TestCaddy_EndToEnd(t *testing.T) {
 	// 15 s into a minute (and an hour) window, frozen: header values are
 	// exact.
 	useClock(t, 15*time.Second)
-	admin, port := freePort(t), freePort(t)
+	admin, port := e2eAdminPort(t), freePort(t)
 	base := fmt.Sprintf("http://127.0.0.1:%d", port)
 
 	tester := caddytest.NewTester(t).WithDefaultOverrides(caddytest.Config{AdminPort: admin})
