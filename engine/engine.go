@@ -250,11 +250,19 @@ func (e *Engine) insert(z *Zone, id string, seq int64) *entry {
 
 // counts returns the cell's weighed counts: current and previous.
 func (lc *located) counts() (cur, prev int64) {
-	cur = lc.cur.total()
+	_, cur, prev = lc.snapshot()
+	return cur, prev
+}
+
+// snapshot returns the current cell's own count n, as a compare-and-swap
+// must expect it, with the weighed counts derived from that same load.
+func (lc *located) snapshot() (n, cur, prev int64) {
+	n = lc.cur.count.Load()
+	cur = n + lc.cur.global.Load()
 	if p := lc.cur.prev.Load(); p != nil {
 		prev = p.total()
 	}
-	return cur, prev
+	return n, cur, prev
 }
 
 // Decide decides one limit and, when it allows, charges its cost.
@@ -266,16 +274,17 @@ func (e *Engine) Decide(ctx context.Context, l Limit) Decision {
 		e.converge(ctx, o, &lc, &l, now)
 	}
 	for {
-		cur, prev := lc.counts()
+		n, cur, prev := lc.snapshot()
 		if !fits(cur, prev, l.Cost, l.Limit, lc.w, lc.r) {
 			var d Decision
 			e.deny(&d, &lc, &l, cur, prev)
 			return d
 		}
-		// Only the cell's own count is swapped: global and previous counts
-		// only grow, so a concurrent change there can only make this allow
-		// slightly early, never admit past the local count.
-		n := lc.cur.count.Load()
+		// The swap expects the count the verdict was computed from, so a
+		// concurrent allow forces a recomputation. Global and previous
+		// counts are not part of the swap: they only grow, from the origin,
+		// and a change there can only have made this verdict a little
+		// early, never admit past the local count.
 		if l.Cost == 0 || lc.cur.count.CompareAndSwap(n, n+l.Cost) {
 			e.committed(&lc, l.Cost, cur+l.Cost+weighted(prev, lc.w, lc.r), l.Limit)
 			return Decision{
@@ -403,12 +412,11 @@ func (e *Engine) reserve(lc *located, cost, limit int64) bool {
 	// speculative, so nothing replays a reservation that may roll back.
 	lc.cur.spec.Add(cost)
 	for {
-		cur, prev := lc.counts()
+		n, cur, prev := lc.snapshot()
 		if !fits(cur, prev, cost, limit, lc.w, lc.r) {
 			lc.cur.spec.Add(-cost)
 			return false
 		}
-		n := lc.cur.count.Load()
 		if cost == 0 || lc.cur.count.CompareAndSwap(n, n+cost) {
 			return true
 		}

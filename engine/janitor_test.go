@@ -1,0 +1,90 @@
+package engine
+
+import (
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+)
+
+func TestJanitor_DropsEntriesTwoWindowsAfterTheirLastRequest(t *testing.T) {
+	e, clk := newTestEngine(t, manual(Config{}))
+	for i := 0; i < 100; i++ {
+		e.Decide(bg, lim("id-"+strconv.Itoa(i), time.Minute, 10, 1))
+	}
+	clk.Add(time.Minute) // the cells still weigh as previous ones
+	if n := e.Sweep(); n != 0 {
+		t.Fatalf("dropped %d entries whose cells still weigh", n)
+	}
+	clk.Add(time.Minute)
+	if n := e.Sweep(); n != 100 {
+		t.Fatalf("dropped %d entries two windows later, want 100", n)
+	}
+	if s := e.Stats(); s.Entries != 0 {
+		t.Fatalf("live entries = %d after the sweep", s.Entries)
+	}
+	// A dropped key starts afresh.
+	if d := e.Decide(bg, lim("id-1", time.Minute, 10, 1)); d.Remaining != 9 {
+		t.Fatalf("remaining = %d for a dropped key, want 9", d.Remaining)
+	}
+}
+
+func TestJanitor_DropsExpiredStrictDeadlines(t *testing.T) {
+	e, clk, _ := withOrigin(t, Config{})
+	l := lim("k", time.Minute, 1, 1)
+	e.Decide(bg, l)
+	e.Decide(bg, l)
+	if len(e.StrictKeys()) != 1 {
+		t.Fatal("a denial did not put the key in strict mode")
+	}
+	clk.Add(time.Minute)
+	e.Sweep()
+	if s := e.Stats(); s.StrictKeys != 0 {
+		t.Fatalf("strict keys = %d after the deadline", s.StrictKeys)
+	}
+}
+
+func TestEvict_FloodOfNewIdentifiersCannotEvictHotKeys(t *testing.T) {
+	e, _ := newTestEngine(t, manual(Config{MaxEntries: 1000}))
+	hot := make([]Limit, 50)
+	for i := range hot {
+		hot[i] = lim("hot-"+strconv.Itoa(i), time.Hour, 1000, 1)
+		for j := 0; j < 20; j++ {
+			e.Decide(bg, hot[i])
+		}
+	}
+	for i := 0; i < 5000; i++ {
+		e.Decide(bg, lim("flood-"+strconv.Itoa(i), time.Hour, 1000, 1))
+		if i%500 == 0 {
+			e.Evict()
+		}
+	}
+	e.Evict()
+	s := e.Stats()
+	if s.Entries > 1000 {
+		t.Fatalf("live entries = %d over the cap of 1000", s.Entries)
+	}
+	if s.Evictions < 4000 {
+		t.Fatalf("evictions = %d, want the flood evicted", s.Evictions)
+	}
+	for _, l := range hot {
+		ks, ok := e.Inspect(l.Key)
+		if !ok || ks.Cells[0].Regional != 20 {
+			t.Fatalf("hot key %s lost its count: %+v %v", l.Identifier, ks, ok)
+		}
+	}
+}
+
+func TestEvict_InsertSignalsTheJanitor(t *testing.T) {
+	var evicted sync.WaitGroup
+	evicted.Add(1)
+	var once sync.Once
+	e, _ := newTestEngine(t, Config{MaxEntries: 10, OnEvict: func(int) { once.Do(evicted.Done) }})
+	for i := 0; i < 11; i++ {
+		e.Decide(bg, lim("id-"+strconv.Itoa(i), time.Hour, 10, 1))
+	}
+	evicted.Wait() // the janitor goroutine evicted without a tick
+	if n := e.Stats().Entries; n > 10 {
+		t.Fatalf("live entries = %d after eviction", n)
+	}
+}

@@ -1,0 +1,124 @@
+package engine
+
+import (
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// These tests are for the race detector as much as for their assertions:
+// 64 goroutines on the paths that rotate, evict, reserve and mark strict.
+
+func TestRace_RotationNeverAdmitsMoreThanTheLimitPerCell(t *testing.T) {
+	e, clk := newTestEngine(t, manual(Config{}))
+	const limit = 50
+	var admitted atomic.Int64
+	var wg sync.WaitGroup
+	for g := 0; g < 64; g++ {
+		wg.Add(1)
+		go func(g int) {
+			defer wg.Done()
+			for i := 0; i < 1000; i++ {
+				if g == 0 && i%10 == 0 {
+					clk.AddMs(100) // ten windows of one second in all
+				}
+				if e.Decide(bg, lim("k", time.Second, limit, 1)).Allowed {
+					admitted.Add(1)
+				}
+			}
+		}(g)
+	}
+	wg.Wait()
+	if admitted.Load() == 0 || admitted.Load() > 11*limit {
+		t.Fatalf("admitted %d over 11 windows of limit %d", admitted.Load(), limit)
+	}
+	en, _ := e.Zone("zone", time.Second).entries.Load("k")
+	c := en.cur.Load()
+	for _, x := range []*cell{c, c.prev.Load()} {
+		if x != nil && x.committed() > limit {
+			t.Fatalf("cell %d committed %d over the limit %d", x.seq, x.committed(), limit)
+		}
+	}
+}
+
+func TestRace_EvictionAndSweepUnderLoad(t *testing.T) {
+	e, clk := newTestEngine(t, manual(Config{MaxEntries: 500}))
+	var wg sync.WaitGroup
+	for g := 0; g < 64; g++ {
+		wg.Add(1)
+		go func(g int) {
+			defer wg.Done()
+			out := make([]Decision, 2)
+			for i := 0; i < 300; i++ {
+				id := strconv.Itoa(g*1000 + i%40)
+				e.DecideMany(bg, []Limit{lim(id, time.Second, 5, 1), {Key: Key{"other", id, time.Minute}, Limit: 3, Cost: 1}}, out)
+				if i%50 == 0 {
+					e.Evict()
+					e.Sweep()
+					clk.AddMs(7)
+				}
+			}
+		}(g)
+	}
+	wg.Wait()
+	e.Sweep()
+	var n int64
+	e.rangeZones(func(z *Zone) bool {
+		z.entries.Range(func(string, *entry) bool { n++; return true })
+		return true
+	})
+	if live := e.Stats().Entries; live != n {
+		t.Fatalf("live counter %d disagrees with %d entries in the maps", live, n)
+	}
+}
+
+func TestRace_StrictAndBatchesWithOrigin(t *testing.T) {
+	e, clk, o := withOrigin(t, Config{})
+	var wg sync.WaitGroup
+	for g := 0; g < 64; g++ {
+		wg.Add(1)
+		go func(g int) {
+			defer wg.Done()
+			out := make([]Decision, 2)
+			for i := 0; i < 200; i++ {
+				ls := []Limit{lim("k", time.Second, 100, 1), {Key: Key{"b", strconv.Itoa(g % 4), time.Second}, Limit: 30, Cost: 1}}
+				e.DecideMany(bg, ls, out)
+				switch i % 40 {
+				case 0:
+					e.ReplayOnce(bg, Fast)
+				case 20:
+					e.ReplayOnce(bg, Slow)
+					clk.AddMs(13)
+				}
+				if g == 0 && i%50 == 0 {
+					e.StrictKeys()
+					e.Stats()
+				}
+			}
+		}(g)
+	}
+	wg.Wait()
+	e.ReplayOnce(bg, Fast)
+	e.ReplayOnce(bg, Slow)
+	// Everything committed locally reached the origin exactly once.
+	e.rangeZones(func(z *Zone) bool {
+		z.entries.Range(func(id string, en *entry) bool {
+			c := en.cur.Load()
+			for _, c := range []*cell{c, c.prev.Load()} {
+				if c == nil || c == tombstone {
+					continue
+				}
+				if c.spec.Load() != 0 || c.pending.Load() != 0 {
+					t.Errorf("%s/%s cell %d: spec %d pending %d left", z.name, id, c.seq, c.spec.Load(), c.pending.Load())
+				}
+				if got := o.total(z.key(id), c.seq); got != c.own.Load() {
+					t.Errorf("%s/%s cell %d: origin %d, own %d", z.name, id, c.seq, got, c.own.Load())
+				}
+			}
+			return true
+		})
+		return true
+	})
+}
