@@ -540,10 +540,11 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 			}
 		}
 		lims = append(lims, engine.Limit{
-			Key:   engine.Key{Namespace: z.name, Identifier: id, Window: z.window},
-			Zone:  z.handle,
-			Limit: limit,
-			Cost:  z.costOf(repl),
+			Key:    engine.Key{Namespace: z.name, Identifier: id, Window: z.window},
+			Zone:   z.handle,
+			Limit:  limit,
+			Cost:   z.costOf(repl),
+			DryRun: h.DryRun,
 		})
 		zi = append(zi, i)
 	}
@@ -564,11 +565,18 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	hdr := w.Header()
 	h.writeHeaders(hdr, lims, decs, zi, ownLimits && len(zi) == len(h.zones))
 
-	if allowed {
+	if h.DryRun {
+		// Dry-run limits are charged whatever their verdict; a zone that
+		// would have denied says so in its decision.
+		for k := range decs {
+			if !decs[k].Allowed {
+				h.dryRunDenied(decs, zi)
+				break
+			}
+		}
 		return next.ServeHTTP(w, r)
 	}
-	if h.DryRun {
-		h.dryRunDenied(r, lims, decs, zi)
+	if allowed {
 		return next.ServeHTTP(w, r)
 	}
 	if secs, ok := h.retryAfter(decs); ok {
@@ -598,14 +606,9 @@ func (z *zone) costOf(repl *caddy.Replacer) int64 {
 	return n
 }
 
-// dryRunCommitLimit is the limit a dry_run handler re-decides a denied
-// request with, so that it is counted as served: high enough to admit any
-// request, low enough that effective count plus cost cannot overflow.
-const dryRunCommitLimit = 1 << 60
-
-// dryRunDenied logs and counts a would-be denial and then charges the
-// request to every zone, because it is served.
-func (h *Handler) dryRunDenied(r *http.Request, lims []engine.Limit, decs []engine.Decision, zi []int) {
+// dryRunDenied logs and counts a would-be denial; the engine has already
+// charged the request.
+func (h *Handler) dryRunDenied(decs []engine.Decision, zi []int) {
 	dryRunDeniedTotal.Add(1)
 	if c := h.logger.Check(zapcore.InfoLevel, "dry run: request would have been rate limited"); c != nil {
 		var names []string
@@ -618,22 +621,6 @@ func (h *Handler) dryRunDenied(r *http.Request, lims []engine.Limit, decs []engi
 		// out of the logs.
 		c.Write(zap.Strings("zones", names))
 	}
-	// A second decision with a limit nothing can exceed commits the cost.
-	var arr [stackZones]engine.Limit
-	force := arr[:0]
-	if len(lims) > stackZones {
-		force = make([]engine.Limit, 0, len(lims))
-	}
-	for _, l := range lims {
-		l.Limit = dryRunCommitLimit
-		force = append(force, l)
-	}
-	var out [stackZones]engine.Decision
-	outs := out[:]
-	if len(lims) > stackZones {
-		outs = make([]engine.Decision, len(lims))
-	}
-	h.engine.DecideMany(r.Context(), force, outs)
 }
 
 // retryAfter is the Retry-After in seconds: the largest wait over the

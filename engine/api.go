@@ -38,6 +38,12 @@ type Limit struct {
 	Limit int64
 	// Cost is the number of units this request consumes (≥ 0).
 	Cost int64
+	// DryRun charges the cost whatever the verdict: the request is served,
+	// so it counts. The decision still reports the verdict the limit would
+	// have given, with Remaining after the charge; a would-be denial records
+	// nothing (no strict mode, no first-denial notification). In a batch a
+	// dry-run limit never makes the batch fail.
+	DryRun bool
 }
 
 // Never is the RetryAfter of a request whose cost exceeds its limit: it can

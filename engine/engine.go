@@ -191,6 +191,8 @@ type located struct {
 	id   string
 	cur  *cell
 	w, r int64
+	// dryRetry is the Retry-After a dry-run limit's denial would have had.
+	dryRetry time.Duration
 }
 
 func (lc *located) key() Key { return lc.zone.key(lc.id) }
@@ -276,6 +278,9 @@ func (e *Engine) Decide(ctx context.Context, l Limit) Decision {
 	for {
 		n, cur, prev := lc.snapshot()
 		if !fits(cur, prev, l.Cost, l.Limit, lc.w, lc.r) {
+			if l.DryRun {
+				return e.dryRunDeny(&lc, &l)
+			}
 			var d Decision
 			e.deny(&d, &lc, &l, cur, prev)
 			return d
@@ -323,6 +328,24 @@ func (e *Engine) deny(d *Decision, lc *located, l *Limit, cur, prev int64) {
 	}
 }
 
+// dryRunDeny charges a request that the limit would have denied and
+// reports the denial it would have been.
+func (e *Engine) dryRunDeny(lc *located, l *Limit) Decision {
+	var d Decision
+	for {
+		n, cur, prev := lc.snapshot()
+		d = Decision{Limit: l.Limit, Reset: msDuration(lc.w - lc.r), RetryAfter: Never}
+		if ra := retryAfterMs(cur, prev, l.Cost, l.Limit, lc.w, lc.r); ra >= 0 {
+			d.RetryAfter = msDuration(ra)
+		}
+		if lc.cur.count.CompareAndSwap(n, n+l.Cost) {
+			d.Remaining = remaining(cur+l.Cost, prev, l.Limit, lc.w, lc.r)
+			e.committed(lc, l.Cost, cur+l.Cost+weighted(prev, lc.w, lc.r), l.Limit)
+			return d
+		}
+	}
+}
+
 // committed records cost committed units in the cell for replay; effective
 // is the key's effective count with them, which picks the replay tier.
 func (e *Engine) committed(lc *located, cost, effective, limit int64) {
@@ -359,10 +382,15 @@ func (e *Engine) DecideMany(ctx context.Context, ls []Limit, out []Decision) boo
 	}
 	reserved := 0
 	denied := false
+	var dryDenied uint64 // bit i: dry-run limit i would have denied
 	for i := range ls {
-		if !e.reserve(&lcs[i], ls[i].Cost, ls[i].Limit) {
+		ok := e.reserve(&lcs[i], ls[i].Cost, ls[i].Limit, ls[i].DryRun)
+		if !ok {
 			denied = true
 			break
+		}
+		if ls[i].DryRun && ok && e.wouldDeny(&lcs[i], &ls[i]) {
+			dryDenied |= 1 << (i % 64)
 		}
 		reserved++
 	}
@@ -401,16 +429,39 @@ func (e *Engine) DecideMany(ctx context.Context, ls []Limit, out []Decision) boo
 			Remaining: remaining(cur, prev, ls[i].Limit, lc.w, lc.r),
 			Reset:     msDuration(lc.w - lc.r),
 		}
+		if dryDenied&(1<<(i%64)) != 0 {
+			out[i].Allowed = false
+			out[i].RetryAfter = lc.dryRetry
+		}
+	}
+	return true
+}
+
+// wouldDeny reports whether a dry-run reservation just made went past the
+// limit, and keeps the Retry-After the denial would have had.
+func (e *Engine) wouldDeny(lc *located, l *Limit) bool {
+	_, cur, prev := lc.snapshot()
+	cur -= l.Cost // the state before this request's own reservation
+	if fits(cur, prev, l.Cost, l.Limit, lc.w, lc.r) {
+		return false
+	}
+	lc.dryRetry = Never
+	if ra := retryAfterMs(cur, prev, l.Cost, l.Limit, lc.w, lc.r); ra >= 0 {
+		lc.dryRetry = msDuration(ra)
 	}
 	return true
 }
 
 // reserve adds cost to the cell's count as a speculative reservation if it
-// fits.
-func (e *Engine) reserve(lc *located, cost, limit int64) bool {
+// fits, or in any case for a dry run.
+func (e *Engine) reserve(lc *located, cost, limit int64, dryRun bool) bool {
 	// spec first: a reader that sees the count raised also sees it marked
 	// speculative, so nothing replays a reservation that may roll back.
 	lc.cur.spec.Add(cost)
+	if dryRun {
+		lc.cur.count.Add(cost)
+		return true
+	}
 	for {
 		n, cur, prev := lc.snapshot()
 		if !fits(cur, prev, cost, limit, lc.w, lc.r) {

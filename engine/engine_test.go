@@ -274,3 +274,40 @@ func TestDecide_LongIdentifiersAreHashedAndDistinct(t *testing.T) {
 		t.Fatal("the hash of an identifier, sent as an identifier, collided with it")
 	}
 }
+
+func TestDecide_DryRunChargesAndReportsTheVerdictWithoutSideEffects(t *testing.T) {
+	var notified atomic.Int64
+	e, _, o := withOrigin(t, Config{OnFirstDenial: func(Denial) { notified.Add(1) }})
+	l := lim("k", time.Hour, 3, 1)
+	l.DryRun = true
+	for i := 0; i < 5; i++ {
+		d := e.Decide(bg, l)
+		if want := i < 3; d.Allowed != want {
+			t.Fatalf("request %d: Allowed = %v, want %v", i, d.Allowed, want)
+		}
+		if i >= 3 && d.RetryAfter <= 0 {
+			t.Fatalf("would-be denial without Retry-After: %+v", d)
+		}
+	}
+	ks, _ := e.Inspect(l.Key)
+	if ks.Cells[0].Regional != 5 {
+		t.Fatalf("dry run counted %d, want every served request (5)", ks.Cells[0].Regional)
+	}
+	if notified.Load() != 0 || len(e.StrictKeys()) != 0 || ks.Cells[0].Blocked {
+		t.Fatal("a dry-run denial recorded a denial")
+	}
+	_ = o
+
+	// In a batch a dry-run limit never fails the batch.
+	ls := []Limit{l, lim("other", time.Hour, 100, 1)}
+	out := make([]Decision, 2)
+	if !e.DecideMany(bg, ls, out) {
+		t.Fatal("a dry-run limit failed the batch")
+	}
+	if out[0].Allowed || !out[1].Allowed {
+		t.Fatalf("verdicts = %+v, want the dry-run limit to report its would-be denial", out)
+	}
+	if ks, _ := e.Inspect(l.Key); ks.Cells[0].Regional != 6 {
+		t.Fatalf("count = %d after the batch, want 6", ks.Cells[0].Regional)
+	}
+}
