@@ -131,3 +131,13 @@ func dialer(tlsConfig *tls.Config) func(ctx context.Context, network, addr strin
 	td := &tls.Dialer{NetDialer: nd, Config: tlsConfig}
 	return td.DialContext
 }
+
+// SetLogger routes the Redis client library's own log lines (failed dials,
+// pool events) to printf; by default they go to stderr. That logger is
+// global to the process, so the last call wins. Its lines name addresses,
+// never passwords.
+func SetLogger(printf func(format string, args ...any)) { redis.SetLogger(logFunc(printf)) }
+
+type logFunc func(format string, args ...any)
+
+func (f logFunc) Printf(_ context.Context, format string, args ...any) { f(format, args...) }

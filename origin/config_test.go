@@ -87,7 +87,7 @@ func TestConfig_JSONAndDefaults(t *testing.T) {
 func TestNew_DoesNotDial(t *testing.T) {
 	// Nothing listens on port 1; New must succeed anyway (Caddy's validate
 	// provisions without a network), and Close must not hang.
-	o, err := New(Config{Redis: []string{"redis://127.0.0.1:1"}}, Hooks{})
+	o, err := New(Config{Redis: []string{"redis://127.0.0.1:1"}}, Options{})
 	if err != nil {
 		t.Fatalf("New: %v", err)
 	}
@@ -97,12 +97,12 @@ func TestNew_DoesNotDial(t *testing.T) {
 }
 
 func TestRoute_IsStableAndIgnoresOrderAndCredentials(t *testing.T) {
-	a, err := New(Config{Redis: []string{"redis://h1:1", "redis://h2:1", "redis://h3:1"}}, Hooks{})
+	a, err := New(Config{Redis: []string{"redis://h1:1", "redis://h2:1", "redis://h3:1"}}, Options{})
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer a.Close()
-	b, err := New(Config{Redis: []string{"rediss://:pw@h3:1", "redis://h1:1/0", "redis://user@h2:1"}}, Hooks{})
+	b, err := New(Config{Redis: []string{"rediss://:pw@h3:1", "redis://h1:1/0", "redis://user@h2:1"}}, Options{})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -85,7 +85,7 @@ func (ep *endpoint) record(op Op, err error, start time.Time, cells int) {
 	if o == OutcomeOK {
 		ep.lastOK[op].Store(now.UnixNano())
 	}
-	if f := ep.r.hooks.OnCall; f != nil {
+	if f := ep.r.opts.OnCall; f != nil {
 		f(CallInfo{Endpoint: ep.address, Op: op, Outcome: o, Duration: now.Sub(start), Cells: cells})
 	}
 }

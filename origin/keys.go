@@ -46,6 +46,14 @@ func cellKeys(prefix string, key engine.Key, seq int64) (cur, prev string) {
 	return cur, prev
 }
 
+// ownersSuffix ends the key of a cell's contribution hash. A cell key
+// ends in an integer, so the two can never be equal.
+const ownersSuffix = ":own"
+
+// ownersKey returns the key of the hash that holds, per process, the units
+// that process added to cellKey: the same hash tag, so the same slot.
+func ownersKey(cellKey string) string { return cellKey + ownersSuffix }
+
 // appendTag appends the hash tag "{<ns>:<id>}" with both parts escaped.
 func appendTag(b []byte, key engine.Key) []byte {
 	b = append(b, '{')

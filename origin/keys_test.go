@@ -189,6 +189,9 @@ func FuzzKeyEncodingInjective(f *testing.F) {
 		if (hashTag(a) == hashTag(b)) != (ns1 == ns2 && id1 == id2) {
 			t.Fatalf("hash tags of %q and %q: equal=%v, but (ns, id) equal=%v", a, b, hashTag(a) == hashTag(b), ns1 == ns2 && id1 == id2)
 		}
+		if ownersKey(a) == b {
+			t.Fatalf("contribution hash of %q is the key of another cell", a)
+		}
 		cur, prev := cellKeys(DefaultPrefix, k1, s1)
 		if cur != a || prev != cellKey(DefaultPrefix, k1, s1-1) || hashTag(cur) != hashTag(prev) {
 			t.Fatalf("cellKeys(%q) = %q, %q", a, cur, prev)

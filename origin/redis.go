@@ -11,6 +11,8 @@ package origin
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"sync"
@@ -48,8 +50,9 @@ const (
 // engine.Origin and is safe for concurrent use.
 type Redis struct {
 	prefix    string
+	nodeID    string
 	endpoints []*endpoint
-	hooks     Hooks
+	opts      Options
 
 	events  chan stateEvent
 	dropped atomic.Uint64
@@ -68,7 +71,7 @@ var _ engine.Origin = (*Redis)(nil)
 // New validates cfg and returns the origin. It does not dial: connections
 // are made by the first Read or Flush, so it is safe in Caddy's Provision.
 // Close releases the clients.
-func New(cfg Config, hooks Hooks) (*Redis, error) {
+func New(cfg Config, opts Options) (*Redis, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("origin config: %w", err)
 	}
@@ -77,12 +80,16 @@ func New(cfg Config, hooks Hooks) (*Redis, error) {
 	if err != nil {
 		return nil, fmt.Errorf("origin config: %w", err)
 	}
+	if opts.NodeID == "" {
+		opts.NodeID = processNodeID()
+	}
 	r := &Redis{
 		prefix: cfg.Prefix,
-		hooks:  hooks,
+		nodeID: opts.NodeID,
+		opts:   opts,
 		done:   make(chan struct{}),
 	}
-	if hooks.OnStateChange != nil {
+	if opts.OnStateChange != nil {
 		r.events = make(chan stateEvent, stateEventBuffer)
 		go r.notify()
 	}
@@ -107,6 +114,20 @@ func (s *endpointSpec) partitionLabelOrAddress() string {
 	}
 	return s.address
 }
+
+// processNodeID identifies this process to Redis. The engine, and with it
+// every cell's own contribution, lives as long as the process (config
+// reloads keep it), so one random ID per process is exactly as long-lived;
+// 64 random bits make two processes sharing an ID practically impossible.
+var processNodeID = sync.OnceValue(func() string {
+	var b [8]byte
+	_, _ = rand.Read(b[:]) // never fails on supported platforms
+	return hex.EncodeToString(b[:])
+})
+
+// NodeID returns the ID under which this process's contributions are
+// recorded.
+func (r *Redis) NodeID() string { return r.nodeID }
 
 // String lists the endpoints' addresses, never credentials.
 func (r *Redis) String() string {
@@ -135,13 +156,10 @@ func (r *Redis) Read(ctx context.Context, key engine.Key, seq int64) (cur, prev 
 	return cur, prev, nil
 }
 
-// Flush adds each item's Delta to its cell in one pipeline per endpoint
-// (INCRBY and PEXPIREAT at the end of the cell plus two windows), and
-// stores the total in Total and Done for each item Redis applied. When the
-// total comes back below the item's Own, Redis lost this process's earlier
-// contribution (it restarted empty): the difference is added again in a
-// second round trip, so the cell holds this process's units exactly once,
-// and Total is the total after that.
+// Flush adds each item's Delta to its cell in one pipeline per endpoint,
+// and stores the cell's total in Total and Done for each item Redis
+// applied. See flush.go for the commands and for how units that Redis lost
+// (a restart with an empty dataset) are added back exactly once.
 //
 // Endpoints are written concurrently; an endpoint whose breaker is open or
 // whose round trip fails leaves its items not Done. The error joins every
@@ -230,7 +248,7 @@ func (r *Redis) notify() {
 	for {
 		select {
 		case ev := <-r.events:
-			r.hooks.OnStateChange(ev.endpoint, ev.from, ev.to)
+			r.opts.OnStateChange(ev.endpoint, ev.from, ev.to)
 		case <-r.done:
 			return
 		}

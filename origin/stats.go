@@ -104,8 +104,14 @@ type CallInfo struct {
 	Cells int
 }
 
-// Hooks let the caller observe the origin. Both are optional.
-type Hooks struct {
+// Options are the origin's settings that are not configuration: hooks to
+// observe it and the process's identity. All are optional.
+type Options struct {
+	// NodeID names this process in the cells' contribution hashes (see
+	// Flush). It must be unique among the processes sharing a Redis and
+	// stable for the life of the engine, across config reloads; the
+	// default, a random ID made once per process, is both.
+	NodeID string
 	// OnCall runs on the calling goroutine after every Read and after every
 	// endpoint's part of a Flush: keep it cheap (update a histogram).
 	OnCall func(CallInfo)

@@ -1,0 +1,236 @@
+package origin
+
+import (
+	"context"
+	"fmt"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/edgelimit/caddy-ratelimit/engine"
+	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
+)
+
+// simClock is the engines' injected clock, in Unix milliseconds.
+type simClock struct {
+	ms    atomic.Int64
+	nodes atomic.Int64 // nodes made, for their IDs
+}
+
+func (c *simClock) now() time.Time { return time.UnixMilli(c.ms.Load()) }
+
+// node is one simulated Caddy process: an engine with its own origin.
+type node struct {
+	e *engine.Engine
+	o *Redis
+	// flushedCells counts cells the origin flushed successfully.
+	flushedCells atomic.Int64
+}
+
+func newNode(t *testing.T, url string, clock *simClock) *node {
+	t.Helper()
+	n := &node{}
+	n.o = newOrigin(t, Config{Redis: []string{url}}, Options{NodeID: t.Name() + fmt.Sprint(clock.nodes.Add(1)), OnCall: func(c CallInfo) {
+		if c.Op == OpFlush && c.Outcome == OutcomeOK {
+			n.flushedCells.Add(int64(c.Cells))
+		}
+	}})
+	n.e = engine.New(engine.Config{Now: clock.now})
+	n.e.SetOrigin(n.o)
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		_ = n.e.Close(ctx)
+	})
+	return n
+}
+
+// tick runs the replay ticks due at simulated millisecond ms, as the
+// engine's loop would: fast every 10 ms, slow every 100 ms.
+func (n *node) tick(t *testing.T, ms int64) {
+	ctx := context.Background()
+	if ms%engine.DefaultFastTick.Milliseconds() == 0 {
+		if _, err := n.e.ReplayOnce(ctx, engine.Fast); err != nil {
+			t.Fatalf("fast replay: %v", err)
+		}
+	}
+	if ms%engine.DefaultSlowTick.Milliseconds() == 0 {
+		if _, err := n.e.ReplayOnce(ctx, engine.Slow); err != nil {
+			t.Fatalf("slow replay: %v", err)
+		}
+	}
+}
+
+// windowStart returns the start of the next window after the real clock:
+// the simulation runs in the near future so PEXPIREAT keeps its keys.
+func windowStart(w time.Duration) int64 {
+	wms := w.Milliseconds()
+	return (time.Now().UnixMilli()/wms + 1) * wms
+}
+
+// TestConvergence_TwoEnginesShareOneRedis is the scenario: two
+// processes sharing one Redis, one key limited to 10,000 per 10 s, offered
+// 2,000 requests a second evenly for 10 s (20,000 requests, half to each).
+// Together they admit at most 2 % over the limit, and Redis sees at most one
+// round trip per 10 requests, counted by the origins and cross-checked with
+// Redis's own INFO commandstats. Time is simulated: the engines' clock moves
+// one millisecond per step and the replay ticks are driven by hand.
+func TestConvergence_TwoEnginesShareOneRedis(t *testing.T) {
+	srv := redistest.Start(t)
+	const (
+		limit    = 10_000
+		window   = 10 * time.Second
+		duration = 10_000 // ms
+		perMs    = 2      // 2,000 req/s: one request per node per millisecond
+	)
+	clock := &simClock{}
+	start := windowStart(window)
+	clock.ms.Store(start)
+	nodes := []*node{newNode(t, srv.URL(), clock), newNode(t, srv.URL(), clock)}
+	k := engine.Key{Namespace: "api", Identifier: "tenant-42", Window: window}
+
+	ctx := context.Background()
+	admitted := 0
+	for ms := int64(0); ms < duration; ms++ {
+		clock.ms.Store(start + ms)
+		for i := 0; i < perMs; i++ {
+			d := nodes[i%len(nodes)].e.Decide(ctx, engine.Limit{Key: k, Limit: limit, Cost: 1})
+			if d.Allowed {
+				admitted++
+			}
+		}
+		for _, n := range nodes {
+			n.tick(t, ms+1)
+		}
+	}
+	for _, n := range nodes {
+		if _, err := n.e.ReplayOnce(ctx, engine.Fast); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := n.e.ReplayOnce(ctx, engine.Slow); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	requests := duration * perMs
+	if admitted > limit*102/100 {
+		t.Errorf("admitted %d of %d requests; the limit is %d (at most 2%% over)", admitted, requests, limit)
+	}
+	if admitted < limit*98/100 {
+		t.Errorf("admitted %d; a limit of %d should admit about that many", admitted, limit)
+	}
+
+	// Nothing lost, nothing doubled: Redis holds exactly what was admitted.
+	seq := start / window.Milliseconds()
+	total, err := srv.Client().Get(ctx, cellKey(DefaultPrefix, k, seq)).Int64()
+	if err != nil || total != int64(admitted) {
+		t.Errorf("Redis holds %d (%v) for the cell; the nodes admitted %d", total, err, admitted)
+	}
+
+	// The engines' own replay loops may still have a flush in flight; the
+	// counts are compared once Redis and the origins agree, or fail.
+	var trips, reads, late, cells int64
+	var cs map[string]int64
+	agree := func() bool {
+		trips, reads, late, cells = 0, 0, 0, 0
+		for _, n := range nodes {
+			st := n.o.Stats().Endpoints[0]
+			trips += int64(st.RoundTrips)
+			reads += int64(st.Calls["read"]["ok"])
+			late += int64(st.Calls["read"]["timeout"])
+			cells += n.flushedCells.Load()
+		}
+		var err error
+		if cs, err = srv.CommandStats(ctx); err != nil {
+			t.Fatal(err)
+		}
+		// Every read that reached Redis is one MGET (a read that timed out
+		// at the engine may still have), every flushed cell one INCRBY, one
+		// HINCRBY and two PEXPIREAT, and Redis saw no more than that.
+		return reads <= cs["mget"] && cs["mget"] <= reads+late &&
+			cs["incrby"] == cells && cs["hincrby"] == cells && cs["pexpireat"] == 2*cells
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for !agree() && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	t.Logf("admitted %d of %d; %d round trips (%d reads); Redis: mget=%d incrby=%d hincrby=%d pexpireat=%d",
+		admitted, requests, trips, reads, cs["mget"], cs["incrby"], cs["hincrby"], cs["pexpireat"])
+	if !agree() {
+		t.Errorf("Redis counted mget=%d incrby=%d hincrby=%d pexpireat=%d; the origins counted %d reads and %d flushed cells",
+			cs["mget"], cs["incrby"], cs["hincrby"], cs["pexpireat"], reads, cells)
+	}
+	for _, n := range nodes {
+		// Timeouts can happen on a loaded machine (the engine gives a read
+		// 50 ms); errors and re-adds cannot against a healthy Redis.
+		st := n.o.Stats().Endpoints[0]
+		if st.Calls["read"]["error"]+st.Calls["flush"]["error"]+st.Calls["flush"]["timeout"] > 0 {
+			t.Errorf("origin calls failed: %+v", st.Calls)
+		}
+		if st.Readded != 0 {
+			t.Errorf("%d units re-added though Redis never lost any", st.Readded)
+		}
+	}
+	if trips > int64(requests/10) {
+		t.Errorf("%d Redis round trips for %d requests; want at most one per 10", trips, requests)
+	}
+	if cs["mget"]+cs["incrby"] > int64(requests/10) {
+		t.Errorf("Redis executed %d MGET+INCRBY for %d requests", cs["mget"]+cs["incrby"], requests)
+	}
+}
+
+// TestConvergence_HotKeyBelowHalfItsLimit offers a key 2,000 requests a
+// second for 10 s at under 50 % of its limit: it costs at most one Redis
+// round trip per 100 requests, and no request waits for Redis after the
+// key's first (cold) read.
+func TestConvergence_HotKeyBelowHalfItsLimit(t *testing.T) {
+	srv := redistest.Start(t)
+	const (
+		limit    = 1_000_000
+		window   = 10 * time.Second
+		duration = 10_000 // ms
+		perMs    = 2
+	)
+	clock := &simClock{}
+	start := windowStart(window)
+	clock.ms.Store(start)
+	n := newNode(t, srv.URL(), clock)
+	k := engine.Key{Namespace: "api", Identifier: "hot", Window: window}
+
+	ctx := context.Background()
+	for ms := int64(0); ms < duration; ms++ {
+		clock.ms.Store(start + ms)
+		for i := 0; i < perMs; i++ {
+			if d := n.e.Decide(ctx, engine.Limit{Key: k, Limit: limit, Cost: 1}); !d.Allowed {
+				t.Fatalf("request denied at %d ms far below the limit", ms)
+			}
+		}
+		n.tick(t, ms+1)
+	}
+	if _, err := n.e.ReplayOnce(ctx, engine.Slow); err != nil {
+		t.Fatal(err)
+	}
+
+	requests := int64(duration * perMs)
+	st := n.o.Stats().Endpoints[0]
+	es := n.e.Stats()
+	cs, err := srv.CommandStats(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("%d requests: %d round trips; engine: %d sync reads, %d background reads; Redis: mget=%d incrby=%d",
+		requests, st.RoundTrips, es.SyncReads, es.BackgroundReads, cs["mget"], cs["incrby"])
+	if int64(st.RoundTrips) > requests/100 {
+		t.Errorf("%d round trips for %d requests below half the limit; want at most one per 100", st.RoundTrips, requests)
+	}
+	if cs["mget"]+cs["incrby"] > requests/100 {
+		t.Errorf("Redis executed %d MGET+INCRBY for %d requests", cs["mget"]+cs["incrby"], requests)
+	}
+	if es.SyncReads > 1 {
+		t.Errorf("%d requests waited for Redis; only the cold first one may", es.SyncReads)
+	}
+	total, err := srv.Client().Get(ctx, cellKey(DefaultPrefix, k, start/window.Milliseconds())).Int64()
+	if err != nil || total != requests {
+		t.Errorf("Redis holds %d (%v); %d were admitted", total, err, requests)
+	}
+}
