@@ -3,6 +3,7 @@ package origin
 import (
 	"context"
 	"crypto/tls"
+	"crypto/x509"
 	"net"
 	"time"
 
@@ -44,13 +45,14 @@ const (
 // newClient builds the go-redis client of one endpoint. It does not dial:
 // go-redis connects on the first command, so a Caddy `validate` that
 // provisions and cleans up never touches the network.
-func newClient(s endpointSpec) redis.UniversalClient {
+func newClient(s endpointSpec, roots *x509.CertPool) redis.UniversalClient {
 	var tlsConfig *tls.Config
 	if s.tls {
 		// ServerName is left empty: the TLS dialer takes it from the
 		// address dialled, which is right for every node of a Cluster too.
 		tlsConfig = &tls.Config{
 			MinVersion:         tls.VersionTLS12,
+			RootCAs:            roots,
 			InsecureSkipVerify: s.tlsSkipVer, //nolint:gosec // the operator's explicit skip_verify=true
 		}
 	}

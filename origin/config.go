@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"net/url"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -59,6 +60,11 @@ type Config struct {
 	Cluster *ClusterConfig `json:"redis_cluster,omitempty"`
 	// Sentinel is a master monitored by Redis Sentinel.
 	Sentinel *SentinelConfig `json:"redis_sentinel,omitempty"`
+
+	// TLSCAFile is a PEM file of the certificate authorities that sign the
+	// servers' certificates, for rediss:// addresses (default: the system's
+	// roots).
+	TLSCAFile string `json:"tls_ca_file,omitempty"`
 
 	// Prefix starts every key (default "ratelimit"). It may not contain
 	// braces, spaces or control characters.
@@ -195,9 +201,12 @@ func (c Config) ApplyEngine(ec *engine.Config) {
 // Validate reports the first thing wrong with c, naming the field. It does
 // no network I/O. Its messages never contain a password.
 func (c Config) Validate() error {
-	_, err := c.endpoints()
+	specs, err := c.endpoints()
 	if err != nil {
 		return err
+	}
+	if c.TLSCAFile != "" && !slices.ContainsFunc(specs, func(s endpointSpec) bool { return s.tls }) {
+		return errors.New("tls_ca_file: set, but no address uses rediss://")
 	}
 	if err := validatePrefix(c.Prefix); err != nil {
 		return err

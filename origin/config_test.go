@@ -45,6 +45,7 @@ func TestConfig_Validate(t *testing.T) {
 		{"negative timeout", Config{Redis: []string{"redis://a"}, ReadTimeout: -1}, "read_timeout"},
 		{"fast tick above slow", Config{Redis: []string{"redis://a"}, FastTick: Duration(time.Second)}, "fast_tick"},
 		{"ratio above one", Config{Redis: []string{"redis://a"}, Breaker: BreakerConfig{FailureRatio: 1.5}}, "failure_ratio"},
+		{"tls_ca_file without rediss", Config{Redis: []string{"redis://a"}, TLSCAFile: "/ca.pem"}, "tls_ca_file"},
 		{"negative min requests", Config{Redis: []string{"redis://a"}, Breaker: BreakerConfig{MinRequests: -1}}, "min_requests"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -118,5 +119,26 @@ func TestRoute_IsStableAndIgnoresOrderAndCredentials(t *testing.T) {
 		if a.route(k2) != ea {
 			t.Fatalf("%q: windows of one identifier on different partitions", k.Identifier)
 		}
+	}
+}
+
+func TestString_NamesAddressesNeverCredentials(t *testing.T) {
+	for _, tc := range []struct {
+		cfg  Config
+		want string
+	}{
+		{Config{Redis: []string{"redis://u:pw1@a:1/2", "rediss://:pw2@b:3"}}, "redis origin [redis://a:1/2 rediss://b:3/0]"},
+		{Config{Cluster: &ClusterConfig{Addrs: []string{"rediss://:pw3@a:1", "b:2"}}}, "redis origin [rediss+cluster://a:1,b:2]"},
+		{Config{Sentinel: &SentinelConfig{Master: "m", Addrs: []string{"redis://:pw4@a:1/5"}, SentinelPassword: "pw5"}},
+			"redis origin [redis+sentinel://m@a:1/5]"},
+	} {
+		o, err := New(tc.cfg, Options{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := o.String(); got != tc.want || strings.Contains(got, "pw") {
+			t.Errorf("String() = %q, want %q", got, tc.want)
+		}
+		_ = o.Close()
 	}
 }

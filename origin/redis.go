@@ -12,9 +12,11 @@ package origin
 import (
 	"context"
 	"crypto/rand"
+	"crypto/x509"
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"os"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -80,6 +82,17 @@ func New(cfg Config, opts Options) (*Redis, error) {
 	if err != nil {
 		return nil, fmt.Errorf("origin config: %w", err)
 	}
+	var roots *x509.CertPool
+	if cfg.TLSCAFile != "" {
+		pem, err := os.ReadFile(cfg.TLSCAFile)
+		if err != nil {
+			return nil, fmt.Errorf("origin config: tls_ca_file: %w", err)
+		}
+		roots = x509.NewCertPool()
+		if !roots.AppendCertsFromPEM(pem) {
+			return nil, fmt.Errorf("origin config: tls_ca_file %s: no PEM certificate in it", cfg.TLSCAFile)
+		}
+	}
 	if opts.NodeID == "" {
 		opts.NodeID = processNodeID()
 	}
@@ -99,7 +112,7 @@ func New(cfg Config, opts Options) (*Redis, error) {
 			address: s.address,
 			kind:    s.kind,
 			seed:    labelHash(s.kind, s.partitionLabelOrAddress()),
-			client:  newClient(s),
+			client:  newClient(s, roots),
 		}
 		ep.idle = sync.NewCond(&ep.mu)
 		ep.cb = gobreaker.NewCircuitBreaker[struct{}](ep.breakerSettings(cfg.Breaker))

@@ -745,3 +745,55 @@ func TestRedis_OnCallReportsEveryCall(t *testing.T) {
 		t.Fatalf("calls = %+v", calls)
 	}
 }
+
+// TestTLS_RedissVerifiesTheServer reaches a TLS-only Redis over rediss://,
+// trusting its certificate through tls_ca_file, and fails without it.
+func TestTLS_RedissVerifiesTheServer(t *testing.T) {
+	srv := redistest.Start(t, redistest.WithTLS(), redistest.WithPassword("tls-pw"))
+	o := newOrigin(t, Config{Redis: []string{srv.URL()}, TLSCAFile: srv.CAFile()}, Options{})
+	k, seq := key("tls"), nowSeq()
+	b := []engine.Delta{{Key: k, Sequence: seq, Delta: 2, Own: 2}}
+	if err := o.Flush(ctxT(t), b); err != nil || !b[0].Done {
+		t.Fatalf("Flush over TLS: %v", err)
+	}
+	if cur, _, err := o.Read(ctxT(t), k, seq); err != nil || cur != 2 {
+		t.Fatalf("Read over TLS: %d, %v", cur, err)
+	}
+	if a := o.Stats().Endpoints[0].Address; !strings.HasPrefix(a, "rediss://") || strings.Contains(a, "tls-pw") {
+		t.Fatalf("address %q", a)
+	}
+
+	untrusted := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{})
+	if _, _, err := untrusted.Read(ctxT(t), k, seq); err == nil {
+		t.Fatal("a self-signed server was trusted without tls_ca_file")
+	}
+	if _, err := New(Config{Redis: []string{srv.URL()}, TLSCAFile: "/nonexistent.pem"}, Options{}); err == nil {
+		t.Fatal("a missing tls_ca_file was accepted")
+	}
+}
+
+// TestSentinel_FindsTheMaster reads and flushes through a Sentinel that
+// monitors a password-protected master.
+func TestSentinel_FindsTheMaster(t *testing.T) {
+	master := redistest.Start(t, redistest.WithPassword("master-pw"))
+	sentinel := redistest.StartSentinel(t, master)
+	o := newOrigin(t, Config{Sentinel: &SentinelConfig{
+		Master: redistest.SentinelMaster,
+		Addrs:  []string{"redis://:master-pw@" + sentinel.Addr()},
+	}}, Options{})
+	k, seq := key("sentinel"), nowSeq()
+	b := []engine.Delta{{Key: k, Sequence: seq, Delta: 3, Own: 3}}
+	if err := o.Flush(ctxT(t), b); err != nil || !b[0].Done || b[0].Total != 3 {
+		t.Fatalf("Flush through Sentinel: %v (%+v)", err, b[0])
+	}
+	if cur, _, err := o.Read(ctxT(t), k, seq); err != nil || cur != 3 {
+		t.Fatalf("Read through Sentinel: %d, %v", cur, err)
+	}
+	if got, err := master.Client().Get(ctxT(t), cellKey(DefaultPrefix, k, seq)).Int64(); err != nil || got != 3 {
+		t.Fatalf("the master holds %d (%v), want 3", got, err)
+	}
+	st := o.Stats().Endpoints[0]
+	if st.Kind != KindSentinel || strings.Contains(st.Address, "master-pw") || !strings.Contains(st.Address, sentinel.Addr()) {
+		t.Fatalf("stats: %+v", st)
+	}
+}

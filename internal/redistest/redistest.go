@@ -10,8 +10,16 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/tls"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"encoding/pem"
 	"errors"
 	"fmt"
+	"math/big"
 	"net"
 	"os"
 	"os/exec"
@@ -52,6 +60,11 @@ type Server struct {
 	password string
 	extra    []string
 
+	// tlsConfig is set by WithTLS: the server then listens for TLS only.
+	tlsConfig *tls.Config
+	// sentinelOf is set for a sentinel (StartSentinel).
+	sentinelOf *Server
+
 	mu   sync.Mutex
 	cmd  *exec.Cmd
 	exit chan struct{}
@@ -66,6 +79,79 @@ func WithPassword(pw string) Option { return func(s *Server) { s.password = pw }
 // WithArgs adds redis-server arguments, as "--name", "value" pairs.
 func WithArgs(args ...string) Option {
 	return func(s *Server) { s.extra = append(s.extra, args...) }
+}
+
+// WithTLS makes the server listen for TLS only, with a fresh self-signed
+// certificate for 127.0.0.1 (see CAFile and ClientTLS).
+func WithTLS() Option {
+	return func(s *Server) { s.tlsConfig = &tls.Config{MinVersion: tls.VersionTLS12} }
+}
+
+// SentinelMaster is the master name StartSentinel monitors.
+const SentinelMaster = "mymaster"
+
+// StartSentinel starts a Redis Sentinel that monitors master under the name
+// SentinelMaster, and stops it when the test ends.
+func StartSentinel(t testing.TB, master *Server) *Server {
+	t.Helper()
+	return Start(t, func(s *Server) { s.sentinelOf = master })
+}
+
+func (s *Server) writeSentinelConf() error {
+	m := s.sentinelOf
+	conf := fmt.Sprintf("port %d\nbind 127.0.0.1\ndir %s\nlogfile %s\n"+
+		"sentinel monitor %s 127.0.0.1 %d 1\nsentinel down-after-milliseconds %s 5000\n",
+		s.port, s.dir, filepath.Join(s.dir, "redis.log"), SentinelMaster, m.port, SentinelMaster)
+	if m.password != "" {
+		conf += fmt.Sprintf("sentinel auth-pass %s %s\n", SentinelMaster, m.password)
+	}
+	if err := os.WriteFile(filepath.Join(s.dir, "sentinel.conf"), []byte(conf), 0o600); err != nil {
+		return fmt.Errorf("write sentinel.conf: %w", err)
+	}
+	return nil
+}
+
+// writeCert writes a self-signed certificate for 127.0.0.1 and its key to
+// dir, and makes cfg trust it.
+func writeCert(dir string, cfg *tls.Config) error {
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		return fmt.Errorf("generate key: %w", err)
+	}
+	tmpl := &x509.Certificate{
+		SerialNumber:          big.NewInt(1),
+		Subject:               pkix.Name{CommonName: "redistest"},
+		NotBefore:             time.Now().Add(-time.Hour),
+		NotAfter:              time.Now().Add(24 * time.Hour),
+		IPAddresses:           []net.IP{net.IPv4(127, 0, 0, 1)},
+		KeyUsage:              x509.KeyUsageDigitalSignature | x509.KeyUsageCertSign,
+		ExtKeyUsage:           []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth},
+		BasicConstraintsValid: true,
+		IsCA:                  true,
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
+	if err != nil {
+		return fmt.Errorf("create certificate: %w", err)
+	}
+	keyDER, err := x509.MarshalECPrivateKey(key)
+	if err != nil {
+		return fmt.Errorf("marshal key: %w", err)
+	}
+	certPEM := pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der})
+	if err := os.WriteFile(filepath.Join(dir, "tls.crt"), certPEM, 0o600); err != nil {
+		return fmt.Errorf("write certificate: %w", err)
+	}
+	keyPEM := pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: keyDER})
+	if err := os.WriteFile(filepath.Join(dir, "tls.key"), keyPEM, 0o600); err != nil {
+		return fmt.Errorf("write key: %w", err)
+	}
+	cert, err := x509.ParseCertificate(der)
+	if err != nil {
+		return fmt.Errorf("parse certificate: %w", err)
+	}
+	cfg.RootCAs = x509.NewCertPool()
+	cfg.RootCAs.AddCert(cert)
+	return nil
 }
 
 // Binary returns the path of redis-server, or skips (fails when CI=true)
@@ -90,10 +176,20 @@ func Start(t testing.TB, opts ...Option) *Server {
 	for _, o := range opts {
 		o(s)
 	}
+	if s.tlsConfig != nil {
+		if err := writeCert(s.dir, s.tlsConfig); err != nil {
+			t.Fatalf("redistest: %v", err)
+		}
+	}
 	var err error
 	for attempt := 0; attempt < startAttempts; attempt++ {
 		if s.port, err = FreePort(); err != nil {
 			t.Fatalf("redistest: %v", err)
+		}
+		if s.sentinelOf != nil {
+			if err := s.writeSentinelConf(); err != nil {
+				t.Fatalf("redistest: %v", err)
+			}
 		}
 		if err = s.launch(); err == nil {
 			t.Cleanup(s.Stop)
@@ -120,24 +216,50 @@ func (s *Server) Addr() string { return net.JoinHostPort("127.0.0.1", strconv.It
 // Port is the server's port.
 func (s *Server) Port() int { return s.port }
 
-// URL is a redis:// URL of the server, with its password if it has one.
+// URL is a redis:// URL of the server (rediss:// with WithTLS), with its
+// password if it has one.
 func (s *Server) URL() string {
-	if s.password != "" {
-		return "redis://:" + s.password + "@" + s.Addr() + "/0"
+	scheme := "redis://"
+	if s.tlsConfig != nil {
+		scheme = "rediss://"
 	}
-	return "redis://" + s.Addr() + "/0"
+	if s.password != "" {
+		return scheme + ":" + s.password + "@" + s.Addr() + "/0"
+	}
+	return scheme + s.Addr() + "/0"
 }
 
+// ClientTLS is the TLS configuration a client needs to reach a WithTLS
+// server (it trusts the server's certificate); nil without TLS.
+func (s *Server) ClientTLS() *tls.Config { return s.tlsConfig }
+
+// CAFile is the PEM file of the certificate a WithTLS server presents,
+// which is its own CA.
+func (s *Server) CAFile() string { return filepath.Join(s.dir, "tls.crt") }
+
 func (s *Server) args() []string {
-	args := []string{
-		"--port", strconv.Itoa(s.port),
+	if s.sentinelOf != nil {
+		return []string{filepath.Join(s.dir, "sentinel.conf"), "--sentinel"}
+	}
+	port := []string{"--port", strconv.Itoa(s.port)}
+	if s.tlsConfig != nil {
+		port = []string{
+			"--port", "0",
+			"--tls-port", strconv.Itoa(s.port),
+			"--tls-cert-file", s.CAFile(),
+			"--tls-key-file", filepath.Join(s.dir, "tls.key"),
+			"--tls-ca-cert-file", s.CAFile(),
+			"--tls-auth-clients", "no",
+		}
+	}
+	args := append(port,
 		"--bind", "127.0.0.1",
 		"--dir", s.dir,
 		"--save", "",
 		"--appendonly", "no",
 		"--daemonize", "no",
 		"--logfile", filepath.Join(s.dir, "redis.log"),
-	}
+	)
 	if s.password != "" {
 		args = append(args, "--requirepass", s.password)
 	}
@@ -160,7 +282,7 @@ func (s *Server) launch() error {
 	}()
 	s.cmd, s.exit = cmd, exit
 
-	c := redis.NewClient(&redis.Options{Addr: s.Addr(), Password: s.password, MaxRetries: -1, DialTimeout: time.Second})
+	c := s.newClient()
 	defer c.Close()
 	deadline := time.Now().Add(startTimeout)
 	for {
@@ -250,15 +372,22 @@ func (s *Server) signal(sig syscall.Signal) {
 
 // Client returns a plain client for assertions, closed when the test ends.
 func (s *Server) Client() *redis.Client {
-	c := redis.NewClient(&redis.Options{Addr: s.Addr(), Password: s.password, MaxRetries: -1})
+	c := s.newClient()
 	s.t.Cleanup(func() { _ = c.Close() })
 	return c
+}
+
+func (s *Server) newClient() *redis.Client {
+	return redis.NewClient(&redis.Options{
+		Addr: s.Addr(), Password: s.password, TLSConfig: s.tlsConfig,
+		MaxRetries: -1, DialTimeout: time.Second,
+	})
 }
 
 // CommandStats returns the calls per command ("incrby", "mget", …) from
 // INFO commandstats.
 func (s *Server) CommandStats(ctx context.Context) (map[string]int64, error) {
-	c := redis.NewClient(&redis.Options{Addr: s.Addr(), Password: s.password, MaxRetries: -1})
+	c := s.newClient()
 	defer c.Close()
 	info, err := c.Info(ctx, "commandstats").Result()
 	if err != nil {
