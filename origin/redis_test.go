@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"runtime"
 	"slices"
 	"strings"
 	"sync"
@@ -796,4 +797,37 @@ func TestSentinel_FindsTheMaster(t *testing.T) {
 	if st.Kind != KindSentinel || strings.Contains(st.Address, "master-pw") || !strings.Contains(st.Address, sentinel.Addr()) {
 		t.Fatalf("stats: %+v", st)
 	}
+}
+
+// TestClose_LeavesNoGoroutine closes an origin that has read, flushed,
+// tripped its breaker and reported it, and checks that every goroutine it
+// or its client started ends: a config reload must not leak.
+func TestClose_LeavesNoGoroutine(t *testing.T) {
+	srv := redistest.Start(t)
+	base := runtime.NumGoroutine()
+	o, err := New(Config{Redis: []string{srv.URL()}}, Options{OnStateChange: func(string, BreakerState, BreakerState) {}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	k := key("leak")
+	for i := 0; i < 5; i++ {
+		if _, _, err := o.Read(ctxT(t), k, int64(i)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	srv.Stop()
+	for i := 0; i < 40; i++ {
+		_, _, _ = o.Read(ctxT(t), k, 1)
+		_ = o.Flush(ctxT(t), []engine.Delta{{Key: k, Sequence: 1, Delta: 1, Own: 1}})
+	}
+	if st := o.Stats().Endpoints[0].Breaker; st != BreakerOpen {
+		t.Fatalf("breaker %s; the test wants the failure paths exercised", st)
+	}
+	if err := o.Close(); err != nil {
+		t.Fatal(err)
+	}
+	// go-redis's dial prober notices a closed pool within a second.
+	redistest.Eventually(t, 5*time.Second, "goroutines back to the baseline", func() bool {
+		return runtime.NumGoroutine() <= base
+	})
 }
