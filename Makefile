@@ -1,10 +1,11 @@
 # make test   vet, formatting, then every test with the race detector
 # make bench  every benchmark, with allocations
+# make loadtest  end-to-end throughput against plain Caddy (scripts/loadtest.sh)
 
 GO       ?= go
 TIMEOUT  ?= 20m
 
-.PHONY: test vet fmt-check servers bench
+.PHONY: test vet fmt-check servers bench loadtest
 
 test: vet fmt-check servers
 	PATH="$$PATH:/usr/sbin:/usr/local/sbin" $(GO) test -race -count=1 -timeout $(TIMEOUT) ./...
@@ -23,3 +24,8 @@ servers:
 
 bench:
 	$(GO) test -run '^$$' -bench . -benchmem ./...
+
+# Real Caddy under wrk: plain, allow, deny, 100k keys, Redis; ROUNDS, DURATION,
+# OUT, PROFILE tune it (see the script's header).
+loadtest:
+	GO=$(GO) scripts/loadtest.sh
