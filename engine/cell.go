@@ -45,6 +45,10 @@ const (
 	// stBlocked: the cell has denied a request (first-denial notification
 	// sent).
 	stBlocked
+	// stFlushing: a delta of the cell is with the origin. One flush per cell
+	// at a time, so the origin never sees two overlapping totals of a cell
+	// from one process.
+	stFlushing
 )
 
 // setBits sets bits in the state and reports whether this call set any of

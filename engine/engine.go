@@ -67,10 +67,35 @@ type Config struct {
 	// their number. It runs on the janitor goroutine.
 	OnEvict func(n int)
 
-	// manual, for tests, starts no background loop: they are driven with
-	// ReplayOnce, Sweep and Evict.
-	manual bool
+	// Manual starts no background loop: replay and the janitor run only
+	// when ReplayOnce, Sweep and Evict are called. For tests and embedders
+	// that drive time themselves.
+	Manual bool
 }
+
+// Timing is the part of the configuration that follows the origin's
+// settings and may change while the engine runs (a reload that changes
+// them). Zero fields keep their current value.
+type Timing struct {
+	ReadTimeout, Freshness, SlowTick, FastTick time.Duration
+}
+
+// SetTiming changes the read timeout, freshness and replay ticks; the ticks
+// take effect at their next firing.
+func (e *Engine) SetTiming(t Timing) {
+	for _, f := range []struct {
+		v   time.Duration
+		dst *atomic.Int64
+	}{{t.ReadTimeout, &e.readTimeout}, {t.Freshness, &e.freshness}, {t.SlowTick, &e.slowTick}, {t.FastTick, &e.fastTick}} {
+		if f.v > 0 {
+			f.dst.Store(int64(f.v))
+		}
+	}
+}
+
+func (e *Engine) readTimeoutD() time.Duration { return time.Duration(e.readTimeout.Load()) }
+func (e *Engine) freshnessMs() int64          { return time.Duration(e.freshness.Load()).Milliseconds() }
+func (e *Engine) fastTickMs() int64           { return time.Duration(e.fastTick.Load()).Milliseconds() }
 
 // Denial describes the first denial of a cell.
 type Denial struct {
@@ -97,6 +122,9 @@ type Engine struct {
 	bgReads   atomic.Int64
 
 	stats counters
+
+	// The Timing values, in nanoseconds.
+	readTimeout, freshness, slowTick, fastTick atomic.Int64
 
 	evictNow chan struct{}
 	stop     chan struct{}
@@ -142,7 +170,8 @@ func New(cfg Config) *Engine {
 		evictNow: make(chan struct{}, 1),
 		stop:     make(chan struct{}),
 	}
-	if !cfg.manual {
+	e.SetTiming(Timing{ReadTimeout: cfg.ReadTimeout, Freshness: cfg.Freshness, SlowTick: cfg.SlowTick, FastTick: cfg.FastTick})
+	if !cfg.Manual {
 		e.wg.Add(2)
 		go e.janitorLoop()
 		go e.replayLoop()
@@ -157,10 +186,46 @@ func (e *Engine) SetOrigin(o Origin) {
 		e.origin.Store(nil)
 		return
 	}
+	e.makeQueues()
+	e.origin.Store(&originBox{o})
+}
+
+// SwapOrigin replaces the origin with new only if it is old, and reports
+// whether it did: a config that attached an origin can detach it on Stop
+// without undoing a newer config's.
+func (e *Engine) SwapOrigin(old, new Origin) bool {
+	for {
+		cur := e.origin.Load()
+		if (cur == nil && old != nil) || (cur != nil && cur.o != old) {
+			return false
+		}
+		var n *originBox
+		if new != nil {
+			e.makeQueues()
+			n = &originBox{new}
+		}
+		if e.origin.CompareAndSwap(cur, n) {
+			return true
+		}
+	}
+}
+
+// Origin returns the current origin, or nil when local-only.
+func (e *Engine) Origin() Origin { return e.getOrigin() }
+
+// Flush replays every pending delta to the current origin now, within
+// ctx's deadline; a no-op without origin.
+func (e *Engine) Flush(ctx context.Context) error {
+	if o := e.getOrigin(); o != nil {
+		return e.flushAll(ctx, o)
+	}
+	return nil
+}
+
+func (e *Engine) makeQueues() {
 	e.queueOnce.Do(func() {
 		e.queues.Store(&replayQueues{slow: newRing(replayQueueLen), fast: newRing(replayQueueLen)})
 	})
-	e.origin.Store(&originBox{o})
 }
 
 func (e *Engine) getOrigin() Origin {
@@ -170,17 +235,15 @@ func (e *Engine) getOrigin() Origin {
 	return nil
 }
 
-// Close replays every pending delta to the origin within ctx's deadline,
-// then stops the background goroutines. Decisions made after Close still
+// Close stops the background goroutines, then replays every pending delta
+// to the origin within ctx's deadline. Decisions made after Close still
 // work, locally.
 func (e *Engine) Close(ctx context.Context) error {
-	var err error
-	if o := e.getOrigin(); o != nil {
-		err = e.flushAll(ctx, o)
-	}
+	// Stop the loops first: their flushes in flight finish, so the final
+	// sweep below sees every cell settled.
 	e.stopOnce.Do(func() { close(e.stop) })
 	e.wg.Wait()
-	return err
+	return e.Flush(ctx)
 }
 
 func (e *Engine) nowMs() int64 { return e.now().UnixMilli() }

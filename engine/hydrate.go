@@ -54,7 +54,7 @@ func (e *Engine) converge(ctx context.Context, o Origin, lc *located, l *Limit, 
 	fresh := c.fresh.Load()
 	switch {
 	case pressureAtLeast(effective, l.Limit, 9, 10) || strictUntil(lc.zone, lc.id) > now:
-		if now-(fresh-e.cfg.Freshness.Milliseconds()) >= e.cfg.FastTick.Milliseconds() {
+		if now-(fresh-e.freshnessMs()) >= e.fastTickMs() {
 			e.read(ctx, o, lc, true)
 		}
 	case now < fresh:
@@ -81,7 +81,7 @@ func (e *Engine) read(ctx context.Context, o Origin, lc *located, wait bool) {
 	if !started {
 		e.stats.sharedReads.Add(1)
 	}
-	t := time.NewTimer(e.cfg.ReadTimeout)
+	t := time.NewTimer(e.readTimeoutD())
 	defer t.Stop()
 	select {
 	case <-f.done:
@@ -132,7 +132,7 @@ func (e *Engine) startRead(o Origin, lc *located, wait bool) (*flight, bool) {
 // readCell performs one origin read of c and the cell before it and merges
 // the totals.
 func (e *Engine) readCell(o Origin, key Key, c *cell) {
-	ctx, cancel := context.WithTimeout(context.Background(), e.cfg.ReadTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), e.readTimeoutD())
 	defer cancel()
 	start := e.nowMs()
 	curTotal, prevTotal, err := o.Read(ctx, key, c.seq)
@@ -166,5 +166,5 @@ func (e *Engine) readCell(o Origin, key Key, c *cell) {
 	c.setBits(stHydrated)
 	// Freshness counts from when the read was sent: the origin's answer is
 	// at least that recent.
-	c.extendFresh(start + e.cfg.Freshness.Milliseconds())
+	c.extendFresh(start + e.freshnessMs())
 }

@@ -11,7 +11,7 @@ import (
 // manual is a config whose background loops never tick on their own: the
 // tests drive replay with ReplayOnce and the janitor with Sweep.
 func manual(c Config) Config {
-	c.manual = true
+	c.Manual = true
 	if c.ReadTimeout == 0 {
 		c.ReadTimeout = 5 * time.Second
 	}

@@ -91,11 +91,17 @@ func (e *Engine) drain(t Tier, max int, out []Delta) []Delta {
 }
 
 // take moves c's pending delta into a Delta. The dirty bits are cleared
-// first, so a commit that lands after the swap queues the cell again.
+// first, so a commit that lands after the swap queues the cell again. A
+// cell with a flush in flight is skipped: that flush queues it again when
+// it ends (see settle).
 func (e *Engine) take(out []Delta, z *Zone, id string, c *cell) []Delta {
 	c.clearBits(stDirty | stFast)
+	if !c.setBits(stFlushing) {
+		return out
+	}
 	d := c.pending.Swap(0)
 	if d == 0 {
+		c.clearBits(stFlushing)
 		return out
 	}
 	return append(out, Delta{Key: z.key(id), Sequence: c.seq, Delta: d, Own: c.own.Add(d), zone: z, cell: c})
@@ -117,13 +123,13 @@ func (e *Engine) flush(ctx context.Context, o Origin, batch []Delta) error {
 		if d.Done {
 			d.cell.mergeOrigin(d.Total)
 			d.cell.setBits(stHydrated)
-			d.cell.extendFresh(now + e.cfg.Freshness.Milliseconds())
-			continue
+			d.cell.extendFresh(now + e.freshnessMs())
+		} else {
+			failed = true
+			d.cell.own.Add(-d.Delta)
+			d.cell.pending.Add(d.Delta)
 		}
-		failed = true
-		d.cell.own.Add(-d.Delta)
-		d.cell.pending.Add(d.Delta)
-		e.markDirty(d.zone, d.Key.Identifier, d.cell, false)
+		e.settle(d)
 	}
 	if failed || err != nil {
 		e.stats.flushErrors.Add(1)
@@ -172,8 +178,8 @@ func (e *Engine) replayLoop() {
 			}
 		}()
 	}
-	slow := time.NewTicker(e.cfg.SlowTick)
-	fast := time.NewTicker(e.cfg.FastTick)
+	slow := time.NewTimer(time.Duration(e.slowTick.Load()))
+	fast := time.NewTimer(time.Duration(e.fastTick.Load()))
 	defer func() {
 		slow.Stop()
 		fast.Stop()
@@ -189,8 +195,10 @@ func (e *Engine) replayLoop() {
 			return
 		case <-slow.C:
 			t = Slow
+			slow.Reset(time.Duration(e.slowTick.Load()))
 		case <-fast.C:
 			t = Fast
+			fast.Reset(time.Duration(e.fastTick.Load()))
 		}
 		if e.getOrigin() == nil {
 			continue
@@ -210,12 +218,22 @@ func (e *Engine) replayLoop() {
 	}
 }
 
+// settle ends a cell's flush and queues the cell again if units arrived
+// (or came back) meanwhile.
+func (e *Engine) settle(d *Delta) {
+	d.cell.clearBits(stFlushing)
+	if d.cell.pending.Load() > 0 {
+		e.markDirty(d.zone, d.Key.Identifier, d.cell, false)
+	}
+}
+
 // giveBack returns drained deltas to their cells unflushed.
 func (e *Engine) giveBack(batch []Delta) {
 	for i := range batch {
 		d := &batch[i]
 		d.cell.own.Add(-d.Delta)
 		d.cell.pending.Add(d.Delta)
+		d.cell.clearBits(stFlushing)
 	}
 }
 
