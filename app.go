@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -31,6 +32,23 @@ type App struct {
 	// Default empty: a single-region deployment.
 	Region string `json:"region,omitempty"`
 
+	// IdentifierSecret, when set, replaces every identifier that leaves
+	// the process by its HMAC-SHA256 keyed with this secret (the first 128
+	// bits, in hex): in admin API output and logs, and in a backend's keys
+	// and rows. At least 16 bytes. Use a runtime placeholder such as
+	// `{env.RATELIMIT_SECRET}`, resolved at provisioning: a literal value
+	// (or `{$VAR}`, substituted at adapt time) is served by the admin API's
+	// /config/ endpoint. Every node sharing a backend needs the same secret;
+	// changing it starts the backend's counts over. Default empty: the
+	// admin API shows identifiers as they are and logs truncate them.
+	IdentifierSecret string `json:"identifier_secret,omitempty"`
+
+	// LogIdentifiers logs identifiers whole (next to their HMAC when
+	// IdentifierSecret is set) instead of truncated to their first bytes.
+	// Default false: identifiers are often API keys.
+	LogIdentifiers bool `json:"log_identifiers,omitempty"`
+
+	ids     identities
 	state   *state
 	logger  *zap.Logger
 	mu      sync.Mutex
@@ -52,11 +70,23 @@ func (a *App) Provision(ctx caddy.Context) error {
 	if err := a.Validate(); err != nil {
 		return err
 	}
+	ids, err := newIdentities(a.IdentifierSecret, a.LogIdentifiers)
+	if err != nil {
+		return fmt.Errorf("ratelimit app: %w", err)
+	}
+	a.ids = ids
+	if a.IdentifierSecret != "" && !strings.Contains(a.IdentifierSecret, "{") {
+		a.logger.Warn("identifier_secret is written in the config, which the admin API serves at /config/: use a runtime placeholder such as {env.RATELIMIT_SECRET}")
+	}
+	if err := registerMetrics(ctx.GetMetricsRegistry()); err != nil {
+		return err
+	}
 	st, err := acquireState()
 	if err != nil {
 		return err
 	}
 	a.state = st
+	st.obs.attach(a)
 	return nil
 }
 
@@ -66,6 +96,9 @@ func (a *App) Validate() error {
 		if err := validateRegion(a.Region); err != nil {
 			return fmt.Errorf("ratelimit app: %w", err)
 		}
+	}
+	if err := validateSecret(a.IdentifierSecret); err != nil {
+		return fmt.Errorf("ratelimit app: %w", err)
 	}
 	return nil
 }
@@ -96,6 +129,7 @@ func (a *App) Cleanup() error {
 	if a.state == nil {
 		return nil
 	}
+	a.state.obs.detach(a)
 	a.state = nil
 	return releaseState()
 }
@@ -129,13 +163,18 @@ var newEngineConfig = func() engine.Config { return engine.Config{} }
 type state struct {
 	engine *engine.Engine
 	zones  zoneRegistry
+	obs    observer
 }
 
 // acquireState returns the process's state, creating its engine if this is
 // the first user; every call must be matched by releaseState.
 func acquireState() (*state, error) {
 	v, _, err := pool.LoadOrNew(poolKey, func() (caddy.Destructor, error) {
-		return &state{engine: engine.New(newEngineConfig())}, nil
+		st := new(state)
+		cfg := newEngineConfig()
+		st.obs.observeEngine(&cfg)
+		st.engine = engine.New(cfg)
+		return st, nil
 	})
 	if err != nil {
 		return nil, fmt.Errorf("ratelimit engine: %w", err)

@@ -362,13 +362,33 @@ var appSubdirectives = map[string]func(d *caddyfile.Dispenser, a *App) error{
 		a.Region = v
 		return nil
 	},
+	"identifier_secret": func(d *caddyfile.Dispenser, a *App) error {
+		v, err := oneArg(d)
+		if err != nil {
+			return err
+		}
+		if err := validateSecret(v); err != nil {
+			return d.WrapErr(err)
+		}
+		a.IdentifierSecret = v
+		return nil
+	},
+	"log_identifiers": func(d *caddyfile.Dispenser, a *App) error {
+		if d.NextArg() {
+			return d.ArgErr()
+		}
+		a.LogIdentifiers = true
+		return nil
+	},
 }
 
 // UnmarshalCaddyfile sets up the app from the global option's tokens.
 // Syntax:
 //
 //	ratelimit {
-//	    region <name>
+//	    region            <name>
+//	    identifier_secret <secret, e.g. {env.RATELIMIT_SECRET}>
+//	    log_identifiers
 //	}
 func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next() // option name

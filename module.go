@@ -126,6 +126,8 @@ type Handler struct {
 	state  *state
 	engine *engine.Engine
 	logger *zap.Logger
+	// ids is how the config's app shows identifiers, for the dry-run log.
+	ids identities
 }
 
 // Zone is one limit: at most Limit units of cost per sliding Window for each
@@ -202,6 +204,11 @@ type zone struct {
 
 	denied  error
 	missing error
+
+	// metrics are the zone's counters, resolved at Provision.
+	metrics zoneMetrics
+	// dryRun paces the dry-run info line to one per window.
+	dryRun *dryRunLog
 }
 
 // template is a placeholder string prepared for cheap evaluation.
@@ -257,6 +264,9 @@ func (*Handler) CaddyModule() caddy.ModuleInfo {
 // and registers the zones' definitions.
 func (h *Handler) Provision(ctx caddy.Context) error {
 	h.logger = ctx.Logger()
+	if err := registerMetrics(ctx.GetMetricsRegistry()); err != nil {
+		return err
+	}
 	appAny, err := ctx.App("ratelimit")
 	if err != nil {
 		return fmt.Errorf("loading ratelimit app: %w", err)
@@ -280,8 +290,12 @@ func (h *Handler) provision(app *App) error {
 		return err
 	}
 	h.state, h.engine = st, st.engine
+	h.ids = app.ids
 	for i := range h.zones {
-		h.zones[i].handle = st.engine.Zone(h.zones[i].name, h.zones[i].window)
+		z := &h.zones[i]
+		z.handle = st.engine.Zone(z.name, z.window)
+		z.metrics = newZoneMetrics(z.name)
+		z.dryRun = new(dryRunLog)
 	}
 	return st.zones.register(app, h)
 }
@@ -524,9 +538,11 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		if id == "" {
 			switch h.onMissing {
 			case missingSkip:
+				z.metrics.skipped.Inc()
 				continue
 			case missingDeny:
 				missingKeyDeniedTotal.Add(1)
+				z.metrics.missingKey.Inc()
 				return caddyhttp.Error(http.StatusTooManyRequests, z.missing)
 			}
 		} else {
@@ -554,6 +570,13 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	decs = decs[:len(lims)]
 
 	ctx := r.Context()
+	// One decision in 32 is timed: a time.Now pair costs about as much as
+	// the decision (see latencySampleMask).
+	var start time.Time
+	timed := rand.Uint32()&latencySampleMask == 0
+	if timed {
+		start = time.Now()
+	}
 	var allowed bool
 	if len(lims) == 1 {
 		decs[0] = h.engine.Decide(ctx, lims[0])
@@ -561,6 +584,10 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	} else {
 		allowed = h.engine.DecideMany(ctx, lims, decs)
 	}
+	if timed {
+		observeDecision(allowed, time.Since(start))
+	}
+	h.countDecisions(decs, zi, allowed)
 
 	hdr := w.Header()
 	h.writeHeaders(hdr, lims, decs, zi, ownLimits && len(zi) == len(h.zones))
@@ -570,7 +597,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		// would have denied says so in its decision.
 		for k := range decs {
 			if !decs[k].Allowed {
-				h.dryRunDenied(decs, zi)
+				h.dryRunDenied(lims, decs, zi)
 				break
 			}
 		}
@@ -601,25 +628,47 @@ func (z *zone) costOf(repl *caddy.Replacer) int64 {
 	n, err := strconv.ParseInt(s, 10, 64)
 	if err != nil || n < 0 {
 		invalidCostTotal.Add(1)
+		z.metrics.invalidCost.Inc()
 		return z.defaultCost
 	}
 	return n
 }
 
-// dryRunDenied logs and counts a would-be denial; the engine has already
-// charged the request.
-func (h *Handler) dryRunDenied(decs []engine.Decision, zi []int) {
-	dryRunDeniedTotal.Add(1)
-	if c := h.logger.Check(zapcore.InfoLevel, "dry run: request would have been rate limited"); c != nil {
-		var names []string
-		for k := range decs {
-			if !decs[k].Allowed {
-				names = append(names, h.zones[zi[k]].name)
-			}
+// countDecisions counts one decision per decided zone (see the result
+// constants in metrics.go).
+func (h *Handler) countDecisions(decs []engine.Decision, zi []int, allowed bool) {
+	for k := range decs {
+		m := &h.zones[zi[k]].metrics
+		switch {
+		case !decs[k].Allowed && h.DryRun:
+			m.dryRunDenied.Inc()
+		case !decs[k].Allowed:
+			m.denied.Inc()
+		case allowed || h.DryRun:
+			m.allowed.Inc()
+		default:
+			m.notCharged.Inc()
 		}
-		// Zone names only: the identifier, and a URI that may carry it, stay
-		// out of the logs.
-		c.Write(zap.Strings("zones", names))
+	}
+}
+
+// dryRunDenied logs and counts a would-be denial; the engine has already
+// charged the request. Each would-be denial is a debug line; at info level
+// a zone logs once per window, with the number since its previous line, so
+// a dry run never logs per request at info.
+func (h *Handler) dryRunDenied(lims []engine.Limit, decs []engine.Decision, zi []int) {
+	dryRunDeniedTotal.Add(1)
+	for k := range decs {
+		if decs[k].Allowed {
+			continue
+		}
+		z := &h.zones[zi[k]]
+		if c := h.logger.Check(zapcore.DebugLevel, "dry run: request would have been rate limited"); c != nil {
+			// The identifier as the app's settings show it; never the URI,
+			// which may carry it.
+			c.Write(append(h.ids.logFields(lims[k].Identifier), zap.String("zone", z.name))...)
+		}
+		z.dryRun.note(h.logger, z.name, z.window)
 	}
 }
 

@@ -1,0 +1,560 @@
+package ratelimit
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
+	"net/url"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+
+	"github.com/edgelimit/caddy-ratelimit/engine"
+)
+
+func init() {
+	caddy.RegisterModule(new(AdminAPI))
+}
+
+// Bounds of the key listings.
+const (
+	// defaultListMax is how many keys a listing returns unless told: a
+	// screenful, cheap to produce on a busy node.
+	defaultListMax = 100
+	// maxListMax caps a listing: the engine is scanned on the admin
+	// goroutine, and a million-key answer would be a denial of service of
+	// the admin endpoint by itself.
+	maxListMax = 10_000
+)
+
+// AdminAPI is the admin API extension `admin.api.ratelimit`: the state of
+// the process's rate limiter, one key's counters, the keys in strict mode,
+// and forgetting a key. Routes:
+//
+//	GET    /ratelimit/status
+//	GET    /ratelimit/counters?zone=Z&identifier=I
+//	GET    /ratelimit/counters?zone=Z[&prefix=P][&max=N]
+//	DELETE /ratelimit/counters?zone=Z&identifier=I
+//	GET    /ratelimit/strict[?zone=Z][&max=N]
+//
+// It holds no state: Caddy instantiates admin modules with every config
+// load, before the apps, and a reload that fails late keeps the old apps
+// running behind the new admin routes. Every request finds the engine
+// through the package-level pool instead.
+type AdminAPI struct{}
+
+// CaddyModule returns the Caddy module information.
+func (*AdminAPI) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{
+		ID:  "admin.api.ratelimit",
+		New: func() caddy.Module { return new(AdminAPI) },
+	}
+}
+
+// Routes returns the routes of the rate limiter's admin API.
+func (a *AdminAPI) Routes() []caddy.AdminRoute {
+	return []caddy.AdminRoute{
+		{Pattern: "/ratelimit/status", Handler: caddy.AdminHandlerFunc(a.handleStatus)},
+		{Pattern: "/ratelimit/counters", Handler: caddy.AdminHandlerFunc(a.handleCounters)},
+		{Pattern: "/ratelimit/strict", Handler: caddy.AdminHandlerFunc(a.handleStrict)},
+	}
+}
+
+// lookupState returns the pooled state without taking a reference, or nil
+// when no loaded config uses the limiter.
+func lookupState() *state {
+	var st *state
+	pool.Range(func(_, v any) bool {
+		st, _ = v.(*state)
+		return st == nil
+	})
+	return st
+}
+
+// statusDoc is GET /ratelimit/status.
+type statusDoc struct {
+	// Region is the configured region; empty for a single-region setup.
+	Region string `json:"region"`
+	// Identifiers is "hmac" when identifier_secret is set (every
+	// identifier in this API's output is its HMAC) and "raw" otherwise.
+	Identifiers string       `json:"identifiers"`
+	Zones       []zoneStatus `json:"zones"`
+	Engine      engineStatus `json:"engine"`
+	// Origin is the regional origin; null when the limiter is local-only.
+	Origin *originStatus `json:"origin"`
+	// Propagation is the cross-region layer; null until it is configured.
+	Propagation any `json:"propagation"`
+}
+
+type zoneStatus struct {
+	Name     string `json:"name"`
+	Key      string `json:"key"`
+	WindowMs int64  `json:"window_ms"`
+}
+
+type engineStatus struct {
+	Entries          int64      `json:"entries"`
+	StrictKeys       int64      `json:"strict_keys"`
+	Evictions        int64      `json:"evictions"`
+	FirstDenials     int64      `json:"first_denials"`
+	PendingCells     int64      `json:"pending_cells"`
+	ReplayDrops      int64      `json:"replay_drops"`
+	Reads            int64      `json:"reads"`
+	ReadErrors       int64      `json:"read_errors"`
+	ReadWaitTimeouts int64      `json:"read_wait_timeouts"`
+	SharedReads      int64      `json:"shared_reads"`
+	SyncReads        int64      `json:"sync_reads"`
+	BackgroundReads  int64      `json:"background_reads"`
+	Flushes          int64      `json:"flushes"`
+	FlushErrors      int64      `json:"flush_errors"`
+	LastRead         *time.Time `json:"last_read"`
+	LastFlush        *time.Time `json:"last_flush"`
+}
+
+type originStatus struct {
+	Endpoints []endpointStatus `json:"endpoints"`
+}
+
+type endpointStatus struct {
+	// Address has scheme, hosts, port and database: never credentials.
+	Address    string                       `json:"address"`
+	Kind       string                       `json:"kind"`
+	Breaker    string                       `json:"breaker"`
+	Calls      map[string]map[string]uint64 `json:"calls"`
+	RoundTrips uint64                       `json:"round_trips"`
+	Readded    uint64                       `json:"readded"`
+	LastRead   *time.Time                   `json:"last_read"`
+	LastFlush  *time.Time                   `json:"last_flush"`
+}
+
+// keyDoc is one key of GET /ratelimit/counters.
+type keyDoc struct {
+	Zone       string `json:"zone"`
+	Identifier string `json:"identifier"`
+	WindowMs   int64  `json:"window_ms"`
+	// Limit is the zone's limit for this identifier (an override's when one
+	// matches) in the newest config's first handler that defines the zone.
+	Limit       int64      `json:"limit"`
+	Effective   int64      `json:"effective"`
+	Remaining   int64      `json:"remaining"`
+	StrictUntil *time.Time `json:"strict_until"`
+	FreshUntil  *time.Time `json:"fresh_until"`
+	Cells       []cellDoc  `json:"cells"`
+}
+
+type cellDoc struct {
+	Sequence    int64 `json:"sequence"`
+	Regional    int64 `json:"regional"`
+	Speculative int64 `json:"speculative"`
+	Global      int64 `json:"global"`
+	Pending     int64 `json:"pending"`
+	Blocked     bool  `json:"blocked"`
+}
+
+// keyListDoc is a listing of GET /ratelimit/counters.
+type keyListDoc struct {
+	Zone   string `json:"zone"`
+	Prefix string `json:"prefix"`
+	Max    int    `json:"max"`
+	// Truncated reports that more keys matched than Max.
+	Truncated bool     `json:"truncated"`
+	Keys      []keyDoc `json:"keys"`
+}
+
+// forgetDoc is DELETE /ratelimit/counters.
+type forgetDoc struct {
+	Zone       string `json:"zone"`
+	Identifier string `json:"identifier"`
+	Forgotten  bool   `json:"forgotten"`
+}
+
+// strictDoc is GET /ratelimit/strict.
+type strictDoc struct {
+	Total     int            `json:"total"`
+	Truncated bool           `json:"truncated"`
+	Keys      []strictKeyDoc `json:"keys"`
+}
+
+type strictKeyDoc struct {
+	Zone       string    `json:"zone"`
+	Identifier string    `json:"identifier"`
+	WindowMs   int64     `json:"window_ms"`
+	Until      time.Time `json:"until"`
+}
+
+func (a *AdminAPI) handleStatus(w http.ResponseWriter, r *http.Request) error {
+	if err := allowMethods(w, r, http.MethodGet); err != nil {
+		return err
+	}
+	if _, err := parseQuery(r); err != nil {
+		return err
+	}
+	st, err := runningState()
+	if err != nil {
+		return err
+	}
+	v := st.obs.view()
+	doc := statusDoc{
+		Region:      v.region,
+		Identifiers: "raw",
+		Zones:       st.zones.statuses(),
+		Engine:      engineStatusOf(st.engine.Stats()),
+	}
+	if v.ids.hashed() {
+		doc.Identifiers = "hmac"
+	}
+	if o := st.obs.currentOrigin(); o != nil {
+		origin := &originStatus{Endpoints: []endpointStatus{}}
+		for _, ep := range o.Stats().Endpoints {
+			origin.Endpoints = append(origin.Endpoints, endpointStatus{
+				Address:    ep.Address,
+				Kind:       ep.Kind,
+				Breaker:    string(ep.Breaker),
+				Calls:      ep.Calls,
+				RoundTrips: ep.RoundTrips,
+				Readded:    ep.Readded,
+				LastRead:   timeOrNull(ep.LastRead),
+				LastFlush:  timeOrNull(ep.LastFlush),
+			})
+		}
+		doc.Origin = origin
+	}
+	return writeJSON(w, doc)
+}
+
+func engineStatusOf(s engine.Stats) engineStatus {
+	return engineStatus{
+		Entries:          s.Entries,
+		StrictKeys:       s.StrictKeys,
+		Evictions:        s.Evictions,
+		FirstDenials:     s.FirstDenials,
+		PendingCells:     s.PendingCells,
+		ReplayDrops:      s.ReplayDrops,
+		Reads:            s.Reads,
+		ReadErrors:       s.ReadErrors,
+		ReadWaitTimeouts: s.ReadWaitTimeouts,
+		SharedReads:      s.SharedReads,
+		SyncReads:        s.SyncReads,
+		BackgroundReads:  s.BackgroundReads,
+		Flushes:          s.Flushes,
+		FlushErrors:      s.FlushErrors,
+		LastRead:         timeOrNull(s.LastRead),
+		LastFlush:        timeOrNull(s.LastFlush),
+	}
+}
+
+func (a *AdminAPI) handleCounters(w http.ResponseWriter, r *http.Request) error {
+	if err := allowMethods(w, r, http.MethodGet, http.MethodDelete); err != nil {
+		return err
+	}
+	q, err := parseQuery(r, "zone", "identifier", "prefix", "max")
+	if err != nil {
+		return err
+	}
+	zoneName, ok := q["zone"]
+	if !ok || zoneName == "" {
+		return badRequest("the zone parameter is required")
+	}
+	id, byID := q["identifier"]
+	prefix, byPrefix := q["prefix"]
+	_, hasMax := q["max"]
+	switch {
+	case byID && (byPrefix || hasMax):
+		return badRequest("identifier selects one key: prefix and max apply to listings only")
+	case r.Method == http.MethodDelete && !byID:
+		return badRequest("DELETE forgets one key: the identifier parameter is required")
+	}
+	max, err := listMax(q)
+	if err != nil {
+		return err
+	}
+	st, err := runningState()
+	if err != nil {
+		return err
+	}
+	defs := st.zones.definitions(zoneName, st.obs.view().app)
+	if len(defs) == 0 {
+		return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("zone %q is not defined by any loaded config", zoneName)}
+	}
+	ids := st.obs.view().ids
+
+	if !byID {
+		doc := keyListDoc{Zone: zoneName, Prefix: prefix, Max: max, Keys: []keyDoc{}}
+		windows := defWindows(defs)
+		found := st.engine.Scan(zoneName, prefix, max+1)
+		doc.Truncated = len(found) > max
+		for _, ks := range found[:min(len(found), max)] {
+			// Keys of a window no loaded config uses any more linger until
+			// the janitor drops them; they are not the zone's.
+			if slices.Contains(windows, ks.Key.Window) {
+				doc.Keys = append(doc.Keys, keyDocOf(ks, defs, ids))
+			}
+		}
+		return writeJSON(w, doc)
+	}
+
+	// The handler counts an IP address by its prefix; so does the lookup.
+	if id != "" {
+		id = maskIP(id, defs[0].v4, defs[0].v6)
+	}
+	if r.Method == http.MethodDelete {
+		forgotten := false
+		for _, window := range defWindows(defs) {
+			if st.engine.Forget(engine.Key{Namespace: zoneName, Identifier: id, Window: window}) {
+				forgotten = true
+			}
+		}
+		if !forgotten {
+			return errNoKey(zoneName)
+		}
+		return writeJSON(w, forgetDoc{Zone: zoneName, Identifier: ids.shown(engine.NormalizeIdentifier(id)), Forgotten: true})
+	}
+	for _, window := range defWindows(defs) {
+		if ks, ok := st.engine.Inspect(engine.Key{Namespace: zoneName, Identifier: id, Window: window}); ok {
+			return writeJSON(w, keyDocOf(ks, defs, ids))
+		}
+	}
+	return errNoKey(zoneName)
+}
+
+// errNoKey never names the identifier: Caddy logs admin errors.
+func errNoKey(zone string) error {
+	return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("no counters for this identifier in zone %q on this node", zone)}
+}
+
+// keyDocOf renders a key with the limit that the first of defs with its
+// window applies to it.
+func keyDocOf(ks engine.KeyState, defs []zoneDef, ids identities) keyDoc {
+	var limit int64
+	for _, d := range defs {
+		if d.window == ks.Key.Window {
+			limit = d.limitFor(ks.Key.Namespace, ks.Key.Identifier)
+			break
+		}
+	}
+	doc := keyDoc{
+		Zone:        ks.Key.Namespace,
+		Identifier:  ids.shown(ks.Key.Identifier),
+		WindowMs:    ks.Key.Window.Milliseconds(),
+		Limit:       limit,
+		Effective:   ks.Effective,
+		Remaining:   max(0, limit-ks.Effective),
+		StrictUntil: timeOrNull(ks.StrictUntil),
+		FreshUntil:  timeOrNull(ks.FreshUntil),
+		Cells:       make([]cellDoc, len(ks.Cells)),
+	}
+	for i, c := range ks.Cells {
+		doc.Cells[i] = cellDoc{
+			Sequence:    c.Sequence,
+			Regional:    c.Regional,
+			Speculative: c.Speculative,
+			Global:      c.Global,
+			Pending:     c.Pending,
+			Blocked:     c.Blocked,
+		}
+	}
+	return doc
+}
+
+func (a *AdminAPI) handleStrict(w http.ResponseWriter, r *http.Request) error {
+	if err := allowMethods(w, r, http.MethodGet); err != nil {
+		return err
+	}
+	q, err := parseQuery(r, "zone", "max")
+	if err != nil {
+		return err
+	}
+	max, err := listMax(q)
+	if err != nil {
+		return err
+	}
+	st, err := runningState()
+	if err != nil {
+		return err
+	}
+	zoneName, byZone := q["zone"]
+	if byZone && len(st.zones.definitions(zoneName, nil)) == 0 {
+		return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("zone %q is not defined by any loaded config", zoneName)}
+	}
+	ids := st.obs.view().ids
+	doc := strictDoc{Keys: []strictKeyDoc{}}
+	for _, sk := range st.engine.StrictKeys() {
+		if byZone && sk.Key.Namespace != zoneName {
+			continue
+		}
+		doc.Total++
+		if len(doc.Keys) == max {
+			doc.Truncated = true
+			continue
+		}
+		doc.Keys = append(doc.Keys, strictKeyDoc{
+			Zone:       sk.Key.Namespace,
+			Identifier: ids.shown(sk.Key.Identifier),
+			WindowMs:   sk.Key.Window.Milliseconds(),
+			Until:      sk.Until.UTC(),
+		})
+	}
+	return writeJSON(w, doc)
+}
+
+// runningState returns the pooled state, or a 503 when no loaded config
+// uses the limiter.
+func runningState() (*state, error) {
+	st := lookupState()
+	if st == nil {
+		return nil, caddy.APIError{
+			HTTPStatus: http.StatusServiceUnavailable,
+			Err:        errors.New("the rate limiter is not running: no loaded config uses it"),
+		}
+	}
+	return st, nil
+}
+
+// allowMethods answers 405, with Allow, to any other method.
+func allowMethods(w http.ResponseWriter, r *http.Request, methods ...string) error {
+	if slices.Contains(methods, r.Method) {
+		return nil
+	}
+	w.Header().Set("Allow", strings.Join(methods, ", "))
+	return caddy.APIError{
+		HTTPStatus: http.StatusMethodNotAllowed,
+		Err:        fmt.Errorf("method %s not allowed; use %s", r.Method, strings.Join(methods, " or ")),
+	}
+}
+
+// parseQuery returns the query's parameters, each given at most once and
+// each one of known: a misspelt parameter is an error, not a silently
+// broader answer.
+func parseQuery(r *http.Request, known ...string) (map[string]string, error) {
+	vals, err := url.ParseQuery(r.URL.RawQuery)
+	if err != nil {
+		return nil, badRequest("malformed query string")
+	}
+	q := make(map[string]string, len(vals))
+	for k, v := range vals {
+		if !slices.Contains(known, k) {
+			if len(known) == 0 {
+				return nil, badRequest(fmt.Sprintf("unknown parameter %q: this route takes none", k))
+			}
+			return nil, badRequest(fmt.Sprintf("unknown parameter %q (want %s)", k, strings.Join(known, ", ")))
+		}
+		if len(v) != 1 {
+			return nil, badRequest(fmt.Sprintf("parameter %q given %d times", k, len(v)))
+		}
+		q[k] = v[0]
+	}
+	return q, nil
+}
+
+// listMax is the max parameter: default defaultListMax, 1 to maxListMax.
+func listMax(q map[string]string) (int, error) {
+	s, ok := q["max"]
+	if !ok {
+		return defaultListMax, nil
+	}
+	n, err := strconv.Atoi(s)
+	if err != nil || n < 1 || n > maxListMax {
+		return 0, badRequest(fmt.Sprintf("max must be an integer from 1 to %d", maxListMax))
+	}
+	return n, nil
+}
+
+func badRequest(msg string) error {
+	return caddy.APIError{HTTPStatus: http.StatusBadRequest, Err: errors.New(msg)}
+}
+
+func writeJSON(w http.ResponseWriter, v any) error {
+	w.Header().Set("Content-Type", "application/json")
+	if err := json.NewEncoder(w).Encode(v); err != nil {
+		return caddy.APIError{HTTPStatus: http.StatusInternalServerError, Err: fmt.Errorf("encoding response: %w", err)}
+	}
+	return nil
+}
+
+// timeOrNull is nil for the zero time, so JSON says null, and the time in
+// UTC otherwise (RFC 3339).
+func timeOrNull(t time.Time) *time.Time {
+	if t.IsZero() {
+		return nil
+	}
+	u := t.UTC()
+	return &u
+}
+
+// definitions returns the live definitions of the zone, those of newest
+// first (the config that speaks for the process), then the rest in
+// provisioning order.
+func (r *zoneRegistry) definitions(name string, newest *App) []zoneDef {
+	r.mu.Lock()
+	defs := slices.Clone(r.defs[name])
+	r.mu.Unlock()
+	slices.SortStableFunc(defs, func(a, b zoneDef) int {
+		switch {
+		case a.app == newest && b.app != newest:
+			return -1
+		case b.app == newest && a.app != newest:
+			return 1
+		}
+		return 0
+	})
+	return defs
+}
+
+// statuses lists every defined zone once per key and window, by name.
+func (r *zoneRegistry) statuses() []zoneStatus {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	out := []zoneStatus{}
+	for name, defs := range r.defs {
+		for _, d := range defs {
+			zs := zoneStatus{Name: name, Key: d.key, WindowMs: d.window.Milliseconds()}
+			if !slices.Contains(out, zs) {
+				out = append(out, zs)
+			}
+		}
+	}
+	slices.SortFunc(out, func(a, b zoneStatus) int {
+		if c := strings.Compare(a.Name, b.Name); c != 0 {
+			return c
+		}
+		if c := strings.Compare(a.Key, b.Key); c != 0 {
+			return c
+		}
+		return int(a.WindowMs - b.WindowMs)
+	})
+	return out
+}
+
+// defWindows are the distinct windows of defs, in order.
+func defWindows(defs []zoneDef) []time.Duration {
+	var ws []time.Duration
+	for _, d := range defs {
+		if !slices.Contains(ws, d.window) {
+			ws = append(ws, d.window)
+		}
+	}
+	return ws
+}
+
+// limitFor is the limit d's handler applies in zone name to the
+// (normalized) identifier id.
+func (d zoneDef) limitFor(name, id string) int64 {
+	for i := range d.handler.zones {
+		z := &d.handler.zones[i]
+		if z.name != name {
+			continue
+		}
+		if l, ok := z.overrides[id]; ok {
+			return l
+		}
+		return z.limit
+	}
+	return 0
+}
+
+// Interface guards.
+var _ caddy.AdminRouter = (*AdminAPI)(nil)

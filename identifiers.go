@@ -1,0 +1,137 @@
+package ratelimit
+
+import (
+	"crypto/hmac"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"strings"
+
+	"github.com/caddyserver/caddy/v2"
+	"go.uber.org/zap"
+)
+
+// How identifiers appear outside the process. They are often API keys, so
+// by default logs never carry them whole; the admin API, an operator's
+// tool on a loopback socket, shows them as they are unless an
+// identifier_secret asks for HMACs.
+const (
+	// minSecretLen is the shortest identifier_secret accepted: with fewer
+	// than 128 bits of key, the HMAC of a low-entropy identifier (an IPv4
+	// address has 32 bits) could be brute-forced secret and all.
+	minSecretLen = 16
+	// hmacHexLen is how many hex digits of the HMAC-SHA256 stand for an
+	// identifier: 128 bits, short enough for a log line, long enough that
+	// two identifiers never share one in practice.
+	hmacHexLen = 32
+	// truncateMax bounds the leading bytes a log keeps of an identifier
+	// without a secret; truncateShare keeps at most a quarter, so a short
+	// identifier (an IP address) keeps only its first bytes.
+	truncateMax   = 8
+	truncateShare = 4
+)
+
+// identities decides how identifiers are shown in admin output and logs.
+// The zero value is the default: admin output raw, logs truncated.
+type identities struct {
+	// secret keys the HMAC; nil without identifier_secret.
+	secret []byte
+	// logRaw is log_identifiers: logs carry identifiers whole.
+	logRaw bool
+}
+
+// newIdentities resolves the app's identifier settings. The secret may be
+// a runtime placeholder ({env.…}), resolved here so that the JSON config
+// the admin API serves holds only the placeholder. Errors never quote the
+// secret.
+func newIdentities(secret string, logRaw bool) (identities, error) {
+	ids := identities{logRaw: logRaw}
+	if secret == "" {
+		return ids, nil
+	}
+	resolved := caddy.NewReplacer().ReplaceKnown(secret, "")
+	if strings.TrimSpace(resolved) == "" {
+		return ids, errors.New("identifier_secret is empty once its placeholders are replaced (is the environment variable set?)")
+	}
+	if len(resolved) < minSecretLen {
+		return ids, fmt.Errorf("identifier_secret must be at least %d bytes, got %d", minSecretLen, len(resolved))
+	}
+	ids.secret = []byte(resolved)
+	return ids, nil
+}
+
+// validateSecret rejects a literal identifier_secret that is too short; a
+// placeholder is checked once resolved, at provisioning.
+func validateSecret(secret string) error {
+	if secret == "" || strings.Contains(secret, "{") {
+		return nil
+	}
+	if len(secret) < minSecretLen {
+		return fmt.Errorf("identifier_secret must be at least %d bytes, got %d", minSecretLen, len(secret))
+	}
+	return nil
+}
+
+// identifierHMAC is how an identifier leaves the process when a secret is
+// set: the first 128 bits of HMAC-SHA256(secret, identifier), in lower-case
+// hex. Every node that shares a backend must use the same secret, so that
+// the same identifier maps to the same value everywhere (the Redis keys,
+// the admin output and the logs of every node agree).
+func identifierHMAC(secret []byte, id string) string {
+	m := hmac.New(sha256.New, secret)
+	_, _ = io.WriteString(m, id) // a hash never fails to write
+	var sum [sha256.Size]byte
+	return hex.EncodeToString(m.Sum(sum[:0])[:hmacHexLen/2])
+}
+
+// hashed reports whether identifiers are replaced by their HMAC.
+func (ids identities) hashed() bool { return ids.secret != nil }
+
+// shown is id as the admin API shows it.
+func (ids identities) shown(id string) string {
+	if ids.secret != nil {
+		return identifierHMAC(ids.secret, id)
+	}
+	return id
+}
+
+// mapper returns the function that replaces identifiers leaving the
+// process (for a backend's keys and rows), or nil when identifiers leave
+// as they are.
+func (ids identities) mapper() func(string) string {
+	if ids.secret == nil {
+		return nil
+	}
+	secret := ids.secret
+	return func(id string) string { return identifierHMAC(secret, id) }
+}
+
+// logFields are the fields that stand for id in a log line: its HMAC with
+// a secret, its first bytes without, and the identifier itself only when
+// log_identifiers says so.
+func (ids identities) logFields(id string) []zap.Field {
+	var f []zap.Field
+	if ids.logRaw {
+		f = append(f, zap.String("identifier", id))
+	}
+	if ids.secret != nil {
+		return append(f, zap.String("identifier_hmac", identifierHMAC(ids.secret, id)))
+	}
+	if !ids.logRaw {
+		f = append(f, zap.String("identifier_truncated", truncateIdentifier(id)))
+	}
+	return f
+}
+
+// truncateIdentifier keeps the first quarter of id, at most truncateMax
+// bytes, and marks the cut: "sk_live_9f2c…" shows the kind of key without
+// the key. The cut never splits a UTF-8 sequence.
+func truncateIdentifier(id string) string {
+	n := min(len(id)/truncateShare, truncateMax)
+	for n > 0 && n < len(id) && id[n]&0xC0 == 0x80 {
+		n--
+	}
+	return id[:n] + "…"
+}
