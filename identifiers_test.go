@@ -1,0 +1,113 @@
+package ratelimit
+
+import (
+	"regexp"
+	"strings"
+	"testing"
+	"unicode/utf8"
+)
+
+func TestIdentifierHMAC_StableKeyedAndBounded(t *testing.T) {
+	a := []byte("0123456789abcdef")
+	b := []byte("fedcba9876543210")
+	h := identifierHMAC(a, "alice")
+	if !regexp.MustCompile(`^[0-9a-f]{32}$`).MatchString(h) {
+		t.Fatalf("HMAC %q is not 32 lower-case hex digits", h)
+	}
+	if identifierHMAC(a, "alice") != h {
+		t.Fatal("same secret and identifier, different HMAC")
+	}
+	if identifierHMAC(b, "alice") == h {
+		t.Fatal("another secret, same HMAC")
+	}
+	if identifierHMAC(a, "alicf") == h {
+		t.Fatal("another identifier, same HMAC")
+	}
+	if long := identifierHMAC(a, strings.Repeat("x", 10_000)); len(long) != hmacHexLen {
+		t.Fatalf("a long identifier's HMAC has %d digits", len(long))
+	}
+}
+
+func TestTruncateIdentifier(t *testing.T) {
+	for _, tc := range []struct{ in, want string }{
+		{"sk_live_0123456789abcdef0123456789", "sk_live_…"},
+		{"203.0.113.7", "20…"},
+		{"2001:db8:1:2::/64", "2001…"},
+		{"abc", "…"},
+		{"", "…"},
+		// The cut moves back to the start of a multi-byte character.
+		{"ab€€€€", "ab…"},
+	} {
+		got := truncateIdentifier(tc.in)
+		if got != tc.want {
+			t.Errorf("truncate(%q) = %q, want %q", tc.in, got, tc.want)
+		}
+		if !utf8.ValidString(got) {
+			t.Errorf("truncate(%q) = %q is not valid UTF-8", tc.in, got)
+		}
+	}
+}
+
+func TestIdentities_ShownAndLogged(t *testing.T) {
+	const id = "sk_live_0123456789abcdef"
+	secret := "0123456789abcdef0123"
+	fields := func(ids identities) map[string]string {
+		m := map[string]string{}
+		for _, f := range ids.logFields(id) {
+			m[f.Key] = f.String
+		}
+		return m
+	}
+	raw := identities{}
+	if raw.shown(id) != id || raw.mapper() != nil || raw.hashed() {
+		t.Fatal("without a secret, admin output shows identifiers as they are and nothing maps them")
+	}
+	if got := fields(raw); len(got) != 1 || got["identifier_truncated"] != "sk_liv…" {
+		t.Fatalf("default log fields %v", got)
+	}
+	hashed, err := newIdentities(secret, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := identifierHMAC([]byte(secret), id)
+	if hashed.shown(id) != want || hashed.mapper()(id) != want {
+		t.Fatalf("with a secret, admin output and backends see %q / %q, want the HMAC %q", hashed.shown(id), hashed.mapper()(id), want)
+	}
+	if got := fields(hashed); len(got) != 1 || got["identifier_hmac"] != want {
+		t.Fatalf("hashed log fields %v", got)
+	}
+	both, err := newIdentities(secret, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := fields(both); len(got) != 2 || got["identifier"] != id || got["identifier_hmac"] != want {
+		t.Fatalf("log_identifiers with a secret: %v", got)
+	}
+	if got := fields(identities{logRaw: true}); len(got) != 1 || got["identifier"] != id {
+		t.Fatalf("log_identifiers: %v", got)
+	}
+}
+
+func TestNewIdentities_ResolvesPlaceholdersAndNeverQuotesTheSecret(t *testing.T) {
+	t.Setenv("RL_TEST_SECRET_OK", "a-secret-of-24-bytes-xyz")
+	t.Setenv("RL_TEST_SECRET_SHORT", "short-s3cret")
+	ids, err := newIdentities("{env.RL_TEST_SECRET_OK}", false)
+	if err != nil || string(ids.secret) != "a-secret-of-24-bytes-xyz" {
+		t.Fatalf("placeholder: %q, %v", ids.secret, err)
+	}
+	for _, bad := range []string{"{env.RL_TEST_SECRET_SHORT}", "{env.RL_TEST_SECRET_UNSET}", "short-s3cret"} {
+		_, err := newIdentities(bad, false)
+		if err == nil {
+			t.Fatalf("%s accepted", bad)
+		}
+		if strings.Contains(err.Error(), "short-s3cret") {
+			t.Fatalf("error quotes the secret: %v", err)
+		}
+	}
+	if err := validateSecret("{env.ANYTHING}"); err != nil {
+		t.Fatalf("a placeholder is checked at provisioning, not before: %v", err)
+	}
+	if err := validateSecret("short-s3cret"); err == nil || strings.Contains(err.Error(), "short-s3cret") {
+		t.Fatalf("short literal: %v", err)
+	}
+}

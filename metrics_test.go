@@ -1,0 +1,331 @@
+package ratelimit
+
+import (
+	"bufio"
+	"bytes"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
+
+	"github.com/edgelimit/caddy-ratelimit/origin"
+)
+
+// fakeEndpoints are closed endpoints of the given addresses.
+func fakeEndpoints(addrs ...string) origin.Stats {
+	var s origin.Stats
+	for _, a := range addrs {
+		s.Endpoints = append(s.Endpoints, origin.EndpointStats{Address: a, Kind: origin.KindStandalone, Breaker: origin.BreakerClosed})
+	}
+	return s
+}
+
+// scrape reads the admin endpoint's /metrics into series → value; a
+// series is written as the exposition format writes it, e.g.
+// `caddy_ratelimit_decisions_total{result="allowed",zone="z"}`.
+func scrape(t *testing.T, admin int) map[string]float64 {
+	t.Helper()
+	r := adminDo(t, admin, "GET", "/metrics")
+	if r.status != 200 {
+		t.Fatalf("GET /metrics: %d %s", r.status, r.body)
+	}
+	out := map[string]float64{}
+	sc := bufio.NewScanner(bytes.NewReader(r.body))
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	for sc.Scan() {
+		line := sc.Text()
+		if line == "" || line[0] == '#' {
+			continue
+		}
+		i := strings.LastIndexByte(line, ' ')
+		v, err := strconv.ParseFloat(line[i+1:], 64)
+		if err != nil {
+			t.Fatalf("metrics line %q: %v", line, err)
+		}
+		out[line[:i]] = v
+	}
+	return out
+}
+
+func decisionSeries(zone, result string) string {
+	return `caddy_ratelimit_decisions_total{result="` + result + `",zone="` + zone + `"}`
+}
+
+const metricsRoutes = `
+	handle /one {
+		ratelimit {
+			zone met_one {
+				key    {http.request.header.X-Key}
+				limit  2
+				window 1m
+			}
+			on_missing_key skip
+		}
+		respond "one"
+	}
+	handle /two {
+		ratelimit {
+			zone met_tight {
+				key    {http.request.header.X-Key}
+				limit  1
+				window 1m
+			}
+			zone met_wide {
+				key    {http.request.header.X-Key}
+				limit  10
+				window 1h
+			}
+		}
+		respond "two"
+	}
+	handle /dry {
+		ratelimit {
+			zone met_dry {
+				key    {http.request.header.X-Key}
+				limit  1
+				window 1m
+			}
+			dry_run
+		}
+		respond "dry"
+	}
+	handle /cost {
+		ratelimit {
+			zone met_cost {
+				key    {http.request.header.X-Key}
+				limit  100
+				window 1m
+				cost   {http.request.header.X-Cost} 3
+			}
+			on_missing_key deny
+		}
+		respond "cost"
+	}
+`
+
+// metricsRoutesReloaded raises met_one's limit and drops the rest.
+const metricsRoutesReloaded = `
+	handle /one {
+		ratelimit {
+			zone met_one {
+				key    {http.request.header.X-Key}
+				limit  5
+				window 1m
+			}
+		}
+		respond "one again"
+	}
+`
+
+// TestMetrics_ScrapeAfterTrafficAndReload sends traffic that produces every
+// decision result, scrapes the admin endpoint's /metrics for the documented
+// series and their values, reloads a changed config and scrapes again: the
+// collectors are registered into the new config's registry and keep their
+// counts.
+func TestMetrics_ScrapeAfterTrafficAndReload(t *testing.T) {
+	useClock(t, 15*time.Second)
+	tester, admin, base := startCaddy(t, func(admin, port int) string { return e2eConfig(admin, port, metricsRoutes) })
+	before := scrape(t, admin)
+	do := func(path string, want int, headers ...string) {
+		t.Helper()
+		if r := get(t, tester, base+path, headers...); r.status != want {
+			t.Fatalf("%s %v: %d, want %d", path, headers, r.status, want)
+		}
+	}
+	do("/one", 200, "X-Key", "k")
+	do("/one", 200, "X-Key", "k")
+	do("/one", 429, "X-Key", "k")
+	do("/one", 200) // no key: skipped
+	do("/two", 200, "X-Key", "k")
+	do("/two", 429, "X-Key", "k") // tight denies, wide is not charged
+	do("/dry", 200, "X-Key", "k")
+	do("/dry", 200, "X-Key", "k") // would have been denied
+	do("/dry", 200, "X-Key", "k")
+	do("/cost", 200, "X-Key", "k", "X-Cost", "lots") // charged the default cost
+	do("/cost", 200, "X-Key", "k", "X-Cost", "4")
+	do("/cost", 429) // no key: on_missing_key deny
+
+	after := scrape(t, admin)
+	delta := func(m map[string]float64, series string) float64 {
+		t.Helper()
+		v, ok := m[series]
+		if !ok {
+			t.Fatalf("series %s missing from /metrics", series)
+		}
+		return v - before[series]
+	}
+	for _, c := range []struct {
+		series string
+		want   float64
+	}{
+		{decisionSeries("met_one", "allowed"), 2},
+		{decisionSeries("met_one", "denied"), 1},
+		{decisionSeries("met_one", "skipped"), 1},
+		{decisionSeries("met_tight", "allowed"), 1},
+		{decisionSeries("met_tight", "denied"), 1},
+		{decisionSeries("met_wide", "allowed"), 1},
+		{decisionSeries("met_wide", "not_charged"), 1},
+		{decisionSeries("met_wide", "denied"), 0},
+		{decisionSeries("met_dry", "allowed"), 1},
+		{decisionSeries("met_dry", "dry_run_denied"), 2},
+		{decisionSeries("met_dry", "denied"), 0},
+		{decisionSeries("met_cost", "allowed"), 2},
+		{decisionSeries("met_cost", "missing_key"), 1},
+		{`caddy_ratelimit_invalid_costs_total{zone="met_cost"}`, 1},
+		{`caddy_ratelimit_invalid_costs_total{zone="met_one"}`, 0},
+		// met_one k and met_tight k; a dry run records no denial.
+		{"caddy_ratelimit_first_denials_total", 2},
+	} {
+		if got := delta(after, c.series); got != c.want {
+			t.Errorf("%s: +%v, want +%v", c.series, got, c.want)
+		}
+	}
+	// The engine's gauges: one key in each of five zones (a skipped zone and
+	// a missing key count nothing), none strict (local-only), nothing to
+	// replay.
+	for series, want := range map[string]float64{
+		"caddy_ratelimit_entries":                     5,
+		"caddy_ratelimit_strict_keys":                 0,
+		"caddy_ratelimit_replay_pending_cells":        0,
+		"caddy_ratelimit_evictions_total":             0,
+		"caddy_ratelimit_last_read_timestamp_seconds": 0,
+	} {
+		if got, ok := after[series]; !ok || got != want {
+			t.Errorf("%s = %v (present %v), want %v", series, got, ok, want)
+		}
+	}
+	// The latency histogram is sampled; its series exist from the start.
+	for _, s := range []string{
+		`caddy_ratelimit_decision_duration_seconds_bucket{result="allowed",le="1e-07"}`,
+		`caddy_ratelimit_decision_duration_seconds_bucket{result="denied",le="0.001"}`,
+		`caddy_ratelimit_decision_duration_seconds_count{result="allowed"}`,
+	} {
+		if _, ok := after[s]; !ok {
+			t.Errorf("series %s missing", s)
+		}
+	}
+
+	tester.InitServer(e2eConfig(admin, e2eListenPort(t, base), metricsRoutesReloaded), "caddyfile")
+	if t.Failed() {
+		t.FailNow()
+	}
+	reloaded := scrape(t, admin)
+	if got := delta(reloaded, decisionSeries("met_one", "allowed")); got != 2 {
+		t.Fatalf("after the reload, met_one allowed +%v, want +2 (the count must survive)", got)
+	}
+	if got := reloaded["caddy_ratelimit_entries"]; got != 5 {
+		t.Fatalf("after the reload, entries = %v, want 5", got)
+	}
+	// The new limit is 5: k has used 2.
+	do("/one", 200, "X-Key", "k")
+	do("/one", 200, "X-Key", "k")
+	do("/one", 200, "X-Key", "k")
+	do("/one", 429, "X-Key", "k")
+	final := scrape(t, admin)
+	if got := delta(final, decisionSeries("met_one", "allowed")); got != 5 {
+		t.Errorf("met_one allowed +%v after the reload's traffic, want +5", got)
+	}
+	if got := delta(final, decisionSeries("met_one", "denied")); got != 2 {
+		t.Errorf("met_one denied +%v after the reload's traffic, want +2", got)
+	}
+}
+
+// e2eListenPort is the port of base ("http://127.0.0.1:PORT").
+func e2eListenPort(t *testing.T, base string) int {
+	t.Helper()
+	p, err := strconv.Atoi(base[strings.LastIndexByte(base, ':')+1:])
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+// TestMetrics_RegisterTwiceIsSuccess: every handler of a config registers
+// the same collectors into the config's registry.
+func TestMetrics_RegisterTwiceIsSuccess(t *testing.T) {
+	reg := prometheus.NewPedanticRegistry()
+	for range 2 {
+		if err := registerMetrics(reg); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// A pedantic registry checks what the collectors emit against what
+	// they describe, with and without an engine in the pool.
+	if _, err := reg.Gather(); err != nil {
+		t.Fatalf("gather without an engine: %v", err)
+	}
+	useClock(t, 0)
+	provisionTest(t, nil, &Handler{Zones: []*Zone{zoneOf("reg_twice", 1, time.Minute)}})
+	st := lookupState()
+	st.obs.setOrigin(fakeView{stats: fakeEndpoints("redis://a:6379/0", "redis://b:6379/0")})
+	t.Cleanup(func() { st.obs.setOrigin(nil) })
+	if _, err := reg.Gather(); err != nil {
+		t.Fatalf("gather with an engine and an origin: %v", err)
+	}
+	if got := collectCount(engineMetrics, "caddy_ratelimit_origin_breaker_state"); got != 6 {
+		t.Fatalf("%d breaker state series for two endpoints, want 6", got)
+	}
+}
+
+// TestHandler_DecisionLatencyIsSampled: about one decision in 32 is timed,
+// and every one is counted.
+func TestHandler_DecisionLatencyIsSampled(t *testing.T) {
+	useClock(t, 0)
+	serveOne := warmRequest(t, "off", 1) // one zone named "a"
+	count := func() uint64 { return histogramCount(t, decisionAllowedSeconds) }
+	allowedBefore := counterValue(t, decisionsTotal.WithLabelValues("a", resultAllowed))
+	before := count()
+	const n = 32 * 100
+	for range n {
+		serveOne()
+	}
+	// Binomial(3200, 1/32): mean 100, standard deviation 9.8.
+	if got := count() - before; got < 40 || got > 200 {
+		t.Fatalf("%d of %d decisions timed, want about %d", got, n, n/32)
+	}
+	if got := counterValue(t, decisionsTotal.WithLabelValues("a", resultAllowed)) - allowedBefore; got != n {
+		t.Fatalf("%v decisions counted, want %d", got, n)
+	}
+}
+
+func histogramCount(t *testing.T, o prometheus.Observer) uint64 {
+	t.Helper()
+	m, ok := o.(prometheus.Metric)
+	if !ok {
+		t.Fatalf("%T is not a metric", o)
+	}
+	return writeMetric(t, m).GetHistogram().GetSampleCount()
+}
+
+func counterValue(t *testing.T, c prometheus.Counter) float64 {
+	t.Helper()
+	return writeMetric(t, c).GetCounter().GetValue()
+}
+
+func writeMetric(t *testing.T, m prometheus.Metric) *dto.Metric {
+	t.Helper()
+	var pb dto.Metric
+	if err := m.Write(&pb); err != nil {
+		t.Fatal(err)
+	}
+	return &pb
+}
+
+// collectCount is the number of series named name that c emits.
+func collectCount(c prometheus.Collector, name string) int {
+	ch := make(chan prometheus.Metric)
+	go func() {
+		c.Collect(ch)
+		close(ch)
+	}()
+	n := 0
+	for m := range ch {
+		if strings.Contains(m.Desc().String(), `fqName: "`+name+`"`) {
+			n++
+		}
+	}
+	return n
+}

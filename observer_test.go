@@ -1,0 +1,184 @@
+package ratelimit
+
+import (
+	"strings"
+	"testing"
+	"time"
+
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	logobserver "go.uber.org/zap/zaptest/observer"
+
+	"github.com/edgelimit/caddy-ratelimit/origin"
+)
+
+// observedApp is an app whose logger records lines at level and above.
+func observedApp(level zapcore.Level, ids identities) (*App, *logobserver.ObservedLogs) {
+	core, logs := logobserver.New(level)
+	return &App{logger: zap.New(core), ids: ids, Region: "r"}, logs
+}
+
+func TestObserver_NewestAppSpeaksAfterFailedReload(t *testing.T) {
+	var o observer
+	if v := o.view(); v.app != nil || v.logger == nil {
+		t.Fatalf("no app: %+v, want the default logger", v)
+	}
+	running, _ := observedApp(zapcore.InfoLevel, identities{})
+	failed, _ := observedApp(zapcore.InfoLevel, identities{secret: []byte("0123456789abcdef")})
+	next, _ := observedApp(zapcore.InfoLevel, identities{})
+	o.attach(running)
+	o.attach(failed) // a reload provisions its app first...
+	if o.view().app != failed || !o.view().ids.hashed() {
+		t.Fatal("the newest app must speak for the process")
+	}
+	o.detach(failed) // ...and cleans it up when it fails
+	if o.view().app != running {
+		t.Fatal("after a failed reload the running config's app must speak again")
+	}
+	o.attach(next)
+	o.detach(running) // a successful reload cleans up the old app last
+	if o.view().app != next {
+		t.Fatal("after a reload the new app must speak")
+	}
+	o.detach(next)
+	if o.view().app != nil {
+		t.Fatal("no app left")
+	}
+}
+
+// TestObserver_FirstDenialLoggedOnceAtDebug: the first denial of a key in a
+// window is one debug line however many requests it denies, with the
+// identifier hashed; without debug, nothing.
+func TestObserver_FirstDenialLoggedOnceAtDebug(t *testing.T) {
+	const secret = "0123456789abcdef0123"
+	const id = "sk_live_first_denial_key"
+	for _, level := range []zapcore.Level{zapcore.DebugLevel, zapcore.InfoLevel} {
+		t.Run(level.String(), func(t *testing.T) {
+			useClock(t, 0)
+			h := provisionTest(t, nil, &Handler{Zones: []*Zone{zoneOf("fd", 2, time.Minute)}})
+			app, logs := observedApp(level, identities{secret: []byte(secret)})
+			st := lookupState()
+			st.obs.attach(app)
+			t.Cleanup(func() { st.obs.detach(app) })
+			for range 10 {
+				serve(h, map[string]string{"fd": id})
+			}
+			lines := logs.FilterMessage("first denial of a key in this window").All()
+			if level > zapcore.DebugLevel {
+				if len(lines) != 0 || logs.Len() != 0 {
+					t.Fatalf("%d lines at info level: %v", logs.Len(), logs.All())
+				}
+				return
+			}
+			if len(lines) != 1 {
+				t.Fatalf("%d first-denial lines for one key in one window, want 1", len(lines))
+			}
+			f := lines[0].ContextMap()
+			if f["identifier_hmac"] != identifierHMAC([]byte(secret), id) || f["zone"] != "fd" || f["limit"] != int64(2) || f["used"] != int64(2) {
+				t.Fatalf("fields %v", f)
+			}
+			for k, v := range f {
+				if s, ok := v.(string); ok && strings.Contains(s, id) {
+					t.Fatalf("field %s carries the raw identifier", k)
+				}
+			}
+		})
+	}
+}
+
+// TestObserver_OriginFailureStreak: a streak of failed calls is one warning
+// when it reaches failureStreakLog and one info line when a call succeeds
+// again; calls the breaker rejected neither extend nor end it.
+func TestObserver_OriginFailureStreak(t *testing.T) {
+	var o observer
+	app, logs := observedApp(zapcore.DebugLevel, identities{})
+	o.attach(app)
+	const ep = "redis://streak.example:6379/0"
+	call := func(oc origin.Outcome) {
+		o.originCall(origin.CallInfo{Endpoint: ep, Op: origin.OpRead, Outcome: oc, Duration: time.Millisecond})
+	}
+	okBefore := counterValue(t, endpointMetrics(ep).calls[origin.OpRead][origin.OutcomeOK])
+	timeoutsBefore := counterValue(t, endpointMetrics(ep).calls[origin.OpRead][origin.OutcomeTimeout])
+
+	for range failureStreakLog - 1 {
+		call(origin.OutcomeError)
+	}
+	call(origin.OutcomeOK) // a short streak ends silently
+	if logs.Len() != 0 {
+		t.Fatalf("%d lines for a streak shorter than %d", logs.Len(), failureStreakLog)
+	}
+	for range 3 * failureStreakLog {
+		call(origin.OutcomeTimeout)
+		call(origin.OutcomeRejected)
+	}
+	warn := logs.FilterLevelExact(zapcore.WarnLevel).All()
+	if len(warn) != 1 || warn[0].ContextMap()["endpoint"] != ep {
+		t.Fatalf("warnings %v, want one naming the endpoint", warn)
+	}
+	call(origin.OutcomeOK)
+	call(origin.OutcomeOK)
+	info := logs.FilterLevelExact(zapcore.InfoLevel).All()
+	if len(info) != 1 || info[0].ContextMap()["failed_calls"] != int64(3*failureStreakLog) {
+		t.Fatalf("recovery lines %v, want one with failed_calls %d", info, 3*failureStreakLog)
+	}
+	if got := counterValue(t, endpointMetrics(ep).calls[origin.OpRead][origin.OutcomeTimeout]) - timeoutsBefore; got != 3*failureStreakLog {
+		t.Fatalf("timeouts counted %v, want %d", got, 3*failureStreakLog)
+	}
+	if got := counterValue(t, endpointMetrics(ep).calls[origin.OpRead][origin.OutcomeOK]) - okBefore; got != 3 {
+		t.Fatalf("ok calls counted %v, want 3", got)
+	}
+}
+
+func TestObserver_BreakerTransitions(t *testing.T) {
+	var o observer
+	app, logs := observedApp(zapcore.DebugLevel, identities{})
+	o.attach(app)
+	const ep = "redis://breaker.example:6379/0"
+	before := counterValue(t, breakerTransitionsTotal.WithLabelValues(ep, string(origin.BreakerOpen)))
+	o.breakerChanged(ep, origin.BreakerClosed, origin.BreakerOpen)
+	o.breakerChanged(ep, origin.BreakerOpen, origin.BreakerHalfOpen)
+	o.breakerChanged(ep, origin.BreakerHalfOpen, origin.BreakerClosed)
+	want := []zapcore.Level{zapcore.WarnLevel, zapcore.InfoLevel, zapcore.InfoLevel}
+	all := logs.All()
+	if len(all) != len(want) {
+		t.Fatalf("%d lines, want one per transition", len(all))
+	}
+	for i, e := range all {
+		if e.Level != want[i] || e.ContextMap()["endpoint"] != ep {
+			t.Errorf("line %d: %s %q %v", i, e.Level, e.Message, e.ContextMap())
+		}
+	}
+	if got := counterValue(t, breakerTransitionsTotal.WithLabelValues(ep, string(origin.BreakerOpen))) - before; got != 1 {
+		t.Fatalf("open transitions +%v, want +1", got)
+	}
+}
+
+// TestHandler_DryRunLogsOncePerWindowAtInfo: each would-be denial is a debug
+// line, and the zone says so at info level once per window.
+func TestHandler_DryRunLogsOncePerWindowAtInfo(t *testing.T) {
+	useClock(t, 0)
+	core, logs := logobserver.New(zapcore.DebugLevel)
+	h := &Handler{Zones: []*Zone{zoneOf("dry_log", 1, time.Hour)}, DryRun: true}
+	provisionTest(t, nil, h)
+	h.logger = zap.New(core)
+	const id = "sk_live_dry_run_identifier"
+	for range 11 {
+		wantStatus(t, serve(h, map[string]string{"dry_log": id}), 200)
+	}
+	debug := logs.FilterLevelExact(zapcore.DebugLevel).All()
+	if len(debug) != 10 {
+		t.Fatalf("%d debug lines for 10 would-be denials", len(debug))
+	}
+	if f := debug[0].ContextMap(); f["zone"] != "dry_log" || f["identifier_truncated"] != "sk_liv…" {
+		t.Fatalf("debug fields %v", f)
+	}
+	// One line per real hour window; a test that straddles the hour sees two.
+	info := logs.FilterLevelExact(zapcore.InfoLevel).All()
+	var total int64
+	for _, e := range info {
+		total += e.ContextMap()["would_be_denied"].(int64)
+	}
+	if len(info) < 1 || len(info) > 2 || total > 10 {
+		t.Fatalf("%d info lines reporting %d would-be denials", len(info), total)
+	}
+}
