@@ -1,0 +1,142 @@
+package integration
+
+import (
+	"bytes"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"sync"
+	"testing"
+	"time"
+)
+
+// caddyBinary builds cmd/caddy once per test binary (without the race
+// detector: it is the system under load, not under test for races here).
+var caddyBinary = sync.OnceValues(func() (string, error) {
+	dir, err := os.MkdirTemp("", "ratelimit-caddy-")
+	if err != nil {
+		return "", err
+	}
+	bin := filepath.Join(dir, "caddy")
+	goBin := filepath.Join(runtime.GOROOT(), "bin", "go")
+	cmd := exec.Command(goBin, "build", "-o", bin, "./cmd/caddy")
+	cmd.Dir = ".."
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return "", fmt.Errorf("go build ./cmd/caddy: %v\n%s", err, out)
+	}
+	return bin, nil
+})
+
+// node is one Caddy process.
+type node struct {
+	t     *testing.T
+	cmd   *exec.Cmd
+	log   *bytes.Buffer
+	admin int
+	port  int
+}
+
+func freePort(t *testing.T) int {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port
+}
+
+// startNode starts Caddy on a config whose site block is site and whose
+// global ratelimit option is global, and waits until it serves.
+func startNode(t *testing.T, global, site string) *node {
+	t.Helper()
+	bin, err := caddyBinary()
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := &node{t: t, log: new(bytes.Buffer), admin: freePort(t), port: freePort(t)}
+	dir := t.TempDir()
+	cfg := fmt.Sprintf(`{
+	admin localhost:%d
+	http_port %d
+	auto_https off
+	persist_config off
+	skip_install_trust
+	grace_period 1s
+	ratelimit {
+%s
+	}
+}
+
+http://127.0.0.1:%d {
+	bind 127.0.0.1
+%s
+}
+`, n.admin, n.port, global, n.port, site)
+	file := filepath.Join(dir, "Caddyfile")
+	if err := os.WriteFile(file, []byte(cfg), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	n.cmd = exec.Command(bin, "run", "--config", file)
+	n.cmd.Env = append(os.Environ(), "HOME="+dir, "XDG_DATA_HOME="+dir, "XDG_CONFIG_HOME="+dir)
+	n.cmd.Stdout, n.cmd.Stderr = n.log, n.log
+	if err := n.cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(n.stop)
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		resp, err := http.Get(n.url("/healthz-probe"))
+		if err == nil {
+			resp.Body.Close()
+			return n
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("caddy did not serve within 30 s: %v\n%s", err, n.log.String())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+func (n *node) url(path string) string { return fmt.Sprintf("http://127.0.0.1:%d%s", n.port, path) }
+
+func (n *node) stop() {
+	if n.cmd.Process == nil || n.cmd.ProcessState != nil {
+		return
+	}
+	_ = n.cmd.Process.Signal(os.Interrupt)
+	done := make(chan struct{})
+	go func() { _ = n.cmd.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(10 * time.Second):
+		_ = n.cmd.Process.Kill()
+		<-done
+	}
+	if n.t.Failed() {
+		n.t.Logf("caddy on :%d log tail:\n%s", n.port, tail(n.log.String(), 2000))
+	}
+}
+
+func tail(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	return s[len(s)-n:]
+}
+
+// requireBinary fails under CI and skips elsewhere when a binary is
+// missing.
+func requireBinary(t *testing.T, name string) {
+	t.Helper()
+	if _, err := exec.LookPath(name); err != nil {
+		if os.Getenv("CI") == "true" {
+			t.Fatalf("%s not found on PATH (required when CI=true)", name)
+		}
+		t.Skipf("%s not found on PATH", name)
+	}
+}
