@@ -13,6 +13,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/edgelimit/caddy-ratelimit/engine"
+	"github.com/edgelimit/caddy-ratelimit/origin"
 )
 
 func init() {
@@ -48,6 +49,14 @@ type App struct {
 	// Default false: identifiers are often API keys.
 	LogIdentifiers bool `json:"log_identifiers,omitempty"`
 
+	// Origin is the regional origin, Redis, that converges the counts of
+	// the Caddy processes of one region. Addresses and passwords should be
+	// runtime placeholders ({env.REDIS_URL}), resolved at provisioning.
+	// Default none: local-only.
+	Origin *origin.Config `json:"origin,omitempty"`
+
+	origin  *origin.Redis
+	timing  engine.Timing
 	ids     identities
 	state   *state
 	logger  *zap.Logger
@@ -87,7 +96,7 @@ func (a *App) Provision(ctx caddy.Context) error {
 	}
 	a.state = st
 	st.obs.attach(a)
-	return nil
+	return a.provisionOrigin()
 }
 
 // Validate checks the app's settings.
@@ -99,6 +108,11 @@ func (a *App) Validate() error {
 	}
 	if err := validateSecret(a.IdentifierSecret); err != nil {
 		return fmt.Errorf("ratelimit app: %w", err)
+	}
+	if a.Origin != nil {
+		if err := checkOrigin(*a.Origin); err != nil {
+			return fmt.Errorf("ratelimit app: origin: %w", err)
+		}
 	}
 	return nil
 }
@@ -116,22 +130,32 @@ func validateRegion(region string) error {
 	return nil
 }
 
-// Start does nothing yet: the engine's goroutines follow the pool's
-// reference count, not Start and Stop, because the old config's Stop runs
-// after the new config's Start.
-func (a *App) Start() error { return nil }
+// Start makes this config's origin (or none) the engine's. The engine's
+// goroutines follow the pool's reference count, not Start and Stop, because
+// the old config's Stop runs after the new config's Start.
+func (a *App) Start() error {
+	a.startOrigin()
+	return nil
+}
 
-// Stop does nothing; see Start.
-func (a *App) Stop() error { return nil }
+// Stop detaches this config's origin, flushing pending counts through it
+// when no newer config has taken over.
+func (a *App) Stop() error {
+	a.stopOrigin()
+	return nil
+}
 
 // Cleanup releases the app's reference to the engine.
 func (a *App) Cleanup() error {
 	if a.state == nil {
 		return nil
 	}
+	a.stopOrigin()
 	a.state.obs.detach(a)
 	a.state = nil
-	return releaseState()
+	err := releaseState()
+	a.closeOrigin()
+	return err
 }
 
 // nextHandler numbers the handlers of one config in provisioning order, so

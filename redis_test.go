@@ -1,0 +1,140 @@
+package ratelimit
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2/caddytest"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
+)
+
+// redisConfig is a Caddyfile whose global option points the engine at
+// Redis through a runtime placeholder, as the README recommends.
+func redisConfig(admin, port int, global string) string {
+	return fmt.Sprintf(`{
+	admin localhost:%d
+	http_port %d
+	auto_https off
+	persist_config off
+	skip_install_trust
+	grace_period 1ns
+%s
+}
+
+http://127.0.0.1:%d {
+	bind 127.0.0.1
+	ratelimit {
+		zone e2e_redis {
+			key    {http.request.header.X-Key}
+			limit  5
+			window 1m
+		}
+	}
+	respond "ok"
+}
+`, admin, port, global, port)
+}
+
+// TestCaddy_RedisOrigin runs Caddy in-process against a private Redis: the
+// counts reach Redis, a key another node filled is denied on its first
+// request here, and a reload without Redis leaves the engine local-only.
+func TestCaddy_RedisOrigin(t *testing.T) {
+	srv := redistest.Start(t, redistest.WithPassword("origin-e2e-pw"))
+	t.Setenv("RATELIMIT_TEST_REDIS_URL", srv.URL())
+	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr(), Password: "origin-e2e-pw"})
+	t.Cleanup(func() { rdb.Close() })
+	ctx := context.Background()
+
+	admin, port := e2eAdminPort(t), freePort(t)
+	base := fmt.Sprintf("http://127.0.0.1:%d/", port)
+	tester := caddytest.NewTester(t).WithDefaultOverrides(caddytest.Config{AdminPort: admin})
+	tester.InitServer(redisConfig(admin, port, `	ratelimit {
+		redis {env.RATELIMIT_TEST_REDIS_URL}
+		prefix e2e
+	}`), "caddyfile")
+	if t.Failed() {
+		t.FailNow()
+	}
+	st := currentState()
+	if st == nil || st.engine.Origin() == nil {
+		t.Fatal("the engine has no origin after loading a config with redis")
+	}
+
+	// Another node already used bob's quota in this window. Stay clear of a
+	// window border: the test needs one window for what follows.
+	if ms := time.Now().UnixMilli() % 60_000; ms > 55_000 {
+		time.Sleep(time.Duration(60_000-ms+10) * time.Millisecond)
+	}
+	seq := time.Now().UnixMilli() / 60_000
+	bobKey := "e2e:{e2e_redis:bob}:60000:" + strconv.FormatInt(seq, 10)
+	if err := rdb.IncrBy(ctx, bobKey, 5).Err(); err != nil {
+		t.Fatal(err)
+	}
+	get(t, tester, base, "X-Key", "bob").expect(t, 429, "")
+
+	for i := 0; i < 5; i++ {
+		get(t, tester, base, "X-Key", "alice").expect(t, 200, "ok")
+	}
+	get(t, tester, base, "X-Key", "alice").expect(t, 429, "")
+	// The five units reach Redis on the replay ticks, without more traffic.
+	aliceKey := "e2e:{e2e_redis:alice}:60000:" + strconv.FormatInt(seq, 10)
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		n, err := rdb.Get(ctx, aliceKey).Int64()
+		if err == nil && n == 5 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("Redis holds %d (%v) for alice, want 5", n, err)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+
+	t.Run("config output keeps the placeholder", func(t *testing.T) {
+		resp, err := tester.Client.Get(fmt.Sprintf("http://localhost:%d/config/", admin))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		body, err := io.ReadAll(resp.Body)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if strings.Contains(string(body), "origin-e2e-pw") {
+			t.Fatal("the admin API's /config/ shows the Redis password")
+		}
+		if !strings.Contains(string(body), "{env.RATELIMIT_TEST_REDIS_URL}") {
+			t.Fatal("the /config/ output lost the placeholder")
+		}
+	})
+
+	t.Run("reload without redis is local-only", func(t *testing.T) {
+		tester.InitServer(redisConfig(admin, port, ""), "caddyfile")
+		if t.Failed() {
+			t.FailNow()
+		}
+		if currentState() != st {
+			t.Fatal("the reload replaced the engine")
+		}
+		if o := st.engine.Origin(); o != nil {
+			t.Fatalf("the engine still uses origin %v after a reload without redis", o)
+		}
+		// The counts stay: alice is still denied.
+		get(t, tester, base, "X-Key", "alice").expect(t, 429, "")
+	})
+
+	t.Run("unload", func(t *testing.T) {
+		tester.InitServer(e2eConfig(admin, port, ""), "caddyfile")
+		if _, ok := pool.References(poolKey); ok {
+			t.Fatal("engine pool still in use after unloading")
+		}
+		waitNoEngineGoroutines(t)
+	})
+}
