@@ -13,6 +13,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
+	"github.com/edgelimit/caddy-ratelimit/origin"
 )
 
 // redisConfig is a Caddyfile whose global option points the engine at
@@ -138,3 +139,46 @@ func TestCaddy_RedisOrigin(t *testing.T) {
 		waitNoEngineGoroutines(t)
 	})
 }
+
+// TestRedisOption_ErrorsNeverQuoteAPassword adapts bad Redis lines that
+// carry a password: the error names the line, never the password.
+func TestRedisOption_ErrorsNeverQuoteAPassword(t *testing.T) {
+	for _, line := range []string{
+		"redis redis://:hunter2-secret@127.0.0.1:notaport",
+		"redis redis://admin:hunter2-secret@127.0.0.1:6379/notadb",
+		"redis redis://:hunter2-secret@127.0.0.1:6379?dial_timeout=1s",
+		"redis_cluster redis://:hunter2-secret@127.0.0.1:7000 rediss://:other@127.0.0.1:7001",
+	} {
+		src := "{\n\tratelimit {\n\t\t" + line + "\n\t}\n}\n:8080 {\n\trespond ok\n}\n"
+		_, err := adapt(t, src)
+		if err == nil {
+			t.Fatalf("%q adapted without error", line)
+		}
+		if strings.Contains(err.Error(), "hunter2-secret") {
+			t.Fatalf("error quotes the password: %v", err)
+		}
+		if !strings.Contains(err.Error(), "Caddyfile:3") {
+			t.Fatalf("error does not name the line: %v", err)
+		}
+	}
+}
+
+// TestRedisOption_UnresolvedPlaceholderFailsProvision: a runtime
+// placeholder that resolves to nothing fails provisioning with the field
+// named, not a silent local-only start.
+func TestRedisOption_UnresolvedPlaceholderFailsProvision(t *testing.T) {
+	cfg, err := resolveOrigin(originConfigWith("{env.RATELIMIT_TEST_UNSET_VARIABLE}"))
+	if err == nil {
+		t.Fatalf("resolved to %v", cfg.Redis)
+	}
+	if !strings.Contains(err.Error(), "redis") {
+		t.Fatalf("error %q does not name the field", err)
+	}
+	t.Setenv("RATELIMIT_TEST_SET_VARIABLE", "redis://:pw@127.0.0.1:6379")
+	cfg, err = resolveOrigin(originConfigWith("{env.RATELIMIT_TEST_SET_VARIABLE}"))
+	if err != nil || cfg.Redis[0] != "redis://:pw@127.0.0.1:6379" {
+		t.Fatalf("resolve = %v, %v", cfg.Redis, err)
+	}
+}
+
+func originConfigWith(url string) origin.Config { return origin.Config{Redis: []string{url}} }
