@@ -20,10 +20,12 @@
 #   CADDY_CPU=0 WRK_CPU=1 cores for Caddy and for wrk (and redis-server)
 #   SCENARIOS="plain allow deny keys100k redis"   a subset; plain is always run
 #   OUT=<file>            also write the result table there
-#   PROFILE=<scenario>    after the rounds, one more run of that scenario with
-#                         a CPU profile from Caddy's admin /debug/pprof; prints
-#                         the top functions, keeps the profile in PROFILE_OUT
-#                         (default ${TMPDIR:-/tmp}/loadtest-<scenario>.cpu.pb.gz)
+#   PROFILE="<scenario> …" after the rounds, one more run of each with a CPU
+#                         profile from Caddy's admin /debug/pprof; prints the
+#                         share of Caddy's CPU spent in the ratelimit handler
+#                         and the top functions; keeps each profile in
+#                         PROFILE_DIR (default ${TMPDIR:-/tmp}) as
+#                         loadtest-<scenario>.cpu.pb.gz
 #
 # The harness fails (exit 1, with Caddy's log tail) when Caddy does not start
 # or dies, when wrk sees any socket error, or when a scenario answers other
@@ -56,8 +58,10 @@ for v in ROUNDS DURATION WARMUP CONNS CADDY_CPU WRK_CPU; do
 	[[ ${!v} =~ ^[0-9]+$ ]] || die "$v must be a non-negative integer, not '${!v}'"
 done
 ((ROUNDS >= 1 && DURATION >= 1)) || die "ROUNDS and DURATION must be at least 1"
-[[ " plain allow deny keys100k redis " == *" "${PROFILE:-plain}" "* ]] ||
-	die "PROFILE must name a scenario, not '$PROFILE'"
+for p in $PROFILE; do
+	[[ " plain allow deny keys100k redis " == *" $p "* ]] ||
+		die "PROFILE must name scenarios, not '$p'"
+done
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT=$PWD
@@ -334,7 +338,7 @@ load() {
 
 n=${#order[@]}
 est=$((n * (WARMUP + 2) + ROUNDS * n * (DURATION + 1)))
-[ -n "$PROFILE" ] && est=$((est + DURATION + 5))
+for p in $PROFILE; do est=$((est + DURATION + 5)); done
 started=$(date -u '+%Y-%m-%d %H:%M UTC')
 load_before=$(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null || echo "?")
 echo "loadtest: ${order[*]}; $ROUNDS rounds x ${DURATION}s, about ${est}s in all"
@@ -508,23 +512,33 @@ fi
 
 # --- optional profile ----------------------------------------------------
 
-if [ -n "$PROFILE" ]; then
-	if [[ " ${order[*]} " != *" $PROFILE "* ]]; then
-		echo "loadtest: NOTE: no profile: scenario $PROFILE did not run" >&2
-	else
-		prof=${PROFILE_OUT:-${TMPDIR:-/tmp}/loadtest-$PROFILE.cpu.pb.gz}
-		secs=$((DURATION > 2 ? DURATION - 1 : 1))
-		echo "loadtest: profiling $PROFILE for ${secs}s under load (not part of the table)"
-		curl -s --max-time $((secs + 30)) -o "$prof" \
-			"http://127.0.0.1:${ADMIN[$PROFILE]}/debug/pprof/profile?seconds=$secs" &
-		curl_pid=$!
-		keyed=0
-		[ "$PROFILE" = keys100k ] && keyed=1
-		load "$PROFILE" "$DURATION" "$keyed"
-		wait "$curl_pid" || die "could not fetch the CPU profile"
-		echo "loadtest: CPU profile of $PROFILE in $prof ($R_RPS req/s while profiling)"
-		"$GO" tool pprof -top -nodecount=25 "$BIN" "$prof" 2>/dev/null | sed -n '1,35p'
-		echo "loadtest: cumulative:"
-		"$GO" tool pprof -top -cum -nodecount=40 "$BIN" "$prof" 2>/dev/null | sed -n '6,50p'
+for p in $PROFILE; do
+	if [[ " ${order[*]} " != *" $p "* ]]; then
+		echo "loadtest: NOTE: no profile of $p: the scenario did not run" >&2
+		continue
 	fi
-fi
+	prof=${PROFILE_DIR:-${TMPDIR:-/tmp}}/loadtest-$p.cpu.pb.gz
+	secs=$((DURATION > 2 ? DURATION - 1 : 1))
+	echo
+	echo "loadtest: profiling $p for ${secs}s under load (not part of the table)"
+	curl -s --max-time $((secs + 30)) -o "$prof" \
+		"http://127.0.0.1:${ADMIN[$p]}/debug/pprof/profile?seconds=$secs" &
+	curl_pid=$!
+	keyed=0
+	[ "$p" = keys100k ] && keyed=1
+	load "$p" "$DURATION" "$keyed"
+	wait "$curl_pid" || die "could not fetch the CPU profile of $p"
+	echo "loadtest: CPU profile of $p in $prof ($R_RPS req/s while profiling)"
+	if [ "$p" != plain ]; then
+		# The handler's own share: everything under its ServeHTTP except the
+		# next handler (respond). Caddy's error flow after a denial and the
+		# GC its allocations cause come on top.
+		"$GO" tool pprof -top -cum -focus='caddy-ratelimit\.\(\*Handler\)\.ServeHTTP$' \
+			-ignore='StaticResponse' "$BIN" "$prof" 2>/dev/null |
+			awk '$NF == "github.com/edgelimit/caddy-ratelimit.(*Handler).ServeHTTP" {
+				print "loadtest: " $5 " of Caddy'"'"'s CPU samples in the ratelimit handler itself (next handler excluded)" }'
+	fi
+	"$GO" tool pprof -top -nodecount=25 "$BIN" "$prof" 2>/dev/null | sed -n '5,35p'
+	echo "loadtest: cumulative:"
+	"$GO" tool pprof -top -cum -nodecount=45 "$BIN" "$prof" 2>/dev/null | sed -n '6,55p'
+done
