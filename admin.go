@@ -475,13 +475,13 @@ func writeJSON(w http.ResponseWriter, v any) error {
 	return nil
 }
 
-// timeOrNull is nil for the zero time, so JSON says null, and the time in
-// UTC otherwise (RFC 3339).
+// timeOrNull is nil for the zero time, so JSON says null, and otherwise
+// the time in UTC to the millisecond (RFC 3339), the engine's precision.
 func timeOrNull(t time.Time) *time.Time {
 	if t.IsZero() {
 		return nil
 	}
-	u := t.UTC()
+	u := t.UTC().Truncate(time.Millisecond)
 	return &u
 }
 
