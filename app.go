@@ -90,7 +90,7 @@ func (a *App) Provision(ctx caddy.Context) error {
 	if err := registerMetrics(ctx.GetMetricsRegistry()); err != nil {
 		return err
 	}
-	st, err := acquireState()
+	st, err := acquireState(a.Origin)
 	if err != nil {
 		return err
 	}
@@ -191,11 +191,16 @@ type state struct {
 }
 
 // acquireState returns the process's state, creating its engine if this is
-// the first user; every call must be matched by releaseState.
-func acquireState() (*state, error) {
+// the first user; every call must be matched by releaseState. The app of
+// the first config passes its origin settings, which size the engine's
+// replay workers (fixed for the life of the process).
+func acquireState(oc *origin.Config) (*state, error) {
 	v, _, err := pool.LoadOrNew(poolKey, func() (caddy.Destructor, error) {
 		st := new(state)
 		cfg := newEngineConfig()
+		if oc != nil {
+			oc.ApplyEngine(&cfg)
+		}
 		st.obs.observeEngine(&cfg)
 		st.engine = engine.New(cfg)
 		return st, nil

@@ -285,7 +285,7 @@ func (h *Handler) provision(app *App) error {
 		return err
 	}
 	h.compile()
-	st, err := acquireState()
+	st, err := acquireState(nil)
 	if err != nil {
 		return err
 	}
