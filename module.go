@@ -4,10 +4,13 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"net"
 	"net/http"
 	"net/netip"
+	"net/textproto"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -219,7 +222,23 @@ type template struct {
 	single string
 	// literal is true when raw has no placeholder at all.
 	literal bool
+	// direct, when set, reads the single placeholder's value straight from
+	// the request, as Caddy's replacer would but without going through it
+	// (the replacer's lookup costs about a microsecond a request).
+	direct directKind
+	// field is the canonical header name or the variable name of direct.
+	field string
 }
+
+// directKind names the placeholders that keys use most, read directly.
+type directKind uint8
+
+const (
+	directNone       directKind = iota
+	directHeader                // {http.request.header.NAME}
+	directVar                   // {http.vars.NAME}, e.g. {client_ip}
+	directRemoteHost            // {http.request.remote.host}
+)
 
 func newTemplate(raw string) template {
 	t := template{raw: raw}
@@ -234,14 +253,44 @@ func newTemplate(raw string) template {
 		if !strings.ContainsAny(name, "{}\\") && !strings.HasPrefix(name, "file.") {
 			t.single = name
 		}
+		switch {
+		case t.single == "":
+		case strings.HasPrefix(name, "http.request.header.") && len(name) > len("http.request.header."):
+			t.direct, t.field = directHeader, textproto.CanonicalMIMEHeaderKey(strings.TrimPrefix(name, "http.request.header."))
+		case strings.HasPrefix(name, "http.vars.") && len(name) > len("http.vars."):
+			t.direct, t.field = directVar, strings.TrimPrefix(name, "http.vars.")
+		case name == "http.request.remote.host":
+			t.direct = directRemoteHost
+		}
 	}
 	return t
 }
 
-func (t *template) eval(repl *caddy.Replacer) string {
+// eval evaluates the template for request r, whose replacer is repl.
+func (t *template) eval(r *http.Request, repl *caddy.Replacer) string {
 	switch {
 	case t.literal:
 		return t.raw
+	case t.direct == directHeader:
+		switch vals := r.Header[t.field]; len(vals) {
+		case 0:
+			return ""
+		case 1:
+			return vals[0]
+		default:
+			return strings.Join(vals, ",")
+		}
+	case t.direct == directVar:
+		return caddy.ToString(caddyhttp.GetVar(r.Context(), t.field))
+	case t.direct == directRemoteHost:
+		if r.TLS != nil && !r.TLS.HandshakeComplete {
+			return "" // QUIC early data: the address may be spoofed
+		}
+		host, _, err := net.SplitHostPort(r.RemoteAddr)
+		if err != nil {
+			return r.RemoteAddr // a unix socket path
+		}
+		return host
 	case repl == nil:
 		return ""
 	case t.single != "":
@@ -534,7 +583,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	ownLimits := true
 	for i := range h.zones {
 		z := &h.zones[i]
-		id := z.key.eval(repl)
+		id := z.key.eval(r, repl)
 		if id == "" {
 			switch h.onMissing {
 			case missingSkip:
@@ -543,7 +592,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 			case missingDeny:
 				missingKeyDeniedTotal.Add(1)
 				z.metrics.missingKey.Inc()
-				return caddyhttp.Error(http.StatusTooManyRequests, z.missing)
+				return deny(w, r, z.missing)
 			}
 		} else {
 			id = maskIP(id, z.v4, z.v6)
@@ -559,7 +608,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 			Key:    engine.Key{Namespace: z.name, Identifier: id, Window: z.window},
 			Zone:   z.handle,
 			Limit:  limit,
-			Cost:   z.costOf(repl),
+			Cost:   z.costOf(r, repl),
 			DryRun: h.DryRun,
 		})
 		zi = append(zi, i)
@@ -611,20 +660,60 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	}
 	for k := range decs {
 		if !decs[k].Allowed {
-			return caddyhttp.Error(http.StatusTooManyRequests, h.zones[zi[k]].denied)
+			return deny(w, r, h.zones[zi[k]].denied)
 		}
 	}
 	// The batch denied but no limit says why; deny with the first zone
 	// rather than let the request through.
-	return caddyhttp.Error(http.StatusTooManyRequests, h.zones[zi[0]].denied)
+	return deny(w, r, h.zones[zi[0]].denied)
+}
+
+// deny ends a denied request with a 429. When the server has error routes
+// (`handle_errors`), it goes through Caddy's error flow, so they can shape
+// the response. Without them Caddy's error flow would write the same empty
+// 429 after encoding the whole request for a debug-level log line, which
+// costs more than everything else a denial does: the 429 is written here.
+func deny(w http.ResponseWriter, r *http.Request, why error) error {
+	if srv, ok := r.Context().Value(caddyhttp.ServerCtxKey).(*caddyhttp.Server); ok && (srv.Errors == nil || len(srv.Errors.Routes) == 0) {
+		w.WriteHeader(http.StatusTooManyRequests)
+		return nil
+	}
+	// What caddyhttp.Error builds, without its stack walk: the trace of a
+	// rate limit denial is always this handler.
+	return caddyhttp.HandlerError{
+		Err:        why,
+		StatusCode: http.StatusTooManyRequests,
+		ID:         nextErrorID(),
+		Trace:      "ratelimit.(*Handler).ServeHTTP",
+	}
+}
+
+// errorIDs numbers denials for {http.error.id}: a random per-process base
+// and a counter, unique like Caddy's random IDs and cheaper to make.
+var errorIDs struct {
+	base uint64
+	n    atomic.Uint64
+	once sync.Once
+}
+
+// nextErrorID returns a 9-character ID, as Caddy's error IDs are.
+func nextErrorID() string {
+	errorIDs.once.Do(func() { errorIDs.base = rand.Uint64() })
+	id := (errorIDs.base + errorIDs.n.Add(1)) % 101559956668416 // 36⁹
+	var b [9]byte
+	for i := len(b) - 1; i >= 0; i-- {
+		b[i] = "0123456789abcdefghijklmnopqrstuvwxyz"[id%36]
+		id /= 36
+	}
+	return string(b[:])
 }
 
 // costOf evaluates the zone's cost for one request.
-func (z *zone) costOf(repl *caddy.Replacer) int64 {
+func (z *zone) costOf(r *http.Request, repl *caddy.Replacer) int64 {
 	if z.cost.literal {
 		return z.staticCost
 	}
-	s := z.cost.eval(repl)
+	s := z.cost.eval(r, repl)
 	n, err := strconv.ParseInt(s, 10, 64)
 	if err != nil || n < 0 {
 		invalidCostTotal.Add(1)

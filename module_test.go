@@ -602,15 +602,52 @@ func TestTemplate_Eval(t *testing.T) {
 	}
 	for _, tc := range tests {
 		tpl := newTemplate(tc.raw)
-		if got := tpl.eval(repl); got != tc.want {
+		if got := tpl.eval(httptest.NewRequest("GET", "/", nil), repl); got != tc.want {
 			t.Errorf("eval(%q) = %q, want %q", tc.raw, got, tc.want)
 		}
 		if (tpl.single != "") != tc.single {
 			t.Errorf("%q: single-placeholder fast path = %q", tc.raw, tpl.single)
 		}
 	}
-	if tpl := newTemplate("{test.a}"); tpl.eval(nil) != "" {
-		t.Errorf("eval without a replacer = %q", tpl.eval(nil))
+	if tpl := newTemplate("{test.a}"); tpl.eval(httptest.NewRequest("GET", "/", nil), nil) != "" {
+		t.Errorf("eval without a replacer = %q", tpl.eval(httptest.NewRequest("GET", "/", nil), nil))
+	}
+}
+
+// TestTemplate_DirectReadsAgreeWithCaddysReplacer checks the placeholders
+// read straight from the request against Caddy's own replacer.
+func TestTemplate_DirectReadsAgreeWithCaddysReplacer(t *testing.T) {
+	r := httptest.NewRequest("GET", "/p?q=1", nil)
+	r.RemoteAddr = "[2001:db8::7]:5555"
+	r.Header.Add("X-Api-Key", "k1")
+	r.Header.Add("X-Multi", "a")
+	r.Header.Add("X-Multi", "b")
+	ctx := context.WithValue(r.Context(), caddyhttp.VarsCtxKey, map[string]any{"client_ip": "203.0.113.9", "n": 7})
+	r = r.WithContext(ctx)
+	repl := caddyhttp.NewTestReplacer(r)
+	for _, raw := range []string{
+		"{http.request.header.X-API-Key}",
+		"{http.request.header.x-multi}",
+		"{http.request.header.Absent}",
+		"{http.vars.client_ip}",
+		"{http.vars.n}",
+		"{http.vars.absent}",
+		"{http.request.remote.host}",
+	} {
+		direct := newTemplate(raw)
+		if direct.direct == directNone {
+			t.Fatalf("%s is not read directly", raw)
+		}
+		viaRepl := direct
+		viaRepl.direct = directNone
+		got, want := direct.eval(r, nil), viaRepl.eval(r, repl)
+		if got != want {
+			t.Errorf("%s: direct %q, replacer %q", raw, got, want)
+		}
+	}
+	r.RemoteAddr = "/run/caddy.sock"
+	if tpl := newTemplate("{http.request.remote.host}"); tpl.eval(r, nil) != "/run/caddy.sock" {
+		t.Errorf("unix socket remote host = %q", tpl.eval(r, nil))
 	}
 }
 
@@ -627,4 +664,52 @@ func TestHandler_ServesAfterCleanup(t *testing.T) {
 	}
 	wantStatus(t, serve(h, map[string]string{"late": "k"}), http.StatusOK)
 	wantStatus(t, serve(h, map[string]string{"late": "k"}), http.StatusTooManyRequests)
+}
+
+// TestHandler_DenialWithoutErrorRoutesIsWrittenDirectly: on a server with
+// no handle_errors the 429 is written by the handler (what Caddy's default
+// error handling would write); with error routes it goes through Caddy's
+// error flow.
+func TestHandler_DenialWithoutErrorRoutesIsWrittenDirectly(t *testing.T) {
+	useClock(t, 15*time.Second)
+	h := provisionTest(t, nil, &Handler{Zones: []*Zone{zoneOf("direct", 1, time.Minute)}})
+	request := func(srv *caddyhttp.Server) (*httptest.ResponseRecorder, error) {
+		repl := caddy.NewReplacer()
+		repl.Set("test.direct", "alice")
+		req := httptest.NewRequest(http.MethodGet, "/", nil)
+		ctx := context.WithValue(req.Context(), caddy.ReplacerCtxKey, repl)
+		ctx = context.WithValue(ctx, caddyhttp.ServerCtxKey, srv)
+		rec := httptest.NewRecorder()
+		err := h.ServeHTTP(rec, req.WithContext(ctx), caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+			w.WriteHeader(http.StatusOK)
+			return nil
+		}))
+		return rec, err
+	}
+	plain := new(caddyhttp.Server)
+	if rec, err := request(plain); err != nil || rec.Code != http.StatusOK {
+		t.Fatalf("first request: %d, %v", rec.Code, err)
+	}
+	rec, err := request(plain)
+	if err != nil || rec.Code != http.StatusTooManyRequests || rec.Body.Len() != 0 {
+		t.Fatalf("denial without error routes: status %d, body %q, err %v; want an empty 429 written directly", rec.Code, rec.Body, err)
+	}
+	if rec.Header().Get("Retry-After") != "105" || rec.Header().Get("RateLimit") == "" {
+		t.Fatalf("direct denial lost its headers: %v", rec.Header())
+	}
+
+	withRoutes := &caddyhttp.Server{Errors: &caddyhttp.HTTPErrorConfig{Routes: caddyhttp.RouteList{{}}}}
+	rec, err = request(withRoutes)
+	var he caddyhttp.HandlerError
+	if !errors.As(err, &he) || he.StatusCode != http.StatusTooManyRequests || !errors.Is(err, ErrRateLimited) {
+		t.Fatalf("denial with error routes returned %v (recorder %d), want a 429 HandlerError", err, rec.Code)
+	}
+	if len(he.ID) != 9 || he.Trace == "" {
+		t.Fatalf("error ID %q, trace %q", he.ID, he.Trace)
+	}
+	first := he.ID
+	_, err = request(withRoutes)
+	if !errors.As(err, &he) || he.ID == first || strings.Contains(err.Error(), "alice") {
+		t.Fatalf("second denial: %v with ID %q (first %q)", err, he.ID, first)
+	}
 }
