@@ -3,6 +3,7 @@ package ratelimit
 import (
 	"bufio"
 	"bytes"
+	"math/rand/v2"
 	"strconv"
 	"strings"
 	"testing"
@@ -11,6 +12,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
 
+	"github.com/edgelimit/caddy-ratelimit/engine"
 	"github.com/edgelimit/caddy-ratelimit/origin"
 )
 
@@ -328,4 +330,27 @@ func collectCount(c prometheus.Collector, name string) int {
 		}
 	}
 	return n
+}
+
+// BenchmarkMetrics_PerRequest measures what metrics add to one request of
+// one zone: the sampling draw, the sampled timing and the decision count,
+// exactly as ServeHTTP does them, without the decision itself.
+func BenchmarkMetrics_PerRequest(b *testing.B) {
+	h := &Handler{Zones: []*Zone{zoneOf("bench_metrics", 1, time.Minute)}}
+	h.compile()
+	h.zones[0].metrics = newZoneMetrics("bench_metrics")
+	decs := []engine.Decision{{Allowed: true}}
+	zi := []int{0}
+	b.ReportAllocs()
+	for b.Loop() {
+		var start time.Time
+		timed := rand.Uint32()&latencySampleMask == 0
+		if timed {
+			start = time.Now()
+		}
+		if timed {
+			observeDecision(true, time.Since(start))
+		}
+		h.countDecisions(decs, zi, true)
+	}
 }
