@@ -753,9 +753,11 @@ func (h *Handler) dryRunDenied(lims []engine.Limit, decs []engine.Decision, zi [
 		}
 		z := &h.zones[zi[k]]
 		if c := h.logger.Check(zapcore.DebugLevel, "dry run: request would have been rate limited"); c != nil {
-			// The identifier as the app's settings show it; never the URI,
-			// which may carry it.
-			c.Write(append(h.ids.logFields(lims[k].Identifier), zap.String("zone", z.name))...)
+			// The identifier as the app's settings show it (normalized as
+			// the engine keeps it, so an HMAC matches the admin API's);
+			// never the URI, which may carry it.
+			id := engine.NormalizeIdentifier(lims[k].Identifier)
+			c.Write(append(h.ids.logFields(id), zap.String("zone", z.name))...)
 		}
 		z.dryRun.note(h.logger, z.name, z.window)
 	}
