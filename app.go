@@ -49,6 +49,12 @@ type App struct {
 	// Default false: identifiers are often API keys.
 	LogIdentifiers bool `json:"log_identifiers,omitempty"`
 
+	// MaxEntries is the hard cap on keys held in memory: past it the
+	// coldest, lowest-count keys are evicted (counted and logged). About 240
+	// bytes a key. It sizes the engine when the process's first config is
+	// loaded; changing it needs a restart. Default 1,000,000.
+	MaxEntries int `json:"max_entries,omitempty"`
+
 	// Origin is the regional origin, Redis, that converges the counts of
 	// the Caddy processes of one region. Addresses and passwords should be
 	// runtime placeholders ({env.REDIS_URL}), resolved at provisioning.
@@ -90,7 +96,7 @@ func (a *App) Provision(ctx caddy.Context) error {
 	if err := registerMetrics(ctx.GetMetricsRegistry()); err != nil {
 		return err
 	}
-	st, err := acquireState(a.Origin)
+	st, err := acquireState(a)
 	if err != nil {
 		return err
 	}
@@ -108,6 +114,9 @@ func (a *App) Validate() error {
 	}
 	if err := validateSecret(a.IdentifierSecret); err != nil {
 		return fmt.Errorf("ratelimit app: %w", err)
+	}
+	if a.MaxEntries < 0 {
+		return fmt.Errorf("ratelimit app: max_entries must be positive, got %d", a.MaxEntries)
 	}
 	if a.Origin != nil {
 		if err := checkOrigin(*a.Origin); err != nil {
@@ -194,12 +203,15 @@ type state struct {
 // the first user; every call must be matched by releaseState. The app of
 // the first config passes its origin settings, which size the engine's
 // replay workers (fixed for the life of the process).
-func acquireState(oc *origin.Config) (*state, error) {
+func acquireState(a *App) (*state, error) {
 	v, _, err := pool.LoadOrNew(poolKey, func() (caddy.Destructor, error) {
 		st := new(state)
 		cfg := newEngineConfig()
-		if oc != nil {
-			oc.ApplyEngine(&cfg)
+		if a != nil && a.Origin != nil {
+			a.Origin.ApplyEngine(&cfg)
+		}
+		if a != nil && a.MaxEntries > 0 {
+			cfg.MaxEntries = a.MaxEntries
 		}
 		st.obs.observeEngine(&cfg)
 		st.engine = engine.New(cfg)

@@ -373,6 +373,18 @@ var appSubdirectives = map[string]func(d *caddyfile.Dispenser, a *App) error{
 		a.IdentifierSecret = v
 		return nil
 	},
+	"max_entries": func(d *caddyfile.Dispenser, a *App) error {
+		v, err := oneArg(d)
+		if err != nil {
+			return err
+		}
+		n, err := strconv.Atoi(v)
+		if err != nil || n <= 0 {
+			return d.Errf("max_entries: want a positive integer, got %q", v)
+		}
+		a.MaxEntries = n
+		return nil
+	},
 	"log_identifiers": func(d *caddyfile.Dispenser, a *App) error {
 		if d.NextArg() {
 			return d.ArgErr()

@@ -49,6 +49,12 @@ func (a *App) provisionOrigin() error {
 	if err != nil {
 		return fmt.Errorf("ratelimit app: %w", err)
 	}
+	// go-redis logs dial failures on its own; they belong in this module's
+	// log, at debug: the breaker's state changes say the same at info.
+	logger := a.logger
+	origin.SetLogger(func(format string, args ...any) {
+		logger.Debug("redis client: " + fmt.Sprintf(format, args...))
+	})
 	o, err := origin.New(cfg, a.state.obs.originOptions())
 	if err != nil {
 		return fmt.Errorf("ratelimit app: %w", err)
