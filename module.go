@@ -896,6 +896,11 @@ func (h *Handler) writeHeaders(hdr http.Header, lims []engine.Limit, decs []engi
 // the address; a masked one as "addr/bits". IPv4-mapped IPv6 addresses count
 // as IPv4.
 func maskIP(id string, v4, v6 int) string {
+	if v4 >= 32 && strings.IndexByte(id, ':') < 0 {
+		// Without a colon id can only be an IPv4 address (kept whole) or
+		// no address at all: returned as it is either way, without parsing.
+		return id
+	}
 	if !maybeIP(id) {
 		return id
 	}
