@@ -17,28 +17,6 @@ import (
 	"github.com/edgelimit/caddy-ratelimit/origin"
 )
 
-// adminConfig renders a Caddyfile for the in-process Caddy, like
-// e2eConfig, with extra global options (a `ratelimit` block, a `log`
-// block).
-func adminConfig(admin, port int, globals, routes string) string {
-	return fmt.Sprintf(`{
-	admin localhost:%d
-	http_port %d
-	auto_https off
-	persist_config off
-	skip_install_trust
-	grace_period 1ns
-%s
-}
-
-http://127.0.0.1:%d {
-	bind 127.0.0.1
-%s
-	respond "fallback"
-}
-`, admin, port, globals, port, routes)
-}
-
 // startCaddy loads cfg into the in-process Caddy on the package's admin
 // port, and unloads every ratelimit config when the test ends, so the next
 // test starts with an empty engine pool.
@@ -167,7 +145,7 @@ func TestAdmin_Routes(t *testing.T) {
 	clk := useClock(t, 15*time.Second)
 	now := clk.Now()
 	tester, admin, base := startCaddy(t, func(admin, port int) string {
-		return adminConfig(admin, port, "\tratelimit {\n\t\tregion test-1\n\t}", adminRoutes)
+		return caddyConfig(admin, port, "\tratelimit {\n\t\tregion test-1\n\t}", adminRoutes)
 	})
 	hit := func(key, ip string) int {
 		var hdr []string

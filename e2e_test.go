@@ -39,6 +39,12 @@ func e2eAdminPort(t *testing.T) int {
 // on a port of its own (never caddytest's default 2999, so this package and
 // others can test in parallel), one plain-HTTP site on loopback.
 func e2eConfig(admin, port int, routes string) string {
+	return caddyConfig(admin, port, "", routes)
+}
+
+// caddyConfig is e2eConfig with extra global options (a `ratelimit` block,
+// a `log` block).
+func caddyConfig(admin, port int, globals, routes string) string {
 	return fmt.Sprintf(`{
 	admin localhost:%d
 	http_port %d
@@ -46,6 +52,7 @@ func e2eConfig(admin, port int, routes string) string {
 	persist_config off
 	skip_install_trust
 	grace_period 1ns
+%s
 }
 
 http://127.0.0.1:%d {
@@ -53,7 +60,7 @@ http://127.0.0.1:%d {
 %s
 	respond "fallback"
 }
-`, admin, port, port, routes)
+`, admin, port, globals, port, routes)
 }
 
 // e2eRoutes is the first config: one zone on /one, two zones on /two, and

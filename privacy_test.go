@@ -35,7 +35,7 @@ func TestPrivacy_PasswordAndIdentifiersStayInside(t *testing.T) {
 	endpoint := fmt.Sprintf("redis://127.0.0.1:%d/0", srv.Port())
 
 	tester, admin, base := startCaddy(t, func(admin, port int) string {
-		return adminConfig(admin, port, fmt.Sprintf(`	log {
+		return caddyConfig(admin, port, fmt.Sprintf(`	log {
 		output file %s
 		format json
 		level DEBUG

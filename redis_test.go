@@ -17,31 +17,21 @@ import (
 	"github.com/edgelimit/caddy-ratelimit/origin"
 )
 
-// redisConfig is a Caddyfile whose global option points the engine at
-// Redis through a runtime placeholder, as the README recommends.
+// redisConfig is a Caddyfile whose global options are global (a ratelimit
+// block pointing the engine at Redis, or nothing) and whose one zone is
+// keyed by X-Key.
 func redisConfig(admin, port int, global string) string {
-	return fmt.Sprintf(`{
-	admin localhost:%d
-	http_port %d
-	auto_https off
-	persist_config off
-	skip_install_trust
-	grace_period 1ns
-%s
-}
-
-http://127.0.0.1:%d {
-	bind 127.0.0.1
-	ratelimit {
-		zone e2e_redis {
-			key    {http.request.header.X-Key}
-			limit  5
-			window 1m
+	return caddyConfig(admin, port, global, `
+	handle {
+		ratelimit {
+			zone e2e_redis {
+				key    {http.request.header.X-Key}
+				limit  5
+				window 1m
+			}
 		}
-	}
-	respond "ok"
-}
-`, admin, port, global, port)
+		respond "ok"
+	}`)
 }
 
 // TestCaddy_RedisOrigin runs Caddy in-process against a private Redis: the
