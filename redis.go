@@ -6,6 +6,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -49,11 +50,11 @@ func (a *App) provisionOrigin() error {
 	if err != nil {
 		return fmt.Errorf("ratelimit app: %w", err)
 	}
-	// go-redis logs dial failures on its own; they belong in this module's
-	// log, at debug: the breaker's state changes say the same at info.
-	logger := a.logger
-	origin.SetLogger(func(format string, args ...any) {
-		logger.Debug("redis client: " + fmt.Sprintf(format, args...))
+	redisLog.logger.Store(a.logger)
+	redisLog.once.Do(func() {
+		origin.SetLogger(func(format string, args ...any) {
+			redisLog.logger.Load().Debug("redis client: " + fmt.Sprintf(format, args...))
+		})
 	})
 	o, err := origin.New(cfg, a.state.obs.originOptions())
 	if err != nil {
@@ -68,6 +69,15 @@ func (a *App) provisionOrigin() error {
 		FastTick:    time.Duration(d.FastTick),
 	}
 	return nil
+}
+
+// redisLog routes go-redis's own log lines (dial failures) to the newest
+// config's logger, at debug: the breaker's state changes say the same at
+// info. go-redis has one process-wide logger, set once; the logger it
+// writes to is swapped atomically on every provisioning.
+var redisLog struct {
+	once   sync.Once
+	logger atomic.Pointer[zap.Logger]
 }
 
 // resolveOrigin replaces runtime placeholders ({env.REDIS_URL}) in the
