@@ -123,3 +123,30 @@ func liveHeap() uint64 {
 	runtime.ReadMemStats(&m)
 	return m.HeapAlloc
 }
+
+// BenchmarkGCWith100kKeys measures what 100,000 live keys (two cells each)
+// cost the garbage collector: the time of one full collection with them in
+// the heap. Compare it with and without pointer-bearing engine storage.
+func BenchmarkGCWith100kKeys(b *testing.B) {
+	const n = 100_000
+	e, clk := newTestEngine(b, Config{})
+	ls := make([]Limit, n)
+	for i := range ls {
+		ls[i] = lim("user-"+strconv.Itoa(10_000_000+i), time.Minute, 100, 1)
+		e.Decide(bg, ls[i])
+	}
+	clk.Add(time.Minute)
+	for i := range ls {
+		e.Decide(bg, ls[i])
+	}
+	ls = nil // only the engine's storage stays live
+	runtime.GC()
+	b.ResetTimer()
+	for b.Loop() {
+		runtime.GC()
+	}
+	b.StopTimer()
+	if got := e.Stats().Entries; got != n {
+		b.Fatalf("live entries = %d, want %d", got, n)
+	}
+}

@@ -4,7 +4,8 @@ import "sync/atomic"
 
 // A cell holds the counters of one fixed window of one key:
 // (namespace, identifier, window, sequence). Every field is atomic; the hot
-// path never takes a lock.
+// path never takes a lock. A cell holds no pointer, so the garbage collector
+// never scans it: with many keys, cells are most of the engine's heap.
 type cell struct {
 	// seq never changes after the cell is created.
 	seq int64
@@ -28,10 +29,6 @@ type cell struct {
 	fresh atomic.Int64
 	// state holds the st* bits.
 	state atomic.Uint32
-	// prev is the cell of the previous sequence, if this process has one. It
-	// is cleared when this cell itself becomes the previous one, so a key
-	// holds at most two cells.
-	prev atomic.Pointer[cell]
 }
 
 const (
@@ -110,10 +107,22 @@ func (c *cell) extendFresh(until int64) {
 	}
 }
 
-// entry is one (namespace, identifier, window): a pointer to its current
-// cell, which links to the previous one. Rotation swaps the pointer.
+// entry is one (namespace, identifier, window): its current cell and the
+// cell before it. Rotation moves cur to prev, then swaps cur.
 type entry struct {
-	cur atomic.Pointer[cell]
+	cur  atomic.Pointer[cell]
+	prev atomic.Pointer[cell]
+}
+
+// previous returns the cell before c, or nil. While a rotation is between
+// its two steps prev may already be c itself; a decision in that instant
+// weighs no previous cell, and it can only be one that reads the clock at
+// the very end of the window, where the previous cell weighs nothing.
+func (en *entry) previous(c *cell) *cell {
+	if p := en.prev.Load(); p != nil && p.seq == c.seq-1 {
+		return p
+	}
+	return nil
 }
 
 // tombstone marks an entry removed from the map: a request that still holds
@@ -132,18 +141,23 @@ func (en *entry) current(seq int64) *cell {
 		if c.seq >= seq {
 			return c
 		}
+		p := en.prev.Load()
 		n := &cell{seq: seq}
 		// A rotated cell of a key that was hydrated counts as hydrated but
 		// stale: the tiers decide whether it is read now or in the
 		// background. Only a first touch hydrates synchronously.
 		n.state.Store(c.state.Load() & stHydrated)
+		var np *cell
 		if c.seq == seq-1 {
-			n.prev.Store(c)
+			np = c
+		}
+		// prev first, by compare-and-swap against what was read with c, so
+		// a rotation that stalled cannot put back a cell that a newer one
+		// has already moved past.
+		if p != np && !en.prev.CompareAndSwap(p, np) {
+			continue
 		}
 		if en.cur.CompareAndSwap(c, n) {
-			// c is now the previous cell (or gone); what it weighed is no
-			// longer needed.
-			c.prev.Store(nil)
 			return n
 		}
 	}

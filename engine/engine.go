@@ -252,6 +252,7 @@ func (e *Engine) nowMs() int64 { return e.now().UnixMilli() }
 type located struct {
 	zone *Zone
 	id   string
+	en   *entry
 	cur  *cell
 	w, r int64
 	// dryRetry is the Retry-After a dry-run limit's denial would have had.
@@ -282,7 +283,7 @@ func (e *Engine) locate(lc *located, l *Limit, now int64) {
 			if r < 0 {
 				r = 0
 			}
-			lc.zone, lc.id, lc.cur, lc.w, lc.r = z, id, c, w, r
+			lc.zone, lc.id, lc.en, lc.cur, lc.w, lc.r = z, id, en, c, w, r
 			return
 		}
 		// Removed by the janitor between the load and the rotation: look
@@ -324,7 +325,7 @@ func (lc *located) counts() (cur, prev int64) {
 func (lc *located) snapshot() (n, cur, prev int64) {
 	n = lc.cur.count.Load()
 	cur = n + lc.cur.global.Load()
-	if p := lc.cur.prev.Load(); p != nil {
+	if p := lc.en.previous(lc.cur); p != nil {
 		prev = p.total()
 	}
 	return n, cur, prev

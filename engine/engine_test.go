@@ -143,12 +143,12 @@ func copyKey(t *testing.T, e *Engine, key Key, id string) {
 	c := &cell{seq: src.seq}
 	c.count.Store(src.count.Load())
 	c.state.Store(stHydrated)
-	if p := src.prev.Load(); p != nil {
+	n := &entry{}
+	if p := en.previous(src); p != nil {
 		pc := &cell{seq: p.seq}
 		pc.count.Store(p.count.Load())
-		c.prev.Store(pc)
+		n.prev.Store(pc)
 	}
-	n := &entry{}
 	n.cur.Store(c)
 	z.entries.Store(id, n)
 	e.live.Add(1)

@@ -115,7 +115,7 @@ func (e *Engine) startRead(o Origin, lc *located, wait bool) (*flight, bool) {
 		}
 		return f, false
 	}
-	key, c := lc.key(), lc.cur
+	key, en, c := lc.key(), lc.en, lc.cur
 	go func() {
 		defer func() {
 			e.flights.Delete(c)
@@ -124,14 +124,14 @@ func (e *Engine) startRead(o Origin, lc *located, wait bool) (*flight, bool) {
 				e.bgReads.Add(-1)
 			}
 		}()
-		e.readCell(o, key, c)
+		e.readCell(o, key, en, c)
 	}()
 	return f, true
 }
 
 // readCell performs one origin read of c and the cell before it and merges
 // the totals.
-func (e *Engine) readCell(o Origin, key Key, c *cell) {
+func (e *Engine) readCell(o Origin, key Key, en *entry, c *cell) {
 	ctx, cancel := context.WithTimeout(context.Background(), e.readTimeoutD())
 	defer cancel()
 	start := e.nowMs()
@@ -148,18 +148,19 @@ func (e *Engine) readCell(o Origin, key Key, c *cell) {
 	e.stats.lastRead.Store(now)
 	c.mergeOrigin(curTotal)
 	if prevTotal > 0 {
-		p := c.prev.Load()
-		if p == nil {
+		p := en.previous(c)
+		if p == nil && en.cur.Load() == c {
 			// The origin knows a previous cell this process never saw.
+			old := en.prev.Load()
 			n := &cell{seq: c.seq - 1}
 			n.state.Store(stHydrated)
-			if c.prev.CompareAndSwap(nil, n) {
+			if (old == nil || old.seq < n.seq) && en.prev.CompareAndSwap(old, n) {
 				p = n
 			} else {
-				p = c.prev.Load()
+				p = en.previous(c)
 			}
 		}
-		if p != nil && p.seq == c.seq-1 {
+		if p != nil {
 			p.mergeOrigin(prevTotal)
 		}
 	}

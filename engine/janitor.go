@@ -49,7 +49,7 @@ func (e *Engine) Sweep() int {
 				return true, false
 			}
 			if hasOrigin {
-				e.requeue(z, id, c)
+				e.requeue(z, id, en)
 			}
 			if c.seq >= oldest {
 				return false, false
@@ -68,10 +68,13 @@ func (e *Engine) Sweep() int {
 	return dropped
 }
 
-// requeue queues c and its previous cell if they hold pending units but sit
-// in no queue.
-func (e *Engine) requeue(z *Zone, id string, c *cell) {
-	for _, x := range [2]*cell{c, c.prev.Load()} {
+// requeue queues the entry's cells that hold pending units but sit in no
+// queue.
+func (e *Engine) requeue(z *Zone, id string, en *entry) {
+	for _, x := range [2]*cell{en.cur.Load(), en.prev.Load()} {
+		if x == tombstone {
+			continue
+		}
 		if x != nil && x.pending.Load() > 0 && x.state.Load()&stDirty == 0 {
 			e.markDirty(z, id, x, false)
 		}
@@ -92,7 +95,7 @@ func (e *Engine) Evict() int {
 	e.rangeZones(func(z *Zone) bool {
 		z.entries.Range(func(_ string, en *entry) bool {
 			if c := en.cur.Load(); c != tombstone {
-				hist[evictClass(z, c, now)]++
+				hist[evictClass(z, en, c, now)]++
 			}
 			return true
 		})
@@ -115,12 +118,12 @@ func (e *Engine) Evict() int {
 			if c == tombstone {
 				return true, false
 			}
-			class := evictClass(z, c, now)
+			class := evictClass(z, en, c, now)
 			if class > threshold || (class == threshold && atThreshold <= 0) {
 				return false, false
 			}
 			if hasOrigin {
-				e.requeue(z, id, c)
+				e.requeue(z, id, en)
 			}
 			if !en.cur.CompareAndSwap(c, tombstone) {
 				return false, false
@@ -147,7 +150,7 @@ const (
 )
 
 // evictClass orders entries for eviction: lower classes go first.
-func evictClass(z *Zone, c *cell, now int64) int {
+func evictClass(z *Zone, en *entry, c *cell, now int64) int {
 	age := now/z.w - c.seq
 	if age < 0 {
 		age = 0
@@ -156,7 +159,7 @@ func evictClass(z *Zone, c *cell, now int64) int {
 		age = ageClasses - 1
 	}
 	n := c.count.Load()
-	if p := c.prev.Load(); p != nil {
+	if p := en.previous(c); p != nil {
 		n += p.count.Load()
 	}
 	if n < 0 {

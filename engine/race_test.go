@@ -36,7 +36,7 @@ func TestRace_RotationNeverAdmitsMoreThanTheLimitPerCell(t *testing.T) {
 	}
 	en, _ := e.Zone("zone", time.Second).entries.Load("k")
 	c := en.cur.Load()
-	for _, x := range []*cell{c, c.prev.Load()} {
+	for _, x := range []*cell{c, en.previous(c)} {
 		if x != nil && x.committed() > limit {
 			t.Fatalf("cell %d committed %d over the limit %d", x.seq, x.committed(), limit)
 		}
@@ -106,7 +106,7 @@ func TestRace_StrictAndBatchesWithOrigin(t *testing.T) {
 	e.rangeZones(func(z *Zone) bool {
 		z.entries.Range(func(id string, en *entry) bool {
 			c := en.cur.Load()
-			for _, c := range []*cell{c, c.prev.Load()} {
+			for _, c := range []*cell{c, en.previous(c)} {
 				if c == nil || c == tombstone {
 					continue
 				}

@@ -265,7 +265,7 @@ func (e *Engine) flushAll(ctx context.Context, o Origin) error {
 			if c == tombstone {
 				return true
 			}
-			if p := c.prev.Load(); p != nil {
+			if p := en.prev.Load(); p != nil {
 				batch = e.take(batch, z, id, p)
 			}
 			batch = e.take(batch, z, id, c)
@@ -297,7 +297,7 @@ func (e *Engine) MergeMax(key Key, seq, total int64) bool {
 	}
 	c := en.cur.Load()
 	if c != tombstone && c.seq != seq {
-		c = c.prev.Load()
+		c = en.previous(c)
 	}
 	if c == nil || c == tombstone || c.seq != seq {
 		return false

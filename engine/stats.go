@@ -134,10 +134,7 @@ func (e *Engine) inspect(z *Zone, id string, en *entry, now int64) (KeyState, bo
 	var cur, prev *cell
 	switch {
 	case c.seq >= seq:
-		cur, prev = c, c.prev.Load()
-		if prev != nil && prev.seq != c.seq-1 {
-			prev = nil
-		}
+		cur, prev = c, en.previous(c)
 	case c.seq == seq-1:
 		prev = c
 	}
@@ -219,11 +216,11 @@ func (e *Engine) Forget(key Key) bool {
 	found := false
 	if en, ok := z.entries.LoadAndDelete(id); ok {
 		found = true
+		if e.origin.Load() != nil {
+			e.requeue(z, id, en) // pending units still reach the origin
+		}
 		if c := en.cur.Swap(tombstone); c != tombstone {
 			e.live.Add(-1)
-			if e.origin.Load() != nil {
-				e.requeue(z, id, c)
-			}
 		}
 	}
 	if _, ok := z.strict.LoadAndDelete(id); ok {
