@@ -1,14 +1,19 @@
-# make test   vet, formatting, then every test with the race detector
+# make test   vet, formatting, allocation counts, then every test with the race detector
 # make bench  every benchmark, with allocations
 # make loadtest  end-to-end throughput against plain Caddy (scripts/loadtest.sh)
 
 GO       ?= go
 TIMEOUT  ?= 20m
 
-.PHONY: test vet fmt-check servers bench loadtest
+.PHONY: test vet fmt-check servers allocs bench loadtest
 
-test: vet fmt-check servers
+test: vet fmt-check servers allocs
 	PATH="$$PATH:/usr/sbin:/usr/local/sbin" $(GO) test -race -count=1 -timeout $(TIMEOUT) ./...
+
+# Allocation counts are only meaningful without the race detector, so the
+# tests that pin them (their names contain "Alloc") run once without it.
+allocs:
+	$(GO) test -count=1 -run 'Alloc' ./engine .
 
 vet:
 	$(GO) vet ./...

@@ -311,3 +311,32 @@ func TestDecide_DryRunChargesAndReportsTheVerdictWithoutSideEffects(t *testing.T
 		t.Fatalf("count = %d after the batch, want 6", ks.Cells[0].Regional)
 	}
 }
+
+// TestDecide_WarmDecisionsDoNotAllocate pins the hot path at zero
+// allocations: allow, deny and a two-limit batch on warm keys. `make test`
+// runs it without the race detector, which changes what allocates.
+func TestDecide_WarmDecisionsDoNotAllocate(t *testing.T) {
+	if raceEnabled {
+		t.Skip("the race detector changes allocations; make test runs this without it")
+	}
+	e, _ := newTestEngine(t, Config{})
+	allow := lim("allow", time.Hour, 1<<50, 1)
+	allow.Zone = e.Zone(allow.Namespace, allow.Window)
+	deny := lim("deny", time.Hour, 1, 1)
+	deny.Zone = allow.Zone
+	batch := []Limit{allow, {Key: Key{"other", "x", time.Minute}, Limit: 1 << 50, Cost: 1}}
+	batch[1].Zone = e.Zone("other", time.Minute)
+	out := make([]Decision, 2)
+	e.Decide(bg, allow)
+	e.Decide(bg, deny)
+	e.DecideMany(bg, batch, out)
+	for name, f := range map[string]func(){
+		"allow": func() { e.Decide(bg, allow) },
+		"deny":  func() { e.Decide(bg, deny) },
+		"batch": func() { e.DecideMany(bg, batch, out) },
+	} {
+		if n := testing.AllocsPerRun(1000, f); n != 0 {
+			t.Errorf("%s: %.1f allocations per decision, want 0", name, n)
+		}
+	}
+}
