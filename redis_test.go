@@ -11,6 +11,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2/caddytest"
 	"github.com/redis/go-redis/v9"
+	"go.uber.org/zap"
 
 	"github.com/edgelimit/caddy-ratelimit/engine"
 	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
@@ -199,4 +200,62 @@ func TestApp_MaxEntriesSizesTheEngine(t *testing.T) {
 	if n := st.engine.Stats().Entries; n > 5 {
 		t.Fatalf("%d live entries with max_entries 5", n)
 	}
+}
+
+// TestOrigin_FollowsTheNewestStartedConfig walks the origin through the
+// lifecycles of two configs: a reload hands the engine to the new config's
+// origin, a new config that fails to start hands it back, and the last
+// config to stop leaves the engine local-only.
+func TestOrigin_FollowsTheNewestStartedConfig(t *testing.T) {
+	if _, ok := pool.References(poolKey); ok {
+		t.Fatal("the pool is in use by another test")
+	}
+	newApp := func(port int) *App {
+		// Nothing dials: no decision is made, so nothing is read or flushed.
+		cfg := origin.Config{Redis: []string{fmt.Sprintf("redis://127.0.0.1:%d", port)}}
+		o, err := origin.New(cfg, origin.Options{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		st, err := acquireState(nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		a := &App{Origin: &cfg, origin: o, state: st, logger: zap.NewNop()}
+		t.Cleanup(func() { o.Close() })
+		return a
+	}
+	a, b := newApp(1), newApp(2)
+	defer func() {
+		for range 2 {
+			if err := releaseState(); err != nil {
+				t.Error(err)
+			}
+		}
+	}()
+	eng := a.state.engine
+	using := func(want *App, when string) {
+		t.Helper()
+		got := eng.Origin()
+		switch {
+		case want == nil && got != nil:
+			t.Fatalf("%s: engine uses %v, want local-only", when, got)
+		case want != nil && got != engine.Origin(want.origin):
+			t.Fatalf("%s: engine uses %v, want %v", when, got, want.origin)
+		}
+	}
+
+	a.startOrigin()
+	using(a, "A started")
+	b.startOrigin()
+	using(b, "reload: B started")
+	b.stopOrigin() // B failed to start: Caddy stops what it started
+	using(a, "B stopped while A runs")
+	b.startOrigin()
+	a.stopOrigin() // the reload completes: the old config stops
+	using(b, "A stopped after B started")
+	b.stopOrigin()
+	using(nil, "last config stopped")
+	b.stopOrigin() // Cleanup after Stop: no-op
+	using(nil, "stopped twice")
 }
