@@ -107,14 +107,3 @@ type Delta struct {
 	zone *Zone
 	cell *cell
 }
-
-// The rest of the public surface, implemented in engine.go and its
-// neighbours:
-//
-//	func New(cfg Config) *Engine
-//	func (e *Engine) Close(ctx context.Context) error     // flush pending deltas within ctx, stop goroutines
-//	func (e *Engine) SetOrigin(o Origin)                  // nil: local-only; swapped on reload
-//	func (e *Engine) Decide(ctx context.Context, l Limit) Decision
-//	func (e *Engine) DecideMany(ctx context.Context, ls []Limit, out []Decision) bool
-//	func (e *Engine) MergeMax(key Key, seq, total int64)
-//	func (e *Engine) Stats() Stats
