@@ -3,24 +3,24 @@ package ratelimit
 import (
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/caddyserver/caddy/v2/caddytest"
+
+	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
 )
 
-// freePort asks the kernel for a loopback port nobody listens on.
+// freePort is a loopback port nobody listened on a moment ago.
 func freePort(t *testing.T) int {
 	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+	port, err := redistest.FreePort()
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port
+	return port
 }
 
 // adminPort is the in-process Caddy's admin port, chosen once: caddytest

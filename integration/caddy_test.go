@@ -3,7 +3,6 @@ package integration
 import (
 	"bytes"
 	"fmt"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -12,6 +11,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
 )
 
 // caddyBinary builds cmd/caddy once per test binary (without the race
@@ -40,14 +41,14 @@ type node struct {
 	port  int
 }
 
+// freePort is a loopback port nobody listened on a moment ago.
 func freePort(t *testing.T) int {
 	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+	port, err := redistest.FreePort()
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port
+	return port
 }
 
 // startNode starts Caddy on a config whose site block is site and whose
