@@ -29,6 +29,9 @@ type cell struct {
 	fresh atomic.Int64
 	// state holds the st* bits.
 	state atomic.Uint32
+	// published is the regional count last published to other regions
+	// (see global.go); it only grows, after a successful write.
+	published atomic.Int64
 }
 
 const (

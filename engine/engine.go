@@ -130,6 +130,9 @@ type Engine struct {
 	stop     chan struct{}
 	stopOnce sync.Once
 	wg       sync.WaitGroup
+
+	// global is the cross-region layer, if any (see global.go).
+	global atomic.Pointer[globalBox]
 }
 
 // originBox lets an interface sit in an atomic.Pointer.
@@ -304,6 +307,7 @@ func (e *Engine) insert(z *Zone, id string, seq int64) *entry {
 		return n, false
 	})
 	if !loaded {
+		e.entryCreated(z, id, seq)
 		if e.live.Add(1) > int64(e.cfg.MaxEntries) {
 			select {
 			case e.evictNow <- struct{}{}:
@@ -389,6 +393,7 @@ func (e *Engine) deny(d *Decision, lc *located, l *Limit, cur, prev int64) {
 			lim.Key, lim.Zone = lc.key(), lc.zone
 			f(Denial{Limit: lim, Sequence: lc.cur.seq, Used: used})
 		}
+		e.globalDenial(lc, l, cur, prev)
 	}
 }
 

@@ -1,0 +1,296 @@
+package engine
+
+import "time"
+
+// The hooks of the cross-region layer (package propagation). That layer
+// publishes each cell's regional count (what this region counted: the
+// origin's totals and this process's committed units, never a count
+// imported from another region, never a speculative reservation) and
+// imports other regions' counts into the cell's global count, which
+// decisions weigh but which is never replayed or published again.
+//
+// Everything here runs off the request path except the two Global
+// callbacks, which run on it and must not block.
+
+// Global is what the engine tells a cross-region layer.
+type Global interface {
+	// EntryCreated is called when key gets an entry (a first touch, or a
+	// touch after the janitor dropped it), before the request that created
+	// it is decided, with the current sequence. Imports waiting for the key
+	// can be applied from here, so that its first request already weighs
+	// them.
+	EntryCreated(key Key, seq int64)
+	// FirstDenial is called once per cell, when it denies its first
+	// request, after Config.OnFirstDenial.
+	FirstDenial(d GlobalDenial)
+}
+
+// GlobalDenial is a cell's first denial with the regional counts that a
+// denial row carries.
+type GlobalDenial struct {
+	Denial
+	// Cur and Prev are the regional counts of the denying cell and of the
+	// cell before it (committed units only).
+	Cur, Prev int64
+	// RegionalUsed is the regional part of Denial.Used: Cur plus Prev
+	// weighted as the denial weighed it, before the request's cost.
+	RegionalUsed int64
+}
+
+type globalBox struct{ g Global }
+
+// SetGlobal attaches the cross-region layer, or detaches it with nil.
+func (e *Engine) SetGlobal(g Global) {
+	if g == nil {
+		e.global.Store(nil)
+		return
+	}
+	e.global.Store(&globalBox{g})
+}
+
+// SwapGlobal replaces the cross-region layer with new only if it is old,
+// and reports whether it did, so that a config detaching its layer on stop
+// never undoes a newer config's.
+func (e *Engine) SwapGlobal(old, new Global) bool {
+	for {
+		cur := e.global.Load()
+		if (cur == nil && old != nil) || (cur != nil && cur.g != old) {
+			return false
+		}
+		var n *globalBox
+		if new != nil {
+			n = &globalBox{new}
+		}
+		if e.global.CompareAndSwap(cur, n) {
+			return true
+		}
+	}
+}
+
+func (e *Engine) getGlobal() Global {
+	if b := e.global.Load(); b != nil {
+		return b.g
+	}
+	return nil
+}
+
+// entryCreated tells the cross-region layer about a new entry.
+func (e *Engine) entryCreated(z *Zone, id string, seq int64) {
+	if g := e.getGlobal(); g != nil {
+		g.EntryCreated(z.key(id), seq)
+	}
+}
+
+// globalDenial tells the cross-region layer about a cell's first denial;
+// cur and prev are the weighed counts the denial was computed from.
+func (e *Engine) globalDenial(lc *located, l *Limit, cur, prev int64) {
+	g := e.getGlobal()
+	if g == nil {
+		return
+	}
+	var d GlobalDenial
+	d.Limit = *l
+	d.Key, d.Zone = lc.key(), lc.zone
+	d.Sequence = lc.cur.seq
+	d.Used = cur + weighted(prev, lc.w, lc.r)
+	d.Cur = lc.cur.committed()
+	if p := lc.en.previous(lc.cur); p != nil {
+		d.Prev = p.committed()
+	}
+	d.RegionalUsed = d.Cur + weighted(d.Prev, lc.w, lc.r)
+	g.FirstDenial(d)
+}
+
+// CellView is one cell as the cross-region layer sees it.
+type CellView struct {
+	// Key and Sequence name the cell.
+	Key      Key
+	Sequence int64
+	// Regional is the cell's committed regional count; Global the count
+	// imported from other regions; Published the regional count last
+	// published (see MarkPublished).
+	Regional, Global, Published int64
+	// Effective is the key's effective count now (current and weighted
+	// previous cell, regional and global): the same for both cells of a
+	// key, it measures the key's pressure.
+	Effective int64
+}
+
+// ScanCells calls f with the current and the previous cell of every key
+// whose window is at least minWindow, until f returns false. Cells that
+// weigh nothing any more (older than the previous window) are skipped. The
+// view is reused between calls: f must copy what it keeps.
+func (e *Engine) ScanCells(minWindow time.Duration, f func(v *CellView) bool) {
+	now := e.nowMs()
+	var v CellView
+	e.rangeZones(func(z *Zone) bool {
+		if z.window < minWindow {
+			return true
+		}
+		seq := now / z.w
+		r := now - seq*z.w
+		more := true
+		z.entries.Range(func(id string, en *entry) bool {
+			c := en.cur.Load()
+			if c == tombstone || c.seq < seq-1 {
+				return true
+			}
+			var cur, prev *cell
+			if c.seq >= seq {
+				cur, prev = c, en.previous(c)
+			} else {
+				prev = c
+			}
+			var eff int64
+			if cur != nil {
+				eff = cur.total()
+			}
+			if prev != nil {
+				eff += weighted(prev.total(), z.w, r)
+			}
+			for _, x := range [2]*cell{cur, prev} {
+				if x == nil {
+					continue
+				}
+				spec := x.spec.Load()
+				v = CellView{
+					Key:       z.key(id),
+					Sequence:  x.seq,
+					Regional:  x.count.Load() - spec,
+					Global:    x.global.Load(),
+					Published: x.published.Load(),
+					Effective: eff,
+				}
+				if more = f(&v); !more {
+					return false
+				}
+			}
+			return true
+		})
+		return more
+	})
+}
+
+// cellAt returns the cell (key, seq) if this process holds it.
+func (e *Engine) cellAt(key Key, seq int64) *cell {
+	z, id, ok := e.findKey(key)
+	if !ok {
+		return nil
+	}
+	en, ok := z.entries.Load(id)
+	if !ok {
+		return nil
+	}
+	c := en.cur.Load()
+	if c != tombstone && c.seq != seq {
+		c = en.previous(c)
+	}
+	if c == nil || c == tombstone || c.seq != seq {
+		return nil
+	}
+	return c
+}
+
+// MarkPublished records that the cell's regional count n has been
+// published; the mark only grows. It reports whether the cell is held.
+func (e *Engine) MarkPublished(key Key, seq, n int64) bool {
+	c := e.cellAt(key, seq)
+	if c == nil {
+		return false
+	}
+	for {
+		old := c.published.Load()
+		if n <= old || c.published.CompareAndSwap(old, n) {
+			return true
+		}
+	}
+}
+
+// RaiseRegional raises the cell's regional count to at least n, without
+// adding pending units on top (n is a count this region already published,
+// which may include them). It reports whether the cell is held.
+func (e *Engine) RaiseRegional(key Key, seq, n int64) bool {
+	c := e.cellAt(key, seq)
+	if c == nil {
+		return false
+	}
+	c.mergeMax(n)
+	return true
+}
+
+// HasEntry reports whether the engine holds an entry for key.
+func (e *Engine) HasEntry(key Key) bool {
+	z, id, ok := e.findKey(key)
+	if !ok {
+		return false
+	}
+	en, ok := z.entries.Load(id)
+	return ok && en.cur.Load() != tombstone
+}
+
+// ImportGlobal raises the global count of the cell (key, seq) to at least
+// total: the sum of what other regions counted in it. With create, a key
+// this process does not hold gets an entry (its zone must exist), so that
+// a region that has not seen the key yet already weighs the others'
+// counts. A cell is never rotated backwards: an import for a sequence
+// older than the key's previous cell, or newer than the current sequence,
+// is dropped. It reports whether the import was applied.
+func (e *Engine) ImportGlobal(key Key, seq, total int64, create bool) bool {
+	z, id, ok := e.findKey(key)
+	if !ok || total <= 0 {
+		return false
+	}
+	now := e.nowMs() / z.w
+	if seq > now || seq < now-1 {
+		return false
+	}
+	var c *cell
+	for {
+		en, ok := z.entries.Load(id)
+		if !ok {
+			if !create {
+				return false
+			}
+			en = e.insert(z, id, now)
+		}
+		cur := en.current(seq)
+		if cur == nil {
+			continue // dropped by the janitor meanwhile: look again
+		}
+		switch {
+		case cur.seq == seq:
+			c = cur
+		case cur.seq == seq+1:
+			c = e.previousFor(en, cur)
+		}
+		break
+	}
+	if c == nil {
+		return false
+	}
+	for {
+		old := c.global.Load()
+		if total <= old || c.global.CompareAndSwap(old, total) {
+			return true
+		}
+	}
+}
+
+// previousFor returns the cell before cur, creating it when the entry has
+// none (a key first seen in the current window that other regions counted
+// in the previous one).
+func (e *Engine) previousFor(en *entry, cur *cell) *cell {
+	if p := en.previous(cur); p != nil {
+		return p
+	}
+	old := en.prev.Load()
+	if old != nil && old.seq >= cur.seq-1 {
+		return en.previous(cur)
+	}
+	n := &cell{seq: cur.seq - 1}
+	n.state.Store(stHydrated)
+	if en.cur.Load() == cur && en.prev.CompareAndSwap(old, n) {
+		return n
+	}
+	return en.previous(cur)
+}
