@@ -1,6 +1,9 @@
 package engine
 
-import "time"
+import (
+	"strings"
+	"time"
+)
 
 // The hooks of the cross-region layer (package propagation). That layer
 // publishes each cell's regional count (what this region counted: the
@@ -171,9 +174,21 @@ func (e *Engine) ScanCells(minWindow time.Duration, f func(v *CellView) bool) {
 	})
 }
 
+// findNormalized is findKey for identifiers that come back from the layer
+// above: they were normalized already (a view's, a row's), and a hashed
+// identifier must not be hashed a second time.
+func (e *Engine) findNormalized(key Key) (*Zone, string, bool) {
+	id := key.Identifier
+	if len(id) > MaxIdentifierLen && !(len(id) == len(hashedPrefix)+64 && strings.HasPrefix(id, hashedPrefix)) {
+		id = NormalizeIdentifier(id)
+	}
+	z, ok := e.lookupZone(key)
+	return z, id, ok
+}
+
 // cellAt returns the cell (key, seq) if this process holds it.
 func (e *Engine) cellAt(key Key, seq int64) *cell {
-	z, id, ok := e.findKey(key)
+	z, id, ok := e.findNormalized(key)
 	if !ok {
 		return nil
 	}
@@ -220,7 +235,7 @@ func (e *Engine) RaiseRegional(key Key, seq, n int64) bool {
 
 // HasEntry reports whether the engine holds an entry for key.
 func (e *Engine) HasEntry(key Key) bool {
-	z, id, ok := e.findKey(key)
+	z, id, ok := e.findNormalized(key)
 	if !ok {
 		return false
 	}
@@ -236,7 +251,7 @@ func (e *Engine) HasEntry(key Key) bool {
 // older than the key's previous cell, or newer than the current sequence,
 // is dropped. It reports whether the import was applied.
 func (e *Engine) ImportGlobal(key Key, seq, total int64, create bool) bool {
-	z, id, ok := e.findKey(key)
+	z, id, ok := e.findNormalized(key)
 	if !ok || total <= 0 {
 		return false
 	}

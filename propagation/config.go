@@ -1,0 +1,190 @@
+// Package propagation is the cross-region layer of the rate limiter: MySQL
+// (MySQL 8, MariaDB 10.6+, Vitess) as a bus between regions that each have
+// their own Redis. Two tables carry regional counts, never verdicts:
+//
+//   - ratelimit_blocklist, denial gossip: on a cell's first denial in a
+//     window, one row per (region, cell) with the region's counts of the
+//     cell and of the previous cell.
+//   - ratelimit_global_counts, published counts: every node upserts its
+//     region's count of each cell that is busy enough, so traffic spread
+//     evenly over many regions (which never denies anywhere) is still
+//     counted once.
+//
+// A receiver keeps, per cell, the largest count either table gave for each
+// foreign region, and hands their sum to the engine as the cell's global
+// count, which decisions weigh but which is never published again: rows
+// carry regional counts only, so nothing echoes.
+//
+// The package imports the engine, never the regional origin.
+package propagation
+
+import (
+	"errors"
+	"fmt"
+	"time"
+)
+
+// Defaults of Config. Each says why.
+const (
+	// DefaultBlocklistSync is how often the whole active blocklist is read:
+	// denial gossip is the slow safety net for keys this node has not seen
+	// (pressure pulls cover the busy ones on every flush).
+	DefaultBlocklistSync = 10 * time.Second
+	// DefaultGlobalSync is how often all published counts are read, and how
+	// often cells below half their limit are published: often enough that
+	// a one-minute window sees about twelve updates.
+	DefaultGlobalSync = 5 * time.Second
+	// DefaultFlush is the write batching interval, and the interval at
+	// which cells at half their limit or more are pushed and pulled.
+	DefaultFlush = time.Second
+	// DefaultBatch bounds the rows of one write and of one targeted pull,
+	// per table and tick: MySQL's load is at most nodes × batch rows per
+	// flush, whatever the traffic.
+	DefaultBatch = 100
+	// DefaultTimeout bounds every query: MySQL is off the request path, but
+	// a hung server must not stall the loops.
+	DefaultTimeout = time.Second
+	// DefaultMinWindow keeps windows shorter than a minute regional: the
+	// flush and sync pipeline takes seconds, so rows would arrive after a
+	// short window has rotated and only add load.
+	DefaultMinWindow = time.Minute
+	// DefaultPublishFloor publishes a cell once its region has used a fifth
+	// of the limit: below that no spread of regions can together exceed
+	// the limit by much before the next sync, and idle keys cost no rows.
+	DefaultPublishFloor = 0.2
+	// MinInterval is the shortest interval accepted: tests use tens of
+	// milliseconds; shorter would be a busy loop against the database.
+	MinInterval = 10 * time.Millisecond
+)
+
+// Breaker configures the write breaker (see the origin's breaker settings:
+// the same lines of the global option apply to both).
+type Breaker struct {
+	// Interval is the rolling window over which writes are counted.
+	Interval time.Duration
+	// Timeout is how long the breaker stays open before a probe.
+	Timeout time.Duration
+	// MinRequests is the smallest sample on which the breaker may trip.
+	MinRequests int
+	// FailureRatio trips the breaker at this share of failed writes.
+	FailureRatio float64
+}
+
+// Breaker defaults: a write happens a few times per flush, far fewer
+// calls than Redis sees, so the sample is smaller than the origin's.
+const (
+	defaultBreakerInterval     = 30 * time.Second
+	defaultBreakerTimeout      = 5 * time.Second
+	defaultBreakerMinRequests  = 5
+	defaultBreakerFailureRatio = 0.5
+)
+
+// Config configures a Propagator.
+type Config struct {
+	// DSN is a go-sql-driver/mysql DSN with placeholders already resolved.
+	// It is never printed: errors and Stats show the address only.
+	DSN string
+	// Region is this node's identity in the rows: the region's name, or,
+	// without a regional origin, the region and a per-process node name
+	// ("eu-1/3f9a…"), so that Redis-less nodes count each other.
+	Region string
+	// BlocklistSync, GlobalSync and Flush are the loop intervals (defaults
+	// above, each at least MinInterval).
+	BlocklistSync, GlobalSync, Flush time.Duration
+	// Batch bounds rows per write and per targeted pull (default 100).
+	Batch int
+	// Timeout bounds every query (default 1s).
+	Timeout time.Duration
+	// Migrate creates the tables when missing (default on through
+	// NoMigrate being false).
+	NoMigrate bool
+	// MinWindow: shorter windows stay regional (default 1m).
+	MinWindow time.Duration
+	// PublishFloor is the share of its limit at which a cell is published
+	// (default 0.2).
+	PublishFloor float64
+	// NoDenialGossip turns denial rows off (published counts stay).
+	NoDenialGossip bool
+	// Breaker configures the write breaker.
+	Breaker Breaker
+	// MapID, if set, replaces identifiers on their way into rows (an HMAC
+	// under identifier_secret); rows then never hold a raw identifier, and
+	// receivers find entries through an index built at entry creation.
+	MapID func(string) string
+	// LimitOf returns the limit that applies to a key now (its zone's, or
+	// an override's); 0 when no loaded config defines it. Called off the
+	// request path, once per scanned cell.
+	LimitOf func(namespace, identifier string) int64
+}
+
+// WithDefaults returns c with every unset field at its default.
+func (c Config) WithDefaults() Config {
+	set := func(d *time.Duration, v time.Duration) {
+		if *d == 0 {
+			*d = v
+		}
+	}
+	set(&c.BlocklistSync, DefaultBlocklistSync)
+	set(&c.GlobalSync, DefaultGlobalSync)
+	set(&c.Flush, DefaultFlush)
+	set(&c.Timeout, DefaultTimeout)
+	set(&c.MinWindow, DefaultMinWindow)
+	if c.Batch == 0 {
+		c.Batch = DefaultBatch
+	}
+	if c.PublishFloor == 0 {
+		c.PublishFloor = DefaultPublishFloor
+	}
+	set(&c.Breaker.Interval, defaultBreakerInterval)
+	set(&c.Breaker.Timeout, defaultBreakerTimeout)
+	if c.Breaker.MinRequests == 0 {
+		c.Breaker.MinRequests = defaultBreakerMinRequests
+	}
+	if c.Breaker.FailureRatio == 0 {
+		c.Breaker.FailureRatio = defaultBreakerFailureRatio
+	}
+	return c
+}
+
+// Validate checks the settings (after defaults). Errors never quote the
+// DSN.
+func (c Config) Validate() error {
+	if c.DSN == "" {
+		return errors.New("mysql: the DSN is empty")
+	}
+	if c.Region == "" {
+		return errors.New("region is required with mysql: rows are labelled by region")
+	}
+	if len(c.Region) > MaxRegionLen {
+		return fmt.Errorf("region is longer than %d bytes", MaxRegionLen)
+	}
+	for _, d := range []struct {
+		name string
+		v    time.Duration
+	}{
+		{"blocklist_sync", c.BlocklistSync}, {"global_sync", c.GlobalSync},
+		{"mysql_flush", c.Flush}, {"mysql_timeout", c.Timeout},
+	} {
+		if d.v < MinInterval {
+			return fmt.Errorf("%s %s is shorter than %s", d.name, d.v, MinInterval)
+		}
+	}
+	if c.MinWindow < 0 {
+		return fmt.Errorf("min_window %s is negative", c.MinWindow)
+	}
+	if c.Batch < 1 || c.Batch > MaxBatch {
+		return fmt.Errorf("mysql_batch %d is outside 1 to %d", c.Batch, MaxBatch)
+	}
+	if c.PublishFloor <= 0 || c.PublishFloor > 1 {
+		return fmt.Errorf("publish_floor %g is outside (0, 1]", c.PublishFloor)
+	}
+	return nil
+}
+
+// MaxBatch bounds mysql_batch: a statement of 10,000 rows of seven
+// placeholders stays under MySQL's 65,535 placeholders per statement.
+const MaxBatch = 5000
+
+// MaxRegionLen is the widest region identity a row holds (a region name of
+// up to 64 bytes, a slash and a node name).
+const MaxRegionLen = 96

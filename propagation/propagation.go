@@ -1,0 +1,439 @@
+package propagation
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/go-sql-driver/mysql"
+	"github.com/sony/gobreaker/v2"
+	"go.uber.org/zap"
+
+	"github.com/edgelimit/caddy-ratelimit/engine"
+)
+
+// Tunables that are not settings. Each says why.
+const (
+	// BreakerName names the write breaker in logs and metrics.
+	BreakerName = "ratelimit_propagation_writes"
+	// CleanupInterval is how often expired rows are deleted: rows expire
+	// two windows after their cell (a minute at least), so a minute keeps
+	// the tables within a few windows of live rows.
+	CleanupInterval = time.Minute
+	// cleanupChunk bounds one DELETE: short statements hold locks briefly,
+	// so cleanup never blocks the upserts of a busy minute.
+	cleanupChunk = 1000
+	// cleanupMaxChunks bounds one cleanup run; what is left waits a minute.
+	cleanupMaxChunks = 100
+	// pageSize is the rows of one page of a periodic pull.
+	pageSize = 1000
+	// maxPages bounds one periodic pull (a million rows); the rest waits
+	// for the next sync rather than holding the loop.
+	maxPages = 1000
+	// denialQueue is the capacity of the first-denial queue between the
+	// request path and the writer: more first denials than a node sees in
+	// a flush interval; past it a denial row is dropped (counted), never
+	// waited for.
+	denialQueue = 4096
+	// maxPendingDenials bounds the denial rows kept for retry while MySQL
+	// is down; each is also dropped once its expires_ms passes.
+	maxPendingDenials = 100_000
+	// maxImports bounds the cells whose foreign counts are remembered,
+	// which includes imports waiting for a key this node has not seen
+	// (identifier_secret): about 200 bytes each.
+	maxImports = 500_000
+	// migrateRetry is how often a failed migration is retried: MySQL being
+	// down at start must not fail Start, and the tables appear within
+	// seconds of it coming back.
+	migrateRetry = 2 * time.Second
+	// maxIdleConns and maxOpenConns size the pool: four loops, one query
+	// each at a time, plus a spare.
+	maxIdleConns = 5
+	maxOpenConns = 5
+	// recentRows is how many emitted and applied denial rows the admin API
+	// lists.
+	recentRows = 256
+	// jitterShare spreads the loops of many nodes: ±20 % of each interval.
+	jitterShare = 0.2
+	// breakerProbes is how many writes a half-open breaker lets through.
+	breakerProbes = 1
+	// breakerBuckets divides the breaker's interval into rolling buckets.
+	breakerBuckets = 10
+)
+
+// Propagator is the cross-region layer of one config. It implements
+// engine.Global: attach it with engine.SetGlobal after Start.
+type Propagator struct {
+	cfg  Config
+	eng  *engine.Engine
+	db   *sql.DB
+	log  *zap.Logger
+	addr string
+	now  func() time.Time
+	cb   *gobreaker.CircuitBreaker[struct{}]
+
+	ready   atomic.Bool
+	denials chan engine.GlobalDenial
+
+	mu          sync.Mutex
+	pending     map[cellKey]*BlocklistRow // denial rows not yet written
+	imports     map[cellKey]*cellImport
+	index       map[zoneID]string // row identifier → raw identifier (MapID)
+	recentOut   []BlocklistRow
+	recentIn    []BlocklistRow
+	fullDue     bool
+	importCount atomic.Int64
+
+	stats counters
+
+	stop     chan struct{}
+	stopOnce sync.Once
+	wg       sync.WaitGroup
+	started  atomic.Bool
+}
+
+// cellKey names a cell as rows do: the identifier is the row's (mapped).
+type cellKey struct {
+	ns, id string
+	w, seq int64
+}
+
+// zoneID is a key without its sequence, as rows name it.
+type zoneID struct {
+	ns, id string
+	w      int64
+}
+
+// cellImport is what other regions counted in one cell: per region, the
+// larger of the two tables' counts.
+type cellImport struct {
+	regions map[string]int64
+	expires int64
+}
+
+func (ci *cellImport) sum() int64 {
+	var s int64
+	for _, n := range ci.regions {
+		s = satAdd(s, n)
+	}
+	return s
+}
+
+// maxCount saturates counts: the engine and Redis hold at most 2^53 − 1.
+const maxCount = 1<<53 - 1
+
+func satAdd(a, b int64) int64 {
+	if s := a + b; s >= a && s <= maxCount {
+		return s
+	}
+	return maxCount
+}
+
+// Options are the hooks a Propagator is made with.
+type Options struct {
+	// Logger receives the layer's log lines and go-sql-driver's own.
+	Logger *zap.Logger
+	// Now is the clock (default time.Now); it must agree with the engine's.
+	Now func() time.Time
+	// OnBreakerChange is told the write breaker's transitions.
+	OnBreakerChange func(from, to string)
+}
+
+// New builds a Propagator around eng without any I/O: `caddy validate`
+// builds configs it never runs. Start begins the work.
+func New(cfg Config, eng *engine.Engine, opts Options) (*Propagator, error) {
+	cfg = cfg.WithDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	dsn, err := mysql.ParseDSN(cfg.DSN)
+	if err != nil {
+		return nil, fmt.Errorf("mysql: malformed DSN (want user:password@tcp(host:port)/database?params): %s", redact(err.Error(), cfg.DSN))
+	}
+	if dsn.DBName == "" {
+		return nil, errors.New("mysql: the DSN names no database (…@tcp(host:port)/database)")
+	}
+	log := opts.Logger
+	if log == nil {
+		log = zap.NewNop()
+	}
+	// Every network step is bounded, whatever the DSN says, so a hung
+	// server cannot hold a loop past the query timeout.
+	if dsn.Timeout == 0 || dsn.Timeout > cfg.Timeout {
+		dsn.Timeout = cfg.Timeout
+	}
+	if dsn.ReadTimeout == 0 || dsn.ReadTimeout > cfg.Timeout {
+		dsn.ReadTimeout = cfg.Timeout
+	}
+	if dsn.WriteTimeout == 0 || dsn.WriteTimeout > cfg.Timeout {
+		dsn.WriteTimeout = cfg.Timeout
+	}
+	dsn.Logger = driverLogger{log}
+	conn, err := mysql.NewConnector(dsn)
+	if err != nil {
+		return nil, fmt.Errorf("mysql: %s", redact(err.Error(), cfg.DSN))
+	}
+	db := sql.OpenDB(conn)
+	db.SetMaxOpenConns(maxOpenConns)
+	db.SetMaxIdleConns(maxIdleConns)
+	db.SetConnMaxLifetime(5 * time.Minute)
+	now := opts.Now
+	if now == nil {
+		now = time.Now
+	}
+	p := &Propagator{
+		cfg:     cfg,
+		eng:     eng,
+		db:      db,
+		log:     log,
+		addr:    dsn.Net + "(" + dsn.Addr + ")/" + dsn.DBName,
+		now:     now,
+		denials: make(chan engine.GlobalDenial, denialQueue),
+		pending: make(map[cellKey]*BlocklistRow),
+		imports: make(map[cellKey]*cellImport),
+		index:   make(map[zoneID]string),
+		stop:    make(chan struct{}),
+	}
+	onChange := opts.OnBreakerChange
+	b := cfg.Breaker
+	p.cb = gobreaker.NewCircuitBreaker[struct{}](gobreaker.Settings{
+		Name:         BreakerName,
+		MaxRequests:  breakerProbes,
+		Interval:     b.Interval,
+		BucketPeriod: b.Interval / breakerBuckets,
+		Timeout:      b.Timeout,
+		ReadyToTrip: func(n gobreaker.Counts) bool {
+			done := n.TotalSuccesses + n.TotalFailures
+			return done >= uint32(b.MinRequests) && float64(n.TotalFailures) >= b.FailureRatio*float64(done)
+		},
+		IsExcluded: func(err error) bool { return errors.Is(err, context.Canceled) },
+		OnStateChange: func(_ string, from, to gobreaker.State) {
+			p.log.Info("mysql write breaker changed state",
+				zap.String("breaker", BreakerName), zap.String("from", from.String()), zap.String("to", to.String()))
+			if onChange != nil {
+				onChange(from.String(), to.String())
+			}
+		},
+	})
+	return p, nil
+}
+
+// redact removes the DSN's password from a message, should a driver error
+// ever quote it.
+func redact(msg, dsn string) string {
+	at := strings.LastIndex(dsn, "@")
+	if at < 0 {
+		return msg
+	}
+	colon := strings.Index(dsn[:at], ":")
+	if colon < 0 || colon+1 >= at {
+		return msg
+	}
+	return strings.ReplaceAll(msg, dsn[colon+1:at], "****")
+}
+
+// driverLogger routes go-sql-driver's own log lines (broken connections)
+// to the module's logger, at warn: the driver logs only what went wrong.
+type driverLogger struct{ log *zap.Logger }
+
+func (l driverLogger) Print(v ...any) {
+	l.log.Warn("mysql driver: " + strings.TrimSpace(fmt.Sprint(v...)))
+}
+
+// Addr is the database's network address and name: never credentials.
+func (p *Propagator) Addr() string { return p.addr }
+
+// Region is the identity this node writes rows under.
+func (p *Propagator) Region() string { return p.cfg.Region }
+
+// Config returns the settings in force, defaults applied.
+func (p *Propagator) Config() Config { return p.cfg }
+
+// Start starts the loops. It succeeds with MySQL down: the schema is
+// migrated in the background once MySQL answers, and until then writes
+// wait (denial rows are kept until they expire).
+func (p *Propagator) Start() {
+	if !p.started.CompareAndSwap(false, true) {
+		return
+	}
+	if p.cfg.NoMigrate {
+		p.ready.Store(true)
+	} else {
+		p.wg.Add(1)
+		go p.migrateLoop()
+	}
+	p.loop(p.cfg.Flush, func(ctx context.Context) { p.FlushOnce(ctx) })
+	p.loop(p.cfg.GlobalSync, func(ctx context.Context) { p.GlobalSyncOnce(ctx) })
+	p.loop(p.cfg.BlocklistSync, func(ctx context.Context) { p.BlocklistSyncOnce(ctx) })
+	p.loop(CleanupInterval, func(ctx context.Context) { p.CleanupOnce(ctx) })
+}
+
+// Stop stops the loops after one last write of what is pending, within
+// ctx, and closes the connections.
+func (p *Propagator) Stop(ctx context.Context) {
+	p.stopOnce.Do(func() { close(p.stop) })
+	p.wg.Wait()
+	if p.started.Load() && p.ready.Load() {
+		p.writeDenials(ctx)
+	}
+	_ = p.db.Close()
+}
+
+// loop runs fn every jittered interval until Stop. Each run is bounded by
+// the query timeout per query, so Stop waits at most for one run.
+func (p *Propagator) loop(interval time.Duration, fn func(context.Context)) {
+	p.wg.Add(1)
+	go func() {
+		defer p.wg.Done()
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		go func() {
+			select {
+			case <-p.stop:
+				cancel()
+			case <-ctx.Done():
+			}
+		}()
+		t := time.NewTimer(jitter(interval))
+		defer t.Stop()
+		for {
+			select {
+			case <-p.stop:
+				return
+			case <-t.C:
+			}
+			if p.ready.Load() {
+				fn(ctx)
+			}
+			t.Reset(jitter(interval))
+		}
+	}()
+}
+
+// jitter spreads d by ±jitterShare, so the nodes of a fleet do not query
+// in step.
+func jitter(d time.Duration) time.Duration {
+	f := 1 - jitterShare + 2*jitterShare*rand.Float64()
+	return time.Duration(float64(d) * f)
+}
+
+func (p *Propagator) migrateLoop() {
+	defer p.wg.Done()
+	for {
+		ctx, cancel := context.WithTimeout(context.Background(), p.cfg.Timeout*time.Duration(len(schema)))
+		err := Migrate(ctx, p.db)
+		cancel()
+		if err == nil {
+			p.ready.Store(true)
+			p.log.Info("mysql schema ready", zap.String("database", p.addr))
+			return
+		}
+		p.stats.migrateErrors.Add(1)
+		if p.stats.migrateErrors.Load() == 1 {
+			p.log.Warn("mysql schema migration failed; retrying in the background, cross-region counts wait",
+				zap.String("database", p.addr), zap.Error(err))
+		}
+		select {
+		case <-p.stop:
+			return
+		case <-time.After(migrateRetry):
+		}
+	}
+}
+
+// MigrateOnce migrates the schema on the calling goroutine and marks the
+// layer ready: for tests and tools.
+func (p *Propagator) MigrateOnce(ctx context.Context) error {
+	ctx, cancel := context.WithTimeout(ctx, p.cfg.Timeout*time.Duration(len(schema)))
+	defer cancel()
+	if err := Migrate(ctx, p.db); err != nil {
+		return err
+	}
+	p.ready.Store(true)
+	return nil
+}
+
+// Ready reports whether the schema is known to exist.
+func (p *Propagator) Ready() bool { return p.ready.Load() }
+
+// query runs fn with a context bounded by the query timeout.
+func (p *Propagator) query(ctx context.Context, fn func(ctx context.Context) error) error {
+	ctx, cancel := context.WithTimeout(ctx, p.cfg.Timeout)
+	defer cancel()
+	return fn(ctx)
+}
+
+// write runs one write through the breaker.
+func (p *Propagator) write(ctx context.Context, fn func(ctx context.Context) error) error {
+	_, err := p.cb.Execute(func() (struct{}, error) {
+		return struct{}{}, p.query(ctx, fn)
+	})
+	return err
+}
+
+// rowID is how an identifier appears in rows.
+func (p *Propagator) rowID(id string) string {
+	if p.cfg.MapID != nil {
+		return p.cfg.MapID(id)
+	}
+	return id
+}
+
+// EntryCreated implements engine.Global: it indexes the key by its row
+// identifier (one HMAC per entry under identifier_secret, none per
+// request) and applies the imports that waited for it.
+func (p *Propagator) EntryCreated(key engine.Key, seq int64) {
+	if key.Window < p.cfg.MinWindow {
+		return
+	}
+	id := key.Identifier
+	if p.cfg.MapID == nil && p.importCount.Load() == 0 {
+		return
+	}
+	rid := p.rowID(id)
+	w := key.Window.Milliseconds()
+	var sums [2]int64
+	p.mu.Lock()
+	if p.cfg.MapID != nil {
+		p.index[zoneID{key.Namespace, rid, w}] = id
+	}
+	for i, s := range [2]int64{seq, seq - 1} {
+		if ci := p.imports[cellKey{key.Namespace, rid, w, s}]; ci != nil {
+			sums[i] = ci.sum()
+		}
+	}
+	p.mu.Unlock()
+	for i, s := range [2]int64{seq, seq - 1} {
+		if sums[i] > 0 && p.eng.ImportGlobal(key, s, sums[i], false) {
+			p.stats.waitingApplied.Add(1)
+		}
+	}
+}
+
+// FirstDenial implements engine.Global: it queues a denial row, if the
+// denial passes the filters, without ever waiting.
+func (p *Propagator) FirstDenial(d engine.GlobalDenial) {
+	if p.cfg.NoDenialGossip || d.Window < p.cfg.MinWindow {
+		return
+	}
+	// A denial by a region that used less than half the limit came from
+	// one oversized request, or from counts it imported: not worth
+	// broadcasting, and never an echo of another region's row.
+	if d.RegionalUsed*2 < d.Limit.Limit {
+		p.stats.denialsFiltered.Add(1)
+		return
+	}
+	select {
+	case p.denials <- d:
+	default:
+		p.stats.denialQueueDrops.Add(1)
+	}
+}
+
+var _ engine.Global = (*Propagator)(nil)
