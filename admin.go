@@ -153,6 +153,9 @@ type cellDoc struct {
 	Global      int64 `json:"global"`
 	Pending     int64 `json:"pending"`
 	Blocked     bool  `json:"blocked"`
+	// GlobalByRegion is what each foreign region counted in the cell, as
+	// imported by the cross-region layer; omitted without it.
+	GlobalByRegion map[string]int64 `json:"global_by_region,omitempty"`
 }
 
 // keyListDoc is a listing of GET /ratelimit/counters.
@@ -223,6 +226,7 @@ func (a *AdminAPI) handleStatus(w http.ResponseWriter, r *http.Request) error {
 		}
 		doc.Origin = origin
 	}
+	doc.Propagation = propagationStatusDoc() // cross-region layer (mysql_status.go)
 	return writeJSON(w, doc)
 }
 
@@ -356,6 +360,7 @@ func keyDocOf(ks engine.KeyState, defs []zoneDef, ids identities) keyDoc {
 			Pending:     c.Pending,
 			Blocked:     c.Blocked,
 		}
+		doc.Cells[i].GlobalByRegion = foreignCounts(ks.Key, c.Sequence) // mysql_status.go
 	}
 	return doc
 }

@@ -14,6 +14,7 @@ import (
 
 	"github.com/edgelimit/caddy-ratelimit/engine"
 	"github.com/edgelimit/caddy-ratelimit/origin"
+	"github.com/edgelimit/caddy-ratelimit/propagation"
 )
 
 func init() {
@@ -61,6 +62,12 @@ type App struct {
 	// Default none: local-only.
 	Origin *origin.Config `json:"origin,omitempty"`
 
+	// MySQL is the cross-region layer (see mysql.go). Default none: the
+	// region's counts stay in the region.
+	MySQL *MySQLConfig `json:"mysql,omitempty"`
+
+	prop    *propagation.Propagator // cross-region layer (mysql.go)
+	mysqlAt string                  // Caddyfile position of the mysql line
 	origin  *origin.Redis
 	timing  engine.Timing
 	ids     identities
@@ -102,7 +109,10 @@ func (a *App) Provision(ctx caddy.Context) error {
 	}
 	a.state = st
 	st.obs.attach(a)
-	return a.provisionOrigin()
+	if err := a.provisionOrigin(); err != nil {
+		return err
+	}
+	return a.provisionPropagation() // cross-region layer (mysql.go)
 }
 
 // Validate checks the app's settings.
@@ -123,7 +133,7 @@ func (a *App) Validate() error {
 			return fmt.Errorf("ratelimit app: origin: %w", err)
 		}
 	}
-	return nil
+	return a.validateMySQL() // cross-region layer (mysql.go)
 }
 
 func validateRegion(region string) error {
@@ -144,12 +154,14 @@ func validateRegion(region string) error {
 // the old config's Stop runs after the new config's Start.
 func (a *App) Start() error {
 	a.startOrigin()
+	a.startPropagation() // cross-region layer (mysql.go)
 	return nil
 }
 
 // Stop detaches this config's origin, flushing pending counts through it
 // when no newer config has taken over.
 func (a *App) Stop() error {
+	a.stopPropagation() // cross-region layer (mysql.go)
 	a.stopOrigin()
 	return nil
 }
@@ -159,6 +171,8 @@ func (a *App) Cleanup() error {
 	if a.state == nil {
 		return nil
 	}
+	a.stopPropagation() // cross-region layer (mysql.go)
+	a.closePropagation()
 	a.stopOrigin()
 	a.state.obs.detach(a)
 	a.state = nil

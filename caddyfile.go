@@ -416,7 +416,7 @@ func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			return err
 		}
 	}
-	return nil
+	return a.checkMySQLLines(d) // cross-region layer (mysql.go)
 }
 
 // Interface guards.

@@ -1,0 +1,195 @@
+package ratelimit
+
+import (
+	"database/sql"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/edgelimit/caddy-ratelimit/internal/mysqltest"
+	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
+)
+
+func mysqlConfig(global string) func(admin, port int) string {
+	return func(admin, port int) string {
+		return caddyConfig(admin, port, global, `
+	handle {
+		ratelimit {
+			zone e2e_mysql {
+				key    {http.request.header.X-Key}
+				limit  5
+				window 1m
+			}
+		}
+		respond "ok"
+	}`)
+	}
+}
+
+// TestCaddy_MySQLLayer runs Caddy in-process against a private MariaDB:
+// Start creates the schema, a burst writes one denial row, the status,
+// the blocklist route and the metrics show the layer, and a reload that
+// changes the region fails and keeps the running config.
+func TestCaddy_MySQLLayer(t *testing.T) {
+	srv := mysqltest.Start(t)
+	dsn := srv.NewDatabase(t)
+	t.Setenv("RATELIMIT_TEST_MYSQL_DSN", dsn)
+	global := `	ratelimit {
+		region  test-a
+		mysql   {env.RATELIMIT_TEST_MYSQL_DSN}
+		mysql_flush 20ms
+		global_sync 50ms
+		blocklist_sync 50ms
+		min_window 1s
+	}`
+	tester, admin, base := startCaddy(t, mysqlConfig(global))
+	db := mysqltest.Open(t, dsn)
+	redistest.Eventually(t, 20*time.Second, "schema migrated", func() bool {
+		var n int
+		err := db.QueryRow(`SELECT COUNT(*) FROM information_schema.tables WHERE table_schema = DATABASE() AND table_name LIKE 'ratelimit_%'`).Scan(&n)
+		return err == nil && n == 2
+	})
+	for i := 0; i < 8; i++ {
+		req, _ := http.NewRequest(http.MethodGet, base+"/", nil)
+		req.Header.Set("X-Key", "burst-key")
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, _ = io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+	}
+	redistest.Eventually(t, 10*time.Second, "one denial row written", func() bool {
+		return rowCount(t, db, "ratelimit_blocklist") == 1
+	})
+	var region []byte
+	var cur int64
+	if err := db.QueryRow(`SELECT origin_region, count_cur FROM ratelimit_blocklist`).Scan(&region, &cur); err != nil {
+		t.Fatal(err)
+	}
+	// Without Redis the node is its own region: test-a/<node>.
+	if !strings.HasPrefix(string(region), "test-a/") || cur != 5 {
+		t.Fatalf("row: region %q count_cur %d", region, cur)
+	}
+
+	var status struct {
+		Propagation *struct {
+			Region      string `json:"region"`
+			Database    string `json:"database"`
+			Ready       bool   `json:"ready"`
+			Breaker     string `json:"breaker"`
+			RowsEmitted struct {
+				Blocklist int64 `json:"blocklist"`
+			} `json:"rows_emitted"`
+		} `json:"propagation"`
+	}
+	adminDo(t, admin, http.MethodGet, "/ratelimit/status").decode(t, http.StatusOK, &status)
+	p := status.Propagation
+	if p == nil || !p.Ready || p.Breaker != "closed" || p.RowsEmitted.Blocklist != 1 || p.Region != string(region) {
+		t.Fatalf("propagation status: %+v", p)
+	}
+	if strings.Contains(p.Database, "root") || !strings.HasSuffix(p.Database, "/"+dsn[strings.LastIndex(dsn, "/")+1:]) {
+		t.Fatalf("database shown as %q", p.Database)
+	}
+	var bl struct {
+		Emitted []struct {
+			Identifier string `json:"identifier"`
+			CountCur   int64  `json:"count_cur"`
+		} `json:"emitted"`
+		Applied []any `json:"applied"`
+	}
+	adminDo(t, admin, http.MethodGet, "/ratelimit/blocklist").decode(t, http.StatusOK, &bl)
+	if len(bl.Emitted) != 1 || bl.Emitted[0].Identifier != "burst-key" || bl.Applied == nil {
+		t.Fatalf("blocklist: %+v", bl)
+	}
+	if r := adminDo(t, admin, http.MethodPost, "/ratelimit/blocklist"); r.status != http.StatusMethodNotAllowed {
+		t.Fatalf("POST /ratelimit/blocklist: %d", r.status)
+	}
+	metrics := string(adminDo(t, admin, http.MethodGet, "/metrics").body)
+	for _, want := range []string{
+		`caddy_ratelimit_propagation_rows_written_total{table="ratelimit_blocklist"} 1`,
+		`caddy_ratelimit_propagation_ready 1`,
+		`caddy_ratelimit_propagation_breaker_state{state="closed"} 1`,
+	} {
+		if !strings.Contains(metrics, want) {
+			t.Errorf("metrics lack %q", want)
+		}
+	}
+
+	// A reload that changes the region fails; the running config stays.
+	err := loadCaddyfile(t, admin, mysqlConfig(strings.Replace(global, "test-a", "test-b", 1)))
+	if err == nil || !strings.Contains(err.Error(), "restart Caddy to change it") {
+		t.Fatalf("reload changing the region: %v", err)
+	}
+	if currentProp.Load() == nil || currentProp.Load().Region() != string(region) {
+		t.Fatal("the running config lost its propagation after a failed reload")
+	}
+	_ = tester
+}
+
+// loadCaddyfile posts a Caddyfile to the admin endpoint and returns the
+// error it answered, if any.
+func loadCaddyfile(t *testing.T, admin int, cfg func(admin, port int) string) error {
+	t.Helper()
+	body := cfg(admin, freePort(t))
+	req, _ := http.NewRequest(http.MethodPost, fmt.Sprintf("http://localhost:%d/load", admin), strings.NewReader(body))
+	req.Header.Set("Content-Type", "text/caddyfile")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("load: %d %s", resp.StatusCode, b)
+	}
+	return nil
+}
+
+func rowCount(t *testing.T, db *sql.DB, table string) int {
+	t.Helper()
+	var n int
+	if err := db.QueryRow("SELECT COUNT(*) FROM " + table).Scan(&n); err != nil {
+		return -1
+	}
+	return n
+}
+
+func TestMySQLOption_ErrorsNeverQuoteThePassword(t *testing.T) {
+	st, err := acquireState(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = releaseState() })
+	for _, dsn := range []string{
+		"root:pw-s3cret@tcp(127.0.0.1:1)/",
+		"root:pw-s3cret@tcp(127.0.0.1:1)/db?tls=pw-s3cret",
+		"root:pw-s3cret@tcp(127.0.0.1:1/db",
+		"{env.RATELIMIT_TEST_UNSET_DSN_VAR}",
+	} {
+		a := &App{Region: "r", MySQL: &MySQLConfig{DSN: dsn}, state: st, logger: st.obs.view().logger}
+		err := a.provisionPropagation()
+		if err == nil {
+			a.closePropagation()
+			t.Fatalf("DSN %q accepted", dsn)
+		}
+		if strings.Contains(err.Error(), "pw-s3cret") {
+			t.Fatalf("error quotes the password: %v", err)
+		}
+	}
+}
+
+func TestMySQLOption_ValidateNeedsRegion(t *testing.T) {
+	a := &App{MySQL: &MySQLConfig{DSN: "{env.X}"}}
+	if err := a.Validate(); err == nil || !strings.Contains(err.Error(), "region is required with mysql") {
+		t.Fatalf("Validate: %v", err)
+	}
+	a.Region = "r"
+	a.MySQL.Flush = 1
+	if err := a.Validate(); err == nil || !strings.Contains(err.Error(), "mysql_flush") {
+		t.Fatalf("Validate with a 1ns flush: %v", err)
+	}
+}
