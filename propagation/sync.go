@@ -355,6 +355,8 @@ type update struct {
 	seq, sum int64
 	create   bool
 	own      bool
+	// wait: the key is not held here yet; the import waits in the map.
+	wait bool
 }
 
 // applyCounts merges published counts into the import map.
@@ -445,7 +447,7 @@ func (p *Propagator) mergeLocked(k cellKey, region string, n, expires int64) (up
 	ci.expires = max(ci.expires, expires)
 	if !known {
 		// Waits in the map until the key's entry is created here.
-		return update{}, false
+		return update{wait: true}, true
 	}
 	return update{key: key, seq: k.seq, sum: ci.sum(), create: p.cfg.MapID == nil}, true
 }
@@ -453,6 +455,9 @@ func (p *Propagator) mergeLocked(k cellKey, region string, n, expires int64) (up
 // hand applies updates to the engine.
 func (p *Propagator) hand(ups []update) {
 	for _, u := range ups {
+		if u.wait {
+			continue
+		}
 		if u.own {
 			p.eng.RaiseRegional(u.key, u.seq, u.sum)
 			continue
