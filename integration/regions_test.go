@@ -50,6 +50,9 @@ type clusterSpec struct {
 	key string
 	// extra global lines.
 	extra string
+	// ownMySQL gives the cluster a mariadbd of its own (a scenario that
+	// stops it).
+	ownMySQL bool
 }
 
 type cluster struct {
@@ -88,7 +91,11 @@ func startCluster(t *testing.T, spec clusterSpec) *cluster {
 	t.Helper()
 	requireBinary(t, "redis-server")
 	c := &cluster{t: t, spec: spec}
-	c.mysql = sharedMySQL.Get(t)
+	if spec.ownMySQL {
+		c.mysql = mysqltest.Start(t)
+	} else {
+		c.mysql = sharedMySQL.Get(t)
+	}
 	c.dsn = c.mysql.NewDatabase(t)
 	if spec.key == "" {
 		spec.key = "{http.request.header.X-Key}"
@@ -296,7 +303,9 @@ func urlQueryEscape(s string) string {
 // loadResult is what a load run saw.
 type loadResult struct {
 	ok, denied, other int64
-	latencies         []time.Duration
+	// okBy is the admitted count per node, in the order load was given.
+	okBy      []int64
+	latencies []time.Duration
 }
 
 func (r *loadResult) p99() time.Duration {
@@ -326,6 +335,7 @@ func load(t *testing.T, nodes []*regionNode, key string, rate int, d time.Durati
 	total := int(float64(rate) * d.Seconds())
 	interval := time.Second / time.Duration(rate)
 	fired := false
+	okBy := make([]atomic.Int64, len(nodes))
 	for i := 0; i < total; i++ {
 		at := start.Add(time.Duration(i) * interval)
 		time.Sleep(time.Until(at))
@@ -334,7 +344,8 @@ func load(t *testing.T, nodes []*regionNode, key string, rate int, d time.Durati
 			wg.Add(1)
 			go func() { defer wg.Done(); during() }()
 		}
-		n := nodes[i%len(nodes)]
+		ni := i % len(nodes)
+		n := nodes[ni]
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
@@ -344,6 +355,7 @@ func load(t *testing.T, nodes []*regionNode, key string, rate int, d time.Durati
 			switch code {
 			case http.StatusOK:
 				ok.Add(1)
+				okBy[ni].Add(1)
 			case http.StatusTooManyRequests:
 				denied.Add(1)
 			default:
@@ -356,6 +368,9 @@ func load(t *testing.T, nodes []*regionNode, key string, rate int, d time.Durati
 	}
 	wg.Wait()
 	res.ok, res.denied, res.other = ok.Load(), denied.Load(), other.Load()
+	for i := range okBy {
+		res.okBy = append(res.okBy, okBy[i].Load())
+	}
 	return res
 }
 
