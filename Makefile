@@ -1,11 +1,12 @@
 # make test   vet, formatting, allocation counts, then every test with the race detector
 # make bench  every benchmark, with allocations
 # make loadtest  end-to-end throughput against plain Caddy (scripts/loadtest.sh)
+# make soak  the long multi-region scenarios (default intervals, minutes of load; SOAK_MINUTES)
 
 GO       ?= go
 TIMEOUT  ?= 20m
 
-.PHONY: test vet fmt-check servers allocs bench loadtest
+.PHONY: test vet fmt-check servers allocs bench loadtest soak
 
 test: vet fmt-check servers allocs
 	PATH="$$PATH:/usr/sbin:/usr/local/sbin" $(GO) test -race -count=1 -timeout $(TIMEOUT) ./...
@@ -34,3 +35,8 @@ bench:
 # OUT, PROFILE tune it (see the script's header).
 loadtest:
 	GO=$(GO) scripts/loadtest.sh
+
+# The long forms of the multi-region scenarios (integration/soak_test.go):
+# default intervals, one-minute windows, SOAK_MINUTES (default 4) of load.
+soak: servers
+	PATH="$$PATH:/usr/sbin:/usr/local/sbin" $(GO) test -tags soak -count=1 -timeout 60m -run 'TestSoak_' -v ./integration

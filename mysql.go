@@ -156,7 +156,10 @@ func (a *App) provisionPropagation() error {
 	st := a.state
 	cfg.LimitOf = func(ns, id string) int64 { return st.limitOf(ns, id) }
 	if o := a.Origin; o != nil {
-		b := o.WithDefaults().Breaker
+		// The breaker lines given apply here too; those not given keep
+		// the write breaker's own defaults (it sees far fewer calls than
+		// Redis's breakers).
+		b := o.Breaker
 		cfg.Breaker = propagation.Breaker{
 			Interval: time.Duration(b.Interval), Timeout: time.Duration(b.Timeout),
 			MinRequests: b.MinRequests, FailureRatio: b.FailureRatio,
