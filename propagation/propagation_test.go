@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
+	"fmt"
 	"os"
 	"strings"
 	"sync/atomic"
@@ -570,5 +571,67 @@ func TestOutage_DenialDroppedAtExpiry(t *testing.T) {
 	p.FlushOnce(bg)
 	if st := p.Stats(); st.PendingDenials != 0 || st.DenialsExpired != 1 {
 		t.Fatalf("after expiry: %+v", st)
+	}
+}
+
+func TestJitter_WithinTwentyPercent(t *testing.T) {
+	lo, hi := time.Hour, time.Duration(0)
+	for i := 0; i < 10_000; i++ {
+		d := jitter(time.Second)
+		lo, hi = min(lo, d), max(hi, d)
+	}
+	if lo < 800*time.Millisecond || hi > 1200*time.Millisecond {
+		t.Fatalf("jitter spread [%s, %s], want within ±20 %%", lo, hi)
+	}
+	if lo > 850*time.Millisecond || hi < 1150*time.Millisecond {
+		t.Fatalf("jitter spread [%s, %s] uses too little of ±20 %%", lo, hi)
+	}
+}
+
+func TestPull_PeriodicReadsEveryPage(t *testing.T) {
+	s := newSetup(t)
+	b := s.region("b")
+	db := mysqltest.Open(t, s.dsn)
+	const n = 2*pageSize + 17
+	exp := (seq0 + 2) * window.Milliseconds()
+	for start := 0; start < n; start += 500 {
+		var q strings.Builder
+		var args []any
+		q.WriteString(`INSERT INTO ratelimit_global_counts VALUES `)
+		for i := start; i < min(n, start+500); i++ {
+			if i > start {
+				q.WriteString(",")
+			}
+			q.WriteString("(?, ?, ?, ?, 'a', 3, ?)")
+			args = append(args, []byte("z"), []byte(fmt.Sprintf("id-%05d", i)), window.Milliseconds(), seq0, exp)
+		}
+		if _, err := db.Exec(q.String(), args...); err != nil {
+			t.Fatal(err)
+		}
+	}
+	b.p.GlobalSyncOnce(bg)
+	if st := b.p.Stats(); st.CountsApplied != n || st.Imports != n {
+		t.Fatalf("applied %d rows into %d cells, want %d: a page was skipped", st.CountsApplied, st.Imports, n)
+	}
+	if c := b.cell(t, fmt.Sprintf("id-%05d", n-1), seq0); c.Global != 3 {
+		t.Fatalf("last row's cell = %+v", c)
+	}
+}
+
+func TestPull_PressureTargetsTheBusiestCellsEveryFlush(t *testing.T) {
+	s := newSetup(t)
+	s.limit = 100
+	a, b := s.region("a"), s.region("b")
+	a.decide("hot", 100, 40)
+	a.p.GlobalSyncOnce(bg)
+	a.p.FlushOnce(bg) // published at 40 % on the full push
+	b.decide("hot", 100, 55)
+	// No periodic sync on B: its flush alone pulls the key it is pressed on.
+	b.p.FlushOnce(bg)
+	if c := b.cell(t, "hot", seq0); c.Global != 40 {
+		t.Fatalf("B's global = %d after its flush, want A's 40 from the targeted pull", c.Global)
+	}
+	if st := b.p.Stats(); st.LastPull.IsZero() {
+		t.Fatal("targeted pull not recorded")
 	}
 }
