@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/edgelimit/caddy-ratelimit/engine"
 	"github.com/edgelimit/caddy-ratelimit/internal/mysqltest"
@@ -633,5 +634,42 @@ func TestPull_PressureTargetsTheBusiestCellsEveryFlush(t *testing.T) {
 	}
 	if st := b.p.Stats(); st.LastPull.IsZero() {
 		t.Fatal("targeted pull not recorded")
+	}
+}
+
+func TestDriverLog_GoesToTheModuleLoggerWithoutThePassword(t *testing.T) {
+	mysqltest.Require(t)
+	srv := mysqltest.Start(t)
+	// The server skips grant tables, so any password is accepted.
+	dsn := strings.Replace(srv.NewDatabase(t), "root:@", "root:drv-s3cretpw@", 1)
+	core, logs := observer.New(zap.DebugLevel)
+	eng := engine.New(engine.Config{Manual: true})
+	defer eng.Close(bg)
+	p, err := New(Config{DSN: dsn, Region: "a", Timeout: 2 * time.Second}, eng, Options{Logger: zap.New(core)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Stop(bg)
+	if err := p.MigrateOnce(bg); err != nil {
+		t.Fatal(err)
+	}
+	// Kill the server under the pool's idle connection and bring it back:
+	// the driver finds the connection dead and says so, through our logger.
+	if err := srv.Restart(); err != nil {
+		t.Fatal(err)
+	}
+	p.GlobalSyncOnce(bg)
+	found := false
+	for _, e := range logs.All() {
+		line := e.Message + fmt.Sprint(e.ContextMap())
+		if strings.Contains(line, "drv-s3cretpw") {
+			t.Fatalf("a log line quotes the password: %s", line)
+		}
+		if strings.HasPrefix(e.Message, "mysql driver: ") {
+			found = true
+		}
+	}
+	if !found {
+		t.Fatalf("no driver line reached the logger; lines: %d", logs.Len())
 	}
 }
