@@ -2,6 +2,8 @@ package integration
 
 import (
 	"bufio"
+	"context"
+	"database/sql"
 	"fmt"
 	"net/http"
 	"net/url"
@@ -14,6 +16,7 @@ import (
 	"github.com/edgelimit/caddy-ratelimit/engine"
 	"github.com/edgelimit/caddy-ratelimit/internal/mysqltest"
 	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
+	"github.com/edgelimit/caddy-ratelimit/propagation"
 )
 
 // Scenario 7: hostile identifiers (case variants, trailing spaces, invalid
@@ -240,5 +243,50 @@ func TestRegions_MariaDBStoppedUnderLoad(t *testing.T) {
 	t.Logf("after the restart B learned of A's burst in %s; %d batches dropped while down", time.Since(start), dropped)
 	if code := sendKey(loadClient, b.url("/"), key); code != http.StatusTooManyRequests {
 		t.Fatalf("B answered %d, want 429", code)
+	}
+}
+
+// Scenario 8: cleanup deletes expired rows and nothing else. The rows are
+// there before the nodes start; every node cleans soon after it starts
+// (and every minute after), all at once, safely.
+func TestRegions_CleanupDeletesExpiredRowsOnly(t *testing.T) {
+	now := time.Now().UnixMilli()
+	expired := []int64{1, now - 60_000, now - 1}
+	live := []int64{now + 60_000, now + 3_600_000}
+	var db *sql.DB
+	seed := func(dsn string) {
+		db = mysqltest.Open(t, dsn)
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		if err := propagation.Migrate(ctx, db); err != nil {
+			t.Fatal(err)
+		}
+		for i, exp := range append(append([]int64{}, expired...), live...) {
+			id := []byte(fmt.Sprintf("cleanup-%d", i))
+			if _, err := db.Exec(`INSERT INTO ratelimit_global_counts VALUES (?, ?, 60000, 1, ?, 5, ?)`,
+				[]byte("global"), id, []byte("region-z"), exp); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := db.Exec(`INSERT INTO ratelimit_blocklist VALUES (?, ?, 60000, 1, ?, 10, 5, 0, ?)`,
+				[]byte("global"), id, []byte("region-z"), exp); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	startCluster(t, clusterSpec{regions: 2, nodes: 1, limit: 10, window: pickWindow(time.Minute), beforeNodes: seed})
+	count := func(table, cond string) int {
+		var n int
+		if err := db.QueryRow(`SELECT COUNT(*) FROM `+table+` WHERE `+cond, now).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	redistest.Eventually(t, 30*time.Second, "expired rows deleted", func() bool {
+		return count("ratelimit_global_counts", "expires_ms <= ?") == 0 && count("ratelimit_blocklist", "expires_ms <= ?") == 0
+	})
+	for _, table := range []string{"ratelimit_global_counts", "ratelimit_blocklist"} {
+		if n := count(table, "expires_ms > ?"); n != len(live) {
+			t.Fatalf("%s: %d live rows left, want %d", table, n, len(live))
+		}
 	}
 }

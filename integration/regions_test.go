@@ -53,6 +53,9 @@ type clusterSpec struct {
 	// ownMySQL gives the cluster a mariadbd of its own (a scenario that
 	// stops it).
 	ownMySQL bool
+	// beforeNodes, if set, runs on the fresh database before any node
+	// starts.
+	beforeNodes func(dsn string)
 }
 
 type cluster struct {
@@ -97,6 +100,9 @@ func startCluster(t *testing.T, spec clusterSpec) *cluster {
 		c.mysql = sharedMySQL.Get(t)
 	}
 	c.dsn = c.mysql.NewDatabase(t)
+	if spec.beforeNodes != nil {
+		spec.beforeNodes(c.dsn)
+	}
 	if spec.key == "" {
 		spec.key = "{http.request.header.X-Key}"
 		c.spec.key = spec.key

@@ -26,6 +26,9 @@ const (
 	// two windows after their cell (a minute at least), so a minute keeps
 	// the tables within a few windows of live rows.
 	CleanupInterval = time.Minute
+	// cleanupFirst is when a node first cleans after it starts: rows
+	// that expired while the fleet was down go soon, not a minute later.
+	cleanupFirst = 5 * time.Second
 	// cleanupChunk bounds one DELETE: short statements hold locks briefly,
 	// so cleanup never blocks the upserts of a busy minute.
 	cleanupChunk = 1000
@@ -268,10 +271,10 @@ func (p *Propagator) Start() {
 		p.wg.Add(1)
 		go p.migrateLoop()
 	}
-	p.loop(p.cfg.Flush, func(ctx context.Context) { p.FlushOnce(ctx) })
-	p.loop(p.cfg.GlobalSync, func(ctx context.Context) { p.GlobalSyncOnce(ctx) })
-	p.loop(p.cfg.BlocklistSync, func(ctx context.Context) { p.BlocklistSyncOnce(ctx) })
-	p.loop(CleanupInterval, func(ctx context.Context) { p.CleanupOnce(ctx) })
+	p.loop(p.cfg.Flush, p.cfg.Flush, func(ctx context.Context) { p.FlushOnce(ctx) })
+	p.loop(p.cfg.GlobalSync, p.cfg.GlobalSync, func(ctx context.Context) { p.GlobalSyncOnce(ctx) })
+	p.loop(p.cfg.BlocklistSync, p.cfg.BlocklistSync, func(ctx context.Context) { p.BlocklistSyncOnce(ctx) })
+	p.loop(cleanupFirst, CleanupInterval, func(ctx context.Context) { p.CleanupOnce(ctx) })
 }
 
 // Stop stops the loops after one last write of what is pending, within
@@ -285,9 +288,10 @@ func (p *Propagator) Stop(ctx context.Context) {
 	_ = p.db.Close()
 }
 
-// loop runs fn every jittered interval until Stop. Each run is bounded by
-// the query timeout per query, so Stop waits at most for one run.
-func (p *Propagator) loop(interval time.Duration, fn func(context.Context)) {
+// loop runs fn after a jittered first delay, then every jittered interval,
+// until Stop. Each run is bounded by the query timeout per query, so Stop
+// waits at most for one run. A tick before the schema is ready is skipped.
+func (p *Propagator) loop(first, interval time.Duration, fn func(context.Context)) {
 	p.wg.Add(1)
 	go func() {
 		defer p.wg.Done()
@@ -300,7 +304,7 @@ func (p *Propagator) loop(interval time.Duration, fn func(context.Context)) {
 			case <-ctx.Done():
 			}
 		}()
-		t := time.NewTimer(jitter(interval))
+		t := time.NewTimer(jitter(first))
 		defer t.Stop()
 		for {
 			select {
