@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -52,6 +53,8 @@ func TestCaddy_MySQLLayer(t *testing.T) {
 		err := db.QueryRow(`SELECT COUNT(*) FROM information_schema.tables WHERE table_schema = DATABASE() AND table_name LIKE 'ratelimit_%'`).Scan(&n)
 		return err == nil && n == 2
 	})
+	// Metrics add up across configs (and test runs): compare with before.
+	written0 := metricValue(t, admin, `caddy_ratelimit_propagation_rows_written_total{table="ratelimit_blocklist"}`)
 	for i := 0; i < 8; i++ {
 		req, _ := http.NewRequest(http.MethodGet, base+"/", nil)
 		req.Header.Set("X-Key", "burst-key")
@@ -108,9 +111,11 @@ func TestCaddy_MySQLLayer(t *testing.T) {
 	if r := adminDo(t, admin, http.MethodPost, "/ratelimit/blocklist"); r.status != http.StatusMethodNotAllowed {
 		t.Fatalf("POST /ratelimit/blocklist: %d", r.status)
 	}
+	if got := metricValue(t, admin, `caddy_ratelimit_propagation_rows_written_total{table="ratelimit_blocklist"}`); got != written0+1 {
+		t.Errorf("rows_written_total{ratelimit_blocklist} went from %g to %g, want one more", written0, got)
+	}
 	metrics := string(adminDo(t, admin, http.MethodGet, "/metrics").body)
 	for _, want := range []string{
-		`caddy_ratelimit_propagation_rows_written_total{table="ratelimit_blocklist"} 1`,
 		`caddy_ratelimit_propagation_ready 1`,
 		`caddy_ratelimit_propagation_breaker_state{state="closed"} 1`,
 	} {
@@ -192,4 +197,20 @@ func TestMySQLOption_ValidateNeedsRegion(t *testing.T) {
 	if err := a.Validate(); err == nil || !strings.Contains(err.Error(), "mysql_flush") {
 		t.Fatalf("Validate with a 1ns flush: %v", err)
 	}
+}
+
+// metricValue returns the value of one series from the admin endpoint's
+// /metrics, or 0 when it is absent.
+func metricValue(t *testing.T, admin int, series string) float64 {
+	t.Helper()
+	for _, line := range strings.Split(string(adminDo(t, admin, http.MethodGet, "/metrics").body), "\n") {
+		if v, ok := strings.CutPrefix(line, series+" "); ok {
+			f, err := strconv.ParseFloat(strings.TrimSpace(v), 64)
+			if err != nil {
+				t.Fatalf("metric %s: %v", series, err)
+			}
+			return f
+		}
+	}
+	return 0
 }
