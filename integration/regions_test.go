@@ -408,15 +408,15 @@ func evenTrafficBound(limit int64, rate int) int64 {
 	return limit + int64(float64(rate)*1.2*(testFlush+testGlobalSync).Seconds())
 }
 
-func runEvenTraffic(t *testing.T, regions, nodes int) {
+func runEvenTraffic(t *testing.T, regions, nodes int, noRedis bool) {
 	const limit, rate = 300, 80
 	dur := time.Duration(float64(2*limit)/rate*float64(time.Second)) + 500*time.Millisecond
-	c := startCluster(t, clusterSpec{regions: regions, nodes: nodes, limit: limit, window: pickWindow(dur + 30*time.Second)})
+	c := startCluster(t, clusterSpec{regions: regions, nodes: nodes, limit: limit, window: pickWindow(dur + 30*time.Second), noRedis: noRedis})
 	key := freshKey("even")
 	res := load(t, c.all(), key, rate, dur, nil)
 	bound := evenTrafficBound(limit, rate)
-	t.Logf("%d regions × %d nodes, limit %d, %d req/s for %s: admitted %d (bound %d), denied %d, other %d",
-		regions, nodes, limit, rate, dur, res.ok, bound, res.denied, res.other)
+	t.Logf("%d regions × %d nodes (redis %v), limit %d, %d req/s for %s: admitted %d (bound %d), denied %d, other %d",
+		regions, nodes, !noRedis, limit, rate, dur, res.ok, bound, res.denied, res.other)
 	if res.other != 0 {
 		t.Fatalf("%d responses neither 200 nor 429", res.other)
 	}
@@ -430,10 +430,14 @@ func runEvenTraffic(t *testing.T, regions, nodes int) {
 
 // Scenario 1: traffic spread evenly over two regions at about twice the
 // limit is admitted within limit + rate × 1.2 × (flush + global sync).
-func TestRegions_EvenTrafficTwoRegions(t *testing.T) { runEvenTraffic(t, 2, 1) }
+func TestRegions_EvenTrafficTwoRegions(t *testing.T) { runEvenTraffic(t, 2, 1, false) }
 
 // Scenario 1 with two nodes per region.
-func TestRegions_EvenTrafficTwoRegionsTwoNodes(t *testing.T) { runEvenTraffic(t, 2, 2) }
+func TestRegions_EvenTrafficTwoRegionsTwoNodes(t *testing.T) { runEvenTraffic(t, 2, 2, false) }
+
+// Without Redis a node is its own region for the cross-region layer: two
+// Redis-less nodes of one region converge through MySQL.
+func TestRegions_EvenTrafficNodesWithoutRedis(t *testing.T) { runEvenTraffic(t, 1, 2, true) }
 
 // denyLatency bursts key at region A's first node until it denies, then
 // polls region B (which sees no traffic) until its counters show the key
