@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"strconv"
 	"sync"
 	"testing"
 	"time"
@@ -214,5 +215,57 @@ func TestGlobal_SwapOnlyReplacesItsOwn(t *testing.T) {
 	}
 	if !e.SwapGlobal(b, nil) {
 		t.Fatal("detaching the current layer failed")
+	}
+}
+
+// nopGlobal is a cross-region layer that does nothing: what the request
+// path pays for the hooks themselves.
+type nopGlobal struct{}
+
+func (nopGlobal) EntryCreated(Key, int64)  {}
+func (nopGlobal) FirstDenial(GlobalDenial) {}
+
+// BenchmarkGlobal_FirstTouch decides a new key per iteration (entry
+// creation is where EntryCreated runs), without and with a layer attached.
+func BenchmarkGlobal_FirstTouch(b *testing.B) {
+	for _, bc := range []struct {
+		name string
+		g    Global
+	}{{"none", nil}, {"attached", nopGlobal{}}} {
+		b.Run(bc.name, func(b *testing.B) {
+			e, _ := newTestEngine(b, Config{MaxEntries: 1 << 30})
+			if bc.g != nil {
+				e.SetGlobal(bc.g)
+			}
+			ids := make([]string, b.N)
+			for i := range ids {
+				ids[i] = "key-" + strconv.Itoa(i)
+			}
+			z := e.Zone("zone", time.Minute)
+			b.ReportAllocs()
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				e.Decide(bg, Limit{Key: Key{Namespace: "zone", Identifier: ids[i], Window: time.Minute}, Zone: z, Limit: 10, Cost: 1})
+			}
+		})
+	}
+}
+
+// BenchmarkGlobal_WarmDeny is the deny path of a warm key with a layer
+// attached: the first denial already notified, so no hook runs.
+func BenchmarkGlobal_WarmDeny(b *testing.B) {
+	e, _ := newTestEngine(b, Config{})
+	e.SetGlobal(nopGlobal{})
+	l := lim("api-key-0123456789", time.Hour, 10, 1)
+	l.Zone = e.Zone(l.Namespace, l.Window)
+	for i := 0; i < 11; i++ {
+		e.Decide(bg, l)
+	}
+	b.ReportAllocs()
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		if e.Decide(bg, l).Allowed {
+			b.Fatal("allowed past the limit")
+		}
 	}
 }
