@@ -365,18 +365,21 @@ func (p *Propagator) applyCounts(rows []CountRow, now int64) {
 		return
 	}
 	var ups []update
-	p.mu.Lock()
 	for i := range rows {
 		r := &rows[i]
 		if r.ExpiresMs <= now || r.WindowMs < p.cfg.MinWindow.Milliseconds() {
 			continue
 		}
-		if u, ok := p.mergeLocked(cellKey{r.Namespace, r.Identifier, r.WindowMs, r.Sequence}, r.Region, r.Count, r.ExpiresMs); ok {
+		// The lock is taken per row: EntryCreated takes it on the request
+		// path and must never wait for a whole page.
+		p.mu.Lock()
+		u, ok := p.mergeLocked(cellKey{r.Namespace, r.Identifier, r.WindowMs, r.Sequence}, r.Region, r.Count, r.ExpiresMs)
+		p.mu.Unlock()
+		if ok {
 			ups = append(ups, u)
 			p.stats.countsApplied.Add(1)
 		}
 	}
-	p.mu.Unlock()
 	p.hand(ups)
 }
 
@@ -387,12 +390,12 @@ func (p *Propagator) applyBlocklist(rows []BlocklistRow, now int64) {
 		return
 	}
 	var ups []update
-	p.mu.Lock()
 	for i := range rows {
 		r := &rows[i]
 		if r.ExpiresMs <= now || r.WindowMs < p.cfg.MinWindow.Milliseconds() {
 			continue
 		}
+		p.mu.Lock() // per row, as in applyCounts
 		applied := false
 		if u, ok := p.mergeLocked(cellKey{r.Namespace, r.Identifier, r.WindowMs, r.Sequence}, r.Region, r.CountCur, r.ExpiresMs); ok {
 			ups, applied = append(ups, u), true
@@ -406,8 +409,8 @@ func (p *Propagator) applyBlocklist(rows []BlocklistRow, now int64) {
 			p.stats.denialsApplied.Add(1)
 			p.recentIn = appendRecent(p.recentIn, *r)
 		}
+		p.mu.Unlock()
 	}
-	p.mu.Unlock()
 	p.hand(ups)
 }
 
