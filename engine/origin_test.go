@@ -143,39 +143,87 @@ func TestTiers_StaleKeyAtHalfRefreshesSynchronously(t *testing.T) {
 	}
 }
 
-func TestTiers_WouldAllowAtNinetyPercentRefreshesFirst(t *testing.T) {
+func TestReserve_SharedCellNearItsLimitIsDecidedAtTheOrigin(t *testing.T) {
 	e, clk, o := withOrigin(t, Config{})
 	l := lim("k", time.Hour, 100, 1)
 	seq := clk.UnixMilli() / time.Hour.Milliseconds()
-	for i := 0; i < 90; i++ {
+	o.add(l.Key, seq, 1) // another node's unit: the cold read shows it
+	// 1 + 87 = 88: the next request, with the other node's expected growth
+	// (one unit a fast tick), makes 90 %.
+	for i := 0; i < 87; i++ {
 		if !e.Decide(bg, l).Allowed {
 			t.Fatal("denied below the limit")
 		}
 	}
-	// Another node took the last ten; this node's view is fresh but older
-	// than a fast tick.
-	o.add(l.Key, seq, 10)
-	clk.Add(DefaultFastTick)
-	if d := e.Decide(bg, l); d.Allowed {
-		t.Fatalf("allowed at 90 %% without seeing the other node's count: %+v", d)
+	if n := o.reserves.Load(); n != 0 {
+		t.Fatalf("%d reservations below 90 %%", n)
+	}
+	// Another node took the rest; this node's view is fresh and does not
+	// show it.
+	o.add(l.Key, seq, 12)
+	d := e.Decide(bg, l)
+	if d.Allowed {
+		t.Fatalf("allowed at the limit without asking the origin: %+v", d)
+	}
+	if o.reserves.Load() != 1 {
+		t.Fatalf("reservations = %d, want 1", o.reserves.Load())
+	}
+	if d.RetryAfter <= 0 {
+		t.Fatalf("an origin denial has no Retry-After: %+v", d)
+	}
+	// The origin has every unit this process admitted: they rode with the
+	// reservation.
+	if got := o.total(l.Key, seq); got != 100 {
+		t.Fatalf("origin total = %d, want 100", got)
 	}
 }
 
-func TestStrict_DenialMakesNoOriginCallAndRolloverRefreshes(t *testing.T) {
+func TestReserve_LoneProcessNearItsLimitMakesNoRoundTrip(t *testing.T) {
+	e, clk, o := withOrigin(t, Config{})
+	l := lim("k", time.Hour, 100, 1)
+	for i := 0; i < 100; i++ {
+		if !e.Decide(bg, l).Allowed {
+			t.Fatalf("request %d denied below the limit", i)
+		}
+		clk.AddMs(20) // slower than a fast tick: every view is "old"
+		if i%10 == 0 {
+			for _, tier := range []Tier{Slow, Fast} {
+				if _, err := e.ReplayOnce(bg, tier); err != nil {
+					t.Fatal(err)
+				}
+			}
+		}
+	}
+	if e.Decide(bg, l).Allowed {
+		t.Fatal("allowed past the limit")
+	}
+	if n := o.reserves.Load(); n != 0 {
+		t.Fatalf("a lone process made %d reservations", n)
+	}
+	if n := o.reads.Load(); n != 1 {
+		t.Fatalf("a lone process made %d reads, want the cold one", n)
+	}
+}
+
+func TestStrict_DenialMakesNoOriginCallAndRolloverReserves(t *testing.T) {
 	e, clk, o := withOrigin(t, Config{})
 	l := lim("k", time.Minute, 10, 1)
-	for i := 0; i < 10; i++ {
-		e.Decide(bg, l)
+	o.add(l.Key, clk.UnixMilli()/60_000, 1) // shared from the first read
+	for i := 0; i < 9; i++ {
+		if !e.Decide(bg, l).Allowed {
+			t.Fatal("denied below the limit")
+		}
 	}
 	clk.Set(epoch + 50_000)
-	reads := o.reads.Load()
+	reads, reserves := o.reads.Load(), o.reserves.Load()
 	for i := 0; i < 100; i++ {
 		if e.Decide(bg, l).Allowed {
 			t.Fatal("allowed over the limit")
 		}
 	}
-	if o.reads.Load() != reads || o.flushes.Load() != 0 {
-		t.Fatalf("denials called the origin: reads %d→%d, flushes %d", reads, o.reads.Load(), o.flushes.Load())
+	if o.reads.Load() != reads || o.reserves.Load() != reserves || o.flushes.Load() != 0 {
+		t.Fatalf("denials called the origin: reads %d→%d, reserves %d→%d, flushes %d",
+			reads, o.reads.Load(), reserves, o.reserves.Load(), o.flushes.Load())
 	}
 	ks, _ := e.Inspect(l.Key)
 	wantUntil := time.UnixMilli(epoch + 110_000)
@@ -183,7 +231,7 @@ func TestStrict_DenialMakesNoOriginCallAndRolloverRefreshes(t *testing.T) {
 		t.Fatalf("strict until %v, want one window after the last denial, %v", ks.StrictUntil, wantUntil)
 	}
 	// Next window, three quarters in: the previous cell weighs 2.5, so a
-	// request would pass locally; strict mode sends it to the origin first.
+	// request would pass locally; strict mode sends it to the origin.
 	clk.Set(epoch + 60_000 + 45_000)
 	if _, err := e.ReplayOnce(bg, Fast); err != nil {
 		t.Fatal(err)
@@ -192,12 +240,12 @@ func TestStrict_DenialMakesNoOriginCallAndRolloverRefreshes(t *testing.T) {
 		t.Fatal(err)
 	}
 	o.add(l.Key, clk.UnixMilli()/60_000, 8) // another node's traffic
-	reads = o.reads.Load()
+	reserves = o.reserves.Load()
 	if d := e.Decide(bg, l); d.Allowed {
-		t.Fatalf("strict mode did not refresh: %+v", d)
+		t.Fatalf("strict mode did not ask the origin: %+v", d)
 	}
-	if o.reads.Load() != reads+1 {
-		t.Fatalf("reads = %d, want one refresh", o.reads.Load()-reads)
+	if o.reserves.Load() != reserves+1 {
+		t.Fatalf("reservations = %d, want one", o.reserves.Load()-reserves)
 	}
 }
 
