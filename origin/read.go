@@ -43,24 +43,23 @@ type readReq struct {
 	ctx       context.Context
 	deadline  time.Time
 	cur, prev string
-	curN      int64
-	prevN     int64
+	totals    engine.Totals
 	err       error
 	done      chan struct{}
 }
 
-func (ep *endpoint) read(ctx context.Context, key engine.Key, seq int64) (cur, prev int64, err error) {
+func (ep *endpoint) read(ctx context.Context, key engine.Key, seq int64) (engine.Totals, error) {
 	if err := ctx.Err(); err != nil {
-		return 0, 0, err
+		return engine.Totals{}, err
 	}
 	if ep.r.closed.Load() {
-		return 0, 0, ErrClosed
+		return engine.Totals{}, ErrClosed
 	}
-	if ep.open() {
-		return 0, 0, ErrBreakerOpen
+	if ep.sync.open() {
+		return engine.Totals{}, ErrBreakerOpen
 	}
 	if key.Window < time.Millisecond {
-		return 0, 0, fmt.Errorf("window %s is below one millisecond", key.Window)
+		return engine.Totals{}, fmt.Errorf("window %s is below one millisecond", key.Window)
 	}
 	q := &readReq{ctx: ctx, done: make(chan struct{})}
 	q.deadline = time.Now().Add(maxCallTimeout)
@@ -69,14 +68,14 @@ func (ep *endpoint) read(ctx context.Context, key engine.Key, seq int64) (cur, p
 	}
 	q.cur, q.prev = cellKeys(ep.r.prefix, key, seq)
 	if err := ep.enqueue(q); err != nil {
-		return 0, 0, err
+		return engine.Totals{}, err
 	}
 	select {
 	case <-q.done:
-		return q.curN, q.prevN, q.err
+		return q.totals, q.err
 	case <-ctx.Done():
 		// The drainer skips or finishes q on its own; nobody reads it.
-		return 0, 0, ctx.Err()
+		return engine.Totals{}, ctx.Err()
 	}
 }
 
@@ -143,10 +142,11 @@ func (ep *endpoint) take() []*readReq {
 	return batch
 }
 
-// readBatch sends one pipeline of MGETs, one per request, and hands each
-// request its result. The pipeline runs until the latest deadline in the
-// batch (at least roundTripFloor), not bound to any one caller's context:
-// the others still wait.
+// readBatch sends one pipeline of an MGET of both cells and an HGET of this
+// process's contribution per request, and hands each request its result.
+// The pipeline runs until the latest deadline in the batch (at least
+// roundTripFloor), not bound to any one caller's context: the others still
+// wait.
 func (ep *endpoint) readBatch(batch []*readReq) {
 	deadline := time.Now().Add(roundTripFloor)
 	for _, q := range batch {
@@ -157,25 +157,50 @@ func (ep *endpoint) readBatch(batch []*readReq) {
 	ctx, cancel := context.WithDeadline(context.Background(), deadline)
 	defer cancel()
 	cmds := make([]*redis.SliceCmd, len(batch))
-	err := ep.guard(func() error {
+	mine := make([]*redis.StringCmd, len(batch))
+	err := ep.sync.guard(func() error {
 		pipe := ep.client.Pipeline()
 		for i, q := range batch {
-			// Both keys share a hash tag, so this MGET is single-slot in a
+			// Every key shares a hash tag, so this is single-slot in a
 			// Cluster too.
 			cmds[i] = pipe.MGet(ctx, q.cur, q.prev)
+			mine[i] = pipe.HGet(ctx, ownersKey(q.cur), ep.r.nodeID)
 		}
 		ep.roundTrips.Add(1)
 		_, err := pipe.Exec(ctx)
+		if errors.Is(err, redis.Nil) {
+			err = nil // a process with no units in a cell yet
+		}
 		return err
 	})
 	for i, q := range batch {
 		if errors.Is(err, ErrBreakerOpen) {
 			q.err = err
 		} else {
-			q.curN, q.prevN, q.err = parseMGet(cmds[i])
+			q.totals, q.err = parseRead(cmds[i], mine[i])
 		}
 		close(q.done)
 	}
+}
+
+// parseRead reads the totals of one request's MGET and HGET.
+func parseRead(cells *redis.SliceCmd, mine *redis.StringCmd) (engine.Totals, error) {
+	var t engine.Totals
+	var err error
+	if t.Cur, t.Prev, err = parseMGet(cells); err != nil {
+		return t, err
+	}
+	v, err := mine.Result()
+	switch {
+	case errors.Is(err, redis.Nil):
+	case err != nil:
+		return t, err
+	default:
+		if t.Mine, err = parseTotal(v); err != nil {
+			return t, err
+		}
+	}
+	return t, nil
 }
 
 // parseMGet reads the two totals of an MGET; a missing cell is 0.
@@ -211,3 +236,48 @@ func parseTotal(v any) (int64, error) {
 	}
 	return 0, fmt.Errorf("cell holds an unexpected %T", v)
 }
+
+// reserve runs the reservation script for res.
+func (ep *endpoint) reserve(ctx context.Context, res *engine.Reservation) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	if ep.r.closed.Load() {
+		return ErrClosed
+	}
+	if ep.sync.open() {
+		return ErrBreakerOpen
+	}
+	switch {
+	case res.Key.Window < time.Millisecond:
+		return fmt.Errorf("window %s is below one millisecond", res.Key.Window)
+	case res.Own < 0 || res.Own > engine.MaxCount || res.Cost < 0 || res.Cost > engine.MaxCount ||
+		res.Limit < 0 || res.Limit > engine.MaxCount:
+		return fmt.Errorf("reservation out of range: own %d, cost %d, limit %d", res.Own, res.Cost, res.Limit)
+	}
+	cur, prev := cellKeys(ep.r.prefix, res.Key, res.Sequence)
+	keys := []string{cur, ownersKey(cur), prev}
+	args := []any{ep.r.nodeID, res.Own, expireAt(res.Key, res.Sequence).UnixMilli(), res.Cost, res.Limit,
+		windowMs(res.Key.Window), res.Elapsed, clampCount(res.Global), clampCount(res.GlobalPrev)}
+	var vals []int64
+	err := ep.sync.guard(func() error {
+		ep.roundTrips.Add(1)
+		// Run sends EVALSHA, and EVAL when Redis lost the script: a
+		// NOSCRIPT reply means nothing ran, so the retry charges once.
+		var err error
+		vals, err = reserveScript.Run(ctx, ep.client, keys, args...).Int64Slice()
+		return err
+	})
+	if err != nil {
+		return err
+	}
+	if len(vals) != 4 {
+		return fmt.Errorf("reserve script returned %d values", len(vals))
+	}
+	res.Admitted = vals[0] == 1
+	res.Totals = engine.Totals{Cur: vals[1], Prev: vals[2], Mine: vals[3]}
+	return nil
+}
+
+// clampCount bounds a count sent to a script to [0, engine.MaxCount].
+func clampCount(n int64) int64 { return min(max(n, 0), engine.MaxCount) }
