@@ -172,9 +172,9 @@ func New(cfg Config) *Engine {
 		cfg.JanitorInterval = DefaultJanitorInterval
 	}
 	e := &Engine{
-		cfg:      cfg,
-		now:      cfg.Now,
-		zones:    xsync.NewMap[zoneKey, *Zone](),
+		cfg:          cfg,
+		now:          cfg.Now,
+		zones:        xsync.NewMap[zoneKey, *Zone](),
 		flights:      xsync.NewMap[*cell, *flight](),
 		reservations: xsync.NewMap[*cell, *flight](),
 		queueLen:     replayQueueLen,

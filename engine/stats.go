@@ -77,10 +77,10 @@ func (e *Engine) Stats() Stats {
 		ReservationErrors:    s.reservationErrors.Load(),
 		ReservationWaits:     s.reservationWaits.Load(),
 
-		Flushes:          s.flushes.Load(),
-		FlushErrors:      s.flushErrors.Load(),
-		LastRead:         msTime(s.lastRead.Load()),
-		LastFlush:        msTime(s.lastFlush.Load()),
+		Flushes:     s.flushes.Load(),
+		FlushErrors: s.flushErrors.Load(),
+		LastRead:    msTime(s.lastRead.Load()),
+		LastFlush:   msTime(s.lastFlush.Load()),
 	}
 }
 

@@ -138,13 +138,13 @@ func (ep *endpoint) record(op Op, err error, start time.Time, cells int) {
 
 func (ep *endpoint) stats() EndpointStats {
 	s := EndpointStats{
-		Address:    ep.address,
-		Kind:       ep.kind,
+		Address:       ep.address,
+		Kind:          ep.kind,
 		Breaker:       breakerState(ep.sync.cb.State()),
 		ReplayBreaker: breakerState(ep.replay.cb.State()),
 		SlowCalls:     ep.slowCalls.Load(),
-		Calls:      make(map[string]map[string]uint64, numOps),
-		RoundTrips: ep.roundTrips.Load(),
+		Calls:         make(map[string]map[string]uint64, numOps),
+		RoundTrips:    ep.roundTrips.Load(),
 	}
 	for op := Op(0); op < numOps; op++ {
 		m := make(map[string]uint64, numOutcomes)
