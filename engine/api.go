@@ -107,6 +107,11 @@ type Totals struct {
 	// Mine is this process's contribution to Cur as the origin records it.
 	// Cur − Mine is what other processes of the region added.
 	Mine int64
+	// Shared reports that the origin records another process in the cell,
+	// even one that has added nothing yet: processes register in a cell
+	// when they first read it, so that two processes starting on one key at
+	// once know of each other before either has replayed a unit.
+	Shared bool
 }
 
 // Delta is one cell's committed units that are due for replay to the origin.

@@ -25,8 +25,10 @@ type cell struct {
 	// absolute total its idempotent writes raise the origin's record to.
 	own atomic.Int64
 	// foreign is the most units of other processes the origin has shown in
-	// the cell (its total minus this process's recorded contribution).
-	foreign atomic.Int64
+	// the cell (its total minus this process's recorded contribution), and
+	// step the growth of foreign between the last two origin answers: the
+	// other processes' admissions in about one replay interval.
+	foreign, step atomic.Int64
 	// fresh is, once the cell is hydrated, the Unix millisecond until which
 	// its origin view counts as fresh; before that, the earliest time to
 	// retry the hydration.
@@ -113,15 +115,19 @@ func (c *cell) mergeOrigin(total int64) {
 // observe records what an origin answer says about other processes: units
 // beyond this process's own contribution make the cell shared.
 func (c *cell) observe(t Totals) {
-	f := t.Cur - t.Mine
-	if f <= 0 {
-		return
-	}
-	for {
-		old := c.foreign.Load()
-		if f <= old || c.foreign.CompareAndSwap(old, f) {
-			break
+	if f := t.Cur - t.Mine; f > 0 {
+		for {
+			old := c.foreign.Load()
+			if f <= old {
+				break
+			}
+			if c.foreign.CompareAndSwap(old, f) {
+				c.step.Store(f - old)
+				break
+			}
 		}
+	} else if !t.Shared {
+		return
 	}
 	if c.state.Load()&stShared == 0 {
 		c.setBits(stShared)
@@ -177,8 +183,10 @@ func (en *entry) current(seq int64) *cell {
 		// A rotated cell of a key that was hydrated counts as hydrated but
 		// stale: the tiers decide whether it is read now or in the
 		// background. Only a first touch hydrates synchronously.
-		// A key that several processes use stays shared across windows.
+		// A key that several processes use stays shared across windows,
+		// and the others' pace carries over as the first estimate.
 		n.state.Store(c.state.Load() & (stHydrated | stShared))
+		n.step.Store(c.step.Load())
 		var np *cell
 		if c.seq == seq-1 {
 			np = c

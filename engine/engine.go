@@ -450,7 +450,9 @@ func (e *Engine) committed(lc *located, cost, effective, limit int64) {
 		return
 	}
 	lc.cur.pending.Add(cost)
-	fast := lc.cur.state.Load()&stShared != 0 || pressureAtLeast(effective, limit, 1, 2)
+	// The first units of a cell replay on the fast tick: a key that starts
+	// on several processes at once is known to be shared within a tick.
+	fast := lc.cur.state.Load()&stShared != 0 || lc.cur.own.Load() == 0 || pressureAtLeast(effective, limit, 1, 2)
 	e.markDirty(lc.zone, lc.id, lc.cur, fast)
 }
 

@@ -26,6 +26,16 @@ func withOrigin(t *testing.T, cfg Config) (*Engine, *fakeClock, *memOrigin) {
 	return e, clk, o
 }
 
+// replayBoth runs one iteration of both replay ticks, fast first.
+func replayBoth(e *Engine) (int, error) {
+	n, err := e.ReplayOnce(bg, Fast)
+	m, err2 := e.ReplayOnce(bg, Slow)
+	if err == nil {
+		err = err2
+	}
+	return n + m, err
+}
+
 // waitFor polls cond until it holds or a generous deadline passes.
 func waitFor(t *testing.T, what string, cond func() bool) {
 	t.Helper()
@@ -42,7 +52,7 @@ func TestHydration_ColdKeyReadsOnceUnderConcurrentFirstRequests(t *testing.T) {
 	e, clk, o := withOrigin(t, Config{})
 	l := lim("cold", time.Minute, 20, 1)
 	seq := clk.UnixMilli() / time.Minute.Milliseconds()
-	o.add(l.Key, seq, 12) // other nodes used 12 of 20
+	o.add(l.Key, seq, 13) // other nodes used 13 of 20
 	gate := make(chan struct{})
 	o.gate.Store(&gate)
 
@@ -65,8 +75,8 @@ func TestHydration_ColdKeyReadsOnceUnderConcurrentFirstRequests(t *testing.T) {
 	if n := o.reads.Load(); n != 1 {
 		t.Fatalf("origin reads = %d, want 1 for 64 concurrent first requests", n)
 	}
-	if admitted.Load() != 8 {
-		t.Fatalf("admitted %d, want the 8 the origin's count leaves", admitted.Load())
+	if admitted.Load() != 7 {
+		t.Fatalf("admitted %d, want the 7 the origin's count leaves", admitted.Load())
 	}
 }
 
@@ -103,7 +113,7 @@ func TestTiers_HotKeyBelowHalfMakesNoSynchronousRead(t *testing.T) {
 		e.Decide(bg, l)
 		clk.AddMs(1) // 5 s in all: freshness lapses several times
 		if i%100 == 0 {
-			if _, err := e.ReplayOnce(bg, Slow); err != nil {
+			if _, err := replayBoth(e); err != nil {
 				t.Fatal(err)
 			}
 		}
@@ -148,9 +158,9 @@ func TestReserve_SharedCellNearItsLimitIsDecidedAtTheOrigin(t *testing.T) {
 	l := lim("k", time.Hour, 100, 1)
 	seq := clk.UnixMilli() / time.Hour.Milliseconds()
 	o.add(l.Key, seq, 1) // another node's unit: the cold read shows it
-	// 1 + 87 = 88: the next request, with the other node's expected growth
-	// (one unit a fast tick), makes 90 %.
-	for i := 0; i < 87; i++ {
+	// 1 + 86 = 87: the next request, with the other node's expected growth
+	// (one unit a replay interval, over two), makes 90 %.
+	for i := 0; i < 86; i++ {
 		if !e.Decide(bg, l).Allowed {
 			t.Fatal("denied below the limit")
 		}
@@ -160,7 +170,7 @@ func TestReserve_SharedCellNearItsLimitIsDecidedAtTheOrigin(t *testing.T) {
 	}
 	// Another node took the rest; this node's view is fresh and does not
 	// show it.
-	o.add(l.Key, seq, 12)
+	o.add(l.Key, seq, 13)
 	d := e.Decide(bg, l)
 	if d.Allowed {
 		t.Fatalf("allowed at the limit without asking the origin: %+v", d)
@@ -236,7 +246,7 @@ func TestStrict_DenialMakesNoOriginCallAndRolloverReserves(t *testing.T) {
 	if _, err := e.ReplayOnce(bg, Fast); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := e.ReplayOnce(bg, Slow); err != nil {
+	if _, err := replayBoth(e); err != nil {
 		t.Fatal(err)
 	}
 	o.add(l.Key, clk.UnixMilli()/60_000, 8) // another node's traffic
@@ -279,7 +289,7 @@ func TestReplay_MergesOtherNodesAndNeverDoubles(t *testing.T) {
 		e.Decide(bg, l)
 	}
 	o.add(l.Key, seq, 100)
-	if n, err := e.ReplayOnce(bg, Slow); err != nil || n != 1 {
+	if n, err := replayBoth(e); err != nil || n != 1 {
 		t.Fatalf("ReplayOnce = %d, %v", n, err)
 	}
 	if got := o.total(l.Key, seq); got != 105 {
@@ -290,7 +300,7 @@ func TestReplay_MergesOtherNodesAndNeverDoubles(t *testing.T) {
 		t.Fatalf("cell = %+v, want regional 105 and nothing pending", ks.Cells[0])
 	}
 	// A second replay with nothing new sends nothing.
-	if n, _ := e.ReplayOnce(bg, Slow); n != 0 {
+	if n, _ := replayBoth(e); n != 0 {
 		t.Fatalf("replayed %d cells with nothing pending", n)
 	}
 }
@@ -303,12 +313,12 @@ func TestReplay_FailedFlushKeepsUnitsForLater(t *testing.T) {
 		e.Decide(bg, l)
 	}
 	o.failFlushes(errOriginDown)
-	if _, err := e.ReplayOnce(bg, Slow); err == nil {
+	if _, err := replayBoth(e); err == nil {
 		t.Fatal("a failed flush reported no error")
 	}
 	o.failFlushes(nil)
 	e.Decide(bg, l)
-	if _, err := e.ReplayOnce(bg, Slow); err != nil {
+	if _, err := replayBoth(e); err != nil {
 		t.Fatal(err)
 	}
 	if got := o.total(l.Key, seq); got != 8 {
@@ -333,7 +343,7 @@ func TestDecideMany_RolledBackUnitsAreNeverReplayed(t *testing.T) {
 			t.Fatal("batch passed a full limit")
 		}
 	}
-	e.ReplayOnce(bg, Slow)
+	replayBoth(e)
 	e.ReplayOnce(bg, Fast)
 	seq := clk.UnixMilli() / time.Hour.Milliseconds()
 	if got := o.total(a.Key, seq); got != 5 {

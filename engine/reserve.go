@@ -41,31 +41,24 @@ func (e *Engine) nearLimit(lc *located, l *Limit, cur, prev, now int64) bool {
 
 // foreignGrowth estimates the units other processes admit to lc's cell
 // between this process's last view of the origin and the moment their
-// units reach it: their rate (the most foreign units seen in the current
-// cell over the time elapsed in it, or in the previous cell over a whole
-// window, whichever is faster) times the age of the view plus one fast
-// tick, the replay interval of a shared cell.
+// units reach it: the growth seen between the last two origin answers (the
+// others' admissions in about one replay interval), scaled by the age of
+// the view in fast ticks, plus two ticks: the others' next replay, and a
+// replay of theirs that a busy machine runs late.
 func (e *Engine) foreignGrowth(lc *located, now int64) int64 {
-	tick := e.fastTickMs()
-	horizon := tick
+	step := lc.cur.step.Load()
+	if step <= 0 {
+		return 0
+	}
+	tick := max(e.fastTickMs(), 1)
+	ticks := int64(2)
 	if seen := lc.cur.fresh.Load() - e.freshnessMs(); seen > 0 && now > seen {
-		horizon += now - seen
+		ticks += (now - seen) / tick
 	}
-	// An estimate, in floating point: it only picks where the origin starts
-	// deciding, and must not overflow whatever the counts.
-	growth := 0.0
-	if f := lc.cur.foreign.Load(); f > 0 {
-		growth = float64(f) * float64(horizon) / float64(max(lc.r, tick, 1))
-	}
-	if p := lc.en.previous(lc.cur); p != nil {
-		if f := p.foreign.Load(); f > 0 {
-			growth = max(growth, float64(f)*float64(horizon)/float64(lc.w))
-		}
-	}
-	if growth >= MaxCount {
+	if step > MaxCount/ticks {
 		return MaxCount
 	}
-	return int64(growth + 0.999999)
+	return step * ticks
 }
 
 // decideAtOrigin decides lc with an origin attached: locally, or for a

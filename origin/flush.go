@@ -116,25 +116,25 @@ func (ep *endpoint) writeOnce(ctx context.Context, keys []string, todo []int, it
 			}
 			continue
 		}
-		cur, mine, perr := parsePair(c)
+		vals, perr := scriptInts(c, 3)
 		if perr != nil {
 			continue
 		}
 		d := item(j)
-		d.Totals = engine.Totals{Cur: cur, Mine: mine}
+		d.Totals = engine.Totals{Cur: vals[0], Mine: vals[1], Shared: vals[2] > 1}
 		d.Done = true
 	}
 	return noScript, err
 }
 
-// parsePair reads the {total, field} reply of writeScript.
-func parsePair(c *redis.Cmd) (total, mine int64, err error) {
+// scriptInts reads a script's reply of n integers.
+func scriptInts(c *redis.Cmd, n int) ([]int64, error) {
 	vals, err := c.Int64Slice()
 	if err != nil {
-		return 0, 0, err
+		return nil, err
 	}
-	if len(vals) != 2 {
-		return 0, 0, fmt.Errorf("write script returned %d values", len(vals))
+	if len(vals) != n {
+		return nil, fmt.Errorf("script returned %d values, want %d", len(vals), n)
 	}
-	return vals[0], vals[1], nil
+	return vals, nil
 }

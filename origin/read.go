@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"strconv"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -43,6 +42,7 @@ type readReq struct {
 	ctx       context.Context
 	deadline  time.Time
 	cur, prev string
+	expire    int64 // Unix ms: the expiry of the cell's contribution hash
 	totals    engine.Totals
 	err       error
 	done      chan struct{}
@@ -67,6 +67,7 @@ func (ep *endpoint) read(ctx context.Context, key engine.Key, seq int64) (engine
 		q.deadline = d
 	}
 	q.cur, q.prev = cellKeys(ep.r.prefix, key, seq)
+	q.expire = expireAt(key, seq).UnixMilli()
 	if err := ep.enqueue(q); err != nil {
 		return engine.Totals{}, err
 	}
@@ -142,11 +143,11 @@ func (ep *endpoint) take() []*readReq {
 	return batch
 }
 
-// readBatch sends one pipeline of an MGET of both cells and an HGET of this
-// process's contribution per request, and hands each request its result.
-// The pipeline runs until the latest deadline in the batch (at least
-// roundTripFloor), not bound to any one caller's context: the others still
-// wait.
+// readBatch sends one pipeline of readScript calls, one per request, and
+// hands each request its result. The pipeline runs until the latest
+// deadline in the batch (at least roundTripFloor), not bound to any one
+// caller's context: the others still wait. A Redis that lost its scripts
+// gets them loaded and the pipeline sent once more (reads are idempotent).
 func (ep *endpoint) readBatch(batch []*readReq) {
 	deadline := time.Now().Add(roundTripFloor)
 	for _, q := range batch {
@@ -156,20 +157,22 @@ func (ep *endpoint) readBatch(batch []*readReq) {
 	}
 	ctx, cancel := context.WithDeadline(context.Background(), deadline)
 	defer cancel()
-	cmds := make([]*redis.SliceCmd, len(batch))
-	mine := make([]*redis.StringCmd, len(batch))
+	cmds := make([]*redis.Cmd, len(batch))
 	err := ep.sync.guard(func() error {
-		pipe := ep.client.Pipeline()
-		for i, q := range batch {
-			// Every key shares a hash tag, so this is single-slot in a
-			// Cluster too.
-			cmds[i] = pipe.MGet(ctx, q.cur, q.prev)
-			mine[i] = pipe.HGet(ctx, ownersKey(q.cur), ep.r.nodeID)
-		}
-		ep.roundTrips.Add(1)
-		_, err := pipe.Exec(ctx)
-		if errors.Is(err, redis.Nil) {
-			err = nil // a process with no units in a cell yet
+		var err error
+		for attempt := 0; attempt < 2; attempt++ {
+			pipe := ep.client.Pipeline()
+			for i, q := range batch {
+				// Every key shares a hash tag: single-slot in a Cluster too.
+				cmds[i] = readScript.EvalSha(ctx, pipe, []string{q.cur, ownersKey(q.cur), q.prev}, ep.r.nodeID, q.expire)
+			}
+			ep.roundTrips.Add(1)
+			if _, err = pipe.Exec(ctx); err == nil || !redis.HasErrorPrefix(err, "NOSCRIPT") {
+				return err
+			}
+			if lerr := readScript.Load(ctx, ep.client).Err(); lerr != nil {
+				return fmt.Errorf("load read script: %w", lerr)
+			}
 		}
 		return err
 	})
@@ -177,64 +180,22 @@ func (ep *endpoint) readBatch(batch []*readReq) {
 		if errors.Is(err, ErrBreakerOpen) {
 			q.err = err
 		} else {
-			q.totals, q.err = parseRead(cmds[i], mine[i])
+			q.totals, q.err = parseRead(cmds[i])
 		}
 		close(q.done)
 	}
 }
 
-// parseRead reads the totals of one request's MGET and HGET.
-func parseRead(cells *redis.SliceCmd, mine *redis.StringCmd) (engine.Totals, error) {
-	var t engine.Totals
-	var err error
-	if t.Cur, t.Prev, err = parseMGet(cells); err != nil {
-		return t, err
+// parseRead reads the reply of one readScript call.
+func parseRead(c *redis.Cmd) (engine.Totals, error) {
+	if c == nil {
+		return engine.Totals{}, errors.New("read not sent")
 	}
-	v, err := mine.Result()
-	switch {
-	case errors.Is(err, redis.Nil):
-	case err != nil:
-		return t, err
-	default:
-		if t.Mine, err = parseTotal(v); err != nil {
-			return t, err
-		}
-	}
-	return t, nil
-}
-
-// parseMGet reads the two totals of an MGET; a missing cell is 0.
-func parseMGet(cmd *redis.SliceCmd) (cur, prev int64, err error) {
-	vals, err := cmd.Result()
+	vals, err := scriptInts(c, 4)
 	if err != nil {
-		return 0, 0, err
+		return engine.Totals{}, err
 	}
-	if len(vals) != 2 {
-		return 0, 0, fmt.Errorf("MGET returned %d values for 2 keys", len(vals))
-	}
-	if cur, err = parseTotal(vals[0]); err != nil {
-		return 0, 0, err
-	}
-	if prev, err = parseTotal(vals[1]); err != nil {
-		return 0, 0, err
-	}
-	return cur, prev, nil
-}
-
-func parseTotal(v any) (int64, error) {
-	switch t := v.(type) {
-	case nil:
-		return 0, nil
-	case string:
-		n, err := strconv.ParseInt(t, 10, 64)
-		if err != nil {
-			return 0, fmt.Errorf("cell holds a non-integer value: %w", err)
-		}
-		return n, nil
-	case int64:
-		return t, nil
-	}
-	return 0, fmt.Errorf("cell holds an unexpected %T", v)
+	return engine.Totals{Cur: vals[0], Prev: vals[1], Mine: vals[2], Shared: vals[3] > 1}, nil
 }
 
 // reserve runs the reservation script for res.
@@ -271,11 +232,11 @@ func (ep *endpoint) reserve(ctx context.Context, res *engine.Reservation) error 
 	if err != nil {
 		return err
 	}
-	if len(vals) != 4 {
+	if len(vals) != 5 {
 		return fmt.Errorf("reserve script returned %d values", len(vals))
 	}
 	res.Admitted = vals[0] == 1
-	res.Totals = engine.Totals{Cur: vals[1], Prev: vals[2], Mine: vals[3]}
+	res.Totals = engine.Totals{Cur: vals[1], Prev: vals[2], Mine: vals[3], Shared: vals[4] > 1}
 	return nil
 }
 

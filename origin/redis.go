@@ -5,8 +5,11 @@
 // breaker per endpoint so a sick Redis costs requests no latency.
 //
 // Cells live at <prefix>:{<namespace>:<identifier>}:<window_ms>:<sequence>
-// (see cellKey). A read is one MGET of the current and previous cell; a
-// flush is one pipeline of INCRBY and PEXPIREAT per endpoint.
+// (see cellKey), each with a contribution hash <cell>:own holding every
+// process's units as an absolute total. Reads, flushes and reservations are
+// scripts (scripts.go): a read returns both cells and registers the
+// process, a flush raises its contribution idempotently, a reservation does
+// the same and decides one request. Reads and flushes are pipelined.
 package origin
 
 import (

@@ -19,7 +19,7 @@ import "github.com/redis/go-redis/v9"
 //
 //	KEYS[1] cell, KEYS[2] its contribution hash
 //	ARGV[1] node ID, ARGV[2] Own, ARGV[3] expiry (Unix ms)
-//	returns {cell total, this process's field}
+//	returns {cell total, this process's field, processes in the hash}
 const writeLua = `
 local max = 9007199254740991
 local mine = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
@@ -34,7 +34,7 @@ if own > mine then
 end
 redis.call('PEXPIREAT', KEYS[1], ARGV[3])
 redis.call('PEXPIREAT', KEYS[2], ARGV[3])
-return {total, mine}
+return {total, mine, redis.call('HLEN', KEYS[2])}
 `
 
 // reserveLua is writeLua followed by the decision of one request against
@@ -51,7 +51,8 @@ return {total, mine}
 //	ARGV[1] node ID, ARGV[2] Own, ARGV[3] expiry (Unix ms), ARGV[4] cost,
 //	ARGV[5] limit, ARGV[6] window ms, ARGV[7] elapsed ms, ARGV[8] global,
 //	ARGV[9] global of the previous cell
-//	returns {admitted 0|1, cell total, previous cell total, this process's field}
+//	returns {admitted 0|1, cell total, previous cell total, this process's
+//	field, processes in the hash}
 const reserveLua = `
 local max = 9007199254740991
 local mine = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
@@ -80,10 +81,31 @@ if room >= 0 and (weighed == 0 or r >= w or weighed * (w - r) <= room * w) then
 end
 redis.call('PEXPIREAT', KEYS[1], ARGV[3])
 redis.call('PEXPIREAT', KEYS[2], ARGV[3])
-return {admitted, total, prev, mine}
+return {admitted, total, prev, mine, redis.call('HLEN', KEYS[2])}
+`
+
+// readLua reads a cell and the one before it, and registers this process
+// in the cell's contribution hash (a field of 0 units) if it is not there
+// yet: two processes that start on one key at once then see each other at
+// their first round trip, before either has replayed a unit.
+//
+//	KEYS[1] cell, KEYS[2] its contribution hash, KEYS[3] the previous cell
+//	ARGV[1] node ID, ARGV[2] expiry (Unix ms)
+//	returns {cell total, previous cell total, this process's field,
+//	processes in the hash}
+const readLua = `
+local mine = redis.call('HGET', KEYS[2], ARGV[1])
+if not mine then
+  redis.call('HSET', KEYS[2], ARGV[1], '0')
+  redis.call('PEXPIREAT', KEYS[2], ARGV[2])
+  mine = '0'
+end
+return {tonumber(redis.call('GET', KEYS[1]) or '0'), tonumber(redis.call('GET', KEYS[3]) or '0'),
+  tonumber(mine), redis.call('HLEN', KEYS[2])}
 `
 
 var (
+	readScript    = redis.NewScript(readLua)
 	writeScript   = redis.NewScript(writeLua)
 	reserveScript = redis.NewScript(reserveLua)
 )
