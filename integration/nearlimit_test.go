@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -32,8 +33,8 @@ func windowStartingNow(t *testing.T, min, max, lead time.Duration) time.Duration
 }
 
 // metric returns the sum of every series of name in the node's /metrics
-// whose labels contain match.
-func (n *node) metric(t *testing.T, name, match string) float64 {
+// whose labels contain every one of match.
+func (n *node) metric(t *testing.T, name string, match ...string) float64 {
 	t.Helper()
 	resp, err := http.Get(fmt.Sprintf("http://localhost:%d/metrics", n.admin))
 	if err != nil {
@@ -45,7 +46,7 @@ func (n *node) metric(t *testing.T, name, match string) float64 {
 	sc.Buffer(make([]byte, 1<<20), 1<<20)
 	for sc.Scan() {
 		line := sc.Text()
-		if !strings.HasPrefix(line, name) || !strings.Contains(line, match) {
+		if !strings.HasPrefix(line, name) || slices.ContainsFunc(match, func(m string) bool { return !strings.Contains(line, m) }) {
 			continue
 		}
 		rest := line[len(name):]
