@@ -103,12 +103,13 @@ func (b *breaker) open() bool { return b.cb.State() == gobreaker.StateOpen }
 
 // guard runs fn through the breaker, translating its refusals. A call that
 // succeeded past the slow-call threshold counts as a failure for the
-// breaker, and as the success it was for the caller.
+// breaker (unless this process was starved of CPU: starve.go), and as the
+// success it was for the caller.
 func (b *breaker) guard(fn func() error) error {
 	_, err := b.cb.Execute(func() (struct{}, error) {
 		start := time.Now()
 		err := fn()
-		if err == nil && b.slow > 0 && time.Since(start) > b.slow {
+		if err == nil && b.slow > 0 && time.Since(start) > b.slow && !sched.starved(b.slow/2) {
 			b.ep.slowCalls.Add(1)
 			return struct{}{}, errSlowCall
 		}
