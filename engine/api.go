@@ -1,10 +1,3 @@
-// Package engine is the local decision engine of the rate limiter: per-key
-// sliding-window counters in memory, decided without a network round trip,
-// with hooks through which a regional origin (see package origin) converges
-// the counts of several processes.
-//
-// The engine imports nothing from Caddy, Redis or MySQL. Time comes from an
-// injectable clock so tests cross window borders without sleeping.
 package engine
 
 import (

@@ -395,17 +395,23 @@ func (e *Engine) decideLocal(lc *located, l *Limit) Decision {
 func (e *Engine) allow(lc *located, l *Limit, ok bool, cur, prev int64) Decision {
 	after := satAdd(cur, l.Cost)
 	e.committed(lc, l.Cost, satAdd(after, weighted(prev, lc.w, lc.r)), l.Limit)
-	d := Decision{
-		Allowed:   true,
-		Limit:     l.Limit,
-		Remaining: remaining(after, prev, l.Limit, lc.w, lc.r),
-		Reset:     msDuration(lc.w - lc.r),
-	}
+	d := lc.passed(l.Limit, after, prev)
 	if !ok {
 		d.Allowed = false
 		d.RetryAfter = retryAfter(cur, prev, l.Cost, l.Limit, lc.w, lc.r)
 	}
 	return d
+}
+
+// passed is the decision of a request that passes limit, with the counts
+// (cur, prev) after it.
+func (lc *located) passed(limit, cur, prev int64) Decision {
+	return Decision{
+		Allowed:   true,
+		Limit:     limit,
+		Remaining: remaining(cur, prev, limit, lc.w, lc.r),
+		Reset:     msDuration(lc.w - lc.r),
+	}
 }
 
 // retryAfter is the Retry-After of a denial at (cur, prev), or Never.
@@ -516,13 +522,9 @@ func (e *Engine) DecideMany(ctx context.Context, ls []Limit, out []Decision) boo
 				continue
 			}
 			// A dry-run limit reports its verdict and records nothing.
-			out[i] = Decision{
-				Allowed:   ok,
-				Limit:     ls[i].Limit,
-				Remaining: remaining(cur, prev, ls[i].Limit, lc.w, lc.r),
-				Reset:     msDuration(lc.w - lc.r),
-			}
+			out[i] = lc.passed(ls[i].Limit, cur, prev)
 			if !ok {
+				out[i].Allowed = false
 				out[i].RetryAfter = retryAfter(cur, prev, ls[i].Cost, ls[i].Limit, lc.w, lc.r)
 			}
 		}
@@ -535,13 +537,9 @@ func (e *Engine) DecideMany(ctx context.Context, ls []Limit, out []Decision) boo
 		lc.cur.spec.Add(-ls[i].Cost)
 		_, cur, prev := lc.snapshot()
 		e.committed(lc, ls[i].Cost, satAdd(cur, weighted(prev, lc.w, lc.r)), ls[i].Limit)
-		out[i] = Decision{
-			Allowed:   !lc.wouldDeny,
-			Limit:     ls[i].Limit,
-			Remaining: remaining(cur, prev, ls[i].Limit, lc.w, lc.r),
-			Reset:     msDuration(lc.w - lc.r),
-		}
+		out[i] = lc.passed(ls[i].Limit, cur, prev)
 		if lc.wouldDeny {
+			out[i].Allowed = false
 			out[i].RetryAfter = lc.dryRetry
 		}
 	}

@@ -159,10 +159,5 @@ func (e *Engine) reserveAtOrigin(ctx context.Context, o Origin, lc *located, l *
 	addSat(&c.count, l.Cost)
 	e.merge(lc.en, c, r.Totals, sent)
 	_, cur, prev := lc.snapshot()
-	return Decision{
-		Allowed:   true,
-		Limit:     l.Limit,
-		Remaining: remaining(cur, prev, l.Limit, lc.w, lc.r),
-		Reset:     msDuration(lc.w - lc.r),
-	}, true
+	return lc.passed(l.Limit, cur, prev), true
 }

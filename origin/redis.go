@@ -1,15 +1,3 @@
-// Package origin is the regional origin of the rate limiter: the Redis I/O
-// behind engine.Origin. The engine decides when to read and replay (pressure
-// tiers, ticks, single flight, timeouts) and merges what comes back with
-// max; this package only moves counts in and out of Redis, with a circuit
-// breaker per endpoint so a sick Redis costs requests no latency.
-//
-// Cells live at <prefix>:{<namespace>:<identifier>}:<window_ms>:<sequence>
-// (see cellKey), each with a contribution hash <cell>:own holding every
-// process's units as an absolute total. Reads, flushes and reservations are
-// scripts (scripts.go): a read returns both cells and registers the
-// process, a flush raises its contribution idempotently, a reservation does
-// the same and decides one request. Reads and flushes are pipelined.
 package origin
 
 import (
