@@ -24,11 +24,10 @@ type cell struct {
 	// own is every unit of this process handed to the origin so far: the
 	// absolute total its idempotent writes raise the origin's record to.
 	own atomic.Int64
-	// foreign is the most units of other processes the origin has shown in
-	// the cell (its total minus this process's recorded contribution), and
-	// step the growth of foreign between the last two origin answers: the
-	// other processes' admissions in about one replay interval.
-	foreign, step atomic.Int64
+	// step is the growth of other processes' units in the cell between the
+	// last two origin answers: their admissions in about one replay
+	// interval.
+	step atomic.Int64
 	// fresh is, once the cell is hydrated, the Unix millisecond until which
 	// its origin view counts as fresh; before that, the earliest time to
 	// retry the hydration.
@@ -114,17 +113,16 @@ func (c *cell) mergeOrigin(total int64) {
 
 // observe records what an origin answer says about other processes: units
 // beyond this process's own contribution make the cell shared.
+//
+// It runs before the answer is merged, so the other processes' units in the
+// local view are the count less this process's own (replayed, pending and
+// speculative): the step is what the answer adds to them. No field keeps
+// the others' units, so a cell stays small.
 func (c *cell) observe(t Totals) {
 	if f := t.Cur - t.Mine; f > 0 {
-		for {
-			old := c.foreign.Load()
-			if f <= old {
-				break
-			}
-			if c.foreign.CompareAndSwap(old, f) {
-				c.step.Store(f - old)
-				break
-			}
+		seen := c.count.Load() - c.own.Load() - c.pending.Load() - c.spec.Load()
+		if d := f - max(seen, 0); d > 0 {
+			c.step.Store(d)
 		}
 	} else if !t.Shared {
 		return
