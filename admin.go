@@ -97,22 +97,28 @@ type zoneStatus struct {
 }
 
 type engineStatus struct {
-	Entries          int64      `json:"entries"`
-	StrictKeys       int64      `json:"strict_keys"`
-	Evictions        int64      `json:"evictions"`
-	FirstDenials     int64      `json:"first_denials"`
-	PendingCells     int64      `json:"pending_cells"`
-	ReplayDrops      int64      `json:"replay_drops"`
-	Reads            int64      `json:"reads"`
-	ReadErrors       int64      `json:"read_errors"`
-	ReadWaitTimeouts int64      `json:"read_wait_timeouts"`
-	SharedReads      int64      `json:"shared_reads"`
-	SyncReads        int64      `json:"sync_reads"`
-	BackgroundReads  int64      `json:"background_reads"`
-	Flushes          int64      `json:"flushes"`
-	FlushErrors      int64      `json:"flush_errors"`
-	LastRead         *time.Time `json:"last_read"`
-	LastFlush        *time.Time `json:"last_flush"`
+	Entries          int64 `json:"entries"`
+	StrictKeys       int64 `json:"strict_keys"`
+	Evictions        int64 `json:"evictions"`
+	FirstDenials     int64 `json:"first_denials"`
+	PendingCells     int64 `json:"pending_cells"`
+	ReplayDrops      int64 `json:"replay_drops"`
+	Reads            int64 `json:"reads"`
+	ReadErrors       int64 `json:"read_errors"`
+	ReadWaitTimeouts int64 `json:"read_wait_timeouts"`
+	SharedReads      int64 `json:"shared_reads"`
+	SyncReads        int64 `json:"sync_reads"`
+	BackgroundReads  int64 `json:"background_reads"`
+	// Reservations are decisions made at the origin (shared keys near
+	// their limit, or in strict mode).
+	Reservations         int64      `json:"reservations"`
+	ReservationsAdmitted int64      `json:"reservations_admitted"`
+	ReservationsDenied   int64      `json:"reservations_denied"`
+	ReservationErrors    int64      `json:"reservation_errors"`
+	Flushes              int64      `json:"flushes"`
+	FlushErrors          int64      `json:"flush_errors"`
+	LastRead             *time.Time `json:"last_read"`
+	LastFlush            *time.Time `json:"last_flush"`
 }
 
 type originStatus struct {
@@ -121,14 +127,17 @@ type originStatus struct {
 
 type endpointStatus struct {
 	// Address has scheme, hosts, port and database: never credentials.
-	Address    string                       `json:"address"`
-	Kind       string                       `json:"kind"`
-	Breaker    string                       `json:"breaker"`
-	Calls      map[string]map[string]uint64 `json:"calls"`
-	RoundTrips uint64                       `json:"round_trips"`
-	Readded    uint64                       `json:"readded"`
-	LastRead   *time.Time                   `json:"last_read"`
-	LastFlush  *time.Time                   `json:"last_flush"`
+	Address string `json:"address"`
+	Kind    string `json:"kind"`
+	// Breaker guards the request path (reads, reservations), ReplayBreaker
+	// replay.
+	Breaker       string                       `json:"breaker"`
+	ReplayBreaker string                       `json:"replay_breaker"`
+	Calls         map[string]map[string]uint64 `json:"calls"`
+	RoundTrips    uint64                       `json:"round_trips"`
+	SlowCalls     uint64                       `json:"slow_calls"`
+	LastRead      *time.Time                   `json:"last_read"`
+	LastFlush     *time.Time                   `json:"last_flush"`
 }
 
 // keyDoc is one key of GET /ratelimit/counters.
@@ -214,14 +223,15 @@ func (a *AdminAPI) handleStatus(w http.ResponseWriter, r *http.Request) error {
 		origin := &originStatus{Endpoints: []endpointStatus{}}
 		for _, ep := range o.Stats().Endpoints {
 			origin.Endpoints = append(origin.Endpoints, endpointStatus{
-				Address:    ep.Address,
-				Kind:       ep.Kind,
-				Breaker:    string(ep.Breaker),
-				Calls:      ep.Calls,
-				RoundTrips: ep.RoundTrips,
-				Readded:    ep.Readded,
-				LastRead:   timeOrNull(ep.LastRead),
-				LastFlush:  timeOrNull(ep.LastFlush),
+				Address:       ep.Address,
+				Kind:          ep.Kind,
+				Breaker:       string(ep.Breaker),
+				ReplayBreaker: string(ep.ReplayBreaker),
+				Calls:         ep.Calls,
+				RoundTrips:    ep.RoundTrips,
+				SlowCalls:     ep.SlowCalls,
+				LastRead:      timeOrNull(ep.LastRead),
+				LastFlush:     timeOrNull(ep.LastFlush),
 			})
 		}
 		doc.Origin = origin
@@ -232,22 +242,26 @@ func (a *AdminAPI) handleStatus(w http.ResponseWriter, r *http.Request) error {
 
 func engineStatusOf(s engine.Stats) engineStatus {
 	return engineStatus{
-		Entries:          s.Entries,
-		StrictKeys:       s.StrictKeys,
-		Evictions:        s.Evictions,
-		FirstDenials:     s.FirstDenials,
-		PendingCells:     s.PendingCells,
-		ReplayDrops:      s.ReplayDrops,
-		Reads:            s.Reads,
-		ReadErrors:       s.ReadErrors,
-		ReadWaitTimeouts: s.ReadWaitTimeouts,
-		SharedReads:      s.SharedReads,
-		SyncReads:        s.SyncReads,
-		BackgroundReads:  s.BackgroundReads,
-		Flushes:          s.Flushes,
-		FlushErrors:      s.FlushErrors,
-		LastRead:         timeOrNull(s.LastRead),
-		LastFlush:        timeOrNull(s.LastFlush),
+		Entries:              s.Entries,
+		StrictKeys:           s.StrictKeys,
+		Evictions:            s.Evictions,
+		FirstDenials:         s.FirstDenials,
+		PendingCells:         s.PendingCells,
+		ReplayDrops:          s.ReplayDrops,
+		Reads:                s.Reads,
+		ReadErrors:           s.ReadErrors,
+		ReadWaitTimeouts:     s.ReadWaitTimeouts,
+		SharedReads:          s.SharedReads,
+		SyncReads:            s.SyncReads,
+		BackgroundReads:      s.BackgroundReads,
+		Reservations:         s.Reservations,
+		ReservationsAdmitted: s.ReservationsAdmitted,
+		ReservationsDenied:   s.ReservationsDenied,
+		ReservationErrors:    s.ReservationErrors,
+		Flushes:              s.Flushes,
+		FlushErrors:          s.FlushErrors,
+		LastRead:             timeOrNull(s.LastRead),
+		LastFlush:            timeOrNull(s.LastFlush),
 	}
 }
 

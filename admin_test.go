@@ -3,6 +3,7 @@ package ratelimit
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -103,13 +104,19 @@ func (r adminReply) decode(t *testing.T, status int, v any) {
 // with it the engine enters strict mode on denials, as it does with Redis.
 type fakeOrigin struct{}
 
-func (fakeOrigin) Read(context.Context, engine.Key, int64) (int64, int64, error) { return 0, 0, nil }
+func (fakeOrigin) Read(context.Context, engine.Key, int64) (engine.Totals, error) {
+	return engine.Totals{}, nil
+}
 
 func (fakeOrigin) Flush(_ context.Context, batch []engine.Delta) error {
 	for i := range batch {
-		batch[i].Total, batch[i].Done = batch[i].Own, true
+		batch[i].Totals, batch[i].Done = engine.Totals{Cur: batch[i].Own, Mine: batch[i].Own}, true
 	}
 	return nil
+}
+
+func (fakeOrigin) Reserve(context.Context, *engine.Reservation) error {
+	return errors.New("the fake origin decides nothing")
 }
 
 // fakeView is what the status reads of an origin.
@@ -245,7 +252,7 @@ func TestAdmin_Routes(t *testing.T) {
 		st := lookupState()
 		st.engine.SetOrigin(fakeOrigin{})
 		st.obs.setOrigin(fakeView{origin.Stats{Endpoints: []origin.EndpointStats{{
-			Address: "redis://127.0.0.1:6379/0", Kind: "standalone", Breaker: origin.BreakerOpen,
+			Address: "redis://127.0.0.1:6379/0", Kind: "standalone", Breaker: origin.BreakerOpen, ReplayBreaker: origin.BreakerClosed,
 			Calls:    map[string]map[string]uint64{"read": {"ok": 2}},
 			LastRead: now,
 		}}}})
@@ -272,7 +279,7 @@ func TestAdmin_Routes(t *testing.T) {
 			Origin json.RawMessage `json:"origin"`
 		}
 		adminDo(t, admin, "GET", "/ratelimit/status").decode(t, 200, &doc)
-		want := fmt.Sprintf(`{"endpoints":[{"address":"redis://127.0.0.1:6379/0","kind":"standalone","breaker":"open","calls":{"read":{"ok":2}},"round_trips":0,"readded":0,"last_read":%q,"last_flush":null}]}`,
+		want := fmt.Sprintf(`{"endpoints":[{"address":"redis://127.0.0.1:6379/0","kind":"standalone","breaker":"open","replay_breaker":"closed","calls":{"read":{"ok":2}},"round_trips":0,"slow_calls":0,"last_read":%q,"last_flush":null}]}`,
 			now.UTC().Format(time.RFC3339Nano))
 		if string(doc.Origin) != want {
 			t.Fatalf("origin\n%s\nwant\n%s", doc.Origin, want)

@@ -88,7 +88,7 @@ var (
 
 	originCallsTotal = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: metricName("origin_calls_total"),
-		Help: "Calls to the regional origin (Redis) per endpoint, by operation (read, flush) and outcome (ok, error, timeout, rejected by the breaker).",
+		Help: "Calls to the regional origin (Redis) per endpoint, by operation (read, flush, reserve) and outcome (ok, error, timeout, rejected by the breaker).",
 	}, []string{"endpoint", "op", "outcome"})
 
 	originCallSeconds = prometheus.NewHistogramVec(prometheus.HistogramOpts{
@@ -99,8 +99,8 @@ var (
 
 	breakerTransitionsTotal = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: metricName("origin_breaker_transitions_total"),
-		Help: "Circuit breaker state changes per origin endpoint, by the state entered (open, half-open, closed).",
-	}, []string{"endpoint", "state"})
+		Help: "Circuit breaker state changes per origin endpoint and breaker (ratelimit_origin: the request path; ratelimit_origin_replay: replay), by the state entered (open, half-open, closed).",
+	}, []string{"endpoint", "breaker", "state"})
 
 	// engineMetrics reads the pooled engine (and origin) at scrape time.
 	engineMetrics = new(engineCollector)
@@ -177,7 +177,7 @@ type originCallMetrics struct {
 
 // The origin's ops and outcomes, as the label values index them.
 const (
-	numOriginOps      = int(origin.OpFlush) + 1
+	numOriginOps      = int(origin.OpReserve) + 1
 	numOriginOutcomes = int(origin.OutcomeRejected) + 1
 )
 
@@ -218,8 +218,8 @@ func observeOriginCall(ci origin.CallInfo) {
 }
 
 // observeBreakerChange counts a breaker transition.
-func observeBreakerChange(endpoint string, to origin.BreakerState) {
-	breakerTransitionsTotal.WithLabelValues(endpoint, string(to)).Inc()
+func observeBreakerChange(endpoint, breaker string, to origin.BreakerState) {
+	breakerTransitionsTotal.WithLabelValues(endpoint, breaker, string(to)).Inc()
 }
 
 // engineCollector exports the pooled engine's state at scrape time: nothing
@@ -249,7 +249,9 @@ var (
 	descCellReads = newDesc("cell_reads_total",
 		"Reads of a cell pair from the origin, by outcome (ok, error).", "outcome")
 	descSyncReads = newDesc("sync_reads_total",
-		"Decisions that waited for an origin read (cold key, stale near the limit, or strict mode).")
+		"Decisions that waited for an origin read (a cold key, or a stale one at half its limit or more): request-path round trips.")
+	descReservations = newDesc("reservations_total",
+		"Decisions made at the origin, one request-path round trip each (a key other processes also count, near its limit or in strict mode), by verdict (admitted, denied, error: decided locally).", "result")
 	descSharedReads = newDesc("shared_reads_total",
 		"Decisions that joined an origin read already in flight instead of starting one.")
 	descBackgroundReads = newDesc("background_reads_total",
@@ -261,15 +263,15 @@ var (
 	descLastFlush = newDesc("last_flush_timestamp_seconds",
 		"Unix time of the last successful replay flush; 0 if none.")
 	descBreakerState = newDesc("origin_breaker_state",
-		"1 for the state each origin endpoint's circuit breaker is in (closed, half-open, open), 0 for the others.", "endpoint", "state")
-	descReadded = newDesc("origin_readded_units_total",
-		"Units this process re-added to an endpoint because it returned a total below this process's own contribution (Redis restarted empty).", "endpoint")
+		"1 for the state each origin endpoint's circuit breakers are in (closed, half-open, open), 0 for the others; breaker ratelimit_origin guards the request path, ratelimit_origin_replay replay.", "endpoint", "breaker", "state")
+	descSlowCalls = newDesc("origin_slow_calls_total",
+		"Request-path calls to an endpoint that answered slower than breaker_slow_call (each a failure for its breaker).", "endpoint")
 
 	engineDescs = []*prometheus.Desc{
 		descEntries, descStrictKeys, descEvictions, descFirstDenials,
 		descPendingCells, descReplayDrops, descReplayBatches, descCellReads,
 		descSyncReads, descSharedReads, descBackgroundReads, descReadWaitTimeouts,
-		descLastRead, descLastFlush, descBreakerState, descReadded,
+		descLastRead, descLastFlush, descBreakerState, descSlowCalls, descReservations,
 	}
 	breakerStates = []origin.BreakerState{origin.BreakerClosed, origin.BreakerHalfOpen, origin.BreakerOpen}
 )
@@ -308,6 +310,9 @@ func (*engineCollector) Collect(ch chan<- prometheus.Metric) {
 	counter(descSharedReads, s.SharedReads)
 	counter(descBackgroundReads, s.BackgroundReads)
 	counter(descReadWaitTimeouts, s.ReadWaitTimeouts)
+	counter(descReservations, s.ReservationsAdmitted, "admitted")
+	counter(descReservations, s.ReservationsDenied, "denied")
+	counter(descReservations, s.ReservationErrors, "error")
 	gauge(descLastRead, unixSeconds(s.LastRead))
 	gauge(descLastFlush, unixSeconds(s.LastFlush))
 
@@ -316,14 +321,19 @@ func (*engineCollector) Collect(ch chan<- prometheus.Metric) {
 		return
 	}
 	for _, ep := range o.Stats().Endpoints {
-		for _, bs := range breakerStates {
-			v := 0.0
-			if ep.Breaker == bs {
-				v = 1
+		for _, b := range []struct {
+			name  string
+			state origin.BreakerState
+		}{{origin.BreakerName, ep.Breaker}, {origin.ReplayBreakerName, ep.ReplayBreaker}} {
+			for _, bs := range breakerStates {
+				v := 0.0
+				if b.state == bs {
+					v = 1
+				}
+				gauge(descBreakerState, v, ep.Address, b.name, string(bs))
 			}
-			gauge(descBreakerState, v, ep.Address, string(bs))
 		}
-		ch <- prometheus.MustNewConstMetric(descReadded, prometheus.CounterValue, float64(ep.Readded), ep.Address)
+		ch <- prometheus.MustNewConstMetric(descSlowCalls, prometheus.CounterValue, float64(ep.SlowCalls), ep.Address)
 	}
 }
 

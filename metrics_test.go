@@ -267,8 +267,9 @@ func TestMetrics_RegisterTwiceIsSuccess(t *testing.T) {
 	if _, err := reg.Gather(); err != nil {
 		t.Fatalf("gather with an engine and an origin: %v", err)
 	}
-	if got := collectCount(engineMetrics, "caddy_ratelimit_origin_breaker_state"); got != 6 {
-		t.Fatalf("%d breaker state series for two endpoints, want 6", got)
+	// Two endpoints × two breakers × three states.
+	if got := collectCount(engineMetrics, "caddy_ratelimit_origin_breaker_state"); got != 12 {
+		t.Fatalf("%d breaker state series for two endpoints, want 12", got)
 	}
 }
 

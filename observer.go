@@ -190,18 +190,21 @@ func (o *observer) streak(endpoint string) *atomic.Int64 {
 // breakerChanged logs a breaker transition and counts it. An open breaker
 // is a warning (decisions are local-only for that endpoint); half-open and
 // closed are the recovery.
-func (o *observer) breakerChanged(endpoint string, from, to origin.BreakerState) {
-	observeBreakerChange(endpoint, to)
+func (o *observer) breakerChanged(endpoint, breaker string, from, to origin.BreakerState) {
+	observeBreakerChange(endpoint, breaker, to)
 	fields := []zap.Field{
 		zap.String("endpoint", endpoint),
+		zap.String("breaker", breaker),
 		zap.String("from", string(from)),
 		zap.String("to", string(to)),
 	}
 	log := o.view().logger
-	switch to {
-	case origin.BreakerOpen:
+	switch {
+	case to == origin.BreakerOpen && breaker == origin.ReplayBreakerName:
+		log.Warn("redis circuit breaker open: replay holds counts until redis answers", fields...)
+	case to == origin.BreakerOpen:
 		log.Warn("redis circuit breaker open: decisions use local counts", fields...)
-	case origin.BreakerHalfOpen:
+	case to == origin.BreakerHalfOpen:
 		log.Info("redis circuit breaker half-open: probing", fields...)
 	default:
 		log.Info("redis circuit breaker closed: redis answers again", fields...)

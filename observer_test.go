@@ -134,10 +134,10 @@ func TestObserver_BreakerTransitions(t *testing.T) {
 	app, logs := observedApp(zapcore.DebugLevel, identities{})
 	o.attach(app)
 	const ep = "redis://breaker.example:6379/0"
-	before := counterValue(t, breakerTransitionsTotal.WithLabelValues(ep, string(origin.BreakerOpen)))
-	o.breakerChanged(ep, origin.BreakerClosed, origin.BreakerOpen)
-	o.breakerChanged(ep, origin.BreakerOpen, origin.BreakerHalfOpen)
-	o.breakerChanged(ep, origin.BreakerHalfOpen, origin.BreakerClosed)
+	before := counterValue(t, breakerTransitionsTotal.WithLabelValues(ep, origin.BreakerName, string(origin.BreakerOpen)))
+	o.breakerChanged(ep, origin.BreakerName, origin.BreakerClosed, origin.BreakerOpen)
+	o.breakerChanged(ep, origin.BreakerName, origin.BreakerOpen, origin.BreakerHalfOpen)
+	o.breakerChanged(ep, origin.BreakerName, origin.BreakerHalfOpen, origin.BreakerClosed)
 	want := []zapcore.Level{zapcore.WarnLevel, zapcore.InfoLevel, zapcore.InfoLevel}
 	all := logs.All()
 	if len(all) != len(want) {
@@ -148,7 +148,7 @@ func TestObserver_BreakerTransitions(t *testing.T) {
 			t.Errorf("line %d: %s %q %v", i, e.Level, e.Message, e.ContextMap())
 		}
 	}
-	if got := counterValue(t, breakerTransitionsTotal.WithLabelValues(ep, string(origin.BreakerOpen))) - before; got != 1 {
+	if got := counterValue(t, breakerTransitionsTotal.WithLabelValues(ep, origin.BreakerName, string(origin.BreakerOpen))) - before; got != 1 {
 		t.Fatalf("open transitions +%v, want +1", got)
 	}
 }

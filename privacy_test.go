@@ -126,7 +126,7 @@ func TestPrivacy_PasswordAndIdentifiersStayInside(t *testing.T) {
 	})
 	metrics := adminDo(t, admin, "GET", "/metrics").body
 	noPassword("/metrics", metrics)
-	if series := fmt.Sprintf(`caddy_ratelimit_origin_breaker_state{endpoint=%q,state="open"} 1`, endpoint); !bytes.Contains(metrics, []byte(series)) {
+	if series := fmt.Sprintf(`caddy_ratelimit_origin_breaker_state{breaker="ratelimit_origin",endpoint=%q,state="open"} 1`, endpoint); !bytes.Contains(metrics, []byte(series)) {
 		t.Fatalf("/metrics lacks %s", series)
 	}
 	noPassword("status with Redis down", adminDo(t, admin, "GET", "/ratelimit/status").body)

@@ -201,9 +201,17 @@ type mappedOrigin struct {
 	mapID func(string) string
 }
 
-func (m *mappedOrigin) Read(ctx context.Context, key engine.Key, seq int64) (int64, int64, error) {
+func (m *mappedOrigin) Read(ctx context.Context, key engine.Key, seq int64) (engine.Totals, error) {
 	key.Identifier = m.mapID(key.Identifier)
 	return m.Origin.Read(ctx, key, seq)
+}
+
+func (m *mappedOrigin) Reserve(ctx context.Context, r *engine.Reservation) error {
+	raw := r.Key.Identifier
+	r.Key.Identifier = m.mapID(raw)
+	err := m.Origin.Reserve(ctx, r)
+	r.Key.Identifier = raw
+	return err
 }
 
 func (m *mappedOrigin) Flush(ctx context.Context, batch []engine.Delta) error {
@@ -236,6 +244,7 @@ func (m *mappedOrigin) Flush(ctx context.Context, batch []engine.Delta) error {
 //	    breaker_timeout       <duration>
 //	    breaker_min_requests  <n>
 //	    breaker_failure_ratio <ratio>
+//	    breaker_slow_call     <duration>
 //	}
 //
 // Each line is checked where it stands, so `caddy adapt` names its line.
@@ -274,6 +283,7 @@ var originSubdirectives = map[string]func(d *caddyfile.Dispenser, a *App) error{
 	"breaker_interval":      durationOption(func(c *origin.Config, v origin.Duration) { c.Breaker.Interval = v }),
 	"breaker_timeout":       durationOption(func(c *origin.Config, v origin.Duration) { c.Breaker.Timeout = v }),
 	"breaker_failure_ratio": ratioOption(func(c *origin.Config, r float64) { c.Breaker.FailureRatio = r }),
+	"breaker_slow_call":     durationOption(func(c *origin.Config, v origin.Duration) { c.Breaker.SlowCall = v }),
 }
 
 // setOrigin applies one line to the app's origin settings and checks the

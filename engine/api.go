@@ -1,10 +1,3 @@
-// Package engine is the local decision engine of the rate limiter: per-key
-// sliding-window counters in memory, decided without a network round trip,
-// with hooks through which a regional origin (see package origin) converges
-// the counts of several processes.
-//
-// The engine imports nothing from Caddy, Redis or MySQL. Time comes from an
-// injectable clock so tests cross window borders without sleeping.
 package engine
 
 import (
@@ -72,18 +65,46 @@ type Decision struct {
 
 // Origin is what the engine needs of a regional origin (Redis in
 // production). Implementations do I/O only; the engine decides when to call
-// them and merges what they return.
+// them and merges what they return with max.
+//
+// Every write is idempotent: it carries this process's absolute total for
+// the cell (Own), and the origin raises its record of this process's
+// contribution to that total and adds the difference to the cell. A
+// replayed write, a lost reply, two overlapping writes of one cell and an
+// origin restarted empty are then no-ops or exact re-adds.
 type Origin interface {
-	// Read returns the origin's totals for the cell of key at sequence seq and
-	// for the previous cell (seq − 1). The engine calls it with a deadline in
+	// Read returns the origin's view of the cell of key at sequence seq and
+	// of the previous cell (seq − 1). The engine calls it with a deadline in
 	// ctx (the read timeout) and never on a denial.
-	Read(ctx context.Context, key Key, seq int64) (cur, prev int64, err error)
-	// Flush adds each batch[i].Delta to its cell and stores the cell's total
-	// afterwards in batch[i].Total, setting batch[i].Done for every item the
+	Read(ctx context.Context, key Key, seq int64) (Totals, error)
+	// Flush raises, for each item, this process's contribution to the cell
+	// to batch[i].Own, adds the difference to the cell, and stores the
+	// results in batch[i].Totals, setting batch[i].Done for every item the
 	// origin applied. Items left not Done are given back to their cells and
-	// replayed later, so an implementation must never report Done for an item
-	// it did not apply, nor leave Done unset for one it applied.
+	// replayed later; writes being idempotent, an applied item reported not
+	// Done (a lost reply) costs one repeated no-op, never a double count.
 	Flush(ctx context.Context, batch []Delta) error
+	// Reserve decides r at the origin, atomically: it applies r.Own as a
+	// Flush would, then admits r.Cost only if the region's count, the
+	// weighted previous cell, r.Global and the cost stay within r.Limit,
+	// charging it in the same step. It stores the verdict and the totals in
+	// r. The engine calls it with a deadline in ctx.
+	Reserve(ctx context.Context, r *Reservation) error
+}
+
+// Totals is what the origin holds for a cell and the cell before it.
+type Totals struct {
+	// Cur and Prev are the region's totals of the cell and of the previous
+	// cell, saturated at MaxCount.
+	Cur, Prev int64
+	// Mine is this process's contribution to Cur as the origin records it.
+	// Cur − Mine is what other processes of the region added.
+	Mine int64
+	// Shared reports that the origin records another process in the cell,
+	// even one that has added nothing yet: processes register in a cell
+	// when they first read it, so that two processes starting on one key at
+	// once know of each other before either has replayed a unit.
+	Shared bool
 }
 
 // Delta is one cell's committed units that are due for replay to the origin.
@@ -92,18 +113,43 @@ type Delta struct {
 	Key      Key
 	Sequence int64
 	// Delta is the number of units committed locally since the cell's last
-	// replay.
+	// replay (for accounting; the write itself is Own).
 	Delta int64
 	// Own is every unit this process has committed to the cell, Delta
-	// included. An origin whose total comes back below Own lost this
-	// process's contribution (restarted empty) and should re-add the
-	// difference.
+	// included: the absolute total the origin raises this process's
+	// contribution to.
 	Own int64
-	// Total is set by Flush: the origin's total for the cell after the add.
-	Total int64
+	// Totals is set by Flush: the cell's totals after the write (Prev is
+	// not read by a flush and stays zero).
+	Totals Totals
 	// Done is set by Flush for each item the origin applied.
 	Done bool
 
 	zone *Zone
 	cell *cell
+}
+
+// Reservation is one request decided at the origin.
+type Reservation struct {
+	// Key and Sequence name the cell.
+	Key      Key
+	Sequence int64
+	// Own is this process's absolute total for the cell before the request:
+	// the origin raises its record to it first, as a Flush would.
+	Own int64
+	// Cost and Limit are the request's.
+	Cost, Limit int64
+	// Elapsed is the milliseconds elapsed in the window at the decision,
+	// which weighs the previous cell: it passes with
+	// cur + Global + cost + (prev + GlobalPrev) × (w − Elapsed) / w ≤ Limit.
+	Elapsed int64
+	// Global and GlobalPrev are the units this process imported from other
+	// regions for the cell and the previous cell; the origin does not hold
+	// them, but they count.
+	Global, GlobalPrev int64
+
+	// Admitted and Totals are set by Reserve. When Admitted, Totals.Cur and
+	// Totals.Mine include the cost.
+	Admitted bool
+	Totals   Totals
 }

@@ -21,8 +21,13 @@ type cell struct {
 	global atomic.Int64
 	// pending is committed units not yet handed to the origin.
 	pending atomic.Int64
-	// own is every unit of this process handed to the origin so far.
+	// own is every unit of this process handed to the origin so far: the
+	// absolute total its idempotent writes raise the origin's record to.
 	own atomic.Int64
+	// step is the growth of other processes' units in the cell between the
+	// last two origin answers: their admissions in about one replay
+	// interval.
+	step atomic.Int64
 	// fresh is, once the cell is hydrated, the Unix millisecond until which
 	// its origin view counts as fresh; before that, the earliest time to
 	// retry the hydration.
@@ -45,10 +50,14 @@ const (
 	// stBlocked: the cell has denied a request (first-denial notification
 	// sent).
 	stBlocked
-	// stFlushing: a delta of the cell is with the origin. One flush per cell
-	// at a time, so the origin never sees two overlapping totals of a cell
-	// from one process.
+	// stFlushing: a delta of the cell is with the replay. One flush per cell
+	// at a time keeps replay batches small; correctness does not depend on
+	// it (writes are idempotent).
 	stFlushing
+	// stShared: the origin has shown units of another process in this cell
+	// or in the cell it rotated from. A shared cell replays on the fast tick
+	// and decides its last tenth at the origin.
+	stShared
 )
 
 // setBits sets bits in the state and reports whether this call set any of
@@ -80,24 +89,50 @@ func (c *cell) committed() int64 { return c.count.Load() - c.spec.Load() }
 
 // total is what decisions weigh: local and regional units plus the count
 // imported from other regions.
-func (c *cell) total() int64 { return c.count.Load() + c.global.Load() }
+func (c *cell) total() int64 { return satAdd(c.count.Load(), c.global.Load()) }
 
-// mergeMax raises count to at least v. Counts only ever grow by merges, so a
-// late or repeated merge can never undo units counted since.
-func (c *cell) mergeMax(v int64) {
+// mergeOrigin merges an origin total into the cell: count rises to at least
+// total plus what the origin has not seen (this process's pending units and
+// speculative reservations). Counts only ever grow by merges, so a late or
+// repeated merge can never undo units counted since.
+//
+// The speculative count is read on both sides of the count, and the merge
+// retries when a batch rolled back in between: a rollback lowers spec, then
+// count, and a merge that saw the old spec with the new count would add the
+// rolled-back units back for good.
+func (c *cell) mergeOrigin(total int64) {
 	for {
+		s := c.spec.Load()
 		old := c.count.Load()
+		v := satAdd(satAdd(clampUnits(total), c.pending.Load()), s)
+		if c.spec.Load() != s {
+			continue
+		}
 		if v <= old || c.count.CompareAndSwap(old, v) {
 			return
 		}
 	}
 }
 
-// mergeOrigin merges an origin total into the cell. The origin has not seen
-// this process's pending units, nor its speculative reservations, so they
-// are added on top of the origin's total.
-func (c *cell) mergeOrigin(total int64) {
-	c.mergeMax(total + c.pending.Load() + c.spec.Load())
+// observe records what an origin answer says about other processes: units
+// beyond this process's own contribution make the cell shared.
+//
+// It runs before the answer is merged, so the other processes' units in the
+// local view are the count less this process's own (replayed, pending and
+// speculative): the step is what the answer adds to them. No field keeps
+// the others' units, so a cell stays small.
+func (c *cell) observe(t Totals) {
+	if f := t.Cur - t.Mine; f > 0 {
+		seen := c.count.Load() - c.own.Load() - c.pending.Load() - c.spec.Load()
+		if d := f - max(seen, 0); d > 0 {
+			c.step.Store(d)
+		}
+	} else if !t.Shared {
+		return
+	}
+	if c.state.Load()&stShared == 0 {
+		c.setBits(stShared)
+	}
 }
 
 // extendFresh moves the freshness deadline forward to until (never back).
@@ -149,7 +184,10 @@ func (en *entry) current(seq int64) *cell {
 		// A rotated cell of a key that was hydrated counts as hydrated but
 		// stale: the tiers decide whether it is read now or in the
 		// background. Only a first touch hydrates synchronously.
-		n.state.Store(c.state.Load() & stHydrated)
+		// A key that several processes use stays shared across windows,
+		// and the others' pace carries over as the first estimate.
+		n.state.Store(c.state.Load() & (stHydrated | stShared))
+		n.step.Store(c.step.Load())
 		var np *cell
 		if c.seq == seq-1 {
 			np = c
@@ -162,6 +200,16 @@ func (en *entry) current(seq int64) *cell {
 		}
 		if en.cur.CompareAndSwap(c, n) {
 			return n
+		}
+	}
+}
+
+// addSat adds n ≥ 0 to a, saturating at MaxCount.
+func addSat(a *atomic.Int64, n int64) {
+	for {
+		old := a.Load()
+		if a.CompareAndSwap(old, satAdd(old, n)) {
+			return
 		}
 	}
 }

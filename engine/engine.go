@@ -114,10 +114,16 @@ type Engine struct {
 	zones   *xsync.Map[zoneKey, *Zone]
 	live    atomic.Int64
 	flights *xsync.Map[*cell, *flight]
-	origin  atomic.Pointer[originBox]
+	// reservations are the origin decisions in flight, one per cell.
+	reservations *xsync.Map[*cell, *flight]
+	origin       atomic.Pointer[originBox]
+	// strictLive counts strict deadlines, bounded by MaxEntries.
+	strictLive atomic.Int64
 
-	// queues are the replay queues, made when an origin is first set.
+	// queues are the replay queues, made (and the replay loop started)
+	// when an origin is first set.
 	queues    atomic.Pointer[replayQueues]
+	queueLen  int
 	queueOnce sync.Once
 	bgReads   atomic.Int64
 
@@ -128,8 +134,11 @@ type Engine struct {
 
 	evictNow chan struct{}
 	stop     chan struct{}
-	stopOnce sync.Once
-	wg       sync.WaitGroup
+	// life guards stopped against the start of the replay loop, so Close
+	// never races a loop starting.
+	life    sync.Mutex
+	stopped bool
+	wg      sync.WaitGroup
 
 	// global is the cross-region layer, if any (see global.go).
 	global atomic.Pointer[globalBox]
@@ -138,8 +147,8 @@ type Engine struct {
 // originBox lets an interface sit in an atomic.Pointer.
 type originBox struct{ o Origin }
 
-// New returns an engine and starts its background goroutines (janitor and
-// replay); Close stops them.
+// New returns an engine and starts its janitor; the replay loop starts with
+// the first origin. Close stops them.
 func New(cfg Config) *Engine {
 	if cfg.Now == nil {
 		cfg.Now = time.Now
@@ -166,24 +175,26 @@ func New(cfg Config) *Engine {
 		cfg.JanitorInterval = DefaultJanitorInterval
 	}
 	e := &Engine{
-		cfg:      cfg,
-		now:      cfg.Now,
-		zones:    xsync.NewMap[zoneKey, *Zone](),
-		flights:  xsync.NewMap[*cell, *flight](),
-		evictNow: make(chan struct{}, 1),
-		stop:     make(chan struct{}),
+		cfg:          cfg,
+		now:          cfg.Now,
+		zones:        xsync.NewMap[zoneKey, *Zone](),
+		flights:      xsync.NewMap[*cell, *flight](),
+		reservations: xsync.NewMap[*cell, *flight](),
+		queueLen:     replayQueueLen,
+		evictNow:     make(chan struct{}, 1),
+		stop:         make(chan struct{}),
 	}
 	e.SetTiming(Timing{ReadTimeout: cfg.ReadTimeout, Freshness: cfg.Freshness, SlowTick: cfg.SlowTick, FastTick: cfg.FastTick})
 	if !cfg.Manual {
-		e.wg.Add(2)
+		e.wg.Add(1)
 		go e.janitorLoop()
-		go e.replayLoop()
 	}
 	return e
 }
 
 // SetOrigin attaches the regional origin, or detaches it with nil (local
-// only). Cells already counted keep their counts.
+// only). Cells already counted keep their counts. The replay loop starts
+// with the first origin: a local-only engine runs no replay goroutine.
 func (e *Engine) SetOrigin(o Origin) {
 	if o == nil {
 		e.origin.Store(nil)
@@ -191,26 +202,6 @@ func (e *Engine) SetOrigin(o Origin) {
 	}
 	e.makeQueues()
 	e.origin.Store(&originBox{o})
-}
-
-// SwapOrigin replaces the origin with new only if it is old, and reports
-// whether it did: a config that attached an origin can detach it on Stop
-// without undoing a newer config's.
-func (e *Engine) SwapOrigin(old, new Origin) bool {
-	for {
-		cur := e.origin.Load()
-		if (cur == nil && old != nil) || (cur != nil && cur.o != old) {
-			return false
-		}
-		var n *originBox
-		if new != nil {
-			e.makeQueues()
-			n = &originBox{new}
-		}
-		if e.origin.CompareAndSwap(cur, n) {
-			return true
-		}
-	}
 }
 
 // Origin returns the current origin, or nil when local-only.
@@ -225,9 +216,16 @@ func (e *Engine) Flush(ctx context.Context) error {
 	return nil
 }
 
+// makeQueues makes the replay queues and starts the replay loop, once.
 func (e *Engine) makeQueues() {
 	e.queueOnce.Do(func() {
-		e.queues.Store(&replayQueues{slow: newRing(replayQueueLen), fast: newRing(replayQueueLen)})
+		e.queues.Store(&replayQueues{slow: newQueue(e.queueLen), fast: newQueue(e.queueLen)})
+		e.life.Lock()
+		defer e.life.Unlock()
+		if !e.cfg.Manual && !e.stopped {
+			e.wg.Add(1)
+			go e.replayLoop()
+		}
 	})
 }
 
@@ -244,7 +242,12 @@ func (e *Engine) getOrigin() Origin {
 func (e *Engine) Close(ctx context.Context) error {
 	// Stop the loops first: their flushes in flight finish, so the final
 	// sweep below sees every cell settled.
-	e.stopOnce.Do(func() { close(e.stop) })
+	e.life.Lock()
+	if !e.stopped {
+		e.stopped = true
+		close(e.stop)
+	}
+	e.life.Unlock()
 	e.wg.Wait()
 	return e.Flush(ctx)
 }
@@ -258,8 +261,10 @@ type located struct {
 	en   *entry
 	cur  *cell
 	w, r int64
-	// dryRetry is the Retry-After a dry-run limit's denial would have had.
-	dryRetry time.Duration
+	// wouldDeny and dryRetry record, for a dry-run limit of a batch, the
+	// denial it would have been.
+	wouldDeny bool
+	dryRetry  time.Duration
 }
 
 func (lc *located) key() Key { return lc.zone.key(lc.id) }
@@ -318,101 +323,135 @@ func (e *Engine) insert(z *Zone, id string, seq int64) *entry {
 	return en
 }
 
-// counts returns the cell's weighed counts: current and previous.
-func (lc *located) counts() (cur, prev int64) {
-	_, cur, prev = lc.snapshot()
-	return cur, prev
-}
-
 // snapshot returns the current cell's own count n, as a compare-and-swap
 // must expect it, with the weighed counts derived from that same load.
 func (lc *located) snapshot() (n, cur, prev int64) {
 	n = lc.cur.count.Load()
-	cur = n + lc.cur.global.Load()
+	cur = satAdd(n, lc.cur.global.Load())
 	if p := lc.en.previous(lc.cur); p != nil {
 		prev = p.total()
 	}
 	return n, cur, prev
 }
 
-// Decide decides one limit and, when it allows, charges its cost.
+// clampLimit bounds a limit's units to [0, MaxCount], so that no cost or
+// limit, however hostile, can overflow the arithmetic or refund units.
+func clampLimit(l *Limit) {
+	if uint64(l.Cost) > MaxCount {
+		l.Cost = clampUnits(l.Cost)
+	}
+	if uint64(l.Limit) > MaxCount {
+		l.Limit = clampUnits(l.Limit)
+	}
+}
+
+// charge adds cost to the cell's count if it still holds n, the count the
+// verdict was computed from, and reports whether it did. A concurrent
+// allow changes the count and forces a recomputation; global and previous
+// counts are not part of the swap: they only grow, and a change there can
+// only have made the verdict a little early, never admit past the count.
+func charge(c *cell, n, cost int64) bool {
+	return cost == 0 || c.count.CompareAndSwap(n, satAdd(n, cost))
+}
+
+// Decide decides one limit and, when it allows, charges its cost. A denial
+// never waits. With an origin, a cold or stale cell is read first, and a
+// shared cell near its limit (or in strict mode) is decided at the origin;
+// all of it within one read timeout, after which the decision is local.
 func (e *Engine) Decide(ctx context.Context, l Limit) Decision {
+	clampLimit(&l)
 	now := e.nowMs()
 	var lc located
 	e.locate(&lc, &l, now)
-	if o := e.getOrigin(); o != nil {
-		e.converge(ctx, o, &lc, &l, now)
+	o := e.getOrigin()
+	if o == nil {
+		return e.decideLocal(&lc, &l)
 	}
+	var dl deadline
+	defer dl.stop()
+	if f := e.converge(o, &lc, &l, now); f != nil {
+		e.stats.syncReads.Add(1)
+		if !dl.wait(ctx, e, f.done) {
+			e.stats.readWaitTimeouts.Add(1)
+		}
+	}
+	return e.decideAtOrigin(ctx, o, &lc, &l, now, &dl)
+}
+
+// decideLocal decides lc on local counts alone.
+func (e *Engine) decideLocal(lc *located, l *Limit) Decision {
 	for {
 		n, cur, prev := lc.snapshot()
-		if !fits(cur, prev, l.Cost, l.Limit, lc.w, lc.r) {
-			if l.DryRun {
-				return e.dryRunDeny(&lc, &l)
-			}
-			var d Decision
-			e.deny(&d, &lc, &l, cur, prev)
-			return d
+		ok := fits(cur, prev, l.Cost, l.Limit, lc.w, lc.r)
+		if !ok && !l.DryRun {
+			return e.deny(lc, l, cur, prev)
 		}
-		// The swap expects the count the verdict was computed from, so a
-		// concurrent allow forces a recomputation. Global and previous
-		// counts are not part of the swap: they only grow, from the origin,
-		// and a change there can only have made this verdict a little
-		// early, never admit past the local count.
-		if l.Cost == 0 || lc.cur.count.CompareAndSwap(n, n+l.Cost) {
-			e.committed(&lc, l.Cost, cur+l.Cost+weighted(prev, lc.w, lc.r), l.Limit)
-			return Decision{
-				Allowed:   true,
-				Limit:     l.Limit,
-				Remaining: remaining(cur+l.Cost, prev, l.Limit, lc.w, lc.r),
-				Reset:     msDuration(lc.w - lc.r),
-			}
+		if charge(lc.cur, n, l.Cost) {
+			return e.allow(lc, l, ok, cur, prev)
 		}
 	}
 }
 
+// allow builds the decision of a charged request and queues its units for
+// replay. ok is the limit's verdict, false only for a dry run (charged
+// because the request is served anyway, reported as the denial it would
+// have been, recording nothing a denial records).
+func (e *Engine) allow(lc *located, l *Limit, ok bool, cur, prev int64) Decision {
+	after := satAdd(cur, l.Cost)
+	e.committed(lc, l.Cost, satAdd(after, weighted(prev, lc.w, lc.r)), l.Limit)
+	d := lc.passed(l.Limit, after, prev)
+	if !ok {
+		d.Allowed = false
+		d.RetryAfter = retryAfter(cur, prev, l.Cost, l.Limit, lc.w, lc.r)
+	}
+	return d
+}
+
+// passed is the decision of a request that passes limit, with the counts
+// (cur, prev) after it.
+func (lc *located) passed(limit, cur, prev int64) Decision {
+	return Decision{
+		Allowed:   true,
+		Limit:     limit,
+		Remaining: remaining(cur, prev, limit, lc.w, lc.r),
+		Reset:     msDuration(lc.w - lc.r),
+	}
+}
+
+// retryAfter is the Retry-After of a denial at (cur, prev), or Never.
+func retryAfter(cur, prev, cost, limit, w, r int64) time.Duration {
+	ra := retryAfterMs(cur, prev, cost, limit, w, r)
+	if ra < 0 {
+		return Never
+	}
+	// At least a millisecond even where the origin denied what the local
+	// counts would pass (it weighs counts this process never saw).
+	return msDuration(max(ra, 1))
+}
+
 // deny builds a denial and records what a denial records: strict mode and
 // the cell's first denial. It never waits and never calls the origin.
-func (e *Engine) deny(d *Decision, lc *located, l *Limit, cur, prev int64) {
-	d.Allowed = false
-	d.Limit = l.Limit
-	d.Remaining = remaining(cur, prev, l.Limit, lc.w, lc.r)
-	d.Reset = msDuration(lc.w - lc.r)
-	if ra := retryAfterMs(cur, prev, l.Cost, l.Limit, lc.w, lc.r); ra < 0 {
-		d.RetryAfter = Never
-	} else {
-		d.RetryAfter = msDuration(ra)
+func (e *Engine) deny(lc *located, l *Limit, cur, prev int64) Decision {
+	d := Decision{
+		Limit:      l.Limit,
+		Remaining:  remaining(cur, prev, l.Limit, lc.w, lc.r),
+		Reset:      msDuration(lc.w - lc.r),
+		RetryAfter: retryAfter(cur, prev, l.Cost, l.Limit, lc.w, lc.r),
 	}
 	if e.origin.Load() != nil {
-		markStrict(lc.zone, lc.id, lc.cur.seq*lc.w+lc.r+lc.w)
+		e.markStrict(lc.zone, lc.id, lc.cur.seq*lc.w+lc.r+lc.w)
 	}
 	if lc.cur.state.Load()&stBlocked == 0 && lc.cur.setBits(stBlocked) {
 		e.stats.firstDenials.Add(1)
 		if f := e.cfg.OnFirstDenial; f != nil {
-			used := cur + weighted(prev, lc.w, lc.r)
+			used := satAdd(cur, weighted(prev, lc.w, lc.r))
 			lim := *l
 			lim.Key, lim.Zone = lc.key(), lc.zone
 			f(Denial{Limit: lim, Sequence: lc.cur.seq, Used: used})
 		}
 		e.globalDenial(lc, l, cur, prev)
 	}
-}
-
-// dryRunDeny charges a request that the limit would have denied and
-// reports the denial it would have been.
-func (e *Engine) dryRunDeny(lc *located, l *Limit) Decision {
-	var d Decision
-	for {
-		n, cur, prev := lc.snapshot()
-		d = Decision{Limit: l.Limit, Reset: msDuration(lc.w - lc.r), RetryAfter: Never}
-		if ra := retryAfterMs(cur, prev, l.Cost, l.Limit, lc.w, lc.r); ra >= 0 {
-			d.RetryAfter = msDuration(ra)
-		}
-		if lc.cur.count.CompareAndSwap(n, n+l.Cost) {
-			d.Remaining = remaining(cur+l.Cost, prev, l.Limit, lc.w, lc.r)
-			e.committed(lc, l.Cost, cur+l.Cost+weighted(prev, lc.w, lc.r), l.Limit)
-			return d
-		}
-	}
+	return d
 }
 
 // committed records cost committed units in the cell for replay; effective
@@ -422,7 +461,10 @@ func (e *Engine) committed(lc *located, cost, effective, limit int64) {
 		return
 	}
 	lc.cur.pending.Add(cost)
-	e.markDirty(lc.zone, lc.id, lc.cur, pressureAtLeast(effective, limit, 1, 2))
+	// The first units of a cell replay on the fast tick: a key that starts
+	// on several processes at once is known to be shared within a tick.
+	fast := lc.cur.state.Load()&stShared != 0 || lc.cur.own.Load() == 0 || pressureAtLeast(effective, limit, 1, 2)
+	e.markDirty(lc.zone, lc.id, lc.cur, fast)
 }
 
 // DecideMany decides several limits all-or-nothing: every cost is reserved
@@ -430,6 +472,14 @@ func (e *Engine) committed(lc *located, cost, effective, limit int64) {
 // every limit) or every one is rolled back, so a denial by one limit charges
 // no other. out[i] receives limit i's own verdict; len(out) must be at least
 // len(ls). It reports whether the request passes.
+//
+// With an origin, the limits' reads are made in parallel and waited for
+// together, within one read timeout. A batch does not reserve at the
+// origin: a shared limit near its limit reads the origin's count (a check
+// without charging) and its units reach the origin by replay, on the fast
+// tick. So a batch can admit past a limit by what other processes admit
+// between that read and their next replay (see the README's accuracy
+// bound).
 func (e *Engine) DecideMany(ctx context.Context, ls []Limit, out []Decision) bool {
 	if len(ls) == 1 {
 		out[0] = e.Decide(ctx, ls[0])
@@ -440,48 +490,48 @@ func (e *Engine) DecideMany(ctx context.Context, ls []Limit, out []Decision) boo
 	if len(ls) > len(stack) {
 		lcs = make([]located, len(ls))
 	}
-	now := e.nowMs()
-	o := e.getOrigin()
 	lcs = lcs[:len(ls)]
+	now := e.nowMs()
 	for i := range ls {
+		clampLimit(&ls[i])
 		e.locate(&lcs[i], &ls[i], now)
-		if o != nil {
-			e.converge(ctx, o, &lcs[i], &ls[i], now)
-		}
+	}
+	if o := e.getOrigin(); o != nil {
+		e.convergeAll(ctx, o, lcs, ls, now)
 	}
 	reserved := 0
-	denied := false
-	var dryDenied uint64 // bit i: dry-run limit i would have denied
 	for i := range ls {
-		ok := e.reserve(&lcs[i], ls[i].Cost, ls[i].Limit, ls[i].DryRun)
-		if !ok {
-			denied = true
+		if !e.reserve(&lcs[i], &ls[i]) {
 			break
-		}
-		if ls[i].DryRun && ok && e.wouldDeny(&lcs[i], &ls[i]) {
-			dryDenied |= 1 << (i % 64)
 		}
 		reserved++
 	}
-	if denied {
+	if reserved < len(ls) {
 		// Give back every reservation before any verdict is written, so a
-		// limit's Remaining shows the state without this request.
+		// limit's Remaining shows the state without this request. spec
+		// first: a merge that saw count without the units but spec with
+		// them would add them back for good.
 		for i := 0; i < reserved; i++ {
-			lcs[i].cur.count.Add(-ls[i].Cost)
 			lcs[i].cur.spec.Add(-ls[i].Cost)
+			if testHookRollback != nil {
+				testHookRollback(lcs[i].cur)
+			}
+			lcs[i].cur.count.Add(-ls[i].Cost)
 		}
 		for i := range ls {
-			cur, prev := lcs[i].counts()
-			if fits(cur, prev, ls[i].Cost, ls[i].Limit, lcs[i].w, lcs[i].r) {
-				out[i] = Decision{
-					Allowed:   true,
-					Limit:     ls[i].Limit,
-					Remaining: remaining(cur, prev, ls[i].Limit, lcs[i].w, lcs[i].r),
-					Reset:     msDuration(lcs[i].w - lcs[i].r),
-				}
+			lc := &lcs[i]
+			_, cur, prev := lc.snapshot()
+			ok := fits(cur, prev, ls[i].Cost, ls[i].Limit, lc.w, lc.r)
+			if !ok && !ls[i].DryRun {
+				out[i] = e.deny(lc, &ls[i], cur, prev)
 				continue
 			}
-			e.deny(&out[i], &lcs[i], &ls[i], cur, prev)
+			// A dry-run limit reports its verdict and records nothing.
+			out[i] = lc.passed(ls[i].Limit, cur, prev)
+			if !ok {
+				out[i].Allowed = false
+				out[i].RetryAfter = retryAfter(cur, prev, ls[i].Cost, ls[i].Limit, lc.w, lc.r)
+			}
 		}
 		return false
 	}
@@ -490,15 +540,10 @@ func (e *Engine) DecideMany(ctx context.Context, ls []Limit, out []Decision) boo
 		// Commit: the reservation stops being speculative. count already
 		// holds it, so the committed count only grows.
 		lc.cur.spec.Add(-ls[i].Cost)
-		cur, prev := lc.counts()
-		e.committed(lc, ls[i].Cost, cur+weighted(prev, lc.w, lc.r), ls[i].Limit)
-		out[i] = Decision{
-			Allowed:   true,
-			Limit:     ls[i].Limit,
-			Remaining: remaining(cur, prev, ls[i].Limit, lc.w, lc.r),
-			Reset:     msDuration(lc.w - lc.r),
-		}
-		if dryDenied&(1<<(i%64)) != 0 {
+		_, cur, prev := lc.snapshot()
+		e.committed(lc, ls[i].Cost, satAdd(cur, weighted(prev, lc.w, lc.r)), ls[i].Limit)
+		out[i] = lc.passed(ls[i].Limit, cur, prev)
+		if lc.wouldDeny {
 			out[i].Allowed = false
 			out[i].RetryAfter = lc.dryRetry
 		}
@@ -506,41 +551,31 @@ func (e *Engine) DecideMany(ctx context.Context, ls []Limit, out []Decision) boo
 	return true
 }
 
-// wouldDeny reports whether a dry-run reservation just made went past the
-// limit, and keeps the Retry-After the denial would have had.
-func (e *Engine) wouldDeny(lc *located, l *Limit) bool {
-	_, cur, prev := lc.snapshot()
-	cur -= l.Cost // the state before this request's own reservation
-	if fits(cur, prev, l.Cost, l.Limit, lc.w, lc.r) {
-		return false
-	}
-	lc.dryRetry = Never
-	if ra := retryAfterMs(cur, prev, l.Cost, l.Limit, lc.w, lc.r); ra >= 0 {
-		lc.dryRetry = msDuration(ra)
-	}
-	return true
-}
-
-// reserve adds cost to the cell's count as a speculative reservation if it
-// fits, or in any case for a dry run.
-func (e *Engine) reserve(lc *located, cost, limit int64, dryRun bool) bool {
+// reserve adds l's cost to the cell's count as a speculative reservation
+// if it fits, or in any case for a dry run (which records the denial it
+// would have been in lc).
+func (e *Engine) reserve(lc *located, l *Limit) bool {
 	// spec first: a reader that sees the count raised also sees it marked
 	// speculative, so nothing replays a reservation that may roll back.
-	lc.cur.spec.Add(cost)
-	if dryRun {
-		lc.cur.count.Add(cost)
-		return true
-	}
+	lc.cur.spec.Add(l.Cost)
 	for {
 		n, cur, prev := lc.snapshot()
-		if !fits(cur, prev, cost, limit, lc.w, lc.r) {
-			lc.cur.spec.Add(-cost)
+		ok := fits(cur, prev, l.Cost, l.Limit, lc.w, lc.r)
+		if !ok && !l.DryRun {
+			lc.cur.spec.Add(-l.Cost)
 			return false
 		}
-		if cost == 0 || lc.cur.count.CompareAndSwap(n, n+cost) {
+		if charge(lc.cur, n, l.Cost) {
+			lc.wouldDeny = !ok
+			if !ok {
+				lc.dryRetry = retryAfter(cur, prev, l.Cost, l.Limit, lc.w, lc.r)
+			}
 			return true
 		}
 	}
 }
+
+// testHookRollback, set by tests, runs between the two steps of a rollback.
+var testHookRollback func(c *cell)
 
 func msDuration(ms int64) time.Duration { return time.Duration(ms) * time.Millisecond }

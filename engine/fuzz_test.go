@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"math"
 	"testing"
 	"time"
 )
@@ -70,6 +71,63 @@ func FuzzDecisionSequence(f *testing.F) {
 						t.Fatalf("cell %+v committed count fell from %d to %d", id, seen[id], c.Regional)
 					}
 					seen[id] = c.Regional
+				}
+			}
+		}
+	})
+}
+
+// FuzzHostileCostsAndLimits decides one key with costs and limits drawn
+// from the whole int64 range (negative, huge, changing between requests as
+// reloads change limits), dry runs among them, and checks after each step:
+//   - the count never decreases, never leaves [0, MaxCount];
+//   - an admitted (not dry-run) request charged exactly its clamped cost and
+//     left the count within its clamped limit;
+//   - a denied request charged nothing.
+//
+// Run it with: go test -run '^$' -fuzz FuzzHostileCostsAndLimits ./engine
+func FuzzHostileCostsAndLimits(f *testing.F) {
+	f.Add(int64(10), int64(1), int64(5), int64(math.MaxInt64), false)
+	f.Add(int64(math.MaxInt64), int64(math.MaxInt64), int64(-1), int64(math.MinInt64), true)
+	f.Add(int64(MaxCount), int64(MaxCount), int64(MaxCount), int64(1), true)
+	f.Fuzz(func(t *testing.T, limit1, cost1, limit2, cost2 int64, dry bool) {
+		e, _ := newTestEngine(t, manual(Config{}))
+		k := Key{"z", "k", time.Minute}
+		count := func() int64 {
+			ks, ok := e.Inspect(k)
+			if !ok || len(ks.Cells) == 0 {
+				return 0
+			}
+			return ks.Cells[0].Regional
+		}
+		steps := []Limit{
+			{Key: k, Limit: limit1, Cost: cost1, DryRun: dry},
+			{Key: k, Limit: limit2, Cost: cost2},
+			{Key: k, Limit: limit1, Cost: cost2, DryRun: !dry},
+			{Key: k, Limit: limit2, Cost: cost1},
+		}
+		for i := 0; i < 3; i++ {
+			for _, l := range steps {
+				before := count()
+				d := e.Decide(bg, l)
+				after := count()
+				if after < before || after < 0 || after > MaxCount {
+					t.Fatalf("%+v: count %d → %d", l, before, after)
+				}
+				cost, limit := clampUnits(l.Cost), clampUnits(l.Limit)
+				switch {
+				case l.DryRun:
+					if after != satAdd(before, cost) {
+						t.Fatalf("dry run %+v: count %d → %d, want +%d", l, before, after, cost)
+					}
+				case d.Allowed:
+					if after != before+cost || after > limit {
+						t.Fatalf("admitted %+v: count %d → %d over limit %d", l, before, after, limit)
+					}
+				default:
+					if after != before {
+						t.Fatalf("denied %+v charged: count %d → %d", l, before, after)
+					}
 				}
 			}
 		}

@@ -2,6 +2,7 @@ package engine
 
 import (
 	"strings"
+	"sync/atomic"
 	"time"
 )
 
@@ -95,12 +96,12 @@ func (e *Engine) globalDenial(lc *located, l *Limit, cur, prev int64) {
 	d.Limit = *l
 	d.Key, d.Zone = lc.key(), lc.zone
 	d.Sequence = lc.cur.seq
-	d.Used = cur + weighted(prev, lc.w, lc.r)
+	d.Used = satAdd(cur, weighted(prev, lc.w, lc.r))
 	d.Cur = lc.cur.committed()
 	if p := lc.en.previous(lc.cur); p != nil {
 		d.Prev = p.committed()
 	}
-	d.RegionalUsed = d.Cur + weighted(d.Prev, lc.w, lc.r)
+	d.RegionalUsed = satAdd(d.Cur, weighted(d.Prev, lc.w, lc.r))
 	g.FirstDenial(d)
 }
 
@@ -149,7 +150,7 @@ func (e *Engine) ScanCells(minWindow time.Duration, f func(v *CellView) bool) {
 				eff = cur.total()
 			}
 			if prev != nil {
-				eff += weighted(prev.total(), z.w, r)
+				eff = satAdd(eff, weighted(prev.total(), z.w, r))
 			}
 			for _, x := range [2]*cell{cur, prev} {
 				if x == nil {
@@ -213,12 +214,8 @@ func (e *Engine) MarkPublished(key Key, seq, n int64) bool {
 	if c == nil {
 		return false
 	}
-	for {
-		old := c.published.Load()
-		if n <= old || c.published.CompareAndSwap(old, n) {
-			return true
-		}
-	}
+	raise(&c.published, n)
+	return true
 }
 
 // RaiseRegional raises the cell's regional count to at least n, without
@@ -229,8 +226,18 @@ func (e *Engine) RaiseRegional(key Key, seq, n int64) bool {
 	if c == nil {
 		return false
 	}
-	c.mergeMax(n)
+	raise(&c.count, clampUnits(n))
 	return true
+}
+
+// raise lifts a to at least v; counts here only ever grow.
+func raise(a *atomic.Int64, v int64) {
+	for {
+		old := a.Load()
+		if v <= old || a.CompareAndSwap(old, v) {
+			return
+		}
+	}
 }
 
 // HasEntry reports whether the engine holds an entry for key.
@@ -283,12 +290,8 @@ func (e *Engine) ImportGlobal(key Key, seq, total int64, create bool) bool {
 	if c == nil {
 		return false
 	}
-	for {
-		old := c.global.Load()
-		if total <= old || c.global.CompareAndSwap(old, total) {
-			return true
-		}
-	}
+	raise(&c.global, clampUnits(total))
+	return true
 }
 
 // previousFor returns the cell before cur, creating it when the entry has

@@ -9,19 +9,19 @@ import (
 // (effective / limit, cost included):
 //
 //	cold cell (first touch)        read synchronously, once (single flight)
-//	< 50 %                         a stale cell refreshes in the background
-//	50–90 %                        a stale cell refreshes synchronously first
-//	≥ 90 %, or strict mode         a decision that would allow refreshes
-//	                               synchronously first, unless the cell was
-//	                               synced within the last fast tick
+//	fresh cell                     no read
+//	stale, < 50 %                  refresh in the background
+//	stale, ≥ 50 %                  refresh synchronously first
 //
-// The last rule keeps the final tenth of a quota decided on a count at most
-// one fast tick old, which is as fresh as the replays of other nodes can
-// make it, without one round trip per request.
+// Near the limit, a shared cell (one the origin has shown other processes'
+// units in) is decided at the origin instead (reserve.go); a cell only this
+// process touches decides locally, so a lone process pays no round trip per
+// admission. A denial never reads.
 //
 // Every synchronous wait is bounded by the read timeout, whatever the
-// origin does; on timeout, error or an open breaker the decision proceeds on
-// local state and the cell is not marked fresh.
+// origin does, and one decision waits at most one read timeout in all, for
+// every zone it decides; on timeout, error or an open breaker the decision
+// proceeds on local state and the cell is not marked fresh.
 
 // hydrateRetry is how long a cell whose hydration failed decides locally
 // before it reads again: long enough that a dead origin costs no request a
@@ -32,63 +32,122 @@ const hydrateRetry = 250 * time.Millisecond
 // stale keys cannot start unbounded goroutines.
 const maxBackgroundReads = 64
 
-// flight is one origin read shared by every request that needs it.
+// flight is one origin call shared by every request that needs it.
 type flight struct {
 	done chan struct{}
 }
 
-// converge brings lc's cell as close to the origin as its tier asks for.
-func (e *Engine) converge(ctx context.Context, o Origin, lc *located, l *Limit, now int64) {
-	c := lc.cur
-	if c.state.Load()&stHydrated == 0 {
-		if now >= c.fresh.Load() {
-			e.read(ctx, o, lc, true)
-		}
-		return
-	}
-	cur, prev := lc.counts()
-	effective := cur + weighted(prev, lc.w, lc.r) + l.Cost
-	if effective > l.Limit {
-		return // a denial: never pays a round trip
-	}
-	fresh := c.fresh.Load()
-	switch {
-	case pressureAtLeast(effective, l.Limit, 9, 10) || strictUntil(lc.zone, lc.id) > now:
-		if now-(fresh-e.freshnessMs()) >= e.fastTickMs() {
-			e.read(ctx, o, lc, true)
-		}
-	case now < fresh:
-	case pressureAtLeast(effective, l.Limit, 1, 2):
-		e.read(ctx, o, lc, true)
-	default:
-		e.read(ctx, o, lc, false)
+// deadline is one decision's budget for the origin: one read timeout from
+// the first time it is used, shared by every wait and call of the decision.
+type deadline struct {
+	at      time.Time
+	t       *time.Timer
+	expired bool
+}
+
+// start fixes the deadline at the first use.
+func (d *deadline) start(e *Engine) {
+	if d.at.IsZero() {
+		d.at = time.Now().Add(e.readTimeoutD())
 	}
 }
 
-// read refreshes lc's cells from the origin, sharing one read per cell. With
-// wait it returns when the read is done or the read timeout has passed;
-// without, it starts the read in the background (if the background budget
-// allows) and returns at once.
-func (e *Engine) read(ctx context.Context, o Origin, lc *located, wait bool) {
-	f, started := e.startRead(o, lc, wait)
-	if f == nil || !wait {
-		if started {
-			e.stats.backgroundReads.Add(1)
-		}
-		return
-	}
-	e.stats.syncReads.Add(1)
-	if !started {
-		e.stats.sharedReads.Add(1)
-	}
-	t := time.NewTimer(e.readTimeoutD())
-	defer t.Stop()
+// wait waits for done until the deadline or ctx ends, and reports whether
+// done was reached.
+func (d *deadline) wait(ctx context.Context, e *Engine, done <-chan struct{}) bool {
 	select {
-	case <-f.done:
-	case <-t.C:
-		e.stats.readWaitTimeouts.Add(1)
+	case <-done:
+		return true
+	default:
+	}
+	if d.expired {
+		return false
+	}
+	d.start(e)
+	if d.t == nil {
+		d.t = time.NewTimer(time.Until(d.at))
+	}
+	select {
+	case <-done:
+		return true
+	case <-d.t.C:
 	case <-ctx.Done():
 	}
+	d.expired = true
+	return false
+}
+
+func (d *deadline) stop() {
+	if d.t != nil {
+		d.t.Stop()
+	}
+}
+
+// converge brings lc's cell as close to the origin as its tier asks for. It
+// returns the read to wait for before deciding, or nil.
+func (e *Engine) converge(o Origin, lc *located, l *Limit, now int64) *flight {
+	c := lc.cur
+	st := c.state.Load()
+	if st&stHydrated == 0 {
+		if now < c.fresh.Load() {
+			return nil // a failed hydration waits before it retries
+		}
+		return e.syncRead(o, lc)
+	}
+	if now < c.fresh.Load() {
+		return nil
+	}
+	_, cur, prev := lc.snapshot()
+	effective := satAdd(satAdd(cur, weighted(prev, lc.w, lc.r)), l.Cost)
+	switch {
+	case effective > l.Limit:
+		return nil // a denial never pays a round trip
+	case pressureAtLeast(effective, l.Limit, 1, 2):
+		return e.syncRead(o, lc)
+	}
+	if _, started := e.startRead(o, lc, false); started {
+		e.stats.backgroundReads.Add(1)
+	}
+	return nil
+}
+
+// convergeAll converges every limit of a batch, reads in parallel, and
+// waits for them together within one read timeout. A shared limit near its
+// limit (or in strict mode) reads the origin's count as its check: batches
+// do not reserve.
+func (e *Engine) convergeAll(ctx context.Context, o Origin, lcs []located, ls []Limit, now int64) {
+	var dl deadline
+	defer dl.stop()
+	var stack [8]*flight
+	fs := stack[:0]
+	for i := range ls {
+		f := e.converge(o, &lcs[i], &ls[i], now)
+		if f == nil && ls[i].Cost > 0 {
+			_, cur, prev := lcs[i].snapshot()
+			if fits(cur, prev, ls[i].Cost, ls[i].Limit, lcs[i].w, lcs[i].r) && e.nearLimit(&lcs[i], &ls[i], cur, prev, now) {
+				f = e.syncRead(o, &lcs[i])
+			}
+		}
+		if f != nil {
+			e.stats.syncReads.Add(1)
+			fs = append(fs, f)
+		}
+	}
+	for _, f := range fs {
+		if !dl.wait(ctx, e, f.done) {
+			e.stats.readWaitTimeouts.Add(1)
+		}
+	}
+}
+
+// syncRead returns the read of lc's cell that a decision waits for,
+// starting one or joining the one in flight.
+func (e *Engine) syncRead(o Origin, lc *located) *flight {
+	f, started := e.startRead(o, lc, true)
+	if f != nil && !started {
+		e.stats.sharedReads.Add(1)
+	}
+	return f
 }
 
 // startRead returns the read in flight for lc's cell, starting one if
@@ -135,7 +194,7 @@ func (e *Engine) readCell(o Origin, key Key, en *entry, c *cell) {
 	ctx, cancel := context.WithTimeout(context.Background(), e.readTimeoutD())
 	defer cancel()
 	start := e.nowMs()
-	curTotal, prevTotal, err := o.Read(ctx, key, c.seq)
+	t, err := o.Read(ctx, key, c.seq)
 	now := e.nowMs()
 	if err != nil {
 		e.stats.readErrors.Add(1)
@@ -146,8 +205,18 @@ func (e *Engine) readCell(o Origin, key Key, en *entry, c *cell) {
 	}
 	e.stats.reads.Add(1)
 	e.stats.lastRead.Store(now)
-	c.mergeOrigin(curTotal)
-	if prevTotal > 0 {
+	// Freshness counts from when the read was sent: the origin's answer is
+	// at least that recent.
+	e.merge(en, c, t, start)
+}
+
+// merge brings the origin's totals t of c (and of the cell before it) into
+// the entry, and marks c hydrated and fresh from sent, the time the call
+// that returned t was sent.
+func (e *Engine) merge(en *entry, c *cell, t Totals, sent int64) {
+	c.observe(t)
+	c.mergeOrigin(t.Cur)
+	if t.Prev > 0 {
 		p := en.previous(c)
 		if p == nil && en.cur.Load() == c {
 			// The origin knows a previous cell this process never saw.
@@ -161,11 +230,9 @@ func (e *Engine) readCell(o Origin, key Key, en *entry, c *cell) {
 			}
 		}
 		if p != nil {
-			p.mergeOrigin(prevTotal)
+			p.mergeOrigin(t.Prev)
 		}
 	}
 	c.setBits(stHydrated)
-	// Freshness counts from when the read was sent: the origin's answer is
-	// at least that recent.
-	c.extendFresh(start + e.freshnessMs())
+	c.extendFresh(sent + e.freshnessMs())
 }

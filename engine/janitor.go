@@ -48,20 +48,23 @@ func (e *Engine) Sweep() int {
 			if c == tombstone {
 				return true, false
 			}
-			if hasOrigin {
-				e.requeue(z, id, en)
-			}
 			if c.seq >= oldest {
+				if hasOrigin {
+					e.requeue(z, id, en)
+				}
 				return false, false
+			}
+			if hasOrigin && !e.requeue(z, id, en) {
+				return false, false // units no queue could take: keep them
 			}
 			// A request that still holds the entry sees the tombstone and
 			// looks the key up again, so nothing is counted into a dropped
 			// cell.
 			return en.cur.CompareAndSwap(c, tombstone), false
 		})
-		z.strict.DeleteMatching(func(_ string, d *atomic.Int64) (bool, bool) {
+		e.strictLive.Add(-int64(z.strict.DeleteMatching(func(_ string, d *atomic.Int64) (bool, bool) {
 			return d.Load() <= now, false
-		})
+		})))
 		return true
 	})
 	e.live.Add(-int64(dropped))
@@ -69,16 +72,20 @@ func (e *Engine) Sweep() int {
 }
 
 // requeue queues the entry's cells that hold pending units but sit in no
-// queue.
-func (e *Engine) requeue(z *Zone, id string, en *entry) {
+// queue, and reports whether every such cell is now queued (or with the
+// replay): false when a full queue refused one.
+func (e *Engine) requeue(z *Zone, id string, en *entry) bool {
+	all := true
 	for _, x := range [2]*cell{en.cur.Load(), en.prev.Load()} {
-		if x == tombstone {
+		if x == nil || x == tombstone || x.pending.Load() == 0 || x.state.Load()&(stDirty|stFlushing) != 0 {
 			continue
 		}
-		if x != nil && x.pending.Load() > 0 && x.state.Load()&stDirty == 0 {
-			e.markDirty(z, id, x, false)
+		e.markDirty(z, id, x, x.state.Load()&stShared != 0)
+		if x.state.Load()&(stDirty|stFlushing) == 0 && x.pending.Load() > 0 {
+			all = false
 		}
 	}
+	return all
 }
 
 // Evict enforces MaxEntries: when live entries exceed it, it evicts down to
@@ -122,8 +129,8 @@ func (e *Engine) Evict() int {
 			if class > threshold || (class == threshold && atThreshold <= 0) {
 				return false, false
 			}
-			if hasOrigin {
-				e.requeue(z, id, en)
+			if hasOrigin && !e.requeue(z, id, en) {
+				return false, false // units no queue could take: keep them
 			}
 			if !en.cur.CompareAndSwap(c, tombstone) {
 				return false, false

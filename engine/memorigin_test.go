@@ -7,18 +7,21 @@ import (
 	"sync/atomic"
 )
 
-// memOrigin is an in-memory Origin for the engine's own tests: it counts
-// calls and can block, fail or ignore its context on demand. What Redis does
-// is tested against Redis in package origin.
+// memOrigin is an in-memory Origin for the engine's own tests, with the
+// idempotent write the real one has (a contribution per process, raised to
+// an absolute total): it counts calls and can block, fail or ignore its
+// context on demand. What Redis does is tested against Redis in package
+// origin.
 type memOrigin struct {
 	mu     sync.Mutex
 	totals map[cellID]int64
+	mine   map[cellID]int64 // this process's recorded contribution
 
-	reads, flushes atomic.Int64
-	// readErr and flushErr, when set, fail the next calls.
-	readErr, flushErr atomic.Pointer[error]
-	// gate, when set, blocks reads until it is closed, ignoring ctx (a
-	// hung origin).
+	reads, flushes, reserves atomic.Int64
+	// readErr, flushErr and reserveErr, when set, fail the next calls.
+	readErr, flushErr, reserveErr atomic.Pointer[error]
+	// gate, when set, blocks reads and reservations until it is closed,
+	// ignoring ctx (a hung origin).
 	gate atomic.Pointer[chan struct{}]
 	// entered counts reads that reached the gate.
 	entered atomic.Int64
@@ -29,20 +32,31 @@ type cellID struct {
 	seq int64
 }
 
-func newMemOrigin() *memOrigin { return &memOrigin{totals: map[cellID]int64{}} }
+func newMemOrigin() *memOrigin {
+	return &memOrigin{totals: map[cellID]int64{}, mine: map[cellID]int64{}}
+}
 
-func (m *memOrigin) Read(ctx context.Context, key Key, seq int64) (int64, int64, error) {
+func (m *memOrigin) Read(ctx context.Context, key Key, seq int64) (Totals, error) {
 	m.reads.Add(1)
 	m.entered.Add(1)
 	if g := m.gate.Load(); g != nil {
 		<-*g
 	}
 	if p := m.readErr.Load(); p != nil {
-		return 0, 0, *p
+		return Totals{}, *p
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	return m.totals[cellID{key, seq}], m.totals[cellID{key, seq - 1}], nil
+	id := cellID{key, seq}
+	return Totals{Cur: m.totals[id], Prev: m.totals[cellID{key, seq - 1}], Mine: m.mine[id]}, nil
+}
+
+// raise is the idempotent write: this process's contribution rises to own.
+func (m *memOrigin) raise(id cellID, own int64) {
+	if d := own - m.mine[id]; d > 0 {
+		m.totals[id] = satAdd(m.totals[id], d)
+		m.mine[id] = own
+	}
 }
 
 func (m *memOrigin) Flush(ctx context.Context, batch []Delta) error {
@@ -54,10 +68,33 @@ func (m *memOrigin) Flush(ctx context.Context, batch []Delta) error {
 	defer m.mu.Unlock()
 	for i := range batch {
 		id := cellID{batch[i].Key, batch[i].Sequence}
-		m.totals[id] += batch[i].Delta
-		batch[i].Total = m.totals[id]
+		m.raise(id, batch[i].Own)
+		batch[i].Totals = Totals{Cur: m.totals[id], Mine: m.mine[id]}
 		batch[i].Done = true
 	}
+	return nil
+}
+
+func (m *memOrigin) Reserve(ctx context.Context, r *Reservation) error {
+	m.reserves.Add(1)
+	if g := m.gate.Load(); g != nil {
+		<-*g
+	}
+	if p := m.reserveErr.Load(); p != nil {
+		return *p
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	id := cellID{r.Key, r.Sequence}
+	m.raise(id, r.Own)
+	cur, prev := m.totals[id], m.totals[cellID{r.Key, r.Sequence - 1}]
+	w := r.Key.Window.Milliseconds()
+	r.Admitted = fits(satAdd(cur, r.Global), satAdd(prev, r.GlobalPrev), r.Cost, r.Limit, w, r.Elapsed)
+	if r.Admitted {
+		m.totals[id] = satAdd(cur, r.Cost)
+		m.mine[id] = satAdd(m.mine[id], r.Cost)
+	}
+	r.Totals = Totals{Cur: m.totals[id], Prev: prev, Mine: m.mine[id]}
 	return nil
 }
 
@@ -74,20 +111,23 @@ func (m *memOrigin) total(key Key, seq int64) int64 {
 	return m.totals[cellID{key, seq}]
 }
 
-func (m *memOrigin) failReads(err error) {
-	if err == nil {
-		m.readErr.Store(nil)
-		return
-	}
-	m.readErr.Store(&err)
+// restart forgets everything, as a Redis restarted empty.
+func (m *memOrigin) restart() {
+	m.mu.Lock()
+	m.totals, m.mine = map[cellID]int64{}, map[cellID]int64{}
+	m.mu.Unlock()
 }
 
-func (m *memOrigin) failFlushes(err error) {
+func setErr(p *atomic.Pointer[error], err error) {
 	if err == nil {
-		m.flushErr.Store(nil)
+		p.Store(nil)
 		return
 	}
-	m.flushErr.Store(&err)
+	p.Store(&err)
 }
+
+func (m *memOrigin) failReads(err error)    { setErr(&m.readErr, err) }
+func (m *memOrigin) failFlushes(err error)  { setErr(&m.flushErr, err) }
+func (m *memOrigin) failReserves(err error) { setErr(&m.reserveErr, err) }
 
 var errOriginDown = errors.New("origin down")

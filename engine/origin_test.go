@@ -26,6 +26,16 @@ func withOrigin(t *testing.T, cfg Config) (*Engine, *fakeClock, *memOrigin) {
 	return e, clk, o
 }
 
+// replayBoth runs one iteration of both replay ticks, fast first.
+func replayBoth(e *Engine) (int, error) {
+	n, err := e.ReplayOnce(bg, Fast)
+	m, err2 := e.ReplayOnce(bg, Slow)
+	if err == nil {
+		err = err2
+	}
+	return n + m, err
+}
+
 // waitFor polls cond until it holds or a generous deadline passes.
 func waitFor(t *testing.T, what string, cond func() bool) {
 	t.Helper()
@@ -42,7 +52,7 @@ func TestHydration_ColdKeyReadsOnceUnderConcurrentFirstRequests(t *testing.T) {
 	e, clk, o := withOrigin(t, Config{})
 	l := lim("cold", time.Minute, 20, 1)
 	seq := clk.UnixMilli() / time.Minute.Milliseconds()
-	o.add(l.Key, seq, 12) // other nodes used 12 of 20
+	o.add(l.Key, seq, 13) // other nodes used 13 of 20
 	gate := make(chan struct{})
 	o.gate.Store(&gate)
 
@@ -65,8 +75,8 @@ func TestHydration_ColdKeyReadsOnceUnderConcurrentFirstRequests(t *testing.T) {
 	if n := o.reads.Load(); n != 1 {
 		t.Fatalf("origin reads = %d, want 1 for 64 concurrent first requests", n)
 	}
-	if admitted.Load() != 8 {
-		t.Fatalf("admitted %d, want the 8 the origin's count leaves", admitted.Load())
+	if admitted.Load() != 7 {
+		t.Fatalf("admitted %d, want the 7 the origin's count leaves", admitted.Load())
 	}
 }
 
@@ -103,7 +113,7 @@ func TestTiers_HotKeyBelowHalfMakesNoSynchronousRead(t *testing.T) {
 		e.Decide(bg, l)
 		clk.AddMs(1) // 5 s in all: freshness lapses several times
 		if i%100 == 0 {
-			if _, err := e.ReplayOnce(bg, Slow); err != nil {
+			if _, err := replayBoth(e); err != nil {
 				t.Fatal(err)
 			}
 		}
@@ -143,39 +153,87 @@ func TestTiers_StaleKeyAtHalfRefreshesSynchronously(t *testing.T) {
 	}
 }
 
-func TestTiers_WouldAllowAtNinetyPercentRefreshesFirst(t *testing.T) {
+func TestReserve_SharedCellNearItsLimitIsDecidedAtTheOrigin(t *testing.T) {
 	e, clk, o := withOrigin(t, Config{})
 	l := lim("k", time.Hour, 100, 1)
 	seq := clk.UnixMilli() / time.Hour.Milliseconds()
-	for i := 0; i < 90; i++ {
+	o.add(l.Key, seq, 1) // another node's unit: the cold read shows it
+	// 1 + 86 = 87: the next request, with the other node's expected growth
+	// (one unit a replay interval, over two), makes 90 %.
+	for i := 0; i < 86; i++ {
 		if !e.Decide(bg, l).Allowed {
 			t.Fatal("denied below the limit")
 		}
 	}
-	// Another node took the last ten; this node's view is fresh but older
-	// than a fast tick.
-	o.add(l.Key, seq, 10)
-	clk.Add(DefaultFastTick)
-	if d := e.Decide(bg, l); d.Allowed {
-		t.Fatalf("allowed at 90 %% without seeing the other node's count: %+v", d)
+	if n := o.reserves.Load(); n != 0 {
+		t.Fatalf("%d reservations below 90 %%", n)
+	}
+	// Another node took the rest; this node's view is fresh and does not
+	// show it.
+	o.add(l.Key, seq, 13)
+	d := e.Decide(bg, l)
+	if d.Allowed {
+		t.Fatalf("allowed at the limit without asking the origin: %+v", d)
+	}
+	if o.reserves.Load() != 1 {
+		t.Fatalf("reservations = %d, want 1", o.reserves.Load())
+	}
+	if d.RetryAfter <= 0 {
+		t.Fatalf("an origin denial has no Retry-After: %+v", d)
+	}
+	// The origin has every unit this process admitted: they rode with the
+	// reservation.
+	if got := o.total(l.Key, seq); got != 100 {
+		t.Fatalf("origin total = %d, want 100", got)
 	}
 }
 
-func TestStrict_DenialMakesNoOriginCallAndRolloverRefreshes(t *testing.T) {
+func TestReserve_LoneProcessNearItsLimitMakesNoRoundTrip(t *testing.T) {
+	e, clk, o := withOrigin(t, Config{})
+	l := lim("k", time.Hour, 100, 1)
+	for i := 0; i < 100; i++ {
+		if !e.Decide(bg, l).Allowed {
+			t.Fatalf("request %d denied below the limit", i)
+		}
+		clk.AddMs(20) // slower than a fast tick: every view is "old"
+		if i%10 == 0 {
+			for _, tier := range []Tier{Slow, Fast} {
+				if _, err := e.ReplayOnce(bg, tier); err != nil {
+					t.Fatal(err)
+				}
+			}
+		}
+	}
+	if e.Decide(bg, l).Allowed {
+		t.Fatal("allowed past the limit")
+	}
+	if n := o.reserves.Load(); n != 0 {
+		t.Fatalf("a lone process made %d reservations", n)
+	}
+	if n := o.reads.Load(); n != 1 {
+		t.Fatalf("a lone process made %d reads, want the cold one", n)
+	}
+}
+
+func TestStrict_DenialMakesNoOriginCallAndRolloverReserves(t *testing.T) {
 	e, clk, o := withOrigin(t, Config{})
 	l := lim("k", time.Minute, 10, 1)
-	for i := 0; i < 10; i++ {
-		e.Decide(bg, l)
+	o.add(l.Key, clk.UnixMilli()/60_000, 1) // shared from the first read
+	for i := 0; i < 9; i++ {
+		if !e.Decide(bg, l).Allowed {
+			t.Fatal("denied below the limit")
+		}
 	}
 	clk.Set(epoch + 50_000)
-	reads := o.reads.Load()
+	reads, reserves := o.reads.Load(), o.reserves.Load()
 	for i := 0; i < 100; i++ {
 		if e.Decide(bg, l).Allowed {
 			t.Fatal("allowed over the limit")
 		}
 	}
-	if o.reads.Load() != reads || o.flushes.Load() != 0 {
-		t.Fatalf("denials called the origin: reads %d→%d, flushes %d", reads, o.reads.Load(), o.flushes.Load())
+	if o.reads.Load() != reads || o.reserves.Load() != reserves || o.flushes.Load() != 0 {
+		t.Fatalf("denials called the origin: reads %d→%d, reserves %d→%d, flushes %d",
+			reads, o.reads.Load(), reserves, o.reserves.Load(), o.flushes.Load())
 	}
 	ks, _ := e.Inspect(l.Key)
 	wantUntil := time.UnixMilli(epoch + 110_000)
@@ -183,21 +241,21 @@ func TestStrict_DenialMakesNoOriginCallAndRolloverRefreshes(t *testing.T) {
 		t.Fatalf("strict until %v, want one window after the last denial, %v", ks.StrictUntil, wantUntil)
 	}
 	// Next window, three quarters in: the previous cell weighs 2.5, so a
-	// request would pass locally; strict mode sends it to the origin first.
+	// request would pass locally; strict mode sends it to the origin.
 	clk.Set(epoch + 60_000 + 45_000)
 	if _, err := e.ReplayOnce(bg, Fast); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := e.ReplayOnce(bg, Slow); err != nil {
+	if _, err := replayBoth(e); err != nil {
 		t.Fatal(err)
 	}
 	o.add(l.Key, clk.UnixMilli()/60_000, 8) // another node's traffic
-	reads = o.reads.Load()
+	reserves = o.reserves.Load()
 	if d := e.Decide(bg, l); d.Allowed {
-		t.Fatalf("strict mode did not refresh: %+v", d)
+		t.Fatalf("strict mode did not ask the origin: %+v", d)
 	}
-	if o.reads.Load() != reads+1 {
-		t.Fatalf("reads = %d, want one refresh", o.reads.Load()-reads)
+	if o.reserves.Load() != reserves+1 {
+		t.Fatalf("reservations = %d, want one", o.reserves.Load()-reserves)
 	}
 }
 
@@ -231,7 +289,7 @@ func TestReplay_MergesOtherNodesAndNeverDoubles(t *testing.T) {
 		e.Decide(bg, l)
 	}
 	o.add(l.Key, seq, 100)
-	if n, err := e.ReplayOnce(bg, Slow); err != nil || n != 1 {
+	if n, err := replayBoth(e); err != nil || n != 1 {
 		t.Fatalf("ReplayOnce = %d, %v", n, err)
 	}
 	if got := o.total(l.Key, seq); got != 105 {
@@ -242,7 +300,7 @@ func TestReplay_MergesOtherNodesAndNeverDoubles(t *testing.T) {
 		t.Fatalf("cell = %+v, want regional 105 and nothing pending", ks.Cells[0])
 	}
 	// A second replay with nothing new sends nothing.
-	if n, _ := e.ReplayOnce(bg, Slow); n != 0 {
+	if n, _ := replayBoth(e); n != 0 {
 		t.Fatalf("replayed %d cells with nothing pending", n)
 	}
 }
@@ -255,12 +313,12 @@ func TestReplay_FailedFlushKeepsUnitsForLater(t *testing.T) {
 		e.Decide(bg, l)
 	}
 	o.failFlushes(errOriginDown)
-	if _, err := e.ReplayOnce(bg, Slow); err == nil {
+	if _, err := replayBoth(e); err == nil {
 		t.Fatal("a failed flush reported no error")
 	}
 	o.failFlushes(nil)
 	e.Decide(bg, l)
-	if _, err := e.ReplayOnce(bg, Slow); err != nil {
+	if _, err := replayBoth(e); err != nil {
 		t.Fatal(err)
 	}
 	if got := o.total(l.Key, seq); got != 8 {
@@ -285,7 +343,7 @@ func TestDecideMany_RolledBackUnitsAreNeverReplayed(t *testing.T) {
 			t.Fatal("batch passed a full limit")
 		}
 	}
-	e.ReplayOnce(bg, Slow)
+	replayBoth(e)
 	e.ReplayOnce(bg, Fast)
 	seq := clk.UnixMilli() / time.Hour.Milliseconds()
 	if got := o.total(a.Key, seq); got != 5 {

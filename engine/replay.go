@@ -2,16 +2,20 @@ package engine
 
 import (
 	"context"
+	"sync/atomic"
 	"time"
+
+	"github.com/puzpuzpuz/xsync/v4"
 )
 
 // Replay hands committed units to the origin off the request path. A commit
 // adds its cost to the cell's pending delta and, the first time, queues the
-// cell in the slow or the fast queue by its pressure; the ticks drain the
-// queues in batches to the workers, which call Origin.Flush and merge the
-// totals back with max. A full queue leaves the delta pending in its cell
-// (counted as a drop) until the next commit or the janitor queues it again:
-// the request path never waits for replay.
+// cell in the slow or the fast queue by its pressure (a shared cell always
+// in the fast one); the ticks drain the queues in batches to the workers,
+// which call Origin.Flush and merge the totals back with max. A full queue
+// leaves the delta pending in its cell (counted as a drop) until the next
+// commit or the janitor queues it again: the request path never waits for
+// replay, and nothing committed is stranded.
 
 const (
 	// replayQueueLen is the capacity of each replay queue: more cells than a
@@ -28,47 +32,94 @@ const (
 type Tier int
 
 const (
-	// Slow is the queue of cells below half their limit.
+	// Slow is the queue of cells below half their limit that only this
+	// process touches.
 	Slow Tier = iota
-	// Fast is the queue of cells at half their limit or more.
+	// Fast is the queue of cells at half their limit or more, and of shared
+	// cells: other processes need their units soon.
 	Fast
 )
 
+// dirtyCell is a cell waiting in a replay queue, with what names it.
+type dirtyCell struct {
+	zone *Zone
+	id   string
+	cell *cell
+}
+
+// queue is a bounded lock-free queue of dirty cells with an approximate
+// length (xsync's MPMC queue has none; the loop sizes its batches by it).
+type queue struct {
+	q *xsync.MPMCQueue[dirtyCell]
+	n atomic.Int64
+}
+
+func newQueue(n int) *queue { return &queue{q: xsync.NewMPMCQueue[dirtyCell](n)} }
+
+// push enqueues c and reports false when the queue is full.
+func (q *queue) push(z *Zone, id string, c *cell) bool {
+	if !q.q.TryEnqueue(dirtyCell{z, id, c}) {
+		return false
+	}
+	q.n.Add(1)
+	return true
+}
+
+// pop dequeues one cell; ok is false when the queue is empty.
+func (q *queue) pop() (dirtyCell, bool) {
+	d, ok := q.q.TryDequeue()
+	if ok {
+		q.n.Add(-1)
+	}
+	return d, ok
+}
+
+// len returns about how many cells are queued.
+func (q *queue) len() int { return int(max(q.n.Load(), 0)) }
+
 // replayQueues are the two replay queues.
-type replayQueues struct{ slow, fast *ring }
+type replayQueues struct{ slow, fast *queue }
 
 // queue returns the tier's queue; with no origin ever set, an empty one.
-func (e *Engine) queue(t Tier) *ring {
+func (e *Engine) queue(t Tier) *queue {
 	q := e.queues.Load()
 	switch {
 	case q == nil:
-		return emptyRing
+		return emptyQueue
 	case t == Fast:
 		return q.fast
 	}
 	return q.slow
 }
 
-// emptyRing stands in for the queues of an engine that never had an
+// emptyQueue stands in for the queues of an engine that never had an
 // origin; nothing is ever pushed to it.
-var emptyRing = newRing(1)
+var emptyQueue = newQueue(1)
 
-// markDirty queues c for replay in the tier its pressure asks for. A cell
-// already queued in that tier is not queued again.
+// markDirty queues c for replay in the tier its pressure (or sharing) asks
+// for. A cell already queued in that tier is not queued again. Whatever
+// the queues hold, a cell with pending units ends up in a queue or, when
+// both are full, with no dirty bit, so that the janitor queues it again.
 func (e *Engine) markDirty(z *Zone, id string, c *cell, fast bool) {
 	st := c.state.Load()
 	if fast {
 		if st&stFast != 0 || !c.setBits(stDirty|stFast) {
 			return
 		}
-		if !e.queue(Fast).push(z, id, c) {
-			c.clearBits(stFast)
-			e.stats.replayDrops.Add(1)
-			e.markDirty(z, id, c, false)
+		if e.queue(Fast).push(z, id, c) {
+			return
 		}
+		e.stats.replayDrops.Add(1)
+		if st&stDirty != 0 {
+			// Already in the slow queue: it replays there.
+			c.clearBits(stFast)
+			return
+		}
+		c.clearBits(stDirty | stFast)
+	} else if st&stDirty != 0 {
 		return
 	}
-	if st&stDirty != 0 || !c.setBits(stDirty) {
+	if !c.setBits(stDirty) {
 		return
 	}
 	if !e.queue(Slow).push(z, id, c) {
@@ -81,11 +132,11 @@ func (e *Engine) markDirty(z *Zone, id string, c *cell, fast bool) {
 func (e *Engine) drain(t Tier, max int, out []Delta) []Delta {
 	q := e.queue(t)
 	for len(out) < max {
-		z, id, c, ok := q.pop()
+		d, ok := q.pop()
 		if !ok {
 			break
 		}
-		out = e.take(out, z, id, c)
+		out = e.take(out, d.zone, d.id, d.cell)
 	}
 	return out
 }
@@ -115,15 +166,17 @@ func (e *Engine) flush(ctx context.Context, o Origin, batch []Delta) error {
 	}
 	ctx, cancel := context.WithTimeout(ctx, flushTimeout)
 	defer cancel()
+	sent := e.nowMs()
 	err := o.Flush(ctx, batch)
 	now := e.nowMs()
 	failed := false
 	for i := range batch {
 		d := &batch[i]
 		if d.Done {
-			d.cell.mergeOrigin(d.Total)
+			d.cell.observe(d.Totals)
+			d.cell.mergeOrigin(d.Totals.Cur)
 			d.cell.setBits(stHydrated)
-			d.cell.extendFresh(now + e.freshnessMs())
+			d.cell.extendFresh(sent + e.freshnessMs())
 		} else {
 			failed = true
 			d.cell.own.Add(-d.Delta)
@@ -223,7 +276,7 @@ func (e *Engine) replayLoop() {
 func (e *Engine) settle(d *Delta) {
 	d.cell.clearBits(stFlushing)
 	if d.cell.pending.Load() > 0 {
-		e.markDirty(d.zone, d.Key.Identifier, d.cell, false)
+		e.markDirty(d.zone, d.Key.Identifier, d.cell, d.cell.state.Load()&stShared != 0)
 	}
 }
 
@@ -248,13 +301,13 @@ func (e *Engine) flushAll(ctx context.Context, o Origin) error {
 		batch = batch[:0]
 	}
 	// Queued cells first: an evicted or long rotated cell is only there.
-	for _, q := range []*ring{e.queue(Fast), e.queue(Slow)} {
+	for _, q := range []*queue{e.queue(Fast), e.queue(Slow)} {
 		for {
-			z, id, c, ok := q.pop()
+			d, ok := q.pop()
 			if !ok {
 				break
 			}
-			if batch = e.take(batch, z, id, c); len(batch) >= replayBatch {
+			if batch = e.take(batch, d.zone, d.id, d.cell); len(batch) >= replayBatch {
 				send()
 			}
 		}

@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"container/heap"
 	"sort"
 	"strings"
 	"sync/atomic"
@@ -11,6 +12,9 @@ import (
 type counters struct {
 	reads, readErrors, readWaitTimeouts, sharedReads atomic.Int64
 	syncReads, backgroundReads                       atomic.Int64
+	reservations, reservationsAdmitted               atomic.Int64
+	reservationsDenied, reservationErrors            atomic.Int64
+	reservationWaits                                 atomic.Int64
 	flushes, flushErrors                             atomic.Int64
 	replayDrops, evictions, firstDenials             atomic.Int64
 	lastRead, lastFlush                              atomic.Int64 // Unix ms
@@ -36,6 +40,13 @@ type Stats struct {
 	// stale at half the limit, or near the limit); BackgroundReads the
 	// refreshes started without waiting.
 	SyncReads, BackgroundReads int64
+	// Reservations counts decisions made at the origin (shared cells near
+	// their limit or in strict mode), each one request-path round trip;
+	// ReservationsAdmitted and ReservationsDenied their verdicts,
+	// ReservationErrors those that failed or timed out (decided locally),
+	// ReservationWaits the requests that waited for one in flight.
+	Reservations, ReservationsAdmitted, ReservationsDenied int64
+	ReservationErrors, ReservationWaits                    int64
 	// Flushes and FlushErrors count replay batches.
 	Flushes, FlushErrors int64
 	// LastRead and LastFlush are the last successful origin read and flush;
@@ -59,10 +70,17 @@ func (e *Engine) Stats() Stats {
 		SharedReads:      s.sharedReads.Load(),
 		SyncReads:        s.syncReads.Load(),
 		BackgroundReads:  s.backgroundReads.Load(),
-		Flushes:          s.flushes.Load(),
-		FlushErrors:      s.flushErrors.Load(),
-		LastRead:         msTime(s.lastRead.Load()),
-		LastFlush:        msTime(s.lastFlush.Load()),
+
+		Reservations:         s.reservations.Load(),
+		ReservationsAdmitted: s.reservationsAdmitted.Load(),
+		ReservationsDenied:   s.reservationsDenied.Load(),
+		ReservationErrors:    s.reservationErrors.Load(),
+		ReservationWaits:     s.reservationWaits.Load(),
+
+		Flushes:     s.flushes.Load(),
+		FlushErrors: s.flushErrors.Load(),
+		LastRead:    msTime(s.lastRead.Load()),
+		LastFlush:   msTime(s.lastFlush.Load()),
 	}
 }
 
@@ -174,10 +192,15 @@ func cellState(c *cell) CellState {
 }
 
 // Scan returns up to max keys of the namespace whose identifier starts with
-// prefix, sorted by identifier and window.
+// prefix, sorted by identifier and window (all of them when max < 0). It
+// keeps only the first max while it scans, so a listing of a few keys costs
+// no sort of every key.
 func (e *Engine) Scan(namespace, prefix string, max int) []KeyState {
+	if max == 0 {
+		return nil
+	}
 	now := e.nowMs()
-	var out []KeyState
+	var top keyHeap
 	e.rangeZones(func(z *Zone) bool {
 		if z.name != namespace {
 			return true
@@ -186,23 +209,46 @@ func (e *Engine) Scan(namespace, prefix string, max int) []KeyState {
 			if !strings.HasPrefix(id, prefix) {
 				return true
 			}
+			if max > 0 && len(top) == max && !keyLess(id, z.window, top[0].Key) {
+				return true // after every key kept so far
+			}
 			if ks, ok := e.inspect(z, id, en, now); ok {
-				out = append(out, ks)
+				heap.Push(&top, ks)
+				if max > 0 && len(top) > max {
+					heap.Pop(&top)
+				}
 			}
 			return true
 		})
 		return true
 	})
-	sort.Slice(out, func(i, j int) bool {
-		if out[i].Key.Identifier != out[j].Key.Identifier {
-			return out[i].Key.Identifier < out[j].Key.Identifier
-		}
-		return out[i].Key.Window < out[j].Key.Window
-	})
-	if max >= 0 && len(out) > max {
-		out = out[:max]
-	}
+	out := []KeyState(top)
+	sort.Slice(out, func(i, j int) bool { return keyLess(out[i].Key.Identifier, out[i].Key.Window, out[j].Key) })
 	return out
+}
+
+// keyLess orders keys of one namespace by identifier, then window.
+func keyLess(id string, w time.Duration, k Key) bool {
+	if id != k.Identifier {
+		return id < k.Identifier
+	}
+	return w < k.Window
+}
+
+// keyHeap is a max-heap of keys by keyLess: its root is the last key kept.
+type keyHeap []KeyState
+
+func (h keyHeap) Len() int { return len(h) }
+func (h keyHeap) Less(i, j int) bool {
+	return keyLess(h[j].Key.Identifier, h[j].Key.Window, h[i].Key)
+}
+func (h keyHeap) Swap(i, j int) { h[i], h[j] = h[j], h[i] }
+func (h *keyHeap) Push(x any)   { *h = append(*h, x.(KeyState)) }
+func (h *keyHeap) Pop() any {
+	old := *h
+	x := old[len(old)-1]
+	*h = old[:len(old)-1]
+	return x
 }
 
 // Forget drops key's entry and strict deadline on this process. With an
@@ -224,6 +270,7 @@ func (e *Engine) Forget(key Key) bool {
 		}
 	}
 	if _, ok := z.strict.LoadAndDelete(id); ok {
+		e.strictLive.Add(-1)
 		found = true
 	}
 	return found

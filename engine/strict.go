@@ -11,13 +11,23 @@ import "sync/atomic"
 // denial into an allow: denials themselves never wait.
 
 // markStrict raises id's strict deadline to until (Unix ms). The first
-// denial of a key allocates its deadline; later ones are an atomic max.
-func markStrict(z *Zone, id string, until int64) {
+// denial of a key allocates its deadline; later ones are an atomic max. New
+// keys past MaxEntries strict deadlines are not recorded: strict mode is a
+// refinement, and a flood of denied identifiers must not grow memory.
+func (e *Engine) markStrict(z *Zone, id string, until int64) {
 	d, ok := z.strict.Load(id)
 	if !ok {
+		if e.strictLive.Load() >= int64(e.cfg.MaxEntries) {
+			return
+		}
+		var created bool
 		d, _ = z.strict.LoadOrCompute(id, func() (*atomic.Int64, bool) {
+			created = true
 			return new(atomic.Int64), false
 		})
+		if created {
+			e.strictLive.Add(1)
+		}
 	}
 	for {
 		old := d.Load()

@@ -95,3 +95,29 @@ func retryAfterMs(cur, prev, cost, limit, w, r int64) int64 {
 func pressureAtLeast(effective, limit, num, den int64) bool {
 	return effective*den >= limit*num
 }
+
+// MaxCount is the largest count, limit or cost the engine holds: 2^53 − 1,
+// the largest integer a double represents exactly, so that the origin's
+// scripts (Lua numbers are doubles) compute what the engine computes. Every
+// count and sum saturates at it; larger limits and costs are taken as it.
+const MaxCount = 1<<53 - 1
+
+// clampUnits returns n within [0, MaxCount]: a negative cost or limit is
+// zero (never a refund), a huge one the ceiling (never an overflow).
+func clampUnits(n int64) int64 {
+	switch {
+	case n < 0:
+		return 0
+	case n > MaxCount:
+		return MaxCount
+	}
+	return n
+}
+
+// satAdd returns a + b saturated at MaxCount, for a, b in [0, MaxCount].
+func satAdd(a, b int64) int64 {
+	if s := a + b; s < MaxCount {
+		return s
+	}
+	return MaxCount
+}

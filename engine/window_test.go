@@ -94,3 +94,41 @@ func TestWindow_RemainingRoundsDown(t *testing.T) {
 		t.Fatalf("remaining over the limit = %d, want 0", got)
 	}
 }
+
+// bigFits is the sliding-window test in exact arithmetic for any int64s.
+func bigFits(cur, prev, cost, limit, w, r int64) bool {
+	eff := new(big.Rat).SetInt(new(big.Int).Add(big.NewInt(cur), big.NewInt(cost)))
+	eff.Add(eff, new(big.Rat).Mul(new(big.Rat).SetInt64(prev), big.NewRat(w-r, w)))
+	return eff.Cmp(new(big.Rat).SetInt64(limit)) <= 0
+}
+
+// TestWindow_FitsOverTheWholeRange draws counts, costs and limits from the
+// whole range the engine holds (up to 2^53 − 1, and sums of two such
+// counts) with windows up to 2^40 ms, and checks fits against exact
+// arithmetic: no overflow anywhere.
+func TestWindow_FitsOverTheWholeRange(t *testing.T) {
+	rng := rand.New(rand.NewPCG(5, 6))
+	draw := func() int64 {
+		switch rng.IntN(4) {
+		case 0:
+			return rng.Int64N(100)
+		case 1:
+			return MaxCount - rng.Int64N(100)
+		}
+		return rng.Int64N(MaxCount + 1)
+	}
+	for i := 0; i < 200000; i++ {
+		w := 1 + rng.Int64N(1<<40)
+		r := rng.Int64N(w)
+		cur, prev := draw()+draw(), draw()+draw() // current and previous may each hold regional + global
+		cost, limit := draw(), draw()
+		if got, want := fits(cur, prev, cost, limit, w, r), bigFits(cur, prev, cost, limit, w, r); got != want {
+			t.Fatalf("fits(cur=%d prev=%d cost=%d limit=%d w=%d r=%d) = %v, want %v", cur, prev, cost, limit, w, r, got, want)
+		}
+		if !bigFits(cur, prev, cost, limit, w, r) {
+			if ra := retryAfterMs(cur, prev, cost, limit, w, r); (cost > limit) != (ra < 0) || (ra >= 0 && ra < 1) {
+				t.Fatalf("retryAfterMs(cur=%d prev=%d cost=%d limit=%d w=%d r=%d) = %d", cur, prev, cost, limit, w, r, ra)
+			}
+		}
+	}
+}

@@ -51,6 +51,10 @@ func freePort(t *testing.T) int {
 	return port
 }
 
+// extraEnv is added to the environment of the Caddy processes started next
+// (startNodeEnv sets it).
+var extraEnv []string
+
 // startNode starts Caddy on a config whose site block is site and whose
 // global ratelimit option is global, and waits until it serves.
 func startNode(t *testing.T, global, site string) *node {
@@ -84,6 +88,7 @@ http://127.0.0.1:%d {
 	}
 	n.cmd = exec.Command(bin, "run", "--config", file)
 	n.cmd.Env = append(os.Environ(), "HOME="+dir, "XDG_DATA_HOME="+dir, "XDG_CONFIG_HOME="+dir)
+	n.cmd.Env = append(n.cmd.Env, extraEnv...)
 	n.cmd.Stdout, n.cmd.Stderr = n.log, n.log
 	if err := n.cmd.Start(); err != nil {
 		t.Fatal(err)

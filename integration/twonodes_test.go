@@ -14,7 +14,7 @@ import (
 // TestTwoCaddyProcesses_ShareOneRedis is the regional scenario with real
 // processes: two Caddy nodes share one Redis, one key with a limit of
 // 10,000 per 10 s, and 2,000 requests a second are offered evenly to both
-// for one whole window. Together they must admit at most 5 % over the limit.
+// for one whole window. Together they must admit at most 5 over the limit.
 func TestTwoCaddyProcesses_ShareOneRedis(t *testing.T) {
 	if testing.Short() {
 		t.Skip("builds Caddy and runs two processes for a 10 s window")
@@ -85,8 +85,8 @@ func TestTwoCaddyProcesses_ShareOneRedis(t *testing.T) {
 	if total < 15_000 {
 		t.Fatalf("only %d requests offered; the load generator fell behind", total)
 	}
-	if ok.Load() > limit*105/100 {
-		t.Fatalf("admitted %d, more than 1.05 × %d", ok.Load(), limit)
+	if ok.Load() > limit+5 {
+		t.Fatalf("admitted %d, more than %d + 5", ok.Load(), limit)
 	}
 	if ok.Load() < limit*95/100 {
 		t.Fatalf("admitted %d of a limit of %d with twice the limit offered: the nodes under-admit", ok.Load(), limit)

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"net/netip"
 	"net/url"
 	"slices"
 	"strconv"
@@ -35,6 +36,11 @@ const (
 	// calls must not trip on the same absolute number of failures that would
 	// be an outage for a quiet one.
 	DefaultBreakerFailureRatio = 0.5
+	// DefaultBreakerSlowCall is the request-path round trip past which a
+	// call counts as failed: a regional Redis answers in about a millisecond,
+	// and a Redis twenty times slower costs every cold or near-limit request
+	// more than the limiter is worth; replay is not judged by it.
+	DefaultBreakerSlowCall = 20 * time.Millisecond
 )
 
 // Config is the regional origin's configuration: where Redis is, how keys
@@ -124,6 +130,10 @@ type BreakerConfig struct {
 	// FailureRatio trips the breaker when at least this share of the
 	// completed calls in the window failed, in (0, 1] (default 0.5).
 	FailureRatio float64 `json:"failure_ratio,omitempty"`
+	// SlowCall is the round trip past which a request-path call (a read or
+	// a reservation) counts as failed for its breaker (default 20ms).
+	// Replay's breaker counts errors only.
+	SlowCall Duration `json:"slow_call,omitempty"`
 }
 
 // Duration is a time.Duration that reads from JSON either as a Go duration
@@ -184,6 +194,9 @@ func (c Config) WithDefaults() Config {
 	if c.Breaker.FailureRatio == 0 {
 		c.Breaker.FailureRatio = DefaultBreakerFailureRatio
 	}
+	if c.Breaker.SlowCall == 0 {
+		c.Breaker.SlowCall = Duration(DefaultBreakerSlowCall)
+	}
 	return c
 }
 
@@ -224,6 +237,7 @@ func (c Config) Validate() error {
 		{"fast_tick", c.FastTick},
 		{"breaker.interval", c.Breaker.Interval},
 		{"breaker.timeout", c.Breaker.Timeout},
+		{"breaker.slow_call", c.Breaker.SlowCall},
 	} {
 		if f.v < 0 {
 			return fmt.Errorf("%s: must not be negative, got %s", f.name, time.Duration(f.v))
@@ -406,10 +420,11 @@ func parseRedisURL(raw string) (endpointSpec, error) {
 	if port == "" {
 		port = "6379"
 	}
-	if n, err := strconv.Atoi(port); err != nil || n < 1 || n > 65535 {
-		return s, errors.New("invalid port")
+	addr, err := canonicalAddr(host, port)
+	if err != nil {
+		return s, err
 	}
-	s.addrs = []string{net.JoinHostPort(host, port)}
+	s.addrs = []string{addr}
 	if u.User != nil {
 		s.username = u.User.Username()
 		s.password, _ = u.User.Password()
@@ -478,10 +493,9 @@ func parseGroup(field string, addrs []string) (endpointSpec, error) {
 				// Not quoted: "user:password@host:port" without a scheme lands here.
 				return s, fmt.Errorf("%s address #%d: not host:port or a redis:// URL", field, i+1)
 			}
-			if n, err := strconv.Atoi(port); err != nil || n < 1 || n > 65535 {
-				return s, fmt.Errorf("%s address #%d: invalid port", field, i+1)
+			if addr, err = canonicalAddr(host, port); err != nil {
+				return s, fmt.Errorf("%s address #%d: %w", field, i+1, err)
 			}
-			addr = net.JoinHostPort(host, port)
 		}
 		if seen[addr] {
 			return s, fmt.Errorf("%s address #%d: %s is listed twice", field, i+1, addr)
@@ -494,4 +508,22 @@ func parseGroup(field string, addrs []string) (endpointSpec, error) {
 		s.tls, s.tlsSkipVer, s.db = first.tls, first.tlsSkipVer, first.db
 	}
 	return s, nil
+}
+
+// canonicalAddr spells host:port one way for every way of naming the same
+// server, so that partitions are placed (and duplicates found) by server,
+// not by spelling: the port in decimal without leading zeros, an IP address
+// in its canonical form (IPv6 compressed, an IPv4-mapped one as IPv4), a
+// host name in lower case without a trailing dot.
+func canonicalAddr(host, port string) (string, error) {
+	n, err := strconv.Atoi(port)
+	if err != nil || n < 1 || n > 65535 {
+		return "", errors.New("invalid port")
+	}
+	if ip, err := netip.ParseAddr(host); err == nil {
+		host = ip.Unmap().String()
+	} else {
+		host = strings.TrimSuffix(strings.ToLower(host), ".")
+	}
+	return net.JoinHostPort(host, strconv.Itoa(n)), nil
 }

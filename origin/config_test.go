@@ -2,6 +2,7 @@ package origin
 
 import (
 	"encoding/json"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -140,5 +141,36 @@ func TestString_NamesAddressesNeverCredentials(t *testing.T) {
 			t.Errorf("String() = %q, want %q", got, tc.want)
 		}
 		_ = o.Close()
+	}
+}
+
+func TestConfig_OneServerSpelledTwoWaysIsOnePartition(t *testing.T) {
+	for _, pair := range [][2]string{
+		{"redis://127.0.0.1:6379", "redis://127.0.0.1:06379"},
+		{"redis://cache.example:6379", "redis://CACHE.Example.:6379"},
+		{"redis://[::1]:6379", "redis://[0:0:0:0:0:0:0:1]:6379"},
+		{"redis://127.0.0.1:6379", "redis://[::ffff:127.0.0.1]:6379"},
+		{"redis://10.0.0.1", "redis://10.0.0.1:6379/0"},
+	} {
+		err := Config{Redis: []string{pair[0], pair[1]}}.Validate()
+		if err == nil || !strings.Contains(err.Error(), "already partition #1") {
+			t.Errorf("%s and %s: %v, want one partition named twice", pair[0], pair[1], err)
+		}
+	}
+	a, err := New(Config{Redis: []string{"redis://a.example:6379", "redis://b.example:6379"}}, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := New(Config{Redis: []string{"redis://B.EXAMPLE:06379", "redis://a.example"}}, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+	defer b.Close()
+	for i := 0; i < 200; i++ {
+		k := key(fmt.Sprint("tenant-", i))
+		if a.route(k).address != b.route(k).address {
+			t.Fatalf("%v placed on %s by one process and %s by another", k, a.route(k).address, b.route(k).address)
+		}
 	}
 }

@@ -15,19 +15,23 @@ import (
 )
 
 // endpoint is one Redis deployment (a standalone partition, a Cluster or a
-// Sentinel group) with its client, its breaker and its counters.
+// Sentinel group) with its client, its two breakers and its counters.
 type endpoint struct {
 	r       *Redis
 	address string
 	kind    string
 	seed    uint64
 	client  redis.UniversalClient
-	cb      *gobreaker.CircuitBreaker[struct{}]
+	// sync guards the request path (reads and reservations): a call slower
+	// than the slow-call threshold counts as a failure, so a slow Redis
+	// stops costing requests latency just as a dead one does. replay guards
+	// flushes and counts errors only, so a slow Redis still gets the counts.
+	sync, replay *breaker
 
 	calls      [numOps][numOutcomes]atomic.Uint64
 	lastOK     [numOps]atomic.Int64 // unix nanoseconds
 	roundTrips atomic.Uint64
-	readded    atomic.Uint64
+	slowCalls  atomic.Uint64
 
 	// Read batching (read.go): mu guards queue, drainers and closing; idle
 	// is signalled when the last drainer leaves.
@@ -38,12 +42,23 @@ type endpoint struct {
 	closing  bool
 }
 
-func (ep *endpoint) breakerSettings(c BreakerConfig) gobreaker.Settings {
+// breaker is one gobreaker circuit breaker with its slow-call threshold
+// (zero: errors only).
+type breaker struct {
+	cb   *gobreaker.CircuitBreaker[struct{}]
+	slow time.Duration
+	ep   *endpoint
+}
+
+// errSlowCall marks, for the breaker only, a call that succeeded too late.
+var errSlowCall = errors.New("slow call")
+
+func (ep *endpoint) newBreaker(name string, c BreakerConfig, slow time.Duration) *breaker {
 	interval := time.Duration(c.Interval)
 	minRequests := uint32(c.MinRequests)
 	ratio := c.FailureRatio
-	return gobreaker.Settings{
-		Name:         BreakerName,
+	return &breaker{ep: ep, slow: slow, cb: gobreaker.NewCircuitBreaker[struct{}](gobreaker.Settings{
+		Name:         name,
 		MaxRequests:  halfOpenProbes,
 		Interval:     interval,
 		BucketPeriod: interval / breakerBuckets,
@@ -56,22 +71,54 @@ func (ep *endpoint) breakerSettings(c BreakerConfig) gobreaker.Settings {
 			done := n.TotalSuccesses + n.TotalFailures
 			return done >= minRequests && float64(n.TotalFailures) >= ratio*float64(done)
 		},
+		IsSuccessful: func(err error) bool { return err == nil || !countsAgainst(err) },
 		// A caller that gave up says nothing about Redis.
 		IsExcluded: func(err error) bool { return errors.Is(err, context.Canceled) },
-		OnStateChange: func(_ string, from, to gobreaker.State) {
-			ep.r.emit(stateEvent{endpoint: ep.address, from: breakerState(from), to: breakerState(to)})
+		OnStateChange: func(name string, from, to gobreaker.State) {
+			ep.r.emit(stateEvent{endpoint: ep.address, breaker: name, from: breakerState(from), to: breakerState(to)})
 		},
+	})}
+}
+
+// countsAgainst reports whether err says something about Redis's health. A
+// command Redis refused for its own key (a wrong type, a value that is not
+// a number, a script error) does not: one hostile key must not open the
+// breaker of the region. Redis refusing work as a whole does.
+func countsAgainst(err error) bool {
+	var rerr redis.Error
+	if !errors.As(err, &rerr) {
+		return true
 	}
+	for _, p := range []string{"LOADING", "READONLY", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "BUSY", "OOM", "NOAUTH", "WRONGPASS", "NOPERM"} {
+		if redis.HasErrorPrefix(err, p) {
+			return true
+		}
+	}
+	return false
 }
 
 // open reports whether the breaker refuses calls right now (a cheap check
 // before any work, so an open breaker costs a request nothing).
-func (ep *endpoint) open() bool { return ep.cb.State() == gobreaker.StateOpen }
+func (b *breaker) open() bool { return b.cb.State() == gobreaker.StateOpen }
 
-// guard runs fn through the breaker, translating its refusals.
-func (ep *endpoint) guard(fn func() error) error {
-	_, err := ep.cb.Execute(func() (struct{}, error) { return struct{}{}, fn() })
-	if errors.Is(err, gobreaker.ErrOpenState) || errors.Is(err, gobreaker.ErrTooManyRequests) {
+// guard runs fn through the breaker, translating its refusals. A call that
+// succeeded past the slow-call threshold counts as a failure for the
+// breaker (unless this process was starved of CPU: starve.go), and as the
+// success it was for the caller.
+func (b *breaker) guard(fn func() error) error {
+	_, err := b.cb.Execute(func() (struct{}, error) {
+		start := time.Now()
+		err := fn()
+		if err == nil && b.slow > 0 && time.Since(start) > b.slow && !sched.starved(b.slow/2) {
+			b.ep.slowCalls.Add(1)
+			return struct{}{}, errSlowCall
+		}
+		return struct{}{}, err
+	})
+	switch {
+	case errors.Is(err, errSlowCall):
+		return nil
+	case errors.Is(err, gobreaker.ErrOpenState), errors.Is(err, gobreaker.ErrTooManyRequests):
 		return ErrBreakerOpen
 	}
 	return err
@@ -92,12 +139,13 @@ func (ep *endpoint) record(op Op, err error, start time.Time, cells int) {
 
 func (ep *endpoint) stats() EndpointStats {
 	s := EndpointStats{
-		Address:    ep.address,
-		Kind:       ep.kind,
-		Breaker:    breakerState(ep.cb.State()),
-		Calls:      make(map[string]map[string]uint64, numOps),
-		RoundTrips: ep.roundTrips.Load(),
-		Readded:    ep.readded.Load(),
+		Address:       ep.address,
+		Kind:          ep.kind,
+		Breaker:       breakerState(ep.sync.cb.State()),
+		ReplayBreaker: breakerState(ep.replay.cb.State()),
+		SlowCalls:     ep.slowCalls.Load(),
+		Calls:         make(map[string]map[string]uint64, numOps),
+		RoundTrips:    ep.roundTrips.Load(),
 	}
 	for op := Op(0); op < numOps; op++ {
 		m := make(map[string]uint64, numOutcomes)

@@ -157,13 +157,6 @@ func TestFailover_RedisStoppedUnderLoadThenRestartedEmpty(t *testing.T) {
 	if denied.Load() != 0 {
 		t.Fatalf("%d requests denied below the limit", denied.Load())
 	}
-	var readded uint64
-	for _, p := range procs {
-		readded += p.o.Stats().Endpoints[0].Readded
-	}
-	if readded == 0 {
-		t.Fatal("nothing was re-added after the restart; the test did not exercise the re-add")
-	}
 
 	mu.Lock()
 	defer mu.Unlock()

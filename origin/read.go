@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"strconv"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -43,24 +42,24 @@ type readReq struct {
 	ctx       context.Context
 	deadline  time.Time
 	cur, prev string
-	curN      int64
-	prevN     int64
+	expire    int64 // Unix ms: the expiry of the cell's contribution hash
+	totals    engine.Totals
 	err       error
 	done      chan struct{}
 }
 
-func (ep *endpoint) read(ctx context.Context, key engine.Key, seq int64) (cur, prev int64, err error) {
+func (ep *endpoint) read(ctx context.Context, key engine.Key, seq int64) (engine.Totals, error) {
 	if err := ctx.Err(); err != nil {
-		return 0, 0, err
+		return engine.Totals{}, err
 	}
 	if ep.r.closed.Load() {
-		return 0, 0, ErrClosed
+		return engine.Totals{}, ErrClosed
 	}
-	if ep.open() {
-		return 0, 0, ErrBreakerOpen
+	if ep.sync.open() {
+		return engine.Totals{}, ErrBreakerOpen
 	}
 	if key.Window < time.Millisecond {
-		return 0, 0, fmt.Errorf("window %s is below one millisecond", key.Window)
+		return engine.Totals{}, fmt.Errorf("window %s is below one millisecond", key.Window)
 	}
 	q := &readReq{ctx: ctx, done: make(chan struct{})}
 	q.deadline = time.Now().Add(maxCallTimeout)
@@ -68,15 +67,16 @@ func (ep *endpoint) read(ctx context.Context, key engine.Key, seq int64) (cur, p
 		q.deadline = d
 	}
 	q.cur, q.prev = cellKeys(ep.r.prefix, key, seq)
+	q.expire = expireAt(key, seq).UnixMilli()
 	if err := ep.enqueue(q); err != nil {
-		return 0, 0, err
+		return engine.Totals{}, err
 	}
 	select {
 	case <-q.done:
-		return q.curN, q.prevN, q.err
+		return q.totals, q.err
 	case <-ctx.Done():
 		// The drainer skips or finishes q on its own; nobody reads it.
-		return 0, 0, ctx.Err()
+		return engine.Totals{}, ctx.Err()
 	}
 }
 
@@ -143,10 +143,11 @@ func (ep *endpoint) take() []*readReq {
 	return batch
 }
 
-// readBatch sends one pipeline of MGETs, one per request, and hands each
-// request its result. The pipeline runs until the latest deadline in the
-// batch (at least roundTripFloor), not bound to any one caller's context:
-// the others still wait.
+// readBatch sends one pipeline of readScript calls, one per request, and
+// hands each request its result. The pipeline runs until the latest
+// deadline in the batch (at least roundTripFloor), not bound to any one
+// caller's context: the others still wait. A Redis that lost its scripts
+// gets them loaded and the pipeline sent once more (reads are idempotent).
 func (ep *endpoint) readBatch(batch []*readReq) {
 	deadline := time.Now().Add(roundTripFloor)
 	for _, q := range batch {
@@ -156,58 +157,88 @@ func (ep *endpoint) readBatch(batch []*readReq) {
 	}
 	ctx, cancel := context.WithDeadline(context.Background(), deadline)
 	defer cancel()
-	cmds := make([]*redis.SliceCmd, len(batch))
-	err := ep.guard(func() error {
-		pipe := ep.client.Pipeline()
-		for i, q := range batch {
-			// Both keys share a hash tag, so this MGET is single-slot in a
-			// Cluster too.
-			cmds[i] = pipe.MGet(ctx, q.cur, q.prev)
+	cmds := make([]*redis.Cmd, len(batch))
+	err := ep.sync.guard(func() error {
+		var err error
+		for attempt := 0; attempt < 2; attempt++ {
+			pipe := ep.client.Pipeline()
+			for i, q := range batch {
+				// Every key shares a hash tag: single-slot in a Cluster too.
+				cmds[i] = readScript.EvalSha(ctx, pipe, []string{q.cur, ownersKey(q.cur), q.prev}, ep.r.nodeID, q.expire)
+			}
+			ep.roundTrips.Add(1)
+			if _, err = pipe.Exec(ctx); err == nil || !redis.HasErrorPrefix(err, "NOSCRIPT") {
+				return err
+			}
+			if lerr := readScript.Load(ctx, ep.client).Err(); lerr != nil {
+				return fmt.Errorf("load read script: %w", lerr)
+			}
 		}
-		ep.roundTrips.Add(1)
-		_, err := pipe.Exec(ctx)
 		return err
 	})
 	for i, q := range batch {
 		if errors.Is(err, ErrBreakerOpen) {
 			q.err = err
 		} else {
-			q.curN, q.prevN, q.err = parseMGet(cmds[i])
+			q.totals, q.err = parseRead(cmds[i])
 		}
 		close(q.done)
 	}
 }
 
-// parseMGet reads the two totals of an MGET; a missing cell is 0.
-func parseMGet(cmd *redis.SliceCmd) (cur, prev int64, err error) {
-	vals, err := cmd.Result()
+// parseRead reads the reply of one readScript call.
+func parseRead(c *redis.Cmd) (engine.Totals, error) {
+	if c == nil {
+		return engine.Totals{}, errors.New("read not sent")
+	}
+	vals, err := scriptInts(c, 4)
 	if err != nil {
-		return 0, 0, err
+		return engine.Totals{}, err
 	}
-	if len(vals) != 2 {
-		return 0, 0, fmt.Errorf("MGET returned %d values for 2 keys", len(vals))
-	}
-	if cur, err = parseTotal(vals[0]); err != nil {
-		return 0, 0, err
-	}
-	if prev, err = parseTotal(vals[1]); err != nil {
-		return 0, 0, err
-	}
-	return cur, prev, nil
+	return engine.Totals{Cur: vals[0], Prev: vals[1], Mine: vals[2], Shared: vals[3] > 1}, nil
 }
 
-func parseTotal(v any) (int64, error) {
-	switch t := v.(type) {
-	case nil:
-		return 0, nil
-	case string:
-		n, err := strconv.ParseInt(t, 10, 64)
-		if err != nil {
-			return 0, fmt.Errorf("cell holds a non-integer value: %w", err)
-		}
-		return n, nil
-	case int64:
-		return t, nil
+// reserve runs the reservation script for res.
+func (ep *endpoint) reserve(ctx context.Context, res *engine.Reservation) error {
+	if err := ctx.Err(); err != nil {
+		return err
 	}
-	return 0, fmt.Errorf("cell holds an unexpected %T", v)
+	if ep.r.closed.Load() {
+		return ErrClosed
+	}
+	if ep.sync.open() {
+		return ErrBreakerOpen
+	}
+	switch {
+	case res.Key.Window < time.Millisecond:
+		return fmt.Errorf("window %s is below one millisecond", res.Key.Window)
+	case res.Own < 0 || res.Own > engine.MaxCount || res.Cost < 0 || res.Cost > engine.MaxCount ||
+		res.Limit < 0 || res.Limit > engine.MaxCount:
+		return fmt.Errorf("reservation out of range: own %d, cost %d, limit %d", res.Own, res.Cost, res.Limit)
+	}
+	cur, prev := cellKeys(ep.r.prefix, res.Key, res.Sequence)
+	keys := []string{cur, ownersKey(cur), prev}
+	args := []any{ep.r.nodeID, res.Own, expireAt(res.Key, res.Sequence).UnixMilli(), res.Cost, res.Limit,
+		windowMs(res.Key.Window), res.Elapsed, clampCount(res.Global), clampCount(res.GlobalPrev)}
+	var vals []int64
+	err := ep.sync.guard(func() error {
+		ep.roundTrips.Add(1)
+		// Run sends EVALSHA, and EVAL when Redis lost the script: a
+		// NOSCRIPT reply means nothing ran, so the retry charges once.
+		var err error
+		vals, err = reserveScript.Run(ctx, ep.client, keys, args...).Int64Slice()
+		return err
+	})
+	if err != nil {
+		return err
+	}
+	if len(vals) != 5 {
+		return fmt.Errorf("reserve script returned %d values", len(vals))
+	}
+	res.Admitted = vals[0] == 1
+	res.Totals = engine.Totals{Cur: vals[1], Prev: vals[2], Mine: vals[3], Shared: vals[4] > 1}
+	return nil
 }
+
+// clampCount bounds a count sent to a script to [0, engine.MaxCount].
+func clampCount(n int64) int64 { return min(max(n, 0), engine.MaxCount) }

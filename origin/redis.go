@@ -1,12 +1,3 @@
-// Package origin is the regional origin of the rate limiter: the Redis I/O
-// behind engine.Origin. The engine decides when to read and replay (pressure
-// tiers, ticks, single flight, timeouts) and merges what comes back with
-// max; this package only moves counts in and out of Redis, with a circuit
-// breaker per endpoint so a sick Redis costs requests no latency.
-//
-// Cells live at <prefix>:{<namespace>:<identifier>}:<window_ms>:<sequence>
-// (see cellKey). A read is one MGET of the current and previous cell; a
-// flush is one pipeline of INCRBY and PEXPIREAT per endpoint.
 package origin
 
 import (
@@ -22,13 +13,17 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
-	"github.com/sony/gobreaker/v2"
 
 	"github.com/edgelimit/caddy-ratelimit/engine"
 )
 
-// BreakerName is the name of every endpoint's circuit breaker.
-const BreakerName = "ratelimit_origin"
+// Names of every endpoint's two circuit breakers: the request path's
+// (reads and reservations, where slow counts as failed) and replay's
+// (errors only).
+const (
+	BreakerName       = "ratelimit_origin"
+	ReplayBreakerName = "ratelimit_origin_replay"
+)
 
 // Tunables of the breaker and the state-change notifications.
 const (
@@ -64,8 +59,8 @@ type Redis struct {
 }
 
 type stateEvent struct {
-	endpoint string
-	from, to BreakerState
+	endpoint, breaker string
+	from, to          BreakerState
 }
 
 var _ engine.Origin = (*Redis)(nil)
@@ -115,7 +110,8 @@ func New(cfg Config, opts Options) (*Redis, error) {
 			client:  newClient(s, roots),
 		}
 		ep.idle = sync.NewCond(&ep.mu)
-		ep.cb = gobreaker.NewCircuitBreaker[struct{}](ep.breakerSettings(cfg.Breaker))
+		ep.sync = ep.newBreaker(BreakerName, cfg.Breaker, time.Duration(cfg.Breaker.SlowCall))
+		ep.replay = ep.newBreaker(ReplayBreakerName, cfg.Breaker, 0)
 		r.endpoints = append(r.endpoints, ep)
 	}
 	return r, nil
@@ -154,25 +150,42 @@ func (r *Redis) String() string {
 	return s + "]"
 }
 
-// Read returns the totals of the cell (key, seq) and of the cell before it;
-// a missing cell is 0. It returns by ctx's deadline whatever Redis does, and
-// at once when the endpoint's breaker is open. Concurrent reads of one
+// Read returns the totals of the cell (key, seq) and of the cell before it,
+// with this process's recorded share of the cell; a missing cell is 0. It
+// returns by ctx's deadline whatever Redis does, and at once when the
+// endpoint's request-path breaker is open. Concurrent reads of one
 // endpoint share round trips.
-func (r *Redis) Read(ctx context.Context, key engine.Key, seq int64) (cur, prev int64, err error) {
+func (r *Redis) Read(ctx context.Context, key engine.Key, seq int64) (engine.Totals, error) {
 	start := time.Now()
 	ep := r.route(key)
-	cur, prev, err = ep.read(ctx, key, seq)
+	t, err := ep.read(ctx, key, seq)
 	ep.record(OpRead, err, start, 2)
 	if err != nil {
-		return 0, 0, fmt.Errorf("redis read %s (zone %q): %w", ep.address, key.Namespace, err)
+		return engine.Totals{}, fmt.Errorf("redis read %s (zone %q): %w", ep.address, key.Namespace, err)
 	}
-	return cur, prev, nil
+	return t, nil
 }
 
-// Flush adds each item's Delta to its cell in one pipeline per endpoint,
-// and stores the cell's total in Total and Done for each item Redis
-// applied. See flush.go for the commands and for how units that Redis lost
-// (a restart with an empty dataset) are added back exactly once.
+// Reserve decides one request at Redis in one script (scripts.go): it raises
+// this process's contribution to res.Own, then admits res.Cost only if the
+// region's count allows, charging it in the same step. It returns by ctx's
+// deadline whatever Redis does, and at once when the request-path breaker
+// is open.
+func (r *Redis) Reserve(ctx context.Context, res *engine.Reservation) error {
+	start := time.Now()
+	ep := r.route(res.Key)
+	err := ep.reserve(ctx, res)
+	ep.record(OpReserve, err, start, 1)
+	if err != nil {
+		return fmt.Errorf("redis reserve %s (zone %q): %w", ep.address, res.Key.Namespace, err)
+	}
+	return nil
+}
+
+// Flush raises this process's contribution to each item's cell to its Own
+// in one pipeline per endpoint, and stores the cell's totals and Done for
+// each item Redis applied. See flush.go and scripts.go: the write is
+// idempotent, so a Redis restarted empty gets every unit back exactly once.
 //
 // Endpoints are written concurrently; an endpoint whose breaker is open or
 // whose round trip fails leaves its items not Done. The error joins every
@@ -261,7 +274,7 @@ func (r *Redis) notify() {
 	for {
 		select {
 		case ev := <-r.events:
-			r.opts.OnStateChange(ev.endpoint, ev.from, ev.to)
+			r.opts.OnStateChange(ev.endpoint, ev.breaker, ev.from, ev.to)
 		case <-r.done:
 			return
 		}

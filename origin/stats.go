@@ -19,18 +19,22 @@ const (
 	// one round trip.
 	OpRead Op = iota
 	// OpFlush is the part of one Flush that went to one endpoint: one
-	// round trip (two when contributions had to be re-added).
+	// round trip (two when Redis had lost its scripts).
 	OpFlush
+	// OpReserve is one Reserve: a request decided at Redis.
+	OpReserve
 	numOps
 )
 
-// String returns "read" or "flush".
+// String returns "read", "flush" or "reserve".
 func (o Op) String() string {
 	switch o {
 	case OpRead:
 		return "read"
 	case OpFlush:
 		return "flush"
+	case OpReserve:
+		return "reserve"
 	}
 	return "unknown"
 }
@@ -115,10 +119,11 @@ type Options struct {
 	// OnCall runs on the calling goroutine after every Read and after every
 	// endpoint's part of a Flush: keep it cheap (update a histogram).
 	OnCall func(CallInfo)
-	// OnStateChange runs when an endpoint's breaker changes state, in
-	// order, on a goroutine of its own, so it may log, update metrics or
-	// call Stats. A slow hook delays later notifications only.
-	OnStateChange func(endpoint string, from, to BreakerState)
+	// OnStateChange runs when one of an endpoint's breakers (BreakerName
+	// or ReplayBreakerName) changes state, in order, on a goroutine of its
+	// own, so it may log, update metrics or call Stats. A slow hook delays
+	// later notifications only.
+	OnStateChange func(endpoint, breaker string, from, to BreakerState)
 }
 
 // Stats is a snapshot of the origin for operators.
@@ -133,16 +138,19 @@ type EndpointStats struct {
 	Address string `json:"address"`
 	// Kind is "standalone", "cluster" or "sentinel".
 	Kind string `json:"kind"`
-	// Breaker is the breaker's state.
-	Breaker BreakerState `json:"breaker"`
-	// Calls counts calls by op ("read", "flush") and outcome ("ok",
-	// "error", "timeout", "rejected").
+	// Breaker is the state of the request path's breaker (reads and
+	// reservations), ReplayBreaker that of replay's.
+	Breaker       BreakerState `json:"breaker"`
+	ReplayBreaker BreakerState `json:"replay_breaker"`
+	// Calls counts calls by op ("read", "flush", "reserve") and outcome
+	// ("ok", "error", "timeout", "rejected").
 	Calls map[string]map[string]uint64 `json:"calls"`
-	// RoundTrips counts pipelines sent to Redis: concurrent reads share one.
+	// RoundTrips counts pipelines and scripts sent to Redis: concurrent
+	// reads share one.
 	RoundTrips uint64 `json:"round_trips"`
-	// Readded counts units this process re-added because Redis returned a
-	// total below its own contribution (Redis restarted empty).
-	Readded uint64 `json:"readded"`
+	// SlowCalls counts request-path round trips that succeeded slower than
+	// the slow-call threshold (each a failure for the breaker).
+	SlowCalls uint64 `json:"slow_calls"`
 	// LastRead and LastFlush are the times of the last successful read and
 	// flush (zero if none yet).
 	LastRead  time.Time `json:"last_read,omitzero"`

@@ -1,0 +1,207 @@
+package engine
+
+import (
+	"context"
+	"math"
+	"runtime"
+	"strings"
+	"testing"
+	"testing/synctest"
+	"time"
+)
+
+// Defects a review found, each pinned by a test that failed before its fix.
+
+func TestDecide_HugeCostOverALoweredLimitIsNoFreePass(t *testing.T) {
+	e, _ := newTestEngine(t, manual(Config{}))
+	l := lim("k", time.Minute, 10, 1)
+	for i := 0; i < 10; i++ {
+		if !e.Decide(bg, l).Allowed {
+			t.Fatal("denied below the limit")
+		}
+	}
+	// A reload lowers the limit below the count; a hostile cost must not
+	// wrap the arithmetic into an admission.
+	l.Limit = 5
+	for _, cost := range []int64{math.MaxInt64, math.MaxInt64 - 4, MaxCount + 1, MaxCount, -1 << 62} {
+		l.Cost = cost
+		if d := e.Decide(bg, l); d.Allowed {
+			t.Fatalf("cost %d admitted over a lowered limit: %+v", cost, d)
+		}
+	}
+	l.Cost = 1
+	if d := e.Decide(bg, l); d.Allowed {
+		t.Fatalf("a later request passed: %+v", d)
+	}
+	ks, _ := e.Inspect(l.Key)
+	if got := ks.Cells[0].Regional; got != 10 {
+		t.Fatalf("count = %d, want 10", got)
+	}
+}
+
+func TestDecide_CountsSaturateAtMaxCount(t *testing.T) {
+	e, _ := newTestEngine(t, manual(Config{}))
+	l := lim("k", time.Minute, math.MaxInt64, math.MaxInt64)
+	l.DryRun = true
+	for i := 0; i < 3; i++ {
+		e.Decide(bg, l)
+	}
+	ks, _ := e.Inspect(l.Key)
+	if got := ks.Cells[0].Regional; got != MaxCount {
+		t.Fatalf("count = %d, want saturated at %d", got, MaxCount)
+	}
+	l.DryRun = false
+	l.Cost = 1
+	if d := e.Decide(bg, l); d.Allowed || d.Limit != MaxCount {
+		t.Fatalf("a saturated cell admitted, or the limit was not clamped: %+v", d)
+	}
+}
+
+func TestReplay_FullFastQueueFallsBackToTheSlowOne(t *testing.T) {
+	e, clk := newTestEngine(t, manual(Config{}))
+	e.queueLen = 2
+	o := newMemOrigin()
+	e.SetOrigin(o)
+	seq := clk.UnixMilli() / time.Minute.Milliseconds()
+	// Three keys at half their limit want the fast queue, which holds two.
+	for _, id := range []string{"a", "b", "c"} {
+		l := lim(id, time.Minute, 2, 1)
+		if !e.Decide(bg, l).Allowed {
+			t.Fatal("denied below the limit")
+		}
+	}
+	for _, tier := range []Tier{Fast, Slow} {
+		if _, err := e.ReplayOnce(bg, tier); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, id := range []string{"a", "b", "c"} {
+		if got := o.total(Key{"zone", id, time.Minute}, seq); got != 1 {
+			t.Fatalf("origin total of %s = %d, want 1: its unit was stranded", id, got)
+		}
+	}
+}
+
+func TestSweep_KeepsAnEntryWhoseUnitsNoQueueTook(t *testing.T) {
+	e, clk := newTestEngine(t, manual(Config{}))
+	e.queueLen = 1
+	o := newMemOrigin()
+	e.SetOrigin(o)
+	seq := clk.UnixMilli() / time.Minute.Milliseconds()
+	for _, id := range []string{"a", "b", "c", "d"} {
+		e.Decide(bg, lim(id, time.Minute, 100, 1))
+	}
+	// Two windows later every entry is idle, and both queues (one slot
+	// each) are full: the sweep must not forget the units of the rest.
+	clk.Add(2 * time.Minute)
+	e.Sweep()
+	for i := 0; i < 4; i++ {
+		for _, tier := range []Tier{Fast, Slow} {
+			if _, err := e.ReplayOnce(bg, tier); err != nil {
+				t.Fatal(err)
+			}
+		}
+		e.Sweep()
+	}
+	for _, id := range []string{"a", "b", "c", "d"} {
+		if got := o.total(Key{"zone", id, time.Minute}, seq); got != 1 {
+			t.Fatalf("origin total of %s = %d, want 1", id, got)
+		}
+	}
+	if n := e.Stats().Entries; n != 0 {
+		t.Fatalf("%d entries left after their units reached the origin", n)
+	}
+}
+
+func TestDecideMany_HungOriginCostsOneReadTimeoutForAllZones(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		const timeout = 30 * time.Millisecond
+		e := New(Config{ReadTimeout: timeout, Manual: true})
+		o := newMemOrigin()
+		gate := make(chan struct{})
+		o.gate.Store(&gate)
+		e.SetOrigin(o)
+		ls := make([]Limit, 4)
+		for i := range ls {
+			ls[i] = lim(string(rune('a'+i)), time.Minute, 10, 1)
+			ls[i].Namespace = ls[i].Identifier
+		}
+		start := time.Now()
+		if !e.DecideMany(bg, ls, make([]Decision, len(ls))) {
+			t.Fatal("denied locally below every limit")
+		}
+		if took := time.Since(start); took != timeout {
+			t.Fatalf("a 4-zone decision on a hung origin took %v, want one read timeout (%v)", took, timeout)
+		}
+		close(gate)
+		_ = e.Close(context.Background())
+	})
+}
+
+func TestDecideMany_RollbackRacingAMergeLeavesNoUnits(t *testing.T) {
+	e, clk, o := withOrigin(t, Config{})
+	a, b := lim("a", time.Minute, 10, 3), lim("b", time.Minute, 1, 2)
+	e.Decide(bg, lim("a", time.Minute, 10, 0)) // hydrate both
+	e.Decide(bg, lim("b", time.Minute, 10, 0))
+	seq := clk.UnixMilli() / time.Minute.Milliseconds()
+	// A merge lands between the two steps of a's rollback (b denies).
+	testHookRollback = func(c *cell) { c.mergeOrigin(o.total(a.Key, seq)) }
+	defer func() { testHookRollback = nil }()
+	if e.DecideMany(bg, []Limit{a, b}, make([]Decision, 2)) {
+		t.Fatal("b should deny")
+	}
+	ks, _ := e.Inspect(a.Key)
+	if got := ks.Cells[0].Regional; got != 0 {
+		t.Fatalf("a counts %d after a rolled-back batch, want 0", got)
+	}
+}
+
+func TestStrict_DeadlinesAreBoundedByMaxEntries(t *testing.T) {
+	e, _, _ := withOrigin(t, Config{MaxEntries: 10})
+	for i := 0; i < 100; i++ {
+		l := lim(strings.Repeat("x", i+1), time.Minute, 0, 1)
+		if e.Decide(bg, l).Allowed {
+			t.Fatal("a zero limit admitted")
+		}
+	}
+	if n := len(e.StrictKeys()); n > 10 {
+		t.Fatalf("%d strict deadlines, want at most MaxEntries = 10", n)
+	}
+}
+
+func TestEngine_LocalOnlyRunsNoReplayLoop(t *testing.T) {
+	e := New(Config{})
+	defer func() { _ = e.Close(context.Background()) }()
+	e.Decide(bg, lim("k", time.Minute, 10, 1))
+	buf := make([]byte, 1<<20)
+	if stacks := string(buf[:runtime.Stack(buf, true)]); strings.Contains(stacks, "replayLoop") {
+		t.Fatal("a local-only engine runs the replay loop")
+	}
+	e.SetOrigin(newMemOrigin())
+	waitFor(t, "the first origin to start the replay loop", func() bool {
+		buf = buf[:cap(buf)]
+		return strings.Contains(string(buf[:runtime.Stack(buf, true)]), "replayLoop")
+	})
+}
+
+func TestScan_KeepsTheFirstKeysInOrder(t *testing.T) {
+	e, _ := newTestEngine(t, manual(Config{}))
+	ids := []string{"m", "c", "x", "a", "q", "b", "z", "d"}
+	for _, id := range ids {
+		e.Decide(bg, lim(id, time.Minute, 10, 1))
+		e.Decide(bg, lim(id, time.Hour, 10, 1))
+	}
+	got := e.Scan("zone", "", 5)
+	want := []Key{{"zone", "a", time.Minute}, {"zone", "a", time.Hour}, {"zone", "b", time.Minute}, {"zone", "b", time.Hour}, {"zone", "c", time.Minute}}
+	if len(got) != len(want) {
+		t.Fatalf("Scan returned %d keys, want %d", len(got), len(want))
+	}
+	for i := range want {
+		if got[i].Key != want[i] {
+			t.Fatalf("Scan[%d] = %v, want %v", i, got[i].Key, want[i])
+		}
+	}
+	if all := e.Scan("zone", "", -1); len(all) != 2*len(ids) {
+		t.Fatalf("Scan(-1) returned %d keys, want %d", len(all), 2*len(ids))
+	}
+}

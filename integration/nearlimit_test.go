@@ -1,0 +1,175 @@
+package integration
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"io"
+	"net/http"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
+)
+
+// windowStartingNow returns a window of whole seconds in [min, max) whose
+// current fixed window began less than lead ago, so that a scenario that
+// starts now and lasts less than min − lead stays inside one window without
+// sleeping to a border. Over a range of a hundred lengths one such window
+// exists but for a vanishing share of start times.
+func windowStartingNow(t *testing.T, min, max, lead time.Duration) time.Duration {
+	t.Helper()
+	now := time.Now().UnixMilli()
+	for w := min; w < max; w += time.Second {
+		if now%w.Milliseconds() < lead.Milliseconds() {
+			return w
+		}
+	}
+	t.Fatalf("no window in [%s, %s) began within %s", min, max, lead)
+	return 0
+}
+
+// metric returns the sum of every series of name in the node's /metrics
+// whose labels contain every one of match.
+func (n *node) metric(t *testing.T, name string, match ...string) float64 {
+	t.Helper()
+	resp, err := http.Get(fmt.Sprintf("http://localhost:%d/metrics", n.admin))
+	if err != nil {
+		t.Fatalf("scrape: %v", err)
+	}
+	defer resp.Body.Close()
+	sum := 0.0
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	for sc.Scan() {
+		line := sc.Text()
+		if !strings.HasPrefix(line, name) || slices.ContainsFunc(match, func(m string) bool { return !strings.Contains(line, m) }) {
+			continue
+		}
+		rest := line[len(name):]
+		if rest[0] != ' ' && rest[0] != '{' {
+			continue
+		}
+		f := strings.Fields(line)
+		v, err := strconv.ParseFloat(f[len(f)-1], 64)
+		if err != nil {
+			t.Fatalf("metric line %q: %v", line, err)
+		}
+		sum += v
+	}
+	return sum
+}
+
+// TestTwoCaddyProcesses_ExactNearASmallLimit is the scenario that showed two
+// nodes over-admitting by 18 %: one key, limit 100 per 20 s or so, 300 requests
+// alternated between two Caddy processes on one Redis by one client at
+// about 1,000 a second. Ten runs, each on a fresh key: every run admits at
+// most 102. (Faster, the bound grows with U, the units the other node admits
+// in one replay interval: limit + max(0, U − limit/10); see the README.)
+// The request path's round trips, counted by the engines and read from
+// /metrics, are the cold read of each node plus the admissions decided at
+// Redis.
+func TestTwoCaddyProcesses_ExactNearASmallLimit(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds Caddy and runs two processes")
+	}
+	requireBinary(t, "redis-server")
+	srv := redistest.Start(t)
+	if _, err := caddyBinary(); err != nil {
+		t.Fatal(err)
+	}
+	// The runs take a few seconds: a window that begins now holds them all.
+	window := windowStartingNow(t, 20*time.Second, 120*time.Second, 3*time.Second)
+	windowEnd := time.UnixMilli((time.Now().UnixMilli()/window.Milliseconds() + 1) * window.Milliseconds())
+	site := fmt.Sprintf(`	ratelimit {
+		zone small {
+			key    {http.request.header.X-Key}
+			limit  100
+			window %dms
+		}
+		headers off
+	}
+	respond "ok"`, window.Milliseconds())
+	global := "\t\tredis " + srv.URL()
+	nodes := []*node{startNode(t, global, site), startNode(t, global, site)}
+	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 4}, Timeout: 5 * time.Second}
+	for _, n := range nodes {
+		send(t, client, n.url("/"), "warm-up")
+	}
+
+	for run := 0; run < 10; run++ {
+		key := fmt.Sprintf("run-%d", run)
+		var syncBefore, resBefore [2]float64
+		for i, n := range nodes {
+			syncBefore[i] = n.metric(t, "caddy_ratelimit_sync_reads_total", "")
+			resBefore[i] = n.metric(t, "caddy_ratelimit_reservations_total", "")
+		}
+		admitted := 0
+		// About 1,000 requests a second, as the scenario was measured: one
+		// client paced at one request a millisecond (a ticker drops the
+		// ticks a slow request overran, so it never bursts to catch up).
+		pace := time.NewTicker(time.Millisecond)
+		for i := 0; i < 300; i++ {
+			<-pace.C
+			switch code := send(t, client, nodes[i%2].url("/"), key); code {
+			case http.StatusOK:
+				admitted++
+			case http.StatusTooManyRequests:
+			default:
+				t.Fatalf("run %d: status %d", run, code)
+			}
+		}
+		pace.Stop()
+		if time.Now().After(windowEnd) {
+			t.Fatalf("run %d crossed the window's end; the scenario outlasted its window", run)
+		}
+		var reservations float64
+		for i, n := range nodes {
+			if d := n.metric(t, "caddy_ratelimit_sync_reads_total", "") - syncBefore[i]; d != 1 {
+				t.Errorf("run %d: node %d waited for %v reads; want the cold one", run, i, d)
+			}
+			reservations += n.metric(t, "caddy_ratelimit_reservations_total", "") - resBefore[i]
+		}
+		t.Logf("run %d: %d of 300 admitted at a limit of 100; %v decisions made at Redis (errors %v), %v slow calls, breakers open %v",
+			run, admitted, reservations,
+			nodes[0].metric(t, "caddy_ratelimit_reservations_total", `result="error"`)+nodes[1].metric(t, "caddy_ratelimit_reservations_total", `result="error"`),
+			nodes[0].metric(t, "caddy_ratelimit_origin_slow_calls_total", "")+nodes[1].metric(t, "caddy_ratelimit_origin_slow_calls_total", ""),
+			nodes[0].metric(t, "caddy_ratelimit_origin_breaker_state", `state="open"`)+nodes[1].metric(t, "caddy_ratelimit_origin_breaker_state", `state="open"`))
+		if admitted > 102 {
+			for i, n := range nodes {
+				if resp, err := http.Get(fmt.Sprintf("http://localhost:%d/ratelimit/status", n.admin)); err == nil {
+					b, _ := io.ReadAll(resp.Body)
+					resp.Body.Close()
+					t.Logf("node %d status: %s", i, b)
+				}
+				resp, err := http.Get(fmt.Sprintf("http://localhost:%d/ratelimit/counters?zone=small&identifier=%s", n.admin, key))
+				if err == nil {
+					b, _ := io.ReadAll(resp.Body)
+					resp.Body.Close()
+					t.Logf("node %d: %s", i, b)
+				}
+			}
+			keys, _ := srv.Client().Keys(context.Background(), "*"+key+"*").Result()
+			for _, k := range keys {
+				if strings.HasSuffix(k, ":own") {
+					h, _ := srv.Client().HGetAll(context.Background(), k).Result()
+					t.Logf("%s = %v", k, h)
+				} else {
+					g, _ := srv.Client().Get(context.Background(), k).Result()
+					t.Logf("%s = %v", k, g)
+				}
+			}
+		}
+		if admitted > 102 || admitted < 95 {
+			t.Errorf("run %d: admitted %d at a limit of 100, want 95–102", run, admitted)
+		}
+		// The last tenth and the denials that a stale view let through to
+		// Redis: never one per request.
+		if reservations > 150 {
+			t.Errorf("run %d: %v reservations for 300 requests", run, reservations)
+		}
+	}
+}

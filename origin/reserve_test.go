@@ -1,0 +1,224 @@
+package origin
+
+import (
+	"context"
+	"math"
+	"sort"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/edgelimit/caddy-ratelimit/engine"
+	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
+)
+
+func reservation(k engine.Key, seq, own, cost, limit int64) *engine.Reservation {
+	return &engine.Reservation{Key: k, Sequence: seq, Own: own, Cost: cost, Limit: limit}
+}
+
+func TestReserve_AdmitsExactlyToTheLimitAcrossProcesses(t *testing.T) {
+	srv := redistest.Start(t)
+	a := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "a"})
+	b := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "b"})
+	k, seq := key("frank"), nowSeq()
+	own := map[*Redis]int64{}
+	var admitted atomic.Int64
+	var mu sync.Mutex
+	var wg sync.WaitGroup
+	for _, o := range []*Redis{a, b} {
+		for g := 0; g < 4; g++ {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for i := 0; i < 40; i++ {
+					mu.Lock()
+					r := reservation(k, seq, own[o], 1, 100)
+					mu.Unlock()
+					if err := o.Reserve(ctxT(t), r); err != nil {
+						t.Error(err)
+						return
+					}
+					if r.Admitted {
+						admitted.Add(1)
+						mu.Lock()
+						own[o]++
+						mu.Unlock()
+					}
+				}
+			}()
+		}
+	}
+	wg.Wait()
+	if n := admitted.Load(); n != 100 {
+		t.Fatalf("admitted %d of 320 at a limit of 100", n)
+	}
+	cur, _, err := readPair(a, ctxT(t), k, seq)
+	if err != nil || cur != 100 {
+		t.Fatalf("Redis holds %d (%v), want 100", cur, err)
+	}
+}
+
+func TestReserve_IsIdempotentAndCarriesPendingUnits(t *testing.T) {
+	srv := redistest.Start(t)
+	o := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "p"})
+	k, seq := key("grace"), nowSeq()
+	// 7 units committed locally and not yet replayed ride along with the
+	// reservation of one more.
+	r := reservation(k, seq, 7, 1, 10)
+	if err := o.Reserve(ctxT(t), r); err != nil || !r.Admitted || r.Totals.Cur != 8 || r.Totals.Mine != 8 {
+		t.Fatalf("reserve: %+v err=%v; want admitted, 8, 8", r, err)
+	}
+	// A replay of the same units afterwards (the flush that was already
+	// out) is a no-op.
+	d := []engine.Delta{{Key: k, Sequence: seq, Delta: 7, Own: 7}}
+	if err := o.Flush(ctxT(t), d); err != nil || d[0].Totals.Cur != 8 {
+		t.Fatalf("replayed flush: %+v err=%v; want total 8", d[0].Totals, err)
+	}
+	// Denied: the pending part still lands, the cost does not.
+	r = reservation(k, seq, 10, 3, 10)
+	if err := o.Reserve(ctxT(t), r); err != nil || r.Admitted || r.Totals.Cur != 10 {
+		t.Fatalf("reserve over the limit: %+v err=%v; want denied at 10", r, err)
+	}
+}
+
+func TestReserve_WeighsThePreviousCellAndImportedCounts(t *testing.T) {
+	srv := redistest.Start(t)
+	o := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "p"})
+	k, seq := key("heidi"), nowSeq()
+	if err := o.Flush(ctxT(t), []engine.Delta{{Key: k, Sequence: seq - 1, Delta: 40, Own: 40}}); err != nil {
+		t.Fatal(err)
+	}
+	w := k.Window.Milliseconds()
+	for _, c := range []struct {
+		elapsed, global, globalPrev int64
+		want                        bool
+	}{
+		{elapsed: w / 2, want: true},                   // 20 + 1 ≤ 21
+		{elapsed: w / 4, want: false},                  // 30 + 1 > 21
+		{elapsed: w / 2, global: 1, want: false},       // 1 + 20 + 1 > 21
+		{elapsed: w / 2, globalPrev: 2, want: false},   // 21 + 1 > 21
+		{elapsed: w - 1, globalPrev: 1000, want: true}, // weighs 1040/60000
+	} {
+		r := reservation(k, seq, 0, 1, 21)
+		r.Elapsed, r.Global, r.GlobalPrev = c.elapsed, c.global, c.globalPrev
+		if err := o.Reserve(ctxT(t), r); err != nil {
+			t.Fatal(err)
+		}
+		if r.Admitted != c.want {
+			t.Fatalf("%+v: admitted %v, want %v", c, r.Admitted, c.want)
+		}
+		if r.Totals.Prev != 40 {
+			t.Fatalf("previous total %d, want 40", r.Totals.Prev)
+		}
+		if r.Admitted { // give the unit back for the next case
+			if err := srv.Client().Del(ctxT(t), cellKey(DefaultPrefix, k, seq), ownersKey(cellKey(DefaultPrefix, k, seq))).Err(); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+}
+
+func TestReserve_HugeValuesSaturateAndNeverPassFree(t *testing.T) {
+	srv := redistest.Start(t)
+	o := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "p"})
+	k, seq := key("ivan"), nowSeq()
+	r := reservation(k, seq, engine.MaxCount, 0, engine.MaxCount)
+	if err := o.Reserve(ctxT(t), r); err != nil || r.Totals.Cur != engine.MaxCount {
+		t.Fatalf("own at the ceiling: %+v err=%v", r.Totals, err)
+	}
+	r = reservation(k, seq, engine.MaxCount, engine.MaxCount, engine.MaxCount)
+	if err := o.Reserve(ctxT(t), r); err != nil || r.Admitted || r.Totals.Cur != engine.MaxCount {
+		t.Fatalf("a huge cost at the ceiling: %+v err=%v; want denied, saturated", r, err)
+	}
+	got, err := srv.Client().Get(ctxT(t), cellKey(DefaultPrefix, k, seq)).Int64()
+	if err != nil || got != engine.MaxCount {
+		t.Fatalf("Redis holds %d (%v), want %d", got, err, engine.MaxCount)
+	}
+	for _, bad := range []*engine.Reservation{
+		reservation(k, seq, 0, math.MaxInt64, 10),
+		reservation(k, seq, 0, -1, 10),
+		reservation(k, seq, math.MaxInt64, 1, 10),
+	} {
+		if err := o.Reserve(ctxT(t), bad); err == nil || bad.Admitted {
+			t.Fatalf("out-of-range reservation %+v accepted", bad)
+		}
+	}
+}
+
+func TestFlush_AFailingCommandDoesNotCountAgainstTheBreaker(t *testing.T) {
+	srv := redistest.Start(t)
+	o := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "p"})
+	seq := nowSeq()
+	bad, good := key("mallory"), key("trent")
+	// A cell that holds something other than a count: its script fails.
+	if err := srv.Client().Set(ctxT(t), cellKey(DefaultPrefix, bad, seq), "not a number", 0).Err(); err != nil {
+		t.Fatal(err)
+	}
+	for i := int64(1); i <= 50; i++ {
+		b := []engine.Delta{{Key: bad, Sequence: seq, Delta: 1, Own: i}, {Key: good, Sequence: seq, Delta: 1, Own: i}}
+		_ = o.Flush(ctxT(t), b)
+		if b[0].Done || !b[1].Done || b[1].Totals.Cur != i {
+			t.Fatalf("flush %d: bad Done=%v, good Done=%v total %d", i, b[0].Done, b[1].Done, b[1].Totals.Cur)
+		}
+		if _, err := o.Read(ctxT(t), bad, seq); err == nil {
+			t.Fatal("read of a non-integer cell succeeded")
+		}
+	}
+	if st := o.Stats().Endpoints[0]; st.Breaker != BreakerClosed || st.ReplayBreaker != BreakerClosed {
+		t.Fatalf("one hostile key opened a breaker: %+v", st)
+	}
+}
+
+func TestBreaker_SlowRedisOpensTheRequestPathOnly(t *testing.T) {
+	srv := redistest.Start(t)
+	proxy := redistest.StartDelayProxy(t, srv.Addr(), 30*time.Millisecond)
+	o := newOrigin(t, Config{Redis: []string{proxy.URL()}, Breaker: BreakerConfig{Timeout: Duration(time.Hour)}}, Options{NodeID: "p"})
+	k, seq := key("judy"), nowSeq()
+	var took []time.Duration
+	for i := 0; i < 60; i++ {
+		start := time.Now()
+		ctx, cancel := context.WithTimeout(context.Background(), engine.DefaultReadTimeout)
+		_, _ = o.Read(ctx, k, seq)
+		cancel()
+		took = append(took, time.Since(start))
+		if err := o.Flush(ctxT(t), []engine.Delta{{Key: k, Sequence: seq, Delta: 1, Own: int64(i + 1)}}); err != nil {
+			t.Fatalf("flush %d through a slow Redis: %v", i, err)
+		}
+	}
+	st := o.Stats().Endpoints[0]
+	if st.Breaker != BreakerOpen || st.ReplayBreaker != BreakerClosed {
+		t.Fatalf("after 60 slow calls: request path %s, replay %s; want open and closed", st.Breaker, st.ReplayBreaker)
+	}
+	if st.SlowCalls < 10 {
+		t.Fatalf("%d slow calls counted", st.SlowCalls)
+	}
+	// Once open, a read costs nothing.
+	last := took[len(took)-10:]
+	sort.Slice(last, func(i, j int) bool { return last[i] < last[j] })
+	if med := last[len(last)/2]; med > 5*time.Millisecond {
+		t.Fatalf("median read with the breaker open took %s", med)
+	}
+	// Replay still delivered every unit.
+	cur, _, err := readPair(newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "q"}), ctxT(t), k, seq)
+	if err != nil || cur != 60 {
+		t.Fatalf("Redis holds %d (%v), want the 60 replayed units", cur, err)
+	}
+}
+
+// BenchmarkReserve is one reservation round trip against a real Redis.
+func BenchmarkReserve(b *testing.B) {
+	srv := redistest.Start(b)
+	o := newOrigin(b, Config{Redis: []string{srv.URL()}}, Options{NodeID: "bench"})
+	k, seq := key("bench"), nowSeq()
+	ctx := context.Background()
+	own := int64(0)
+	b.ReportAllocs()
+	for b.Loop() {
+		r := reservation(k, seq, own, 1, engine.MaxCount)
+		if err := o.Reserve(ctx, r); err != nil || !r.Admitted {
+			b.Fatalf("reserve: %v admitted=%v", err, r.Admitted)
+		}
+		own++
+	}
+}

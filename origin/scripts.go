@@ -1,0 +1,111 @@
+package origin
+
+import "github.com/redis/go-redis/v9"
+
+// Every write is one script, so that replay and reservation are idempotent.
+// A cell <cell> has a contribution hash <cell>:own with one field per
+// process: the units that process has added, as an absolute total. A write
+// carries the process's absolute total for the cell (Own); the script raises
+// the field to it and adds the difference to the cell. So a replayed flush,
+// a lost reply, two overlapping writes (in either order) and a Redis
+// restarted empty are no-ops or exact re-adds: nothing is subtracted and
+// nothing counts twice, and it takes one round trip.
+//
+// Counts saturate at 2^53 − 1 (engine.MaxCount): Lua numbers are doubles.
+// Numbers go back to Redis through string.format('%d'), never as Lua
+// numbers, which Redis would format with an exponent past 10^14.
+
+// writeLua raises this process's contribution to a cell.
+//
+//	KEYS[1] cell, KEYS[2] its contribution hash
+//	ARGV[1] node ID, ARGV[2] Own, ARGV[3] expiry (Unix ms)
+//	returns {cell total, this process's field, processes in the hash}
+const writeLua = `
+local max = 9007199254740991
+local mine = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
+local own = tonumber(ARGV[2])
+local total = tonumber(redis.call('GET', KEYS[1]) or '0')
+if own > mine then
+  local add = own - mine
+  if add > max - total then add = max - total end
+  if add > 0 then total = redis.call('INCRBY', KEYS[1], string.format('%d', add)) end
+  redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+  mine = own
+end
+redis.call('PEXPIREAT', KEYS[1], ARGV[3])
+redis.call('PEXPIREAT', KEYS[2], ARGV[3])
+return {total, mine, redis.call('HLEN', KEYS[2])}
+`
+
+// reserveLua is writeLua followed by the decision of one request against
+// the region's count, charged in the same step when it passes:
+//
+//	cur + global + cost + (prev + globalPrev) × (w − elapsed) / w ≤ limit
+//
+// evaluated as (limit − cur − global − cost) × w ≥ (prev + globalPrev) ×
+// (w − elapsed). The products are doubles: exact while they stay below
+// 2^53 (say a count of a million over a window of a day), within one part
+// in 2^53 beyond.
+//
+//	KEYS[1] cell, KEYS[2] its contribution hash, KEYS[3] the previous cell
+//	ARGV[1] node ID, ARGV[2] Own, ARGV[3] expiry (Unix ms), ARGV[4] cost,
+//	ARGV[5] limit, ARGV[6] window ms, ARGV[7] elapsed ms, ARGV[8] global,
+//	ARGV[9] global of the previous cell
+//	returns {admitted 0|1, cell total, previous cell total, this process's
+//	field, processes in the hash}
+const reserveLua = `
+local max = 9007199254740991
+local mine = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
+local own = tonumber(ARGV[2])
+local total = tonumber(redis.call('GET', KEYS[1]) or '0')
+if own > mine then
+  local add = own - mine
+  if add > max - total then add = max - total end
+  if add > 0 then total = redis.call('INCRBY', KEYS[1], string.format('%d', add)) end
+  redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+  mine = own
+end
+local prev = tonumber(redis.call('GET', KEYS[3]) or '0')
+local cost, limit = tonumber(ARGV[4]), tonumber(ARGV[5])
+local w, r = tonumber(ARGV[6]), tonumber(ARGV[7])
+local cur = math.min(total + tonumber(ARGV[8]), max)
+local weighed = math.min(prev + tonumber(ARGV[9]), max)
+local room = limit - cur - cost
+local admitted = 0
+if room >= 0 and (weighed == 0 or r >= w or weighed * (w - r) <= room * w) then
+  admitted = 1
+  local add = cost
+  if add > max - total then add = max - total end
+  if add > 0 then total = redis.call('INCRBY', KEYS[1], string.format('%d', add)) end
+  if cost > 0 then mine = redis.call('HINCRBY', KEYS[2], ARGV[1], ARGV[4]) end
+end
+redis.call('PEXPIREAT', KEYS[1], ARGV[3])
+redis.call('PEXPIREAT', KEYS[2], ARGV[3])
+return {admitted, total, prev, mine, redis.call('HLEN', KEYS[2])}
+`
+
+// readLua reads a cell and the one before it, and registers this process
+// in the cell's contribution hash (a field of 0 units) if it is not there
+// yet: two processes that start on one key at once then see each other at
+// their first round trip, before either has replayed a unit.
+//
+//	KEYS[1] cell, KEYS[2] its contribution hash, KEYS[3] the previous cell
+//	ARGV[1] node ID, ARGV[2] expiry (Unix ms)
+//	returns {cell total, previous cell total, this process's field,
+//	processes in the hash}
+const readLua = `
+local mine = redis.call('HGET', KEYS[2], ARGV[1])
+if not mine then
+  redis.call('HSET', KEYS[2], ARGV[1], '0')
+  redis.call('PEXPIREAT', KEYS[2], ARGV[2])
+  mine = '0'
+end
+return {tonumber(redis.call('GET', KEYS[1]) or '0'), tonumber(redis.call('GET', KEYS[3]) or '0'),
+  tonumber(mine), redis.call('HLEN', KEYS[2])}
+`
+
+var (
+	readScript    = redis.NewScript(readLua)
+	writeScript   = redis.NewScript(writeLua)
+	reserveScript = redis.NewScript(reserveLua)
+)

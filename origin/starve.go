@@ -1,0 +1,84 @@
+package origin
+
+import (
+	"math"
+	"runtime/metrics"
+	"sync"
+	"time"
+)
+
+// A round trip measured in this process includes the time its goroutines
+// wait to run. When the process is starved of CPU (a cold-key herd at a
+// window rollover on one core), a healthy Redis looks slow, and counting
+// those calls as slow would open the request path's breaker for nothing.
+// So a slow call counts against the breaker only when the process itself
+// was not starved: when the Go scheduler's recent wake-up latency (its 99th
+// percentile since the last look) stays under half the slow-call
+// threshold.
+
+// schedSampleEvery bounds how often the scheduler's latency histogram is
+// read: it is cumulative, so the latency of the last interval is a delta.
+const schedSampleEvery = 50 * time.Millisecond
+
+const schedLatencies = "/sched/latencies:seconds"
+
+// schedWatch keeps the last look at the scheduler's latency histogram.
+type schedWatch struct {
+	mu     sync.Mutex
+	at     time.Time
+	prev   []uint64
+	p99    time.Duration
+	sample []metrics.Sample
+}
+
+var sched = &schedWatch{sample: []metrics.Sample{{Name: schedLatencies}}}
+
+// starved reports whether goroutines of this process recently waited at
+// least limit to run (at the 99th percentile).
+func (w *schedWatch) starved(limit time.Duration) bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if now := time.Now(); now.Sub(w.at) >= schedSampleEvery {
+		w.at = now
+		w.look()
+	}
+	return w.p99 >= limit
+}
+
+// look reads the histogram and computes the 99th percentile of the wake-ups
+// since the previous look.
+func (w *schedWatch) look() {
+	metrics.Read(w.sample)
+	if w.sample[0].Value.Kind() != metrics.KindFloat64Histogram {
+		return
+	}
+	h := w.sample[0].Value.Float64Histogram()
+	if len(w.prev) != len(h.Counts) {
+		w.prev = make([]uint64, len(h.Counts))
+		copy(w.prev, h.Counts)
+		return
+	}
+	var total uint64
+	for i, c := range h.Counts {
+		total += c - w.prev[i]
+	}
+	if total == 0 {
+		w.p99 = 0
+		return
+	}
+	want := total - total/100 // the wake-up at the 99th percentile
+	var acc uint64
+	for i, c := range h.Counts {
+		acc += c - w.prev[i]
+		if acc >= want {
+			// Buckets[i] is the bucket's lower bound.
+			lo := h.Buckets[i]
+			if math.IsInf(lo, -1) {
+				lo = 0
+			}
+			w.p99 = time.Duration(lo * float64(time.Second))
+			break
+		}
+	}
+	copy(w.prev, h.Counts)
+}
