@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"net/http"
-	"net/netip"
 	"strconv"
 	"strings"
 	"sync"
@@ -664,64 +663,6 @@ func (h *Handler) dryRunDenied(lims []engine.Limit, decs []engine.Decision, zi [
 		}
 		z.dryRun.note(h.logger, z.name, z.window)
 	}
-}
-
-// maskIP masks id to its network prefix when it is an IP address and
-// returns it unchanged otherwise. An IPv4 address kept whole is returned as
-// the address; a masked one as "addr/bits". IPv4-mapped IPv6 addresses count
-// as IPv4.
-func maskIP(id string, v4, v6 int) string {
-	if v4 >= 32 && strings.IndexByte(id, ':') < 0 {
-		// Without a colon id can only be an IPv4 address (kept whole) or
-		// no address at all: returned as it is either way, without parsing.
-		return id
-	}
-	if !maybeIP(id) {
-		return id
-	}
-	addr, err := netip.ParseAddr(id)
-	if err != nil {
-		return id
-	}
-	canonical := !addr.Is4In6() && addr.Zone() == ""
-	addr = addr.Unmap().WithZone("")
-	bits := v6
-	if addr.Is4() {
-		bits = v4
-	}
-	if bits >= addr.BitLen() {
-		if canonical && addr.Is4() {
-			return id // ParseAddr accepts only the canonical dotted quad
-		}
-		return addr.String()
-	}
-	p, err := addr.Prefix(bits)
-	if err != nil {
-		return id
-	}
-	return p.String()
-}
-
-// maybeIP is a cheap filter that keeps non-IP keys (API keys, tenants) away
-// from netip.ParseAddr, whose error would cost an allocation per request.
-func maybeIP(s string) bool {
-	if len(s) < 2 || len(s) > 64 {
-		return false
-	}
-	sep := false
-	for i := 0; i < len(s); i++ {
-		c := s[i]
-		switch {
-		case c == '.' || c == ':':
-			sep = true
-		case c >= '0' && c <= '9', c >= 'a' && c <= 'f', c >= 'A' && c <= 'F':
-		case c == '%':
-			return sep // an IPv6 zone follows
-		default:
-			return false
-		}
-	}
-	return sep
 }
 
 // Interface guards.
