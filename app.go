@@ -107,10 +107,8 @@ func (a *App) Provision(ctx caddy.Context) error {
 
 // Validate checks the app's settings.
 func (a *App) Validate() error {
-	if a.Region != "" {
-		if err := validateRegion(a.Region); err != nil {
-			return fmt.Errorf("ratelimit app: %w", err)
-		}
+	if err := validateRegion(a.Region); err != nil {
+		return fmt.Errorf("ratelimit app: %w", err)
 	}
 	if err := validateSecret(a.IdentifierSecret); err != nil {
 		return fmt.Errorf("ratelimit app: %w", err)
@@ -121,19 +119,6 @@ func (a *App) Validate() error {
 	if a.Origin != nil {
 		if err := checkOrigin(*a.Origin); err != nil {
 			return fmt.Errorf("ratelimit app: origin: %w", err)
-		}
-	}
-	return nil
-}
-
-func validateRegion(region string) error {
-	if len(region) > maxZoneName {
-		return fmt.Errorf("region %q is longer than %d bytes", region, maxZoneName)
-	}
-	for i := 0; i < len(region); i++ {
-		c := region[i]
-		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '_' || c == '-' || c == '.') {
-			return fmt.Errorf("region %q: only letters, digits, '_', '-' and '.' are allowed", region)
 		}
 	}
 	return nil

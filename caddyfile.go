@@ -306,7 +306,7 @@ func unmarshalZoneLine(d *caddyfile.Dispenser, z *Zone, sub string) error {
 		if err != nil {
 			return d.Errf("zone %q: %s %q is not an integer", z.Name, sub, v)
 		}
-		if err := validatePrefix(sub, bits, max); err != nil {
+		if err := validateIPPrefix(sub, bits, max); err != nil {
 			return d.Errf("zone %q: %w", z.Name, err)
 		}
 		if sub == "ipv4_prefix" {

@@ -63,18 +63,6 @@ func newIdentities(secret string, logRaw bool) (identities, error) {
 	return ids, nil
 }
 
-// validateSecret rejects a literal identifier_secret that is too short; a
-// placeholder is checked once resolved, at provisioning.
-func validateSecret(secret string) error {
-	if secret == "" || strings.Contains(secret, "{") {
-		return nil
-	}
-	if len(secret) < minSecretLen {
-		return fmt.Errorf("identifier_secret must be at least %d bytes, got %d", minSecretLen, len(secret))
-	}
-	return nil
-}
-
 // identifierHMAC is how an identifier leaves the process when a secret is
 // set: the first 128 bits of HMAC-SHA256(secret, identifier), in lower-case
 // hex. Every node that shares a backend must use the same secret, so that

@@ -289,43 +289,6 @@ func (a *App) setOrigin(d *caddyfile.Dispenser, set func(*origin.Config)) error 
 	return nil
 }
 
-// checkOrigin validates settings whose addresses may still hold runtime
-// placeholders: those are checked once resolved, at provisioning.
-func checkOrigin(c origin.Config) error {
-	stand := func(in []string) []string {
-		out := make([]string, len(in))
-		for i, s := range in {
-			out[i] = s
-			if strings.Contains(s, "{") {
-				out[i] = "redis://placeholder.invalid:6379"
-			}
-		}
-		return out
-	}
-	c.Redis = stand(c.Redis)
-	if c.Cluster != nil {
-		cl := *c.Cluster
-		cl.Addrs = stand(cl.Addrs)
-		c.Cluster = &cl
-	}
-	if c.Sentinel != nil {
-		s := *c.Sentinel
-		s.Addrs = stand(s.Addrs)
-		c.Sentinel = &s
-	}
-	if strings.Contains(c.TLSCAFile, "{") {
-		c.TLSCAFile = ""
-	}
-	if len(c.Redis) == 0 && c.Cluster == nil && c.Sentinel == nil {
-		// Tunables given before the address: the address check waits.
-		c.Redis = []string{"redis://placeholder.invalid:6379"}
-		if c.TLSCAFile != "" {
-			c.Redis[0] = "rediss://placeholder.invalid:6379"
-		}
-	}
-	return c.Validate()
-}
-
 func stringOption(set func(*origin.Config, string)) func(*caddyfile.Dispenser, *App) error {
 	return func(d *caddyfile.Dispenser, a *App) error {
 		v, err := oneArg(d)
