@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"context"
 	"crypto/hmac"
 	"crypto/sha256"
 	"encoding/hex"
@@ -11,6 +12,7 @@ import (
 	"strings"
 
 	"github.com/caddyserver/caddy/v2"
+	"github.com/edgelimit/caddy-ratelimit/engine"
 	"go.uber.org/zap"
 )
 
@@ -181,4 +183,29 @@ func maybeIP(s string) bool {
 		}
 	}
 	return sep
+}
+
+// mappedOrigin replaces identifiers by their HMAC on their way to the
+// origin (identifier_secret), so Redis keys never hold a raw identifier.
+type mappedOrigin struct {
+	engine.Origin
+	mapID func(string) string
+}
+
+func (m *mappedOrigin) Read(ctx context.Context, key engine.Key, seq int64) (int64, int64, error) {
+	key.Identifier = m.mapID(key.Identifier)
+	return m.Origin.Read(ctx, key, seq)
+}
+
+func (m *mappedOrigin) Flush(ctx context.Context, batch []engine.Delta) error {
+	raw := make([]string, len(batch))
+	for i := range batch {
+		raw[i] = batch[i].Key.Identifier
+		batch[i].Key.Identifier = m.mapID(raw[i])
+	}
+	err := m.Origin.Flush(ctx, batch)
+	for i := range batch {
+		batch[i].Key.Identifier = raw[i]
+	}
+	return err
 }

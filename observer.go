@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"fmt"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -228,4 +229,23 @@ func (d *dryRunLog) note(log *zap.Logger, zone string, window time.Duration) {
 		zap.String("zone", zone),
 		zap.Int64("would_be_denied", d.count.Swap(0)),
 		zap.Duration("window", window))
+}
+
+// redisLog routes go-redis's own log lines (dial failures) to the newest
+// config's logger, at debug: the breaker's state changes say the same at
+// info. go-redis has one process-wide logger, set once; the logger it
+// writes to is swapped atomically on every provisioning.
+var redisLog struct {
+	once   sync.Once
+	logger atomic.Pointer[zap.Logger]
+}
+
+// routeRedisLog makes logger the one go-redis writes to (see redisLog).
+func routeRedisLog(logger *zap.Logger) {
+	redisLog.logger.Store(logger)
+	redisLog.once.Do(func() {
+		origin.SetLogger(func(format string, args ...any) {
+			redisLog.logger.Load().Debug("redis client: " + fmt.Sprintf(format, args...))
+		})
+	})
 }

@@ -1,9 +1,12 @@
 package ratelimit
 
-// Templates: a zone's key and cost are placeholder strings, prepared once
-// at provisioning and evaluated for every request.
+// Placeholders. A zone's key and cost are templates, prepared once at
+// provisioning and evaluated for every request; the app's backend
+// addresses and secrets hold runtime placeholders ({env.REDIS_URL}),
+// resolved once at provisioning.
 
 import (
+	"fmt"
 	"net"
 	"net/http"
 	"net/textproto"
@@ -11,6 +14,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/edgelimit/caddy-ratelimit/origin"
 )
 
 // template is a placeholder string prepared for cheap evaluation.
@@ -101,4 +105,48 @@ func (t *template) eval(r *http.Request, repl *caddy.Replacer) string {
 	default:
 		return repl.ReplaceAll(t.raw, "")
 	}
+}
+
+// resolveOrigin replaces runtime placeholders ({env.REDIS_URL}) in the
+// addresses and secrets. Errors name the field, never its value.
+func resolveOrigin(cfg origin.Config) (origin.Config, error) {
+	repl := caddy.NewReplacer()
+	resolve := func(field string, s string) (string, error) {
+		if !strings.Contains(s, "{") {
+			return s, nil
+		}
+		v, err := repl.ReplaceOrErr(s, true, true)
+		if err != nil {
+			return "", fmt.Errorf("%s: a placeholder did not resolve (unknown or empty)", field)
+		}
+		return v, nil
+	}
+	var err error
+	resolveAll := func(field string, in []string) []string {
+		out := make([]string, len(in))
+		for i, s := range in {
+			if err == nil {
+				out[i], err = resolve(field, s)
+			}
+		}
+		return out
+	}
+	cfg.Redis = resolveAll("redis", cfg.Redis)
+	if cfg.Cluster != nil {
+		c := *cfg.Cluster
+		c.Addrs = resolveAll("redis_cluster", c.Addrs)
+		cfg.Cluster = &c
+	}
+	if cfg.Sentinel != nil {
+		s := *cfg.Sentinel
+		s.Addrs = resolveAll("redis_sentinel", s.Addrs)
+		if err == nil {
+			s.SentinelPassword, err = resolve("redis_sentinel password", s.SentinelPassword)
+		}
+		cfg.Sentinel = &s
+	}
+	if err == nil {
+		cfg.TLSCAFile, err = resolve("tls_ca_file", cfg.TLSCAFile)
+	}
+	return cfg, err
 }
