@@ -197,7 +197,7 @@ func (a *AdminAPI) handleStatus(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
-	v := st.obs.view()
+	v := st.apps.view()
 	doc := statusDoc{
 		Region:      v.region,
 		Identifiers: "raw",
@@ -207,7 +207,7 @@ func (a *AdminAPI) handleStatus(w http.ResponseWriter, r *http.Request) error {
 	if v.ids.hashed() {
 		doc.Identifiers = "hmac"
 	}
-	if o := st.obs.currentOrigin(); o != nil {
+	if o := st.apps.currentOrigin(); o != nil {
 		origin := &originStatus{Endpoints: []endpointStatus{}}
 		for _, ep := range o.Stats().Endpoints {
 			origin.Endpoints = append(origin.Endpoints, endpointStatus{
@@ -276,11 +276,11 @@ func (a *AdminAPI) handleCounters(w http.ResponseWriter, r *http.Request) error 
 	if err != nil {
 		return err
 	}
-	defs := st.zones.definitions(zoneName, st.obs.view().app)
+	defs := st.zones.definitions(zoneName, st.apps.view().app)
 	if len(defs) == 0 {
 		return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("zone %q is not defined by any loaded config", zoneName)}
 	}
-	ids := st.obs.view().ids
+	ids := st.apps.view().ids
 
 	if !byID {
 		doc := keyListDoc{Zone: zoneName, Prefix: prefix, Max: max, Keys: []keyDoc{}}
@@ -380,7 +380,7 @@ func (a *AdminAPI) handleStrict(w http.ResponseWriter, r *http.Request) error {
 	if byZone && len(st.zones.definitions(zoneName, nil)) == 0 {
 		return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("zone %q is not defined by any loaded config", zoneName)}
 	}
-	ids := st.obs.view().ids
+	ids := st.apps.view().ids
 	doc := strictDoc{Keys: []strictKeyDoc{}}
 	for _, sk := range st.engine.StrictKeys() {
 		if byZone && sk.Key.Namespace != zoneName {

@@ -244,14 +244,14 @@ func TestAdmin_Routes(t *testing.T) {
 		}
 		st := lookupState()
 		st.engine.SetOrigin(fakeOrigin{})
-		st.obs.setOrigin(fakeView{origin.Stats{Endpoints: []origin.EndpointStats{{
+		st.apps.setOrigin(fakeView{origin.Stats{Endpoints: []origin.EndpointStats{{
 			Address: "redis://127.0.0.1:6379/0", Kind: "standalone", Breaker: origin.BreakerOpen,
 			Calls:    map[string]map[string]uint64{"read": {"ok": 2}},
 			LastRead: now,
 		}}}})
 		t.Cleanup(func() {
 			st.engine.SetOrigin(nil)
-			st.obs.setOrigin(nil)
+			st.apps.setOrigin(nil)
 		})
 		for range 4 {
 			hit("carol", "192.0.2.1")

@@ -99,7 +99,7 @@ func (a *App) Provision(ctx caddy.Context) error {
 		return err
 	}
 	a.state = st
-	st.obs.attach(a)
+	st.apps.provision(a)
 	return a.provisionOrigin()
 }
 
@@ -126,14 +126,14 @@ func (a *App) Validate() error {
 // goroutines follow the pool's reference count, not Start and Stop, because
 // the old config's Stop runs after the new config's Start.
 func (a *App) Start() error {
-	a.startOrigin()
+	a.state.start(a)
 	return nil
 }
 
 // Stop detaches this config's origin, flushing pending counts through it
 // when no newer config has taken over.
 func (a *App) Stop() error {
-	a.stopOrigin()
+	a.state.stop(a)
 	return nil
 }
 
@@ -142,8 +142,8 @@ func (a *App) Cleanup() error {
 	if a.state == nil {
 		return nil
 	}
-	a.stopOrigin()
-	a.state.obs.detach(a)
+	a.state.stop(a)
+	a.state.apps.cleanup(a)
 	a.state = nil
 	err := releaseState()
 	a.closeOrigin()
@@ -179,6 +179,7 @@ var newEngineConfig = func() engine.Config { return engine.Config{} }
 type state struct {
 	engine *engine.Engine
 	zones  zoneRegistry
+	apps   liveApps
 	obs    observer
 }
 
@@ -196,6 +197,7 @@ func acquireState(a *App) (*state, error) {
 		if a != nil && a.MaxEntries > 0 {
 			cfg.MaxEntries = a.MaxEntries
 		}
+		st.obs.apps = &st.apps
 		st.obs.observeEngine(&cfg)
 		st.engine = engine.New(cfg)
 		return st, nil

@@ -2,12 +2,10 @@ package ratelimit
 
 import (
 	"fmt"
-	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
 
-	"github.com/caddyserver/caddy/v2"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 
@@ -21,95 +19,21 @@ import (
 // The recovery is logged once too, so a streak costs two lines.
 const failureStreakLog = 5
 
-// observer reports what the process-wide engine and origin do: it holds the
-// settings of the newest config (logger, region, identifier treatment),
-// installs the engine's hooks, and turns origin calls and breaker changes
-// into metrics and log lines. It lives in the pooled state, so it outlives
-// every config, like the engine.
+// observer reports what the process-wide engine and origin do: it
+// installs the engine's hooks and turns origin calls and breaker changes
+// into metrics and log lines, with the newest config's logger and
+// identifier treatment. It lives in the pooled state, so it outlives every
+// config, like the engine.
 type observer struct {
-	mu sync.Mutex
-	// apps are the provisioned apps not yet cleaned up, oldest first. The
-	// newest speaks for the process: a reload provisions the new config
-	// before cleaning up the old one, and a failed reload cleans up its own
-	// app, which leaves the running config's app the newest again.
-	apps []*App
-	cur  atomic.Pointer[appView]
-
-	origin atomic.Pointer[originBox]
+	// apps is the state's registry: its newest app's logger and identifier
+	// treatment are what the hooks use.
+	apps *liveApps
 	// streaks counts consecutive failed calls per endpoint address.
 	streaks sync.Map // string → *atomic.Int64
 }
 
-// appView is what the newest app says about the process.
-type appView struct {
-	app    *App
-	logger *zap.Logger
-	region string
-	ids    identities
-}
-
-// originView is what the status and the metrics read of the regional
-// origin; *origin.Redis implements it.
-type originView interface {
-	Stats() origin.Stats
-}
-
-// originBox lets an interface sit in an atomic.Pointer.
-type originBox struct{ v originView }
-
-// attach makes a the newest app.
-func (o *observer) attach(a *App) {
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	o.apps = append(o.apps, a)
-	o.publish()
-}
-
-// detach forgets a; the newest remaining app speaks for the process.
-func (o *observer) detach(a *App) {
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	o.apps = slices.DeleteFunc(o.apps, func(x *App) bool { return x == a })
-	o.publish()
-}
-
-func (o *observer) publish() {
-	if len(o.apps) == 0 {
-		o.cur.Store(nil)
-		return
-	}
-	a := o.apps[len(o.apps)-1]
-	o.cur.Store(&appView{app: a, logger: a.logger, region: a.Region, ids: a.ids})
-}
-
-// view returns the newest app's settings, or the defaults (Caddy's default
-// logger, identifiers truncated in logs) when no app is provisioned, e.g.
-// between a handler's provisioning and its app's in tests.
-func (o *observer) view() *appView {
-	if v := o.cur.Load(); v != nil {
-		return v
-	}
-	return &appView{logger: caddy.Log().Named("ratelimit")}
-}
-
-// setOrigin publishes the origin the engine uses now (nil: none), so the
-// status and the metrics can read it. Whoever calls engine.SetOrigin calls
-// this with the same origin.
-func (o *observer) setOrigin(v originView) {
-	if v == nil {
-		o.origin.Store(nil)
-		return
-	}
-	o.origin.Store(&originBox{v})
-}
-
-// currentOrigin returns the published origin, or nil.
-func (o *observer) currentOrigin() originView {
-	if b := o.origin.Load(); b != nil {
-		return b.v
-	}
-	return nil
-}
+// view returns the newest app's settings.
+func (o *observer) view() *appView { return o.apps.view() }
 
 // observeEngine installs the engine hooks; cfg is the config of the engine
 // the pool is about to create.

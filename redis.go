@@ -3,7 +3,6 @@ package ratelimit
 import (
 	"context"
 	"fmt"
-	"sync"
 	"time"
 
 	"go.uber.org/zap"
@@ -21,14 +20,8 @@ import (
 // uses the origin of the most recently started config that has not
 // stopped, so a reload swaps the origin around the same counters, a reload
 // without Redis makes the engine local-only, and a new config that fails to
-// start hands the engine back to the config that keeps running.
-
-// attached lists the started apps in start order; the last one's origin is
-// the engine's.
-var attached struct {
-	sync.Mutex
-	apps []*App
-}
+// start hands the engine back to the config that keeps running (see
+// liveApps for the orders).
 
 // provisionOrigin resolves the origin settings and builds the origin.
 func (a *App) provisionOrigin() error {
@@ -55,37 +48,17 @@ func (a *App) provisionOrigin() error {
 	return nil
 }
 
-// startOrigin makes this config's origin (or none) the engine's.
-func (a *App) startOrigin() {
-	attached.Lock()
-	defer attached.Unlock()
-	attached.apps = append(attached.apps, a)
-	a.state.useOrigin(a)
-}
-
-// stopOrigin detaches this config. If its origin is the one in use (no
-// newer config took over: a shutdown, or a failed reload), pending deltas
-// are flushed through it first.
-func (a *App) stopOrigin() {
-	attached.Lock()
-	defer attached.Unlock()
-	i := indexOf(attached.apps, a)
-	if i < 0 {
+// flushOrigin pushes the engine's pending deltas through a's origin, which
+// is the engine's until a stops.
+func (a *App) flushOrigin() {
+	if a.origin == nil {
 		return
 	}
-	if i == len(attached.apps)-1 && a.origin != nil {
-		ctx, cancel := context.WithTimeout(context.Background(), closeTimeout)
-		if err := a.state.engine.Flush(ctx); err != nil {
-			a.logger.Warn("flushing rate limit counts to the origin on stop", zap.Error(err))
-		}
-		cancel()
+	ctx, cancel := context.WithTimeout(context.Background(), closeTimeout)
+	defer cancel()
+	if err := a.state.engine.Flush(ctx); err != nil {
+		a.logger.Warn("flushing rate limit counts to the origin on stop", zap.Error(err))
 	}
-	attached.apps = append(attached.apps[:i], attached.apps[i+1:]...)
-	var next *App
-	if n := len(attached.apps); n > 0 {
-		next = attached.apps[n-1]
-	}
-	a.state.useOrigin(next)
 }
 
 // closeOrigin closes this config's origin; Stop has detached it.
@@ -99,21 +72,12 @@ func (a *App) closeOrigin() {
 	a.origin = nil
 }
 
-func indexOf(apps []*App, a *App) int {
-	for i, x := range apps {
-		if x == a {
-			return i
-		}
-	}
-	return -1
-}
-
 // useOrigin points the engine at a's origin (local-only when a is nil or
 // has none), with a's timing, and publishes it to the status and metrics.
 func (s *state) useOrigin(a *App) {
 	if a == nil || a.origin == nil {
 		s.engine.SetOrigin(nil)
-		s.obs.setOrigin(nil)
+		s.apps.setOrigin(nil)
 		return
 	}
 	s.engine.SetTiming(a.timing)
@@ -122,5 +86,5 @@ func (s *state) useOrigin(a *App) {
 		o = &mappedOrigin{Origin: a.origin, mapID: m}
 	}
 	s.engine.SetOrigin(o)
-	s.obs.setOrigin(a.origin)
+	s.apps.setOrigin(a.origin)
 }

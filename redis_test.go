@@ -245,17 +245,17 @@ func TestOrigin_FollowsTheNewestStartedConfig(t *testing.T) {
 		}
 	}
 
-	a.startOrigin()
+	a.state.start(a)
 	using(a, "A started")
-	b.startOrigin()
+	b.state.start(b)
 	using(b, "reload: B started")
-	b.stopOrigin() // B failed to start: Caddy stops what it started
+	b.state.stop(b) // B failed to start: Caddy stops what it started
 	using(a, "B stopped while A runs")
-	b.startOrigin()
-	a.stopOrigin() // the reload completes: the old config stops
+	b.state.start(b)
+	a.state.stop(a) // the reload completes: the old config stops
 	using(b, "A stopped after B started")
-	b.stopOrigin()
+	b.state.stop(b)
 	using(nil, "last config stopped")
-	b.stopOrigin() // Cleanup after Stop: no-op
+	b.state.stop(b) // Cleanup after Stop: no-op
 	using(nil, "stopped twice")
 }
