@@ -14,7 +14,6 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
-	"go.uber.org/zap/zapcore"
 
 	"github.com/edgelimit/caddy-ratelimit/engine"
 )
@@ -492,28 +491,6 @@ func (h *Handler) countDecisions(decs []engine.Decision, zi []int, allowed bool)
 		default:
 			m.notCharged.Inc()
 		}
-	}
-}
-
-// dryRunDenied logs and counts a would-be denial; the engine has already
-// charged the request. Each would-be denial is a debug line; at info level
-// a zone logs once per window, with the number since its previous line, so
-// a dry run never logs per request at info.
-func (h *Handler) dryRunDenied(lims []engine.Limit, decs []engine.Decision, zi []int) {
-	dryRunDeniedTotal.Add(1)
-	for k := range decs {
-		if decs[k].Allowed {
-			continue
-		}
-		z := &h.zones[zi[k]]
-		if c := h.logger.Check(zapcore.DebugLevel, "dry run: request would have been rate limited"); c != nil {
-			// The identifier as the app's settings show it (normalized as
-			// the engine keeps it, so an HMAC matches the admin API's);
-			// never the URI, which may carry it.
-			id := engine.NormalizeIdentifier(lims[k].Identifier)
-			c.Write(append(h.ids.logFields(id), zap.String("zone", z.name))...)
-		}
-		z.dryRun.note(h.logger, z.name, z.window)
 	}
 }
 

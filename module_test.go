@@ -258,27 +258,6 @@ func TestHandler_OnMissingKey(t *testing.T) {
 	})
 }
 
-func TestHandler_DryRunServesCountsAndShowsRealState(t *testing.T) {
-	useClock(t, 0)
-	dry := provisionTest(t, nil, &Handler{Zones: []*Zone{zoneOf("dry", 2, time.Minute)}, DryRun: true})
-	enforcing := provisionTest(t, nil, &Handler{Zones: []*Zone{zoneOf("dry", 100, time.Minute)}})
-	id := map[string]string{"dry": "k"}
-
-	before := dryRunDeniedTotal.Load()
-	for i := range 5 {
-		r := serve(dry, id)
-		wantStatus(t, r, http.StatusOK)
-		wantHeader(t, r, "RateLimit", fmt.Sprintf(`"dry";r=%d;t=60`, max(0, 1-i)))
-		wantHeader(t, r, "Retry-After", "")
-	}
-	if got := dryRunDeniedTotal.Load() - before; got != 3 {
-		t.Fatalf("dry-run denials counted %d, want 3", got)
-	}
-	// All five were counted as served.
-	r := serve(enforcing, id)
-	wantHeader(t, r, "RateLimit", `"dry";r=94;t=60`)
-}
-
 // TestHandler_ConcurrentRequestsNeverExceedLimit runs 64 goroutines on one
 // key within one fixed window: exactly the limit passes.
 func TestHandler_ConcurrentRequestsNeverExceedLimit(t *testing.T) {

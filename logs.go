@@ -1,10 +1,14 @@
 package ratelimit
 
+// Logs: what the process-wide engine and origin report through the newest
+// config's logger (first denials, evictions, origin failure streaks,
+// breaker changes), and go-redis's own lines. The dry run's lines are in
+// dryrun.go, beside the rest of it.
+
 import (
 	"fmt"
 	"sync"
 	"sync/atomic"
-	"time"
 
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
@@ -131,28 +135,6 @@ func (o *observer) breakerChanged(endpoint string, from, to origin.BreakerState)
 	default:
 		log.Info("redis circuit breaker closed: redis answers again", fields...)
 	}
-}
-
-// dryRunLog limits a dry-run zone's info line to one per window.
-type dryRunLog struct {
-	// seq is the window sequence of the last line; count the would-be
-	// denials since.
-	seq, count atomic.Int64
-}
-
-// note counts a would-be denial and logs at info level on the first one of
-// each window, with the number since the previous line.
-func (d *dryRunLog) note(log *zap.Logger, zone string, window time.Duration) {
-	d.count.Add(1)
-	seq := time.Now().UnixMilli() / window.Milliseconds()
-	old := d.seq.Load()
-	if old == seq || !d.seq.CompareAndSwap(old, seq) {
-		return
-	}
-	log.Info("dry run: requests would have been rate limited",
-		zap.String("zone", zone),
-		zap.Int64("would_be_denied", d.count.Swap(0)),
-		zap.Duration("window", window))
 }
 
 // redisLog routes go-redis's own log lines (dial failures) to the newest

@@ -124,33 +124,3 @@ func TestObserver_BreakerTransitions(t *testing.T) {
 		t.Fatalf("open transitions +%v, want +1", got)
 	}
 }
-
-// TestHandler_DryRunLogsOncePerWindowAtInfo: each would-be denial is a debug
-// line, and the zone says so at info level once per window.
-func TestHandler_DryRunLogsOncePerWindowAtInfo(t *testing.T) {
-	useClock(t, 0)
-	core, logs := logobserver.New(zapcore.DebugLevel)
-	h := &Handler{Zones: []*Zone{zoneOf("dry_log", 1, time.Hour)}, DryRun: true}
-	provisionTest(t, nil, h)
-	h.logger = zap.New(core)
-	const id = "sk_live_dry_run_identifier"
-	for range 11 {
-		wantStatus(t, serve(h, map[string]string{"dry_log": id}), 200)
-	}
-	debug := logs.FilterLevelExact(zapcore.DebugLevel).All()
-	if len(debug) != 10 {
-		t.Fatalf("%d debug lines for 10 would-be denials", len(debug))
-	}
-	if f := debug[0].ContextMap(); f["zone"] != "dry_log" || f["identifier_truncated"] != "sk_liv…" {
-		t.Fatalf("debug fields %v", f)
-	}
-	// One line per real hour window; a test that straddles the hour sees two.
-	info := logs.FilterLevelExact(zapcore.InfoLevel).All()
-	var total int64
-	for _, e := range info {
-		total += e.ContextMap()["would_be_denied"].(int64)
-	}
-	if len(info) < 1 || len(info) > 2 || total > 10 {
-		t.Fatalf("%d info lines reporting %d would-be denials", len(info), total)
-	}
-}
