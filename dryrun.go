@@ -11,14 +11,13 @@ import (
 
 // Dry run: a dry_run handler never denies. The engine charges every
 // request and marks the decisions that would have denied; ServeHTTP serves
-// the request and hands those decisions here, to be counted and logged.
+// the request and hands those decisions here, to be logged.
 
-// dryRunDenied logs and counts a would-be denial; the engine has already
-// charged the request. Each would-be denial is a debug line; at info level
-// a zone logs once per window, with the number since its previous line, so
-// a dry run never logs per request at info.
+// dryRunDenied logs a would-be denial (countDecisions has counted it); the
+// engine has already charged the request. Each would-be denial is a debug
+// line; at info level a zone logs once per window, with the number since
+// its previous line, so a dry run never logs per request at info.
 func (h *Handler) dryRunDenied(lims []engine.Limit, decs []engine.Decision, zi []int) {
-	dryRunDeniedTotal.Add(1)
 	for k := range decs {
 		if decs[k].Allowed {
 			continue

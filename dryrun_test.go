@@ -47,15 +47,16 @@ func TestHandler_DryRunServesCountsAndShowsRealState(t *testing.T) {
 	enforcing := provisionTest(t, nil, &Handler{Zones: []*Zone{zoneOf("dry", 100, time.Minute)}})
 	id := map[string]string{"dry": "k"}
 
-	before := dryRunDeniedTotal.Load()
+	wouldDeny := decisionsTotal.WithLabelValues("dry", resultDryRunDenied)
+	before := counterValue(t, wouldDeny)
 	for i := range 5 {
 		r := serve(dry, id)
 		wantStatus(t, r, http.StatusOK)
 		wantHeader(t, r, "RateLimit", fmt.Sprintf(`"dry";r=%d;t=60`, max(0, 1-i)))
 		wantHeader(t, r, "Retry-After", "")
 	}
-	if got := dryRunDeniedTotal.Load() - before; got != 3 {
-		t.Fatalf("dry-run denials counted %d, want 3", got)
+	if got := counterValue(t, wouldDeny) - before; got != 3 {
+		t.Fatalf("dry-run denials counted %v, want 3", got)
 	}
 	// All five were counted as served.
 	r := serve(enforcing, id)

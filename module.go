@@ -55,19 +55,6 @@ const (
 	stackZones = 8
 )
 
-// Counters for rare outcomes the metrics can export; they are package level
-// because zones and handlers come and go with every reload.
-var (
-	// invalidCostTotal counts requests whose cost placeholder did not
-	// evaluate to a non-negative integer and were charged the zone's default
-	// cost instead.
-	invalidCostTotal atomic.Int64
-	// dryRunDeniedTotal counts requests a dry_run handler would have denied.
-	dryRunDeniedTotal atomic.Int64
-	// missingKeyDeniedTotal counts requests denied by on_missing_key deny.
-	missingKeyDeniedTotal atomic.Int64
-)
-
 // Handler limits the rate of requests. Each request is decided against all
 // of the handler's zones at once, all or nothing: it passes only when every
 // zone admits it, and a denied request charges no zone. A denied request
@@ -343,7 +330,6 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 				z.metrics.skipped.Inc()
 				continue
 			case missingDeny:
-				missingKeyDeniedTotal.Add(1)
 				z.metrics.missingKey.Inc()
 				return deny(w, r, z.missing)
 			}
@@ -469,7 +455,6 @@ func (z *zone) costOf(r *http.Request, repl *caddy.Replacer) int64 {
 	s := z.cost.eval(r, repl)
 	n, err := strconv.ParseInt(s, 10, 64)
 	if err != nil || n < 0 {
-		invalidCostTotal.Add(1)
 		z.metrics.invalidCost.Inc()
 		return z.defaultCost
 	}

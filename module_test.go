@@ -165,12 +165,13 @@ func TestHandler_Cost(t *testing.T) {
 		{"10", 59, false},
 	}
 	for _, tc := range tests {
-		before := invalidCostTotal.Load()
+		invalid := invalidCostsTotal.WithLabelValues("dyn")
+		before := counterValue(t, invalid)
 		r := serve(dyn, map[string]string{"k": "a", "cost": tc.cost})
 		wantStatus(t, r, http.StatusOK)
 		wantHeader(t, r, "RateLimit", fmt.Sprintf(`"dyn";r=%d;t=60`, tc.remaining))
-		if got := invalidCostTotal.Load() - before; got != map[bool]int64{false: 0, true: 1}[tc.invalid] {
-			t.Fatalf("cost %q: invalid-cost counter moved by %d", tc.cost, got)
+		if got := counterValue(t, invalid) - before; got != map[bool]float64{false: 0, true: 1}[tc.invalid] {
+			t.Fatalf("cost %q: invalid-cost counter moved by %v", tc.cost, got)
 		}
 	}
 }
@@ -243,13 +244,14 @@ func TestHandler_OnMissingKey(t *testing.T) {
 	})
 	t.Run("deny", func(t *testing.T) {
 		h := provisionTest(t, nil, &Handler{Zones: zones("m_deny"), OnMissingKey: "deny"})
-		before := missingKeyDeniedTotal.Load()
+		missing := decisionsTotal.WithLabelValues("m_deny", resultMissingKey)
+		before := counterValue(t, missing)
 		r := serve(h, map[string]string{"present": "d"})
 		wantStatus(t, r, http.StatusTooManyRequests)
 		if !errors.Is(r.err, ErrMissingKey) {
 			t.Fatalf("error %v does not wrap ErrMissingKey", r.err)
 		}
-		if missingKeyDeniedTotal.Load() != before+1 {
+		if counterValue(t, missing) != before+1 {
 			t.Fatal("missing-key denial not counted")
 		}
 		// Nothing was charged to the zone that had a key.
