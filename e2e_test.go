@@ -156,16 +156,6 @@ func (r e2eResponse) expect(t *testing.T, status int, body string, headers ...st
 	}
 }
 
-// currentState returns the pooled state, or nil when the pool is empty.
-func currentState() *state {
-	var st *state
-	pool.Range(func(_, v any) bool {
-		st, _ = v.(*state)
-		return false
-	})
-	return st
-}
-
 // TestCaddy_EndToEnd runs Caddy in-process with the module: statuses and
 // both header sets for one and two zones, a denial that charges no other
 // zone, a reload that keeps the counts, and no engine goroutine left once
@@ -185,7 +175,7 @@ func TestCaddy_EndToEnd(t *testing.T) {
 	if t.Failed() {
 		t.FailNow()
 	}
-	st := currentState()
+	st := lookupState()
 	if st == nil {
 		t.Fatal("no engine in the pool after loading a config with ratelimit")
 	}
@@ -230,7 +220,7 @@ func TestCaddy_EndToEnd(t *testing.T) {
 		if t.Failed() {
 			t.FailNow()
 		}
-		if currentState() != st {
+		if lookupState() != st {
 			t.Fatal("the reload replaced the engine")
 		}
 		// alice used 3 of the zone's units before the reload; the limit is

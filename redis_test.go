@@ -55,7 +55,7 @@ func TestCaddy_RedisOrigin(t *testing.T) {
 	if t.Failed() {
 		t.FailNow()
 	}
-	st := currentState()
+	st := lookupState()
 	if st == nil || st.engine.Origin() == nil {
 		t.Fatal("the engine has no origin after loading a config with redis")
 	}
@@ -113,7 +113,7 @@ func TestCaddy_RedisOrigin(t *testing.T) {
 		if t.Failed() {
 			t.FailNow()
 		}
-		if currentState() != st {
+		if lookupState() != st {
 			t.Fatal("the reload replaced the engine")
 		}
 		if o := st.engine.Origin(); o != nil {
