@@ -17,14 +17,8 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/edgelimit/caddy-ratelimit/engine"
+	"github.com/edgelimit/caddy-ratelimit/internal/testclock"
 )
-
-// fakeClock is the engine's clock in tests: it moves only when told to.
-type fakeClock struct{ ns atomic.Int64 }
-
-func (c *fakeClock) Now() time.Time          { return time.Unix(0, c.ns.Load()) }
-func (c *fakeClock) Set(t time.Time)         { c.ns.Store(t.UnixNano()) }
-func (c *fakeClock) Advance(d time.Duration) { c.ns.Add(int64(d)) }
 
 // windowStart is a time at the start of a minute and an hour window.
 var windowStart = time.Unix(1_700_000_000/3600*3600, 0)
@@ -32,13 +26,12 @@ var windowStart = time.Unix(1_700_000_000/3600*3600, 0)
 // useClock makes the next engine the pool creates run on a fake clock set to
 // windowStart + offset. The pool must be empty: the clock of an engine
 // cannot change.
-func useClock(t *testing.T, offset time.Duration) *fakeClock {
+func useClock(t *testing.T, offset time.Duration) *testclock.Clock {
 	t.Helper()
 	if n, ok := pool.References(poolKey); ok {
 		t.Fatalf("engine pool still has %d users from an earlier test", n)
 	}
-	clk := new(fakeClock)
-	clk.Set(windowStart.Add(offset))
+	clk := testclock.New(windowStart.Add(offset))
 	old := newEngineConfig
 	newEngineConfig = func() engine.Config { return engine.Config{Now: clk.Now} }
 	t.Cleanup(func() { newEngineConfig = old })
