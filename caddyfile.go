@@ -136,6 +136,9 @@ func (h *Handler) unmarshal(d *caddyfile.Dispenser) ([]parsedZone, error) {
 				return nil, err
 			}
 			p := parsedZone{zone: z, d: zd}
+			if len(zones) == maxZones {
+				return nil, p.errf("zone %q: one ratelimit directive takes at most %d zones", z.Name, maxZones)
+			}
 			if prev, dup := byName[z.Name]; dup {
 				return nil, p.errf("zone %q defined twice in one ratelimit directive (first at %s)", z.Name, prev.at())
 			}
@@ -275,6 +278,9 @@ func unmarshalZoneLine(d *caddyfile.Dispenser, z *Zone, sub string) error {
 			n, err := strconv.ParseInt(args[1], 10, 64)
 			if err != nil || n < 1 {
 				return d.Errf("zone %q: default cost %q must be a positive integer", z.Name, args[1])
+			}
+			if err := validateUnits("default cost", n); err != nil {
+				return d.Errf("zone %q: %w", z.Name, err)
 			}
 			z.DefaultCost = n
 		}

@@ -3,6 +3,7 @@ package ratelimit
 import (
 	"errors"
 	"fmt"
+	"math"
 	"math/rand/v2"
 	"net/http"
 	"strconv"
@@ -53,7 +54,19 @@ const (
 	// allocation for its limits and decisions; handlers with more zones
 	// allocate per request.
 	stackZones = 8
+	// maxZones bounds the zones of one handler: the engine marks the
+	// would-be denials of a dry-run batch in a 64-bit mask, which a 65th
+	// zone would overflow.
+	maxZones = 64
 )
+
+// maxUnits is the largest limit or cost a zone accepts, 2^53-1: counts
+// travel as JSON numbers and Lua numbers in the origin's scripts, which are
+// float64 and exact only up to 2^53. A constant cost or limit above it is
+// a config error; a cost placeholder that evaluates above it is charged
+// maxUnits. The engine is about to define engine.MaxCount, the same bound;
+// this constant will then be that one.
+const maxUnits = 1<<53 - 1
 
 // Handler limits the rate of requests. Each request is decided against all
 // of the handler's zones at once, all or nothing: it passes only when every
@@ -123,7 +136,7 @@ type Zone struct {
 	Key string `json:"key"`
 
 	// Limit is the number of cost units admitted per window for each
-	// identifier. Required, at least 1.
+	// identifier. Required, from 1 to 2^53-1.
 	Limit int64 `json:"limit"`
 
 	// Window is the length of the sliding window, in whole seconds, at least
@@ -131,20 +144,22 @@ type Zone struct {
 	Window caddy.Duration `json:"window"`
 
 	// Cost is what one request consumes: a non-negative integer, or a
-	// placeholder evaluated per request. A placeholder that does not
+	// placeholder evaluated per request. At most 2^53-1; a placeholder
+	// that evaluates to more is charged 2^53-1, and one that does not
 	// evaluate to a non-negative integer is charged DefaultCost (and
 	// counted). Default 1.
 	Cost caddyhttp.WeakString `json:"cost,omitempty"`
 
 	// DefaultCost is charged when a Cost placeholder does not evaluate to a
-	// non-negative integer. Default 1; never 0, so a bad value is never a
-	// free pass.
+	// non-negative integer, at most 2^53-1. Default 1; never 0, so a bad
+	// value is never a free pass.
 	DefaultCost int64 `json:"default_cost,omitempty"`
 
 	// Overrides maps identifiers to their own limit, replacing Limit for
 	// them. Identifiers are compared after IP masking (e.g.
 	// "203.0.113.0/24" with ipv4_prefix 24). A limit of 0 blocks the
-	// identifier (every request with a positive cost is denied).
+	// identifier (every request with a positive cost is denied); at most
+	// 2^53-1.
 	Overrides map[string]int64 `json:"overrides,omitempty"`
 
 	// IPv4Prefix is the prefix length an IPv4 identifier is masked to, 1–32.
@@ -454,11 +469,16 @@ func (z *zone) costOf(r *http.Request, repl *caddy.Replacer) int64 {
 	}
 	s := z.cost.eval(r, repl)
 	n, err := strconv.ParseInt(s, 10, 64)
-	if err != nil || n < 0 {
-		z.metrics.invalidCost.Inc()
-		return z.defaultCost
+	switch {
+	case err == nil && n >= 0:
+		// A huge cost is the largest one, never the default: it must not
+		// be a way to pay less.
+		return min(n, maxUnits)
+	case n == math.MaxInt64 && errors.Is(err, strconv.ErrRange):
+		return maxUnits // digits past int64
 	}
-	return n
+	z.metrics.invalidCost.Inc()
+	return z.defaultCost
 }
 
 // countDecisions counts one decision per decided zone (see the result

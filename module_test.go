@@ -169,6 +169,29 @@ func TestHandler_Cost(t *testing.T) {
 	}
 }
 
+// TestHandler_PlaceholderCostAboveTheMaximumIsClamped: a cost placeholder
+// that evaluates to more than the largest count (2^53-1), even past int64,
+// is charged the largest count, never the default cost: a huge cost is no
+// free pass.
+func TestHandler_PlaceholderCostAboveTheMaximumIsClamped(t *testing.T) {
+	useClock(t, 0)
+	const largest = 1<<53 - 1
+	h := provisionTest(t, nil, &Handler{Zones: []*Zone{
+		{Name: "huge", Key: "{test.k}", Limit: largest, Window: caddy.Duration(time.Minute), Cost: "{test.cost}"},
+	}})
+	invalid := invalidCostsTotal.WithLabelValues("huge")
+	before := counterValue(t, invalid)
+	for _, cost := range []string{"9007199254740992", "9223372036854775808", "99999999999999999999999"} {
+		r := serve(h, map[string]string{"k": cost, "cost": cost})
+		wantStatus(t, r, http.StatusOK)
+		wantHeader(t, r, "RateLimit", `"huge";r=0;t=60`)
+		wantStatus(t, serve(h, map[string]string{"k": cost, "cost": "1"}), http.StatusTooManyRequests)
+	}
+	if got := counterValue(t, invalid) - before; got != 0 {
+		t.Fatalf("a cost above the largest count was counted invalid %v times", got)
+	}
+}
+
 func TestHandler_Overrides(t *testing.T) {
 	useClock(t, 0)
 	z := zoneOf("api", 2, time.Minute)

@@ -21,6 +21,9 @@ func (h *Handler) Validate() error {
 	if len(h.Zones) == 0 {
 		return errors.New("ratelimit: at least one zone is required")
 	}
+	if len(h.Zones) > maxZones {
+		return fmt.Errorf("ratelimit: %d zones: one handler takes at most %d zones", len(h.Zones), maxZones)
+	}
 	if err := validateHeaders(h.Headers); err != nil {
 		return fmt.Errorf("ratelimit: %w", err)
 	}
@@ -64,6 +67,9 @@ func (z *Zone) validate() error {
 	}
 	if z.DefaultCost < 0 {
 		return fmt.Errorf("default_cost %d is negative", z.DefaultCost)
+	}
+	if err := validateUnits("default_cost", z.DefaultCost); err != nil {
+		return err
 	}
 	for id, l := range z.Overrides {
 		if err := validateOverride(id, l); err != nil {
@@ -122,6 +128,14 @@ func validateLimit(limit int64) error {
 	if limit <= 0 {
 		return fmt.Errorf("limit must be positive, got %d", limit)
 	}
+	return validateUnits("limit", limit)
+}
+
+// validateUnits rejects a limit or cost (what says which) above maxUnits.
+func validateUnits(what string, n int64) error {
+	if n > maxUnits {
+		return fmt.Errorf("%s %d is above the largest count, %d (2^53-1)", what, n, int64(maxUnits))
+	}
 	return nil
 }
 
@@ -143,7 +157,7 @@ func validateCost(cost string) error {
 	if err != nil || n < 0 {
 		return fmt.Errorf("cost %q is neither a non-negative integer nor a placeholder", cost)
 	}
-	return nil
+	return validateUnits("cost", n)
 }
 
 func validateOverride(id string, limit int64) error {
@@ -152,6 +166,9 @@ func validateOverride(id string, limit int64) error {
 	}
 	if limit < 0 {
 		return fmt.Errorf("override %q: limit must not be negative, got %d", id, limit)
+	}
+	if err := validateUnits("limit", limit); err != nil {
+		return fmt.Errorf("override %q: %w", id, err)
 	}
 	return nil
 }

@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -33,6 +34,15 @@ func TestHandler_ValidateRejectsBadJSON(t *testing.T) {
 		{"headers", func(h *Handler) { h.Headers = "x" }, "headers must be"},
 		{"on_missing_key", func(h *Handler) { h.OnMissingKey = "x" }, "on_missing_key must be"},
 		{"jitter", func(h *Handler) { h.RetryJitter = -1 }, "retry_jitter"},
+		{"limit above 2^53-1", func(h *Handler) { h.Zones[0].Limit = 1 << 53 }, "limit 9007199254740992 is above the largest count, 9007199254740991"},
+		{"cost above 2^53-1", func(h *Handler) { h.Zones[0].Cost = "9007199254740992" }, "cost 9007199254740992 is above the largest count"},
+		{"default cost above 2^53-1", func(h *Handler) { h.Zones[0].DefaultCost = 1 << 53 }, "default_cost 9007199254740992 is above the largest count"},
+		{"override above 2^53-1", func(h *Handler) { h.Zones[0].Overrides = map[string]int64{"x": 1 << 53} }, `override "x": limit 9007199254740992 is above`},
+		{"65 zones", func(h *Handler) {
+			for i := range 64 {
+				h.Zones = append(h.Zones, zoneOf(fmt.Sprintf("z%d", i), 5, time.Minute))
+			}
+		}, "at most 64 zones"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
