@@ -3,10 +3,12 @@ package ratelimit
 import (
 	"context"
 	"net/http/httptest"
+	"strings"
 	"testing"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/edgelimit/caddy-ratelimit/origin"
 )
 
 func TestTemplate_Eval(t *testing.T) {
@@ -75,3 +77,23 @@ func TestTemplate_DirectReadsAgreeWithCaddysReplacer(t *testing.T) {
 		t.Errorf("unix socket remote host = %q", tpl.eval(r, nil))
 	}
 }
+
+// TestRedisOption_UnresolvedPlaceholderFailsProvision: a runtime
+// placeholder that resolves to nothing fails provisioning with the field
+// named, not a silent local-only start.
+func TestRedisOption_UnresolvedPlaceholderFailsProvision(t *testing.T) {
+	cfg, err := resolveOrigin(originConfigWith("{env.RATELIMIT_TEST_UNSET_VARIABLE}"))
+	if err == nil {
+		t.Fatalf("resolved to %v", cfg.Redis)
+	}
+	if !strings.Contains(err.Error(), "redis") {
+		t.Fatalf("error %q does not name the field", err)
+	}
+	t.Setenv("RATELIMIT_TEST_SET_VARIABLE", "redis://:pw@127.0.0.1:6379")
+	cfg, err = resolveOrigin(originConfigWith("{env.RATELIMIT_TEST_SET_VARIABLE}"))
+	if err != nil || cfg.Redis[0] != "redis://:pw@127.0.0.1:6379" {
+		t.Fatalf("resolve = %v, %v", cfg.Redis, err)
+	}
+}
+
+func originConfigWith(url string) origin.Config { return origin.Config{Redis: []string{url}} }
