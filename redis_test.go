@@ -15,24 +15,25 @@ import (
 
 	"github.com/edgelimit/caddy-ratelimit/engine"
 	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
+	"github.com/edgelimit/caddy-ratelimit/internal/testclock"
 	"github.com/edgelimit/caddy-ratelimit/origin"
 )
 
 // redisConfig is a Caddyfile whose global options are global (a ratelimit
 // block pointing the engine at Redis, or nothing) and whose one zone is
-// keyed by X-Key.
-func redisConfig(admin, port int, global string) string {
-	return caddyConfig(admin, port, global, `
+// keyed by X-Key, over window.
+func redisConfig(admin, port int, global string, window time.Duration) string {
+	return caddyConfig(admin, port, global, fmt.Sprintf(`
 	handle {
 		ratelimit {
 			zone e2e_redis {
 				key    {http.request.header.X-Key}
 				limit  5
-				window 1m
+				window %ds
 			}
 		}
 		respond "ok"
-	}`)
+	}`, int64(window/time.Second)))
 }
 
 // TestCaddy_RedisOrigin runs Caddy in-process against a private Redis: the
@@ -45,13 +46,20 @@ func TestCaddy_RedisOrigin(t *testing.T) {
 	t.Cleanup(func() { rdb.Close() })
 	ctx := context.Background()
 
+	// Redis keys expire by wall-clock time, so the engine runs on it: the
+	// window is a length whose current window just began, and the test runs
+	// inside it (it needs a few seconds at most).
+	window, ok := testclock.FreshWindow(time.Now(), time.Minute, 2*time.Minute, 30*time.Second)
+	if !ok {
+		t.Fatal("no window length in [1m, 2m] leaves 30 s")
+	}
 	admin, port := e2eAdminPort(t), freePort(t)
 	base := fmt.Sprintf("http://127.0.0.1:%d/", port)
 	tester := caddytest.NewTester(t).WithDefaultOverrides(caddytest.Config{AdminPort: admin})
 	tester.InitServer(redisConfig(admin, port, `	ratelimit {
 		redis {env.RATELIMIT_TEST_REDIS_URL}
 		prefix e2e
-	}`), "caddyfile")
+	}`, window), "caddyfile")
 	if t.Failed() {
 		t.FailNow()
 	}
@@ -60,13 +68,10 @@ func TestCaddy_RedisOrigin(t *testing.T) {
 		t.Fatal("the engine has no origin after loading a config with redis")
 	}
 
-	// Another node already used bob's quota in this window. Stay clear of a
-	// window border: the test needs one window for what follows.
-	if ms := time.Now().UnixMilli() % 60_000; ms > 55_000 {
-		time.Sleep(time.Duration(60_000-ms+10) * time.Millisecond)
-	}
-	seq := time.Now().UnixMilli() / 60_000
-	bobKey := "e2e:{e2e_redis:bob}:60000:" + strconv.FormatInt(seq, 10)
+	// Another node already used bob's quota in this window.
+	windowMs := strconv.FormatInt(window.Milliseconds(), 10)
+	seq := strconv.FormatInt(time.Now().UnixMilli()/window.Milliseconds(), 10)
+	bobKey := "e2e:{e2e_redis:bob}:" + windowMs + ":" + seq
 	if err := rdb.IncrBy(ctx, bobKey, 5).Err(); err != nil {
 		t.Fatal(err)
 	}
@@ -77,18 +82,11 @@ func TestCaddy_RedisOrigin(t *testing.T) {
 	}
 	get(t, tester, base, "X-Key", "alice").expect(t, 429, "")
 	// The five units reach Redis on the replay ticks, without more traffic.
-	aliceKey := "e2e:{e2e_redis:alice}:60000:" + strconv.FormatInt(seq, 10)
-	deadline := time.Now().Add(10 * time.Second)
-	for {
+	aliceKey := "e2e:{e2e_redis:alice}:" + windowMs + ":" + seq
+	redistest.Eventually(t, 10*time.Second, "Redis holds alice's 5 units", func() bool {
 		n, err := rdb.Get(ctx, aliceKey).Int64()
-		if err == nil && n == 5 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("Redis holds %d (%v) for alice, want 5", n, err)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+		return err == nil && n == 5
+	})
 
 	t.Run("config output keeps the placeholder", func(t *testing.T) {
 		resp, err := tester.Client.Get(fmt.Sprintf("http://localhost:%d/config/", admin))
@@ -109,7 +107,7 @@ func TestCaddy_RedisOrigin(t *testing.T) {
 	})
 
 	t.Run("reload without redis is local-only", func(t *testing.T) {
-		tester.InitServer(redisConfig(admin, port, ""), "caddyfile")
+		tester.InitServer(redisConfig(admin, port, "", window), "caddyfile")
 		if t.Failed() {
 			t.FailNow()
 		}

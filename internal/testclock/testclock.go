@@ -29,3 +29,29 @@ func (c *Clock) Advance(d time.Duration) { c.ns.Add(int64(d)) }
 
 // UnixMilli is Now in milliseconds, the engine's resolution.
 func (c *Clock) UnixMilli() int64 { return c.ns.Load() / int64(time.Millisecond) }
+
+// FreshWindow is for tests of separate processes, which cannot share a
+// fake clock: it returns the whole-second window length in [lo, hi] whose
+// current window began most recently before now, among those with at
+// least need left. Windows are aligned to the Unix epoch, as the engine's
+// are, so a test that configures this length runs inside one window from
+// now on without sleeping to a window border. ok is false when no length
+// in the range leaves need (with a range of a minute or more of lengths
+// and need well below lo, that does not happen in practice).
+func FreshWindow(now time.Time, lo, hi, need time.Duration) (window time.Duration, ok bool) {
+	ms := now.UnixMilli()
+	best := time.Duration(-1)
+	for w := lo.Truncate(time.Second); w <= hi; w += time.Second {
+		if w <= 0 {
+			continue
+		}
+		elapsed := time.Duration(ms%w.Milliseconds()) * time.Millisecond
+		if w-elapsed < need {
+			continue
+		}
+		if best < 0 || elapsed < time.Duration(ms%best.Milliseconds())*time.Millisecond {
+			best = w
+		}
+	}
+	return best, best > 0
+}
