@@ -32,6 +32,10 @@ var caddyBinary = sync.OnceValues(func() (string, error) {
 	return bin, nil
 })
 
+// nodeStartTimeout bounds how long a built Caddy takes to serve: about a
+// second on an idle machine, much more on a loaded one.
+const nodeStartTimeout = 30 * time.Second
+
 // node is one Caddy process.
 type node struct {
 	t     *testing.T
@@ -89,7 +93,7 @@ http://127.0.0.1:%d {
 		t.Fatal(err)
 	}
 	t.Cleanup(n.stop)
-	deadline := time.Now().Add(30 * time.Second)
+	deadline := time.Now().Add(nodeStartTimeout)
 	for {
 		resp, err := http.Get(n.url("/healthz-probe"))
 		if err == nil {
@@ -97,7 +101,7 @@ http://127.0.0.1:%d {
 			return n
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("caddy did not serve within 30 s: %v\n%s", err, n.log.String())
+			t.Fatalf("caddy did not serve within %s: %v\n%s", nodeStartTimeout, err, n.log.String())
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
