@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"io"
 	"net/http"
 	"reflect"
 	"strings"
@@ -14,6 +13,7 @@ import (
 	"github.com/caddyserver/caddy/v2/caddytest"
 
 	"github.com/edgelimit/caddy-ratelimit/engine"
+	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
 	"github.com/edgelimit/caddy-ratelimit/origin"
 )
 
@@ -25,7 +25,7 @@ func startCaddy(t *testing.T, cfg func(admin, port int) string) (*caddytest.Test
 	if testing.Short() {
 		t.Skip("starts Caddy")
 	}
-	admin, port := e2eAdminPort(t), freePort(t)
+	admin, port := e2eAdminPort(t), redistest.MustFreePort(t)
 	tester := caddytest.NewTester(t).WithDefaultOverrides(caddytest.Config{AdminPort: admin})
 	t.Cleanup(func() {
 		tester.InitServer(e2eConfig(admin, port, ""), "caddyfile")
@@ -53,16 +53,8 @@ func adminDo(t *testing.T, admin int, method, path string) adminReply {
 	if err != nil {
 		t.Fatal(err)
 	}
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	body, err := io.ReadAll(resp.Body)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return adminReply{status: resp.StatusCode, header: resp.Header, body: body}
+	status, header, body := roundTrip(t, http.DefaultClient, req)
+	return adminReply{status: status, header: header, body: body}
 }
 
 // wantJSON fails unless the reply has the status and a JSON body equal to

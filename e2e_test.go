@@ -13,16 +13,6 @@ import (
 	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
 )
 
-// freePort is a loopback port nobody listened on a moment ago.
-func freePort(t *testing.T) int {
-	t.Helper()
-	port, err := redistest.FreePort()
-	if err != nil {
-		t.Fatal(err)
-	}
-	return port
-}
-
 // adminPort is the in-process Caddy's admin port, chosen once: caddytest
 // starts Caddy the first time and reuses it afterwards (-count=N).
 var adminPort struct {
@@ -31,7 +21,7 @@ var adminPort struct {
 }
 
 func e2eAdminPort(t *testing.T) int {
-	adminPort.once.Do(func() { adminPort.port = freePort(t) })
+	adminPort.once.Do(func() { adminPort.port = redistest.MustFreePort(t) })
 	return adminPort.port
 }
 
@@ -131,7 +121,15 @@ func get(t *testing.T, tester *caddytest.Tester, url string, headers ...string) 
 	// grace period of 1 ns, and a kept-alive connection it accepted could be
 	// reset under the next request.
 	req.Close = true
-	resp, err := tester.Client.Do(req)
+	status, header, body := roundTrip(t, tester.Client, req)
+	return e2eResponse{status: status, body: string(body), header: header}
+}
+
+// roundTrip sends req with c and returns the response's status, header and
+// body.
+func roundTrip(t *testing.T, c *http.Client, req *http.Request) (int, http.Header, []byte) {
+	t.Helper()
+	resp, err := c.Do(req)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -140,7 +138,7 @@ func get(t *testing.T, tester *caddytest.Tester, url string, headers ...string) 
 	if err != nil {
 		t.Fatal(err)
 	}
-	return e2eResponse{status: resp.StatusCode, body: string(body), header: resp.Header}
+	return resp.StatusCode, resp.Header, body
 }
 
 func (r e2eResponse) expect(t *testing.T, status int, body string, headers ...string) {
@@ -171,7 +169,7 @@ func TestCaddy_EndToEnd(t *testing.T) {
 	// 15 s into a minute (and an hour) window, frozen: header values are
 	// exact.
 	useClock(t, 15*time.Second)
-	admin, port := e2eAdminPort(t), freePort(t)
+	admin, port := e2eAdminPort(t), redistest.MustFreePort(t)
 	base := fmt.Sprintf("http://127.0.0.1:%d", port)
 
 	tester := caddytest.NewTester(t).WithDefaultOverrides(caddytest.Config{AdminPort: admin})

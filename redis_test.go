@@ -3,7 +3,7 @@ package ratelimit
 import (
 	"context"
 	"fmt"
-	"io"
+	"net/http"
 	"strconv"
 	"strings"
 	"testing"
@@ -53,7 +53,7 @@ func TestCaddy_RedisOrigin(t *testing.T) {
 	if !ok {
 		t.Fatal("no window length in [1m, 2m] leaves 30 s")
 	}
-	admin, port := e2eAdminPort(t), freePort(t)
+	admin, port := e2eAdminPort(t), redistest.MustFreePort(t)
 	base := fmt.Sprintf("http://127.0.0.1:%d/", port)
 	tester := caddytest.NewTester(t).WithDefaultOverrides(caddytest.Config{AdminPort: admin})
 	tester.InitServer(redisConfig(admin, port, `	ratelimit {
@@ -89,15 +89,7 @@ func TestCaddy_RedisOrigin(t *testing.T) {
 	})
 
 	t.Run("config output keeps the placeholder", func(t *testing.T) {
-		resp, err := tester.Client.Get(fmt.Sprintf("http://localhost:%d/config/", admin))
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer resp.Body.Close()
-		body, err := io.ReadAll(resp.Body)
-		if err != nil {
-			t.Fatal(err)
-		}
+		body := adminDo(t, admin, http.MethodGet, "/config/").body
 		if strings.Contains(string(body), "origin-e2e-pw") {
 			t.Fatal("the admin API's /config/ shows the Redis password")
 		}

@@ -45,16 +45,6 @@ type node struct {
 	port  int
 }
 
-// freePort is a loopback port nobody listened on a moment ago.
-func freePort(t *testing.T) int {
-	t.Helper()
-	port, err := redistest.FreePort()
-	if err != nil {
-		t.Fatal(err)
-	}
-	return port
-}
-
 // startNode starts Caddy on a config whose site block is site and whose
 // global ratelimit option is global, and waits until it serves.
 func startNode(t *testing.T, global, site string) *node {
@@ -63,7 +53,7 @@ func startNode(t *testing.T, global, site string) *node {
 	if err != nil {
 		t.Fatal(err)
 	}
-	n := &node{t: t, log: new(bytes.Buffer), admin: freePort(t), port: freePort(t)}
+	n := &node{t: t, log: new(bytes.Buffer), admin: redistest.MustFreePort(t), port: redistest.MustFreePort(t)}
 	dir := t.TempDir()
 	cfg := fmt.Sprintf(`{
 	admin localhost:%d
