@@ -268,17 +268,13 @@ func (a *AdminAPI) handleCounters(w http.ResponseWriter, r *http.Request) error 
 	case r.Method == http.MethodDelete && !byID:
 		return badRequest("DELETE forgets one key: the identifier parameter is required")
 	}
-	max, err := listMax(q)
-	if err != nil {
-		return err
-	}
-	st, err := runningState()
+	max, st, err := listing(q)
 	if err != nil {
 		return err
 	}
 	defs := st.zones.definitions(zoneName, st.apps.view().app)
 	if len(defs) == 0 {
-		return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("zone %q is not defined by any loaded config", zoneName)}
+		return errNoZone(zoneName)
 	}
 	ids := st.apps.view().ids
 
@@ -319,6 +315,11 @@ func (a *AdminAPI) handleCounters(w http.ResponseWriter, r *http.Request) error 
 		}
 	}
 	return errNoKey(zoneName)
+}
+
+// errNoZone is the 404 for a zone no loaded config defines.
+func errNoZone(zone string) error {
+	return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("zone %q is not defined by any loaded config", zone)}
 }
 
 // errNoKey never names the identifier: Caddy logs admin errors.
@@ -368,17 +369,13 @@ func (a *AdminAPI) handleStrict(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
-	max, err := listMax(q)
-	if err != nil {
-		return err
-	}
-	st, err := runningState()
+	max, st, err := listing(q)
 	if err != nil {
 		return err
 	}
 	zoneName, byZone := q["zone"]
 	if byZone && len(st.zones.definitions(zoneName, nil)) == 0 {
-		return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("zone %q is not defined by any loaded config", zoneName)}
+		return errNoZone(zoneName)
 	}
 	ids := st.apps.view().ids
 	doc := strictDoc{Keys: []strictKeyDoc{}}
@@ -448,6 +445,17 @@ func parseQuery(r *http.Request, known ...string) (map[string]string, error) {
 		q[k] = v[0]
 	}
 	return q, nil
+}
+
+// listing is what a listing route needs after its parameters: the max
+// parameter and the running state.
+func listing(q map[string]string) (int, *state, error) {
+	max, err := listMax(q)
+	if err != nil {
+		return 0, nil, err
+	}
+	st, err := runningState()
+	return max, st, err
 }
 
 // listMax is the max parameter: default defaultListMax, 1 to maxListMax.

@@ -361,28 +361,8 @@ func parseGlobalOption(d *caddyfile.Dispenser, existing any) (any, error) {
 // function per subdirective; the dispenser is on the subdirective's name.
 // Backends add their own (`redis …`, `mysql …`) here.
 var appSubdirectives = map[string]func(d *caddyfile.Dispenser, a *App) error{
-	"region": func(d *caddyfile.Dispenser, a *App) error {
-		v, err := oneArg(d)
-		if err != nil {
-			return err
-		}
-		if err := validateRegion(v); err != nil {
-			return d.WrapErr(err)
-		}
-		a.Region = v
-		return nil
-	},
-	"identifier_secret": func(d *caddyfile.Dispenser, a *App) error {
-		v, err := oneArg(d)
-		if err != nil {
-			return err
-		}
-		if err := validateSecret(v); err != nil {
-			return d.WrapErr(err)
-		}
-		a.IdentifierSecret = v
-		return nil
-	},
+	"region":            checkedArg(validateRegion, func(a *App, v string) { a.Region = v }),
+	"identifier_secret": checkedArg(validateSecret, func(a *App, v string) { a.IdentifierSecret = v }),
 	"max_entries": func(d *caddyfile.Dispenser, a *App) error {
 		v, err := oneArg(d)
 		if err != nil {
@@ -404,6 +384,22 @@ var appSubdirectives = map[string]func(d *caddyfile.Dispenser, a *App) error{
 	},
 }
 
+// checkedArg parses an app line of one argument, which check accepts and
+// set stores.
+func checkedArg(check func(string) error, set func(*App, string)) func(*caddyfile.Dispenser, *App) error {
+	return func(d *caddyfile.Dispenser, a *App) error {
+		v, err := oneArg(d)
+		if err != nil {
+			return err
+		}
+		if err := check(v); err != nil {
+			return d.WrapErr(err)
+		}
+		set(a, v)
+		return nil
+	}
+}
+
 // UnmarshalCaddyfile sets up the app from the global option's tokens.
 // Syntax:
 //
@@ -411,6 +407,8 @@ var appSubdirectives = map[string]func(d *caddyfile.Dispenser, a *App) error{
 //	    region            <name>
 //	    identifier_secret <secret, e.g. {env.RATELIMIT_SECRET}>
 //	    log_identifiers
+//	    max_entries       <n>
+//	    redis …           # and the other origin lines: originSubdirectives
 //	}
 func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next() // option name
