@@ -105,8 +105,8 @@ func checkZonesAcrossSites(st map[string]any, zones []parsedZone) error {
 //	    retry_jitter   <duration>               # default 0
 //	}
 //
-// The zone block may be repeated; every zone applies to every request the
-// directive matches.
+// The zone block may be repeated, up to 64 times; every zone applies to
+// every request the directive matches.
 func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	_, err := h.unmarshal(d)
 	return err

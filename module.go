@@ -79,7 +79,7 @@ const maxUnits = 1<<53 - 1
 // one request are two separate decisions.
 type Handler struct {
 	// Zones are the limits this handler enforces, in the order their header
-	// members are written. At least one.
+	// members are written. At least one, at most 64.
 	Zones []*Zone `json:"zones,omitempty"`
 
 	// Headers selects the rate limit headers written on every response,
