@@ -209,7 +209,7 @@ func (a *AdminAPI) handleStatus(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
-	v := st.obs.view()
+	v := st.apps.view()
 	doc := statusDoc{
 		Region:      v.region,
 		Identifiers: "raw",
@@ -219,7 +219,7 @@ func (a *AdminAPI) handleStatus(w http.ResponseWriter, r *http.Request) error {
 	if v.ids.hashed() {
 		doc.Identifiers = "hmac"
 	}
-	if o := st.obs.currentOrigin(); o != nil {
+	if o := st.apps.currentOrigin(); o != nil {
 		origin := &originStatus{Endpoints: []endpointStatus{}}
 		for _, ep := range o.Stats().Endpoints {
 			origin.Endpoints = append(origin.Endpoints, endpointStatus{
@@ -286,19 +286,15 @@ func (a *AdminAPI) handleCounters(w http.ResponseWriter, r *http.Request) error 
 	case r.Method == http.MethodDelete && !byID:
 		return badRequest("DELETE forgets one key: the identifier parameter is required")
 	}
-	max, err := listMax(q)
+	max, st, err := listing(q)
 	if err != nil {
 		return err
 	}
-	st, err := runningState()
-	if err != nil {
-		return err
-	}
-	defs := st.zones.definitions(zoneName, st.obs.view().app)
+	defs := st.zones.definitions(zoneName, st.apps.view().app)
 	if len(defs) == 0 {
-		return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("zone %q is not defined by any loaded config", zoneName)}
+		return errNoZone(zoneName)
 	}
-	ids := st.obs.view().ids
+	ids := st.apps.view().ids
 
 	if !byID {
 		doc := keyListDoc{Zone: zoneName, Prefix: prefix, Max: max, Keys: []keyDoc{}}
@@ -337,6 +333,11 @@ func (a *AdminAPI) handleCounters(w http.ResponseWriter, r *http.Request) error 
 		}
 	}
 	return errNoKey(zoneName)
+}
+
+// errNoZone is the 404 for a zone no loaded config defines.
+func errNoZone(zone string) error {
+	return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("zone %q is not defined by any loaded config", zone)}
 }
 
 // errNoKey never names the identifier: Caddy logs admin errors.
@@ -387,19 +388,15 @@ func (a *AdminAPI) handleStrict(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
-	max, err := listMax(q)
-	if err != nil {
-		return err
-	}
-	st, err := runningState()
+	max, st, err := listing(q)
 	if err != nil {
 		return err
 	}
 	zoneName, byZone := q["zone"]
 	if byZone && len(st.zones.definitions(zoneName, nil)) == 0 {
-		return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("zone %q is not defined by any loaded config", zoneName)}
+		return errNoZone(zoneName)
 	}
-	ids := st.obs.view().ids
+	ids := st.apps.view().ids
 	doc := strictDoc{Keys: []strictKeyDoc{}}
 	for _, sk := range st.engine.StrictKeys() {
 		if byZone && sk.Key.Namespace != zoneName {
@@ -469,6 +466,17 @@ func parseQuery(r *http.Request, known ...string) (map[string]string, error) {
 	return q, nil
 }
 
+// listing is what a listing route needs after its parameters: the max
+// parameter and the running state.
+func listing(q map[string]string) (int, *state, error) {
+	max, err := listMax(q)
+	if err != nil {
+		return 0, nil, err
+	}
+	st, err := runningState()
+	return max, st, err
+}
+
 // listMax is the max parameter: default defaultListMax, 1 to maxListMax.
 func listMax(q map[string]string) (int, error) {
 	s, ok := q["max"]
@@ -502,77 +510,6 @@ func timeOrNull(t time.Time) *time.Time {
 	}
 	u := t.UTC().Truncate(time.Millisecond)
 	return &u
-}
-
-// definitions returns the live definitions of the zone, those of newest
-// first (the config that speaks for the process), then the rest in
-// provisioning order.
-func (r *zoneRegistry) definitions(name string, newest *App) []zoneDef {
-	r.mu.Lock()
-	defs := slices.Clone(r.defs[name])
-	r.mu.Unlock()
-	slices.SortStableFunc(defs, func(a, b zoneDef) int {
-		switch {
-		case a.app == newest && b.app != newest:
-			return -1
-		case b.app == newest && a.app != newest:
-			return 1
-		}
-		return 0
-	})
-	return defs
-}
-
-// statuses lists every defined zone once per key and window, by name.
-func (r *zoneRegistry) statuses() []zoneStatus {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	out := []zoneStatus{}
-	for name, defs := range r.defs {
-		for _, d := range defs {
-			zs := zoneStatus{Name: name, Key: d.key, WindowMs: d.window.Milliseconds()}
-			if !slices.Contains(out, zs) {
-				out = append(out, zs)
-			}
-		}
-	}
-	slices.SortFunc(out, func(a, b zoneStatus) int {
-		if c := strings.Compare(a.Name, b.Name); c != 0 {
-			return c
-		}
-		if c := strings.Compare(a.Key, b.Key); c != 0 {
-			return c
-		}
-		return int(a.WindowMs - b.WindowMs)
-	})
-	return out
-}
-
-// defWindows are the distinct windows of defs, in order.
-func defWindows(defs []zoneDef) []time.Duration {
-	var ws []time.Duration
-	for _, d := range defs {
-		if !slices.Contains(ws, d.window) {
-			ws = append(ws, d.window)
-		}
-	}
-	return ws
-}
-
-// limitFor is the limit d's handler applies in zone name to the
-// (normalized) identifier id.
-func (d zoneDef) limitFor(name, id string) int64 {
-	for i := range d.handler.zones {
-		z := &d.handler.zones[i]
-		if z.name != name {
-			continue
-		}
-		if l, ok := z.overrides[id]; ok {
-			return l
-		}
-		return z.limit
-	}
-	return 0
 }
 
 // Interface guards.

@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"net/http"
 	"reflect"
 	"strings"
@@ -15,6 +14,7 @@ import (
 	"github.com/caddyserver/caddy/v2/caddytest"
 
 	"github.com/edgelimit/caddy-ratelimit/engine"
+	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
 	"github.com/edgelimit/caddy-ratelimit/origin"
 )
 
@@ -26,7 +26,7 @@ func startCaddy(t *testing.T, cfg func(admin, port int) string) (*caddytest.Test
 	if testing.Short() {
 		t.Skip("starts Caddy")
 	}
-	admin, port := e2eAdminPort(t), freePort(t)
+	admin, port := e2eAdminPort(t), redistest.MustFreePort(t)
 	tester := caddytest.NewTester(t).WithDefaultOverrides(caddytest.Config{AdminPort: admin})
 	t.Cleanup(func() {
 		tester.InitServer(e2eConfig(admin, port, ""), "caddyfile")
@@ -54,16 +54,8 @@ func adminDo(t *testing.T, admin int, method, path string) adminReply {
 	if err != nil {
 		t.Fatal(err)
 	}
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	body, err := io.ReadAll(resp.Body)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return adminReply{status: resp.StatusCode, header: resp.Header, body: body}
+	status, header, body := roundTrip(t, http.DefaultClient, req)
+	return adminReply{status: status, header: header, body: body}
 }
 
 // wantJSON fails unless the reply has the status and a JSON body equal to
@@ -251,14 +243,14 @@ func TestAdmin_Routes(t *testing.T) {
 		}
 		st := lookupState()
 		st.engine.SetOrigin(fakeOrigin{})
-		st.obs.setOrigin(fakeView{origin.Stats{Endpoints: []origin.EndpointStats{{
+		st.apps.setOrigin(fakeView{origin.Stats{Endpoints: []origin.EndpointStats{{
 			Address: "redis://127.0.0.1:6379/0", Kind: "standalone", Breaker: origin.BreakerOpen, ReplayBreaker: origin.BreakerClosed,
 			Calls:    map[string]map[string]uint64{"read": {"ok": 2}},
 			LastRead: now,
 		}}}})
 		t.Cleanup(func() {
 			st.engine.SetOrigin(nil)
-			st.obs.setOrigin(nil)
+			st.apps.setOrigin(nil)
 		})
 		for range 4 {
 			hit("carol", "192.0.2.1")

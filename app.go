@@ -2,9 +2,7 @@ package ratelimit
 
 import (
 	"context"
-	"errors"
 	"fmt"
-	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -108,7 +106,7 @@ func (a *App) Provision(ctx caddy.Context) error {
 		return err
 	}
 	a.state = st
-	st.obs.attach(a)
+	st.apps.provision(a)
 	if err := a.provisionOrigin(); err != nil {
 		return err
 	}
@@ -117,10 +115,8 @@ func (a *App) Provision(ctx caddy.Context) error {
 
 // Validate checks the app's settings.
 func (a *App) Validate() error {
-	if a.Region != "" {
-		if err := validateRegion(a.Region); err != nil {
-			return fmt.Errorf("ratelimit app: %w", err)
-		}
+	if err := validateRegion(a.Region); err != nil {
+		return fmt.Errorf("ratelimit app: %w", err)
 	}
 	if err := validateSecret(a.IdentifierSecret); err != nil {
 		return fmt.Errorf("ratelimit app: %w", err)
@@ -136,33 +132,20 @@ func (a *App) Validate() error {
 	return a.validateMySQL() // cross-region layer (mysql.go)
 }
 
-func validateRegion(region string) error {
-	if len(region) > maxZoneName {
-		return fmt.Errorf("region %q is longer than %d bytes", region, maxZoneName)
-	}
-	for i := 0; i < len(region); i++ {
-		c := region[i]
-		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '_' || c == '-' || c == '.') {
-			return fmt.Errorf("region %q: only letters, digits, '_', '-' and '.' are allowed", region)
-		}
-	}
-	return nil
-}
-
 // Start makes this config's origin (or none) the engine's. The engine's
 // goroutines follow the pool's reference count, not Start and Stop, because
 // the old config's Stop runs after the new config's Start.
 func (a *App) Start() error {
-	a.startOrigin()
 	a.startPropagation() // cross-region layer (mysql.go)
+	a.state.start(a)
 	return nil
 }
 
 // Stop detaches this config's origin, flushing pending counts through it
 // when no newer config has taken over.
 func (a *App) Stop() error {
+	a.state.stop(a)
 	a.stopPropagation() // cross-region layer (mysql.go)
-	a.stopOrigin()
 	return nil
 }
 
@@ -171,10 +154,9 @@ func (a *App) Cleanup() error {
 	if a.state == nil {
 		return nil
 	}
-	a.stopPropagation() // cross-region layer (mysql.go)
-	a.closePropagation()
-	a.stopOrigin()
-	a.state.obs.detach(a)
+	a.state.stop(a)
+	a.state.apps.cleanup(a)
+	a.closePropagation() // cross-region layer (mysql.go)
 	a.state = nil
 	err := releaseState()
 	a.closeOrigin()
@@ -210,6 +192,7 @@ var newEngineConfig = func() engine.Config { return engine.Config{} }
 type state struct {
 	engine *engine.Engine
 	zones  zoneRegistry
+	apps   liveApps
 	obs    observer
 }
 
@@ -227,6 +210,7 @@ func acquireState(a *App) (*state, error) {
 		if a != nil && a.MaxEntries > 0 {
 			cfg.MaxEntries = a.MaxEntries
 		}
+		st.obs.apps = &st.apps
 		st.obs.observeEngine(&cfg)
 		st.engine = engine.New(cfg)
 		return st, nil
@@ -258,85 +242,6 @@ func (s *state) Destruct() error {
 		return fmt.Errorf("closing ratelimit engine: %w", err)
 	}
 	return nil
-}
-
-// zoneRegistry tracks where each zone is defined. Zone names are global to
-// the process, so within one config every definition of a zone must agree
-// on what is counted (key, IP prefixes) and for how long (window); limits,
-// costs and overrides may differ. Definitions of different configs do not
-// conflict: a reload may redefine a zone, and the old config goes away.
-type zoneRegistry struct {
-	mu   sync.Mutex
-	defs map[string][]zoneDef
-}
-
-// zoneDef is one handler's definition of a zone.
-type zoneDef struct {
-	app     *App // the config it belongs to
-	handler *Handler
-	ordinal int
-	key     string
-	window  time.Duration
-	v4, v6  int
-}
-
-func (d zoneDef) sameCounting(o zoneDef) bool {
-	return d.key == o.key && d.window == o.window && d.v4 == o.v4 && d.v6 == o.v6
-}
-
-func (d zoneDef) String() string {
-	return fmt.Sprintf("key %q window %s ipv4_prefix %d ipv6_prefix %d (ratelimit handler #%d)",
-		d.key, d.window, d.v4, d.v6, d.ordinal)
-}
-
-// register records every zone of h as defined in app's config, or records
-// none and reports the first conflict.
-func (r *zoneRegistry) register(app *App, h *Handler) error {
-	ordinal := app.nextHandler()
-	defs := make([]zoneDef, len(h.zones))
-	for i := range h.zones {
-		z := &h.zones[i]
-		defs[i] = zoneDef{app: app, handler: h, ordinal: ordinal, key: z.key.raw, window: z.window, v4: z.v4, v6: z.v6}
-	}
-
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if r.defs == nil {
-		r.defs = make(map[string][]zoneDef)
-	}
-	var errs []error
-	for i := range h.zones {
-		name := h.zones[i].name
-		for _, prev := range r.defs[name] {
-			if prev.app == app && !prev.sameCounting(defs[i]) {
-				errs = append(errs, fmt.Errorf("zone %q is defined with %s and with %s: a zone counts one key over one window everywhere; use another zone name",
-					name, prev, defs[i]))
-				break
-			}
-		}
-	}
-	if len(errs) > 0 {
-		return errors.Join(errs...)
-	}
-	for i := range h.zones {
-		name := h.zones[i].name
-		r.defs[name] = append(r.defs[name], defs[i])
-	}
-	return nil
-}
-
-// unregister forgets every definition made by h.
-func (r *zoneRegistry) unregister(h *Handler) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	for name, defs := range r.defs {
-		defs = slices.DeleteFunc(defs, func(d zoneDef) bool { return d.handler == h })
-		if len(defs) == 0 {
-			delete(r.defs, name)
-		} else {
-			r.defs[name] = defs
-		}
-	}
 }
 
 // Interface guards.

@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"context"
+	"errors"
 	"net/http"
 	"net/http/httptest"
 	"testing"
@@ -28,13 +29,7 @@ func warmRequest(tb testing.TB, headers string, zones int) func() {
 	} else {
 		provisionBench(tb.(*testing.B), h)
 	}
-	repl := caddy.NewReplacer()
-	for k, v := range vars {
-		repl.Set("test."+k, v)
-	}
-	req := httptest.NewRequest(http.MethodGet, "/", nil)
-	req = req.WithContext(context.WithValue(req.Context(), caddy.ReplacerCtxKey, repl))
-	rec := httptest.NewRecorder()
+	req, rec := requestWith(vars), httptest.NewRecorder()
 	next := caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error { return nil })
 	serveOne := func() {
 		if err := h.ServeHTTP(rec, req, next); err != nil {
@@ -43,6 +38,17 @@ func warmRequest(tb testing.TB, headers string, zones int) func() {
 	}
 	serveOne() // warm: the entry exists from now on
 	return serveOne
+}
+
+// requestWith is a GET whose replacer holds the placeholders
+// {test.<name>} with the given values.
+func requestWith(vars map[string]string) *http.Request {
+	repl := caddy.NewReplacer()
+	for k, v := range vars {
+		repl.Set("test."+k, v)
+	}
+	req := httptest.NewRequest(http.MethodGet, "/", nil)
+	return req.WithContext(context.WithValue(req.Context(), caddy.ReplacerCtxKey, repl))
 }
 
 func provisionBench(b *testing.B, h *Handler) {
@@ -94,6 +100,50 @@ func BenchmarkHandler_Allow(b *testing.B) {
 			b.ResetTimer()
 			for b.Loop() {
 				serveOne()
+			}
+		})
+	}
+}
+
+// BenchmarkHandler_AllowDeny measures a warm key's allow path and deny path
+// through ServeHTTP, with and without response headers. It uses only what
+// the handler had before metrics existed, so the same file runs against an
+// older tree to measure what the metrics cost (README, "Operating it").
+func BenchmarkHandler_AllowDeny(b *testing.B) {
+	for _, bc := range []struct {
+		name    string
+		limit   int64
+		headers string
+	}{
+		{"allow_off", 1 << 50, "off"},
+		{"deny_off", 1, "off"},
+		{"allow_draft", 1 << 50, "draft"},
+		{"deny_draft", 1, "draft"},
+	} {
+		b.Run(bc.name, func(b *testing.B) {
+			h := &Handler{Zones: []*Zone{zoneOf("bench", bc.limit, time.Hour)}, Headers: bc.headers}
+			provisionBench(b, h)
+			req, rec := requestWith(map[string]string{"bench": "api-key-0123456789"}), httptest.NewRecorder()
+			next := caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error { return nil })
+			// The first request is allowed and uses up a limit of 1: every
+			// later one in the hour is denied.
+			if err := h.ServeHTTP(rec, req, next); err != nil {
+				b.Fatal(err)
+			}
+			deny := bc.limit == 1
+			b.ReportAllocs()
+			b.ResetTimer()
+			for b.Loop() {
+				err := h.ServeHTTP(rec, req, next)
+				if deny != (err != nil) {
+					b.Fatalf("deny %v, got error %v", deny, err)
+				}
+			}
+			if deny {
+				var he caddyhttp.HandlerError
+				if err := h.ServeHTTP(rec, req, next); !errors.As(err, &he) || he.StatusCode != http.StatusTooManyRequests {
+					b.Fatalf("want a 429, got %v", err)
+				}
 			}
 		})
 	}

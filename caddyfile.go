@@ -10,6 +10,7 @@ import (
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/edgelimit/caddy-ratelimit/origin"
 )
 
 func init() {
@@ -19,6 +20,9 @@ func init() {
 	// directive after the auth directive inside a route.
 	httpcaddyfile.RegisterDirectiveOrder("ratelimit", httpcaddyfile.Before, "basic_auth")
 	httpcaddyfile.RegisterGlobalOption("ratelimit", parseGlobalOption)
+	for name, parse := range originSubdirectives {
+		appSubdirectives[name] = parse
+	}
 }
 
 // parseHandlerDirective parses the `ratelimit` directive and checks, across
@@ -101,8 +105,8 @@ func checkZonesAcrossSites(st map[string]any, zones []parsedZone) error {
 //	    retry_jitter   <duration>               # default 0
 //	}
 //
-// The zone block may be repeated; every zone applies to every request the
-// directive matches.
+// The zone block may be repeated, up to 64 times; every zone applies to
+// every request the directive matches.
 func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	_, err := h.unmarshal(d)
 	return err
@@ -132,6 +136,9 @@ func (h *Handler) unmarshal(d *caddyfile.Dispenser) ([]parsedZone, error) {
 				return nil, err
 			}
 			p := parsedZone{zone: z, d: zd}
+			if len(zones) == maxZones {
+				return nil, p.errf("zone %q: one ratelimit directive takes at most %d zones", z.Name, maxZones)
+			}
 			if prev, dup := byName[z.Name]; dup {
 				return nil, p.errf("zone %q defined twice in one ratelimit directive (first at %s)", z.Name, prev.at())
 			}
@@ -272,6 +279,9 @@ func unmarshalZoneLine(d *caddyfile.Dispenser, z *Zone, sub string) error {
 			if err != nil || n < 1 {
 				return d.Errf("zone %q: default cost %q must be a positive integer", z.Name, args[1])
 			}
+			if err := validateUnits("default cost", n); err != nil {
+				return d.Errf("zone %q: %w", z.Name, err)
+			}
 			z.DefaultCost = n
 		}
 	case "override":
@@ -306,7 +316,7 @@ func unmarshalZoneLine(d *caddyfile.Dispenser, z *Zone, sub string) error {
 		if err != nil {
 			return d.Errf("zone %q: %s %q is not an integer", z.Name, sub, v)
 		}
-		if err := validatePrefix(sub, bits, max); err != nil {
+		if err := validateIPPrefix(sub, bits, max); err != nil {
 			return d.Errf("zone %q: %w", z.Name, err)
 		}
 		if sub == "ipv4_prefix" {
@@ -351,28 +361,8 @@ func parseGlobalOption(d *caddyfile.Dispenser, existing any) (any, error) {
 // function per subdirective; the dispenser is on the subdirective's name.
 // Backends add their own (`redis …`, `mysql …`) here.
 var appSubdirectives = map[string]func(d *caddyfile.Dispenser, a *App) error{
-	"region": func(d *caddyfile.Dispenser, a *App) error {
-		v, err := oneArg(d)
-		if err != nil {
-			return err
-		}
-		if err := validateRegion(v); err != nil {
-			return d.WrapErr(err)
-		}
-		a.Region = v
-		return nil
-	},
-	"identifier_secret": func(d *caddyfile.Dispenser, a *App) error {
-		v, err := oneArg(d)
-		if err != nil {
-			return err
-		}
-		if err := validateSecret(v); err != nil {
-			return d.WrapErr(err)
-		}
-		a.IdentifierSecret = v
-		return nil
-	},
+	"region":            checkedArg(validateRegion, func(a *App, v string) { a.Region = v }),
+	"identifier_secret": checkedArg(validateSecret, func(a *App, v string) { a.IdentifierSecret = v }),
 	"max_entries": func(d *caddyfile.Dispenser, a *App) error {
 		v, err := oneArg(d)
 		if err != nil {
@@ -394,6 +384,22 @@ var appSubdirectives = map[string]func(d *caddyfile.Dispenser, a *App) error{
 	},
 }
 
+// checkedArg parses an app line of one argument, which check accepts and
+// set stores.
+func checkedArg(check func(string) error, set func(*App, string)) func(*caddyfile.Dispenser, *App) error {
+	return func(d *caddyfile.Dispenser, a *App) error {
+		v, err := oneArg(d)
+		if err != nil {
+			return err
+		}
+		if err := check(v); err != nil {
+			return d.WrapErr(err)
+		}
+		set(a, v)
+		return nil
+	}
+}
+
 // UnmarshalCaddyfile sets up the app from the global option's tokens.
 // Syntax:
 //
@@ -401,6 +407,8 @@ var appSubdirectives = map[string]func(d *caddyfile.Dispenser, a *App) error{
 //	    region            <name>
 //	    identifier_secret <secret, e.g. {env.RATELIMIT_SECRET}>
 //	    log_identifiers
+//	    max_entries       <n>
+//	    redis …           # and the other origin lines: originSubdirectives
 //	}
 func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next() // option name
@@ -424,3 +432,129 @@ var (
 	_ caddyfile.Unmarshaler = (*Handler)(nil)
 	_ caddyfile.Unmarshaler = (*App)(nil)
 )
+
+// originSubdirectives parse the origin lines of the global option:
+//
+//	ratelimit {
+//	    redis          <url>              # repeat: partitions
+//	    redis_cluster  <addr> [<addr>…]
+//	    redis_sentinel <master> <addr> [<addr>…]
+//	    tls_ca_file    <file>
+//	    prefix         <prefix>
+//	    replay_workers <n>
+//	    read_timeout   <duration>
+//	    freshness      <duration>
+//	    slow_tick      <duration>
+//	    fast_tick      <duration>
+//	    breaker_interval      <duration>
+//	    breaker_timeout       <duration>
+//	    breaker_min_requests  <n>
+//	    breaker_failure_ratio <ratio>
+//	    breaker_slow_call     <duration>
+//	}
+//
+// Each line is checked where it stands, so `caddy adapt` names its line.
+var originSubdirectives = map[string]func(d *caddyfile.Dispenser, a *App) error{
+	"redis": func(d *caddyfile.Dispenser, a *App) error {
+		u, err := oneArg(d)
+		if err != nil {
+			return err
+		}
+		return a.setOrigin(d, func(c *origin.Config) { c.Redis = append(c.Redis, u) })
+	},
+	"redis_cluster": func(d *caddyfile.Dispenser, a *App) error {
+		addrs := d.RemainingArgs()
+		if len(addrs) == 0 {
+			return d.ArgErr()
+		}
+		return a.setOrigin(d, func(c *origin.Config) { c.Cluster = &origin.ClusterConfig{Addrs: addrs} })
+	},
+	"redis_sentinel": func(d *caddyfile.Dispenser, a *App) error {
+		args := d.RemainingArgs()
+		if len(args) < 2 {
+			return d.Errf("redis_sentinel needs a master name and at least one sentinel address")
+		}
+		return a.setOrigin(d, func(c *origin.Config) {
+			c.Sentinel = &origin.SentinelConfig{Master: args[0], Addrs: args[1:]}
+		})
+	},
+	"tls_ca_file":           stringOption(func(c *origin.Config, v string) { c.TLSCAFile = v }),
+	"prefix":                stringOption(func(c *origin.Config, v string) { c.Prefix = v }),
+	"replay_workers":        intOption(func(c *origin.Config, n int) { c.ReplayWorkers = n }),
+	"breaker_min_requests":  intOption(func(c *origin.Config, n int) { c.Breaker.MinRequests = n }),
+	"read_timeout":          durationOption(func(c *origin.Config, v origin.Duration) { c.ReadTimeout = v }),
+	"freshness":             durationOption(func(c *origin.Config, v origin.Duration) { c.Freshness = v }),
+	"slow_tick":             durationOption(func(c *origin.Config, v origin.Duration) { c.SlowTick = v }),
+	"fast_tick":             durationOption(func(c *origin.Config, v origin.Duration) { c.FastTick = v }),
+	"breaker_interval":      durationOption(func(c *origin.Config, v origin.Duration) { c.Breaker.Interval = v }),
+	"breaker_timeout":       durationOption(func(c *origin.Config, v origin.Duration) { c.Breaker.Timeout = v }),
+	"breaker_failure_ratio": ratioOption(func(c *origin.Config, r float64) { c.Breaker.FailureRatio = r }),
+	"breaker_slow_call":     durationOption(func(c *origin.Config, v origin.Duration) { c.Breaker.SlowCall = v }),
+}
+
+// setOrigin applies one line to the app's origin settings and checks the
+// result, so the error carries this line.
+func (a *App) setOrigin(d *caddyfile.Dispenser, set func(*origin.Config)) error {
+	if a.Origin == nil {
+		a.Origin = new(origin.Config)
+	}
+	set(a.Origin)
+	if err := checkOrigin(*a.Origin); err != nil {
+		return d.Errf("%v", err)
+	}
+	return nil
+}
+
+func stringOption(set func(*origin.Config, string)) func(*caddyfile.Dispenser, *App) error {
+	return func(d *caddyfile.Dispenser, a *App) error {
+		v, err := oneArg(d)
+		if err != nil {
+			return err
+		}
+		return a.setOrigin(d, func(c *origin.Config) { set(c, v) })
+	}
+}
+
+func intOption(set func(*origin.Config, int)) func(*caddyfile.Dispenser, *App) error {
+	return func(d *caddyfile.Dispenser, a *App) error {
+		v, err := oneArg(d)
+		if err != nil {
+			return err
+		}
+		n, err := strconv.Atoi(v)
+		if err != nil || n <= 0 {
+			return d.Errf("%s: want a positive integer, got %q", d.Val(), v)
+		}
+		return a.setOrigin(d, func(c *origin.Config) { set(c, n) })
+	}
+}
+
+func durationOption(set func(*origin.Config, origin.Duration)) func(*caddyfile.Dispenser, *App) error {
+	return func(d *caddyfile.Dispenser, a *App) error {
+		name := d.Val()
+		v, err := oneArg(d)
+		if err != nil {
+			return err
+		}
+		dur, err := caddy.ParseDuration(v)
+		if err != nil || dur <= 0 {
+			return d.Errf("%s: want a positive duration such as 50ms, got %q", name, v)
+		}
+		return a.setOrigin(d, func(c *origin.Config) { set(c, origin.Duration(dur)) })
+	}
+}
+
+func ratioOption(set func(*origin.Config, float64)) func(*caddyfile.Dispenser, *App) error {
+	return func(d *caddyfile.Dispenser, a *App) error {
+		name := d.Val()
+		v, err := oneArg(d)
+		if err != nil {
+			return err
+		}
+		r, err := strconv.ParseFloat(v, 64)
+		if err != nil || r <= 0 || r > 1 {
+			return d.Errf("%s: want a ratio in (0, 1], got %q", name, v)
+		}
+		return a.setOrigin(d, func(c *origin.Config) { set(c, r) })
+	}
+}

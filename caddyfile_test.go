@@ -121,3 +121,26 @@ func TestHandler_JSONShapes(t *testing.T) {
 		t.Errorf("policy %q", h.policyAll)
 	}
 }
+
+// TestRedisOption_ErrorsNeverQuoteAPassword adapts bad Redis lines that
+// carry a password: the error names the line, never the password.
+func TestRedisOption_ErrorsNeverQuoteAPassword(t *testing.T) {
+	for _, line := range []string{
+		"redis redis://:hunter2-secret@127.0.0.1:notaport",
+		"redis redis://admin:hunter2-secret@127.0.0.1:6379/notadb",
+		"redis redis://:hunter2-secret@127.0.0.1:6379?dial_timeout=1s",
+		"redis_cluster redis://:hunter2-secret@127.0.0.1:7000 rediss://:other@127.0.0.1:7001",
+	} {
+		src := "{\n\tratelimit {\n\t\t" + line + "\n\t}\n}\n:8080 {\n\trespond ok\n}\n"
+		_, err := adapt(t, src)
+		if err == nil {
+			t.Fatalf("%q adapted without error", line)
+		}
+		if strings.Contains(err.Error(), "hunter2-secret") {
+			t.Fatalf("error quotes the password: %v", err)
+		}
+		if !strings.Contains(err.Error(), "Caddyfile:3") {
+			t.Fatalf("error does not name the line: %v", err)
+		}
+	}
+}

@@ -13,16 +13,6 @@ import (
 	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
 )
 
-// freePort is a loopback port nobody listened on a moment ago.
-func freePort(t *testing.T) int {
-	t.Helper()
-	port, err := redistest.FreePort()
-	if err != nil {
-		t.Fatal(err)
-	}
-	return port
-}
-
 // adminPort is the in-process Caddy's admin port, chosen once: caddytest
 // starts Caddy the first time and reuses it afterwards (-count=N).
 var adminPort struct {
@@ -31,7 +21,7 @@ var adminPort struct {
 }
 
 func e2eAdminPort(t *testing.T) int {
-	adminPort.once.Do(func() { adminPort.port = freePort(t) })
+	adminPort.once.Do(func() { adminPort.port = redistest.MustFreePort(t) })
 	return adminPort.port
 }
 
@@ -127,7 +117,19 @@ func get(t *testing.T, tester *caddytest.Tester, url string, headers ...string) 
 	for i := 0; i+1 < len(headers); i += 2 {
 		req.Header.Set(headers[i], headers[i+1])
 	}
-	resp, err := tester.Client.Do(req)
+	// A connection of its own: a reload shuts the old server down within a
+	// grace period of 1 ns, and a kept-alive connection it accepted could be
+	// reset under the next request.
+	req.Close = true
+	status, header, body := roundTrip(t, tester.Client, req)
+	return e2eResponse{status: status, body: string(body), header: header}
+}
+
+// roundTrip sends req with c and returns the response's status, header and
+// body.
+func roundTrip(t *testing.T, c *http.Client, req *http.Request) (int, http.Header, []byte) {
+	t.Helper()
+	resp, err := c.Do(req)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -136,7 +138,7 @@ func get(t *testing.T, tester *caddytest.Tester, url string, headers ...string) 
 	if err != nil {
 		t.Fatal(err)
 	}
-	return e2eResponse{status: resp.StatusCode, body: string(body), header: resp.Header}
+	return resp.StatusCode, resp.Header, body
 }
 
 func (r e2eResponse) expect(t *testing.T, status int, body string, headers ...string) {
@@ -156,16 +158,6 @@ func (r e2eResponse) expect(t *testing.T, status int, body string, headers ...st
 	}
 }
 
-// currentState returns the pooled state, or nil when the pool is empty.
-func currentState() *state {
-	var st *state
-	pool.Range(func(_, v any) bool {
-		st, _ = v.(*state)
-		return false
-	})
-	return st
-}
-
 // TestCaddy_EndToEnd runs Caddy in-process with the module: statuses and
 // both header sets for one and two zones, a denial that charges no other
 // zone, a reload that keeps the counts, and no engine goroutine left once
@@ -177,7 +169,7 @@ func TestCaddy_EndToEnd(t *testing.T) {
 	// 15 s into a minute (and an hour) window, frozen: header values are
 	// exact.
 	useClock(t, 15*time.Second)
-	admin, port := e2eAdminPort(t), freePort(t)
+	admin, port := e2eAdminPort(t), redistest.MustFreePort(t)
 	base := fmt.Sprintf("http://127.0.0.1:%d", port)
 
 	tester := caddytest.NewTester(t).WithDefaultOverrides(caddytest.Config{AdminPort: admin})
@@ -185,7 +177,7 @@ func TestCaddy_EndToEnd(t *testing.T) {
 	if t.Failed() {
 		t.FailNow()
 	}
-	st := currentState()
+	st := lookupState()
 	if st == nil {
 		t.Fatal("no engine in the pool after loading a config with ratelimit")
 	}
@@ -230,7 +222,7 @@ func TestCaddy_EndToEnd(t *testing.T) {
 		if t.Failed() {
 			t.FailNow()
 		}
-		if currentState() != st {
+		if lookupState() != st {
 			t.Fatal("the reload replaced the engine")
 		}
 		// alice used 3 of the zone's units before the reload; the limit is

@@ -5,6 +5,8 @@ import (
 	"runtime"
 	"testing"
 	"time"
+
+	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
 )
 
 // engineGoroutines counts the goroutines running code of the engine package.
@@ -32,12 +34,7 @@ func engineGoroutines() int {
 // instructions remain.
 func waitNoEngineGoroutines(t *testing.T) {
 	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for engineGoroutines() > 0 {
-		if time.Now().After(deadline) {
-			t.Fatalf("%d engine goroutines still running", engineGoroutines())
-		}
-		runtime.Gosched()
-		time.Sleep(time.Millisecond)
-	}
+	redistest.Eventually(t, 5*time.Second, "every engine goroutine returns", func() bool {
+		return engineGoroutines() == 0
+	})
 }

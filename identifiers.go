@@ -1,15 +1,18 @@
 package ratelimit
 
 import (
+	"context"
 	"crypto/hmac"
 	"crypto/sha256"
 	"encoding/hex"
 	"errors"
 	"fmt"
 	"io"
+	"net/netip"
 	"strings"
 
 	"github.com/caddyserver/caddy/v2"
+	"github.com/edgelimit/caddy-ratelimit/engine"
 	"go.uber.org/zap"
 )
 
@@ -60,18 +63,6 @@ func newIdentities(secret string, logRaw bool) (identities, error) {
 	}
 	ids.secret = []byte(resolved)
 	return ids, nil
-}
-
-// validateSecret rejects a literal identifier_secret that is too short; a
-// placeholder is checked once resolved, at provisioning.
-func validateSecret(secret string) error {
-	if secret == "" || strings.Contains(secret, "{") {
-		return nil
-	}
-	if len(secret) < minSecretLen {
-		return fmt.Errorf("identifier_secret must be at least %d bytes, got %d", minSecretLen, len(secret))
-	}
-	return nil
 }
 
 // identifierHMAC is how an identifier leaves the process when a secret is
@@ -134,4 +125,95 @@ func truncateIdentifier(id string) string {
 		n--
 	}
 	return id[:n] + "…"
+}
+
+// maskIP masks id to its network prefix when it is an IP address and
+// returns it unchanged otherwise. An IPv4 address kept whole is returned as
+// the address; a masked one as "addr/bits". IPv4-mapped IPv6 addresses count
+// as IPv4.
+func maskIP(id string, v4, v6 int) string {
+	if v4 >= 32 && strings.IndexByte(id, ':') < 0 {
+		// Without a colon id can only be an IPv4 address (kept whole) or
+		// no address at all: returned as it is either way, without parsing.
+		return id
+	}
+	if !maybeIP(id) {
+		return id
+	}
+	addr, err := netip.ParseAddr(id)
+	if err != nil {
+		return id
+	}
+	canonical := !addr.Is4In6() && addr.Zone() == ""
+	addr = addr.Unmap().WithZone("")
+	bits := v6
+	if addr.Is4() {
+		bits = v4
+	}
+	if bits >= addr.BitLen() {
+		if canonical && addr.Is4() {
+			return id // ParseAddr accepts only the canonical dotted quad
+		}
+		return addr.String()
+	}
+	p, err := addr.Prefix(bits)
+	if err != nil {
+		return id
+	}
+	return p.String()
+}
+
+// maybeIP is a cheap filter that keeps non-IP keys (API keys, tenants) away
+// from netip.ParseAddr, whose error would cost an allocation per request.
+func maybeIP(s string) bool {
+	if len(s) < 2 || len(s) > 64 {
+		return false
+	}
+	sep := false
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		switch {
+		case c == '.' || c == ':':
+			sep = true
+		case c >= '0' && c <= '9', c >= 'a' && c <= 'f', c >= 'A' && c <= 'F':
+		case c == '%':
+			return sep // an IPv6 zone follows
+		default:
+			return false
+		}
+	}
+	return sep
+}
+
+// mappedOrigin replaces identifiers by their HMAC on their way to the
+// origin (identifier_secret), so Redis keys never hold a raw identifier.
+type mappedOrigin struct {
+	engine.Origin
+	mapID func(string) string
+}
+
+func (m *mappedOrigin) Read(ctx context.Context, key engine.Key, seq int64) (engine.Totals, error) {
+	key.Identifier = m.mapID(key.Identifier)
+	return m.Origin.Read(ctx, key, seq)
+}
+
+func (m *mappedOrigin) Reserve(ctx context.Context, r *engine.Reservation) error {
+	raw := r.Key.Identifier
+	r.Key.Identifier = m.mapID(raw)
+	err := m.Origin.Reserve(ctx, r)
+	r.Key.Identifier = raw
+	return err
+}
+
+func (m *mappedOrigin) Flush(ctx context.Context, batch []engine.Delta) error {
+	raw := make([]string, len(batch))
+	for i := range batch {
+		raw[i] = batch[i].Key.Identifier
+		batch[i].Key.Identifier = m.mapID(raw[i])
+	}
+	err := m.Origin.Flush(ctx, batch)
+	for i := range batch {
+		batch[i].Key.Identifier = raw[i]
+	}
+	return err
 }

@@ -111,3 +111,33 @@ func TestNewIdentities_ResolvesPlaceholdersAndNeverQuotesTheSecret(t *testing.T)
 		t.Fatalf("short literal: %v", err)
 	}
 }
+
+func TestMaskIP(t *testing.T) {
+	tests := []struct {
+		in     string
+		v4, v6 int
+		want   string
+	}{
+		{"192.0.2.17", 32, 64, "192.0.2.17"},
+		{"192.0.2.17", 24, 64, "192.0.2.0/24"},
+		{"192.0.2.17", 1, 64, "128.0.0.0/1"},
+		{"::ffff:192.0.2.17", 32, 64, "192.0.2.17"},
+		{"::ffff:192.0.2.17", 16, 64, "192.0.0.0/16"},
+		{"2001:db8:aa:bb:cc:dd:ee:ff", 32, 64, "2001:db8:aa:bb::/64"},
+		{"2001:DB8::1", 32, 128, "2001:db8::1"},
+		{"2001:db8::1", 32, 48, "2001:db8::/48"},
+		{"fe80::1%eth0", 32, 64, "fe80::/64"},
+		{"fe80::1%eth0", 32, 128, "fe80::1"},
+		{"api-key-123", 24, 48, "api-key-123"},
+		{"deadbeef", 24, 48, "deadbeef"},
+		{"1.2.3", 24, 48, "1.2.3"},
+		{"1.2.3.04", 24, 48, "1.2.3.04"},
+		{"", 24, 48, ""},
+		{"::", 32, 64, "::/64"},
+	}
+	for _, tc := range tests {
+		if got := maskIP(tc.in, tc.v4, tc.v6); got != tc.want {
+			t.Errorf("maskIP(%q, %d, %d) = %q, want %q", tc.in, tc.v4, tc.v6, got, tc.want)
+		}
+	}
+}

@@ -316,7 +316,7 @@ func (*engineCollector) Collect(ch chan<- prometheus.Metric) {
 	gauge(descLastRead, unixSeconds(s.LastRead))
 	gauge(descLastFlush, unixSeconds(s.LastFlush))
 
-	o := st.obs.currentOrigin()
+	o := st.apps.currentOrigin()
 	if o == nil {
 		return
 	}

@@ -262,8 +262,8 @@ func TestMetrics_RegisterTwiceIsSuccess(t *testing.T) {
 	useClock(t, 0)
 	provisionTest(t, nil, &Handler{Zones: []*Zone{zoneOf("reg_twice", 1, time.Minute)}})
 	st := lookupState()
-	st.obs.setOrigin(fakeView{stats: fakeEndpoints("redis://a:6379/0", "redis://b:6379/0")})
-	t.Cleanup(func() { st.obs.setOrigin(nil) })
+	st.apps.setOrigin(fakeView{stats: fakeEndpoints("redis://a:6379/0", "redis://b:6379/0")})
+	t.Cleanup(func() { st.apps.setOrigin(nil) })
 	if _, err := reg.Gather(); err != nil {
 		t.Fatalf("gather with an engine and an origin: %v", err)
 	}

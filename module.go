@@ -3,11 +3,9 @@ package ratelimit
 import (
 	"errors"
 	"fmt"
+	"math"
 	"math/rand/v2"
-	"net"
 	"net/http"
-	"net/netip"
-	"net/textproto"
 	"strconv"
 	"strings"
 	"sync"
@@ -17,7 +15,6 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
-	"go.uber.org/zap/zapcore"
 
 	"github.com/edgelimit/caddy-ratelimit/engine"
 )
@@ -33,14 +30,6 @@ var ErrRateLimited = errors.New("rate limit exceeded")
 // ErrMissingKey is wrapped by the error a request returns when a zone's key
 // is empty and on_missing_key is deny.
 var ErrMissingKey = errors.New("rate limit key missing")
-
-// Header modes (Handler.Headers).
-const (
-	headersDraft  = "draft"
-	headersLegacy = "legacy"
-	headersBoth   = "both"
-	headersOff    = "off"
-)
 
 // Empty-key policies (Handler.OnMissingKey).
 const (
@@ -65,20 +54,18 @@ const (
 	// allocation for its limits and decisions; handlers with more zones
 	// allocate per request.
 	stackZones = 8
+	// maxZones bounds the zones of one handler: the engine marks the
+	// would-be denials of a dry-run batch in a 64-bit mask, which a 65th
+	// zone would overflow.
+	maxZones = 64
 )
 
-// Counters for rare outcomes the metrics can export; they are package level
-// because zones and handlers come and go with every reload.
-var (
-	// invalidCostTotal counts requests whose cost placeholder did not
-	// evaluate to a non-negative integer and were charged the zone's default
-	// cost instead.
-	invalidCostTotal atomic.Int64
-	// dryRunDeniedTotal counts requests a dry_run handler would have denied.
-	dryRunDeniedTotal atomic.Int64
-	// missingKeyDeniedTotal counts requests denied by on_missing_key deny.
-	missingKeyDeniedTotal atomic.Int64
-)
+// maxUnits is the largest limit or cost a zone accepts: engine.MaxCount,
+// 2^53-1, since counts travel as JSON numbers and Lua numbers in the
+// origin's scripts, which are float64 and exact only up to 2^53. A constant
+// cost or limit above it is a config error; a cost placeholder that
+// evaluates above it is charged maxUnits.
+const maxUnits = engine.MaxCount
 
 // Handler limits the rate of requests. Each request is decided against all
 // of the handler's zones at once, all or nothing: it passes only when every
@@ -91,7 +78,7 @@ var (
 // one request are two separate decisions.
 type Handler struct {
 	// Zones are the limits this handler enforces, in the order their header
-	// members are written. At least one.
+	// members are written. At least one, at most 64.
 	Zones []*Zone `json:"zones,omitempty"`
 
 	// Headers selects the rate limit headers written on every response,
@@ -148,7 +135,7 @@ type Zone struct {
 	Key string `json:"key"`
 
 	// Limit is the number of cost units admitted per window for each
-	// identifier. Required, at least 1.
+	// identifier. Required, from 1 to 2^53-1.
 	Limit int64 `json:"limit"`
 
 	// Window is the length of the sliding window, in whole seconds, at least
@@ -156,20 +143,22 @@ type Zone struct {
 	Window caddy.Duration `json:"window"`
 
 	// Cost is what one request consumes: a non-negative integer, or a
-	// placeholder evaluated per request. A placeholder that does not
+	// placeholder evaluated per request. At most 2^53-1; a placeholder
+	// that evaluates to more is charged 2^53-1, and one that does not
 	// evaluate to a non-negative integer is charged DefaultCost (and
 	// counted). Default 1.
 	Cost caddyhttp.WeakString `json:"cost,omitempty"`
 
 	// DefaultCost is charged when a Cost placeholder does not evaluate to a
-	// non-negative integer. Default 1; never 0, so a bad value is never a
-	// free pass.
+	// non-negative integer, at most 2^53-1. Default 1; never 0, so a bad
+	// value is never a free pass.
 	DefaultCost int64 `json:"default_cost,omitempty"`
 
 	// Overrides maps identifiers to their own limit, replacing Limit for
 	// them. Identifiers are compared after IP masking (e.g.
 	// "203.0.113.0/24" with ipv4_prefix 24). A limit of 0 blocks the
-	// identifier (every request with a positive cost is denied).
+	// identifier (every request with a positive cost is denied); at most
+	// 2^53-1.
 	Overrides map[string]int64 `json:"overrides,omitempty"`
 
 	// IPv4Prefix is the prefix length an IPv4 identifier is masked to, 1–32.
@@ -212,93 +201,6 @@ type zone struct {
 	metrics zoneMetrics
 	// dryRun paces the dry-run info line to one per window.
 	dryRun *dryRunLog
-}
-
-// template is a placeholder string prepared for cheap evaluation.
-type template struct {
-	raw string
-	// single is the placeholder name when raw is exactly one placeholder,
-	// which is looked up without building a string.
-	single string
-	// literal is true when raw has no placeholder at all.
-	literal bool
-	// direct, when set, reads the single placeholder's value straight from
-	// the request, as Caddy's replacer would but without going through it
-	// (the replacer's lookup costs about a microsecond a request).
-	direct directKind
-	// field is the canonical header name or the variable name of direct.
-	field string
-}
-
-// directKind names the placeholders that keys use most, read directly.
-type directKind uint8
-
-const (
-	directNone       directKind = iota
-	directHeader                // {http.request.header.NAME}
-	directVar                   // {http.vars.NAME}, e.g. {client_ip}
-	directRemoteHost            // {http.request.remote.host}
-)
-
-func newTemplate(raw string) template {
-	t := template{raw: raw}
-	if !strings.ContainsAny(raw, "{}") {
-		t.literal = true
-		return t
-	}
-	if len(raw) > 2 && raw[0] == '{' && raw[len(raw)-1] == '}' {
-		name := raw[1 : len(raw)-1]
-		// File placeholders are memoised by ReplaceAll only; escapes need its
-		// parser.
-		if !strings.ContainsAny(name, "{}\\") && !strings.HasPrefix(name, "file.") {
-			t.single = name
-		}
-		switch {
-		case t.single == "":
-		case strings.HasPrefix(name, "http.request.header.") && len(name) > len("http.request.header."):
-			t.direct, t.field = directHeader, textproto.CanonicalMIMEHeaderKey(strings.TrimPrefix(name, "http.request.header."))
-		case strings.HasPrefix(name, "http.vars.") && len(name) > len("http.vars."):
-			t.direct, t.field = directVar, strings.TrimPrefix(name, "http.vars.")
-		case name == "http.request.remote.host":
-			t.direct = directRemoteHost
-		}
-	}
-	return t
-}
-
-// eval evaluates the template for request r, whose replacer is repl.
-func (t *template) eval(r *http.Request, repl *caddy.Replacer) string {
-	switch {
-	case t.literal:
-		return t.raw
-	case t.direct == directHeader:
-		switch vals := r.Header[t.field]; len(vals) {
-		case 0:
-			return ""
-		case 1:
-			return vals[0]
-		default:
-			return strings.Join(vals, ",")
-		}
-	case t.direct == directVar:
-		return caddy.ToString(caddyhttp.GetVar(r.Context(), t.field))
-	case t.direct == directRemoteHost:
-		if r.TLS != nil && !r.TLS.HandshakeComplete {
-			return "" // QUIC early data: the address may be spoofed
-		}
-		host, _, err := net.SplitHostPort(r.RemoteAddr)
-		if err != nil {
-			return r.RemoteAddr // a unix socket path
-		}
-		return host
-	case repl == nil:
-		return ""
-	case t.single != "":
-		v, _ := repl.Get(t.single)
-		return caddy.ToString(v)
-	default:
-		return repl.ReplaceAll(t.raw, "")
-	}
 }
 
 // CaddyModule returns the Caddy module information.
@@ -402,154 +304,6 @@ func (h *Handler) compile() {
 	h.policyAll = strings.Join(policies, ", ")
 }
 
-// Validate checks the configuration; it is also what rejects a bad JSON
-// config, since the Caddyfile parser's checks do not run on JSON.
-func (h *Handler) Validate() error {
-	if len(h.Zones) == 0 {
-		return errors.New("ratelimit: at least one zone is required")
-	}
-	if err := validateHeaders(h.Headers); err != nil {
-		return fmt.Errorf("ratelimit: %w", err)
-	}
-	if err := validateOnMissingKey(h.OnMissingKey); err != nil {
-		return fmt.Errorf("ratelimit: %w", err)
-	}
-	if h.RetryJitter < 0 {
-		return fmt.Errorf("ratelimit: retry_jitter %s is negative", time.Duration(h.RetryJitter))
-	}
-	seen := make(map[string]struct{}, len(h.Zones))
-	for i, z := range h.Zones {
-		if z == nil {
-			return fmt.Errorf("ratelimit: zone %d is null", i)
-		}
-		if _, dup := seen[z.Name]; dup {
-			return fmt.Errorf("ratelimit: zone %q defined twice in one handler", z.Name)
-		}
-		seen[z.Name] = struct{}{}
-		if err := z.validate(); err != nil {
-			return fmt.Errorf("ratelimit: zone %q: %w", z.Name, err)
-		}
-	}
-	return nil
-}
-
-func (z *Zone) validate() error {
-	if err := validateZoneName(z.Name); err != nil {
-		return err
-	}
-	if z.Key == "" {
-		return errors.New("missing key")
-	}
-	if err := validateLimit(z.Limit); err != nil {
-		return err
-	}
-	if err := validateWindow(time.Duration(z.Window)); err != nil {
-		return err
-	}
-	if err := validateCost(string(z.Cost)); err != nil {
-		return err
-	}
-	if z.DefaultCost < 0 {
-		return fmt.Errorf("default_cost %d is negative", z.DefaultCost)
-	}
-	for id, l := range z.Overrides {
-		if err := validateOverride(id, l); err != nil {
-			return err
-		}
-	}
-	if z.IPv4Prefix != 0 {
-		if err := validatePrefix("ipv4_prefix", z.IPv4Prefix, 32); err != nil {
-			return err
-		}
-	}
-	if z.IPv6Prefix != 0 {
-		if err := validatePrefix("ipv6_prefix", z.IPv6Prefix, 128); err != nil {
-			return err
-		}
-	}
-	return nil
-}
-
-// The validators below are shared by Validate and the Caddyfile parser, so
-// both say the same thing.
-
-func validateZoneName(name string) error {
-	if name == "" {
-		return errors.New("zone name is empty")
-	}
-	if len(name) > maxZoneName {
-		return fmt.Errorf("zone name %q is longer than %d bytes", name, maxZoneName)
-	}
-	for i := 0; i < len(name); i++ {
-		c := name[i]
-		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '_' || c == '-' || c == '.') {
-			return fmt.Errorf("zone name %q: only letters, digits, '_', '-' and '.' are allowed", name)
-		}
-	}
-	return nil
-}
-
-func validateLimit(limit int64) error {
-	if limit <= 0 {
-		return fmt.Errorf("limit must be positive, got %d", limit)
-	}
-	return nil
-}
-
-func validateWindow(w time.Duration) error {
-	if w < minWindow {
-		return fmt.Errorf("window must be at least %s, got %s", minWindow, w)
-	}
-	if w%time.Second != 0 {
-		return fmt.Errorf("window must be a whole number of seconds, got %s", w)
-	}
-	return nil
-}
-
-func validateCost(cost string) error {
-	if cost == "" || strings.ContainsAny(cost, "{}") {
-		return nil
-	}
-	n, err := strconv.ParseInt(cost, 10, 64)
-	if err != nil || n < 0 {
-		return fmt.Errorf("cost %q is neither a non-negative integer nor a placeholder", cost)
-	}
-	return nil
-}
-
-func validateOverride(id string, limit int64) error {
-	if id == "" {
-		return errors.New("override with an empty identifier")
-	}
-	if limit < 0 {
-		return fmt.Errorf("override %q: limit must not be negative, got %d", id, limit)
-	}
-	return nil
-}
-
-func validatePrefix(name string, bits, max int) error {
-	if bits < 1 || bits > max {
-		return fmt.Errorf("%s must be between 1 and %d, got %d", name, max, bits)
-	}
-	return nil
-}
-
-func validateHeaders(mode string) error {
-	switch mode {
-	case "", headersDraft, headersLegacy, headersBoth, headersOff:
-		return nil
-	}
-	return fmt.Errorf("headers must be draft, legacy, both or off, got %q", mode)
-}
-
-func validateOnMissingKey(mode string) error {
-	switch mode {
-	case "", missingShared, missingSkip, missingDeny:
-		return nil
-	}
-	return fmt.Errorf("on_missing_key must be shared, skip or deny, got %q", mode)
-}
-
 // Cleanup unregisters the zones and releases the engine; the engine closes
 // when its last user is cleaned up. h.engine stays set: a request of the old
 // config still running after a reload's grace period decides locally on the
@@ -590,7 +344,6 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 				z.metrics.skipped.Inc()
 				continue
 			case missingDeny:
-				missingKeyDeniedTotal.Add(1)
 				z.metrics.missingKey.Inc()
 				return deny(w, r, z.missing)
 			}
@@ -715,12 +468,16 @@ func (z *zone) costOf(r *http.Request, repl *caddy.Replacer) int64 {
 	}
 	s := z.cost.eval(r, repl)
 	n, err := strconv.ParseInt(s, 10, 64)
-	if err != nil || n < 0 {
-		invalidCostTotal.Add(1)
-		z.metrics.invalidCost.Inc()
-		return z.defaultCost
+	switch {
+	case err == nil && n >= 0:
+		// A huge cost is the largest one, never the default: it must not
+		// be a way to pay less.
+		return min(n, maxUnits)
+	case n == math.MaxInt64 && errors.Is(err, strconv.ErrRange):
+		return maxUnits // digits past int64
 	}
-	return n
+	z.metrics.invalidCost.Inc()
+	return z.defaultCost
 }
 
 // countDecisions counts one decision per decided zone (see the result
@@ -739,214 +496,6 @@ func (h *Handler) countDecisions(decs []engine.Decision, zi []int, allowed bool)
 			m.notCharged.Inc()
 		}
 	}
-}
-
-// dryRunDenied logs and counts a would-be denial; the engine has already
-// charged the request. Each would-be denial is a debug line; at info level
-// a zone logs once per window, with the number since its previous line, so
-// a dry run never logs per request at info.
-func (h *Handler) dryRunDenied(lims []engine.Limit, decs []engine.Decision, zi []int) {
-	dryRunDeniedTotal.Add(1)
-	for k := range decs {
-		if decs[k].Allowed {
-			continue
-		}
-		z := &h.zones[zi[k]]
-		if c := h.logger.Check(zapcore.DebugLevel, "dry run: request would have been rate limited"); c != nil {
-			// The identifier as the app's settings show it (normalized as
-			// the engine keeps it, so an HMAC matches the admin API's);
-			// never the URI, which may carry it.
-			id := engine.NormalizeIdentifier(lims[k].Identifier)
-			c.Write(append(h.ids.logFields(id), zap.String("zone", z.name))...)
-		}
-		z.dryRun.note(h.logger, z.name, z.window)
-	}
-}
-
-// retryAfter is the Retry-After in seconds: the largest wait over the
-// denying zones, rounded up, at least 1, plus jitter. ok is false when a
-// denying zone can never admit the request.
-func (h *Handler) retryAfter(decs []engine.Decision) (secs int64, ok bool) {
-	var wait time.Duration
-	for k := range decs {
-		d := &decs[k]
-		if d.Allowed {
-			continue
-		}
-		if d.RetryAfter < 0 {
-			return 0, false
-		}
-		wait = max(wait, d.RetryAfter)
-	}
-	if h.RetryJitter > 0 {
-		wait += rand.N(time.Duration(h.RetryJitter) + 1)
-	}
-	return max(ceilSeconds(wait), 1), true
-}
-
-// ceilSeconds rounds a duration up to whole seconds.
-func ceilSeconds(d time.Duration) int64 {
-	if d <= 0 {
-		return 0
-	}
-	return int64((d + time.Second - 1) / time.Second)
-}
-
-// Canonical header keys, so writing them is a plain map assignment.
-var (
-	hdrPolicy       = http.CanonicalHeaderKey("RateLimit-Policy")
-	hdrRateLimit    = http.CanonicalHeaderKey("RateLimit")
-	hdrLegacyLimit  = http.CanonicalHeaderKey("X-RateLimit-Limit")
-	hdrLegacyRemain = http.CanonicalHeaderKey("X-RateLimit-Remaining")
-	hdrLegacyReset  = http.CanonicalHeaderKey("X-RateLimit-Reset")
-	hdrRetryAfter   = http.CanonicalHeaderKey("Retry-After")
-)
-
-// writeHeaders sets the configured rate limit headers for the decided zones.
-// Every dynamic value is appended to one buffer and turned into one string,
-// whose substrings become the header values: two allocations per response
-// (that string and the value slices) whatever the number of zones.
-func (h *Handler) writeHeaders(hdr http.Header, lims []engine.Limit, decs []engine.Decision, zi []int, ownLimits bool) {
-	if !h.draft && !h.legacy {
-		return
-	}
-	var arr [512]byte
-	buf := arr[:0]
-	// Offsets into buf: draft policy (only when a limit was overridden or a
-	// zone skipped), draft RateLimit, then the three legacy values.
-	var policyEnd, rateEnd, limitEnd, remainEnd, resetEnd int
-
-	if h.draft {
-		if !ownLimits {
-			for k := range lims {
-				if k > 0 {
-					buf = append(buf, ", "...)
-				}
-				z := &h.zones[zi[k]]
-				if lims[k].Limit == z.limit {
-					buf = append(buf, z.policy...)
-					continue
-				}
-				buf = append(buf, z.policyQ...)
-				buf = strconv.AppendInt(buf, lims[k].Limit, 10)
-				buf = append(buf, z.policyW...)
-			}
-		}
-		policyEnd = len(buf)
-		for k := range decs {
-			if k > 0 {
-				buf = append(buf, ", "...)
-			}
-			buf = append(buf, h.zones[zi[k]].remainingR...)
-			buf = strconv.AppendInt(buf, decs[k].Remaining, 10)
-			buf = append(buf, ";t="...)
-			buf = strconv.AppendInt(buf, ceilSeconds(decs[k].Reset), 10)
-		}
-	}
-	rateEnd = len(buf)
-	if h.legacy {
-		// The most restrictive zone is the one with the lowest remaining;
-		// on a tie, the first.
-		m := 0
-		for k := 1; k < len(decs); k++ {
-			if decs[k].Remaining < decs[m].Remaining {
-				m = k
-			}
-		}
-		buf = strconv.AppendInt(buf, lims[m].Limit, 10)
-		limitEnd = len(buf)
-		buf = strconv.AppendInt(buf, decs[m].Remaining, 10)
-		remainEnd = len(buf)
-		buf = strconv.AppendInt(buf, ceilSeconds(decs[m].Reset), 10)
-		resetEnd = len(buf)
-	}
-	s := string(buf)
-
-	n := 0
-	if h.draft {
-		n += 2
-	}
-	if h.legacy {
-		n += 3
-	}
-	vals := make([]string, n)
-	i := 0
-	set := func(key, v string) {
-		vals[i] = v
-		hdr[key] = vals[i : i+1 : i+1]
-		i++
-	}
-	if h.draft {
-		if ownLimits {
-			set(hdrPolicy, h.policyAll)
-		} else {
-			set(hdrPolicy, s[:policyEnd])
-		}
-		set(hdrRateLimit, s[policyEnd:rateEnd])
-	}
-	if h.legacy {
-		set(hdrLegacyLimit, s[rateEnd:limitEnd])
-		set(hdrLegacyRemain, s[limitEnd:remainEnd])
-		set(hdrLegacyReset, s[remainEnd:resetEnd])
-	}
-}
-
-// maskIP masks id to its network prefix when it is an IP address and
-// returns it unchanged otherwise. An IPv4 address kept whole is returned as
-// the address; a masked one as "addr/bits". IPv4-mapped IPv6 addresses count
-// as IPv4.
-func maskIP(id string, v4, v6 int) string {
-	if v4 >= 32 && strings.IndexByte(id, ':') < 0 {
-		// Without a colon id can only be an IPv4 address (kept whole) or
-		// no address at all: returned as it is either way, without parsing.
-		return id
-	}
-	if !maybeIP(id) {
-		return id
-	}
-	addr, err := netip.ParseAddr(id)
-	if err != nil {
-		return id
-	}
-	canonical := !addr.Is4In6() && addr.Zone() == ""
-	addr = addr.Unmap().WithZone("")
-	bits := v6
-	if addr.Is4() {
-		bits = v4
-	}
-	if bits >= addr.BitLen() {
-		if canonical && addr.Is4() {
-			return id // ParseAddr accepts only the canonical dotted quad
-		}
-		return addr.String()
-	}
-	p, err := addr.Prefix(bits)
-	if err != nil {
-		return id
-	}
-	return p.String()
-}
-
-// maybeIP is a cheap filter that keeps non-IP keys (API keys, tenants) away
-// from netip.ParseAddr, whose error would cost an allocation per request.
-func maybeIP(s string) bool {
-	if len(s) < 2 || len(s) > 64 {
-		return false
-	}
-	sep := false
-	for i := 0; i < len(s); i++ {
-		c := s[i]
-		switch {
-		case c == '.' || c == ':':
-			sep = true
-		case c >= '0' && c <= '9', c >= 'a' && c <= 'f', c >= 'A' && c <= 'F':
-		case c == '%':
-			return sep // an IPv6 zone follows
-		default:
-			return false
-		}
-	}
-	return sep
 }
 
 // Interface guards.

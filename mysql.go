@@ -19,12 +19,13 @@ import (
 
 // The cross-region layer (MySQL) of the `ratelimit` app.
 //
-// Lifecycle across reloads, as for the regional origin (redis.go):
+// Lifecycle across reloads, as for the regional origin (apps.go):
 // Provision resolves the DSN and builds the propagator without any I/O;
 // Start starts its loops (it succeeds with MySQL down: the schema is
-// migrated in the background) and makes it the engine's; Stop hands the
-// engine to the newest config still started, then stops the loops after a
-// last write. The engine keeps every imported count and every "last
+// migrated in the background) and the state makes it the engine's
+// (useBackends); Stop hands the engine to the newest config still started,
+// after a last write if it was the engine's (flushBackends), then stops
+// the loops. The engine keeps every imported count and every "last
 // published" mark in its cells, so a reload swaps the layer around the
 // same counts.
 //
@@ -192,22 +193,15 @@ func resolveDSN(dsn string) (string, error) {
 // limitOf is the limit the newest config applies to (ns, id), or 0 when
 // no loaded config defines the zone.
 func (s *state) limitOf(ns, id string) int64 {
-	defs := s.zones.definitions(ns, s.obs.view().app)
+	defs := s.zones.definitions(ns, s.apps.view().app)
 	if len(defs) == 0 {
 		return 0
 	}
 	return defs[0].limitFor(ns, id)
 }
 
-// props lists the started apps that have a propagator, in start order; the
-// last one's is the engine's.
-var props struct {
-	sync.Mutex
-	apps []*App
-}
-
-// startPropagation starts this config's propagator and makes it the
-// engine's.
+// startPropagation starts this config's propagator's loops; the state's
+// start makes it the engine's (usePropagation).
 func (a *App) startPropagation() {
 	if a.prop == nil {
 		return
@@ -216,40 +210,35 @@ func (a *App) startPropagation() {
 	processRegion.region = a.Region
 	processRegion.Unlock()
 	a.prop.Start()
-	props.Lock()
-	defer props.Unlock()
-	props.apps = append(props.apps, a)
-	a.state.engine.SetGlobal(a.prop)
+}
+
+// usePropagation makes a's propagator (or none) the engine's cross-region
+// layer; called by useBackends with the newest started app.
+func (s *state) usePropagation(a *App) {
+	if a == nil || a.prop == nil {
+		s.engine.SetGlobal(nil)
+		currentProp.Store(nil)
+		return
+	}
+	s.engine.SetGlobal(a.prop)
 	currentProp.Store(a.prop)
 }
 
-// stopPropagation hands the engine to the newest other started config's
-// propagator (or none) and stops this one after a last write.
-func (a *App) stopPropagation() {
-	if a.prop == nil {
+// flushPropagation writes what this config's propagator holds (denial
+// rows, grown counts) before another config's takes over or the process
+// stops.
+func (a *App) flushPropagation() {
+	if a.prop == nil || !a.prop.Ready() {
 		return
 	}
-	props.Lock()
-	i := indexOf(props.apps, a)
-	if i < 0 {
-		props.Unlock()
-		return
-	}
-	props.apps = append(props.apps[:i], props.apps[i+1:]...)
-	var next *propagation.Propagator
-	if n := len(props.apps); n > 0 {
-		next = props.apps[n-1].prop
-	}
-	if a.state.engine.SwapGlobal(a.prop, next) {
-		if next == nil {
-			currentProp.Store(nil)
-		} else {
-			currentProp.Store(next)
-		}
-	}
-	props.Unlock()
-	a.closePropagation()
+	ctx, cancel := context.WithTimeout(context.Background(), closeTimeout)
+	defer cancel()
+	a.prop.FlushOnce(ctx)
 }
+
+// stopPropagation stops this config's propagator once the state has
+// handed the engine to another config's (or none).
+func (a *App) stopPropagation() { a.closePropagation() }
 
 // closePropagation stops the propagator's loops and closes its
 // connections; its counters join the retired totals the metrics add up.

@@ -139,7 +139,7 @@ func TestCaddy_MySQLLayer(t *testing.T) {
 // error it answered, if any.
 func loadCaddyfile(t *testing.T, admin int, cfg func(admin, port int) string) error {
 	t.Helper()
-	body := cfg(admin, freePort(t))
+	body := cfg(admin, redistest.MustFreePort(t))
 	req, _ := http.NewRequest(http.MethodPost, fmt.Sprintf("http://localhost:%d/load", admin), strings.NewReader(body))
 	req.Header.Set("Content-Type", "text/caddyfile")
 	resp, err := http.DefaultClient.Do(req)
@@ -175,7 +175,7 @@ func TestMySQLOption_ErrorsNeverQuoteThePassword(t *testing.T) {
 		"root:pw-s3cret@tcp(127.0.0.1:1/db",
 		"{env.RATELIMIT_TEST_UNSET_DSN_VAR}",
 	} {
-		a := &App{Region: "r", MySQL: &MySQLConfig{DSN: dsn}, state: st, logger: st.obs.view().logger}
+		a := &App{Region: "r", MySQL: &MySQLConfig{DSN: dsn}, state: st, logger: st.apps.view().logger}
 		err := a.provisionPropagation()
 		if err == nil {
 			a.closePropagation()

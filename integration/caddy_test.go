@@ -32,6 +32,10 @@ var caddyBinary = sync.OnceValues(func() (string, error) {
 	return bin, nil
 })
 
+// nodeStartTimeout bounds how long a built Caddy takes to serve: about a
+// second on an idle machine, much more on a loaded one.
+const nodeStartTimeout = 30 * time.Second
+
 // node is one Caddy process.
 type node struct {
 	t     *testing.T
@@ -39,16 +43,6 @@ type node struct {
 	log   *bytes.Buffer
 	admin int
 	port  int
-}
-
-// freePort is a loopback port nobody listened on a moment ago.
-func freePort(t *testing.T) int {
-	t.Helper()
-	port, err := redistest.FreePort()
-	if err != nil {
-		t.Fatal(err)
-	}
-	return port
 }
 
 // extraEnv is added to the environment of the Caddy processes started next
@@ -63,7 +57,7 @@ func startNode(t *testing.T, global, site string) *node {
 	if err != nil {
 		t.Fatal(err)
 	}
-	n := &node{t: t, log: new(bytes.Buffer), admin: freePort(t), port: freePort(t)}
+	n := &node{t: t, log: new(bytes.Buffer), admin: redistest.MustFreePort(t), port: redistest.MustFreePort(t)}
 	dir := t.TempDir()
 	cfg := fmt.Sprintf(`{
 	admin localhost:%d
@@ -94,7 +88,7 @@ http://127.0.0.1:%d {
 		t.Fatal(err)
 	}
 	t.Cleanup(n.stop)
-	deadline := time.Now().Add(30 * time.Second)
+	deadline := time.Now().Add(nodeStartTimeout)
 	for {
 		resp, err := http.Get(n.url("/healthz-probe"))
 		if err == nil {
@@ -102,7 +96,7 @@ http://127.0.0.1:%d {
 			return n
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("caddy did not serve within 30 s: %v\n%s", err, n.log.String())
+			t.Fatalf("caddy did not serve within %s: %v\n%s", nodeStartTimeout, err, n.log.String())
 		}
 		time.Sleep(20 * time.Millisecond)
 	}

@@ -13,24 +13,8 @@ import (
 	"time"
 
 	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
+	"github.com/edgelimit/caddy-ratelimit/internal/testclock"
 )
-
-// windowStartingNow returns a window of whole seconds in [min, max) whose
-// current fixed window began less than lead ago, so that a scenario that
-// starts now and lasts less than min − lead stays inside one window without
-// sleeping to a border. Over a range of a hundred lengths one such window
-// exists but for a vanishing share of start times.
-func windowStartingNow(t *testing.T, min, max, lead time.Duration) time.Duration {
-	t.Helper()
-	now := time.Now().UnixMilli()
-	for w := min; w < max; w += time.Second {
-		if now%w.Milliseconds() < lead.Milliseconds() {
-			return w
-		}
-	}
-	t.Fatalf("no window in [%s, %s) began within %s", min, max, lead)
-	return 0
-}
 
 // metric returns the sum of every series of name in the node's /metrics
 // whose labels contain every one of match.
@@ -82,7 +66,10 @@ func TestTwoCaddyProcesses_ExactNearASmallLimit(t *testing.T) {
 		t.Fatal(err)
 	}
 	// The runs take a few seconds: a window that begins now holds them all.
-	window := windowStartingNow(t, 20*time.Second, 120*time.Second, 3*time.Second)
+	window, fits := testclock.FreshWindow(time.Now(), 20*time.Second, 120*time.Second, 2*nodeStartTimeout+15*time.Second)
+	if !fits {
+		t.Fatal("no window length in [20s, 120s] leaves room for the test")
+	}
 	windowEnd := time.UnixMilli((time.Now().UnixMilli()/window.Milliseconds() + 1) * window.Milliseconds())
 	site := fmt.Sprintf(`	ratelimit {
 		zone small {

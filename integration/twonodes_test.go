@@ -1,6 +1,7 @@
 package integration
 
 import (
+	"fmt"
 	"io"
 	"net/http"
 	"sync"
@@ -9,28 +10,43 @@ import (
 	"time"
 
 	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
+	"github.com/edgelimit/caddy-ratelimit/internal/testclock"
 )
 
 // TestTwoCaddyProcesses_ShareOneRedis is the regional scenario with real
 // processes: two Caddy nodes share one Redis, one key with a limit of
-// 10,000 per 10 s, and 2,000 requests a second are offered evenly to both
-// for one whole window. Together they must admit at most 5 over the limit.
+// 10,000 per window, and 2,000 requests a second are offered evenly to both
+// for 9.8 s, all inside one window. Together they must admit at most 5 over
+// the limit.
 func TestTwoCaddyProcesses_ShareOneRedis(t *testing.T) {
 	if testing.Short() {
-		t.Skip("builds Caddy and runs two processes for a 10 s window")
+		t.Skip("builds Caddy and runs two processes under load for 10 s")
 	}
 	requireBinary(t, "redis-server")
 	srv := redistest.Start(t)
 	const limit = 10_000
-	site := `	ratelimit {
+	// All traffic inside one fixed window, so the sliding window's
+	// previous-cell weighting plays no part in the count. The nodes share
+	// no clock with the test, so instead of sleeping to a window border the
+	// window's length is chosen now: one whose current window just began
+	// and leaves room for both nodes to start (up to 30 s each) and for
+	// the load.
+	if _, err := caddyBinary(); err != nil { // before the clock starts
+		t.Fatal(err)
+	}
+	window, fits := testclock.FreshWindow(time.Now(), 100*time.Second, 160*time.Second, 2*nodeStartTimeout+loadDuration+10*time.Second)
+	if !fits {
+		t.Fatal("no window length in [100s, 160s] leaves room for the test")
+	}
+	site := fmt.Sprintf(`	ratelimit {
 		zone shared {
 			key    {http.request.header.X-Key}
-			limit  10000
-			window 10s
+			limit  %d
+			window %ds
 		}
 		headers off
 	}
-	respond "ok"`
+	respond "ok"`, limit, int64(window/time.Second))
 	global := "\t\tredis " + srv.URL()
 	nodes := []*node{startNode(t, global, site), startNode(t, global, site)}
 
@@ -42,12 +58,11 @@ func TestTwoCaddyProcesses_ShareOneRedis(t *testing.T) {
 		}
 	}
 
-	// All traffic inside one fixed window, so the sliding window's
-	// previous-cell weighting plays no part in the count.
-	now := time.Now()
-	start := now.Truncate(10 * time.Second).Add(10*time.Second + 20*time.Millisecond)
-	time.Sleep(time.Until(start))
-	end := start.Add(9800 * time.Millisecond)
+	start := time.Now()
+	end := start.Add(loadDuration)
+	if windowEnd := time.UnixMilli((start.UnixMilli()/window.Milliseconds() + 1) * window.Milliseconds()); end.After(windowEnd) {
+		t.Fatalf("the load would end at %v, past the window's end at %v", end, windowEnd)
+	}
 
 	var ok, denied, other atomic.Int64
 	var wg sync.WaitGroup
@@ -92,6 +107,10 @@ func TestTwoCaddyProcesses_ShareOneRedis(t *testing.T) {
 		t.Fatalf("admitted %d of a limit of %d with twice the limit offered: the nodes under-admit", ok.Load(), limit)
 	}
 }
+
+// loadDuration is how long the load runs: 2,000 requests a second for it
+// offer about twice the limit.
+const loadDuration = 9800 * time.Millisecond
 
 // send makes one GET with the key and returns the status (0 on error).
 func send(t *testing.T, c *http.Client, url, key string) int {

@@ -53,6 +53,17 @@ type breaker struct {
 // errSlowCall marks, for the breaker only, a call that succeeded too late.
 var errSlowCall = errors.New("slow call")
 
+// starvedError marks, for the breaker only, a call that timed out while
+// this process was starved of CPU; the breaker excludes it.
+type starvedError struct{ err error }
+
+func (e starvedError) Error() string { return "timed out while starved: " + e.err.Error() }
+
+// starvedTimeout is the scheduler latency (99th percentile) from which a
+// timeout is taken for this process's own doing: a tenth of the least time
+// a read pipeline gets (roundTripFloor).
+const starvedTimeout = roundTripFloor / 10
+
 func (ep *endpoint) newBreaker(name string, c BreakerConfig, slow time.Duration) *breaker {
 	interval := time.Duration(c.Interval)
 	minRequests := uint32(c.MinRequests)
@@ -73,7 +84,10 @@ func (ep *endpoint) newBreaker(name string, c BreakerConfig, slow time.Duration)
 		},
 		IsSuccessful: func(err error) bool { return err == nil || !countsAgainst(err) },
 		// A caller that gave up says nothing about Redis.
-		IsExcluded: func(err error) bool { return errors.Is(err, context.Canceled) },
+		IsExcluded: func(err error) bool {
+			var starved starvedError
+			return errors.Is(err, context.Canceled) || errors.As(err, &starved)
+		},
 		OnStateChange: func(name string, from, to gobreaker.State) {
 			ep.r.emit(stateEvent{endpoint: ep.address, breaker: name, from: breakerState(from), to: breakerState(to)})
 		},
@@ -109,13 +123,21 @@ func (b *breaker) guard(fn func() error) error {
 	_, err := b.cb.Execute(func() (struct{}, error) {
 		start := time.Now()
 		err := fn()
-		if err == nil && b.slow > 0 && time.Since(start) > b.slow && !sched.starved(b.slow/2) {
+		switch {
+		case err == nil && b.slow > 0 && time.Since(start) > b.slow && !sched.starved(b.slow/2):
 			b.ep.slowCalls.Add(1)
 			return struct{}{}, errSlowCall
+		case err != nil && isTimeout(err) && sched.starved(starvedTimeout):
+			// Out of time because this process could not run: says
+			// nothing about Redis.
+			return struct{}{}, starvedError{err}
 		}
 		return struct{}{}, err
 	})
+	var starved starvedError
 	switch {
+	case errors.As(err, &starved):
+		return starved.err
 	case errors.Is(err, errSlowCall):
 		return nil
 	case errors.Is(err, gobreaker.ErrOpenState), errors.Is(err, gobreaker.ErrTooManyRequests):

@@ -14,7 +14,8 @@ import (
 // So a slow call counts against the breaker only when the process itself
 // was not starved: when the Go scheduler's recent wake-up latency (its 99th
 // percentile since the last look) stays under half the slow-call
-// threshold.
+// threshold; and a call that timed out while goroutines waited 25 ms and
+// more to run is excluded from the breaker's counts (endpoint.go).
 
 // schedSampleEvery bounds how often the scheduler's latency histogram is
 // read: it is cumulative, so the latency of the last interval is a delta.

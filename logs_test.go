@@ -18,34 +18,6 @@ func observedApp(level zapcore.Level, ids identities) (*App, *logobserver.Observ
 	return &App{logger: zap.New(core), ids: ids, Region: "r"}, logs
 }
 
-func TestObserver_NewestAppSpeaksAfterFailedReload(t *testing.T) {
-	var o observer
-	if v := o.view(); v.app != nil || v.logger == nil {
-		t.Fatalf("no app: %+v, want the default logger", v)
-	}
-	running, _ := observedApp(zapcore.InfoLevel, identities{})
-	failed, _ := observedApp(zapcore.InfoLevel, identities{secret: []byte("0123456789abcdef")})
-	next, _ := observedApp(zapcore.InfoLevel, identities{})
-	o.attach(running)
-	o.attach(failed) // a reload provisions its app first...
-	if o.view().app != failed || !o.view().ids.hashed() {
-		t.Fatal("the newest app must speak for the process")
-	}
-	o.detach(failed) // ...and cleans it up when it fails
-	if o.view().app != running {
-		t.Fatal("after a failed reload the running config's app must speak again")
-	}
-	o.attach(next)
-	o.detach(running) // a successful reload cleans up the old app last
-	if o.view().app != next {
-		t.Fatal("after a reload the new app must speak")
-	}
-	o.detach(next)
-	if o.view().app != nil {
-		t.Fatal("no app left")
-	}
-}
-
 // TestObserver_FirstDenialLoggedOnceAtDebug: the first denial of a key in a
 // window is one debug line however many requests it denies, with the
 // identifier hashed; without debug, nothing.
@@ -58,8 +30,8 @@ func TestObserver_FirstDenialLoggedOnceAtDebug(t *testing.T) {
 			h := provisionTest(t, nil, &Handler{Zones: []*Zone{zoneOf("fd", 2, time.Minute)}})
 			app, logs := observedApp(level, identities{secret: []byte(secret)})
 			st := lookupState()
-			st.obs.attach(app)
-			t.Cleanup(func() { st.obs.detach(app) })
+			st.apps.provision(app)
+			t.Cleanup(func() { st.apps.cleanup(app) })
 			for range 10 {
 				serve(h, map[string]string{"fd": id})
 			}
@@ -90,9 +62,9 @@ func TestObserver_FirstDenialLoggedOnceAtDebug(t *testing.T) {
 // when it reaches failureStreakLog and one info line when a call succeeds
 // again; calls the breaker rejected neither extend nor end it.
 func TestObserver_OriginFailureStreak(t *testing.T) {
-	var o observer
+	o := observer{apps: new(liveApps)}
 	app, logs := observedApp(zapcore.DebugLevel, identities{})
-	o.attach(app)
+	o.apps.provision(app)
 	const ep = "redis://streak.example:6379/0"
 	call := func(oc origin.Outcome) {
 		o.originCall(origin.CallInfo{Endpoint: ep, Op: origin.OpRead, Outcome: oc, Duration: time.Millisecond})
@@ -130,9 +102,9 @@ func TestObserver_OriginFailureStreak(t *testing.T) {
 }
 
 func TestObserver_BreakerTransitions(t *testing.T) {
-	var o observer
+	o := observer{apps: new(liveApps)}
 	app, logs := observedApp(zapcore.DebugLevel, identities{})
-	o.attach(app)
+	o.apps.provision(app)
 	const ep = "redis://breaker.example:6379/0"
 	before := counterValue(t, breakerTransitionsTotal.WithLabelValues(ep, origin.BreakerName, string(origin.BreakerOpen)))
 	o.breakerChanged(ep, origin.BreakerName, origin.BreakerClosed, origin.BreakerOpen)
@@ -150,35 +122,5 @@ func TestObserver_BreakerTransitions(t *testing.T) {
 	}
 	if got := counterValue(t, breakerTransitionsTotal.WithLabelValues(ep, origin.BreakerName, string(origin.BreakerOpen))) - before; got != 1 {
 		t.Fatalf("open transitions +%v, want +1", got)
-	}
-}
-
-// TestHandler_DryRunLogsOncePerWindowAtInfo: each would-be denial is a debug
-// line, and the zone says so at info level once per window.
-func TestHandler_DryRunLogsOncePerWindowAtInfo(t *testing.T) {
-	useClock(t, 0)
-	core, logs := logobserver.New(zapcore.DebugLevel)
-	h := &Handler{Zones: []*Zone{zoneOf("dry_log", 1, time.Hour)}, DryRun: true}
-	provisionTest(t, nil, h)
-	h.logger = zap.New(core)
-	const id = "sk_live_dry_run_identifier"
-	for range 11 {
-		wantStatus(t, serve(h, map[string]string{"dry_log": id}), 200)
-	}
-	debug := logs.FilterLevelExact(zapcore.DebugLevel).All()
-	if len(debug) != 10 {
-		t.Fatalf("%d debug lines for 10 would-be denials", len(debug))
-	}
-	if f := debug[0].ContextMap(); f["zone"] != "dry_log" || f["identifier_truncated"] != "sk_liv…" {
-		t.Fatalf("debug fields %v", f)
-	}
-	// One line per real hour window; a test that straddles the hour sees two.
-	info := logs.FilterLevelExact(zapcore.InfoLevel).All()
-	var total int64
-	for _, e := range info {
-		total += e.ContextMap()["would_be_denied"].(int64)
-	}
-	if len(info) < 1 || len(info) > 2 || total > 10 {
-		t.Fatalf("%d info lines reporting %d would-be denials", len(info), total)
 	}
 }

@@ -1,12 +1,15 @@
 package ratelimit
 
+// Logs: what the process-wide engine and origin report through the newest
+// config's logger (first denials, evictions, origin failure streaks,
+// breaker changes), and go-redis's own lines. The dry run's lines are in
+// dryrun.go, beside the rest of it.
+
 import (
-	"slices"
+	"fmt"
 	"sync"
 	"sync/atomic"
-	"time"
 
-	"github.com/caddyserver/caddy/v2"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 
@@ -20,95 +23,21 @@ import (
 // The recovery is logged once too, so a streak costs two lines.
 const failureStreakLog = 5
 
-// observer reports what the process-wide engine and origin do: it holds the
-// settings of the newest config (logger, region, identifier treatment),
-// installs the engine's hooks, and turns origin calls and breaker changes
-// into metrics and log lines. It lives in the pooled state, so it outlives
-// every config, like the engine.
+// observer reports what the process-wide engine and origin do: it
+// installs the engine's hooks and turns origin calls and breaker changes
+// into metrics and log lines, with the newest config's logger and
+// identifier treatment. It lives in the pooled state, so it outlives every
+// config, like the engine.
 type observer struct {
-	mu sync.Mutex
-	// apps are the provisioned apps not yet cleaned up, oldest first. The
-	// newest speaks for the process: a reload provisions the new config
-	// before cleaning up the old one, and a failed reload cleans up its own
-	// app, which leaves the running config's app the newest again.
-	apps []*App
-	cur  atomic.Pointer[appView]
-
-	origin atomic.Pointer[originBox]
+	// apps is the state's registry: its newest app's logger and identifier
+	// treatment are what the hooks use.
+	apps *liveApps
 	// streaks counts consecutive failed calls per endpoint address.
 	streaks sync.Map // string → *atomic.Int64
 }
 
-// appView is what the newest app says about the process.
-type appView struct {
-	app    *App
-	logger *zap.Logger
-	region string
-	ids    identities
-}
-
-// originView is what the status and the metrics read of the regional
-// origin; *origin.Redis implements it.
-type originView interface {
-	Stats() origin.Stats
-}
-
-// originBox lets an interface sit in an atomic.Pointer.
-type originBox struct{ v originView }
-
-// attach makes a the newest app.
-func (o *observer) attach(a *App) {
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	o.apps = append(o.apps, a)
-	o.publish()
-}
-
-// detach forgets a; the newest remaining app speaks for the process.
-func (o *observer) detach(a *App) {
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	o.apps = slices.DeleteFunc(o.apps, func(x *App) bool { return x == a })
-	o.publish()
-}
-
-func (o *observer) publish() {
-	if len(o.apps) == 0 {
-		o.cur.Store(nil)
-		return
-	}
-	a := o.apps[len(o.apps)-1]
-	o.cur.Store(&appView{app: a, logger: a.logger, region: a.Region, ids: a.ids})
-}
-
-// view returns the newest app's settings, or the defaults (Caddy's default
-// logger, identifiers truncated in logs) when no app is provisioned, e.g.
-// between a handler's provisioning and its app's in tests.
-func (o *observer) view() *appView {
-	if v := o.cur.Load(); v != nil {
-		return v
-	}
-	return &appView{logger: caddy.Log().Named("ratelimit")}
-}
-
-// setOrigin publishes the origin the engine uses now (nil: none), so the
-// status and the metrics can read it. Whoever calls engine.SetOrigin calls
-// this with the same origin.
-func (o *observer) setOrigin(v originView) {
-	if v == nil {
-		o.origin.Store(nil)
-		return
-	}
-	o.origin.Store(&originBox{v})
-}
-
-// currentOrigin returns the published origin, or nil.
-func (o *observer) currentOrigin() originView {
-	if b := o.origin.Load(); b != nil {
-		return b.v
-	}
-	return nil
-}
+// view returns the newest app's settings.
+func (o *observer) view() *appView { return o.apps.view() }
 
 // observeEngine installs the engine hooks; cfg is the config of the engine
 // the pool is about to create.
@@ -211,24 +140,21 @@ func (o *observer) breakerChanged(endpoint, breaker string, from, to origin.Brea
 	}
 }
 
-// dryRunLog limits a dry-run zone's info line to one per window.
-type dryRunLog struct {
-	// seq is the window sequence of the last line; count the would-be
-	// denials since.
-	seq, count atomic.Int64
+// redisLog routes go-redis's own log lines (dial failures) to the newest
+// config's logger, at debug: the breaker's state changes say the same at
+// info. go-redis has one process-wide logger, set once; the logger it
+// writes to is swapped atomically on every provisioning.
+var redisLog struct {
+	once   sync.Once
+	logger atomic.Pointer[zap.Logger]
 }
 
-// note counts a would-be denial and logs at info level on the first one of
-// each window, with the number since the previous line.
-func (d *dryRunLog) note(log *zap.Logger, zone string, window time.Duration) {
-	d.count.Add(1)
-	seq := time.Now().UnixMilli() / window.Milliseconds()
-	old := d.seq.Load()
-	if old == seq || !d.seq.CompareAndSwap(old, seq) {
-		return
-	}
-	log.Info("dry run: requests would have been rate limited",
-		zap.String("zone", zone),
-		zap.Int64("would_be_denied", d.count.Swap(0)),
-		zap.Duration("window", window))
+// routeRedisLog makes logger the one go-redis writes to (see redisLog).
+func routeRedisLog(logger *zap.Logger) {
+	redisLog.logger.Store(logger)
+	redisLog.once.Do(func() {
+		origin.SetLogger(func(format string, args ...any) {
+			redisLog.logger.Load().Debug("redis client: " + fmt.Sprintf(format, args...))
+		})
+	})
 }

@@ -1,0 +1,149 @@
+package ratelimit
+
+// Response headers: the draft RateLimit-Policy and RateLimit fields, the
+// legacy X-RateLimit-* fields, and Retry-After on a denial.
+
+import (
+	"math/rand/v2"
+	"net/http"
+	"strconv"
+	"time"
+
+	"github.com/edgelimit/caddy-ratelimit/engine"
+)
+
+// Header modes (Handler.Headers).
+const (
+	headersDraft  = "draft"
+	headersLegacy = "legacy"
+	headersBoth   = "both"
+	headersOff    = "off"
+)
+
+// retryAfter is the Retry-After in seconds: the largest wait over the
+// denying zones, rounded up, at least 1, plus jitter. ok is false when a
+// denying zone can never admit the request.
+func (h *Handler) retryAfter(decs []engine.Decision) (secs int64, ok bool) {
+	var wait time.Duration
+	for k := range decs {
+		d := &decs[k]
+		if d.Allowed {
+			continue
+		}
+		if d.RetryAfter < 0 {
+			return 0, false
+		}
+		wait = max(wait, d.RetryAfter)
+	}
+	if h.RetryJitter > 0 {
+		wait += rand.N(time.Duration(h.RetryJitter) + 1)
+	}
+	return max(ceilSeconds(wait), 1), true
+}
+
+// ceilSeconds rounds a duration up to whole seconds.
+func ceilSeconds(d time.Duration) int64 {
+	if d <= 0 {
+		return 0
+	}
+	return int64((d + time.Second - 1) / time.Second)
+}
+
+// Canonical header keys, so writing them is a plain map assignment.
+var (
+	hdrPolicy       = http.CanonicalHeaderKey("RateLimit-Policy")
+	hdrRateLimit    = http.CanonicalHeaderKey("RateLimit")
+	hdrLegacyLimit  = http.CanonicalHeaderKey("X-RateLimit-Limit")
+	hdrLegacyRemain = http.CanonicalHeaderKey("X-RateLimit-Remaining")
+	hdrLegacyReset  = http.CanonicalHeaderKey("X-RateLimit-Reset")
+	hdrRetryAfter   = http.CanonicalHeaderKey("Retry-After")
+)
+
+// writeHeaders sets the configured rate limit headers for the decided zones.
+// Every dynamic value is appended to one buffer and turned into one string,
+// whose substrings become the header values: two allocations per response
+// (that string and the value slices) whatever the number of zones.
+func (h *Handler) writeHeaders(hdr http.Header, lims []engine.Limit, decs []engine.Decision, zi []int, ownLimits bool) {
+	if !h.draft && !h.legacy {
+		return
+	}
+	var arr [512]byte
+	buf := arr[:0]
+	// Offsets into buf: draft policy (only when a limit was overridden or a
+	// zone skipped), draft RateLimit, then the three legacy values.
+	var policyEnd, rateEnd, limitEnd, remainEnd, resetEnd int
+
+	if h.draft {
+		if !ownLimits {
+			for k := range lims {
+				if k > 0 {
+					buf = append(buf, ", "...)
+				}
+				z := &h.zones[zi[k]]
+				if lims[k].Limit == z.limit {
+					buf = append(buf, z.policy...)
+					continue
+				}
+				buf = append(buf, z.policyQ...)
+				buf = strconv.AppendInt(buf, lims[k].Limit, 10)
+				buf = append(buf, z.policyW...)
+			}
+		}
+		policyEnd = len(buf)
+		for k := range decs {
+			if k > 0 {
+				buf = append(buf, ", "...)
+			}
+			buf = append(buf, h.zones[zi[k]].remainingR...)
+			buf = strconv.AppendInt(buf, decs[k].Remaining, 10)
+			buf = append(buf, ";t="...)
+			buf = strconv.AppendInt(buf, ceilSeconds(decs[k].Reset), 10)
+		}
+	}
+	rateEnd = len(buf)
+	if h.legacy {
+		// The most restrictive zone is the one with the lowest remaining;
+		// on a tie, the first.
+		m := 0
+		for k := 1; k < len(decs); k++ {
+			if decs[k].Remaining < decs[m].Remaining {
+				m = k
+			}
+		}
+		buf = strconv.AppendInt(buf, lims[m].Limit, 10)
+		limitEnd = len(buf)
+		buf = strconv.AppendInt(buf, decs[m].Remaining, 10)
+		remainEnd = len(buf)
+		buf = strconv.AppendInt(buf, ceilSeconds(decs[m].Reset), 10)
+		resetEnd = len(buf)
+	}
+	s := string(buf)
+
+	n := 0
+	if h.draft {
+		n += 2
+	}
+	if h.legacy {
+		n += 3
+	}
+	vals := make([]string, n)
+	i := 0
+	set := func(key, v string) {
+		vals[i] = v
+		hdr[key] = vals[i : i+1 : i+1]
+		i++
+	}
+	if h.draft {
+		if ownLimits {
+			set(hdrPolicy, h.policyAll)
+		} else {
+			set(hdrPolicy, s[:policyEnd])
+		}
+		set(hdrRateLimit, s[policyEnd:rateEnd])
+	}
+	if h.legacy {
+		set(hdrLegacyLimit, s[rateEnd:limitEnd])
+		set(hdrLegacyRemain, s[limitEnd:remainEnd])
+		set(hdrLegacyReset, s[remainEnd:resetEnd])
+	}
+}

@@ -1,0 +1,144 @@
+package ratelimit
+
+import (
+	"errors"
+	"fmt"
+	"net/http"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+)
+
+func TestHandler_DraftHeadersThenDenialWithExactRetryAfter(t *testing.T) {
+	clk := useClock(t, 15*time.Second)
+	h := provisionTest(t, nil, &Handler{Zones: []*Zone{zoneOf("demo", 3, time.Minute)}})
+	id := map[string]string{"demo": "alice"}
+
+	for i := 1; i <= 3; i++ {
+		r := serve(h, id)
+		wantStatus(t, r, http.StatusOK)
+		wantHeader(t, r, "RateLimit-Policy", `"demo";q=3;w=60`)
+		wantHeader(t, r, "RateLimit", fmt.Sprintf(`"demo";r=%d;t=45`, 3-i))
+		wantHeader(t, r, "Retry-After", "")
+		wantHeader(t, r, "X-RateLimit-Limit", "")
+	}
+	r := serve(h, id)
+	wantStatus(t, r, http.StatusTooManyRequests)
+	if !errors.Is(r.err, ErrRateLimited) {
+		t.Fatalf("error %v does not wrap ErrRateLimited", r.err)
+	}
+	if strings.Contains(r.err.Error(), "alice") {
+		t.Fatalf("error message %q exposes the identifier", r.err)
+	}
+	wantHeader(t, r, "RateLimit-Policy", `"demo";q=3;w=60`)
+	wantHeader(t, r, "RateLimit", `"demo";r=0;t=45`)
+	// 3 counted in this window; the next request fits once the window has
+	// rolled over and the 3 weigh at most 2: 20 s into the next window, so
+	// 45 s + 20 s from now.
+	wantHeader(t, r, "Retry-After", "65")
+
+	clk.Advance(64 * time.Second)
+	wantStatus(t, serve(h, id), http.StatusTooManyRequests)
+	clk.Advance(time.Second)
+	r = serve(h, id)
+	wantStatus(t, r, http.StatusOK)
+	wantHeader(t, r, "RateLimit", `"demo";r=0;t=40`)
+
+	// Another identifier has its own count.
+	wantStatus(t, serve(h, map[string]string{"demo": "bob"}), http.StatusOK)
+}
+
+func TestHandler_HeaderModes(t *testing.T) {
+	useClock(t, 10*time.Second)
+	zones := func() []*Zone { return []*Zone{zoneOf("a", 5, time.Minute), zoneOf("b", 3, time.Hour)} }
+	hBoth := provisionTest(t, nil, &Handler{Zones: zones(), Headers: "both"})
+	hLegacy := provisionTest(t, nil, &Handler{Zones: zones(), Headers: "legacy"})
+	hOff := provisionTest(t, nil, &Handler{Zones: zones(), Headers: "off"})
+	id := map[string]string{"a": "k", "b": "k"}
+
+	r := serve(hBoth, id)
+	wantStatus(t, r, http.StatusOK)
+	wantHeader(t, r, "RateLimit-Policy", `"a";q=5;w=60, "b";q=3;w=3600`)
+	wantHeader(t, r, "RateLimit", `"a";r=4;t=50, "b";r=2;t=3590`)
+	// The most restrictive zone is b (2 remaining).
+	wantHeader(t, r, "X-RateLimit-Limit", "3")
+	wantHeader(t, r, "X-RateLimit-Remaining", "2")
+	wantHeader(t, r, "X-RateLimit-Reset", "3590")
+
+	r = serve(hLegacy, id) // same zones: the counts are shared
+	wantHeader(t, r, "RateLimit-Policy", "")
+	wantHeader(t, r, "RateLimit", "")
+	wantHeader(t, r, "X-RateLimit-Remaining", "1")
+
+	r = serve(hOff, id)
+	wantStatus(t, r, http.StatusOK)
+	for _, k := range []string{"RateLimit-Policy", "RateLimit", "X-RateLimit-Limit", "X-RateLimit-Remaining", "X-RateLimit-Reset"} {
+		wantHeader(t, r, k, "")
+	}
+	r = serve(hOff, id)
+	wantStatus(t, r, http.StatusTooManyRequests)
+	// b: 3 units weigh at most 2 after 1/3 of the next window.
+	wantHeader(t, r, "Retry-After", strconv.Itoa(3590+1200)) // written in every mode
+
+	r = serve(hBoth, id)
+	wantStatus(t, r, http.StatusTooManyRequests)
+	wantHeader(t, r, "RateLimit", `"a";r=2;t=50, "b";r=0;t=3590`)
+	wantHeader(t, r, "X-RateLimit-Remaining", "0")
+}
+
+func TestHandler_RetryAfterIsLargestOverDenyingZones(t *testing.T) {
+	useClock(t, 30*time.Second)
+	h := provisionTest(t, nil, &Handler{Zones: []*Zone{zoneOf("minute", 1, time.Minute), zoneOf("hour", 1, time.Hour)}})
+	id := map[string]string{"minute": "k", "hour": "k"}
+	wantStatus(t, serve(h, id), http.StatusOK)
+	r := serve(h, id)
+	wantStatus(t, r, http.StatusTooManyRequests)
+	// minute: the single unit stays in the window until it ends (30 s) and
+	// then weighs 1 × (1 − p) ≤ 0 only at the end of the next one: 90 s;
+	// hour: 3570 s + 3600 s.
+	wantHeader(t, r, "Retry-After", strconv.Itoa(3570+3600))
+}
+
+func TestHandler_NoRetryAfterWhenCostExceedsLimit(t *testing.T) {
+	useClock(t, 0)
+	h := provisionTest(t, nil, &Handler{Zones: []*Zone{
+		{Name: "big", Key: "{test.k}", Limit: 5, Window: caddy.Duration(time.Minute), Cost: "{test.cost}"},
+		zoneOf("other", 1, time.Minute),
+	}})
+	wantStatus(t, serve(h, map[string]string{"k": "a", "cost": "1", "other": "o"}), http.StatusOK)
+	// other denies with a finite wait, big can never admit cost 6.
+	r := serve(h, map[string]string{"k": "a", "cost": "6", "other": "o"})
+	wantStatus(t, r, http.StatusTooManyRequests)
+	wantHeader(t, r, "Retry-After", "")
+	// other alone denying: Retry-After is back.
+	r = serve(h, map[string]string{"k": "a", "cost": "1", "other": "o"})
+	wantStatus(t, r, http.StatusTooManyRequests)
+	if r.get("Retry-After") == "" {
+		t.Fatal("Retry-After missing when every denying zone can admit later")
+	}
+}
+
+func TestHandler_RetryJitterOnlyAdds(t *testing.T) {
+	useClock(t, 0)
+	h := provisionTest(t, nil, &Handler{Zones: []*Zone{zoneOf("j", 1, time.Minute)}, RetryJitter: caddy.Duration(10 * time.Second)})
+	wantStatus(t, serve(h, map[string]string{"j": "k"}), http.StatusOK)
+	seen := map[int]bool{}
+	for range 200 {
+		r := serve(h, map[string]string{"j": "k"})
+		n, err := strconv.Atoi(r.get("Retry-After"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		// Exact value: the unit weighs until the end of the next window, 120 s.
+		if n < 120 || n > 130 {
+			t.Fatalf("Retry-After %d outside [120, 130]", n)
+		}
+		seen[n] = true
+	}
+	if len(seen) < 3 {
+		t.Fatalf("jitter produced only %v", seen)
+	}
+}

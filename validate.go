@@ -1,0 +1,248 @@
+package ratelimit
+
+import (
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/edgelimit/caddy-ratelimit/origin"
+)
+
+// Validation: the checks a handler's and the app's settings go through. The
+// Caddyfile parser calls the same validators line by line (so `caddy adapt`
+// names the line), and Validate calls them again for JSON configs, which
+// the parser never sees.
+
+// Validate checks the configuration; it is also what rejects a bad JSON
+// config, since the Caddyfile parser's checks do not run on JSON.
+func (h *Handler) Validate() error {
+	if len(h.Zones) == 0 {
+		return errors.New("ratelimit: at least one zone is required")
+	}
+	if len(h.Zones) > maxZones {
+		return fmt.Errorf("ratelimit: %d zones: one handler takes at most %d zones", len(h.Zones), maxZones)
+	}
+	if err := validateHeaders(h.Headers); err != nil {
+		return fmt.Errorf("ratelimit: %w", err)
+	}
+	if err := validateOnMissingKey(h.OnMissingKey); err != nil {
+		return fmt.Errorf("ratelimit: %w", err)
+	}
+	if h.RetryJitter < 0 {
+		return fmt.Errorf("ratelimit: retry_jitter %s is negative", time.Duration(h.RetryJitter))
+	}
+	seen := make(map[string]struct{}, len(h.Zones))
+	for i, z := range h.Zones {
+		if z == nil {
+			return fmt.Errorf("ratelimit: zone %d is null", i)
+		}
+		if _, dup := seen[z.Name]; dup {
+			return fmt.Errorf("ratelimit: zone %q defined twice in one handler", z.Name)
+		}
+		seen[z.Name] = struct{}{}
+		if err := z.validate(); err != nil {
+			return fmt.Errorf("ratelimit: zone %q: %w", z.Name, err)
+		}
+	}
+	return nil
+}
+
+func (z *Zone) validate() error {
+	if err := validateZoneName(z.Name); err != nil {
+		return err
+	}
+	if z.Key == "" {
+		return errors.New("missing key")
+	}
+	if err := validateLimit(z.Limit); err != nil {
+		return err
+	}
+	if err := validateWindow(time.Duration(z.Window)); err != nil {
+		return err
+	}
+	if err := validateCost(string(z.Cost)); err != nil {
+		return err
+	}
+	if z.DefaultCost < 0 {
+		return fmt.Errorf("default_cost %d is negative", z.DefaultCost)
+	}
+	if err := validateUnits("default_cost", z.DefaultCost); err != nil {
+		return err
+	}
+	for id, l := range z.Overrides {
+		if err := validateOverride(id, l); err != nil {
+			return err
+		}
+	}
+	if z.IPv4Prefix != 0 {
+		if err := validateIPPrefix("ipv4_prefix", z.IPv4Prefix, 32); err != nil {
+			return err
+		}
+	}
+	if z.IPv6Prefix != 0 {
+		if err := validateIPPrefix("ipv6_prefix", z.IPv6Prefix, 128); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// The validators below are shared by Validate and the Caddyfile parser, so
+// both say the same thing.
+
+// validateZoneName checks a zone name: it travels in headers (quoted
+// without escaping), origin keys and metric labels.
+func validateZoneName(name string) error {
+	if name == "" {
+		return errors.New("zone name is empty")
+	}
+	return validateName("zone name", name)
+}
+
+// validateRegion checks a region name; empty is a single-region setup.
+func validateRegion(region string) error {
+	if region == "" {
+		return nil
+	}
+	return validateName("region", region)
+}
+
+// validateName checks a zone or region name (what says which): at most
+// maxZoneName bytes of letters, digits, '_', '-' and '.'.
+func validateName(what, name string) error {
+	if len(name) > maxZoneName {
+		return fmt.Errorf("%s %q is longer than %d bytes", what, name, maxZoneName)
+	}
+	for i := 0; i < len(name); i++ {
+		c := name[i]
+		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '_' || c == '-' || c == '.') {
+			return fmt.Errorf("%s %q: only letters, digits, '_', '-' and '.' are allowed", what, name)
+		}
+	}
+	return nil
+}
+
+func validateLimit(limit int64) error {
+	if limit <= 0 {
+		return fmt.Errorf("limit must be positive, got %d", limit)
+	}
+	return validateUnits("limit", limit)
+}
+
+// validateUnits rejects a limit or cost (what says which) above maxUnits.
+func validateUnits(what string, n int64) error {
+	if n > maxUnits {
+		return fmt.Errorf("%s %d is above the largest count, %d (2^53-1)", what, n, int64(maxUnits))
+	}
+	return nil
+}
+
+func validateWindow(w time.Duration) error {
+	if w < minWindow {
+		return fmt.Errorf("window must be at least %s, got %s", minWindow, w)
+	}
+	if w%time.Second != 0 {
+		return fmt.Errorf("window must be a whole number of seconds, got %s", w)
+	}
+	return nil
+}
+
+func validateCost(cost string) error {
+	if cost == "" || strings.ContainsAny(cost, "{}") {
+		return nil
+	}
+	n, err := strconv.ParseInt(cost, 10, 64)
+	if err != nil || n < 0 {
+		return fmt.Errorf("cost %q is neither a non-negative integer nor a placeholder", cost)
+	}
+	return validateUnits("cost", n)
+}
+
+func validateOverride(id string, limit int64) error {
+	if id == "" {
+		return errors.New("override with an empty identifier")
+	}
+	if limit < 0 {
+		return fmt.Errorf("override %q: limit must not be negative, got %d", id, limit)
+	}
+	if err := validateUnits("limit", limit); err != nil {
+		return fmt.Errorf("override %q: %w", id, err)
+	}
+	return nil
+}
+
+// validateIPPrefix checks an IP prefix length (ipv4_prefix, ipv6_prefix);
+// not to be confused with the origin's key prefix.
+func validateIPPrefix(name string, bits, max int) error {
+	if bits < 1 || bits > max {
+		return fmt.Errorf("%s must be between 1 and %d, got %d", name, max, bits)
+	}
+	return nil
+}
+
+func validateHeaders(mode string) error {
+	switch mode {
+	case "", headersDraft, headersLegacy, headersBoth, headersOff:
+		return nil
+	}
+	return fmt.Errorf("headers must be draft, legacy, both or off, got %q", mode)
+}
+
+func validateOnMissingKey(mode string) error {
+	switch mode {
+	case "", missingShared, missingSkip, missingDeny:
+		return nil
+	}
+	return fmt.Errorf("on_missing_key must be shared, skip or deny, got %q", mode)
+}
+
+// validateSecret rejects a literal identifier_secret that is too short; a
+// placeholder is checked once resolved, at provisioning.
+func validateSecret(secret string) error {
+	if secret == "" || strings.Contains(secret, "{") {
+		return nil
+	}
+	if len(secret) < minSecretLen {
+		return fmt.Errorf("identifier_secret must be at least %d bytes, got %d", minSecretLen, len(secret))
+	}
+	return nil
+}
+
+// checkOrigin validates settings whose addresses may still hold runtime
+// placeholders: those are checked once resolved, at provisioning.
+func checkOrigin(c origin.Config) error {
+	stand := func(in []string) []string {
+		out := make([]string, len(in))
+		for i, s := range in {
+			out[i] = s
+			if strings.Contains(s, "{") {
+				out[i] = "redis://placeholder.invalid:6379"
+			}
+		}
+		return out
+	}
+	c.Redis = stand(c.Redis)
+	if c.Cluster != nil {
+		cl := *c.Cluster
+		cl.Addrs = stand(cl.Addrs)
+		c.Cluster = &cl
+	}
+	if c.Sentinel != nil {
+		s := *c.Sentinel
+		s.Addrs = stand(s.Addrs)
+		c.Sentinel = &s
+	}
+	if strings.Contains(c.TLSCAFile, "{") {
+		c.TLSCAFile = ""
+	}
+	if len(c.Redis) == 0 && c.Cluster == nil && c.Sentinel == nil {
+		// Tunables given before the address: the address check waits.
+		c.Redis = []string{"redis://placeholder.invalid:6379"}
+		if c.TLSCAFile != "" {
+			c.Redis[0] = "rediss://placeholder.invalid:6379"
+		}
+	}
+	return c.Validate()
+}
