@@ -95,8 +95,8 @@ type Config struct {
 	Batch int
 	// Timeout bounds every query (default 1s).
 	Timeout time.Duration
-	// Migrate creates the tables when missing (default on through
-	// NoMigrate being false).
+	// NoMigrate leaves the schema alone (mysql_migrate off, for managed
+	// schemas); by default Start creates the tables when missing.
 	NoMigrate bool
 	// MinWindow: shorter windows stay regional (default 1m).
 	MinWindow time.Duration
