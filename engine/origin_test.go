@@ -369,21 +369,3 @@ func TestClose_FlushesPendingUnits(t *testing.T) {
 	}
 }
 
-func TestMergeMax_NeverLowersACount(t *testing.T) {
-	e, clk := newTestEngine(t, Config{})
-	l := lim("k", time.Hour, 1000, 1)
-	for i := 0; i < 10; i++ {
-		e.Decide(bg, l)
-	}
-	seq := clk.UnixMilli() / time.Hour.Milliseconds()
-	if !e.MergeMax(l.Key, seq, 4) {
-		t.Fatal("MergeMax did not find the cell")
-	}
-	if ks, _ := e.Inspect(l.Key); ks.Cells[0].Regional != 10 {
-		t.Fatalf("a lower total lowered the count to %d", ks.Cells[0].Regional)
-	}
-	e.MergeMax(l.Key, seq, 50)
-	if ks, _ := e.Inspect(l.Key); ks.Cells[0].Regional != 50 {
-		t.Fatalf("count = %d after merging 50", ks.Cells[0].Regional)
-	}
-}

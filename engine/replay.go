@@ -335,26 +335,3 @@ func (e *Engine) flushAll(ctx context.Context, o Origin) error {
 	}
 	return first
 }
-
-// MergeMax raises the regional count of the cell (key, seq) to at least
-// total, as an origin total that has not seen this process's pending units.
-// It reports whether the cell is held by this process.
-func (e *Engine) MergeMax(key Key, seq, total int64) bool {
-	z, id, ok := e.findKey(key)
-	if !ok {
-		return false
-	}
-	en, ok := z.entries.Load(id)
-	if !ok {
-		return false
-	}
-	c := en.cur.Load()
-	if c != tombstone && c.seq != seq {
-		c = en.previous(c)
-	}
-	if c == nil || c == tombstone || c.seq != seq {
-		return false
-	}
-	c.mergeOrigin(total)
-	return true
-}
