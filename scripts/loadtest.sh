@@ -674,6 +674,7 @@ for p in $PROFILE; do
 		continue
 	fi
 	prof=${PROFILE_DIR:-${TMPDIR:-/tmp}}/loadtest-$p.cpu.pb.gz
+	mkdir -p "$(dirname "$prof")"
 	secs=$((DURATION > 2 ? DURATION - 1 : 1))
 	bin=$BIN
 	is_peer "$p" && bin=$PBIN
