@@ -128,12 +128,14 @@ TMP=$(mktemp -d "${TMPDIR:-/tmp}/loadtest.XXXXXX")
 declare -A PIDS PORTS ADMINS
 SERVER_PIDS="" # redis-server, mariadbd
 cleanup() {
-	local p
-	for p in ${PIDS[@]+"${PIDS[@]}"} $SERVER_PIDS; do
+	local p all
+	# Word-split on purpose: a two-node variant holds two pids in one value.
+	all="${PIDS[*]+${PIDS[*]}} $SERVER_PIDS"
+	for p in $all; do
 		kill -CONT "$p" 2>/dev/null || true # a stopped process cannot exit
 		kill -TERM "$p" 2>/dev/null || true
 	done
-	for p in ${PIDS[@]+"${PIDS[@]}"} $SERVER_PIDS; do
+	for p in $all; do
 		for _ in $(seq 50); do kill -0 "$p" 2>/dev/null || break; sleep 0.1; done
 		kill -KILL "$p" 2>/dev/null || true
 	done
