@@ -1,12 +1,14 @@
 # make test   vet, formatting, allocation counts, then every test with the race detector
 # make bench  every benchmark, with allocations
-# make loadtest  end-to-end throughput against plain Caddy (scripts/loadtest.sh)
-# make soak  the long multi-region scenarios (default intervals, minutes of load; SOAK_MINUTES)
+# make compare   the load harness: this module and mholt/caddy-ratelimit against
+#                plain Caddy under wrk (scripts/loadtest.sh); make loadtest is
+#                the same
+# make soak      the long multi-region scenarios (default intervals, minutes of load; SOAK_MINUTES)
 
 GO       ?= go
 TIMEOUT  ?= 20m
 
-.PHONY: test vet fmt-check servers allocs bench loadtest soak
+.PHONY: test vet fmt-check servers allocs bench compare loadtest soak
 
 test: vet fmt-check servers allocs
 	PATH="$$PATH:/usr/sbin:/usr/local/sbin" $(GO) test -race -count=1 -timeout $(TIMEOUT) ./...
@@ -31,10 +33,13 @@ servers:
 bench:
 	$(GO) test -run '^$$' -bench . -benchmem ./...
 
-# Real Caddy under wrk: plain, allow, deny, 100k keys, Redis; ROUNDS, DURATION,
-# OUT, PROFILE tune it (see the script's header).
-loadtest:
+# Real Caddy under wrk, this module and the peer module side by side with
+# plain Caddy; ROUNDS, DURATION, SCENARIOS, PEER, RESULTS, PROFILE tune it
+# (see the script's header). Writes loadtest/results/compare.{md,tsv,svg}.
+compare:
 	GO=$(GO) scripts/loadtest.sh
+
+loadtest: compare
 
 # The long forms of the multi-region scenarios (integration/soak_test.go):
 # default intervals, one-minute windows, SOAK_MINUTES (default 4) of load.

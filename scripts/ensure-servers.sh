@@ -1,23 +1,41 @@
 #!/usr/bin/env bash
-# Makes sure the servers the integration tests start privately are
-# installed: redis-server (origin tests) and mariadbd (propagation tests).
-# As root on Debian or Ubuntu it installs what is missing; anywhere else it
-# says what to install and fails.
+# Makes sure the programs the tests and the load harness start privately are
+# installed. Arguments name what to check (default: redis-server mariadbd,
+# what `make test` needs; the harness adds wrk):
+#
+#   scripts/ensure-servers.sh                          # redis-server, mariadbd
+#   scripts/ensure-servers.sh wrk redis-server mariadbd
+#
+# As root on Debian or Ubuntu it installs what is missing with apt-get;
+# anywhere else it says what to install and fails.
 set -euo pipefail
 
 # mariadbd lives in /usr/sbin, which is not on every user's PATH.
 PATH="$PATH:/usr/sbin:/usr/local/sbin"
 
-missing=()
-command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
-command -v mariadbd >/dev/null 2>&1 || missing+=(mariadb-server)
+want=("$@")
+[ ${#want[@]} -gt 0 ] || want=(redis-server mariadbd)
+
+missing=() # Debian package names
+for prog in "${want[@]}"; do
+	case $prog in
+	redis-server) pkg=redis-server ;;
+	mariadbd) pkg=mariadb-server ;;
+	wrk) pkg=wrk ;;
+	*)
+		echo "ensure-servers: unknown program '$prog' (redis-server, mariadbd, wrk)" >&2
+		exit 2
+		;;
+	esac
+	command -v "$prog" >/dev/null 2>&1 || missing+=("$pkg")
+done
 
 if [ ${#missing[@]} -eq 0 ]; then
 	exit 0
 fi
 
 if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
-	echo "installing ${missing[*]} (needed by the tests)" >&2
+	echo "installing ${missing[*]} with apt-get" >&2
 	export DEBIAN_FRONTEND=noninteractive
 	apt-get update
 	apt-get install -y --no-install-recommends "${missing[@]}"
@@ -25,12 +43,13 @@ if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
 fi
 
 cat >&2 <<MSG
-The tests need these servers on PATH (they start private instances of them):
-  redis-server   Redis 6 or later
-  mariadbd       MariaDB 10.6 or later
-Missing: ${missing[*]}
+These programs must be on PATH (private instances of them are started):
+  redis-server   Redis 6 or later            (Debian/Ubuntu package redis-server)
+  mariadbd       MariaDB 10.6 or later       (Debian/Ubuntu package mariadb-server)
+  wrk            wrk 4.x with LuaJIT         (Debian/Ubuntu package wrk)
+Missing packages: ${missing[*]}
 Install them, e.g.:
-  Debian/Ubuntu:  sudo apt-get install -y redis-server mariadb-server
-  macOS:          brew install redis mariadb
+  Debian/Ubuntu:  sudo apt-get install -y ${missing[*]}
+  macOS:          brew install redis mariadb wrk
 MSG
 exit 1
