@@ -368,4 +368,3 @@ func TestClose_FlushesPendingUnits(t *testing.T) {
 		t.Fatalf("origin total after Close = %d, want 42", got)
 	}
 }
-
