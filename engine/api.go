@@ -119,8 +119,8 @@ type Delta struct {
 	// included: the absolute total the origin raises this process's
 	// contribution to.
 	Own int64
-	// Totals is set by Flush: the cell's totals after the write (Prev is
-	// not read by a flush and stays zero).
+	// Totals is set by Flush: the cell's totals after the write, with the
+	// previous cell's, as a read returns them.
 	Totals Totals
 	// Done is set by Flush for each item the origin applied.
 	Done bool

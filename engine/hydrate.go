@@ -10,7 +10,10 @@ import (
 //
 //	cold cell (first touch)        read synchronously, once (single flight)
 //	fresh cell                     no read
-//	stale, < 50 %                  refresh in the background
+//	stale, < 50 %                  no read when the request charges units:
+//	                               their replay (within a tick) returns
+//	                               both cells as a read would; else refresh
+//	                               in the background
 //	stale, ≥ 50 %                  refresh synchronously first
 //
 // Near the limit, a shared cell (one the origin has shown other processes'
@@ -104,6 +107,11 @@ func (e *Engine) converge(o Origin, lc *located, l *Limit, now int64) *flight {
 		return nil // a denial never pays a round trip
 	case pressureAtLeast(effective, l.Limit, 1, 2):
 		return e.syncRead(o, lc)
+	case l.Cost > 0:
+		// Far from the limit, this request passes and its units replay
+		// within a tick; the replay brings both cells back as a read would,
+		// so a read now would only repeat it.
+		return nil
 	}
 	if _, started := e.startRead(o, lc, false); started {
 		e.stats.backgroundReads.Add(1)

@@ -69,7 +69,7 @@ func (m *memOrigin) Flush(ctx context.Context, batch []Delta) error {
 	for i := range batch {
 		id := cellID{batch[i].Key, batch[i].Sequence}
 		m.raise(id, batch[i].Own)
-		batch[i].Totals = Totals{Cur: m.totals[id], Mine: m.mine[id]}
+		batch[i].Totals = Totals{Cur: m.totals[id], Prev: m.totals[cellID{batch[i].Key, batch[i].Sequence - 1}], Mine: m.mine[id]}
 		batch[i].Done = true
 	}
 	return nil

@@ -368,3 +368,33 @@ func TestClose_FlushesPendingUnits(t *testing.T) {
 		t.Fatalf("origin total after Close = %d, want 42", got)
 	}
 }
+
+func TestTiers_StaleKeyBelowHalfIsRefreshedByItsOwnReplay(t *testing.T) {
+	e, clk, o := withOrigin(t, Config{})
+	l := lim("k", time.Minute, 1000, 1)
+	seq := clk.UnixMilli() / time.Minute.Milliseconds()
+	e.Decide(bg, l) // cold: one read
+	clk.Add(2 * time.Second)
+	o.add(l.Key, seq, 100)   // other nodes, this window
+	o.add(l.Key, seq-1, 300) // and the last
+	reads := o.reads.Load()
+	if !e.Decide(bg, l).Allowed {
+		t.Fatal("denied far below the limit")
+	}
+	if o.reads.Load() != reads {
+		t.Fatal("a stale key below half its limit read the origin although its request charges units")
+	}
+	if _, err := replayBoth(e); err != nil {
+		t.Fatal(err)
+	}
+	ks, _ := e.Inspect(l.Key)
+	if ks.Cells[0].Regional != 102 || len(ks.Cells) != 2 || ks.Cells[1].Regional != 300 || ks.FreshUntil.IsZero() {
+		t.Fatalf("after the replay: %+v; want both cells refreshed (102 and 300) and fresh", ks)
+	}
+	// A request that charges nothing replays nothing: it refreshes in the
+	// background instead.
+	clk.Add(2 * time.Second)
+	l.Cost = 0
+	e.Decide(bg, l)
+	waitFor(t, "a background read", func() bool { return o.reads.Load() == reads+1 })
+}

@@ -173,10 +173,15 @@ func (e *Engine) flush(ctx context.Context, o Origin, batch []Delta) error {
 	for i := range batch {
 		d := &batch[i]
 		if d.Done {
-			d.cell.observe(d.Totals)
-			d.cell.mergeOrigin(d.Totals.Cur)
-			d.cell.setBits(stHydrated)
-			d.cell.extendFresh(sent + e.freshnessMs())
+			// A replay refreshes what a read would: both cells.
+			if en, ok := d.zone.entries.Load(d.Key.Identifier); ok {
+				e.merge(en, d.cell, d.Totals, sent)
+			} else {
+				d.cell.observe(d.Totals)
+				d.cell.mergeOrigin(d.Totals.Cur)
+				d.cell.setBits(stHydrated)
+				d.cell.extendFresh(sent + e.freshnessMs())
+			}
 		} else {
 			failed = true
 			d.cell.own.Add(-d.Delta)

@@ -51,6 +51,7 @@ func (ep *endpoint) flush(ctx context.Context, batch []engine.Delta, idx []int) 
 	}
 
 	keys := make([]string, n)
+	prevs := make([]string, n)
 	var invalid []error
 	var todo []int
 	for j := 0; j < n; j++ {
@@ -61,7 +62,7 @@ func (ep *endpoint) flush(ctx context.Context, batch []engine.Delta, idx []int) 
 		case d.Own < 0 || d.Own > engine.MaxCount:
 			invalid = append(invalid, fmt.Errorf("zone %q: own total %d out of range", d.Key.Namespace, d.Own))
 		default:
-			keys[j] = cellKey(ep.r.prefix, d.Key, d.Sequence)
+			keys[j], prevs[j] = cellKeys(ep.r.prefix, d.Key, d.Sequence)
 			todo = append(todo, j)
 		}
 	}
@@ -74,7 +75,7 @@ func (ep *endpoint) flush(ctx context.Context, batch []engine.Delta, idx []int) 
 		var err error
 		for attempt := 0; attempt < 2 && len(todo) > 0; attempt++ {
 			var again []int
-			again, err = ep.writeOnce(ctx, keys, todo, item)
+			again, err = ep.writeOnce(ctx, keys, prevs, todo, item)
 			if len(again) == 0 {
 				break
 			}
@@ -96,13 +97,13 @@ func (ep *endpoint) flush(ctx context.Context, batch []engine.Delta, idx []int) 
 // Redis applied, and returns the items Redis refused for an unknown script.
 // Its error is the first command's error (the pipeline's), which the
 // breaker judges: a command refused for its own key does not count.
-func (ep *endpoint) writeOnce(ctx context.Context, keys []string, todo []int, item func(int) *engine.Delta) ([]int, error) {
+func (ep *endpoint) writeOnce(ctx context.Context, keys, prevs []string, todo []int, item func(int) *engine.Delta) ([]int, error) {
 	pipe := ep.client.Pipeline()
 	cmds := make([]*redis.Cmd, len(todo))
 	for i, j := range todo {
 		d := item(j)
 		at := expireAt(d.Key, d.Sequence).UnixMilli()
-		cmds[i] = writeScript.EvalSha(ctx, pipe, []string{keys[j], ownersKey(keys[j])},
+		cmds[i] = writeScript.EvalSha(ctx, pipe, []string{keys[j], ownersKey(keys[j]), prevs[j]},
 			ep.r.nodeID, d.Own, at)
 	}
 	ep.roundTrips.Add(1)
@@ -116,12 +117,12 @@ func (ep *endpoint) writeOnce(ctx context.Context, keys []string, todo []int, it
 			}
 			continue
 		}
-		vals, perr := scriptInts(c, 3)
+		vals, perr := scriptInts(c, 4)
 		if perr != nil {
 			continue
 		}
 		d := item(j)
-		d.Totals = engine.Totals{Cur: vals[0], Mine: vals[1], Shared: vals[2] > 1}
+		d.Totals = engine.Totals{Cur: vals[0], Prev: vals[3], Mine: vals[1], Shared: vals[2] > 1}
 		d.Done = true
 	}
 	return noScript, err

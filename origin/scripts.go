@@ -15,12 +15,11 @@ import "github.com/redis/go-redis/v9"
 // Numbers go back to Redis through string.format('%d'), never as Lua
 // numbers, which Redis would format with an exponent past 10^14.
 
-// writeLua raises this process's contribution to a cell.
-//
-//	KEYS[1] cell, KEYS[2] its contribution hash
-//	ARGV[1] node ID, ARGV[2] Own, ARGV[3] expiry (Unix ms)
-//	returns {cell total, this process's field, processes in the hash}
-const writeLua = `
+// raiseLua raises this process's field of a cell's contribution hash to its
+// absolute total and adds the difference to the cell (saturated); it leaves
+// the cell's total in total and the field in mine. writeLua and reserveLua
+// begin with it.
+const raiseLua = `
 local max = 9007199254740991
 local mine = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
 local own = tonumber(ARGV[2])
@@ -32,9 +31,20 @@ if own > mine then
   redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
   mine = own
 end
+`
+
+// writeLua raises this process's contribution to a cell, and returns the
+// previous cell's total too, so that a replay refreshes everything a
+// decision weighs, as a read would.
+//
+//	KEYS[1] cell, KEYS[2] its contribution hash, KEYS[3] the previous cell
+//	ARGV[1] node ID, ARGV[2] Own, ARGV[3] expiry (Unix ms)
+//	returns {cell total, this process's field, processes in the hash,
+//	previous cell total}
+const writeLua = raiseLua + `
 redis.call('PEXPIREAT', KEYS[1], ARGV[3])
 redis.call('PEXPIREAT', KEYS[2], ARGV[3])
-return {total, mine, redis.call('HLEN', KEYS[2])}
+return {total, mine, redis.call('HLEN', KEYS[2]), tonumber(redis.call('GET', KEYS[3]) or '0')}
 `
 
 // reserveLua is writeLua followed by the decision of one request against
@@ -53,18 +63,7 @@ return {total, mine, redis.call('HLEN', KEYS[2])}
 //	ARGV[9] global of the previous cell
 //	returns {admitted 0|1, cell total, previous cell total, this process's
 //	field, processes in the hash}
-const reserveLua = `
-local max = 9007199254740991
-local mine = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
-local own = tonumber(ARGV[2])
-local total = tonumber(redis.call('GET', KEYS[1]) or '0')
-if own > mine then
-  local add = own - mine
-  if add > max - total then add = max - total end
-  if add > 0 then total = redis.call('INCRBY', KEYS[1], string.format('%d', add)) end
-  redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
-  mine = own
-end
+const reserveLua = raiseLua + `
 local prev = tonumber(redis.call('GET', KEYS[3]) or '0')
 local cost, limit = tonumber(ARGV[4]), tonumber(ARGV[5])
 local w, r = tonumber(ARGV[6]), tonumber(ARGV[7])

@@ -3,6 +3,7 @@ package propagation
 import (
 	"cmp"
 	"context"
+	"database/sql"
 	"slices"
 	"time"
 
@@ -259,29 +260,11 @@ func (p *Propagator) readFailed(what string, err error) {
 // what expired, and asks the next flush to publish every eligible cell.
 func (p *Propagator) GlobalSyncOnce(ctx context.Context) {
 	now := p.now().UnixMilli()
-	var after []any
-	for page := 0; page < maxPages; page++ {
-		var rows []CountRow
-		err := p.query(ctx, func(ctx context.Context) error {
-			q, args := pageQuery("ratelimit_global_counts", countColumns, "region", after, now, pageSize)
-			rs, err := p.db.QueryContext(ctx, q, args...)
-			if err != nil {
-				return err
-			}
-			rows, err = scanCounts(rs)
-			return err
-		})
-		if err != nil {
-			p.readFailed("published counts", err)
-			break
-		}
-		p.applyCounts(rows, now)
-		if len(rows) < pageSize {
-			p.stats.lastPull.Store(p.now().UnixMilli())
-			break
-		}
-		l := rows[len(rows)-1]
-		after = []any{[]byte(l.Namespace), []byte(l.Identifier), l.WindowMs, l.Sequence, []byte(l.Region)}
+	if pullPages(p, ctx, "ratelimit_global_counts", countColumns, "region", "published counts", now,
+		scanCounts, func(r CountRow) []any {
+			return []any{[]byte(r.Namespace), []byte(r.Identifier), r.WindowMs, r.Sequence, []byte(r.Region)}
+		}, func(rows []CountRow) { p.applyCounts(rows, now) }) {
+		p.stats.lastPull.Store(p.now().UnixMilli())
 	}
 	p.prune(now)
 	p.mu.Lock()
@@ -295,30 +278,43 @@ func (p *Propagator) BlocklistSyncOnce(ctx context.Context) {
 		return
 	}
 	now := p.now().UnixMilli()
+	if pullPages(p, ctx, "ratelimit_blocklist", blocklistColumns, "origin_region", "denial rows", now,
+		scanBlocklist, func(r BlocklistRow) []any {
+			return []any{[]byte(r.Namespace), []byte(r.Identifier), r.WindowMs, r.Sequence, []byte(r.Region)}
+		}, func(rows []BlocklistRow) { p.applyBlocklist(rows, now) }) {
+		p.stats.lastBlocklistPull.Store(p.now().UnixMilli())
+	}
+}
+
+// pullPages reads the active rows of table in unique-key order, a page at a
+// time (at most maxPages), and hands each page to apply. It reports whether
+// it read to the end; a failed read is logged and ends the pull, keeping
+// what was imported.
+func pullPages[T any](p *Propagator, ctx context.Context, table, columns, regionCol, what string, now int64,
+	scan func(*sql.Rows) ([]T, error), key func(T) []any, apply func([]T)) bool {
 	var after []any
 	for page := 0; page < maxPages; page++ {
-		var rows []BlocklistRow
+		var rows []T
 		err := p.query(ctx, func(ctx context.Context) error {
-			q, args := pageQuery("ratelimit_blocklist", blocklistColumns, "origin_region", after, now, pageSize)
+			q, args := pageQuery(table, columns, regionCol, after, now, pageSize)
 			rs, err := p.db.QueryContext(ctx, q, args...)
 			if err != nil {
 				return err
 			}
-			rows, err = scanBlocklist(rs)
+			rows, err = scan(rs)
 			return err
 		})
 		if err != nil {
-			p.readFailed("denial rows", err)
-			return
+			p.readFailed(what, err)
+			return false
 		}
-		p.applyBlocklist(rows, now)
+		apply(rows)
 		if len(rows) < pageSize {
-			p.stats.lastBlocklistPull.Store(p.now().UnixMilli())
-			return
+			return true
 		}
-		l := rows[len(rows)-1]
-		after = []any{[]byte(l.Namespace), []byte(l.Identifier), l.WindowMs, l.Sequence, []byte(l.Region)}
+		after = key(rows[len(rows)-1])
 	}
+	return false
 }
 
 // CleanupOnce deletes expired rows of both tables in bounded chunks. Safe
