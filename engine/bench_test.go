@@ -102,13 +102,13 @@ func BenchmarkMemoryPerEntry(b *testing.B) {
 			b.Fatalf("live entries = %d, want %d", got, n)
 		}
 		// The next window: every key now holds a current and a previous cell.
-		clk.Add(time.Minute)
+		clk.Advance(time.Minute)
 		for j := range ids {
 			e.Decide(bg, lim(ids[j], time.Minute, 100, 1))
 		}
 		after2 := liveHeap()
 		b.ReportMetric(float64(after2-before+idBytes)/n, "2cells-heap+ids-B/entry")
-		clk.Add(2 * time.Minute)
+		clk.Advance(2 * time.Minute)
 		if dropped := e.Sweep(); dropped != n {
 			b.Fatalf("janitor dropped %d entries two windows later, want %d", dropped, n)
 		}
@@ -135,7 +135,7 @@ func BenchmarkGCWith100kKeys(b *testing.B) {
 		ls[i] = lim("user-"+strconv.Itoa(10_000_000+i), time.Minute, 100, 1)
 		e.Decide(bg, ls[i])
 	}
-	clk.Add(time.Minute)
+	clk.Advance(time.Minute)
 	for i := range ls {
 		e.Decide(bg, ls[i])
 	}

@@ -93,7 +93,7 @@ func TestSweep_KeepsAnEntryWhoseUnitsNoQueueTook(t *testing.T) {
 	}
 	// Two windows later every entry is idle, and both queues (one slot
 	// each) are full: the sweep must not forget the units of the rest.
-	clk.Add(2 * time.Minute)
+	clk.Advance(2 * time.Minute)
 	e.Sweep()
 	for i := 0; i < 4; i++ {
 		for _, tier := range []Tier{Fast, Slow} {

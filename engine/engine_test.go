@@ -36,7 +36,7 @@ func TestDecide_WindowBorders(t *testing.T) {
 					t.Fatalf("first window request %d denied", i)
 				}
 			}
-			clk.Set(epoch + w.Milliseconds() + tc.at)
+			clk.Set(time.UnixMilli(epoch + w.Milliseconds() + tc.at))
 			var passed int64
 			for i := 0; i < 100; i++ {
 				if e.Decide(bg, lim("k", w, tc.limit, tc.cost)).Allowed {
@@ -52,7 +52,7 @@ func TestDecide_WindowBorders(t *testing.T) {
 
 func TestDecide_HeadersValues(t *testing.T) {
 	e, clk := newTestEngine(t, Config{})
-	clk.Set(epoch + 15_000)
+	clk.Set(time.UnixMilli(epoch + 15_000))
 	d := e.Decide(bg, lim("k", time.Minute, 5, 2))
 	if !d.Allowed || d.Limit != 5 || d.Remaining != 3 || d.Reset != 45*time.Second || d.RetryAfter != 0 {
 		t.Fatalf("first decision = %+v", d)
@@ -85,12 +85,12 @@ func TestDecide_RetryAfterIsExact(t *testing.T) {
 	for i := 0; i < 300; i++ {
 		w := time.Duration(1+rng.IntN(120)) * time.Second
 		limit := int64(1 + rng.IntN(20))
-		clk.Set(epoch + rng.Int64N(w.Milliseconds()))
+		clk.Set(time.UnixMilli(epoch + rng.Int64N(w.Milliseconds())))
 		id := fmt.Sprint("k", i)
 		// Load the key over two windows with random traffic.
 		for j := 0; j < 40; j++ {
 			e.Decide(bg, lim(id, w, limit, int64(rng.IntN(3))))
-			clk.AddMs(rng.Int64N(w.Milliseconds()/10 + 1))
+			clk.Advance(time.Duration(rng.Int64N(w.Milliseconds()/10+1)) * time.Millisecond)
 		}
 		cost := int64(1 + rng.IntN(int(limit)))
 		d := e.Decide(bg, lim(id, w, limit, cost))
@@ -108,8 +108,8 @@ func TestDecide_RetryAfterIsExact(t *testing.T) {
 			pid := fmt.Sprint(id, "-probe-", probes)
 			copyKey(t, e, Key{Namespace: "zone", Identifier: id, Window: w}, pid)
 			now := clk.UnixMilli()
-			defer clk.Set(now)
-			clk.Add(after)
+			defer clk.Set(time.UnixMilli(now))
+			clk.Advance(after)
 			return e.Decide(bg, lim(pid, w, limit, cost)).Allowed
 		}
 		if probe(d.RetryAfter - time.Millisecond) {
@@ -243,11 +243,11 @@ func TestDecideMany_ConcurrentBatchesNeverExceedAnyLimit(t *testing.T) {
 
 func TestDecide_ClockSteppingBackNeverMovesAKeyBack(t *testing.T) {
 	e, clk := newTestEngine(t, Config{})
-	clk.Set(epoch + 61_000)
+	clk.Set(time.UnixMilli(epoch + 61_000))
 	for i := 0; i < 3; i++ {
 		e.Decide(bg, lim("k", time.Minute, 3, 1))
 	}
-	clk.Set(epoch + 59_000) // one window back
+	clk.Set(time.UnixMilli(epoch + 59_000)) // one window back
 	if d := e.Decide(bg, lim("k", time.Minute, 3, 1)); d.Allowed {
 		t.Fatalf("a step back in time reopened the key: %+v", d)
 	}

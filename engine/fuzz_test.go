@@ -29,7 +29,7 @@ func FuzzDecisionSequence(f *testing.F) {
 			now := clk.UnixMilli()
 			switch op % 4 {
 			case 0:
-				clk.AddMs(int64(arg) * 17)
+				clk.Advance(time.Duration(int64(arg)*17) * time.Millisecond)
 				continue
 			case 1:
 				k := keys[int(arg)%len(keys)]

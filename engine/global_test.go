@@ -66,7 +66,7 @@ func TestGlobal_ImportNeverRotatesBackwards(t *testing.T) {
 	key := Key{Namespace: "zone", Identifier: "k", Window: w}
 	seq := epoch / w.Milliseconds()
 	e.Decide(bg, lim("k", w, 100, 1))
-	clk.Add(w + 30*time.Second) // now in seq+1, half way
+	clk.Advance(w + 30*time.Second) // now in seq+1, half way
 	cases := []struct {
 		name  string
 		seq   int64
@@ -98,7 +98,7 @@ func TestGlobal_ImportForPreviousCellOfUnseenKey(t *testing.T) {
 	e.Zone("zone", w)
 	key := Key{Namespace: "zone", Identifier: "fresh", Window: w}
 	seq := epoch / w.Milliseconds()
-	clk.Add(w + 15*time.Second) // a quarter into seq+1
+	clk.Advance(w + 15*time.Second) // a quarter into seq+1
 	if !e.ImportGlobal(key, seq, 40, true) {
 		t.Fatal("previous-cell import of an unseen key not applied")
 	}
@@ -137,7 +137,7 @@ func TestGlobal_FirstDenialCarriesRegionalCountsOnly(t *testing.T) {
 	for i := 0; i < 6; i++ {
 		e.Decide(bg, lim("k", w, 100, 1))
 	}
-	clk.Add(w + 30*time.Second)
+	clk.Advance(w + 30*time.Second)
 	e.ImportGlobal(key, seq+1, 50, true)
 	for i := 0; i < 60; i++ {
 		e.Decide(bg, lim("k", w, 100, 1))

@@ -12,11 +12,11 @@ func TestJanitor_DropsEntriesTwoWindowsAfterTheirLastRequest(t *testing.T) {
 	for i := 0; i < 100; i++ {
 		e.Decide(bg, lim("id-"+strconv.Itoa(i), time.Minute, 10, 1))
 	}
-	clk.Add(time.Minute) // the cells still weigh as previous ones
+	clk.Advance(time.Minute) // the cells still weigh as previous ones
 	if n := e.Sweep(); n != 0 {
 		t.Fatalf("dropped %d entries whose cells still weigh", n)
 	}
-	clk.Add(time.Minute)
+	clk.Advance(time.Minute)
 	if n := e.Sweep(); n != 100 {
 		t.Fatalf("dropped %d entries two windows later, want 100", n)
 	}
@@ -37,7 +37,7 @@ func TestJanitor_DropsExpiredStrictDeadlines(t *testing.T) {
 	if len(e.StrictKeys()) != 1 {
 		t.Fatal("a denial did not put the key in strict mode")
 	}
-	clk.Add(time.Minute)
+	clk.Advance(time.Minute)
 	e.Sweep()
 	if s := e.Stats(); s.StrictKeys != 0 {
 		t.Fatalf("strict keys = %d after the deadline", s.StrictKeys)

@@ -6,6 +6,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/edgelimit/caddy-ratelimit/internal/testclock"
 )
 
 // manual is a config whose background loops never tick on their own: the
@@ -18,7 +20,7 @@ func manual(c Config) Config {
 	return c
 }
 
-func withOrigin(t *testing.T, cfg Config) (*Engine, *fakeClock, *memOrigin) {
+func withOrigin(t *testing.T, cfg Config) (*Engine, *testclock.Clock, *memOrigin) {
 	t.Helper()
 	e, clk := newTestEngine(t, manual(cfg))
 	o := newMemOrigin()
@@ -93,7 +95,7 @@ func TestHydration_FailedHydrationIsRetried(t *testing.T) {
 		t.Fatalf("a read was retried before the back-off (reads=%d)", o.reads.Load())
 	}
 	o.failReads(nil)
-	clk.Add(hydrateRetry)
+	clk.Advance(hydrateRetry)
 	if d := e.Decide(bg, l); d.Allowed {
 		t.Fatalf("after the retry the origin's 9 + local 2 should deny: %+v", d)
 	}
@@ -111,7 +113,7 @@ func TestTiers_HotKeyBelowHalfMakesNoSynchronousRead(t *testing.T) {
 	l := lim("hot", time.Hour, 1_000_000, 1)
 	for i := 0; i < 5000; i++ {
 		e.Decide(bg, l)
-		clk.AddMs(1) // 5 s in all: freshness lapses several times
+		clk.Advance(time.Duration(1) * time.Millisecond) // 5 s in all: freshness lapses several times
 		if i%100 == 0 {
 			if _, err := replayBoth(e); err != nil {
 				t.Fatal(err)
@@ -141,7 +143,7 @@ func TestTiers_StaleKeyAtHalfRefreshesSynchronously(t *testing.T) {
 	if e.Stats().SyncReads != before {
 		t.Fatal("a fresh key at 60 % read synchronously")
 	}
-	clk.Add(DefaultFreshness)
+	clk.Advance(DefaultFreshness)
 	o.add(l.Key, clk.UnixMilli()/time.Hour.Milliseconds(), 30)
 	e.Decide(bg, l)
 	if e.Stats().SyncReads != before+1 {
@@ -195,7 +197,7 @@ func TestReserve_LoneProcessNearItsLimitMakesNoRoundTrip(t *testing.T) {
 		if !e.Decide(bg, l).Allowed {
 			t.Fatalf("request %d denied below the limit", i)
 		}
-		clk.AddMs(20) // slower than a fast tick: every view is "old"
+		clk.Advance(time.Duration(20) * time.Millisecond) // slower than a fast tick: every view is "old"
 		if i%10 == 0 {
 			for _, tier := range []Tier{Slow, Fast} {
 				if _, err := e.ReplayOnce(bg, tier); err != nil {
@@ -224,7 +226,7 @@ func TestStrict_DenialMakesNoOriginCallAndRolloverReserves(t *testing.T) {
 			t.Fatal("denied below the limit")
 		}
 	}
-	clk.Set(epoch + 50_000)
+	clk.Set(time.UnixMilli(epoch + 50_000))
 	reads, reserves := o.reads.Load(), o.reserves.Load()
 	for i := 0; i < 100; i++ {
 		if e.Decide(bg, l).Allowed {
@@ -242,7 +244,7 @@ func TestStrict_DenialMakesNoOriginCallAndRolloverReserves(t *testing.T) {
 	}
 	// Next window, three quarters in: the previous cell weighs 2.5, so a
 	// request would pass locally; strict mode sends it to the origin.
-	clk.Set(epoch + 60_000 + 45_000)
+	clk.Set(time.UnixMilli(epoch + 60_000 + 45_000))
 	if _, err := e.ReplayOnce(bg, Fast); err != nil {
 		t.Fatal(err)
 	}
@@ -374,7 +376,7 @@ func TestTiers_StaleKeyBelowHalfIsRefreshedByItsOwnReplay(t *testing.T) {
 	l := lim("k", time.Minute, 1000, 1)
 	seq := clk.UnixMilli() / time.Minute.Milliseconds()
 	e.Decide(bg, l) // cold: one read
-	clk.Add(2 * time.Second)
+	clk.Advance(2 * time.Second)
 	o.add(l.Key, seq, 100)   // other nodes, this window
 	o.add(l.Key, seq-1, 300) // and the last
 	reads := o.reads.Load()
@@ -393,7 +395,7 @@ func TestTiers_StaleKeyBelowHalfIsRefreshedByItsOwnReplay(t *testing.T) {
 	}
 	// A request that charges nothing replays nothing: it refreshes in the
 	// background instead.
-	clk.Add(2 * time.Second)
+	clk.Advance(2 * time.Second)
 	l.Cost = 0
 	e.Decide(bg, l)
 	waitFor(t, "a background read", func() bool { return o.reads.Load() == reads+1 })

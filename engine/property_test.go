@@ -116,7 +116,7 @@ func TestProperty_EngineAgreesWithReference(t *testing.T) {
 	for run := 0; run < 40; run++ {
 		e, clk := newTestEngine(t, manual(Config{}))
 		ref := &refEngine{counts: map[refCell]int64{}}
-		clk.Set(epoch + rng.Int64N(60_000))
+		clk.Set(time.UnixMilli(epoch + rng.Int64N(60_000)))
 		randomLimit := func() Limit {
 			return Limit{
 				Key: Key{
@@ -129,7 +129,7 @@ func TestProperty_EngineAgreesWithReference(t *testing.T) {
 			}
 		}
 		for step := 0; step < 400; step++ {
-			clk.AddMs(rng.Int64N(1500))
+			clk.Advance(time.Duration(rng.Int64N(1500)) * time.Millisecond)
 			now := clk.UnixMilli()
 			n := 1 + rng.IntN(3)
 			ls := make([]Limit, 0, n)

@@ -22,7 +22,7 @@ func TestRace_RotationNeverAdmitsMoreThanTheLimitPerCell(t *testing.T) {
 			defer wg.Done()
 			for i := 0; i < 1000; i++ {
 				if g == 0 && i%10 == 0 {
-					clk.AddMs(100) // ten windows of one second in all
+					clk.Advance(time.Duration(100) * time.Millisecond) // ten windows of one second in all
 				}
 				if e.Decide(bg, lim("k", time.Second, limit, 1)).Allowed {
 					admitted.Add(1)
@@ -57,7 +57,7 @@ func TestRace_EvictionAndSweepUnderLoad(t *testing.T) {
 				if i%50 == 0 {
 					e.Evict()
 					e.Sweep()
-					clk.AddMs(7)
+					clk.Advance(time.Duration(7) * time.Millisecond)
 				}
 			}
 		}(g)
@@ -90,7 +90,7 @@ func TestRace_StrictAndBatchesWithOrigin(t *testing.T) {
 					e.ReplayOnce(bg, Fast)
 				case 20:
 					e.ReplayOnce(bg, Slow)
-					clk.AddMs(13)
+					clk.Advance(time.Duration(13) * time.Millisecond)
 				}
 				if g == 0 && i%50 == 0 {
 					e.StrictKeys()

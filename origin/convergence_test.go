@@ -9,15 +9,11 @@ import (
 
 	"github.com/edgelimit/caddy-ratelimit/engine"
 	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
+	"github.com/edgelimit/caddy-ratelimit/internal/testclock"
 )
 
-// simClock is the engines' injected clock, in Unix milliseconds.
-type simClock struct {
-	ms    atomic.Int64
-	nodes atomic.Int64 // nodes made, for their IDs
-}
-
-func (c *simClock) now() time.Time { return time.UnixMilli(c.ms.Load()) }
+// nodesMade numbers the simulated nodes, for their IDs.
+var nodesMade atomic.Int64
 
 // node is one simulated Caddy process: an engine with its own origin.
 type node struct {
@@ -27,15 +23,15 @@ type node struct {
 	flushedCells atomic.Int64
 }
 
-func newNode(t *testing.T, url string, clock *simClock) *node {
+func newNode(t *testing.T, url string, clock *testclock.Clock) *node {
 	t.Helper()
 	n := &node{}
-	n.o = newOrigin(t, Config{Redis: []string{url}}, Options{NodeID: t.Name() + fmt.Sprint(clock.nodes.Add(1)), OnCall: func(c CallInfo) {
+	n.o = newOrigin(t, Config{Redis: []string{url}}, Options{NodeID: t.Name() + fmt.Sprint(nodesMade.Add(1)), OnCall: func(c CallInfo) {
 		if c.Op == OpFlush && c.Outcome == OutcomeOK {
 			n.flushedCells.Add(int64(c.Cells))
 		}
 	}})
-	n.e = engine.New(engine.Config{Now: clock.now})
+	n.e = engine.New(engine.Config{Now: clock.Now})
 	n.e.SetOrigin(n.o)
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
@@ -84,16 +80,16 @@ func TestConvergence_TwoEnginesShareOneRedis(t *testing.T) {
 		duration = 10_000 // ms
 		perMs    = 2      // 2,000 req/s: one request per node per millisecond
 	)
-	clock := &simClock{}
+	clock := testclock.New(time.UnixMilli(0))
 	start := windowStart(window)
-	clock.ms.Store(start)
+	clock.Set(time.UnixMilli(start))
 	nodes := []*node{newNode(t, srv.URL(), clock), newNode(t, srv.URL(), clock)}
 	k := engine.Key{Namespace: "api", Identifier: "tenant-42", Window: window}
 
 	ctx := context.Background()
 	admitted := 0
 	for ms := int64(0); ms < duration; ms++ {
-		clock.ms.Store(start + ms)
+		clock.Set(time.UnixMilli(start + ms))
 		for i := 0; i < perMs; i++ {
 			d := nodes[i%len(nodes)].e.Decide(ctx, engine.Limit{Key: k, Limit: limit, Cost: 1})
 			if d.Allowed {
@@ -173,15 +169,15 @@ func TestConvergence_HotKeyBelowHalfItsLimit(t *testing.T) {
 		duration = 10_000 // ms
 		perMs    = 2
 	)
-	clock := &simClock{}
+	clock := testclock.New(time.UnixMilli(0))
 	start := windowStart(window)
-	clock.ms.Store(start)
+	clock.Set(time.UnixMilli(start))
 	n := newNode(t, srv.URL(), clock)
 	k := engine.Key{Namespace: "api", Identifier: "hot", Window: window}
 
 	ctx := context.Background()
 	for ms := int64(0); ms < duration; ms++ {
-		clock.ms.Store(start + ms)
+		clock.Set(time.UnixMilli(start + ms))
 		for i := 0; i < perMs; i++ {
 			if d := n.e.Decide(ctx, engine.Limit{Key: k, Limit: limit, Cost: 1}); !d.Allowed {
 				t.Fatalf("request denied at %d ms far below the limit", ms)
