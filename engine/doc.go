@@ -18,6 +18,8 @@
 //	replay loop → Origin.Flush → merge max   replay.go
 //	janitor: idle entries, the entry cap     janitor.go
 //	operators: Stats, Inspect, Scan, Forget  stats.go
+//	cross-region layer: entry creation and   global.go (SetGlobal, ScanCells,
+//	  first denials out, imports in            ImportGlobal, MarkPublished)
 //
 // The types the layers above see (Key, Limit, Decision, Origin, Totals,
 // Delta, Reservation) are in api.go.
