@@ -291,11 +291,13 @@ func TestDashboard_EveryQueriedMetricExists(t *testing.T) {
 
 	srv := redistest.Start(t)
 	t.Setenv("RATELIMIT_TEST_DASHBOARD_REDIS", srv.URL())
-	// The cross-region panels need the MySQL layer's series too.
+	// The cross-region panels need the MySQL layer's series too. The region
+	// is the one every MySQL test of this package uses: a process keeps the
+	// first region it wrote rows as (see provisionPropagation).
 	t.Setenv("RATELIMIT_TEST_DASHBOARD_MYSQL", mysqltest.Start(t).NewDatabase(t))
 	tester, admin, base := startCaddy(t, func(admin, port int) string {
 		return caddyConfig(admin, port, `	ratelimit {
-		region dashboard
+		region test-a
 		redis {env.RATELIMIT_TEST_DASHBOARD_REDIS}
 		prefix dashboard
 		mysql {env.RATELIMIT_TEST_DASHBOARD_MYSQL}
