@@ -10,7 +10,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/edgelimit/caddy-ratelimit/internal/mysqltest"
 	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
 )
 
@@ -247,6 +246,22 @@ func TestDashboard_MetricNamesOfAQuery(t *testing.T) {
 	}
 }
 
+// propagationMetricPrefix starts the cross-region layer's metrics.
+const propagationMetricPrefix = "caddy_ratelimit_propagation_"
+
+// splitQueries parts qs into those that select no metric starting with
+// prefix and those that do.
+func splitQueries(qs []dashboardQuery, prefix string) (without, with []dashboardQuery) {
+	for _, q := range qs {
+		if strings.Contains(q.expr, prefix) {
+			with = append(with, q)
+		} else {
+			without = append(without, q)
+		}
+	}
+	return without, with
+}
+
 // missingMetrics lists, per query, the metric names no scraped series has.
 func missingMetrics(qs []dashboardQuery, scraped map[string]bool) ([]string, error) {
 	var missing []string
@@ -291,16 +306,10 @@ func TestDashboard_EveryQueriedMetricExists(t *testing.T) {
 
 	srv := redistest.Start(t)
 	t.Setenv("RATELIMIT_TEST_DASHBOARD_REDIS", srv.URL())
-	// The cross-region panels need the MySQL layer's series too. The region
-	// is the one every MySQL test of this package uses: a process keeps the
-	// first region it wrote rows as (see provisionPropagation).
-	t.Setenv("RATELIMIT_TEST_DASHBOARD_MYSQL", mysqltest.Start(t).NewDatabase(t))
 	tester, admin, base := startCaddy(t, func(admin, port int) string {
 		return caddyConfig(admin, port, `	ratelimit {
-		region test-a
 		redis {env.RATELIMIT_TEST_DASHBOARD_REDIS}
 		prefix dashboard
-		mysql {env.RATELIMIT_TEST_DASHBOARD_MYSQL}
 	}`, `
 	handle {
 		ratelimit {
@@ -338,7 +347,14 @@ func TestDashboard_EveryQueriedMetricExists(t *testing.T) {
 		scraped[name] = true
 	}
 
-	missing, err := missingMetrics(qs, scraped)
+	// The cross-region panels are checked against the scrape of Caddy with
+	// MySQL (TestCaddy_MySQLLayer): a process keeps the first region it
+	// wrote rows as, so the package's MySQL tests share one config.
+	regional, crossRegion := splitQueries(qs, propagationMetricPrefix)
+	if len(crossRegion) == 0 {
+		t.Error("the dashboard has no cross-region panel")
+	}
+	missing, err := missingMetrics(regional, scraped)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -346,7 +362,7 @@ func TestDashboard_EveryQueriedMetricExists(t *testing.T) {
 		t.Errorf("the dashboard queries a metric the scrape does not have: %s", s)
 	}
 	// The check can fail: a misspelt metric is reported.
-	bad := append(slices.Clone(qs), dashboardQuery{"panel typo", `rate(caddy_ratelimit_decision_total[5m])`})
+	bad := append(slices.Clone(regional), dashboardQuery{"panel typo", `rate(caddy_ratelimit_decision_total[5m])`})
 	if missing, err := missingMetrics(bad, scraped); err != nil || len(missing) != 1 {
 		t.Fatalf("a misspelt metric gave %q, %v; want it reported alone", missing, err)
 	}

@@ -111,6 +111,16 @@ func TestCaddy_MySQLLayer(t *testing.T) {
 	if r := adminDo(t, admin, http.MethodPost, "/ratelimit/blocklist"); r.status != http.StatusMethodNotAllowed {
 		t.Fatalf("POST /ratelimit/blocklist: %d", r.status)
 	}
+	// The dashboard's cross-region panels select series this scrape has.
+	_, crossRegion := splitQueries(loadDashboardQueries(t), propagationMetricPrefix)
+	scraped := map[string]bool{}
+	for series := range scrape(t, admin) {
+		name, _, _ := strings.Cut(series, "{")
+		scraped[name] = true
+	}
+	if missing, err := missingMetrics(crossRegion, scraped); err != nil || len(missing) > 0 {
+		t.Errorf("the dashboard's cross-region panels query metrics the scrape does not have: %q (%v)", missing, err)
+	}
 	if got := metricValue(t, admin, `caddy_ratelimit_propagation_rows_written_total{table="ratelimit_blocklist"}`); got != written0+1 {
 		t.Errorf("rows_written_total{ratelimit_blocklist} went from %g to %g, want one more", written0, got)
 	}
