@@ -84,7 +84,7 @@ func TestTwoCaddyProcesses_ExactNearASmallLimit(t *testing.T) {
 	nodes := []*node{startNode(t, global, site), startNode(t, global, site)}
 	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 4}, Timeout: 5 * time.Second}
 	for _, n := range nodes {
-		send(t, client, n.url("/"), "warm-up")
+		sendKey(client, n.url("/"), "warm-up")
 	}
 
 	for run := 0; run < 10; run++ {
@@ -101,7 +101,7 @@ func TestTwoCaddyProcesses_ExactNearASmallLimit(t *testing.T) {
 		pace := time.NewTicker(time.Millisecond)
 		for i := 0; i < 300; i++ {
 			<-pace.C
-			switch code := send(t, client, nodes[i%2].url("/"), key); code {
+			switch code := sendKey(client, nodes[i%2].url("/"), key); code {
 			case http.StatusOK:
 				admitted++
 			case http.StatusTooManyRequests:

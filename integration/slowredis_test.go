@@ -48,7 +48,7 @@ func TestSlowRedis_StopsCostingLatencyWithinFiveSeconds(t *testing.T) {
 			for time.Since(start) < 5*time.Second {
 				key := fmt.Sprintf("cold-%d", seq.Add(1))
 				t0 := time.Now()
-				if code := send(t, client, n.url("/"), key); code != http.StatusOK {
+				if code := sendKey(client, n.url("/"), key); code != http.StatusOK {
 					t.Errorf("status %d", code)
 					return
 				}
@@ -115,7 +115,7 @@ func TestRollover_ColdHerdOnOneCoreKeepsHealthyBreakersClosed(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			for k := range work {
-				if code := send(t, client, n.url("/"), fmt.Sprintf("user-%d", k)); code != http.StatusOK {
+				if code := sendKey(client, n.url("/"), fmt.Sprintf("user-%d", k)); code != http.StatusOK {
 					failed.Add(1)
 				}
 			}

@@ -2,7 +2,6 @@ package integration
 
 import (
 	"fmt"
-	"io"
 	"net/http"
 	"sync"
 	"sync/atomic"
@@ -54,7 +53,7 @@ func TestTwoCaddyProcesses_ShareOneRedis(t *testing.T) {
 	// Warm both nodes' connections on another key.
 	for _, n := range nodes {
 		for i := 0; i < 20; i++ {
-			send(t, client, n.url("/"), "warm-up")
+			sendKey(client, n.url("/"), "warm-up")
 		}
 	}
 
@@ -80,7 +79,7 @@ func TestTwoCaddyProcesses_ShareOneRedis(t *testing.T) {
 			wg.Add(1)
 			go func() {
 				defer func() { <-sem; wg.Done() }()
-				switch send(t, client, n.url("/"), "the-key") {
+				switch sendKey(client, n.url("/"), "the-key") {
 				case http.StatusOK:
 					ok.Add(1)
 				case http.StatusTooManyRequests:
@@ -111,20 +110,3 @@ func TestTwoCaddyProcesses_ShareOneRedis(t *testing.T) {
 // loadDuration is how long the load runs: 2,000 requests a second for it
 // offer about twice the limit.
 const loadDuration = 9800 * time.Millisecond
-
-// send makes one GET with the key and returns the status (0 on error).
-func send(t *testing.T, c *http.Client, url, key string) int {
-	req, err := http.NewRequest(http.MethodGet, url, nil)
-	if err != nil {
-		t.Error(err)
-		return 0
-	}
-	req.Header.Set("X-Key", key)
-	resp, err := c.Do(req)
-	if err != nil {
-		return 0
-	}
-	_, _ = io.Copy(io.Discard, resp.Body)
-	resp.Body.Close()
-	return resp.StatusCode
-}
