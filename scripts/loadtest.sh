@@ -219,6 +219,10 @@ has_peer() { [[ " allow deny keys100k redis redis_keys100k redis_2nodes " == *" 
 NOTES=()
 read -r -a rows <<<"$SCENARIOS"
 
+# The tree the binary is built from, recorded now: commits may land while
+# the rounds run.
+commit=$(git rev-parse --short HEAD 2>/dev/null || echo '?')
+git diff --quiet HEAD -- . 2>/dev/null || commit+=" (with uncommitted changes)"
 echo "loadtest: building cmd/caddy"
 BIN=$TMP/caddy
 "$GO" build -o "$BIN" ./cmd/caddy || die "go build ./cmd/caddy failed"
@@ -546,8 +550,6 @@ ratio_list() { # ratio_list <variant> <metric array name> <base>: per-round rati
 }
 fmt() { awk -v x="$1" -v f="$2" 'BEGIN { printf f, x }'; }
 
-commit=$(git rev-parse --short HEAD 2>/dev/null || echo '?')
-git diff --quiet HEAD -- . 2>/dev/null || commit+=" (with uncommitted changes)"
 {
 	echo "# caddy-ratelimit: side-by-side load test"
 	echo
