@@ -89,7 +89,7 @@ func (c *cell) committed() int64 { return c.count.Load() - c.spec.Load() }
 
 // total is what decisions weigh: local and regional units plus the count
 // imported from other regions.
-func (c *cell) total() int64 { return satAdd(c.count.Load(), c.global.Load()) }
+func (c *cell) total() int64 { return SatAdd(c.count.Load(), c.global.Load()) }
 
 // mergeOrigin merges an origin total into the cell: count rises to at least
 // total plus what the origin has not seen (this process's pending units and
@@ -104,7 +104,7 @@ func (c *cell) mergeOrigin(total int64) {
 	for {
 		s := c.spec.Load()
 		old := c.count.Load()
-		v := satAdd(satAdd(clampUnits(total), c.pending.Load()), s)
+		v := SatAdd(SatAdd(ClampCount(total), c.pending.Load()), s)
 		if c.spec.Load() != s {
 			continue
 		}
@@ -208,7 +208,7 @@ func (en *entry) current(seq int64) *cell {
 func addSat(a *atomic.Int64, n int64) {
 	for {
 		old := a.Load()
-		if a.CompareAndSwap(old, satAdd(old, n)) {
+		if a.CompareAndSwap(old, SatAdd(old, n)) {
 			return
 		}
 	}

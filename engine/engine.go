@@ -327,7 +327,7 @@ func (e *Engine) insert(z *Zone, id string, seq int64) *entry {
 // must expect it, with the weighed counts derived from that same load.
 func (lc *located) snapshot() (n, cur, prev int64) {
 	n = lc.cur.count.Load()
-	cur = satAdd(n, lc.cur.global.Load())
+	cur = SatAdd(n, lc.cur.global.Load())
 	if p := lc.en.previous(lc.cur); p != nil {
 		prev = p.total()
 	}
@@ -338,10 +338,10 @@ func (lc *located) snapshot() (n, cur, prev int64) {
 // limit, however hostile, can overflow the arithmetic or refund units.
 func clampLimit(l *Limit) {
 	if uint64(l.Cost) > MaxCount {
-		l.Cost = clampUnits(l.Cost)
+		l.Cost = ClampCount(l.Cost)
 	}
 	if uint64(l.Limit) > MaxCount {
-		l.Limit = clampUnits(l.Limit)
+		l.Limit = ClampCount(l.Limit)
 	}
 }
 
@@ -351,7 +351,7 @@ func clampLimit(l *Limit) {
 // counts are not part of the swap: they only grow, and a change there can
 // only have made the verdict a little early, never admit past the count.
 func charge(c *cell, n, cost int64) bool {
-	return cost == 0 || c.count.CompareAndSwap(n, satAdd(n, cost))
+	return cost == 0 || c.count.CompareAndSwap(n, SatAdd(n, cost))
 }
 
 // Decide decides one limit and, when it allows, charges its cost. A denial
@@ -397,8 +397,8 @@ func (e *Engine) decideLocal(lc *located, l *Limit) Decision {
 // because the request is served anyway, reported as the denial it would
 // have been, recording nothing a denial records).
 func (e *Engine) allow(lc *located, l *Limit, ok bool, cur, prev int64) Decision {
-	after := satAdd(cur, l.Cost)
-	e.committed(lc, l.Cost, satAdd(after, weighted(prev, lc.w, lc.r)), l.Limit)
+	after := SatAdd(cur, l.Cost)
+	e.committed(lc, l.Cost, SatAdd(after, weighted(prev, lc.w, lc.r)), l.Limit)
 	d := lc.passed(l.Limit, after, prev)
 	if !ok {
 		d.Allowed = false
@@ -444,7 +444,7 @@ func (e *Engine) deny(lc *located, l *Limit, cur, prev int64) Decision {
 	if lc.cur.state.Load()&stBlocked == 0 && lc.cur.setBits(stBlocked) {
 		e.stats.firstDenials.Add(1)
 		if f := e.cfg.OnFirstDenial; f != nil {
-			used := satAdd(cur, weighted(prev, lc.w, lc.r))
+			used := SatAdd(cur, weighted(prev, lc.w, lc.r))
 			lim := *l
 			lim.Key, lim.Zone = lc.key(), lc.zone
 			f(Denial{Limit: lim, Sequence: lc.cur.seq, Used: used})
@@ -541,7 +541,7 @@ func (e *Engine) DecideMany(ctx context.Context, ls []Limit, out []Decision) boo
 		// holds it, so the committed count only grows.
 		lc.cur.spec.Add(-ls[i].Cost)
 		_, cur, prev := lc.snapshot()
-		e.committed(lc, ls[i].Cost, satAdd(cur, weighted(prev, lc.w, lc.r)), ls[i].Limit)
+		e.committed(lc, ls[i].Cost, SatAdd(cur, weighted(prev, lc.w, lc.r)), ls[i].Limit)
 		out[i] = lc.passed(ls[i].Limit, cur, prev)
 		if lc.wouldDeny {
 			out[i].Allowed = false

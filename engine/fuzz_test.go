@@ -114,10 +114,10 @@ func FuzzHostileCostsAndLimits(f *testing.F) {
 				if after < before || after < 0 || after > MaxCount {
 					t.Fatalf("%+v: count %d → %d", l, before, after)
 				}
-				cost, limit := clampUnits(l.Cost), clampUnits(l.Limit)
+				cost, limit := ClampCount(l.Cost), ClampCount(l.Limit)
 				switch {
 				case l.DryRun:
-					if after != satAdd(before, cost) {
+					if after != SatAdd(before, cost) {
 						t.Fatalf("dry run %+v: count %d → %d, want +%d", l, before, after, cost)
 					}
 				case d.Allowed:

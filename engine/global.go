@@ -96,12 +96,12 @@ func (e *Engine) globalDenial(lc *located, l *Limit, cur, prev int64) {
 	d.Limit = *l
 	d.Key, d.Zone = lc.key(), lc.zone
 	d.Sequence = lc.cur.seq
-	d.Used = satAdd(cur, weighted(prev, lc.w, lc.r))
+	d.Used = SatAdd(cur, weighted(prev, lc.w, lc.r))
 	d.Cur = lc.cur.committed()
 	if p := lc.en.previous(lc.cur); p != nil {
 		d.Prev = p.committed()
 	}
-	d.RegionalUsed = satAdd(d.Cur, weighted(d.Prev, lc.w, lc.r))
+	d.RegionalUsed = SatAdd(d.Cur, weighted(d.Prev, lc.w, lc.r))
 	g.FirstDenial(d)
 }
 
@@ -150,7 +150,7 @@ func (e *Engine) ScanCells(minWindow time.Duration, f func(v *CellView) bool) {
 				eff = cur.total()
 			}
 			if prev != nil {
-				eff = satAdd(eff, weighted(prev.total(), z.w, r))
+				eff = SatAdd(eff, weighted(prev.total(), z.w, r))
 			}
 			for _, x := range [2]*cell{cur, prev} {
 				if x == nil {
@@ -226,7 +226,7 @@ func (e *Engine) RaiseRegional(key Key, seq, n int64) bool {
 	if c == nil {
 		return false
 	}
-	raise(&c.count, clampUnits(n))
+	raise(&c.count, ClampCount(n))
 	return true
 }
 
@@ -290,7 +290,7 @@ func (e *Engine) ImportGlobal(key Key, seq, total int64, create bool) bool {
 	if c == nil {
 		return false
 	}
-	raise(&c.global, clampUnits(total))
+	raise(&c.global, ClampCount(total))
 	return true
 }
 

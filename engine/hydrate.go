@@ -101,7 +101,7 @@ func (e *Engine) converge(o Origin, lc *located, l *Limit, now int64) *flight {
 		return nil
 	}
 	_, cur, prev := lc.snapshot()
-	effective := satAdd(satAdd(cur, weighted(prev, lc.w, lc.r)), l.Cost)
+	effective := SatAdd(SatAdd(cur, weighted(prev, lc.w, lc.r)), l.Cost)
 	switch {
 	case effective > l.Limit:
 		return nil // a denial never pays a round trip

@@ -54,7 +54,7 @@ func (m *memOrigin) Read(ctx context.Context, key Key, seq int64) (Totals, error
 // raise is the idempotent write: this process's contribution rises to own.
 func (m *memOrigin) raise(id cellID, own int64) {
 	if d := own - m.mine[id]; d > 0 {
-		m.totals[id] = satAdd(m.totals[id], d)
+		m.totals[id] = SatAdd(m.totals[id], d)
 		m.mine[id] = own
 	}
 }
@@ -89,10 +89,10 @@ func (m *memOrigin) Reserve(ctx context.Context, r *Reservation) error {
 	m.raise(id, r.Own)
 	cur, prev := m.totals[id], m.totals[cellID{r.Key, r.Sequence - 1}]
 	w := r.Key.Window.Milliseconds()
-	r.Admitted = fits(satAdd(cur, r.Global), satAdd(prev, r.GlobalPrev), r.Cost, r.Limit, w, r.Elapsed)
+	r.Admitted = fits(SatAdd(cur, r.Global), SatAdd(prev, r.GlobalPrev), r.Cost, r.Limit, w, r.Elapsed)
 	if r.Admitted {
-		m.totals[id] = satAdd(cur, r.Cost)
-		m.mine[id] = satAdd(m.mine[id], r.Cost)
+		m.totals[id] = SatAdd(cur, r.Cost)
+		m.mine[id] = SatAdd(m.mine[id], r.Cost)
 	}
 	r.Totals = Totals{Cur: m.totals[id], Prev: prev, Mine: m.mine[id]}
 	return nil

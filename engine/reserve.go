@@ -35,8 +35,8 @@ func (e *Engine) nearLimit(lc *located, l *Limit, cur, prev, now int64) bool {
 	if strictUntil(lc.zone, lc.id) > now {
 		return true
 	}
-	effective := satAdd(satAdd(cur, weighted(prev, lc.w, lc.r)), l.Cost)
-	return pressureAtLeast(satAdd(effective, e.foreignGrowth(lc, now)), l.Limit, 9, 10)
+	effective := SatAdd(SatAdd(cur, weighted(prev, lc.w, lc.r)), l.Cost)
+	return pressureAtLeast(SatAdd(effective, e.foreignGrowth(lc, now)), l.Limit, 9, 10)
 }
 
 // foreignGrowth estimates the units other processes admit to lc's cell
@@ -151,8 +151,8 @@ func (e *Engine) reserveAtOrigin(ctx context.Context, o Origin, lc *located, l *
 		_, cur, prev := lc.snapshot()
 		// The origin's verdict stands even if the local counts, which never
 		// saw its previous cell, would let the request pass.
-		cur = max(cur, satAdd(r.Totals.Cur, r.Global))
-		prev = max(prev, satAdd(r.Totals.Prev, r.GlobalPrev))
+		cur = max(cur, SatAdd(r.Totals.Cur, r.Global))
+		prev = max(prev, SatAdd(r.Totals.Prev, r.GlobalPrev))
 		return e.deny(lc, l, cur, prev), true
 	}
 	e.stats.reservationsAdmitted.Add(1)

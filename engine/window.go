@@ -102,9 +102,9 @@ func pressureAtLeast(effective, limit, num, den int64) bool {
 // count and sum saturates at it; larger limits and costs are taken as it.
 const MaxCount = 1<<53 - 1
 
-// clampUnits returns n within [0, MaxCount]: a negative cost or limit is
+// ClampCount returns n within [0, MaxCount]: a negative cost or limit is
 // zero (never a refund), a huge one the ceiling (never an overflow).
-func clampUnits(n int64) int64 {
+func ClampCount(n int64) int64 {
 	switch {
 	case n < 0:
 		return 0
@@ -114,10 +114,8 @@ func clampUnits(n int64) int64 {
 	return n
 }
 
-// satAdd returns a + b saturated at MaxCount, for a, b in [0, MaxCount].
-func satAdd(a, b int64) int64 {
-	if s := a + b; s < MaxCount {
-		return s
-	}
-	return MaxCount
+// SatAdd returns a + b within [0, MaxCount], whatever a and b: each is
+// clamped first, so the sum cannot overflow.
+func SatAdd(a, b int64) int64 {
+	return min(ClampCount(a)+ClampCount(b), MaxCount)
 }

@@ -219,7 +219,7 @@ func (ep *endpoint) reserve(ctx context.Context, res *engine.Reservation) error 
 	cur, prev := cellKeys(ep.r.prefix, res.Key, res.Sequence)
 	keys := []string{cur, ownersKey(cur), prev}
 	args := []any{ep.r.nodeID, res.Own, expireAt(res.Key, res.Sequence).UnixMilli(), res.Cost, res.Limit,
-		windowMs(res.Key.Window), res.Elapsed, clampCount(res.Global), clampCount(res.GlobalPrev)}
+		windowMs(res.Key.Window), res.Elapsed, engine.ClampCount(res.Global), engine.ClampCount(res.GlobalPrev)}
 	var vals []int64
 	err := ep.sync.guard(func() error {
 		ep.roundTrips.Add(1)
@@ -239,6 +239,3 @@ func (ep *endpoint) reserve(ctx context.Context, res *engine.Reservation) error 
 	res.Totals = engine.Totals{Cur: vals[1], Prev: vals[2], Mine: vals[3], Shared: vals[4] > 1}
 	return nil
 }
-
-// clampCount bounds a count sent to a script to [0, engine.MaxCount].
-func clampCount(n int64) int64 { return min(max(n, 0), engine.MaxCount) }

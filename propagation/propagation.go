@@ -123,19 +123,9 @@ type cellImport struct {
 func (ci *cellImport) sum() int64 {
 	var s int64
 	for _, n := range ci.regions {
-		s = satAdd(s, n)
+		s = engine.SatAdd(s, n)
 	}
 	return s
-}
-
-// maxCount saturates counts: the engine and Redis hold at most 2^53 − 1.
-const maxCount = 1<<53 - 1
-
-func satAdd(a, b int64) int64 {
-	if s := a + b; s >= a && s <= maxCount {
-		return s
-	}
-	return maxCount
 }
 
 // Options are the hooks a Propagator is made with.

@@ -176,7 +176,7 @@ func (p *Propagator) pushCounts(ctx context.Context) []cellKey {
 		w := c.view.Key.Window.Milliseconds()
 		rows[i] = &CountRow{
 			Namespace: c.view.Key.Namespace, Identifier: p.rowID(c.view.Key.Identifier), WindowMs: w,
-			Sequence: c.view.Sequence, Region: p.cfg.Region, Count: min(c.view.Regional, maxCount),
+			Sequence: c.view.Sequence, Region: p.cfg.Region, Count: engine.ClampCount(c.view.Regional),
 			ExpiresMs: expiresMs(c.view.Sequence, w),
 		}
 	}
