@@ -46,6 +46,26 @@ func cellKeys(prefix string, key engine.Key, seq int64) (cur, prev string) {
 	return cur, prev
 }
 
+// appendWriteKeys appends the three keys a write of the cell (key, seq)
+// names: the cell's key, its contribution hash's key and the previous
+// cell's key, and returns where each ends in b.
+func appendWriteKeys(b []byte, prefix string, key engine.Key, seq int64) ([]byte, [3]int) {
+	from := len(b)
+	b = appendTag(append(append(b, prefix...), ':'), key)
+	b = append(b, ':')
+	b = strconv.AppendInt(b, windowMs(key.Window), 10)
+	b = append(b, ':')
+	stem := len(b)
+	b = strconv.AppendInt(b, seq, 10)
+	var ends [3]int
+	ends[0] = len(b)
+	b = append(append(b, b[from:ends[0]]...), ownersSuffix...)
+	ends[1] = len(b)
+	b = strconv.AppendInt(append(b, b[from:stem]...), seq-1, 10)
+	ends[2] = len(b)
+	return b, ends
+}
+
 // ownersSuffix ends the key of a cell's contribution hash. A cell key
 // ends in an integer, so the two can never be equal.
 const ownersSuffix = ":own"

@@ -15,21 +15,24 @@ import "github.com/redis/go-redis/v9"
 // Numbers go back to Redis through string.format('%d'), never as Lua
 // numbers, which Redis would format with an exponent past 10^14.
 
-// raiseLua raises this process's field of a cell's contribution hash to its
-// absolute total and adds the difference to the cell (saturated); it leaves
-// the cell's total in total and the field in mine. writeLua and reserveLua
-// begin with it.
+// raiseLua defines raise(k, h, node, own): it raises the field node of
+// the contribution hash h of cell k to the absolute total own (a decimal
+// string) and adds the difference to the cell (saturated), and returns the
+// cell's total and the field. Every write script begins with it.
 const raiseLua = `
 local max = 9007199254740991
-local mine = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
-local own = tonumber(ARGV[2])
-local total = tonumber(redis.call('GET', KEYS[1]) or '0')
-if own > mine then
-  local add = own - mine
-  if add > max - total then add = max - total end
-  if add > 0 then total = redis.call('INCRBY', KEYS[1], string.format('%d', add)) end
-  redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
-  mine = own
+local function raise(k, h, node, own)
+  local mine = tonumber(redis.call('HGET', h, node) or '0')
+  local n = tonumber(own)
+  local total = tonumber(redis.call('GET', k) or '0')
+  if n > mine then
+    local add = n - mine
+    if add > max - total then add = max - total end
+    if add > 0 then total = redis.call('INCRBY', k, string.format('%d', add)) end
+    redis.call('HSET', h, node, own)
+    mine = n
+  end
+  return total, mine
 end
 `
 
@@ -42,6 +45,7 @@ end
 //	returns {cell total, this process's field, processes in the hash,
 //	previous cell total}
 const writeLua = raiseLua + `
+local total, mine = raise(KEYS[1], KEYS[2], ARGV[1], ARGV[2])
 redis.call('PEXPIREAT', KEYS[1], ARGV[3])
 redis.call('PEXPIREAT', KEYS[2], ARGV[3])
 return {total, mine, redis.call('HLEN', KEYS[2]), tonumber(redis.call('GET', KEYS[3]) or '0')}
@@ -64,6 +68,7 @@ return {total, mine, redis.call('HLEN', KEYS[2]), tonumber(redis.call('GET', KEY
 //	returns {admitted 0|1, cell total, previous cell total, this process's
 //	field, processes in the hash}
 const reserveLua = raiseLua + `
+local total, mine = raise(KEYS[1], KEYS[2], ARGV[1], ARGV[2])
 local prev = tonumber(redis.call('GET', KEYS[3]) or '0')
 local cost, limit = tonumber(ARGV[4]), tonumber(ARGV[5])
 local w, r = tonumber(ARGV[6]), tonumber(ARGV[7])
@@ -81,6 +86,34 @@ end
 redis.call('PEXPIREAT', KEYS[1], ARGV[3])
 redis.call('PEXPIREAT', KEYS[2], ARGV[3])
 return {admitted, total, prev, mine, redis.call('HLEN', KEYS[2])}
+`
+
+// writeManyLua is writeLua for many cells in one call, for a Redis that is
+// not a Cluster (the cells of different keys lie in different slots). A cell
+// whose commands Redis refuses (a key holding another type) fails alone.
+//
+//	KEYS[3i+1] cell i, KEYS[3i+2] its contribution hash, KEYS[3i+3] the
+//	cell before it (i from 0)
+//	ARGV[1] node ID, ARGV[2] "<Own> <expiry> <Own> <expiry> …", one pair
+//	per cell, decimal
+//	returns one string, per cell in order either "<cell total> <this
+//	process's field> <processes in the hash> <previous cell total>" or
+//	"e", separated by spaces: one bulk reply the client reads without a
+//	value per number
+const writeManyLua = raiseLua + `
+local node, out, i = ARGV[1], {}, 0
+for own, at in string.gmatch(ARGV[2], '(%d+) (%d+)') do
+  local k, h, p = KEYS[3*i+1], KEYS[3*i+2], KEYS[3*i+3]
+  local ok, res = pcall(function()
+    local total, mine = raise(k, h, node, own)
+    redis.call('PEXPIREAT', k, at)
+    redis.call('PEXPIREAT', h, at)
+    return string.format('%d %d %d %d', total, mine, redis.call('HLEN', h), tonumber(redis.call('GET', p) or '0'))
+  end)
+  i = i + 1
+  out[i] = ok and res or 'e'
+end
+return table.concat(out, ' ')
 `
 
 // readLua reads a cell and the one before it, and registers this process
@@ -104,7 +137,8 @@ return {tonumber(redis.call('GET', KEYS[1]) or '0'), tonumber(redis.call('GET', 
 `
 
 var (
-	readScript    = redis.NewScript(readLua)
-	writeScript   = redis.NewScript(writeLua)
-	reserveScript = redis.NewScript(reserveLua)
+	readScript      = redis.NewScript(readLua)
+	writeScript     = redis.NewScript(writeLua)
+	writeManyScript = redis.NewScript(writeManyLua)
+	reserveScript   = redis.NewScript(reserveLua)
 )
