@@ -5,6 +5,7 @@ import (
 	"errors"
 	"net/http"
 	"net/http/httptest"
+	"strconv"
 	"testing"
 	"time"
 
@@ -144,6 +145,42 @@ func BenchmarkHandler_AllowDeny(b *testing.B) {
 				if err := h.ServeHTTP(rec, req, next); !errors.As(err, &he) || he.StatusCode != http.StatusTooManyRequests {
 					b.Fatalf("want a 429, got %v", err)
 				}
+			}
+		})
+	}
+}
+
+// BenchmarkHandler_Keys cycles warm requests through n distinct keys (the
+// load harness's keys100k row in process): what a large key set adds to a
+// decision is the cost of reaching an entry that is not in the CPU's caches.
+func BenchmarkHandler_Keys(b *testing.B) {
+	for _, n := range []int{1, 100_000} {
+		b.Run(strconv.Itoa(n), func(b *testing.B) {
+			h := &Handler{Zones: []*Zone{zoneOf("k", 1<<50, time.Hour)}}
+			provisionBench(b, h)
+			ids := make([]string, n)
+			for i := range ids {
+				ids[i] = "k" + strconv.Itoa(i)
+			}
+			req := requestWith(map[string]string{"k": ids[0]})
+			repl := req.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+			rec := httptest.NewRecorder()
+			next := caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error { return nil })
+			serve := func(i int) {
+				repl.Set("test.k", ids[i%n])
+				clear(rec.Header())
+				if err := h.ServeHTTP(rec, req, next); err != nil {
+					b.Fatal(err)
+				}
+			}
+			for i := range ids { // every key warm
+				serve(i)
+			}
+			b.ReportAllocs()
+			i := 0
+			for b.Loop() {
+				serve(i)
+				i++
 			}
 		})
 	}
