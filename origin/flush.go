@@ -5,9 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
-	"strings"
 	"time"
-	"unsafe"
 
 	"github.com/redis/go-redis/v9"
 
@@ -134,13 +132,7 @@ func (ep *endpoint) writeEach(ctx context.Context, todo []int, item func(int) *e
 	return noScript, err
 }
 
-// writeChunk is the most cells one call of writeManyScript carries. A
-// script holds Redis for its whole run, so a chunk bounds that (64 cells
-// run in well under a millisecond) while the fixed cost of a call is
-// shared by many cells.
-const writeChunk = 64
-
-// writeMany sends the items todo in chunks of writeChunk cells, one call of
+// writeMany sends the items todo in chunks of manyChunk cells, one call of
 // writeManyScript per chunk, all in one pipeline; it marks the items Redis
 // applied and returns those of chunks Redis refused for an unknown script.
 // A chunk's arguments are built in a few buffers, and its reply is one
@@ -152,16 +144,25 @@ const writeChunk = 64
 // script, and is reported in the error without reaching the breaker.
 func (ep *endpoint) writeMany(ctx context.Context, todo []int, item func(int) *engine.Delta) ([]int, error) {
 	pipe := ep.client.Pipeline()
-	cmds := make([]*redis.Cmd, 0, (len(todo)+writeChunk-1)/writeChunk)
-	for lo := 0; lo < len(todo); lo += writeChunk {
-		cmds = append(cmds, pipe.Do(ctx, ep.writeManyArgs(todo[lo:min(lo+writeChunk, len(todo))], item)...))
+	cmds := make([]*redis.Cmd, 0, (len(todo)+manyChunk-1)/manyChunk)
+	for lo := 0; lo < len(todo); lo += manyChunk {
+		part := todo[lo:min(lo+manyChunk, len(todo))]
+		cmds = append(cmds, pipe.Do(ctx, ep.manyArgs(writeManyScript, len(part), func(i int) (engine.Key, int64) {
+			d := item(part[i])
+			return d.Key, d.Sequence
+		}, func(b []byte, i int) []byte {
+			d := item(part[i])
+			b = strconv.AppendInt(b, d.Own, 10)
+			b = append(b, ' ')
+			return strconv.AppendInt(b, expireAt(d.Key, d.Sequence).UnixMilli(), 10)
+		})...))
 	}
 	ep.roundTrips.Add(1)
 	_, err := pipe.Exec(ctx)
 	var noScript []int
 	refused := 0
 	for i, c := range cmds {
-		part := todo[i*writeChunk : min((i+1)*writeChunk, len(todo))]
+		part := todo[i*manyChunk : min((i+1)*manyChunk, len(todo))]
 		if c.Err() != nil {
 			if redis.HasErrorPrefix(c.Err(), "NOSCRIPT") {
 				noScript = append(noScript, part...)
@@ -172,103 +173,16 @@ func (ep *endpoint) writeMany(ctx context.Context, todo []int, item func(int) *e
 		if terr != nil {
 			continue
 		}
-		refused += applyWriteReply(reply, part, item)
+		refused += parseMany(reply, len(part), func(i int, v [4]int64) {
+			d := item(part[i])
+			d.Totals = engine.Totals{Cur: v[0], Prev: v[3], Mine: v[1], Shared: v[2] > 1}
+			d.Done = true
+		})
 	}
 	if err == nil && refused > 0 {
 		err = refusedCells(refused)
 	}
 	return noScript, err
-}
-
-// refusedCells is the error of a write whose script refused some cells
-// (their keys hold another type). It is a Redis reply about those keys, not
-// about Redis, so the breaker does not hold it against the endpoint.
-type refusedCells int
-
-func (n refusedCells) Error() string {
-	return fmt.Sprintf("the write script refused %d cells (a key holds another type)", int(n))
-}
-
-// RedisError makes refusedCells a redis.Error.
-func (refusedCells) RedisError() {}
-
-// writeManyArgs returns the command of one chunk: EVALSHA, the script, and
-// per cell its key, its contribution hash's key and the previous cell's
-// key, then the node ID and one string of (Own, expiry) pairs. The keys
-// share one string; the command refers to them by pointer, which go-redis
-// writes as strings without a value per key.
-func (ep *endpoint) writeManyArgs(part []int, item func(int) *engine.Delta) []any {
-	size := 0
-	for _, j := range part {
-		k := &item(j).Key
-		size += 3 * (len(ep.r.prefix) + len(k.Namespace) + len(k.Identifier) + 32)
-	}
-	kb, ab := make([]byte, 0, size), make([]byte, 0, 32*len(part))
-	ends := make([]int, 0, 3*len(part))
-	for _, j := range part {
-		d := item(j)
-		var e [3]int
-		kb, e = appendWriteKeys(kb, ep.r.prefix, d.Key, d.Sequence)
-		ends = append(ends, e[:]...)
-		ab = strconv.AppendInt(ab, d.Own, 10)
-		ab = append(ab, ' ')
-		ab = strconv.AppendInt(ab, expireAt(d.Key, d.Sequence).UnixMilli(), 10)
-		ab = append(ab, ' ')
-	}
-	// kb is never written again: the keys can share its bytes.
-	all := unsafe.String(unsafe.SliceData(kb), len(kb))
-	keys := make([]string, len(ends))
-	args := make([]any, 0, 3+len(keys)+2)
-	args = append(args, "evalsha", writeManyScript.Hash(), len(keys))
-	from := 0
-	for i, end := range ends {
-		keys[i] = all[from:end]
-		from = end
-		args = append(args, &keys[i])
-	}
-	return append(args, &ep.r.nodeID, string(ab))
-}
-
-// applyWriteReply reads writeManyScript's reply for the items part, marks
-// the items it applied and returns how many cells it refused.
-func applyWriteReply(reply string, part []int, item func(int) *engine.Delta) int {
-	refused := 0
-	for _, j := range part {
-		var tok string
-		if tok, reply = nextField(reply); tok == "e" {
-			refused++
-			continue
-		}
-		var v [4]int64
-		ok := true
-		for k := range v {
-			if k > 0 {
-				tok, reply = nextField(reply)
-			}
-			n, err := strconv.ParseInt(tok, 10, 64)
-			if err != nil {
-				ok = false
-				break
-			}
-			v[k] = n
-		}
-		if !ok {
-			// A malformed reply: leave the rest pending for the next flush.
-			return refused
-		}
-		d := item(j)
-		d.Totals = engine.Totals{Cur: v[0], Prev: v[3], Mine: v[1], Shared: v[2] > 1}
-		d.Done = true
-	}
-	return refused
-}
-
-// nextField splits s at its first space.
-func nextField(s string) (field, rest string) {
-	if i := strings.IndexByte(s, ' '); i >= 0 {
-		return s[:i], s[i+1:]
-	}
-	return s, ""
 }
 
 // scriptInts reads a script's reply of n integers.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -39,13 +40,14 @@ const (
 // readReq is one Read waiting for a batch. The drainer writes cur, prev and
 // err, then closes done; the reader looks at them only after done.
 type readReq struct {
-	ctx       context.Context
-	deadline  time.Time
-	cur, prev string
-	expire    int64 // Unix ms: the expiry of the cell's contribution hash
-	totals    engine.Totals
-	err       error
-	done      chan struct{}
+	ctx      context.Context
+	deadline time.Time
+	key      engine.Key
+	seq      int64
+	totals   engine.Totals
+	ok       bool
+	err      error
+	done     chan struct{}
 }
 
 func (ep *endpoint) read(ctx context.Context, key engine.Key, seq int64) (engine.Totals, error) {
@@ -61,13 +63,11 @@ func (ep *endpoint) read(ctx context.Context, key engine.Key, seq int64) (engine
 	if key.Window < time.Millisecond {
 		return engine.Totals{}, fmt.Errorf("window %s is below one millisecond", key.Window)
 	}
-	q := &readReq{ctx: ctx, done: make(chan struct{})}
+	q := &readReq{ctx: ctx, key: key, seq: seq, done: make(chan struct{})}
 	q.deadline = time.Now().Add(maxCallTimeout)
 	if d, ok := ctx.Deadline(); ok && d.Before(q.deadline) {
 		q.deadline = d
 	}
-	q.cur, q.prev = cellKeys(ep.r.prefix, key, seq)
-	q.expire = expireAt(key, seq).UnixMilli()
 	if err := ep.enqueue(q); err != nil {
 		return engine.Totals{}, err
 	}
@@ -143,11 +143,13 @@ func (ep *endpoint) take() []*readReq {
 	return batch
 }
 
-// readBatch sends one pipeline of readScript calls, one per request, and
-// hands each request its result. The pipeline runs until the latest
-// deadline in the batch (at least roundTripFloor), not bound to any one
-// caller's context: the others still wait. A Redis that lost its scripts
-// gets them loaded and the pipeline sent once more (reads are idempotent).
+// readBatch sends one pipeline of reads for the batch and hands each
+// request its result: calls of readManyScript over chunks of manyChunk
+// cells, or in a Cluster one readScript call per request. The pipeline
+// runs until the latest deadline in the batch (at least roundTripFloor),
+// not bound to any one caller's context: the others still wait. A Redis
+// that lost its scripts gets them loaded and the pipeline sent once more
+// (reads are idempotent).
 func (ep *endpoint) readBatch(batch []*readReq) {
 	deadline := time.Now().Add(roundTripFloor)
 	for _, q := range batch {
@@ -157,32 +159,95 @@ func (ep *endpoint) readBatch(batch []*readReq) {
 	}
 	ctx, cancel := context.WithDeadline(context.Background(), deadline)
 	defer cancel()
-	cmds := make([]*redis.Cmd, len(batch))
+	script, chunk := readManyScript, manyChunk
+	if ep.kind == KindCluster {
+		script, chunk = readScript, 1
+	}
+	cmds := make([]*redis.Cmd, 0, (len(batch)+chunk-1)/chunk)
 	err := ep.sync.guard(func() error {
 		var err error
 		for attempt := 0; attempt < 2; attempt++ {
 			pipe := ep.client.Pipeline()
-			for i, q := range batch {
-				// Every key shares a hash tag: single-slot in a Cluster too.
-				cmds[i] = readScript.EvalSha(ctx, pipe, []string{q.cur, ownersKey(q.cur), q.prev}, ep.r.nodeID, q.expire)
+			cmds = cmds[:0]
+			for lo := 0; lo < len(batch); lo += chunk {
+				cmds = append(cmds, ep.sendReads(ctx, pipe, batch[lo:min(lo+chunk, len(batch))]))
 			}
 			ep.roundTrips.Add(1)
 			if _, err = pipe.Exec(ctx); err == nil || !redis.HasErrorPrefix(err, "NOSCRIPT") {
 				return err
 			}
-			if lerr := readScript.Load(ctx, ep.client).Err(); lerr != nil {
+			if lerr := script.Load(ctx, ep.client).Err(); lerr != nil {
 				return fmt.Errorf("load read script: %w", lerr)
 			}
 		}
 		return err
 	})
-	for i, q := range batch {
-		if errors.Is(err, ErrBreakerOpen) {
-			q.err = err
-		} else {
-			q.totals, q.err = parseRead(cmds[i])
+	for i, c := range cmds {
+		part := batch[i*chunk : min((i+1)*chunk, len(batch))]
+		if !errors.Is(err, ErrBreakerOpen) {
+			parseReads(c, part, ep.kind == KindCluster)
 		}
+		for _, q := range part {
+			if q.err == nil && !q.ok {
+				q.err = err
+				if q.err == nil {
+					q.err = errors.New("read not answered")
+				}
+			}
+			close(q.done)
+		}
+	}
+	for _, q := range batch[min(len(cmds)*chunk, len(batch)):] { // never sent
+		q.err = err
 		close(q.done)
+	}
+}
+
+// sendReads queues the reads of part on pipe: one readScript call for a
+// lone request in a Cluster, else one readManyScript call.
+func (ep *endpoint) sendReads(ctx context.Context, pipe redis.Pipeliner, part []*readReq) *redis.Cmd {
+	if ep.kind == KindCluster {
+		// Every key shares a hash tag: single-slot in a Cluster too.
+		q := part[0]
+		cur, prev := cellKeys(ep.r.prefix, q.key, q.seq)
+		return readScript.EvalSha(ctx, pipe, []string{cur, ownersKey(cur), prev}, ep.r.nodeID, expireAt(q.key, q.seq).UnixMilli())
+	}
+	return pipe.Do(ctx, ep.manyArgs(readManyScript, len(part), func(i int) (engine.Key, int64) {
+		return part[i].key, part[i].seq
+	}, func(b []byte, i int) []byte {
+		return strconv.AppendInt(b, expireAt(part[i].key, part[i].seq).UnixMilli(), 10)
+	})...)
+}
+
+// parseReads hands the requests of part the results of their call c, of
+// readScript when single, else of readManyScript.
+func parseReads(c *redis.Cmd, part []*readReq, single bool) {
+	if c.Err() != nil {
+		for _, q := range part {
+			q.err = c.Err()
+		}
+		return
+	}
+	if single {
+		part[0].totals, part[0].err = parseRead(c)
+		part[0].ok = part[0].err == nil
+		return
+	}
+	reply, err := c.Text()
+	if err != nil {
+		for _, q := range part {
+			q.err = err
+		}
+		return
+	}
+	parseMany(reply, len(part), func(i int, v [4]int64) {
+		part[i].totals = engine.Totals{Cur: v[0], Prev: v[1], Mine: v[2], Shared: v[3] > 1}
+		part[i].ok = true
+	})
+	for _, q := range part {
+		if !q.ok {
+			q.err = refusedCells(1)
+		}
 	}
 }
 

@@ -901,8 +901,8 @@ func TestFlush_ManyCellsGoInChunksAndFailAlone(t *testing.T) {
 	srv := redistest.Start(t)
 	o := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "p"})
 	seq := nowSeq()
-	const n = 2*writeChunk + 22
-	const bad = writeChunk + 5
+	const n = 2*manyChunk + 22
+	const bad = manyChunk + 5
 	batch := make([]engine.Delta, n)
 	for i := range batch {
 		id := fmt.Sprintf("u %d:{x}%%\n\x00\xff", i)
@@ -939,5 +939,36 @@ func TestFlush_ManyCellsGoInChunksAndFailAlone(t *testing.T) {
 	}
 	if st := o.Stats().Endpoints[0]; st.ReplayBreaker != BreakerClosed {
 		t.Fatalf("a refused cell opened the replay breaker: %+v", st)
+	}
+}
+
+// BenchmarkColdDecide is the first decision of keys this process has never
+// seen, through an engine on a real Redis, from 64 concurrent callers (the
+// load harness's connections): each reads Redis before it decides. cpu-ns/op
+// is this process's CPU per decision, the engine and the origin together.
+func BenchmarkColdDecide(b *testing.B) {
+	srv := redistest.Start(b)
+	o := newOrigin(b, Config{Redis: []string{srv.URL()}}, Options{NodeID: "bench"})
+	e := engine.New(engine.Config{})
+	b.Cleanup(func() { _ = e.Close(context.Background()) })
+	e.SetOrigin(o)
+	var next atomic.Int64
+	b.SetParallelism(32) // 64 callers on 2 cores
+	b.ReportAllocs()
+	cpu0 := cpuTime(b)
+	b.RunParallel(func(pb *testing.PB) {
+		ctx := context.Background()
+		for pb.Next() {
+			id := "k" + strconv.FormatInt(next.Add(1), 10)
+			d := e.Decide(ctx, engine.Limit{Key: engine.Key{Namespace: "api", Identifier: id, Window: time.Hour}, Limit: 1 << 40, Cost: 1})
+			if !d.Allowed {
+				b.Fatal("denied")
+			}
+		}
+	})
+	b.ReportMetric(float64((cpuTime(b)-cpu0).Nanoseconds())/float64(b.N), "cpu-ns/op")
+	b.ReportMetric(float64(o.Stats().Endpoints[0].RoundTrips)/float64(b.N), "roundtrips/op")
+	if st := e.Stats(); st.SyncReads < int64(b.N)/2 {
+		b.Fatalf("%d synchronous reads for %d cold keys", st.SyncReads, b.N)
 	}
 }

@@ -136,8 +136,39 @@ return {tonumber(redis.call('GET', KEYS[1]) or '0'), tonumber(redis.call('GET', 
   tonumber(mine), redis.call('HLEN', KEYS[2])}
 `
 
+// readManyLua is readLua for many cells in one call, for a Redis that is
+// not a Cluster, as writeManyLua is for writes; a cell whose commands Redis
+// refuses fails alone.
+//
+//	KEYS[3i+1] cell i, KEYS[3i+2] its contribution hash, KEYS[3i+3] the
+//	cell before it (i from 0)
+//	ARGV[1] node ID, ARGV[2] "<expiry> <expiry> …", one per cell
+//	returns one string, per cell in order either "<cell total> <previous
+//	cell total> <this process's field> <processes in the hash>" or "e",
+//	separated by spaces
+const readManyLua = `
+local node, out, i = ARGV[1], {}, 0
+for at in string.gmatch(ARGV[2], '%d+') do
+  local k, h, p = KEYS[3*i+1], KEYS[3*i+2], KEYS[3*i+3]
+  local ok, res = pcall(function()
+    local mine = redis.call('HGET', h, node)
+    if not mine then
+      redis.call('HSET', h, node, '0')
+      redis.call('PEXPIREAT', h, at)
+      mine = '0'
+    end
+    return string.format('%d %d %d %d', tonumber(redis.call('GET', k) or '0'), tonumber(redis.call('GET', p) or '0'),
+      tonumber(mine), redis.call('HLEN', h))
+  end)
+  i = i + 1
+  out[i] = ok and res or 'e'
+end
+return table.concat(out, ' ')
+`
+
 var (
 	readScript      = redis.NewScript(readLua)
+	readManyScript  = redis.NewScript(readManyLua)
 	writeScript     = redis.NewScript(writeLua)
 	writeManyScript = redis.NewScript(writeManyLua)
 	reserveScript   = redis.NewScript(reserveLua)

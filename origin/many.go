@@ -1,0 +1,109 @@
+package origin
+
+import (
+	"fmt"
+	"strconv"
+	"strings"
+	"unsafe"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/edgelimit/caddy-ratelimit/engine"
+)
+
+// Scripts over many cells (writeManyLua, readManyLua) serve a Redis that is
+// not a Cluster: one call carries a chunk of cells, so the fixed cost of a
+// command (its value, its arguments as values, its reply as values) is
+// shared by the chunk. Their arguments are a few buffers and their reply is
+// one string, so the cost per cell on this side is a few bytes copied.
+
+// manyChunk is the most cells one call of a script over many cells
+// carries. A script holds Redis for its whole run, so a chunk bounds that
+// (64 cells run in well under a millisecond) while the fixed cost of a call
+// is shared by many cells.
+const manyChunk = 64
+
+// manyArgs returns one EVALSHA of script over n cells: per cell i, named by
+// cell(i), its key, its contribution hash's key and the previous cell's
+// key; then the node ID and one string of each cell's numbers, written by
+// nums(b, i) and separated by spaces. The keys share one string, and the
+// command refers to them by pointer, which go-redis writes as strings
+// without a value per key.
+func (ep *endpoint) manyArgs(script *redis.Script, n int, cell func(i int) (engine.Key, int64), nums func(b []byte, i int) []byte) []any {
+	size := 0
+	for i := range n {
+		k, _ := cell(i)
+		size += 3 * (len(ep.r.prefix) + len(k.Namespace) + len(k.Identifier) + 32)
+	}
+	kb, nb := make([]byte, 0, size), make([]byte, 0, 32*n)
+	ends := make([]int, 0, 3*n)
+	for i := range n {
+		k, seq := cell(i)
+		var e [3]int
+		kb, e = appendWriteKeys(kb, ep.r.prefix, k, seq)
+		ends = append(ends, e[:]...)
+		if i > 0 {
+			nb = append(nb, ' ')
+		}
+		nb = nums(nb, i)
+	}
+	// kb is never written again: the keys can share its bytes.
+	all := unsafe.String(unsafe.SliceData(kb), len(kb))
+	keys := make([]string, len(ends))
+	args := make([]any, 0, 3+len(keys)+2)
+	args = append(args, "evalsha", script.Hash(), len(keys))
+	from := 0
+	for i, end := range ends {
+		keys[i] = all[from:end]
+		from = end
+		args = append(args, &keys[i])
+	}
+	return append(args, &ep.r.nodeID, string(nb))
+}
+
+// parseMany reads the reply of a script over n cells: per cell, four
+// integers or "e" (Redis refused the cell's commands). It calls each for
+// every cell with its integers, and returns how many cells were refused. A
+// malformed reply stops it: the cells left are not reported.
+func parseMany(reply string, n int, each func(i int, v [4]int64)) (refused int) {
+	for i := range n {
+		var tok string
+		if tok, reply = nextField(reply); tok == "e" {
+			refused++
+			continue
+		}
+		var v [4]int64
+		for k := range v {
+			if k > 0 {
+				tok, reply = nextField(reply)
+			}
+			x, err := strconv.ParseInt(tok, 10, 64)
+			if err != nil {
+				return refused
+			}
+			v[k] = x
+		}
+		each(i, v)
+	}
+	return refused
+}
+
+// nextField splits s at its first space.
+func nextField(s string) (field, rest string) {
+	if i := strings.IndexByte(s, ' '); i >= 0 {
+		return s[:i], s[i+1:]
+	}
+	return s, ""
+}
+
+// refusedCells is the error of a script that refused some cells (their
+// keys hold another type). It is a Redis reply about those keys, not about
+// Redis, so the breaker does not hold it against the endpoint.
+type refusedCells int
+
+func (n refusedCells) Error() string {
+	return fmt.Sprintf("the script refused %d cells (a key holds another type)", int(n))
+}
+
+// RedisError makes refusedCells a redis.Error.
+func (refusedCells) RedisError() {}
