@@ -109,8 +109,9 @@ type engineStatus struct {
 	SharedReads      int64 `json:"shared_reads"`
 	SyncReads        int64 `json:"sync_reads"`
 	BackgroundReads  int64 `json:"background_reads"`
-	// Reservations are decisions made at the origin (shared keys near
-	// their limit, or in strict mode).
+	// Reservations are the round trips that decide requests at the origin
+	// (shared keys near their limit, or in strict mode); the other three
+	// count those requests by verdict.
 	Reservations         int64      `json:"reservations"`
 	ReservationsAdmitted int64      `json:"reservations_admitted"`
 	ReservationsDenied   int64      `json:"reservations_denied"`

@@ -251,7 +251,7 @@ var (
 	descSyncReads = newDesc("sync_reads_total",
 		"Decisions that waited for an origin read (a cold key, or a stale one at half its limit or more): request-path round trips.")
 	descReservations = newDesc("reservations_total",
-		"Decisions made at the origin, one request-path round trip each (a key other processes also count, near its limit or in strict mode), by verdict (admitted, denied, error: decided locally).", "result")
+		"Requests decided at the origin (a key other processes also count, near its limit or in strict mode), by verdict (admitted, denied; error: the reservation failed and the request was decided locally). Requests that arrive while a reservation is in flight share the next one: one request-path round trip decides them all.", "result")
 	descSharedReads = newDesc("shared_reads_total",
 		"Decisions that joined an origin read already in flight instead of starting one.")
 	descBackgroundReads = newDesc("background_reads_total",

@@ -139,6 +139,11 @@ type Reservation struct {
 	Own int64
 	// Cost and Limit are the request's.
 	Cost, Limit int64
+	// Joined are the costs of the requests that joined this one while the
+	// reservation before it was in flight. The origin decides each after
+	// Cost, in order, as if they came one after another, and charges those
+	// it admits in the same step.
+	Joined []int64
 	// Elapsed is the milliseconds elapsed in the window at the decision,
 	// which weighs the previous cell: it passes with
 	// cur + Global + cost + (prev + GlobalPrev) × (w − Elapsed) / w ≤ Limit.
@@ -148,8 +153,10 @@ type Reservation struct {
 	// them, but they count.
 	Global, GlobalPrev int64
 
-	// Admitted and Totals are set by Reserve. When Admitted, Totals.Cur and
-	// Totals.Mine include the cost.
-	Admitted bool
-	Totals   Totals
+	// Admitted, JoinedAdmitted (one verdict per Joined cost) and Totals are
+	// set by Reserve. Totals.Cur and Totals.Mine include every cost
+	// admitted.
+	Admitted       bool
+	JoinedAdmitted []bool
+	Totals         Totals
 }

@@ -115,7 +115,7 @@ type Engine struct {
 	live    atomic.Int64
 	flights *xsync.Map[*cell, *flight]
 	// reservations are the origin decisions in flight, one per cell.
-	reservations *xsync.Map[*cell, *flight]
+	reservations *xsync.Map[*cell, *group]
 	origin       atomic.Pointer[originBox]
 	// strictLive counts strict deadlines, bounded by MaxEntries.
 	strictLive atomic.Int64
@@ -179,7 +179,7 @@ func New(cfg Config) *Engine {
 		now:          cfg.Now,
 		zones:        xsync.NewMap[zoneKey, *Zone](),
 		flights:      xsync.NewMap[*cell, *flight](),
-		reservations: xsync.NewMap[*cell, *flight](),
+		reservations: xsync.NewMap[*cell, *group](),
 		queueLen:     replayQueueLen,
 		evictNow:     make(chan struct{}, 1),
 		stop:         make(chan struct{}),

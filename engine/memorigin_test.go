@@ -87,12 +87,21 @@ func (m *memOrigin) Reserve(ctx context.Context, r *Reservation) error {
 	defer m.mu.Unlock()
 	id := cellID{r.Key, r.Sequence}
 	m.raise(id, r.Own)
-	cur, prev := m.totals[id], m.totals[cellID{r.Key, r.Sequence - 1}]
+	prev := m.totals[cellID{r.Key, r.Sequence - 1}]
 	w := r.Key.Window.Milliseconds()
-	r.Admitted = fits(SatAdd(cur, r.Global), SatAdd(prev, r.GlobalPrev), r.Cost, r.Limit, w, r.Elapsed)
-	if r.Admitted {
-		m.totals[id] = SatAdd(cur, r.Cost)
-		m.mine[id] = SatAdd(m.mine[id], r.Cost)
+	admit := func(cost int64) bool {
+		cur := m.totals[id]
+		if !fits(SatAdd(cur, r.Global), SatAdd(prev, r.GlobalPrev), cost, r.Limit, w, r.Elapsed) {
+			return false
+		}
+		m.totals[id] = SatAdd(cur, cost)
+		m.mine[id] = SatAdd(m.mine[id], cost)
+		return true
+	}
+	r.Admitted = admit(r.Cost)
+	r.JoinedAdmitted = make([]bool, len(r.Joined))
+	for i, c := range r.Joined {
+		r.JoinedAdmitted[i] = admit(c)
 	}
 	r.Totals = Totals{Cur: m.totals[id], Prev: prev, Mine: m.mine[id]}
 	return nil

@@ -5,6 +5,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/edgelimit/caddy-ratelimit/internal/testclock"
@@ -399,4 +400,64 @@ func TestTiers_StaleKeyBelowHalfIsRefreshedByItsOwnReplay(t *testing.T) {
 	l.Cost = 0
 	e.Decide(bg, l)
 	waitFor(t, "a background read", func() bool { return o.reads.Load() == reads+1 })
+}
+
+// TestReserve_RequestsThatArriveMeanwhileShareTheNextRoundTrip: while one
+// reservation of a cell is in flight, the requests that arrive form the
+// next one, and a single round trip decides them all, admitting exactly
+// what the region's count leaves.
+func TestReserve_RequestsThatArriveMeanwhileShareTheNextRoundTrip(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		e, clk, o := withOrigin(t, Config{ReadTimeout: time.Second})
+		l := lim("k", time.Hour, 100, 1)
+		seq := clk.UnixMilli() / time.Hour.Milliseconds()
+		o.add(l.Key, seq, 1) // another node's unit: the cold read shows it
+		for i := 0; i < 86; i++ {
+			if !e.Decide(bg, l).Allowed {
+				t.Fatal("denied below the limit")
+			}
+		}
+		// The other node takes 5 more: the region holds 92, and 8 are left.
+		o.add(l.Key, seq, 5)
+		gate := make(chan struct{})
+		o.gate.Store(&gate)
+		const joiners = 20
+		var admitted atomic.Int64
+		var wg sync.WaitGroup
+		decide := func() {
+			defer wg.Done()
+			if e.Decide(bg, l).Allowed {
+				admitted.Add(1)
+			}
+		}
+		wg.Add(1)
+		go decide() // the leader: its reservation hangs at the gate
+		synctest.Wait()
+		if n := o.reserves.Load(); n != 1 {
+			t.Fatalf("%d reservations in flight, want the leader's", n)
+		}
+		wg.Add(joiners)
+		for range joiners {
+			go decide()
+		}
+		synctest.Wait()
+		if n := e.Stats().ReservationWaits; n != joiners {
+			t.Fatalf("%d requests joined, want %d", n, joiners)
+		}
+		close(gate)
+		wg.Wait()
+		st := e.Stats()
+		if n := o.reserves.Load(); n != 2 {
+			t.Fatalf("%d reservations for 1 + %d requests, want 2 round trips", n, joiners)
+		}
+		if got := admitted.Load(); got != 8 || st.ReservationsAdmitted != 8 || st.ReservationsDenied != joiners+1-8 {
+			t.Fatalf("admitted %d (stats %+v), want the 8 the region had left", got, st)
+		}
+		if got := o.total(l.Key, seq); got != 100 {
+			t.Fatalf("origin total = %d, want 100", got)
+		}
+		if e.Decide(bg, l).Allowed {
+			t.Fatal("allowed past the limit")
+		}
+	})
 }

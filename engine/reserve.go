@@ -2,6 +2,8 @@ package engine
 
 import (
 	"context"
+	"errors"
+	"sync"
 	"time"
 )
 
@@ -17,8 +19,8 @@ import (
 // step.
 //
 // At most one reservation per cell is in flight in a process; requests that
-// arrive meanwhile wait for it and decide again on the totals it brought
-// back. Denials never wait. On timeout, error or an open breaker the
+// arrive meanwhile form the next one, sent when it returns, which decides
+// them all in one round trip (see group). Denials never wait. On timeout, error or an open breaker the
 // decision is local. The reservation carries this process's pending units
 // too (as an idempotent write of its absolute total), so the origin judges
 // the request against everything this process has admitted.
@@ -86,36 +88,145 @@ func (e *Engine) decideAtOrigin(ctx context.Context, o Origin, lc *located, l *L
 	}
 }
 
-// reserveAtOrigin decides l at the origin, or waits for the reservation of
-// the same cell already in flight. It reports whether it decided; when it
-// did not, the caller decides again (dl.expired tells it to do so locally).
+// A group is one reservation at the origin: the request that sends it (its
+// leader) and the requests that joined it while the reservation before it
+// was in flight. One group per cell is in flight; the next forms behind it
+// and is sent as soon as it returns, so a busy process pays one round trip
+// for every request that arrived meanwhile rather than one per request,
+// and admits as many of them as the region's count allows.
+type group struct {
+	limit int64
+	done  chan struct{}
+
+	mu       sync.Mutex
+	costs    []int64 // costs[0] is the leader's; a member that left before the send costs 0
+	sent     bool    // no member joins any more
+	finished bool    // no longer in flight: next, if any, is
+	next     *group
+
+	// Set before done is closed.
+	decided            bool // false: the reservation failed or was given up
+	admitted           []bool
+	totals             Totals
+	global, globalPrev int64
+}
+
+func newGroup(l *Limit) *group {
+	return &group{limit: l.Limit, done: make(chan struct{}), costs: []int64{l.Cost}}
+}
+
+// reserveAtOrigin decides l at the origin: it sends a reservation, or joins
+// the group that will be sent when the one in flight returns. It reports
+// whether it decided; when it did not, the caller decides again
+// (dl.expired tells it to do so locally).
+//
+// A member that runs out of time before its group is sent leaves it at no
+// cost. One that runs out after (the round trip outlasted its read
+// timeout) decides locally, and the origin may have charged it too: an
+// over-count by its cost, on the strict side.
 func (e *Engine) reserveAtOrigin(ctx context.Context, o Origin, lc *located, l *Limit, dl *deadline) (Decision, bool) {
 	c := lc.cur
-	if f, ok := e.reservations.Load(c); ok {
+	for {
+		g, ok := e.reservations.Load(c)
+		if !ok {
+			n := newGroup(l)
+			if _, loaded := e.reservations.LoadOrStore(c, n); loaded {
+				continue // another request won the race: join it
+			}
+			n.sent = true // nobody can have joined: joiners go behind it
+			return e.sendGroup(ctx, o, lc, l, n, dl)
+		}
+		g.mu.Lock()
+		if g.finished {
+			g.mu.Unlock()
+			continue // the next group is in flight now: look again
+		}
+		n := g.next
+		if n == nil {
+			n = newGroup(l)
+			g.next = n
+			g.mu.Unlock()
+			e.stats.reservationWaits.Add(1)
+			return e.leadNext(ctx, o, lc, l, g, n, dl)
+		}
+		g.mu.Unlock()
+		n.mu.Lock()
+		if n.sent {
+			n.mu.Unlock()
+			continue // given up by its leader
+		}
+		if n.limit != l.Limit {
+			// The limit changed under a reload: wait for the cell's
+			// reservations to move on, then decide again.
+			n.mu.Unlock()
+			dl.wait(ctx, e, g.done)
+			return Decision{}, false
+		}
+		i := len(n.costs)
+		n.costs = append(n.costs, l.Cost)
+		n.mu.Unlock()
 		e.stats.reservationWaits.Add(1)
-		dl.wait(ctx, e, f.done)
-		return Decision{}, false
+		if !dl.wait(ctx, e, n.done) {
+			n.mu.Lock()
+			if !n.sent {
+				n.costs[i] = 0
+			}
+			n.mu.Unlock()
+			return Decision{}, false
+		}
+		return e.memberDecision(lc, l, n, i)
 	}
-	f := &flight{done: make(chan struct{})}
-	if _, loaded := e.reservations.LoadOrStore(c, f); loaded {
-		return Decision{}, false // another request won the race: join it
-	}
-	defer func() {
-		e.reservations.Delete(c)
-		close(f.done)
-	}()
+}
 
+// leadNext waits for g, the reservation in flight, and then sends n, the
+// group behind it, which g installed as the cell's reservation in flight.
+// Out of time before g returns, it gives n up: its members decide again.
+func (e *Engine) leadNext(ctx context.Context, o Origin, lc *located, l *Limit, g, n *group, dl *deadline) (Decision, bool) {
+	if !dl.wait(ctx, e, g.done) {
+		g.mu.Lock()
+		installed := g.finished
+		if !installed {
+			g.next = nil
+		}
+		g.mu.Unlock()
+		if !installed {
+			n.mu.Lock()
+			n.sent = true
+			n.mu.Unlock()
+			close(n.done)
+			return Decision{}, false
+		}
+		// g returned as time ran out and n is in flight: send it (the
+		// call fails at once) so that its members and followers move on.
+	}
+	n.mu.Lock()
+	n.sent = true
+	n.mu.Unlock()
+	return e.sendGroup(ctx, o, lc, l, n, dl)
+}
+
+// sendGroup sends n, the cell's reservation in flight, and decides its
+// leader, whose limit is l; its members read their verdicts once n.done is
+// closed.
+func (e *Engine) sendGroup(ctx context.Context, o Origin, lc *located, l *Limit, n *group, dl *deadline) (Decision, bool) {
+	c := lc.cur
+	defer e.finishGroup(c, n)
+	var sum int64
+	for _, x := range n.costs {
+		sum = SatAdd(sum, x)
+	}
 	// Hand the origin every unit this process has admitted to the cell,
-	// and the cost, as one absolute total. own rises first, so that a
+	// and the costs, as one absolute total. own rises first, so that a
 	// flush overlapping the call never writes a total below it.
 	d := c.pending.Swap(0)
-	own := c.own.Add(d + l.Cost)
+	own := c.own.Add(d + sum)
 	r := Reservation{
 		Key:      lc.key(),
 		Sequence: c.seq,
-		Own:      own - l.Cost,
-		Cost:     l.Cost,
-		Limit:    l.Limit,
+		Own:      own - sum,
+		Cost:     n.costs[0],
+		Joined:   n.costs[1:],
+		Limit:    n.limit,
 		Elapsed:  lc.r,
 		Global:   c.global.Load(),
 	}
@@ -128,12 +239,15 @@ func (e *Engine) reserveAtOrigin(ctx context.Context, o Origin, lc *located, l *
 	err := o.Reserve(cctx, &r)
 	cancel()
 	e.stats.reservations.Add(1)
+	if err == nil && len(r.JoinedAdmitted) != len(r.Joined) {
+		err = errors.New("the origin returned no verdict for the joined requests")
+	}
 	if err != nil {
 		// Give everything back: the pending units replay as usual (a write
-		// the origin did apply makes that replay a no-op), and the request
-		// is decided locally.
-		e.stats.reservationErrors.Add(1)
-		c.own.Add(-(d + l.Cost))
+		// the origin did apply makes that replay a no-op), and the
+		// requests are decided again, locally.
+		e.stats.reservationErrors.Add(int64(len(n.costs)))
+		c.own.Add(-(d + sum))
 		if d > 0 {
 			c.pending.Add(d)
 			e.markDirty(lc.zone, lc.id, c, true)
@@ -144,20 +258,52 @@ func (e *Engine) reserveAtOrigin(ctx context.Context, o Origin, lc *located, l *
 	if time.Now().After(dl.at) {
 		dl.expired = true
 	}
-	if !r.Admitted {
-		e.stats.reservationsDenied.Add(1)
-		c.own.Add(-l.Cost)
-		e.merge(lc.en, c, r.Totals, sent)
-		_, cur, prev := lc.snapshot()
-		// The origin's verdict stands even if the local counts, which never
-		// saw its previous cell, would let the request pass.
-		cur = max(cur, SatAdd(r.Totals.Cur, r.Global))
-		prev = max(prev, SatAdd(r.Totals.Prev, r.GlobalPrev))
-		return e.deny(lc, l, cur, prev), true
+	n.admitted = append(make([]bool, 0, len(n.costs)), r.Admitted)
+	n.admitted = append(n.admitted, r.JoinedAdmitted...)
+	var refused int64
+	for i, ok := range n.admitted {
+		if ok {
+			e.stats.reservationsAdmitted.Add(1)
+			addSat(&c.count, n.costs[i])
+		} else {
+			e.stats.reservationsDenied.Add(1)
+			refused = SatAdd(refused, n.costs[i])
+		}
 	}
-	e.stats.reservationsAdmitted.Add(1)
-	addSat(&c.count, l.Cost)
+	c.own.Add(-refused)
 	e.merge(lc.en, c, r.Totals, sent)
+	n.totals, n.global, n.globalPrev = r.Totals, r.Global, r.GlobalPrev
+	n.decided = true
+	return e.memberDecision(lc, l, n, 0)
+}
+
+// finishGroup takes n out of flight, puts the group behind it in flight,
+// and wakes n's members and the next group's leader.
+func (e *Engine) finishGroup(c *cell, n *group) {
+	n.mu.Lock()
+	n.finished = true
+	if n.next != nil {
+		e.reservations.Store(c, n.next)
+	} else {
+		e.reservations.Delete(c)
+	}
+	n.mu.Unlock()
+	close(n.done)
+}
+
+// memberDecision is the decision of member i of the decided group n: the
+// origin's verdict, with the totals it brought back. The origin's denial
+// stands even if the local counts, which never saw its previous cell,
+// would let the request pass.
+func (e *Engine) memberDecision(lc *located, l *Limit, n *group, i int) (Decision, bool) {
+	if !n.decided {
+		return Decision{}, false
+	}
 	_, cur, prev := lc.snapshot()
-	return lc.passed(l.Limit, cur, prev), true
+	if n.admitted[i] {
+		return lc.passed(l.Limit, cur, prev), true
+	}
+	cur = max(cur, SatAdd(n.totals.Cur, n.global))
+	prev = max(prev, SatAdd(n.totals.Prev, n.globalPrev))
+	return e.deny(lc, l, cur, prev), true
 }

@@ -40,11 +40,13 @@ type Stats struct {
 	// stale at half the limit, or near the limit); BackgroundReads the
 	// refreshes started without waiting.
 	SyncReads, BackgroundReads int64
-	// Reservations counts decisions made at the origin (shared cells near
-	// their limit or in strict mode), each one request-path round trip;
-	// ReservationsAdmitted and ReservationsDenied their verdicts,
-	// ReservationErrors those that failed or timed out (decided locally),
-	// ReservationWaits the requests that waited for one in flight.
+	// Reservations counts the request-path round trips that decide
+	// requests at the origin (shared cells near their limit or in strict
+	// mode); each decides its leader and the requests that joined it.
+	// ReservationsAdmitted and ReservationsDenied count the requests by
+	// verdict, ReservationErrors the requests whose reservation failed or
+	// timed out (decided again, locally), ReservationWaits the requests
+	// that joined a reservation rather than send one.
 	Reservations, ReservationsAdmitted, ReservationsDenied int64
 	ReservationErrors, ReservationWaits                    int64
 	// Flushes and FlushErrors count replay batches.

@@ -281,26 +281,53 @@ func (ep *endpoint) reserve(ctx context.Context, res *engine.Reservation) error 
 		res.Limit < 0 || res.Limit > engine.MaxCount:
 		return fmt.Errorf("reservation out of range: own %d, cost %d, limit %d", res.Own, res.Cost, res.Limit)
 	}
+	costs := strconv.AppendInt(make([]byte, 0, 8*(1+len(res.Joined))), res.Cost, 10)
+	for _, c := range res.Joined {
+		if c < 0 || c > engine.MaxCount {
+			return fmt.Errorf("reservation out of range: joined cost %d", c)
+		}
+		costs = strconv.AppendInt(append(costs, ' '), c, 10)
+	}
 	cur, prev := cellKeys(ep.r.prefix, res.Key, res.Sequence)
 	keys := []string{cur, ownersKey(cur), prev}
-	args := []any{ep.r.nodeID, res.Own, expireAt(res.Key, res.Sequence).UnixMilli(), res.Cost, res.Limit,
+	args := []any{ep.r.nodeID, res.Own, expireAt(res.Key, res.Sequence).UnixMilli(), string(costs), res.Limit,
 		windowMs(res.Key.Window), res.Elapsed, engine.ClampCount(res.Global), engine.ClampCount(res.GlobalPrev)}
-	var vals []int64
+	var vals []any
 	err := ep.sync.guard(func() error {
 		ep.roundTrips.Add(1)
 		// Run sends EVALSHA, and EVAL when Redis lost the script: a
 		// NOSCRIPT reply means nothing ran, so the retry charges once.
 		var err error
-		vals, err = reserveScript.Run(ctx, ep.client, keys, args...).Int64Slice()
+		vals, err = reserveScript.Run(ctx, ep.client, keys, args...).Slice()
 		return err
 	})
 	if err != nil {
 		return err
 	}
-	if len(vals) != 5 {
-		return fmt.Errorf("reserve script returned %d values", len(vals))
+	verdicts, ok := replyString(vals, 0)
+	if len(vals) != 5 || !ok || len(verdicts) != 1+len(res.Joined) {
+		return fmt.Errorf("reserve script returned %v", vals)
 	}
-	res.Admitted = vals[0] == 1
-	res.Totals = engine.Totals{Cur: vals[1], Prev: vals[2], Mine: vals[3], Shared: vals[4] > 1}
+	var n [4]int64
+	for i := range n {
+		if n[i], ok = vals[i+1].(int64); !ok {
+			return fmt.Errorf("reserve script returned %v", vals)
+		}
+	}
+	res.Admitted = verdicts[0] == '1'
+	res.JoinedAdmitted = make([]bool, len(res.Joined))
+	for i := range res.Joined {
+		res.JoinedAdmitted[i] = verdicts[i+1] == '1'
+	}
+	res.Totals = engine.Totals{Cur: n[0], Prev: n[1], Mine: n[2], Shared: n[3] > 1}
 	return nil
+}
+
+// replyString returns vals[i] as a string, if it is one.
+func replyString(vals []any, i int) (string, bool) {
+	if i >= len(vals) {
+		return "", false
+	}
+	s, ok := vals[i].(string)
+	return s, ok
 }

@@ -222,3 +222,44 @@ func BenchmarkReserve(b *testing.B) {
 		own++
 	}
 }
+
+// TestReserve_JoinedCostsAreDecidedInOrder: one call decides the costs of
+// the requests that joined it after its own, each against the count the
+// ones before it left, and charges exactly those it admits.
+func TestReserve_JoinedCostsAreDecidedInOrder(t *testing.T) {
+	srv := redistest.Start(t)
+	o := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "a"})
+	k, seq := key("grace"), nowSeq()
+	// Another process holds 6 units of a limit of 10.
+	if err := srv.Client().Set(ctxT(t), cellKey(DefaultPrefix, k, seq), 6, 0).Err(); err != nil {
+		t.Fatal(err)
+	}
+	r := reservation(k, seq, 0, 1, 10)
+	r.Joined = []int64{2, 2, 1, 0}
+	if err := o.Reserve(ctxT(t), r); err != nil {
+		t.Fatal(err)
+	}
+	// 6 + 1 = 7, + 2 = 9, + 2 would be 11 (refused), + 1 = 10, + 0 = 10.
+	want := []bool{true, false, true, true}
+	if !r.Admitted || len(r.JoinedAdmitted) != len(want) {
+		t.Fatalf("admitted %v, joined %v", r.Admitted, r.JoinedAdmitted)
+	}
+	for i := range want {
+		if r.JoinedAdmitted[i] != want[i] {
+			t.Fatalf("joined verdicts %v, want %v", r.JoinedAdmitted, want)
+		}
+	}
+	if r.Totals.Cur != 10 || r.Totals.Mine != 4 {
+		t.Fatalf("totals %+v, want the cell at 10 with 4 units of this process", r.Totals)
+	}
+	cur, _, err := readPair(o, ctxT(t), k, seq)
+	if err != nil || cur != 10 {
+		t.Fatalf("Redis holds %d (%v), want 10", cur, err)
+	}
+	// A joined cost out of range is refused before anything is sent.
+	bad := reservation(k, seq, 4, 1, 10)
+	bad.Joined = []int64{-1}
+	if err := o.Reserve(ctxT(t), bad); err == nil {
+		t.Fatal("a negative joined cost was sent")
+	}
+}

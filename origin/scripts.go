@@ -51,41 +51,52 @@ redis.call('PEXPIREAT', KEYS[2], ARGV[3])
 return {total, mine, redis.call('HLEN', KEYS[2]), tonumber(redis.call('GET', KEYS[3]) or '0')}
 `
 
-// reserveLua is writeLua followed by the decision of one request against
-// the region's count, charged in the same step when it passes:
+// reserveLua is writeLua followed by the decisions of one or more requests
+// against the region's count, each charged in the same step when it
+// passes, in order, as if they came one after another:
 //
 //	cur + global + cost + (prev + globalPrev) × (w − elapsed) / w ≤ limit
 //
 // evaluated as (limit − cur − global − cost) × w ≥ (prev + globalPrev) ×
-// (w − elapsed). The products are doubles: exact while they stay below
-// 2^53 (say a count of a million over a window of a day), within one part
-// in 2^53 beyond.
+// (w − elapsed), where cur includes the costs admitted before. The products
+// are doubles: exact while they stay below 2^53 (say a count of a million
+// over a window of a day), within one part in 2^53 beyond. The costs
+// admitted sum to at most the limit, so nothing here passes 2^53 − 1.
 //
 //	KEYS[1] cell, KEYS[2] its contribution hash, KEYS[3] the previous cell
-//	ARGV[1] node ID, ARGV[2] Own, ARGV[3] expiry (Unix ms), ARGV[4] cost,
-//	ARGV[5] limit, ARGV[6] window ms, ARGV[7] elapsed ms, ARGV[8] global,
-//	ARGV[9] global of the previous cell
-//	returns {admitted 0|1, cell total, previous cell total, this process's
-//	field, processes in the hash}
+//	ARGV[1] node ID, ARGV[2] Own, ARGV[3] expiry (Unix ms), ARGV[4] the
+//	costs, decimal, separated by spaces, ARGV[5] limit, ARGV[6] window ms,
+//	ARGV[7] elapsed ms, ARGV[8] global, ARGV[9] global of the previous cell
+//	returns {one verdict per cost as a string of "1" (admitted) and "0",
+//	cell total, previous cell total, this process's field, processes in
+//	the hash}
 const reserveLua = raiseLua + `
 local total, mine = raise(KEYS[1], KEYS[2], ARGV[1], ARGV[2])
 local prev = tonumber(redis.call('GET', KEYS[3]) or '0')
-local cost, limit = tonumber(ARGV[4]), tonumber(ARGV[5])
+local limit = tonumber(ARGV[5])
 local w, r = tonumber(ARGV[6]), tonumber(ARGV[7])
-local cur = math.min(total + tonumber(ARGV[8]), max)
+local global = tonumber(ARGV[8])
 local weighed = math.min(prev + tonumber(ARGV[9]), max)
-local room = limit - cur - cost
-local admitted = 0
-if room >= 0 and (weighed == 0 or r >= w or weighed * (w - r) <= room * w) then
-  admitted = 1
-  local add = cost
+local verdicts, charged = {}, 0
+for c in string.gmatch(ARGV[4], '%d+') do
+  local cost = tonumber(c)
+  local room = limit - math.min(total + charged + global, max) - cost
+  if room >= 0 and (weighed == 0 or r >= w or weighed * (w - r) <= room * w) then
+    charged = charged + cost
+    verdicts[#verdicts + 1] = '1'
+  else
+    verdicts[#verdicts + 1] = '0'
+  end
+end
+if charged > 0 then
+  local add = charged
   if add > max - total then add = max - total end
   if add > 0 then total = redis.call('INCRBY', KEYS[1], string.format('%d', add)) end
-  if cost > 0 then mine = redis.call('HINCRBY', KEYS[2], ARGV[1], ARGV[4]) end
+  mine = redis.call('HINCRBY', KEYS[2], ARGV[1], string.format('%d', charged))
 end
 redis.call('PEXPIREAT', KEYS[1], ARGV[3])
 redis.call('PEXPIREAT', KEYS[2], ARGV[3])
-return {admitted, total, prev, mine, redis.call('HLEN', KEYS[2])}
+return {table.concat(verdicts), total, prev, mine, redis.call('HLEN', KEYS[2])}
 `
 
 // writeManyLua is writeLua for many cells in one call, for a Redis that is
