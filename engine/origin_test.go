@@ -407,6 +407,24 @@ func TestTiers_StaleKeyBelowHalfIsRefreshedByItsOwnReplay(t *testing.T) {
 // next one, and a single round trip decides them all, admitting exactly
 // what the region's count leaves.
 func TestReserve_RequestsThatArriveMeanwhileShareTheNextRoundTrip(t *testing.T) {
+	// The other node takes 5 more: the region holds 92, and 8 are left.
+	joinedReservation(t, 5, 8, 2)
+}
+
+// TestReserve_NoRoomLeftDeniesTheNextGroupWithoutARoundTrip: when the
+// reservation in flight brings back a full count, the requests that joined
+// behind it are denied without another round trip.
+func TestReserve_NoRoomLeftDeniesTheNextGroupWithoutARoundTrip(t *testing.T) {
+	// The other node takes 12 more: the region holds 99, and 1 is left,
+	// which the leader takes.
+	joinedReservation(t, 12, 1, 1)
+}
+
+// joinedReservation runs a leader's reservation, hung until 20 requests
+// have joined behind it, on a cell where another node adds foreign units
+// near the limit of 100; it checks what was admitted and how many round
+// trips it took.
+func joinedReservation(t *testing.T, foreign, wantAdmitted, wantTrips int64) {
 	synctest.Test(t, func(t *testing.T) {
 		e, clk, o := withOrigin(t, Config{ReadTimeout: time.Second})
 		l := lim("k", time.Hour, 100, 1)
@@ -417,8 +435,7 @@ func TestReserve_RequestsThatArriveMeanwhileShareTheNextRoundTrip(t *testing.T) 
 				t.Fatal("denied below the limit")
 			}
 		}
-		// The other node takes 5 more: the region holds 92, and 8 are left.
-		o.add(l.Key, seq, 5)
+		o.add(l.Key, seq, foreign)
 		gate := make(chan struct{})
 		o.gate.Store(&gate)
 		const joiners = 20
@@ -447,11 +464,11 @@ func TestReserve_RequestsThatArriveMeanwhileShareTheNextRoundTrip(t *testing.T) 
 		close(gate)
 		wg.Wait()
 		st := e.Stats()
-		if n := o.reserves.Load(); n != 2 {
-			t.Fatalf("%d reservations for 1 + %d requests, want 2 round trips", n, joiners)
+		if n := o.reserves.Load(); n != wantTrips {
+			t.Fatalf("%d reservations for 1 + %d requests, want %d round trips", n, joiners, wantTrips)
 		}
-		if got := admitted.Load(); got != 8 || st.ReservationsAdmitted != 8 || st.ReservationsDenied != joiners+1-8 {
-			t.Fatalf("admitted %d (stats %+v), want the 8 the region had left", got, st)
+		if got := admitted.Load(); got != wantAdmitted || st.ReservationsAdmitted != wantAdmitted {
+			t.Fatalf("admitted %d (stats %+v), want the %d the region had left", got, st, wantAdmitted)
 		}
 		if got := o.total(l.Key, seq); got != 100 {
 			t.Fatalf("origin total = %d, want 100", got)

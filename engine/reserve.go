@@ -202,7 +202,29 @@ func (e *Engine) leadNext(ctx context.Context, o Origin, lc *located, l *Limit, 
 	n.mu.Lock()
 	n.sent = true
 	n.mu.Unlock()
+	if !dl.expired && !e.anyFits(lc, n) {
+		// g brought back a count with no room for any member: the origin,
+		// whose counts only grow, would deny them all. A denial never pays
+		// a round trip.
+		n.admitted = make([]bool, len(n.costs))
+		n.decided = true
+		e.finishGroup(lc.cur, n)
+		return e.memberDecision(lc, l, n, 0)
+	}
 	return e.sendGroup(ctx, o, lc, l, n, dl)
+}
+
+// anyFits reports whether the local view, which holds at least what the
+// origin last answered, has room for the cheapest request of the group n.
+func (e *Engine) anyFits(lc *located, n *group) bool {
+	_, cur, prev := lc.snapshot()
+	for _, cost := range n.costs {
+		// A cost of 0 is a member that left: it needs no verdict.
+		if cost > 0 && fits(cur, prev, cost, n.limit, lc.w, lc.r) {
+			return true
+		}
+	}
+	return false
 }
 
 // sendGroup sends n, the cell's reservation in flight, and decides its
