@@ -1,11 +1,23 @@
 package engine
 
-import "sync/atomic"
+import (
+	"sync/atomic"
+	"unsafe"
+)
 
 // A cell holds the counters of one fixed window of one key:
 // (namespace, identifier, window, sequence). Every field is atomic; the hot
 // path never takes a lock. A cell holds no pointer, so the garbage collector
 // never scans it: with many keys, cells are most of the engine's heap.
+//
+// A cell holds what every decision needs, in 32 bytes. The counters of
+// replay and of the cross-region layer (cellSync) exist only in cells made
+// while the engine has an origin or a global layer: such a cell is
+// allocated as a syncCell and carries stSync. A local-only engine, which
+// never uses them, pays 32 bytes a cell instead of 80. Read those counters
+// through sync(): a plain cell has none, and reads them as 0. A plain cell
+// made before an origin or a global layer was attached is replaced by a
+// syncCell copy when next touched (see Engine.upgrade).
 type cell struct {
 	// seq never changes after the cell is created.
 	seq int64
@@ -16,6 +28,13 @@ type cell struct {
 	// spec is the part of count reserved by batches that have not committed
 	// yet; it is never replayed.
 	spec atomic.Int64
+	// state holds the st* bits.
+	state atomic.Uint32
+}
+
+// cellSync is the part of a cell that only an engine with an origin or a
+// global layer uses.
+type cellSync struct {
 	// global is the count imported from other regions, kept apart from count
 	// so that it is never replayed or published again.
 	global atomic.Int64
@@ -32,11 +51,38 @@ type cell struct {
 	// its origin view counts as fresh; before that, the earliest time to
 	// retry the hydration.
 	fresh atomic.Int64
-	// state holds the st* bits.
-	state atomic.Uint32
 	// published is the regional count last published to other regions
 	// (see global.go); it only grows, after a successful write.
 	published atomic.Int64
+}
+
+// syncCell is a cell with its sync counters, in one allocation of 80 bytes
+// (no pointer either). Everything holds it as a *cell, its first field.
+type syncCell struct {
+	cell
+	x cellSync
+}
+
+// newCell returns an empty cell for seq, a syncCell when sync is set.
+func newCell(seq int64, sync bool) *cell {
+	if !sync {
+		return &cell{seq: seq}
+	}
+	n := &syncCell{}
+	n.seq = seq
+	n.state.Store(stSync)
+	return &n.cell
+}
+
+// sync returns the cell's sync counters, or nil for a plain cell. stSync is
+// set only by newCell, on a cell allocated as a syncCell, and never
+// cleared, so the conversion stays within the object it points into (what
+// the race detector's checkptr verifies).
+func (c *cell) sync() *cellSync {
+	if c.state.Load()&stSync == 0 {
+		return nil
+	}
+	return &(*syncCell)(unsafe.Pointer(c)).x
 }
 
 const (
@@ -58,6 +104,8 @@ const (
 	// or in the cell it rotated from. A shared cell replays on the fast tick
 	// and decides its last tenth at the origin.
 	stShared
+	// stSync: the cell is a syncCell (see sync). Set at allocation only.
+	stSync
 )
 
 // setBits sets bits in the state and reports whether this call set any of
@@ -89,7 +137,23 @@ func (c *cell) committed() int64 { return c.count.Load() - c.spec.Load() }
 
 // total is what decisions weigh: local and regional units plus the count
 // imported from other regions.
-func (c *cell) total() int64 { return SatAdd(c.count.Load(), c.global.Load()) }
+func (c *cell) total() int64 { return SatAdd(c.count.Load(), c.globalCount()) }
+
+// globalCount returns the count the cell imported from other regions.
+func (c *cell) globalCount() int64 {
+	if x := c.sync(); x != nil {
+		return x.global.Load()
+	}
+	return 0
+}
+
+// pending returns the cell's committed units not yet handed to the origin.
+func (c *cell) pending() int64 {
+	if x := c.sync(); x != nil {
+		return x.pending.Load()
+	}
+	return 0
+}
 
 // mergeOrigin merges an origin total into the cell: count rises to at least
 // total plus what the origin has not seen (this process's pending units and
@@ -104,7 +168,7 @@ func (c *cell) mergeOrigin(total int64) {
 	for {
 		s := c.spec.Load()
 		old := c.count.Load()
-		v := SatAdd(SatAdd(ClampCount(total), c.pending.Load()), s)
+		v := SatAdd(SatAdd(ClampCount(total), c.pending()), s)
 		if c.spec.Load() != s {
 			continue
 		}
@@ -120,12 +184,16 @@ func (c *cell) mergeOrigin(total int64) {
 // It runs before the answer is merged, so the other processes' units in the
 // local view are the count less this process's own (replayed, pending and
 // speculative): the step is what the answer adds to them. No field keeps
-// the others' units, so a cell stays small.
+// the others' units, so a cell stays small. Answers are merged only into
+// syncCells (decisions with an origin upgrade theirs, see upgrade), but a
+// plain cell would only lose the step, an estimate.
 func (c *cell) observe(t Totals) {
 	if f := t.Cur - t.Mine; f > 0 {
-		seen := c.count.Load() - c.own.Load() - c.pending.Load() - c.spec.Load()
-		if d := f - max(seen, 0); d > 0 {
-			c.step.Store(d)
+		if x := c.sync(); x != nil {
+			seen := c.count.Load() - x.own.Load() - x.pending.Load() - c.spec.Load()
+			if d := f - max(seen, 0); d > 0 {
+				x.step.Store(d)
+			}
 		}
 	} else if !t.Shared {
 		return
@@ -136,13 +204,22 @@ func (c *cell) observe(t Totals) {
 }
 
 // extendFresh moves the freshness deadline forward to until (never back).
+// A plain cell has no deadline: it is never fresh.
 func (c *cell) extendFresh(until int64) {
-	for {
-		old := c.fresh.Load()
-		if until <= old || c.fresh.CompareAndSwap(old, until) {
-			return
-		}
+	x := c.sync()
+	if x == nil {
+		return
 	}
+	raise(&x.fresh, until)
+}
+
+// freshUntil returns the cell's freshness deadline (see cellSync.fresh), 0
+// for a plain cell.
+func (c *cell) freshUntil() int64 {
+	if x := c.sync(); x != nil {
+		return x.fresh.Load()
+	}
+	return 0
 }
 
 // entry is one (namespace, identifier, window): its current cell and the
@@ -169,8 +246,9 @@ var tombstone = &cell{seq: -1}
 
 // current returns the entry's cell for seq, rotating when seq has advanced,
 // or nil when the entry has been removed. A clock that steps backwards never
-// moves a key back: the newer cell is returned.
-func (en *entry) current(seq int64) *cell {
+// moves a key back: the newer cell is returned. A cell made here is a
+// syncCell when sync is set (the engine has an origin or a global layer).
+func (en *entry) current(seq int64, sync bool) *cell {
 	for {
 		c := en.cur.Load()
 		if c == tombstone {
@@ -180,14 +258,16 @@ func (en *entry) current(seq int64) *cell {
 			return c
 		}
 		p := en.prev.Load()
-		n := &cell{seq: seq}
+		n := newCell(seq, sync)
 		// A rotated cell of a key that was hydrated counts as hydrated but
 		// stale: the tiers decide whether it is read now or in the
 		// background. Only a first touch hydrates synchronously.
 		// A key that several processes use stays shared across windows,
 		// and the others' pace carries over as the first estimate.
-		n.state.Store(c.state.Load() & (stHydrated | stShared))
-		n.step.Store(c.step.Load())
+		n.state.Store(n.state.Load() | c.state.Load()&(stHydrated|stShared))
+		if x, cx := n.sync(), c.sync(); x != nil && cx != nil {
+			x.step.Store(cx.step.Load())
+		}
 		var np *cell
 		if c.seq == seq-1 {
 			np = c

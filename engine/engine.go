@@ -270,7 +270,10 @@ type located struct {
 func (lc *located) key() Key { return lc.zone.key(lc.id) }
 
 // locate finds (or creates) the entry of l and its current cell at now.
-func (e *Engine) locate(lc *located, l *Limit, now int64) {
+// With syncs set (the engine has an origin or a global layer, whose
+// counters only a syncCell holds) the cell is a syncCell: a plain cell made
+// before is upgraded here, before the decision charges it.
+func (e *Engine) locate(lc *located, l *Limit, now int64, syncs bool) {
 	z := l.Zone
 	if z == nil {
 		z = e.Zone(l.Namespace, l.Window)
@@ -284,9 +287,13 @@ func (e *Engine) locate(lc *located, l *Limit, now int64) {
 	for {
 		en, ok := z.entries.Load(id)
 		if !ok {
-			en = e.insert(z, id, seq)
+			en = e.insert(z, id, seq, syncs)
 		}
-		if c := en.current(seq); c != nil {
+		c := en.current(seq, syncs)
+		if c != nil && syncs && c.state.Load()&stSync == 0 {
+			c = e.upgrade(z, id, en, &en.cur, c)
+		}
+		if c != nil {
 			r := now - c.seq*w
 			if r < 0 {
 				r = 0
@@ -294,18 +301,20 @@ func (e *Engine) locate(lc *located, l *Limit, now int64) {
 			lc.zone, lc.id, lc.en, lc.cur, lc.w, lc.r = z, id, en, c, w, r
 			return
 		}
-		// Removed by the janitor between the load and the rotation: look
-		// again, a fresh entry may already stand in its place.
+		// Removed by the janitor between the load and the rotation, or
+		// rotated or upgraded by another request meanwhile: look again, a
+		// fresh entry may already stand in its place.
 	}
 }
 
-// insert adds a new entry for id, or returns the one that won a race.
-func (e *Engine) insert(z *Zone, id string, seq int64) *entry {
+// insert adds a new entry for id, or returns the one that won a race. Its
+// cell is a syncCell when syncs is set.
+func (e *Engine) insert(z *Zone, id string, seq int64, syncs bool) *entry {
 	hasOrigin := e.origin.Load() != nil
 	en, loaded := z.entries.LoadOrCompute(id, func() (*entry, bool) {
-		c := &cell{seq: seq}
+		c := newCell(seq, syncs)
 		if !hasOrigin {
-			c.state.Store(stHydrated)
+			c.setBits(stHydrated)
 		}
 		n := &entry{}
 		n.cur.Store(c)
@@ -323,13 +332,62 @@ func (e *Engine) insert(z *Zone, id string, seq int64) *entry {
 	return en
 }
 
+// upgrade replaces c, a plain cell that slot (en.cur or en.prev) holds,
+// with a syncCell copy and returns the copy; nil when slot no longer holds
+// c (rotated, removed, or upgraded by another caller: look again).
+//
+// The copy is installed by compare-and-swap, then what was charged into c
+// between the copy and the swap is added to it: count and spec are read
+// again after the swap and their change added. A unit charged into c after
+// that re-read is lost. Only a request that located c while the engine had
+// neither origin nor global layer can still charge it then (every other
+// one upgrades, or finds the upgrade, before it charges), and only in the
+// nanoseconds between its lookup and its compare-and-swap: at most one
+// request per goroutine that was in that window at the swap.
+//
+// A current cell upgraded while the engine has an origin hands its
+// committed units over: they become pending and replay, as if they had
+// been committed with the origin in place. A plain current cell holds only
+// this process's units (nothing merges into it before its upgrade), so
+// none is counted twice. A previous cell is not handed over: the origin's
+// totals may have been merged into it, and it weighs less every moment.
+func (e *Engine) upgrade(z *Zone, id string, en *entry, slot *atomic.Pointer[cell], c *cell) *cell {
+	n := newCell(c.seq, true)
+	count, spec := c.count.Load(), c.spec.Load()
+	n.count.Store(count)
+	n.spec.Store(spec)
+	n.state.Store(c.state.Load() | stSync)
+	if testHookUpgrade != nil {
+		testHookUpgrade(c)
+	}
+	if !slot.CompareAndSwap(c, n) {
+		return nil
+	}
+	count2, spec2 := c.count.Load(), c.spec.Load()
+	if d := count2 - count; d > 0 {
+		addSat(&n.count, d)
+	} else if d < 0 {
+		n.count.Add(d) // a batch rolled back
+	}
+	n.spec.Add(spec2 - spec)
+	n.setBits(c.state.Load() & stBlocked) // a first denial meanwhile
+	if slot == &en.cur && e.origin.Load() != nil {
+		if u := count2 - spec2; u > 0 {
+			n.sync().pending.Add(u)
+			e.markDirty(z, id, n, true) // first units: the fast tick, as in committed
+		}
+	}
+	return n
+}
+
 // snapshot returns the current cell's own count n, as a compare-and-swap
 // must expect it, with the weighed counts derived from that same load.
 func (lc *located) snapshot() (n, cur, prev int64) {
 	n = lc.cur.count.Load()
-	cur = SatAdd(n, lc.cur.global.Load())
+	cur = SatAdd(n, lc.cur.globalCount())
 	if p := lc.en.previous(lc.cur); p != nil {
-		prev = p.total()
+		// p.total(), which is over the inlining budget.
+		prev = SatAdd(p.count.Load(), p.globalCount())
 	}
 	return n, cur, prev
 }
@@ -361,9 +419,9 @@ func charge(c *cell, n, cost int64) bool {
 func (e *Engine) Decide(ctx context.Context, l Limit) Decision {
 	clampLimit(&l)
 	now := e.nowMs()
-	var lc located
-	e.locate(&lc, &l, now)
 	o := e.getOrigin()
+	var lc located
+	e.locate(&lc, &l, now, o != nil || e.global.Load() != nil)
 	if o == nil {
 		return e.decideLocal(&lc, &l)
 	}
@@ -460,10 +518,16 @@ func (e *Engine) committed(lc *located, cost, effective, limit int64) {
 	if cost == 0 || e.origin.Load() == nil {
 		return
 	}
-	lc.cur.pending.Add(cost)
+	x := lc.cur.sync()
+	if x == nil {
+		// Located before the origin was set: the units are in the count,
+		// which an upgrade hands over (see upgrade).
+		return
+	}
+	x.pending.Add(cost)
 	// The first units of a cell replay on the fast tick: a key that starts
 	// on several processes at once is known to be shared within a tick.
-	fast := lc.cur.state.Load()&stShared != 0 || lc.cur.own.Load() == 0 || pressureAtLeast(effective, limit, 1, 2)
+	fast := lc.cur.state.Load()&stShared != 0 || x.own.Load() == 0 || pressureAtLeast(effective, limit, 1, 2)
 	e.markDirty(lc.zone, lc.id, lc.cur, fast)
 }
 
@@ -492,11 +556,13 @@ func (e *Engine) DecideMany(ctx context.Context, ls []Limit, out []Decision) boo
 	}
 	lcs = lcs[:len(ls)]
 	now := e.nowMs()
+	o := e.getOrigin()
+	syncs := o != nil || e.global.Load() != nil
 	for i := range ls {
 		clampLimit(&ls[i])
-		e.locate(&lcs[i], &ls[i], now)
+		e.locate(&lcs[i], &ls[i], now, syncs)
 	}
-	if o := e.getOrigin(); o != nil {
+	if o != nil {
 		e.convergeAll(ctx, o, lcs, ls, now)
 	}
 	reserved := 0
@@ -577,5 +643,9 @@ func (e *Engine) reserve(lc *located, l *Limit) bool {
 
 // testHookRollback, set by tests, runs between the two steps of a rollback.
 var testHookRollback func(c *cell)
+
+// testHookUpgrade, set by tests, runs in an upgrade between the copy of the
+// plain cell c and the swap.
+var testHookUpgrade func(c *cell)
 
 func msDuration(ms int64) time.Duration { return time.Duration(ms) * time.Millisecond }

@@ -161,9 +161,10 @@ func (e *Engine) ScanCells(minWindow time.Duration, f func(v *CellView) bool) {
 					Key:       z.key(id),
 					Sequence:  x.seq,
 					Regional:  x.count.Load() - spec,
-					Global:    x.global.Load(),
-					Published: x.published.Load(),
 					Effective: eff,
+				}
+				if xs := x.sync(); xs != nil {
+					v.Global, v.Published = xs.global.Load(), xs.published.Load()
 				}
 				if more = f(&v); !more {
 					return false
@@ -187,8 +188,9 @@ func (e *Engine) findNormalized(key Key) (*Zone, string, bool) {
 	return z, id, ok
 }
 
-// cellAt returns the cell (key, seq) if this process holds it.
-func (e *Engine) cellAt(key Key, seq int64) *cell {
+// syncCellAt returns the cell (key, seq) if this process holds it, as a
+// syncCell: a plain cell is upgraded first (see upgrade).
+func (e *Engine) syncCellAt(key Key, seq int64) *cell {
 	z, id, ok := e.findNormalized(key)
 	if !ok {
 		return nil
@@ -197,32 +199,41 @@ func (e *Engine) cellAt(key Key, seq int64) *cell {
 	if !ok {
 		return nil
 	}
-	c := en.cur.Load()
-	if c != tombstone && c.seq != seq {
-		c = en.previous(c)
+	for {
+		c, slot := en.cur.Load(), &en.cur
+		if c != tombstone && c.seq != seq {
+			c, slot = en.previous(c), &en.prev
+		}
+		if c == nil || c == tombstone || c.seq != seq {
+			return nil
+		}
+		if c.state.Load()&stSync != 0 {
+			return c
+		}
+		if c = e.upgrade(z, id, en, slot, c); c != nil {
+			return c
+		}
 	}
-	if c == nil || c == tombstone || c.seq != seq {
-		return nil
-	}
-	return c
 }
 
 // MarkPublished records that the cell's regional count n has been
 // published; the mark only grows. It reports whether the cell is held.
 func (e *Engine) MarkPublished(key Key, seq, n int64) bool {
-	c := e.cellAt(key, seq)
+	c := e.syncCellAt(key, seq)
 	if c == nil {
 		return false
 	}
-	raise(&c.published, n)
+	raise(&c.sync().published, n)
 	return true
 }
 
 // RaiseRegional raises the cell's regional count to at least n, without
 // adding pending units on top (n is a count this region already published,
-// which may include them). It reports whether the cell is held.
+// which may include them). It reports whether the cell is held. The cell
+// is upgraded first, so that a plain cell keeps holding only this
+// process's own units (see upgrade).
 func (e *Engine) RaiseRegional(key Key, seq, n int64) bool {
-	c := e.cellAt(key, seq)
+	c := e.syncCellAt(key, seq)
 	if c == nil {
 		return false
 	}
@@ -266,32 +277,39 @@ func (e *Engine) ImportGlobal(key Key, seq, total int64, create bool) bool {
 	if seq > now || seq < now-1 {
 		return false
 	}
-	var c *cell
+	// The cells made here are syncCells whatever the engine's layers: they
+	// are made to hold a global count.
 	for {
 		en, ok := z.entries.Load(id)
 		if !ok {
 			if !create {
 				return false
 			}
-			en = e.insert(z, id, now)
+			en = e.insert(z, id, now, true)
 		}
-		cur := en.current(seq)
+		cur := en.current(seq, true)
 		if cur == nil {
 			continue // dropped by the janitor meanwhile: look again
 		}
+		var c *cell
+		slot := &en.cur
 		switch {
 		case cur.seq == seq:
 			c = cur
 		case cur.seq == seq+1:
-			c = e.previousFor(en, cur)
+			c, slot = e.previousFor(en, cur), &en.prev
 		}
-		break
+		if c == nil {
+			return false
+		}
+		if c.state.Load()&stSync == 0 {
+			if c = e.upgrade(z, id, en, slot, c); c == nil {
+				continue // rotated or upgraded meanwhile: look again
+			}
+		}
+		raise(&c.sync().global, ClampCount(total))
+		return true
 	}
-	if c == nil {
-		return false
-	}
-	raise(&c.global, ClampCount(total))
-	return true
 }
 
 // previousFor returns the cell before cur, creating it when the entry has
@@ -305,8 +323,8 @@ func (e *Engine) previousFor(en *entry, cur *cell) *cell {
 	if old != nil && old.seq >= cur.seq-1 {
 		return en.previous(cur)
 	}
-	n := &cell{seq: cur.seq - 1}
-	n.state.Store(stHydrated)
+	n := newCell(cur.seq-1, true)
+	n.setBits(stHydrated)
 	if en.cur.Load() == cur && en.prev.CompareAndSwap(old, n) {
 		return n
 	}

@@ -91,13 +91,14 @@ func (d *deadline) stop() {
 func (e *Engine) converge(o Origin, lc *located, l *Limit, now int64) *flight {
 	c := lc.cur
 	st := c.state.Load()
+	fresh := c.freshUntil()
 	if st&stHydrated == 0 {
-		if now < c.fresh.Load() {
+		if now < fresh {
 			return nil // a failed hydration waits before it retries
 		}
 		return e.syncRead(o, lc)
 	}
-	if now < c.fresh.Load() {
+	if now < fresh {
 		return nil
 	}
 	_, cur, prev := lc.snapshot()
@@ -206,8 +207,8 @@ func (e *Engine) readCell(o Origin, key Key, en *entry, c *cell) {
 	now := e.nowMs()
 	if err != nil {
 		e.stats.readErrors.Add(1)
-		if c.state.Load()&stHydrated == 0 {
-			c.fresh.Store(now + hydrateRetry.Milliseconds())
+		if x := c.sync(); x != nil && c.state.Load()&stHydrated == 0 {
+			x.fresh.Store(now + hydrateRetry.Milliseconds())
 		}
 		return
 	}
@@ -229,8 +230,8 @@ func (e *Engine) merge(en *entry, c *cell, t Totals, sent int64) {
 		if p == nil && en.cur.Load() == c {
 			// The origin knows a previous cell this process never saw.
 			old := en.prev.Load()
-			n := &cell{seq: c.seq - 1}
-			n.state.Store(stHydrated)
+			n := newCell(c.seq-1, true)
+			n.setBits(stHydrated)
 			if (old == nil || old.seq < n.seq) && en.prev.CompareAndSwap(old, n) {
 				p = n
 			} else {

@@ -77,11 +77,11 @@ func (e *Engine) Sweep() int {
 func (e *Engine) requeue(z *Zone, id string, en *entry) bool {
 	all := true
 	for _, x := range [2]*cell{en.cur.Load(), en.prev.Load()} {
-		if x == nil || x == tombstone || x.pending.Load() == 0 || x.state.Load()&(stDirty|stFlushing) != 0 {
+		if x == nil || x == tombstone || x.pending() == 0 || x.state.Load()&(stDirty|stFlushing) != 0 {
 			continue
 		}
 		e.markDirty(z, id, x, x.state.Load()&stShared != 0)
-		if x.state.Load()&(stDirty|stFlushing) == 0 && x.pending.Load() > 0 {
+		if x.state.Load()&(stDirty|stFlushing) == 0 && x.pending() > 0 {
 			all = false
 		}
 	}

@@ -328,7 +328,7 @@ func TestReplay_FailedFlushKeepsUnitsForLater(t *testing.T) {
 		t.Fatalf("origin total = %d, want all 8 units exactly once", got)
 	}
 	en, _ := e.Zone("zone", time.Hour).entries.Load("k")
-	if own := en.cur.Load().own.Load(); own != 8 {
+	if own := en.cur.Load().sync().own.Load(); own != 8 {
 		t.Fatalf("own contribution = %d, want 8", own)
 	}
 }

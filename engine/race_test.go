@@ -110,15 +110,71 @@ func TestRace_StrictAndBatchesWithOrigin(t *testing.T) {
 				if c == nil || c == tombstone {
 					continue
 				}
-				if c.spec.Load() != 0 || c.pending.Load() != 0 {
-					t.Errorf("%s/%s cell %d: spec %d pending %d left", z.name, id, c.seq, c.spec.Load(), c.pending.Load())
+				x := c.sync()
+				if x == nil {
+					t.Errorf("%s/%s cell %d is plain in an engine with an origin", z.name, id, c.seq)
+					continue
 				}
-				if got := o.total(z.key(id), c.seq); got != c.own.Load() {
-					t.Errorf("%s/%s cell %d: origin %d, own %d", z.name, id, c.seq, got, c.own.Load())
+				if c.spec.Load() != 0 || x.pending.Load() != 0 {
+					t.Errorf("%s/%s cell %d: spec %d pending %d left", z.name, id, c.seq, c.spec.Load(), x.pending.Load())
+				}
+				if got := o.total(z.key(id), c.seq); got != x.own.Load() {
+					t.Errorf("%s/%s cell %d: origin %d, own %d", z.name, id, c.seq, got, x.own.Load())
 				}
 			}
 			return true
 		})
 		return true
 	})
+}
+
+func TestRace_OriginAttachedUnderLoad(t *testing.T) {
+	e, clk := newTestEngine(t, manual(Config{}))
+	o := newMemOrigin()
+	const workers, keys = 32, 4
+	var admitted atomic.Int64
+	var wg sync.WaitGroup
+	for g := 0; g < workers; g++ {
+		wg.Add(1)
+		go func(g int) {
+			defer wg.Done()
+			out := make([]Decision, 2)
+			for i := 0; i < 400; i++ {
+				if g == 0 && i == 100 {
+					e.SetOrigin(o) // plain cells are upgraded under the others' feet
+				}
+				id := strconv.Itoa((g + i) % keys)
+				if i%3 == 0 {
+					if e.DecideMany(bg, []Limit{lim(id, time.Hour, 1<<40, 1), lim("all", time.Hour, 1<<40, 1)}, out) {
+						admitted.Add(2)
+					}
+				} else if e.Decide(bg, lim(id, time.Hour, 1<<40, 1)).Allowed {
+					admitted.Add(1)
+				}
+			}
+		}(g)
+	}
+	wg.Wait()
+	if err := e.Flush(bg); err != nil {
+		t.Fatal(err)
+	}
+	seq := clk.UnixMilli() / time.Hour.Milliseconds()
+	var counted int64
+	for _, id := range []string{"0", "1", "2", "3", "all"} {
+		key := Key{"zone", id, time.Hour}
+		c := entryOf(t, e, key).cur.Load()
+		if c.sync() == nil {
+			t.Fatalf("%s: still a plain cell after decisions with an origin", id)
+		}
+		// Every unit the cell holds reached the origin exactly once.
+		if got, n := o.total(key, seq), c.committed(); got != n || c.sync().own.Load() != n {
+			t.Errorf("%s: origin %d, own %d, count %d", id, got, c.sync().own.Load(), n)
+		}
+		counted += c.committed()
+	}
+	// A request that located a plain cell before the origin was set may
+	// charge it after its upgrade: at most one unit per worker and key.
+	if lost := admitted.Load() - counted; lost < 0 || lost > workers*5 {
+		t.Fatalf("admitted %d, counted %d", admitted.Load(), counted)
+	}
 }

@@ -144,18 +144,23 @@ func (e *Engine) drain(t Tier, max int, out []Delta) []Delta {
 // take moves c's pending delta into a Delta. The dirty bits are cleared
 // first, so a commit that lands after the swap queues the cell again. A
 // cell with a flush in flight is skipped: that flush queues it again when
-// it ends (see settle).
+// it ends (see settle). A plain cell has nothing to replay; every cell that
+// goes into a Delta is a syncCell.
 func (e *Engine) take(out []Delta, z *Zone, id string, c *cell) []Delta {
+	x := c.sync()
+	if x == nil {
+		return out
+	}
 	c.clearBits(stDirty | stFast)
 	if !c.setBits(stFlushing) {
 		return out
 	}
-	d := c.pending.Swap(0)
+	d := x.pending.Swap(0)
 	if d == 0 {
 		c.clearBits(stFlushing)
 		return out
 	}
-	return append(out, Delta{Key: z.key(id), Sequence: c.seq, Delta: d, Own: c.own.Add(d), zone: z, cell: c})
+	return append(out, Delta{Key: z.key(id), Sequence: c.seq, Delta: d, Own: x.own.Add(d), zone: z, cell: c})
 }
 
 // flush sends one batch to the origin and merges the results. Items the
@@ -184,8 +189,9 @@ func (e *Engine) flush(ctx context.Context, o Origin, batch []Delta) error {
 			}
 		} else {
 			failed = true
-			d.cell.own.Add(-d.Delta)
-			d.cell.pending.Add(d.Delta)
+			x := d.cell.sync()
+			x.own.Add(-d.Delta)
+			x.pending.Add(d.Delta)
 		}
 		e.settle(d)
 	}
@@ -280,7 +286,7 @@ func (e *Engine) replayLoop() {
 // (or came back) meanwhile.
 func (e *Engine) settle(d *Delta) {
 	d.cell.clearBits(stFlushing)
-	if d.cell.pending.Load() > 0 {
+	if d.cell.pending() > 0 {
 		e.markDirty(d.zone, d.Key.Identifier, d.cell, d.cell.state.Load()&stShared != 0)
 	}
 }
@@ -289,8 +295,9 @@ func (e *Engine) settle(d *Delta) {
 func (e *Engine) giveBack(batch []Delta) {
 	for i := range batch {
 		d := &batch[i]
-		d.cell.own.Add(-d.Delta)
-		d.cell.pending.Add(d.Delta)
+		x := d.cell.sync()
+		x.own.Add(-d.Delta)
+		x.pending.Add(d.Delta)
 		d.cell.clearBits(stFlushing)
 	}
 }

@@ -48,13 +48,17 @@ func (e *Engine) nearLimit(lc *located, l *Limit, cur, prev, now int64) bool {
 // the view in fast ticks, plus two ticks: the others' next replay, and a
 // replay of theirs that a busy machine runs late.
 func (e *Engine) foreignGrowth(lc *located, now int64) int64 {
-	step := lc.cur.step.Load()
+	x := lc.cur.sync()
+	if x == nil {
+		return 0
+	}
+	step := x.step.Load()
 	if step <= 0 {
 		return 0
 	}
 	tick := max(e.fastTickMs(), 1)
 	ticks := int64(2)
-	if seen := lc.cur.fresh.Load() - e.freshnessMs(); seen > 0 && now > seen {
+	if seen := x.fresh.Load() - e.freshnessMs(); seen > 0 && now > seen {
 		ticks += (now - seen) / tick
 	}
 	if step > MaxCount/ticks {
@@ -232,16 +236,17 @@ func (e *Engine) anyFits(lc *located, n *group) bool {
 // closed.
 func (e *Engine) sendGroup(ctx context.Context, o Origin, lc *located, l *Limit, n *group, dl *deadline) (Decision, bool) {
 	c := lc.cur
+	x := c.sync() // a syncCell: with an origin, locate upgrades the cell
 	defer e.finishGroup(c, n)
 	var sum int64
-	for _, x := range n.costs {
-		sum = SatAdd(sum, x)
+	for _, cost := range n.costs {
+		sum = SatAdd(sum, cost)
 	}
 	// Hand the origin every unit this process has admitted to the cell,
 	// and the costs, as one absolute total. own rises first, so that a
 	// flush overlapping the call never writes a total below it.
-	d := c.pending.Swap(0)
-	own := c.own.Add(d + sum)
+	d := x.pending.Swap(0)
+	own := x.own.Add(d + sum)
 	r := Reservation{
 		Key:      lc.key(),
 		Sequence: c.seq,
@@ -250,10 +255,10 @@ func (e *Engine) sendGroup(ctx context.Context, o Origin, lc *located, l *Limit,
 		Joined:   n.costs[1:],
 		Limit:    n.limit,
 		Elapsed:  lc.r,
-		Global:   c.global.Load(),
+		Global:   x.global.Load(),
 	}
 	if p := lc.en.previous(c); p != nil {
-		r.GlobalPrev = p.global.Load()
+		r.GlobalPrev = p.globalCount()
 	}
 	dl.start(e)
 	cctx, cancel := context.WithDeadline(ctx, dl.at)
@@ -269,9 +274,9 @@ func (e *Engine) sendGroup(ctx context.Context, o Origin, lc *located, l *Limit,
 		// the origin did apply makes that replay a no-op), and the
 		// requests are decided again, locally.
 		e.stats.reservationErrors.Add(int64(len(n.costs)))
-		c.own.Add(-(d + sum))
+		x.own.Add(-(d + sum))
 		if d > 0 {
-			c.pending.Add(d)
+			x.pending.Add(d)
 			e.markDirty(lc.zone, lc.id, c, true)
 		}
 		dl.expired = true
@@ -292,7 +297,7 @@ func (e *Engine) sendGroup(ctx context.Context, o Origin, lc *located, l *Limit,
 			refused = SatAdd(refused, n.costs[i])
 		}
 	}
-	c.own.Add(-refused)
+	x.own.Add(-refused)
 	e.merge(lc.en, c, r.Totals, sent)
 	n.totals, n.global, n.globalPrev = r.Totals, r.Global, r.GlobalPrev
 	n.decided = true

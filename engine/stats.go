@@ -166,7 +166,7 @@ func (e *Engine) inspect(z *Zone, id string, en *entry, now int64) (KeyState, bo
 	if cur != nil {
 		curN = cur.total()
 		ks.Cells = append(ks.Cells, cellState(cur))
-		if f := cur.fresh.Load(); cur.state.Load()&stHydrated != 0 && f > now {
+		if f := cur.freshUntil(); cur.state.Load()&stHydrated != 0 && f > now {
 			ks.FreshUntil = time.UnixMilli(f)
 		}
 	}
@@ -187,8 +187,8 @@ func cellState(c *cell) CellState {
 		Sequence:    c.seq,
 		Regional:    c.count.Load() - spec,
 		Speculative: spec,
-		Global:      c.global.Load(),
-		Pending:     c.pending.Load(),
+		Global:      c.globalCount(),
+		Pending:     c.pending(),
 		Blocked:     c.state.Load()&stBlocked != 0,
 	}
 }
