@@ -156,18 +156,26 @@ func TestTiers_StaleKeyAtHalfRefreshesSynchronously(t *testing.T) {
 	}
 }
 
-func TestReserve_SharedCellNearItsLimitIsDecidedAtTheOrigin(t *testing.T) {
-	e, clk, o := withOrigin(t, Config{})
+// sharedAt87 brings a key with a limit of 100 an hour to 87 units: one of
+// another node, which the cold read shows (so the cell is shared), and 86
+// of this engine. The next request, with the other node's expected growth
+// (one unit a replay interval, over two), makes 90 %.
+func sharedAt87(t *testing.T, e *Engine, clk *testclock.Clock, o *memOrigin) (Limit, int64) {
+	t.Helper()
 	l := lim("k", time.Hour, 100, 1)
 	seq := clk.UnixMilli() / time.Hour.Milliseconds()
-	o.add(l.Key, seq, 1) // another node's unit: the cold read shows it
-	// 1 + 86 = 87: the next request, with the other node's expected growth
-	// (one unit a replay interval, over two), makes 90 %.
+	o.add(l.Key, seq, 1)
 	for i := 0; i < 86; i++ {
 		if !e.Decide(bg, l).Allowed {
 			t.Fatal("denied below the limit")
 		}
 	}
+	return l, seq
+}
+
+func TestReserve_SharedCellNearItsLimitIsDecidedAtTheOrigin(t *testing.T) {
+	e, clk, o := withOrigin(t, Config{})
+	l, seq := sharedAt87(t, e, clk, o)
 	if n := o.reserves.Load(); n != 0 {
 		t.Fatalf("%d reservations below 90 %%", n)
 	}
@@ -427,14 +435,7 @@ func TestReserve_NoRoomLeftDeniesTheNextGroupWithoutARoundTrip(t *testing.T) {
 func joinedReservation(t *testing.T, foreign, wantAdmitted, wantTrips int64) {
 	synctest.Test(t, func(t *testing.T) {
 		e, clk, o := withOrigin(t, Config{ReadTimeout: time.Second})
-		l := lim("k", time.Hour, 100, 1)
-		seq := clk.UnixMilli() / time.Hour.Milliseconds()
-		o.add(l.Key, seq, 1) // another node's unit: the cold read shows it
-		for i := 0; i < 86; i++ {
-			if !e.Decide(bg, l).Allowed {
-				t.Fatal("denied below the limit")
-			}
-		}
+		l, seq := sharedAt87(t, e, clk, o)
 		o.add(l.Key, seq, foreign)
 		gate := make(chan struct{})
 		o.gate.Store(&gate)
