@@ -12,7 +12,8 @@
 //	  converge: cold or stale cell → read    hydrate.go (single flight, one deadline)
 //	  fits? no  → deny (never waits)         engine.go, window.go, strict.go
 //	        yes → shared and near the limit
-//	              → decide at the origin     reserve.go (one per cell in flight)
+//	              → decide at the origin     reserve.go (one call per cell in flight;
+//	                                         the requests behind it share the next)
 //	            → else compare-and-swap      engine.go (charge)
 //	  committed units → replay queue         replay.go (slow and fast ticks)
 //	replay loop → Origin.Flush → merge max   replay.go

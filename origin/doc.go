@@ -11,8 +11,12 @@
 // (scripts.go):
 //
 //	engine read (cold or stale)  → Read    → read.go: queued, pipelined per endpoint
-//	engine reservation           → Reserve → read.go: one EVALSHA, both cells in one slot
+//	engine reservation           → Reserve → read.go: one EVALSHA, both cells in one slot,
+//	                                         deciding every request of the group in order
 //	engine replay tick           → Flush   → flush.go: one pipeline per endpoint
+//
+// Outside a Cluster, reads and writes go 64 cells to a script call
+// (many.go): the keys in one buffer, the reply as one string.
 //
 // Placement over partitions is in route.go, the clients in client.go, the
 // breakers in endpoint.go (with starve.go: a slow call counts only when this
