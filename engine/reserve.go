@@ -134,10 +134,10 @@ func (e *Engine) reserveAtOrigin(ctx context.Context, o Origin, lc *located, l *
 		g, ok := e.reservations.Load(c)
 		if !ok {
 			n := newGroup(l)
+			n.sent = true // in flight at once: joiners go behind it
 			if _, loaded := e.reservations.LoadOrStore(c, n); loaded {
 				continue // another request won the race: join it
 			}
-			n.sent = true // nobody can have joined: joiners go behind it
 			return e.sendGroup(ctx, o, lc, l, n, dl)
 		}
 		g.mu.Lock()
