@@ -5,6 +5,7 @@ import (
 	"errors"
 	"sync"
 	"sync/atomic"
+	"time"
 )
 
 // memOrigin is an in-memory Origin for the engine's own tests, with the
@@ -25,6 +26,9 @@ type memOrigin struct {
 	gate atomic.Pointer[chan struct{}]
 	// entered counts reads that reached the gate.
 	entered atomic.Int64
+	// reserveDelay, when set, is how long each reservation takes (a round
+	// trip).
+	reserveDelay atomic.Int64
 }
 
 type cellID struct {
@@ -79,6 +83,9 @@ func (m *memOrigin) Reserve(ctx context.Context, r *Reservation) error {
 	m.reserves.Add(1)
 	if g := m.gate.Load(); g != nil {
 		<-*g
+	}
+	if d := m.reserveDelay.Load(); d > 0 {
+		time.Sleep(time.Duration(d))
 	}
 	if p := m.reserveErr.Load(); p != nil {
 		return *p

@@ -479,3 +479,45 @@ func joinedReservation(t *testing.T, foreign, wantAdmitted, wantTrips int64) {
 		}
 	})
 }
+
+// TestReserve_ConcurrentRequestsAtTheLimitAdmitExactlyWhatIsLeft: many
+// goroutines deciding a shared key in its last tenth, with reservations
+// that take a while, admit exactly what the region has left, in fewer
+// round trips than requests (the race detector checks the groups).
+func TestReserve_ConcurrentRequestsAtTheLimitAdmitExactlyWhatIsLeft(t *testing.T) {
+	e, clk, o := withOrigin(t, Config{ReadTimeout: 5 * time.Second})
+	l := lim("k", time.Hour, 100, 1)
+	seq := clk.UnixMilli() / time.Hour.Milliseconds()
+	o.add(l.Key, seq, 80) // other nodes hold 80: the cold read makes the key shared
+	for i := 0; i < 10; i++ {
+		if !e.Decide(bg, l).Allowed {
+			t.Fatal("denied below the limit")
+		}
+	}
+	o.reserveDelay.Store(int64(200 * time.Microsecond))
+	var admitted atomic.Int64
+	var wg sync.WaitGroup
+	for range 16 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for range 20 {
+				if e.Decide(bg, l).Allowed {
+					admitted.Add(1)
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	st := e.Stats()
+	if got := admitted.Load(); got != 10 {
+		t.Fatalf("admitted %d of 320 with 10 left (stats %+v)", got, st)
+	}
+	if got := o.total(l.Key, seq); got != 100 {
+		t.Fatalf("origin total = %d, want 100", got)
+	}
+	if st.ReservationErrors != 0 || st.Reservations >= st.ReservationsAdmitted+st.ReservationsDenied {
+		t.Fatalf("%d round trips decided %d requests (errors %d): no request shared one", st.Reservations,
+			st.ReservationsAdmitted+st.ReservationsDenied, st.ReservationErrors)
+	}
+}
