@@ -5,6 +5,8 @@ import (
 	"testing"
 	"time"
 	"unsafe"
+
+	"github.com/edgelimit/caddy-ratelimit/internal/testclock"
 )
 
 // hasPointers reports whether a value of type t holds anything the garbage
@@ -131,13 +133,21 @@ func TestCell_UpgradeOnSetOriginReplaysEveryUnit(t *testing.T) {
 	}
 }
 
-func TestCell_UpgradeKeepsUnitsChargedDuringTheCopy(t *testing.T) {
+// localUnits returns a local-only engine whose key k, with the given
+// window and limit, holds 3 units in plain cells, and the key's sequence.
+func localUnits(t *testing.T, window time.Duration, limit int64) (*Engine, *testclock.Clock, Limit, int64) {
+	t.Helper()
 	e, clk := newTestEngine(t, manual(Config{}))
-	l := lim("k", time.Hour, 1000, 1)
-	seq := clk.UnixMilli() / time.Hour.Milliseconds()
+	l := lim("k", window, limit, 1)
+	seq := clk.UnixMilli() / window.Milliseconds()
 	for i := 0; i < 3; i++ {
 		e.Decide(bg, l)
 	}
+	return e, clk, l, seq
+}
+
+func TestCell_UpgradeKeepsUnitsChargedDuringTheCopy(t *testing.T) {
+	e, _, l, seq := localUnits(t, time.Hour, 1000)
 	o := newMemOrigin()
 	e.SetOrigin(o)
 	// A request that located the plain cell before the origin was set
@@ -159,12 +169,7 @@ func TestCell_UpgradeKeepsUnitsChargedDuringTheCopy(t *testing.T) {
 }
 
 func TestCell_ImportAndPublishUpgradeAPlainCell(t *testing.T) {
-	e, clk := newTestEngine(t, manual(Config{}))
-	l := lim("k", time.Minute, 100, 1)
-	seq := clk.UnixMilli() / time.Minute.Milliseconds()
-	for i := 0; i < 3; i++ {
-		e.Decide(bg, l)
-	}
+	e, clk, l, seq := localUnits(t, time.Minute, 100)
 	clk.Advance(time.Minute)
 	e.Decide(bg, l)
 	en := entryOf(t, e, l.Key)
