@@ -2,7 +2,6 @@ package origin
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"strconv"
 	"time"
@@ -37,7 +36,7 @@ const (
 	roundTripFloor = 250 * time.Millisecond
 )
 
-// readReq is one Read waiting for a batch. The drainer writes cur, prev and
+// readReq is one Read waiting for a batch. The drainer writes totals or
 // err, then closes done; the reader looks at them only after done.
 type readReq struct {
 	ctx      context.Context
@@ -45,7 +44,6 @@ type readReq struct {
 	key      engine.Key
 	seq      int64
 	totals   engine.Totals
-	ok       bool
 	err      error
 	done     chan struct{}
 }
@@ -182,18 +180,11 @@ func (ep *endpoint) readBatch(batch []*readReq) {
 		}
 		return err
 	})
+	// cmds is empty when the breaker refused the call, else whole.
 	for i, c := range cmds {
 		part := batch[i*chunk : min((i+1)*chunk, len(batch))]
-		if !errors.Is(err, ErrBreakerOpen) {
-			parseReads(c, part, ep.kind == KindCluster)
-		}
+		parseReads(c, part, ep.kind == KindCluster)
 		for _, q := range part {
-			if q.err == nil && !q.ok {
-				q.err = err
-				if q.err == nil {
-					q.err = errors.New("read not answered")
-				}
-			}
 			close(q.done)
 		}
 	}
@@ -219,8 +210,8 @@ func (ep *endpoint) sendReads(ctx context.Context, pipe redis.Pipeliner, part []
 	})...)
 }
 
-// parseReads hands the requests of part the results of their call c, of
-// readScript when single, else of readManyScript.
+// parseReads hands each request of part its totals or its error, from
+// their call c: of readScript when single, else of readManyScript.
 func parseReads(c *redis.Cmd, part []*readReq, single bool) {
 	if c.Err() != nil {
 		for _, q := range part {
@@ -230,7 +221,6 @@ func parseReads(c *redis.Cmd, part []*readReq, single bool) {
 	}
 	if single {
 		part[0].totals, part[0].err = parseRead(c)
-		part[0].ok = part[0].err == nil
 		return
 	}
 	reply, err := c.Text()
@@ -240,22 +230,18 @@ func parseReads(c *redis.Cmd, part []*readReq, single bool) {
 		}
 		return
 	}
+	// A cell the reply leaves out was refused, or the reply is malformed.
+	for _, q := range part {
+		q.err = refusedCells(1)
+	}
 	parseMany(reply, len(part), func(i int, v [4]int64) {
 		part[i].totals = engine.Totals{Cur: v[0], Prev: v[1], Mine: v[2], Shared: v[3] > 1}
-		part[i].ok = true
+		part[i].err = nil
 	})
-	for _, q := range part {
-		if !q.ok {
-			q.err = refusedCells(1)
-		}
-	}
 }
 
 // parseRead reads the reply of one readScript call.
 func parseRead(c *redis.Cmd) (engine.Totals, error) {
-	if c == nil {
-		return engine.Totals{}, errors.New("read not sent")
-	}
 	vals, err := scriptInts(c, 4)
 	if err != nil {
 		return engine.Totals{}, err
@@ -304,8 +290,11 @@ func (ep *endpoint) reserve(ctx context.Context, res *engine.Reservation) error 
 	if err != nil {
 		return err
 	}
-	verdicts, ok := replyString(vals, 0)
-	if len(vals) != 5 || !ok || len(verdicts) != 1+len(res.Joined) {
+	if len(vals) != 5 {
+		return fmt.Errorf("reserve script returned %v", vals)
+	}
+	verdicts, ok := vals[0].(string)
+	if !ok || len(verdicts) != 1+len(res.Joined) {
 		return fmt.Errorf("reserve script returned %v", vals)
 	}
 	var n [4]int64
@@ -321,13 +310,4 @@ func (ep *endpoint) reserve(ctx context.Context, res *engine.Reservation) error 
 	}
 	res.Totals = engine.Totals{Cur: n[0], Prev: n[1], Mine: n[2], Shared: n[3] > 1}
 	return nil
-}
-
-// replyString returns vals[i] as a string, if it is one.
-func replyString(vals []any, i int) (string, bool) {
-	if i >= len(vals) {
-		return "", false
-	}
-	s, ok := vals[i].(string)
-	return s, ok
 }
