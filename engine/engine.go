@@ -290,8 +290,8 @@ func (e *Engine) locate(lc *located, l *Limit, now int64, syncs bool) {
 			en = e.insert(z, id, seq, syncs)
 		}
 		c := en.current(seq, syncs)
-		if c != nil && syncs && c.state.Load()&stSync == 0 {
-			c = e.upgrade(z, id, en, &en.cur, c)
+		if c != nil && syncs {
+			c = e.synced(z, id, en, &en.cur, c)
 		}
 		if c != nil {
 			r := now - c.seq*w
@@ -330,6 +330,15 @@ func (e *Engine) insert(z *Zone, id string, seq int64, syncs bool) *entry {
 		}
 	}
 	return en
+}
+
+// synced returns c, which slot (en.cur or en.prev) holds, as a syncCell:
+// c itself when it is one, else its upgrade (nil: look again).
+func (e *Engine) synced(z *Zone, id string, en *entry, slot *atomic.Pointer[cell], c *cell) *cell {
+	if c.state.Load()&stSync != 0 {
+		return c
+	}
+	return e.upgrade(z, id, en, slot, c)
 }
 
 // upgrade replaces c, a plain cell that slot (en.cur or en.prev) holds,

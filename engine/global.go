@@ -207,10 +207,7 @@ func (e *Engine) syncCellAt(key Key, seq int64) *cell {
 		if c == nil || c == tombstone || c.seq != seq {
 			return nil
 		}
-		if c.state.Load()&stSync != 0 {
-			return c
-		}
-		if c = e.upgrade(z, id, en, slot, c); c != nil {
+		if c = e.synced(z, id, en, slot, c); c != nil {
 			return c
 		}
 	}
@@ -302,10 +299,8 @@ func (e *Engine) ImportGlobal(key Key, seq, total int64, create bool) bool {
 		if c == nil {
 			return false
 		}
-		if c.state.Load()&stSync == 0 {
-			if c = e.upgrade(z, id, en, slot, c); c == nil {
-				continue // rotated or upgraded meanwhile: look again
-			}
+		if c = e.synced(z, id, en, slot, c); c == nil {
+			continue // rotated or upgraded meanwhile: look again
 		}
 		raise(&c.sync().global, ClampCount(total))
 		return true
