@@ -186,27 +186,28 @@ func (e *Engine) reserveAtOrigin(ctx context.Context, o Origin, lc *located, l *
 // group behind it, which g installed as the cell's reservation in flight.
 // Out of time before g returns, it gives n up: its members decide again.
 func (e *Engine) leadNext(ctx context.Context, o Origin, lc *located, l *Limit, g, n *group, dl *deadline) (Decision, bool) {
-	if !dl.wait(ctx, e, g.done) {
+	arrived := dl.wait(ctx, e, g.done)
+	installed := arrived
+	if !arrived {
 		g.mu.Lock()
-		installed := g.finished
-		if !installed {
+		if installed = g.finished; !installed {
 			g.next = nil
 		}
 		g.mu.Unlock()
-		if !installed {
-			n.mu.Lock()
-			n.sent = true
-			n.mu.Unlock()
-			close(n.done)
-			return Decision{}, false
-		}
-		// g returned as time ran out and n is in flight: send it (the
-		// call fails at once) so that its members and followers move on.
 	}
 	n.mu.Lock()
 	n.sent = true
 	n.mu.Unlock()
-	if !dl.expired && !e.anyFits(lc, n) {
+	switch {
+	case !installed:
+		close(n.done)
+		return Decision{}, false
+	case !arrived:
+		// g returned as time ran out, and n is in flight: hand over to the
+		// group behind it unsent.
+		e.finishGroup(lc.cur, n)
+		return Decision{}, false
+	case !e.anyFits(lc, n):
 		// g brought back a count with no room for any member: the origin,
 		// whose counts only grow, would deny them all. A denial never pays
 		// a round trip.
