@@ -12,8 +12,8 @@ import (
 	"github.com/edgelimit/caddy-ratelimit/engine"
 )
 
-// A flush sends, per cell, one EVALSHA of writeScript (scripts.go) in one
-// pipeline per endpoint: the cell's contribution hash records each
+// A flush sends the cells in chunks, one EVALSHA of writeScript (scripts.go)
+// per chunk, in one pipeline per endpoint: each cell's contribution hash records each
 // process's absolute total, so the write is idempotent and a Redis restarted
 // empty is repaired by the next flush of each cell, exactly. A script Redis
 // does not know (restarted, failed over) is loaded and the pipeline's
@@ -67,22 +67,18 @@ func (ep *endpoint) flush(ctx context.Context, batch []engine.Delta, idx []int) 
 	if len(todo) == 0 {
 		return errors.Join(invalid...)
 	}
-	write, script := ep.writeMany, writeManyScript
-	if ep.kind == KindCluster {
-		write, script = ep.writeEach, writeScript
-	}
 
 	var errs []error
 	err := ep.replay.guard(func() error {
 		var err error
 		for attempt := 0; attempt < 2 && len(todo) > 0; attempt++ {
 			var again []int
-			again, err = write(ctx, todo, item)
+			again, err = ep.write(ctx, todo, item)
 			if len(again) == 0 {
 				break
 			}
 			// Redis lost its scripts: load and send those items again.
-			if lerr := script.Load(ctx, ep.client).Err(); lerr != nil {
+			if lerr := writeScript.Load(ctx, ep.client).Err(); lerr != nil {
 				return fmt.Errorf("load write script: %w", lerr)
 			}
 			todo = again
@@ -95,45 +91,8 @@ func (ep *endpoint) flush(ctx context.Context, batch []engine.Delta, idx []int) 
 	return errors.Join(append(errs, invalid...)...)
 }
 
-// writeEach sends one pipeline of writes, one script call per item of
-// todo, marks those Redis applied, and returns the items Redis refused for
-// an unknown script. It serves a Cluster, where the cells of different keys
-// lie in different slots. Its error is the first command's error (the
-// pipeline's), which the breaker judges: a command refused for its own key
-// does not count.
-func (ep *endpoint) writeEach(ctx context.Context, todo []int, item func(int) *engine.Delta) ([]int, error) {
-	pipe := ep.client.Pipeline()
-	cmds := make([]*redis.Cmd, len(todo))
-	for i, j := range todo {
-		d := item(j)
-		cur, prev := cellKeys(ep.r.prefix, d.Key, d.Sequence)
-		at := expireAt(d.Key, d.Sequence).UnixMilli()
-		cmds[i] = writeScript.EvalSha(ctx, pipe, []string{cur, ownersKey(cur), prev}, ep.r.nodeID, d.Own, at)
-	}
-	ep.roundTrips.Add(1)
-	_, err := pipe.Exec(ctx)
-	var noScript []int
-	for i, j := range todo {
-		c := cmds[i]
-		if c.Err() != nil {
-			if redis.HasErrorPrefix(c.Err(), "NOSCRIPT") {
-				noScript = append(noScript, j)
-			}
-			continue
-		}
-		vals, perr := scriptInts(c, 4)
-		if perr != nil {
-			continue
-		}
-		d := item(j)
-		d.Totals = engine.Totals{Cur: vals[0], Prev: vals[3], Mine: vals[1], Shared: vals[2] > 1}
-		d.Done = true
-	}
-	return noScript, err
-}
-
-// writeMany sends the items todo in chunks of manyChunk cells, one call of
-// writeManyScript per chunk, all in one pipeline; it marks the items Redis
+// write sends the items todo in chunks (ep.chunk), one call of writeScript
+// per chunk, all in one pipeline; it marks the items Redis
 // applied and returns those of chunks Redis refused for an unknown script.
 // A chunk's arguments are built in a few buffers, and its reply is one
 // string, so the cost per cell on this side is a few bytes copied rather
@@ -142,12 +101,13 @@ func (ep *endpoint) writeEach(ctx context.Context, todo []int, item func(int) *e
 // The error is the first call's error (the pipeline's), which the breaker
 // judges. A cell whose commands Redis refuses fails alone, inside the
 // script, and is reported in the error without reaching the breaker.
-func (ep *endpoint) writeMany(ctx context.Context, todo []int, item func(int) *engine.Delta) ([]int, error) {
+func (ep *endpoint) write(ctx context.Context, todo []int, item func(int) *engine.Delta) ([]int, error) {
+	chunk := ep.chunk()
 	pipe := ep.client.Pipeline()
-	cmds := make([]*redis.Cmd, 0, (len(todo)+manyChunk-1)/manyChunk)
-	for lo := 0; lo < len(todo); lo += manyChunk {
-		part := todo[lo:min(lo+manyChunk, len(todo))]
-		cmds = append(cmds, pipe.Do(ctx, ep.manyArgs(writeManyScript, len(part), func(i int) (engine.Key, int64) {
+	cmds := make([]*redis.Cmd, 0, (len(todo)+chunk-1)/chunk)
+	for lo := 0; lo < len(todo); lo += chunk {
+		part := todo[lo:min(lo+chunk, len(todo))]
+		cmds = append(cmds, pipe.Do(ctx, ep.manyArgs(writeScript, len(part), func(i int) (engine.Key, int64) {
 			d := item(part[i])
 			return d.Key, d.Sequence
 		}, func(b []byte, i int) []byte {
@@ -162,7 +122,7 @@ func (ep *endpoint) writeMany(ctx context.Context, todo []int, item func(int) *e
 	var noScript []int
 	refused := 0
 	for i, c := range cmds {
-		part := todo[i*manyChunk : min((i+1)*manyChunk, len(todo))]
+		part := todo[i*chunk : min((i+1)*chunk, len(todo))]
 		if c.Err() != nil {
 			if redis.HasErrorPrefix(c.Err(), "NOSCRIPT") {
 				noScript = append(noScript, part...)
@@ -183,16 +143,4 @@ func (ep *endpoint) writeMany(ctx context.Context, todo []int, item func(int) *e
 		err = refusedCells(refused)
 	}
 	return noScript, err
-}
-
-// scriptInts reads a script's reply of n integers.
-func scriptInts(c *redis.Cmd, n int) ([]int64, error) {
-	vals, err := c.Int64Slice()
-	if err != nil {
-		return nil, err
-	}
-	if len(vals) != n {
-		return nil, fmt.Errorf("script returned %d values, want %d", len(vals), n)
-	}
-	return vals, nil
 }

@@ -11,17 +11,26 @@ import (
 	"github.com/edgelimit/caddy-ratelimit/engine"
 )
 
-// Scripts over many cells (writeManyLua, readManyLua) serve a Redis that is
-// not a Cluster: one call carries a chunk of cells, so the fixed cost of a
-// command (its value, its arguments as values, its reply as values) is
-// shared by the chunk. Their arguments are a few buffers and their reply is
-// one string, so the cost per cell on this side is a few bytes copied.
+// Reads and writes (readLua, writeLua) take chunks of cells: one call
+// carries many, so the fixed cost of a command (its value, its arguments as
+// values, its reply as values) is shared by the chunk. Their arguments are
+// a few buffers and their reply is one string, so the cost per cell on this
+// side is a few bytes copied.
 
-// manyChunk is the most cells one call of a script over many cells
-// carries. A script holds Redis for its whole run, so a chunk bounds that
-// (64 cells run in well under a millisecond) while the fixed cost of a call
-// is shared by many cells.
+// manyChunk is the most cells one call carries. A script holds Redis for
+// its whole run, so a chunk bounds that (64 cells run in well under a
+// millisecond) while the fixed cost of a call is shared by many cells.
 const manyChunk = 64
+
+// chunk is the most cells one call to ep carries: manyChunk, or 1 in a
+// Cluster, where the cells of different keys lie in different slots (the
+// three keys of one cell share its hash tag, so its slot).
+func (ep *endpoint) chunk() int {
+	if ep.kind == KindCluster {
+		return 1
+	}
+	return manyChunk
+}
 
 // manyArgs returns one EVALSHA of script over n cells: per cell i, named by
 // cell(i), its key, its contribution hash's key and the previous cell's

@@ -141,9 +141,9 @@ func (ep *endpoint) take() []*readReq {
 	return batch
 }
 
-// readBatch sends one pipeline of reads for the batch and hands each
-// request its result: calls of readManyScript over chunks of manyChunk
-// cells, or in a Cluster one readScript call per request. The pipeline
+// readBatch sends one pipeline of reads for the batch, one call of
+// readScript per chunk of requests (ep.chunk), and hands each request its
+// result. The pipeline
 // runs until the latest deadline in the batch (at least roundTripFloor),
 // not bound to any one caller's context: the others still wait. A Redis
 // that lost its scripts gets them loaded and the pipeline sent once more
@@ -157,10 +157,7 @@ func (ep *endpoint) readBatch(batch []*readReq) {
 	}
 	ctx, cancel := context.WithDeadline(context.Background(), deadline)
 	defer cancel()
-	script, chunk := readManyScript, manyChunk
-	if ep.kind == KindCluster {
-		script, chunk = readScript, 1
-	}
+	chunk := ep.chunk()
 	cmds := make([]*redis.Cmd, 0, (len(batch)+chunk-1)/chunk)
 	err := ep.sync.guard(func() error {
 		var err error
@@ -174,7 +171,7 @@ func (ep *endpoint) readBatch(batch []*readReq) {
 			if _, err = pipe.Exec(ctx); err == nil || !redis.HasErrorPrefix(err, "NOSCRIPT") {
 				return err
 			}
-			if lerr := script.Load(ctx, ep.client).Err(); lerr != nil {
+			if lerr := readScript.Load(ctx, ep.client).Err(); lerr != nil {
 				return fmt.Errorf("load read script: %w", lerr)
 			}
 		}
@@ -183,7 +180,7 @@ func (ep *endpoint) readBatch(batch []*readReq) {
 	// cmds is empty when the breaker refused the call, else whole.
 	for i, c := range cmds {
 		part := batch[i*chunk : min((i+1)*chunk, len(batch))]
-		parseReads(c, part, ep.kind == KindCluster)
+		parseReads(c, part)
 		for _, q := range part {
 			close(q.done)
 		}
@@ -194,16 +191,9 @@ func (ep *endpoint) readBatch(batch []*readReq) {
 	}
 }
 
-// sendReads queues the reads of part on pipe: one readScript call for a
-// lone request in a Cluster, else one readManyScript call.
+// sendReads queues the call of readScript that reads part on pipe.
 func (ep *endpoint) sendReads(ctx context.Context, pipe redis.Pipeliner, part []*readReq) *redis.Cmd {
-	if ep.kind == KindCluster {
-		// Every key shares a hash tag: single-slot in a Cluster too.
-		q := part[0]
-		cur, prev := cellKeys(ep.r.prefix, q.key, q.seq)
-		return readScript.EvalSha(ctx, pipe, []string{cur, ownersKey(cur), prev}, ep.r.nodeID, expireAt(q.key, q.seq).UnixMilli())
-	}
-	return pipe.Do(ctx, ep.manyArgs(readManyScript, len(part), func(i int) (engine.Key, int64) {
+	return pipe.Do(ctx, ep.manyArgs(readScript, len(part), func(i int) (engine.Key, int64) {
 		return part[i].key, part[i].seq
 	}, func(b []byte, i int) []byte {
 		return strconv.AppendInt(b, expireAt(part[i].key, part[i].seq).UnixMilli(), 10)
@@ -211,18 +201,8 @@ func (ep *endpoint) sendReads(ctx context.Context, pipe redis.Pipeliner, part []
 }
 
 // parseReads hands each request of part its totals or its error, from
-// their call c: of readScript when single, else of readManyScript.
-func parseReads(c *redis.Cmd, part []*readReq, single bool) {
-	if c.Err() != nil {
-		for _, q := range part {
-			q.err = c.Err()
-		}
-		return
-	}
-	if single {
-		part[0].totals, part[0].err = parseRead(c)
-		return
-	}
+// their call c.
+func parseReads(c *redis.Cmd, part []*readReq) {
 	reply, err := c.Text()
 	if err != nil {
 		for _, q := range part {
@@ -238,15 +218,6 @@ func parseReads(c *redis.Cmd, part []*readReq, single bool) {
 		part[i].totals = engine.Totals{Cur: v[0], Prev: v[1], Mine: v[2], Shared: v[3] > 1}
 		part[i].err = nil
 	})
-}
-
-// parseRead reads the reply of one readScript call.
-func parseRead(c *redis.Cmd) (engine.Totals, error) {
-	vals, err := scriptInts(c, 4)
-	if err != nil {
-		return engine.Totals{}, err
-	}
-	return engine.Totals{Cur: vals[0], Prev: vals[1], Mine: vals[2], Shared: vals[3] > 1}, nil
 }
 
 // reserve runs the reservation script for res.

@@ -36,22 +36,7 @@ local function raise(k, h, node, own)
 end
 `
 
-// writeLua raises this process's contribution to a cell, and returns the
-// previous cell's total too, so that a replay refreshes everything a
-// decision weighs, as a read would.
-//
-//	KEYS[1] cell, KEYS[2] its contribution hash, KEYS[3] the previous cell
-//	ARGV[1] node ID, ARGV[2] Own, ARGV[3] expiry (Unix ms)
-//	returns {cell total, this process's field, processes in the hash,
-//	previous cell total}
-const writeLua = raiseLua + `
-local total, mine = raise(KEYS[1], KEYS[2], ARGV[1], ARGV[2])
-redis.call('PEXPIREAT', KEYS[1], ARGV[3])
-redis.call('PEXPIREAT', KEYS[2], ARGV[3])
-return {total, mine, redis.call('HLEN', KEYS[2]), tonumber(redis.call('GET', KEYS[3]) or '0')}
-`
-
-// reserveLua is writeLua followed by the decisions of one or more requests
+// reserveLua is a write (as writeLua's, for one cell) followed by the decisions of one or more requests
 // against the region's count, each charged in the same step when it
 // passes, in order, as if they came one after another:
 //
@@ -99,9 +84,12 @@ redis.call('PEXPIREAT', KEYS[2], ARGV[3])
 return {table.concat(verdicts), total, prev, mine, redis.call('HLEN', KEYS[2])}
 `
 
-// writeManyLua is writeLua for many cells in one call, for a Redis that is
-// not a Cluster (the cells of different keys lie in different slots). A cell
-// whose commands Redis refuses (a key holding another type) fails alone.
+// writeLua raises this process's contribution to each of its cells, and
+// returns each previous cell's total too, so that a replay refreshes
+// everything a decision weighs, as a read would. One call carries a chunk
+// of cells (a single cell in a Cluster, where the cells of different keys
+// lie in different slots; see many.go). A cell whose commands Redis
+// refuses (a key holding another type) fails alone.
 //
 //	KEYS[3i+1] cell i, KEYS[3i+2] its contribution hash, KEYS[3i+3] the
 //	cell before it (i from 0)
@@ -111,7 +99,7 @@ return {table.concat(verdicts), total, prev, mine, redis.call('HLEN', KEYS[2])}
 //	process's field> <processes in the hash> <previous cell total>" or
 //	"e", separated by spaces: one bulk reply the client reads without a
 //	value per number
-const writeManyLua = raiseLua + `
+const writeLua = raiseLua + `
 local node, out, i = ARGV[1], {}, 0
 for own, at in string.gmatch(ARGV[2], '(%d+) (%d+)') do
   local k, h, p = KEYS[3*i+1], KEYS[3*i+2], KEYS[3*i+3]
@@ -127,28 +115,11 @@ end
 return table.concat(out, ' ')
 `
 
-// readLua reads a cell and the one before it, and registers this process
-// in the cell's contribution hash (a field of 0 units) if it is not there
-// yet: two processes that start on one key at once then see each other at
-// their first round trip, before either has replayed a unit.
-//
-//	KEYS[1] cell, KEYS[2] its contribution hash, KEYS[3] the previous cell
-//	ARGV[1] node ID, ARGV[2] expiry (Unix ms)
-//	returns {cell total, previous cell total, this process's field,
-//	processes in the hash}
-const readLua = `
-local mine = redis.call('HGET', KEYS[2], ARGV[1])
-if not mine then
-  redis.call('HSET', KEYS[2], ARGV[1], '0')
-  redis.call('PEXPIREAT', KEYS[2], ARGV[2])
-  mine = '0'
-end
-return {tonumber(redis.call('GET', KEYS[1]) or '0'), tonumber(redis.call('GET', KEYS[3]) or '0'),
-  tonumber(mine), redis.call('HLEN', KEYS[2])}
-`
-
-// readManyLua is readLua for many cells in one call, for a Redis that is
-// not a Cluster, as writeManyLua is for writes; a cell whose commands Redis
+// readLua reads each of its cells and the cell before it, and registers
+// this process in the cell's contribution hash (a field of 0 units) if it
+// is not there yet: two processes that start on one key at once then see
+// each other at their first round trip, before either has replayed a unit.
+// It takes chunks of cells as writeLua does; a cell whose commands Redis
 // refuses fails alone.
 //
 //	KEYS[3i+1] cell i, KEYS[3i+2] its contribution hash, KEYS[3i+3] the
@@ -157,7 +128,7 @@ return {tonumber(redis.call('GET', KEYS[1]) or '0'), tonumber(redis.call('GET', 
 //	returns one string, per cell in order either "<cell total> <previous
 //	cell total> <this process's field> <processes in the hash>" or "e",
 //	separated by spaces
-const readManyLua = `
+const readLua = `
 local node, out, i = ARGV[1], {}, 0
 for at in string.gmatch(ARGV[2], '%d+') do
   local k, h, p = KEYS[3*i+1], KEYS[3*i+2], KEYS[3*i+3]
@@ -178,9 +149,7 @@ return table.concat(out, ' ')
 `
 
 var (
-	readScript      = redis.NewScript(readLua)
-	readManyScript  = redis.NewScript(readManyLua)
-	writeScript     = redis.NewScript(writeLua)
-	writeManyScript = redis.NewScript(writeManyLua)
-	reserveScript   = redis.NewScript(reserveLua)
+	readScript    = redis.NewScript(readLua)
+	writeScript   = redis.NewScript(writeLua)
+	reserveScript = redis.NewScript(reserveLua)
 )
