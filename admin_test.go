@@ -96,7 +96,7 @@ func (r adminReply) decode(t *testing.T, status int, v any) {
 // with it the engine enters strict mode on denials, as it does with Redis.
 type fakeOrigin struct{}
 
-func (fakeOrigin) Read(context.Context, engine.Key, int64) (engine.Totals, error) {
+func (fakeOrigin) Read(context.Context, engine.Key, int64, uint32) (engine.Totals, error) {
 	return engine.Totals{}, nil
 }
 

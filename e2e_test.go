@@ -210,7 +210,7 @@ func TestCaddy_EndToEnd(t *testing.T) {
 		get(t, tester, base+"/one", "X-Key", "alice").expect(t, 429, "slow down: rate limit exceeded: zone e2e_one",
 			"RateLimit-Policy", `"e2e_one";q=3;w=60`,
 			"RateLimit", `"e2e_one";r=0;t=45`,
-			"Retry-After", "65")
+			"Retry-After", "46")
 		get(t, tester, base+"/one", "X-Key", "bob").expect(t, 200, "one", "RateLimit", `"e2e_one";r=2;t=45`)
 	})
 
@@ -227,7 +227,7 @@ func TestCaddy_EndToEnd(t *testing.T) {
 				"RateLimit", `"e2e_tight";r=0;t=45, "e2e_wide";r=9;t=3585`,
 				"X-RateLimit-Limit", "1",
 				"X-RateLimit-Remaining", "0",
-				"Retry-After", "105")
+				"Retry-After", "46")
 		}
 		get(t, tester, base+"/two", "X-Key", "k2", "X-Tenant", "acme").expect(t, 200, "two",
 			"RateLimit", `"e2e_tight";r=0;t=45, "e2e_wide";r=8;t=3585`)
@@ -249,8 +249,9 @@ func TestCaddy_EndToEnd(t *testing.T) {
 			"X-RateLimit-Reset", "45",
 			"RateLimit", "")
 		get(t, tester, base+"/one", "X-Key", "alice").expect(t, 200, "one again", "X-RateLimit-Remaining", "0")
-		// 5 units weigh at most 4 a fifth into the next window: 45 s + 12 s.
-		get(t, tester, base+"/one", "X-Key", "alice").expect(t, 429, "", "X-RateLimit-Remaining", "0", "Retry-After", "57")
+		// 5 units weigh ⌊5 × (1 − p)⌋ ≤ 4 from 1 ms into the next window:
+		// 45 s + 1 ms, 46 s rounded up.
+		get(t, tester, base+"/one", "X-Key", "alice").expect(t, 429, "", "X-RateLimit-Remaining", "0", "Retry-After", "46")
 	})
 
 	t.Run("unload stops the engine", func(t *testing.T) {

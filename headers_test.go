@@ -36,16 +36,16 @@ func TestHandler_DraftHeadersThenDenialWithExactRetryAfter(t *testing.T) {
 	wantHeader(t, r, "RateLimit-Policy", `"demo";q=3;w=60`)
 	wantHeader(t, r, "RateLimit", `"demo";r=0;t=45`)
 	// 3 counted in this window; the next request fits once the window has
-	// rolled over and the 3 weigh at most 2: 20 s into the next window, so
-	// 45 s + 20 s from now.
-	wantHeader(t, r, "Retry-After", "65")
+	// rolled over and the 3 weigh ⌊3 × (1 − p)⌋ ≤ 2: 1 ms into the next
+	// window, so 45 s + 1 ms from now, 46 s rounded up.
+	wantHeader(t, r, "Retry-After", "46")
 
-	clk.Advance(64 * time.Second)
+	clk.Advance(45 * time.Second) // the next window's first millisecond: 3 weigh 3
 	wantStatus(t, serve(h, id), http.StatusTooManyRequests)
 	clk.Advance(time.Second)
 	r = serve(h, id)
 	wantStatus(t, r, http.StatusOK)
-	wantHeader(t, r, "RateLimit", `"demo";r=0;t=40`)
+	wantHeader(t, r, "RateLimit", `"demo";r=0;t=59`)
 
 	// Another identifier has its own count.
 	wantStatus(t, serve(h, map[string]string{"demo": "bob"}), http.StatusOK)
@@ -80,8 +80,8 @@ func TestHandler_HeaderModes(t *testing.T) {
 	}
 	r = serve(hOff, id)
 	wantStatus(t, r, http.StatusTooManyRequests)
-	// b: 3 units weigh at most 2 after 1/3 of the next window.
-	wantHeader(t, r, "Retry-After", strconv.Itoa(3590+1200)) // written in every mode
+	// b: 3 units weigh ⌊3 × (1 − p)⌋ ≤ 2 from 1 ms into the next window.
+	wantHeader(t, r, "Retry-After", strconv.Itoa(3590+1)) // written in every mode
 
 	r = serve(hBoth, id)
 	wantStatus(t, r, http.StatusTooManyRequests)
@@ -97,9 +97,9 @@ func TestHandler_RetryAfterIsLargestOverDenyingZones(t *testing.T) {
 	r := serve(h, id)
 	wantStatus(t, r, http.StatusTooManyRequests)
 	// minute: the single unit stays in the window until it ends (30 s) and
-	// then weighs 1 × (1 − p) ≤ 0 only at the end of the next one: 90 s;
-	// hour: 3570 s + 3600 s.
-	wantHeader(t, r, "Retry-After", strconv.Itoa(3570+3600))
+	// then weighs ⌊1 × (1 − p)⌋ = 0 from 1 ms into the next one: 31 s;
+	// hour: 3570 s + 1 ms, 3571 s rounded up.
+	wantHeader(t, r, "Retry-After", strconv.Itoa(3570+1))
 }
 
 func TestHandler_NoRetryAfterWhenCostExceedsLimit(t *testing.T) {
@@ -132,9 +132,10 @@ func TestHandler_RetryJitterOnlyAdds(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		// Exact value: the unit weighs until the end of the next window, 120 s.
-		if n < 120 || n > 130 {
-			t.Fatalf("Retry-After %d outside [120, 130]", n)
+		// Exact value: the unit weighs ⌊1 × (1 − p)⌋ = 0 from 1 ms into the
+		// next window, 60 s + 1 ms, 61 s rounded up.
+		if n < 61 || n > 71 {
+			t.Fatalf("Retry-After %d outside [61, 71]", n)
 		}
 		seen[n] = true
 	}

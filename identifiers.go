@@ -192,9 +192,9 @@ type mappedOrigin struct {
 	mapID func(string) string
 }
 
-func (m *mappedOrigin) Read(ctx context.Context, key engine.Key, seq int64) (engine.Totals, error) {
+func (m *mappedOrigin) Read(ctx context.Context, key engine.Key, seq int64, inc uint32) (engine.Totals, error) {
 	key.Identifier = m.mapID(key.Identifier)
-	return m.Origin.Read(ctx, key, seq)
+	return m.Origin.Read(ctx, key, seq, inc)
 }
 
 func (m *mappedOrigin) Reserve(ctx context.Context, r *engine.Reservation) error {

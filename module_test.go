@@ -261,7 +261,7 @@ func TestHandler_DenialWithoutErrorRoutesIsWrittenDirectly(t *testing.T) {
 	if err != nil || rec.Code != http.StatusTooManyRequests || rec.Body.Len() != 0 {
 		t.Fatalf("denial without error routes: status %d, body %q, err %v; want an empty 429 written directly", rec.Code, rec.Body, err)
 	}
-	if rec.Header().Get("Retry-After") != "105" || rec.Header().Get("RateLimit") == "" {
+	if rec.Header().Get("Retry-After") != "46" || rec.Header().Get("RateLimit") == "" {
 		t.Fatalf("direct denial lost its headers: %v", rec.Header())
 	}
 

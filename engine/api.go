@@ -52,7 +52,7 @@ type Decision struct {
 	// Limit is the limit the decision was made against.
 	Limit int64
 	// Remaining is floor(max(0, limit − effective)) after the decision, where
-	// effective = current + previous × (1 − progress); a denied or rolled back
+	// effective = current + ⌊previous × (1 − progress)⌋; a denied or rolled back
 	// request charged nothing.
 	Remaining int64
 	// Reset is the time until the end of the current fixed window.
@@ -72,11 +72,19 @@ type Decision struct {
 // contribution to that total and adds the difference to the cell. A
 // replayed write, a lost reply, two overlapping writes of one cell and an
 // origin restarted empty are then no-ops or exact re-adds.
+//
+// The record is kept per incarnation of the cell in this process (see
+// Delta.Incarnation): a key forgotten, evicted or replaced and made again
+// in the same window starts a new record beside the old one, so what this
+// process added to a cell never shrinks within a window, whatever happens
+// to the key in memory.
 type Origin interface {
 	// Read returns the origin's view of the cell of key at sequence seq and
-	// of the previous cell (seq − 1). The engine calls it with a deadline in
-	// ctx (the read timeout) and never on a denial.
-	Read(ctx context.Context, key Key, seq int64) (Totals, error)
+	// of the previous cell (seq − 1), with Mine the record of incarnation
+	// inc; it registers inc in the cell (see Totals.Shared). The engine
+	// calls it with a deadline in ctx (the read timeout) and never on a
+	// denial.
+	Read(ctx context.Context, key Key, seq int64, inc uint32) (Totals, error)
 	// Flush raises, for each item, this process's contribution to the cell
 	// to batch[i].Own, adds the difference to the cell, and stores the
 	// results in batch[i].Totals, setting batch[i].Done for every item the
@@ -97,8 +105,9 @@ type Totals struct {
 	// Cur and Prev are the region's totals of the cell and of the previous
 	// cell, saturated at MaxCount.
 	Cur, Prev int64
-	// Mine is this process's contribution to Cur as the origin records it.
-	// Cur − Mine is what other processes of the region added.
+	// Mine is this incarnation's contribution to Cur as the origin records
+	// it. Cur − Mine is what other processes (and earlier incarnations of
+	// the cell in this one) added.
 	Mine int64
 	// Shared reports that the origin records another process in the cell,
 	// even one that has added nothing yet: processes register in a cell
@@ -112,6 +121,13 @@ type Delta struct {
 	// Key and Sequence name the cell.
 	Key      Key
 	Sequence int64
+	// Incarnation tells this cell from earlier ones of the same key and
+	// sequence in this process (the key forgotten, evicted, or replaced
+	// after a clock step, and made again): the origin keeps one record per
+	// incarnation, so the new one's units add to the old one's instead of
+	// hiding below its total. Unique per process for as long as a cell
+	// lives in the origin.
+	Incarnation uint32
 	// Delta is the number of units committed locally since the cell's last
 	// replay (for accounting; the write itself is Own).
 	Delta int64
@@ -131,9 +147,10 @@ type Delta struct {
 
 // Reservation is one request decided at the origin.
 type Reservation struct {
-	// Key and Sequence name the cell.
-	Key      Key
-	Sequence int64
+	// Key, Sequence and Incarnation name the cell, as in Delta.
+	Key         Key
+	Sequence    int64
+	Incarnation uint32
 	// Own is this process's absolute total for the cell before the request:
 	// the origin raises its record to it first, as a Flush would.
 	Own int64
@@ -146,7 +163,7 @@ type Reservation struct {
 	Joined []int64
 	// Elapsed is the milliseconds elapsed in the window at the decision,
 	// which weighs the previous cell: it passes with
-	// cur + Global + cost + (prev + GlobalPrev) × (w − Elapsed) / w ≤ Limit.
+	// cur + Global + cost + ⌊(prev + GlobalPrev) × (w − Elapsed) / w⌋ ≤ Limit.
 	Elapsed int64
 	// Global and GlobalPrev are the units this process imported from other
 	// regions for the cell and the previous cell; the origin does not hold

@@ -30,7 +30,15 @@ type cell struct {
 	spec atomic.Int64
 	// state holds the st* bits.
 	state atomic.Uint32
+	// inc is the cell's incarnation (Delta.Incarnation), set at allocation
+	// for a syncCell; a plain cell never writes to an origin.
+	inc uint32
 }
+
+// incarnations numbers the syncCells of the process, so that no two cells
+// of one key and sequence share an origin record. It wraps after 2^32
+// cells, far beyond the cells of one key in one window.
+var incarnations atomic.Uint32
 
 // cellSync is the part of a cell that only an engine with an origin or a
 // global layer uses.
@@ -70,6 +78,7 @@ func newCell(seq int64, sync bool) *cell {
 	}
 	n := &syncCell{}
 	n.seq = seq
+	n.inc = incarnations.Add(1)
 	n.state.Store(stSync)
 	return &n.cell
 }
@@ -245,9 +254,12 @@ func (en *entry) previous(c *cell) *cell {
 var tombstone = &cell{seq: -1}
 
 // current returns the entry's cell for seq, rotating when seq has advanced,
-// or nil when the entry has been removed. A clock that steps backwards never
-// moves a key back: the newer cell is returned. A cell made here is a
-// syncCell when sync is set (the engine has an origin or a global layer).
+// or nil when the entry has been removed. It never moves a key back to an
+// older cell: a request that read the clock a moment ago, or a node whose
+// clock is a little behind, counts in the newer cell. A cell far ahead of
+// the clock is replaced by the engine (see replaceStale). A cell made here
+// is a syncCell when sync is set (the engine has an origin or a global
+// layer).
 func (en *entry) current(seq int64, sync bool) *cell {
 	for {
 		c := en.cur.Load()
@@ -282,6 +294,32 @@ func (en *entry) current(seq int64, sync bool) *cell {
 			return n
 		}
 	}
+}
+
+// replaceStale replaces c, the entry's current cell, which lies more than
+// a window ahead of seq, by a new cell for seq, and returns it; nil when c
+// is no longer current (look again). The wall clock stepped forward (an
+// NTP step, a resumed VM) and back: kept, the cell from the future would
+// hold the key's count until real time reached it, admitting next to
+// nothing meanwhile. The new cell is a new incarnation (see
+// Delta.Incarnation) that hydrates like a first touch, so it reads what
+// the origin holds for seq; the old cell's pending units still replay from
+// the replay queue, which holds the cell itself.
+func (en *entry) replaceStale(c *cell, seq int64, sync bool) *cell {
+	n := newCell(seq, sync)
+	n.state.Store(n.state.Load() | c.state.Load()&stShared)
+	p := en.prev.Load()
+	var np *cell
+	if p != nil && p.seq == seq-1 {
+		np = p
+	}
+	if p != np && !en.prev.CompareAndSwap(p, np) {
+		return nil
+	}
+	if en.cur.CompareAndSwap(c, n) {
+		return n
+	}
+	return nil
 }
 
 // addSat adds n ≥ 0 to a, saturating at MaxCount.

@@ -8,6 +8,8 @@ import (
 	"testing"
 	"testing/synctest"
 	"time"
+
+	"github.com/edgelimit/caddy-ratelimit/internal/testclock"
 )
 
 // Defects a review found, each pinned by a test that failed before its fix.
@@ -203,5 +205,145 @@ func TestScan_KeepsTheFirstKeysInOrder(t *testing.T) {
 	}
 	if all := e.Scan("zone", "", -1); len(all) != 2*len(ids) {
 		t.Fatalf("Scan(-1) returned %d keys, want %d", len(all), 2*len(ids))
+	}
+}
+
+// twoNodes returns two engines on one clock and one origin, each its own
+// process to the origin.
+func twoNodes(t *testing.T) (a, b *Engine, clk *testclock.Clock, o *memOrigin) {
+	t.Helper()
+	clk = testclock.New(time.UnixMilli(epoch))
+	a, _ = newTestEngine(t, manual(Config{Now: clk.Now}))
+	b, _ = newTestEngine(t, manual(Config{Now: clk.Now}))
+	o = newMemOrigin()
+	a.SetOrigin(o)
+	b.SetOrigin(o.peer("b"))
+	return a, b, clk, o
+}
+
+// replayAll runs one replay of both tiers on every engine.
+func replayAll(t *testing.T, es ...*Engine) {
+	t.Helper()
+	for _, e := range es {
+		for _, tier := range []Tier{Fast, Slow} {
+			if _, err := e.ReplayOnce(bg, tier); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+}
+
+// TestForget_RecreatedKeyStillReachesTheOrigin is the over-admission a
+// review measured with two Caddy nodes on one Redis: 50 requests to A, a
+// DELETE of the key on A, then 300 alternating A and B (another DELETE on
+// A half-way) admitted 139 for a limit of 100. A forgotten key's new cell
+// started this process's total at 0 again, below what the origin held for
+// it, so its units never reached the other node. Before the fix: 139.
+func TestForget_RecreatedKeyStillReachesTheOrigin(t *testing.T) {
+	a, b, clk, _ := twoNodes(t)
+	l := lim("k", 20*time.Second, 100, 1)
+	admitted := 0
+	decide := func(e *Engine) {
+		if e.Decide(bg, l).Allowed {
+			admitted++
+		}
+		clk.Advance(10 * time.Millisecond)
+		replayAll(t, a, b)
+	}
+	for i := 0; i < 50; i++ {
+		decide(a)
+	}
+	a.Forget(l.Key)
+	for i := 0; i < 300; i++ {
+		if i == 150 {
+			a.Forget(l.Key)
+		}
+		decide([]*Engine{a, b}[i%2])
+	}
+	if admitted > 100 {
+		t.Fatalf("admitted %d for a limit of 100 around two forgets", admitted)
+	}
+	if admitted < 100 {
+		t.Fatalf("admitted %d, want the whole limit of 100", admitted)
+	}
+}
+
+// TestClock_StepForwardAndBackFreezesNoKey is the review's unit repro: the
+// wall clock steps an hour forward (an NTP step, a resumed VM) and back,
+// and a key touched meanwhile kept counting in its cell from the future,
+// admitting 9 of 300 afterwards for a limit of 100. A cell more than one
+// window ahead of now is stale and replaced. Before the fix: 9.
+func TestClock_StepForwardAndBackFreezesNoKey(t *testing.T) {
+	for _, withOrigin := range []bool{false, true} {
+		e, clk := newTestEngine(t, manual(Config{}))
+		var o *memOrigin
+		if withOrigin {
+			o = newMemOrigin()
+			e.SetOrigin(o)
+		}
+		l := lim("k", time.Minute, 100, 1)
+		start := clk.Now().Add(10 * time.Second)
+		clk.Set(start)
+		before := 0
+		if withOrigin {
+			// 20 units counted before the step reach the origin.
+			for range 20 {
+				e.Decide(bg, l)
+			}
+			replayAll(t, e)
+			before = 20
+		}
+		clk.Set(start.Add(time.Hour))
+		for range 5 {
+			if !e.Decide(bg, l).Allowed {
+				t.Fatal("denied in the hour ahead")
+			}
+		}
+		clk.Set(start.Add(time.Second))
+		admitted := 0
+		for range 300 {
+			if e.Decide(bg, l).Allowed {
+				admitted++
+			}
+		}
+		if admitted != 100-before {
+			t.Fatalf("origin %v: admitted %d of 300 after the clock came back, want %d", withOrigin, admitted, 100-before)
+		}
+		if withOrigin {
+			replayAll(t, e)
+			seq := start.UnixMilli() / time.Minute.Milliseconds()
+			if got := o.total(l.Key, seq); got != 100 {
+				t.Fatalf("origin holds %d for the window, want 100", got)
+			}
+			if got := o.total(l.Key, seq+60); got != 5 {
+				t.Fatalf("origin holds %d for the window an hour ahead, want its 5", got)
+			}
+		}
+	}
+}
+
+// TestClock_CellOneWindowAheadIsKept: a clock that steps back by less than
+// a window (or a node a little behind the others) keeps counting in the
+// newer cell, never moving a key back to an older one.
+func TestClock_CellOneWindowAheadIsKept(t *testing.T) {
+	e, clk := newTestEngine(t, manual(Config{}))
+	l := lim("k", time.Minute, 10, 1)
+	clk.Set(clk.Now().Add(time.Minute + time.Second))
+	for range 4 {
+		e.Decide(bg, l)
+	}
+	clk.Set(clk.Now().Add(-2 * time.Second)) // back into the window before
+	ks, _ := e.Inspect(l.Key)
+	if len(ks.Cells) == 0 || ks.Cells[0].Regional != 4 {
+		t.Fatalf("cells %+v, want the newer cell with 4", ks.Cells)
+	}
+	admitted := 0
+	for range 20 {
+		if e.Decide(bg, l).Allowed {
+			admitted++
+		}
+	}
+	if admitted != 6 {
+		t.Fatalf("admitted %d after a step back within the window, want the 6 left in the newer cell", admitted)
 	}
 }

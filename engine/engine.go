@@ -290,6 +290,15 @@ func (e *Engine) locate(lc *located, l *Limit, now int64, syncs bool) {
 			en = e.insert(z, id, seq, syncs)
 		}
 		c := en.current(seq, syncs)
+		if c != nil && c.seq > seq+1 && e.nowMs()/w+1 < c.seq {
+			// More than a window ahead of a clock read just now: the clock
+			// stepped back (a request that read it long ago finds the
+			// clock past seq and keeps the cell).
+			c = en.replaceStale(c, seq, syncs)
+			if c != nil && e.origin.Load() == nil {
+				c.setBits(stHydrated) // as insert marks a new entry's cell
+			}
+		}
 		if c != nil && syncs {
 			c = e.synced(z, id, en, &en.cur, c)
 		}

@@ -24,7 +24,8 @@ func TestDecide_WindowBorders(t *testing.T) {
 	}{
 		{"start: previous weighs fully", 0, 10, 10, 1, 0},
 		{"middle: previous weighs half", 30_000, 10, 10, 1, 5},
-		{"last millisecond: previous weighs 1/60000", 59_999, 10, 10, 1, 9},
+		{"last millisecond: previous weighs ⌊10/60000⌋ = 0", 59_999, 10, 10, 1, 10},
+		{"previous weighs ⌊10 × 6001/60000⌋ = 1", 53_999, 10, 10, 1, 9},
 		{"cost 2 in the middle", 30_000, 10, 4, 2, 4},
 		{"empty previous window", 30_000, 10, 0, 3, 3},
 	}
@@ -59,8 +60,8 @@ func TestDecide_HeadersValues(t *testing.T) {
 	}
 	e.Decide(bg, lim("k", time.Minute, 5, 2))
 	d = e.Decide(bg, lim("k", time.Minute, 5, 2))
-	if d.Allowed || d.Remaining != 1 || d.RetryAfter != 60*time.Second {
-		t.Fatalf("denial = %+v, want remaining 1 and retry 15 s into the next window (4 × 3/4 + 2 = 5)", d)
+	if d.Allowed || d.Remaining != 1 || d.RetryAfter != 45*time.Second+time.Millisecond {
+		t.Fatalf("denial = %+v, want remaining 1 and retry 1 ms into the next window (⌊4 × 59999/60000⌋ + 2 = 5)", d)
 	}
 }
 

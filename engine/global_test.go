@@ -86,9 +86,9 @@ func TestGlobal_ImportNeverRotatesBackwards(t *testing.T) {
 	if len(ks.Cells) != 2 || ks.Cells[0].Sequence != seq+1 || ks.Cells[1].Sequence != seq {
 		t.Fatalf("cells = %+v, want seq+1 then seq", ks.Cells)
 	}
-	// 10 current + (1 regional + 10 global) × ½ rounded up = 16.
-	if ks.Effective != 16 {
-		t.Fatalf("effective = %d, want 16", ks.Effective)
+	// 10 current + ⌊(1 regional + 10 global) × ½⌋ = 15.
+	if ks.Effective != 15 {
+		t.Fatalf("effective = %d, want 15", ks.Effective)
 	}
 }
 

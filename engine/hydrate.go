@@ -203,7 +203,7 @@ func (e *Engine) readCell(o Origin, key Key, en *entry, c *cell) {
 	ctx, cancel := context.WithTimeout(context.Background(), e.readTimeoutD())
 	defer cancel()
 	start := e.nowMs()
-	t, err := o.Read(ctx, key, c.seq)
+	t, err := o.Read(ctx, key, c.seq, c.inc)
 	now := e.nowMs()
 	if err != nil {
 		e.stats.readErrors.Add(1)

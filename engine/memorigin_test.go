@@ -9,14 +9,14 @@ import (
 )
 
 // memOrigin is an in-memory Origin for the engine's own tests, with the
-// idempotent write the real one has (a contribution per process, raised to
-// an absolute total): it counts calls and can block, fail or ignore its
-// context on demand. What Redis does is tested against Redis in package
-// origin.
+// idempotent write the real one has (a contribution per process and cell
+// incarnation, raised to an absolute total): it counts calls and can block,
+// fail or ignore its context on demand. Several engines share one store
+// through peer, each as its own process. What Redis does is tested against
+// Redis in package origin.
 type memOrigin struct {
-	mu     sync.Mutex
-	totals map[cellID]int64
-	mine   map[cellID]int64 // this process's recorded contribution
+	*memStore
+	node string
 
 	reads, flushes, reserves atomic.Int64
 	// readErr, flushErr and reserveErr, when set, fail the next calls.
@@ -31,16 +31,54 @@ type memOrigin struct {
 	reserveDelay atomic.Int64
 }
 
+// memStore is what the origin holds, shared by the processes that use it.
+type memStore struct {
+	mu     sync.Mutex
+	totals map[cellID]int64
+	// fields are the contributions of each cell: one per process and
+	// incarnation, as the origin's contribution hash holds them.
+	fields map[cellID]map[writer]int64
+	// down, when set, fails every call of every process.
+	down atomic.Bool
+}
+
 type cellID struct {
 	key Key
 	seq int64
 }
 
-func newMemOrigin() *memOrigin {
-	return &memOrigin{totals: map[cellID]int64{}, mine: map[cellID]int64{}}
+// writer names one field of a contribution hash.
+type writer struct {
+	node string
+	inc  uint32
 }
 
-func (m *memOrigin) Read(ctx context.Context, key Key, seq int64) (Totals, error) {
+func newMemOrigin() *memOrigin {
+	return &memOrigin{memStore: &memStore{totals: map[cellID]int64{}, fields: map[cellID]map[writer]int64{}}, node: "self"}
+}
+
+// field returns the contribution hash of id, made if missing.
+func (s *memStore) field(id cellID) map[writer]int64 {
+	h := s.fields[id]
+	if h == nil {
+		h = map[writer]int64{}
+		s.fields[id] = h
+	}
+	return h
+}
+
+// peer returns another process's view of the same store.
+func (m *memOrigin) peer(node string) *memOrigin { return &memOrigin{memStore: m.memStore, node: node} }
+
+// totalsLocked is what a call about the cell id answers the incarnation inc
+// of m's process: Shared when the hash holds any other field, as the
+// origin's HLEN does.
+func (m *memOrigin) totalsLocked(id cellID, inc uint32) Totals {
+	h := m.fields[id]
+	return Totals{Cur: m.totals[id], Prev: m.totals[cellID{id.key, id.seq - 1}], Mine: h[writer{m.node, inc}], Shared: len(h) > 1}
+}
+
+func (m *memOrigin) Read(ctx context.Context, key Key, seq int64, inc uint32) (Totals, error) {
 	m.reads.Add(1)
 	m.entered.Add(1)
 	if g := m.gate.Load(); g != nil {
@@ -49,17 +87,24 @@ func (m *memOrigin) Read(ctx context.Context, key Key, seq int64) (Totals, error
 	if p := m.readErr.Load(); p != nil {
 		return Totals{}, *p
 	}
+	if m.down.Load() {
+		return Totals{}, errOriginDown
+	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	id := cellID{key, seq}
-	return Totals{Cur: m.totals[id], Prev: m.totals[cellID{key, seq - 1}], Mine: m.mine[id]}, nil
+	if h := m.field(id); h[writer{m.node, inc}] == 0 {
+		h[writer{m.node, inc}] = 0 // a read registers the process, as readLua does
+	}
+	return m.totalsLocked(id, inc), nil
 }
 
 // raise is the idempotent write: this process's contribution rises to own.
-func (m *memOrigin) raise(id cellID, own int64) {
-	if d := own - m.mine[id]; d > 0 {
+func (m *memOrigin) raise(id cellID, inc uint32, own int64) {
+	h, f := m.field(id), writer{m.node, inc}
+	if d := own - h[f]; d > 0 {
 		m.totals[id] = SatAdd(m.totals[id], d)
-		m.mine[id] = own
+		h[f] = own
 	}
 }
 
@@ -68,12 +113,15 @@ func (m *memOrigin) Flush(ctx context.Context, batch []Delta) error {
 	if p := m.flushErr.Load(); p != nil {
 		return *p
 	}
+	if m.down.Load() {
+		return errOriginDown
+	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	for i := range batch {
 		id := cellID{batch[i].Key, batch[i].Sequence}
-		m.raise(id, batch[i].Own)
-		batch[i].Totals = Totals{Cur: m.totals[id], Prev: m.totals[cellID{batch[i].Key, batch[i].Sequence - 1}], Mine: m.mine[id]}
+		m.raise(id, batch[i].Incarnation, batch[i].Own)
+		batch[i].Totals = m.totalsLocked(id, batch[i].Incarnation)
 		batch[i].Done = true
 	}
 	return nil
@@ -90,10 +138,14 @@ func (m *memOrigin) Reserve(ctx context.Context, r *Reservation) error {
 	if p := m.reserveErr.Load(); p != nil {
 		return *p
 	}
+	if m.down.Load() {
+		return errOriginDown
+	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	id := cellID{r.Key, r.Sequence}
-	m.raise(id, r.Own)
+	h, f := m.field(id), writer{m.node, r.Incarnation}
+	m.raise(id, r.Incarnation, r.Own)
 	prev := m.totals[cellID{r.Key, r.Sequence - 1}]
 	w := r.Key.Window.Milliseconds()
 	admit := func(cost int64) bool {
@@ -102,7 +154,7 @@ func (m *memOrigin) Reserve(ctx context.Context, r *Reservation) error {
 			return false
 		}
 		m.totals[id] = SatAdd(cur, cost)
-		m.mine[id] = SatAdd(m.mine[id], cost)
+		h[f] = SatAdd(h[f], cost)
 		return true
 	}
 	r.Admitted = admit(r.Cost)
@@ -110,7 +162,7 @@ func (m *memOrigin) Reserve(ctx context.Context, r *Reservation) error {
 	for i, c := range r.Joined {
 		r.JoinedAdmitted[i] = admit(c)
 	}
-	r.Totals = Totals{Cur: m.totals[id], Prev: prev, Mine: m.mine[id]}
+	r.Totals = m.totalsLocked(id, r.Incarnation)
 	return nil
 }
 
@@ -130,7 +182,7 @@ func (m *memOrigin) total(key Key, seq int64) int64 {
 // restart forgets everything, as a Redis restarted empty.
 func (m *memOrigin) restart() {
 	m.mu.Lock()
-	m.totals, m.mine = map[cellID]int64{}, map[cellID]int64{}
+	m.totals, m.fields = map[cellID]int64{}, map[cellID]map[writer]int64{}
 	m.mu.Unlock()
 }
 

@@ -26,9 +26,13 @@ func (m *refEngine) state(l Limit, now int64) (cur, prev, w, r int64) {
 		m.counts[refCell{l.Namespace, l.Identifier, w, seq - 1}], w, now % w
 }
 
+// effective is cur + ⌊prev × (w − r) / w⌋ + cost: the previous window's
+// weight rounded down, as DESIGN states the rule.
 func (m *refEngine) effective(cur, prev, cost, w, r int64) *big.Rat {
+	weight := new(big.Int).Mul(big.NewInt(prev), big.NewInt(w-r))
+	weight.Quo(weight, big.NewInt(w))
 	eff := new(big.Rat).SetInt64(cur + cost)
-	return eff.Add(eff, new(big.Rat).Mul(new(big.Rat).SetInt64(prev), big.NewRat(w-r, w)))
+	return eff.Add(eff, new(big.Rat).SetInt(weight))
 }
 
 func (m *refEngine) passes(cur, prev, cost, limit, w, r int64) bool {

@@ -160,7 +160,7 @@ func (e *Engine) take(out []Delta, z *Zone, id string, c *cell) []Delta {
 		c.clearBits(stFlushing)
 		return out
 	}
-	return append(out, Delta{Key: z.key(id), Sequence: c.seq, Delta: d, Own: x.own.Add(d), zone: z, cell: c})
+	return append(out, Delta{Key: z.key(id), Sequence: c.seq, Incarnation: c.inc, Delta: d, Own: x.own.Add(d), zone: z, cell: c})
 }
 
 // flush sends one batch to the origin and merges the results. Items the
@@ -346,4 +346,80 @@ func (e *Engine) flushAll(ctx context.Context, o Origin) error {
 		first = ctx.Err()
 	}
 	return first
+}
+
+// Resend queues every live cell's whole own total for replay again, for an
+// origin that lost what it held (a Redis restarted empty): writes are
+// idempotent, so the origin gets back exactly what this process had added,
+// also for keys no request touches any more. It returns the number of
+// cells queued. Units move from own to pending, so the next write carries
+// the same absolute total as before: a write in flight meanwhile cannot
+// count twice.
+func (e *Engine) Resend() int {
+	if e.getOrigin() == nil {
+		return 0
+	}
+	now := e.nowMs()
+	n := 0
+	e.rangeZones(func(z *Zone) bool {
+		oldest := now/z.w - 1
+		z.entries.Range(func(id string, en *entry) bool {
+			for _, c := range [2]*cell{en.cur.Load(), en.prev.Load()} {
+				if c == nil || c == tombstone || c.seq < oldest {
+					continue
+				}
+				x := c.sync()
+				if x == nil {
+					continue
+				}
+				if o := x.own.Load(); o > 0 {
+					x.own.Add(-o)
+					x.pending.Add(o)
+					e.markDirty(z, id, c, true)
+					n++
+				}
+			}
+			return true
+		})
+		return true
+	})
+	e.stats.resends.Add(int64(n))
+	return n
+}
+
+// DropUnsent gives up the committed units no origin has received yet, when
+// the origin goes away for good (a reload without Redis after its last
+// flush, or shutdown): it returns their number, which the caller reports
+// as lost, and counts it in Stats.LostUnits. Cells keep their counts; only
+// the replay of the units is given up.
+func (e *Engine) DropUnsent() int64 {
+	var lost int64
+	drop := func(c *cell) {
+		if c == nil || c == tombstone {
+			return
+		}
+		if x := c.sync(); x != nil {
+			lost = SatAdd(lost, x.pending.Swap(0))
+		}
+	}
+	for _, q := range []*queue{e.queue(Fast), e.queue(Slow)} {
+		for {
+			d, ok := q.pop()
+			if !ok {
+				break
+			}
+			d.cell.clearBits(stDirty | stFast)
+			drop(d.cell)
+		}
+	}
+	e.rangeZones(func(z *Zone) bool {
+		z.entries.Range(func(_ string, en *entry) bool {
+			drop(en.cur.Load())
+			drop(en.prev.Load())
+			return true
+		})
+		return true
+	})
+	e.stats.lostUnits.Add(lost)
+	return lost
 }

@@ -249,14 +249,15 @@ func (e *Engine) sendGroup(ctx context.Context, o Origin, lc *located, l *Limit,
 	d := x.pending.Swap(0)
 	own := x.own.Add(d + sum)
 	r := Reservation{
-		Key:      lc.key(),
-		Sequence: c.seq,
-		Own:      own - sum,
-		Cost:     n.costs[0],
-		Joined:   n.costs[1:],
-		Limit:    n.limit,
-		Elapsed:  lc.r,
-		Global:   x.global.Load(),
+		Key:         lc.key(),
+		Sequence:    c.seq,
+		Incarnation: c.inc,
+		Own:         own - sum,
+		Cost:        n.costs[0],
+		Joined:      n.costs[1:],
+		Limit:       n.limit,
+		Elapsed:     lc.r,
+		Global:      x.global.Load(),
 	}
 	if p := lc.en.previous(c); p != nil {
 		r.GlobalPrev = p.globalCount()

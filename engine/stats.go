@@ -17,6 +17,7 @@ type counters struct {
 	reservationWaits                                 atomic.Int64
 	flushes, flushErrors                             atomic.Int64
 	replayDrops, evictions, firstDenials             atomic.Int64
+	resends, lostUnits                               atomic.Int64
 	lastRead, lastFlush                              atomic.Int64 // Unix ms
 }
 
@@ -51,6 +52,10 @@ type Stats struct {
 	ReservationErrors, ReservationWaits                    int64
 	// Flushes and FlushErrors count replay batches.
 	Flushes, FlushErrors int64
+	// Resends counts cells whose whole total was sent again because the
+	// origin lost it (restarted empty); LostUnits the committed units given
+	// up unsent when the origin went away (see DropUnsent).
+	Resends, LostUnits int64
 	// LastRead and LastFlush are the last successful origin read and flush;
 	// zero if none.
 	LastRead, LastFlush time.Time
@@ -81,6 +86,8 @@ func (e *Engine) Stats() Stats {
 
 		Flushes:     s.flushes.Load(),
 		FlushErrors: s.flushErrors.Load(),
+		Resends:     s.resends.Load(),
+		LostUnits:   s.lostUnits.Load(),
 		LastRead:    msTime(s.lastRead.Load()),
 		LastFlush:   msTime(s.lastFlush.Load()),
 	}
@@ -118,7 +125,7 @@ type CellState struct {
 // KeyState is a key as an operator sees it, at the time of the call.
 type KeyState struct {
 	Key Key
-	// Effective is current + previous × (1 − progress), rounded up: what a
+	// Effective is current + ⌊previous × (1 − progress)⌋: what a
 	// request of cost 0 would be weighed against.
 	Effective int64
 	// StrictUntil and FreshUntil are the strict-mode and freshness deadlines;

@@ -5,14 +5,18 @@ import "math/bits"
 // The sliding window, in integer arithmetic so that every node computes the
 // same verdict and the same Retry-After from the same counts:
 //
-//	effective = cur + prev × (w − r) / w + cost,   allow iff effective ≤ limit
+//	effective = cur + ⌊prev × (w − r) / w⌋ + cost,   allow iff effective ≤ limit
 //
 // where w is the window in milliseconds and r the milliseconds elapsed in the
-// current window. Multiplying through by w gives the exact test
-// (cur + cost − limit) × w + prev × (w − r) ≤ 0, evaluated with 128-bit
-// products so large counts and long windows cannot overflow.
+// current window. The previous cell's weight is rounded down, as Unkey's
+// limiter does: evaluated exactly, a full previous window would let the
+// current window's last unit pass only at r = w, which never comes, and a
+// zone under steady load would admit limit − 1 a window (limit 3 behaving
+// as 2). Rounding down costs less than one unit a decision. With m = room + 1
+// the test ⌊prev × (w − r) / w⌋ ≤ room is prev × (w − r) < m × w, evaluated
+// with 128-bit products so large counts and long windows cannot overflow.
 
-// fits reports whether cost more units fit: cur + prev×(w−r)/w + cost ≤ limit.
+// fits reports whether cost more units fit: cur + ⌊prev×(w−r)/w⌋ + cost ≤ limit.
 func fits(cur, prev, cost, limit, w, r int64) bool {
 	room := limit - cur - cost
 	if room < 0 {
@@ -21,7 +25,7 @@ func fits(cur, prev, cost, limit, w, r int64) bool {
 	if prev == 0 || r >= w {
 		return true
 	}
-	return !mulLess(uint64(room), uint64(w), uint64(prev), uint64(w-r))
+	return mulLess(uint64(prev), uint64(w-r), uint64(room)+1, uint64(w))
 }
 
 // mulLess reports whether a×b < c×d.
@@ -39,21 +43,17 @@ func mulDiv(a, b, c uint64) uint64 {
 	return q
 }
 
-// weighted returns ceil(prev × (w−r) / w): the previous cell's contribution,
-// rounded up so that Remaining never promises a unit that would be denied.
+// weighted returns ⌊prev × (w−r) / w⌋: the previous cell's contribution,
+// rounded down as the verdict rounds it, so Remaining is exactly the cost
+// that still fits.
 func weighted(prev, w, r int64) int64 {
 	if prev == 0 || r >= w {
 		return 0
 	}
-	h, l := bits.Mul64(uint64(prev), uint64(w-r))
-	q, rem := bits.Div64(h, l, uint64(w))
-	if rem != 0 {
-		q++
-	}
-	return int64(q)
+	return int64(mulDiv(uint64(prev), uint64(w-r), uint64(w)))
 }
 
-// remaining returns floor(max(0, limit − cur − prev×(w−r)/w)).
+// remaining returns max(0, limit − cur − ⌊prev×(w−r)/w⌋).
 func remaining(cur, prev, limit, w, r int64) int64 {
 	rem := limit - cur - weighted(prev, w, r)
 	if rem < 0 {
@@ -67,27 +67,37 @@ func remaining(cur, prev, limit, w, r int64) int64 {
 // called for a denied request, so the answer is always at least 1.
 //
 // Within the current window only the previous cell's weight decays: the
-// request passes at the first r' with prev×(w−r') ≤ (limit−cur−cost)×w. If
-// that cannot happen before the window ends, the current cell becomes the
-// previous one of the next window and decays in turn.
+// request passes at the first r' with ⌊prev×(w−r')/w⌋ ≤ room, that is once
+// w − r' is at most span(prev, room+1, w). If that cannot happen before the
+// window ends, the current cell becomes the previous one of the next window
+// and decays in turn.
 func retryAfterMs(cur, prev, cost, limit, w, r int64) int64 {
 	if cost > limit {
 		return -1
 	}
 	if room := limit - cur - cost; room >= 0 && prev > 0 {
-		// Denied now, so prev×(w−r) > room×w and room×w/prev < w.
-		at := w - int64(mulDiv(uint64(room), uint64(w), uint64(prev)))
-		if at < w {
-			return at - r
+		// Denied now, so prev×(w−r) ≥ (room+1)×w: the span is below w − r.
+		if q := span(prev, room+1, w); q > 0 {
+			return w - q - r
 		}
 	}
 	room := limit - cost
 	if cur <= room {
 		return w - r
 	}
-	// cur > room ≥ 0, so room×w/cur < w.
-	at := w - int64(mulDiv(uint64(room), uint64(w), uint64(cur)))
-	return w - r + at
+	// cur ≥ room+1, so the span is below w.
+	return w - r + w - span(cur, room+1, w)
+}
+
+// span returns the longest remaining part of a window, in milliseconds, at
+// which n units weigh less than m: the largest s with n × s < m × w, that
+// is ⌊(m×w − 1) / n⌋. Callers guarantee the answer is below w.
+func span(n, m, w int64) int64 {
+	h, l := bits.Mul64(uint64(m), uint64(w))
+	l, borrow := bits.Sub64(l, 1, 0)
+	h -= borrow
+	q, _ := bits.Div64(h, l, uint64(n))
+	return int64(q)
 }
 
 // pressureAtLeast reports whether effective ≥ limit × num/den: the test of

@@ -6,12 +6,19 @@ import (
 	"testing"
 )
 
-// refFits is the sliding-window formula in exact rational arithmetic.
+// refWeighted is the previous cell's weight in exact arithmetic, rounded
+// down: ⌊prev × (w − r) / w⌋.
+func refWeighted(prev, w, r int64) *big.Int {
+	p := new(big.Int).Mul(big.NewInt(prev), big.NewInt(w-r))
+	return p.Quo(p, big.NewInt(w))
+}
+
+// refFits is the sliding-window formula in exact arithmetic:
+// cur + ⌊prev × (w − r) / w⌋ + cost ≤ limit.
 func refFits(cur, prev, cost, limit, w, r int64) bool {
-	eff := new(big.Rat).SetInt64(cur + cost)
-	weight := big.NewRat(w-r, w)
-	eff.Add(eff, new(big.Rat).Mul(new(big.Rat).SetInt64(prev), weight))
-	return eff.Cmp(new(big.Rat).SetInt64(limit)) <= 0
+	eff := new(big.Int).Add(big.NewInt(cur), big.NewInt(cost))
+	eff.Add(eff, refWeighted(prev, w, r))
+	return eff.Cmp(big.NewInt(limit)) <= 0
 }
 
 // refRetryAfter finds the wait by trying every millisecond, moving the
@@ -85,10 +92,40 @@ func TestWindow_RetryAfterIsTheFirstPassingMillisecond(t *testing.T) {
 	}
 }
 
+// TestWindow_SteadyLoadAdmitsTheWholeLimit is the defect a review measured:
+// limit 3 over 2 s at 15 requests a second admitted 2 a window after the
+// first, because a full previous window weighed exactly let the last unit
+// pass only at the very end of the window. Rounded down, every window
+// admits its limit.
+func TestWindow_SteadyLoadAdmitsTheWholeLimit(t *testing.T) {
+	for _, tc := range []struct{ limit, w, every int64 }{
+		{3, 2000, 66}, {5, 1000, 100}, {5, 1000, 20}, {100, 60000, 100},
+	} {
+		counts := map[int64]int64{}
+		admitted := int64(0)
+		windows := int64(10)
+		for now := int64(0); now < windows*tc.w; now += tc.every {
+			seq, r := now/tc.w, now%tc.w
+			if fits(counts[seq], counts[seq-1], 1, tc.limit, tc.w, r) {
+				counts[seq]++
+				admitted++
+			}
+		}
+		// Before the fix: 21 of 30 for limit 3, 41 of 50 for limit 5.
+		if min := windows * tc.limit * 95 / 100; admitted < min {
+			t.Errorf("limit %d, window %d ms, a request every %d ms: %d admitted in %d windows, want at least %d (95 %%)",
+				tc.limit, tc.w, tc.every, admitted, windows, min)
+		}
+		if admitted > windows*tc.limit {
+			t.Errorf("limit %d: %d admitted in %d windows, more than the limit a window", tc.limit, admitted, windows)
+		}
+	}
+}
+
 func TestWindow_RemainingRoundsDown(t *testing.T) {
-	// limit 10, cur 3, prev 5 at a third of the window: 10 − 3 − 5×2/3 = 3.67.
-	if got := remaining(3, 5, 10, 300, 100); got != 3 {
-		t.Fatalf("remaining = %d, want 3", got)
+	// limit 10, cur 3, prev 5 at a third of the window: 10 − 3 − ⌊5×2/3⌋ = 10 − 3 − 3.
+	if got := remaining(3, 5, 10, 300, 100); got != 4 {
+		t.Fatalf("remaining = %d, want 4", got)
 	}
 	if got := remaining(12, 0, 10, 300, 100); got != 0 {
 		t.Fatalf("remaining over the limit = %d, want 0", got)
@@ -96,11 +133,7 @@ func TestWindow_RemainingRoundsDown(t *testing.T) {
 }
 
 // bigFits is the sliding-window test in exact arithmetic for any int64s.
-func bigFits(cur, prev, cost, limit, w, r int64) bool {
-	eff := new(big.Rat).SetInt(new(big.Int).Add(big.NewInt(cur), big.NewInt(cost)))
-	eff.Add(eff, new(big.Rat).Mul(new(big.Rat).SetInt64(prev), big.NewRat(w-r, w)))
-	return eff.Cmp(new(big.Rat).SetInt64(limit)) <= 0
-}
+func bigFits(cur, prev, cost, limit, w, r int64) bool { return refFits(cur, prev, cost, limit, w, r) }
 
 // TestWindow_FitsOverTheWholeRange draws counts, costs and limits from the
 // whole range the engine holds (up to 2^53 − 1, and sums of two such

@@ -112,6 +112,8 @@ func (ep *endpoint) write(ctx context.Context, todo []int, item func(int) *engin
 			return d.Key, d.Sequence
 		}, func(b []byte, i int) []byte {
 			d := item(part[i])
+			b = strconv.AppendUint(b, uint64(d.Incarnation), 10)
+			b = append(b, ' ')
 			b = strconv.AppendInt(b, d.Own, 10)
 			b = append(b, ' ')
 			return strconv.AppendInt(b, expireAt(d.Key, d.Sequence).UnixMilli(), 10)

@@ -43,12 +43,13 @@ type readReq struct {
 	deadline time.Time
 	key      engine.Key
 	seq      int64
+	inc      uint32
 	totals   engine.Totals
 	err      error
 	done     chan struct{}
 }
 
-func (ep *endpoint) read(ctx context.Context, key engine.Key, seq int64) (engine.Totals, error) {
+func (ep *endpoint) read(ctx context.Context, key engine.Key, seq int64, inc uint32) (engine.Totals, error) {
 	if err := ctx.Err(); err != nil {
 		return engine.Totals{}, err
 	}
@@ -61,7 +62,7 @@ func (ep *endpoint) read(ctx context.Context, key engine.Key, seq int64) (engine
 	if key.Window < time.Millisecond {
 		return engine.Totals{}, fmt.Errorf("window %s is below one millisecond", key.Window)
 	}
-	q := &readReq{ctx: ctx, key: key, seq: seq, done: make(chan struct{})}
+	q := &readReq{ctx: ctx, key: key, seq: seq, inc: inc, done: make(chan struct{})}
 	q.deadline = time.Now().Add(maxCallTimeout)
 	if d, ok := ctx.Deadline(); ok && d.Before(q.deadline) {
 		q.deadline = d
@@ -196,6 +197,8 @@ func (ep *endpoint) sendReads(ctx context.Context, pipe redis.Pipeliner, part []
 	return pipe.Do(ctx, ep.manyArgs(readScript, len(part), func(i int) (engine.Key, int64) {
 		return part[i].key, part[i].seq
 	}, func(b []byte, i int) []byte {
+		b = strconv.AppendUint(b, uint64(part[i].inc), 10)
+		b = append(b, ' ')
 		return strconv.AppendInt(b, expireAt(part[i].key, part[i].seq).UnixMilli(), 10)
 	})...)
 }
@@ -247,7 +250,7 @@ func (ep *endpoint) reserve(ctx context.Context, res *engine.Reservation) error 
 	}
 	cur, prev := cellKeys(ep.r.prefix, res.Key, res.Sequence)
 	keys := []string{cur, ownersKey(cur), prev}
-	args := []any{ep.r.nodeID, res.Own, expireAt(res.Key, res.Sequence).UnixMilli(), string(costs), res.Limit,
+	args := []any{ep.r.nodeID + "." + strconv.FormatUint(uint64(res.Incarnation), 10), res.Own, expireAt(res.Key, res.Sequence).UnixMilli(), string(costs), res.Limit,
 		windowMs(res.Key.Window), res.Elapsed, engine.ClampCount(res.Global), engine.ClampCount(res.GlobalPrev)}
 	var vals []any
 	err := ep.sync.guard(func() error {

@@ -151,14 +151,15 @@ func (r *Redis) String() string {
 }
 
 // Read returns the totals of the cell (key, seq) and of the cell before it,
-// with this process's recorded share of the cell; a missing cell is 0. It
+// with the recorded share of this process's incarnation inc of the cell,
+// which it registers in the cell; a missing cell is 0. It
 // returns by ctx's deadline whatever Redis does, and at once when the
 // endpoint's request-path breaker is open. Concurrent reads of one
 // endpoint share round trips.
-func (r *Redis) Read(ctx context.Context, key engine.Key, seq int64) (engine.Totals, error) {
+func (r *Redis) Read(ctx context.Context, key engine.Key, seq int64, inc uint32) (engine.Totals, error) {
 	start := time.Now()
 	ep := r.route(key)
-	t, err := ep.read(ctx, key, seq)
+	t, err := ep.read(ctx, key, seq, inc)
 	ep.record(OpRead, err, start, 2)
 	if err != nil {
 		return engine.Totals{}, fmt.Errorf("redis read %s (zone %q): %w", ep.address, key.Namespace, err)

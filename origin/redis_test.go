@@ -46,7 +46,7 @@ func key(id string) engine.Key {
 
 // readPair reads the totals of a cell and the one before it.
 func readPair(o *Redis, ctx context.Context, k engine.Key, seq int64) (cur, prev int64, err error) {
-	t, err := o.Read(ctx, k, seq)
+	t, err := o.Read(ctx, k, seq, 0)
 	return t.Cur, t.Prev, err
 }
 
@@ -164,7 +164,7 @@ func TestFlush_ReaddsOwnContributionsAfterRestartEmpty(t *testing.T) {
 		t.Fatalf("Redis holds %d (%v), want 11", got, err)
 	}
 	if got, err := c.HGetAll(ctxT(t), ownersKey(cellKey(DefaultPrefix, k, seq))).Result(); err != nil ||
-		got["a"] != "7" || got["b"] != "4" || len(got) != 2 {
+		got["a.0"] != "7" || got["b.0"] != "4" || len(got) != 2 {
 		t.Fatalf("contributions %v (%v), want a=7 b=4", got, err)
 	}
 
@@ -238,7 +238,7 @@ func TestFlush_OverlappingFlushesOfACellCountOnce(t *testing.T) {
 	}
 
 	// A real shortfall (Redis lost 2 of this process's units) is repaired.
-	if err := srv.Client().HSet(ctxT(t), ownersKey(cellKey(DefaultPrefix, k, seq)), "p", 5).Err(); err != nil {
+	if err := srv.Client().HSet(ctxT(t), ownersKey(cellKey(DefaultPrefix, k, seq)), "p.0", 5).Err(); err != nil {
 		t.Fatal(err)
 	}
 	third := []engine.Delta{{Key: k, Sequence: seq, Delta: 1, Own: 8}}
@@ -991,7 +991,7 @@ func TestScripts_ReloadedAfterScriptFlush(t *testing.T) {
 	for round := int64(1); round <= 3; round++ {
 		flushScripts()
 		for _, k := range ks {
-			if _, err := o.Read(ctxT(t), k, seq); err != nil {
+			if _, err := o.Read(ctxT(t), k, seq, 0); err != nil {
 				t.Fatalf("round %d: read after SCRIPT FLUSH: %v", round, err)
 			}
 		}

@@ -99,6 +99,10 @@ func TestReserve_WeighsThePreviousCellAndImportedCounts(t *testing.T) {
 		{elapsed: w / 2, global: 1, want: false},       // 1 + 20 + 1 > 21
 		{elapsed: w / 2, globalPrev: 2, want: false},   // 21 + 1 > 21
 		{elapsed: w - 1, globalPrev: 1000, want: true}, // weighs 1040/60000
+		// ⌊40 × 30750/60000⌋ = ⌊20.5⌋ = 20: the previous cell's weight is
+		// rounded down, as the engine rounds it (exactly, 21.5 + 1 > 21).
+		{elapsed: w * 4875 / 10000, want: true},
+		{elapsed: w*4875/10000 - 1, globalPrev: 1, want: false}, // ⌊41 × 30751/60000⌋ = 21
 	} {
 		r := reservation(k, seq, 0, 1, 21)
 		r.Elapsed, r.Global, r.GlobalPrev = c.elapsed, c.global, c.globalPrev
@@ -161,7 +165,7 @@ func TestFlush_AFailingCommandDoesNotCountAgainstTheBreaker(t *testing.T) {
 		if b[0].Done || !b[1].Done || b[1].Totals.Cur != i {
 			t.Fatalf("flush %d: bad Done=%v, good Done=%v total %d", i, b[0].Done, b[1].Done, b[1].Totals.Cur)
 		}
-		if _, err := o.Read(ctxT(t), bad, seq); err == nil {
+		if _, err := o.Read(ctxT(t), bad, seq, 0); err == nil {
 			t.Fatal("read of a non-integer cell succeeded")
 		}
 	}
@@ -179,7 +183,7 @@ func TestBreaker_SlowRedisOpensTheRequestPathOnly(t *testing.T) {
 	for i := 0; i < 60; i++ {
 		start := time.Now()
 		ctx, cancel := context.WithTimeout(context.Background(), engine.DefaultReadTimeout)
-		_, _ = o.Read(ctx, k, seq)
+		_, _ = o.Read(ctx, k, seq, 0)
 		cancel()
 		took = append(took, time.Since(start))
 		if err := o.Flush(ctxT(t), []engine.Delta{{Key: k, Sequence: seq, Delta: 1, Own: int64(i + 1)}}); err != nil {

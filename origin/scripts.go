@@ -4,21 +4,26 @@ import "github.com/redis/go-redis/v9"
 
 // Every write is one script, so that replay and reservation are idempotent.
 // A cell <cell> has a contribution hash <cell>:own with one field per
-// process: the units that process has added, as an absolute total. A write
-// carries the process's absolute total for the cell (Own); the script raises
+// process and incarnation of the cell in it, <node ID>.<incarnation>: the
+// units that incarnation has added, as an absolute total. A write carries
+// the incarnation's absolute total for the cell (Own); the script raises
 // the field to it and adds the difference to the cell. So a replayed flush,
 // a lost reply, two overlapping writes (in either order) and a Redis
 // restarted empty are no-ops or exact re-adds: nothing is subtracted and
-// nothing counts twice, and it takes one round trip.
+// nothing counts twice, and it takes one round trip. A key a process
+// forgets, evicts or replaces and makes again in the same window is a new
+// incarnation (engine.Delta.Incarnation): its units add to the old field's
+// instead of hiding below it, so a process's contribution never shrinks.
 //
 // Counts saturate at 2^53 − 1 (engine.MaxCount): Lua numbers are doubles.
 // Numbers go back to Redis through string.format('%d'), never as Lua
 // numbers, which Redis would format with an exponent past 10^14.
 
-// raiseLua defines raise(k, h, node, own): it raises the field node of
-// the contribution hash h of cell k to the absolute total own (a decimal
-// string) and adds the difference to the cell (saturated), and returns the
-// cell's total and the field. Every write script begins with it.
+// raiseLua defines raise(k, h, node, own): it raises the field node (the
+// node ID and the incarnation) of the contribution hash h of cell k to the
+// absolute total own (a decimal string) and adds the difference to the cell
+// (saturated), and returns the cell's total and the field. Every write
+// script begins with it.
 const raiseLua = `
 local max = 9007199254740991
 local function raise(k, h, node, own)
@@ -40,16 +45,17 @@ end
 // against the region's count, each charged in the same step when it
 // passes, in order, as if they came one after another:
 //
-//	cur + global + cost + (prev + globalPrev) × (w − elapsed) / w ≤ limit
+//	cur + global + cost + ⌊(prev + globalPrev) × (w − elapsed) / w⌋ ≤ limit
 //
-// evaluated as (limit − cur − global − cost) × w ≥ (prev + globalPrev) ×
-// (w − elapsed), where cur includes the costs admitted before. The products
+// (the previous cell's weight rounded down, as the engine rounds it),
+// evaluated as (prev + globalPrev) × (w − elapsed) < (limit − cur − global
+// − cost + 1) × w, where cur includes the costs admitted before. The products
 // are doubles: exact while they stay below 2^53 (say a count of a million
 // over a window of a day), within one part in 2^53 beyond. The costs
 // admitted sum to at most the limit, so nothing here passes 2^53 − 1.
 //
 //	KEYS[1] cell, KEYS[2] its contribution hash, KEYS[3] the previous cell
-//	ARGV[1] node ID, ARGV[2] Own, ARGV[3] expiry (Unix ms), ARGV[4] the
+//	ARGV[1] field (node ID.incarnation), ARGV[2] Own, ARGV[3] expiry (Unix ms), ARGV[4] the
 //	costs, decimal, separated by spaces, ARGV[5] limit, ARGV[6] window ms,
 //	ARGV[7] elapsed ms, ARGV[8] global, ARGV[9] global of the previous cell
 //	returns {one verdict per cost as a string of "1" (admitted) and "0",
@@ -66,7 +72,7 @@ local verdicts, charged = {}, 0
 for c in string.gmatch(ARGV[4], '%d+') do
   local cost = tonumber(c)
   local room = limit - math.min(total + charged + global, max) - cost
-  if room >= 0 and (weighed == 0 or r >= w or weighed * (w - r) <= room * w) then
+  if room >= 0 and (weighed == 0 or r >= w or weighed * (w - r) < (room + 1) * w) then
     charged = charged + cost
     verdicts[#verdicts + 1] = '1'
   else
@@ -93,18 +99,18 @@ return {table.concat(verdicts), total, prev, mine, redis.call('HLEN', KEYS[2])}
 //
 //	KEYS[3i+1] cell i, KEYS[3i+2] its contribution hash, KEYS[3i+3] the
 //	cell before it (i from 0)
-//	ARGV[1] node ID, ARGV[2] "<Own> <expiry> <Own> <expiry> …", one pair
+//	ARGV[1] node ID, ARGV[2] "<incarnation> <Own> <expiry> …", one triple
 //	per cell, decimal
 //	returns one string, per cell in order either "<cell total> <this
 //	process's field> <processes in the hash> <previous cell total>" or
 //	"e", separated by spaces: one bulk reply the client reads without a
 //	value per number
 const writeLua = raiseLua + `
-local node, out, i = ARGV[1], {}, 0
-for own, at in string.gmatch(ARGV[2], '(%d+) (%d+)') do
+local node, out, i = ARGV[1] .. '.', {}, 0
+for inc, own, at in string.gmatch(ARGV[2], '(%d+) (%d+) (%d+)') do
   local k, h, p = KEYS[3*i+1], KEYS[3*i+2], KEYS[3*i+3]
   local ok, res = pcall(function()
-    local total, mine = raise(k, h, node, own)
+    local total, mine = raise(k, h, node .. inc, own)
     redis.call('PEXPIREAT', k, at)
     redis.call('PEXPIREAT', h, at)
     return string.format('%d %d %d %d', total, mine, redis.call('HLEN', h), tonumber(redis.call('GET', p) or '0'))
@@ -124,18 +130,19 @@ return table.concat(out, ' ')
 //
 //	KEYS[3i+1] cell i, KEYS[3i+2] its contribution hash, KEYS[3i+3] the
 //	cell before it (i from 0)
-//	ARGV[1] node ID, ARGV[2] "<expiry> <expiry> …", one per cell
+//	ARGV[1] node ID, ARGV[2] "<incarnation> <expiry> …", one pair per cell
 //	returns one string, per cell in order either "<cell total> <previous
 //	cell total> <this process's field> <processes in the hash>" or "e",
 //	separated by spaces
 const readLua = `
-local node, out, i = ARGV[1], {}, 0
-for at in string.gmatch(ARGV[2], '%d+') do
+local node, out, i = ARGV[1] .. '.', {}, 0
+for inc, at in string.gmatch(ARGV[2], '(%d+) (%d+)') do
   local k, h, p = KEYS[3*i+1], KEYS[3*i+2], KEYS[3*i+3]
   local ok, res = pcall(function()
-    local mine = redis.call('HGET', h, node)
+    local f = node .. inc
+    local mine = redis.call('HGET', h, f)
     if not mine then
-      redis.call('HSET', h, node, '0')
+      redis.call('HSET', h, f, '0')
       redis.call('PEXPIREAT', h, at)
       mine = '0'
     end
