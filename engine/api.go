@@ -143,6 +143,7 @@ type Delta struct {
 
 	zone *Zone
 	cell *cell
+	fast bool // drained from the fast queue
 }
 
 // Reservation is one request decided at the origin.

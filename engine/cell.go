@@ -259,15 +259,17 @@ var tombstone = &cell{seq: -1}
 // clock is a little behind, counts in the newer cell. A cell far ahead of
 // the clock is replaced by the engine (see replaceStale). A cell made here
 // is a syncCell when sync is set (the engine has an origin or a global
-// layer).
-func (en *entry) current(seq int64, sync bool) *cell {
+// layer). dropped are the cells a rotation let go (neither current nor
+// previous any more), for the engine to remember (see bury): they weigh
+// nothing now, unless the clock has jumped.
+func (en *entry) current(seq int64, sync bool) (c *cell, dropped [2]*cell) {
 	for {
 		c := en.cur.Load()
 		if c == tombstone {
-			return nil
+			return nil, dropped
 		}
 		if c.seq >= seq {
-			return c
+			return c, dropped
 		}
 		p := en.prev.Load()
 		n := newCell(seq, sync)
@@ -283,16 +285,23 @@ func (en *entry) current(seq int64, sync bool) *cell {
 		var np *cell
 		if c.seq == seq-1 {
 			np = c
+		} else {
+			dropped[0] = c
 		}
 		// prev first, by compare-and-swap against what was read with c, so
 		// a rotation that stalled cannot put back a cell that a newer one
 		// has already moved past.
 		if p != np && !en.prev.CompareAndSwap(p, np) {
+			dropped[0] = nil
 			continue
 		}
 		if en.cur.CompareAndSwap(c, n) {
-			return n
+			if p != np {
+				dropped[1] = p
+			}
+			return n, dropped
 		}
+		dropped[0] = nil
 	}
 }
 

@@ -128,6 +128,12 @@ type Engine struct {
 	bgReads   atomic.Int64
 
 	stats counters
+	// graves are recently dropped cells, for Resend (janitor.go).
+	graves graveyard
+	// failing is set by a failed origin call, cleared by the next success;
+	// untrusted ends the suspect period that starts then (hydrate.go).
+	failing   atomic.Bool
+	untrusted atomic.Int64
 
 	// The Timing values, in nanoseconds.
 	readTimeout, freshness, slowTick, fastTick atomic.Int64
@@ -289,12 +295,18 @@ func (e *Engine) locate(lc *located, l *Limit, now int64, syncs bool) {
 		if !ok {
 			en = e.insert(z, id, seq, syncs)
 		}
-		c := en.current(seq, syncs)
+		c, gone := en.current(seq, syncs)
+		if gone[0] != nil || gone[1] != nil {
+			e.buryCells(z, id, gone)
+		}
 		if c != nil && c.seq > seq+1 && e.nowMs()/w+1 < c.seq {
 			// More than a window ahead of a clock read just now: the clock
 			// stepped back (a request that read it long ago finds the
 			// clock past seq and keeps the cell).
-			c = en.replaceStale(c, seq, syncs)
+			stale := c
+			if c = en.replaceStale(c, seq, syncs); c != nil {
+				e.buryCell(z, id, stale)
+			}
 			if c != nil && e.origin.Load() == nil {
 				c.setBits(stHydrated) // as insert marks a new entry's cell
 			}

@@ -284,7 +284,10 @@ func (e *Engine) ImportGlobal(key Key, seq, total int64, create bool) bool {
 			}
 			en = e.insert(z, id, now, true)
 		}
-		cur := en.current(seq, true)
+		cur, gone := en.current(seq, true)
+		if gone[0] != nil || gone[1] != nil {
+			e.buryCells(z, id, gone)
+		}
 		if cur == nil {
 			continue // dropped by the janitor meanwhile: look again
 		}

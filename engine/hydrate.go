@@ -10,11 +10,12 @@ import (
 //
 //	cold cell (first touch)        read synchronously, once (single flight)
 //	fresh cell                     no read
-//	stale, < 50 %                  no read when the request charges units:
+//	stale, < 50 %, not shared      no read when the request charges units:
 //	                               their replay (within a tick) returns
 //	                               both cells as a read would; else refresh
 //	                               in the background
-//	stale, ≥ 50 %                  refresh synchronously first
+//	stale, ≥ 50 % or shared        refresh synchronously first
+//	after an origin outage         refresh synchronously first (see suspect)
 //
 // Near the limit, a shared cell (one the origin has shown other processes'
 // units in) is decided at the origin instead (reserve.go); a cell only this
@@ -25,6 +26,45 @@ import (
 // origin does, and one decision waits at most one read timeout in all, for
 // every zone it decides; on timeout, error or an open breaker the decision
 // proceeds on local state and the cell is not marked fresh.
+
+// After the origin failed and answers again, this process's view of a key
+// may lack what the other processes admitted meanwhile: they replay it
+// within a flush period of the origin's return (their pending units, on
+// the fast tick, or on the slow one below half the limit). For that long,
+// and for a freshness period after, a view taken before the end of it is
+// suspect: the key's next decision reads first, at any pressure, as a cold
+// key does, so that the outage's admissions are weighed at once rather
+// than a tick of admissions later. A denial still never reads. The same
+// holds after Resend (the origin restarted empty), while the others'
+// totals come back.
+
+// originFailed records a failed origin call.
+func (e *Engine) originFailed() { e.failing.Store(true) }
+
+// originAnswered records a successful origin call at now; the first after
+// a failure starts a suspect period.
+func (e *Engine) originAnswered(now int64) {
+	if e.failing.Load() && e.failing.CompareAndSwap(true, false) {
+		e.distrust(now)
+	}
+}
+
+// distrust makes views taken before one flush period from now suspect.
+func (e *Engine) distrust(now int64) {
+	period := time.Duration(e.slowTick.Load() + 2*e.fastTick.Load()).Milliseconds()
+	raise(&e.untrusted, now+period)
+}
+
+// suspect reports whether a cell whose freshness deadline is fresh holds a
+// view from before the end of a suspect period (see distrust), at now.
+func (e *Engine) suspect(now, fresh int64) bool {
+	u := e.untrusted.Load()
+	if u == 0 {
+		return false
+	}
+	f := e.freshnessMs()
+	return now < u+f && fresh-f < u
+}
 
 // hydrateRetry is how long a cell whose hydration failed decides locally
 // before it reads again: long enough that a dead origin costs no request a
@@ -98,7 +138,8 @@ func (e *Engine) converge(o Origin, lc *located, l *Limit, now int64) *flight {
 		}
 		return e.syncRead(o, lc)
 	}
-	if now < fresh {
+	suspect := e.suspect(now, fresh)
+	if now < fresh && !suspect {
 		return nil
 	}
 	_, cur, prev := lc.snapshot()
@@ -106,12 +147,16 @@ func (e *Engine) converge(o Origin, lc *located, l *Limit, now int64) *flight {
 	switch {
 	case effective > l.Limit:
 		return nil // a denial never pays a round trip
-	case pressureAtLeast(effective, l.Limit, 1, 2):
+	case suspect || pressureAtLeast(effective, l.Limit, 1, 2) || st&stShared != 0:
+		// A shared cell's stale view lacks what the others admitted since:
+		// far from the limit in this process's view is not far from it in
+		// the region's.
 		return e.syncRead(o, lc)
 	case l.Cost > 0:
-		// Far from the limit, this request passes and its units replay
-		// within a tick; the replay brings both cells back as a read would,
-		// so a read now would only repeat it.
+		// Far from the limit, on a cell no other process has shown units
+		// in, this request passes and its units replay within a tick; the
+		// replay brings both cells back as a read would, so a read now
+		// would only repeat it.
 		return nil
 	}
 	if _, started := e.startRead(o, lc, false); started {
@@ -207,6 +252,7 @@ func (e *Engine) readCell(o Origin, key Key, en *entry, c *cell) {
 	now := e.nowMs()
 	if err != nil {
 		e.stats.readErrors.Add(1)
+		e.originFailed()
 		if x := c.sync(); x != nil && c.state.Load()&stHydrated == 0 {
 			x.fresh.Store(now + hydrateRetry.Milliseconds())
 		}
@@ -214,6 +260,7 @@ func (e *Engine) readCell(o Origin, key Key, en *entry, c *cell) {
 	}
 	e.stats.reads.Add(1)
 	e.stats.lastRead.Store(now)
+	e.originAnswered(now)
 	// Freshness counts from when the read was sent: the origin's answer is
 	// at least that recent.
 	e.merge(en, c, t, start)

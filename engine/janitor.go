@@ -2,6 +2,7 @@ package engine
 
 import (
 	"math/bits"
+	"sync"
 	"sync/atomic"
 	"time"
 )
@@ -12,6 +13,62 @@ import (
 // evicts down to evictLowWater of the cap, coldest and lowest-count first,
 // so that a flood of fresh identifiers (one request each) is evicted before
 // any key that is busy now.
+
+// graveCells is how many dropped cells (forgotten or evicted while their
+// window still weighs) a process remembers for Resend: an origin restarted
+// empty gets their units back too, though no entry holds them any more.
+// About 130 bytes each with their identifiers; past it the oldest are let
+// go, and a restart in the same window would lose their units.
+const graveCells = 4096
+
+// graveyard remembers recently dropped cells for Resend.
+type graveyard struct {
+	mu    sync.Mutex
+	cells []dirtyCell
+	next  int
+}
+
+// bury remembers the cells of en, forgotten or evicted from z, whose units
+// the origin holds (or will). Their age is not judged by this process's
+// clock, which may be the one that is off.
+func (e *Engine) bury(z *Zone, id string, en *entry) {
+	for _, c := range [2]*cell{en.cur.Load(), en.prev.Load()} {
+		if c != nil {
+			e.buryCell(z, id, c)
+		}
+	}
+}
+
+// buryCells buries the cells a rotation let go.
+func (e *Engine) buryCells(z *Zone, id string, cs [2]*cell) {
+	for _, c := range cs {
+		if c != nil {
+			e.buryCell(z, id, c)
+		}
+	}
+}
+
+// buryCell remembers c, which no entry holds any more, if it holds units
+// of this process that an origin has or will have. A cell that a rotation
+// over an idle gap let go is remembered too: it weighs nothing now, but a
+// clock that jumped forward and comes back finds its window live again.
+func (e *Engine) buryCell(z *Zone, id string, c *cell) {
+	if c == tombstone || e.origin.Load() == nil {
+		return
+	}
+	if x := c.sync(); x == nil || x.own.Load()+x.pending.Load() == 0 {
+		return
+	}
+	g := &e.graves
+	g.mu.Lock()
+	if len(g.cells) < graveCells {
+		g.cells = append(g.cells, dirtyCell{z, id, c})
+	} else {
+		g.cells[g.next] = dirtyCell{z, id, c}
+		g.next = (g.next + 1) % graveCells
+	}
+	g.mu.Unlock()
+}
 
 // evictLowWater is the fraction of MaxEntries that eviction shrinks to, so
 // that a steady flood evicts in batches rather than on every insert.
@@ -132,6 +189,7 @@ func (e *Engine) Evict() int {
 			if hasOrigin && !e.requeue(z, id, en) {
 				return false, false // units no queue could take: keep them
 			}
+			e.bury(z, id, en)
 			if !en.cur.CompareAndSwap(c, tombstone) {
 				return false, false
 			}

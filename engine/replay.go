@@ -136,7 +136,7 @@ func (e *Engine) drain(t Tier, max int, out []Delta) []Delta {
 		if !ok {
 			break
 		}
-		out = e.take(out, d.zone, d.id, d.cell)
+		out = e.take(out, d.zone, d.id, d.cell, t == Fast)
 	}
 	return out
 }
@@ -146,7 +146,7 @@ func (e *Engine) drain(t Tier, max int, out []Delta) []Delta {
 // cell with a flush in flight is skipped: that flush queues it again when
 // it ends (see settle). A plain cell has nothing to replay; every cell that
 // goes into a Delta is a syncCell.
-func (e *Engine) take(out []Delta, z *Zone, id string, c *cell) []Delta {
+func (e *Engine) take(out []Delta, z *Zone, id string, c *cell, fast bool) []Delta {
 	x := c.sync()
 	if x == nil {
 		return out
@@ -160,7 +160,7 @@ func (e *Engine) take(out []Delta, z *Zone, id string, c *cell) []Delta {
 		c.clearBits(stFlushing)
 		return out
 	}
-	return append(out, Delta{Key: z.key(id), Sequence: c.seq, Incarnation: c.inc, Delta: d, Own: x.own.Add(d), zone: z, cell: c})
+	return append(out, Delta{Key: z.key(id), Sequence: c.seq, Incarnation: c.inc, Delta: d, Own: x.own.Add(d), zone: z, cell: c, fast: fast})
 }
 
 // flush sends one batch to the origin and merges the results. Items the
@@ -197,9 +197,11 @@ func (e *Engine) flush(ctx context.Context, o Origin, batch []Delta) error {
 	}
 	if failed || err != nil {
 		e.stats.flushErrors.Add(1)
+		e.originFailed()
 	} else {
 		e.stats.flushes.Add(1)
 		e.stats.lastFlush.Store(now)
+		e.originAnswered(now)
 	}
 	return err
 }
@@ -283,11 +285,13 @@ func (e *Engine) replayLoop() {
 }
 
 // settle ends a cell's flush and queues the cell again if units arrived
-// (or came back) meanwhile.
+// (or came back) meanwhile, on the fast tick if it came from there: a cell
+// near its limit whose flush failed goes out at the first fast tick after
+// the origin returns.
 func (e *Engine) settle(d *Delta) {
 	d.cell.clearBits(stFlushing)
 	if d.cell.pending() > 0 {
-		e.markDirty(d.zone, d.Key.Identifier, d.cell, d.cell.state.Load()&stShared != 0)
+		e.markDirty(d.zone, d.Key.Identifier, d.cell, d.fast || d.cell.state.Load()&stShared != 0)
 	}
 }
 
@@ -319,7 +323,7 @@ func (e *Engine) flushAll(ctx context.Context, o Origin) error {
 			if !ok {
 				break
 			}
-			if batch = e.take(batch, d.zone, d.id, d.cell); len(batch) >= replayBatch {
+			if batch = e.take(batch, d.zone, d.id, d.cell, false); len(batch) >= replayBatch {
 				send()
 			}
 		}
@@ -331,9 +335,9 @@ func (e *Engine) flushAll(ctx context.Context, o Origin) error {
 				return true
 			}
 			if p := en.prev.Load(); p != nil {
-				batch = e.take(batch, z, id, p)
+				batch = e.take(batch, z, id, p, false)
 			}
-			batch = e.take(batch, z, id, c)
+			batch = e.take(batch, z, id, c, false)
 			if len(batch) >= replayBatch {
 				send()
 			}
@@ -348,42 +352,55 @@ func (e *Engine) flushAll(ctx context.Context, o Origin) error {
 	return first
 }
 
-// Resend queues every live cell's whole own total for replay again, for an
+// Resend queues every cell's whole own total for replay again, for an
 // origin that lost what it held (a Redis restarted empty): writes are
 // idempotent, so the origin gets back exactly what this process had added,
 // also for keys no request touches any more. It returns the number of
 // cells queued. Units move from own to pending, so the next write carries
 // the same absolute total as before: a write in flight meanwhile cannot
-// count twice.
+// count twice. Every cell held goes, whatever its age by this process's
+// clock, which may be the one that is off: a write of a cell past its
+// expiry sets an expiry in the past, which removes it again.
 func (e *Engine) Resend() int {
 	if e.getOrigin() == nil {
 		return 0
 	}
-	now := e.nowMs()
 	n := 0
+	resend := func(z *Zone, id string, c *cell) {
+		if c == nil || c == tombstone {
+			return
+		}
+		x := c.sync()
+		if x == nil {
+			return
+		}
+		if o := x.own.Load(); o > 0 {
+			x.own.Add(-o)
+			x.pending.Add(o)
+			e.markDirty(z, id, c, true)
+			n++
+		}
+	}
 	e.rangeZones(func(z *Zone) bool {
-		oldest := now/z.w - 1
 		z.entries.Range(func(id string, en *entry) bool {
-			for _, c := range [2]*cell{en.cur.Load(), en.prev.Load()} {
-				if c == nil || c == tombstone || c.seq < oldest {
-					continue
-				}
-				x := c.sync()
-				if x == nil {
-					continue
-				}
-				if o := x.own.Load(); o > 0 {
-					x.own.Add(-o)
-					x.pending.Add(o)
-					e.markDirty(z, id, c, true)
-					n++
-				}
-			}
+			resend(z, id, en.cur.Load())
+			resend(z, id, en.prev.Load())
 			return true
 		})
 		return true
 	})
+	// Cells dropped in their window (forgotten, evicted) hold units the
+	// origin had too; the replay queue holds a dropped cell as well as a
+	// live one.
+	g := &e.graves
+	g.mu.Lock()
+	graves := append([]dirtyCell(nil), g.cells...)
+	g.mu.Unlock()
+	for _, d := range graves {
+		resend(d.zone, d.id, d.cell)
+	}
 	e.stats.resends.Add(int64(n))
+	e.distrust(e.nowMs()) // the others' totals come back within a flush period
 	return n
 }
 

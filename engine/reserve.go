@@ -276,6 +276,7 @@ func (e *Engine) sendGroup(ctx context.Context, o Origin, lc *located, l *Limit,
 		// the origin did apply makes that replay a no-op), and the
 		// requests are decided again, locally.
 		e.stats.reservationErrors.Add(int64(len(n.costs)))
+		e.originFailed()
 		x.own.Add(-(d + sum))
 		if d > 0 {
 			x.pending.Add(d)
@@ -287,6 +288,7 @@ func (e *Engine) sendGroup(ctx context.Context, o Origin, lc *located, l *Limit,
 	if time.Now().After(dl.at) {
 		dl.expired = true
 	}
+	e.originAnswered(e.nowMs())
 	n.admitted = append(make([]bool, 0, len(n.costs)), r.Admitted)
 	n.admitted = append(n.admitted, r.JoinedAdmitted...)
 	var refused int64

@@ -131,6 +131,9 @@ type KeyState struct {
 	// StrictUntil and FreshUntil are the strict-mode and freshness deadlines;
 	// zero when unset or passed.
 	StrictUntil, FreshUntil time.Time
+	// ViewedAt is when the origin's view of the current cell was last taken
+	// (a read or a replay sent then); zero when it never was.
+	ViewedAt time.Time
 	// Cells holds the current cell first, then the previous one, if any.
 	Cells []CellState
 }
@@ -173,8 +176,11 @@ func (e *Engine) inspect(z *Zone, id string, en *entry, now int64) (KeyState, bo
 	if cur != nil {
 		curN = cur.total()
 		ks.Cells = append(ks.Cells, cellState(cur))
-		if f := cur.freshUntil(); cur.state.Load()&stHydrated != 0 && f > now {
-			ks.FreshUntil = time.UnixMilli(f)
+		if f := cur.freshUntil(); cur.state.Load()&stHydrated != 0 && f > 0 {
+			if f > now {
+				ks.FreshUntil = time.UnixMilli(f)
+			}
+			ks.ViewedAt = time.UnixMilli(f - e.freshnessMs())
 		}
 	}
 	if prev != nil {
@@ -273,6 +279,7 @@ func (e *Engine) Forget(key Key) bool {
 		found = true
 		if e.origin.Load() != nil {
 			e.requeue(z, id, en) // pending units still reach the origin
+			e.bury(z, id, en)
 		}
 		if c := en.cur.Swap(tombstone); c != tombstone {
 			e.live.Add(-1)
