@@ -112,18 +112,24 @@ type engineStatus struct {
 	// Reservations are the round trips that decide requests at the origin
 	// (shared keys near their limit, or in strict mode); the other three
 	// count those requests by verdict.
-	Reservations         int64      `json:"reservations"`
-	ReservationsAdmitted int64      `json:"reservations_admitted"`
-	ReservationsDenied   int64      `json:"reservations_denied"`
-	ReservationErrors    int64      `json:"reservation_errors"`
-	Flushes              int64      `json:"flushes"`
-	FlushErrors          int64      `json:"flush_errors"`
-	LastRead             *time.Time `json:"last_read"`
-	LastFlush            *time.Time `json:"last_flush"`
+	Reservations         int64 `json:"reservations"`
+	ReservationsAdmitted int64 `json:"reservations_admitted"`
+	ReservationsDenied   int64 `json:"reservations_denied"`
+	ReservationErrors    int64 `json:"reservation_errors"`
+	Flushes              int64 `json:"flushes"`
+	FlushErrors          int64 `json:"flush_errors"`
+	// Resends counts cells sent again whole after Redis restarted empty;
+	// LostUnits the admitted units given up unsent when Redis was let go.
+	Resends   int64      `json:"resends"`
+	LostUnits int64      `json:"lost_units"`
+	LastRead  *time.Time `json:"last_read"`
+	LastFlush *time.Time `json:"last_flush"`
 }
 
 type originStatus struct {
 	Endpoints []endpointStatus `json:"endpoints"`
+	// Restarts counts the Redis servers seen restarted (a new run ID).
+	Restarts uint64 `json:"restarts"`
 }
 
 type endpointStatus struct {
@@ -221,7 +227,7 @@ func (a *AdminAPI) handleStatus(w http.ResponseWriter, r *http.Request) error {
 		doc.Identifiers = "hmac"
 	}
 	if o := st.apps.currentOrigin(); o != nil {
-		origin := &originStatus{Endpoints: []endpointStatus{}}
+		origin := &originStatus{Endpoints: []endpointStatus{}, Restarts: o.Stats().Restarts}
 		for _, ep := range o.Stats().Endpoints {
 			origin.Endpoints = append(origin.Endpoints, endpointStatus{
 				Address:       ep.Address,
@@ -261,6 +267,8 @@ func engineStatusOf(s engine.Stats) engineStatus {
 		ReservationErrors:    s.ReservationErrors,
 		Flushes:              s.Flushes,
 		FlushErrors:          s.FlushErrors,
+		Resends:              s.Resends,
+		LostUnits:            s.LostUnits,
 		LastRead:             timeOrNull(s.LastRead),
 		LastFlush:            timeOrNull(s.LastFlush),
 	}

@@ -136,6 +136,7 @@ func (a *App) Validate() error {
 // goroutines follow the pool's reference count, not Start and Stop, because
 // the old config's Stop runs after the new config's Start.
 func (a *App) Start() error {
+	a.startOrigin()
 	a.startPropagation() // cross-region layer (mysql.go)
 	a.state.start(a)
 	return nil

@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"context"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -106,7 +107,8 @@ func (s *state) stop(a *App) {
 	if i < 0 {
 		return
 	}
-	if i == len(l.started)-1 {
+	last := i == len(l.started)-1
+	if last {
 		s.flushBackends(a)
 	}
 	l.started = slices.Delete(l.started, i, i+1)
@@ -115,6 +117,31 @@ func (s *state) stop(a *App) {
 		next = l.started[n-1]
 	}
 	s.useBackends(next)
+	s.letOriginGo(a, last)
+}
+
+// letOriginGo handles what is left for a's origin when a stops and the
+// engine has no origin any more (a reload without Redis, or shutdown):
+// units admitted before that and not replayed yet go out through a's
+// origin, still open until a is cleaned up (a newer config took the
+// engine away from it without a flush), and those it could not take are
+// given up, counted and logged, rather than left pending for an origin
+// that may never come.
+func (s *state) letOriginGo(a *App, flushed bool) {
+	if a.origin == nil || s.engine.Origin() != nil {
+		return
+	}
+	if !flushed {
+		ctx, cancel := context.WithTimeout(context.Background(), closeTimeout)
+		if err := s.engine.FlushTo(ctx, a.engineOrigin()); err != nil {
+			a.logger.Warn("flushing rate limit counts to the origin the new config no longer uses", zap.Error(err))
+		}
+		cancel()
+	}
+	if lost := s.engine.DropUnsent(); lost > 0 {
+		a.logger.Warn("rate limit units admitted here could not be written to Redis before it was let go: the region never counts them",
+			zap.Int64("units", lost))
+	}
 }
 
 // useBackends points the engine at a's backends (local-only when a is nil

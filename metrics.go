@@ -264,6 +264,12 @@ var (
 		"Unix time of the last successful replay flush; 0 if none.")
 	descBreakerState = newDesc("origin_breaker_state",
 		"1 for the state each origin endpoint's circuit breakers are in (closed, half-open, open), 0 for the others; breaker ratelimit_origin guards the request path, ratelimit_origin_replay replay.", "endpoint", "breaker", "state")
+	descResends = newDesc("resends_total",
+		"Cells whose whole count was sent to Redis again because it restarted empty (a new run ID).")
+	descLostUnits = newDesc("replay_lost_units_total",
+		"Admitted units given up unsent when Redis was let go (a reload without it, or shutdown) and could not take them.")
+	descOriginRestarts = newDesc("origin_restarts_total",
+		"Redis servers seen restarted (their run ID changed), after each of which every live key's count is sent again.")
 	descSlowCalls = newDesc("origin_slow_calls_total",
 		"Request-path calls to an endpoint that answered slower than breaker_slow_call (each a failure for its breaker).", "endpoint")
 
@@ -272,6 +278,7 @@ var (
 		descPendingCells, descReplayDrops, descReplayBatches, descCellReads,
 		descSyncReads, descSharedReads, descBackgroundReads, descReadWaitTimeouts,
 		descLastRead, descLastFlush, descBreakerState, descSlowCalls, descReservations,
+		descResends, descLostUnits, descOriginRestarts,
 	}
 	breakerStates = []origin.BreakerState{origin.BreakerClosed, origin.BreakerHalfOpen, origin.BreakerOpen}
 )
@@ -315,12 +322,16 @@ func (*engineCollector) Collect(ch chan<- prometheus.Metric) {
 	counter(descReservations, s.ReservationErrors, "error")
 	gauge(descLastRead, unixSeconds(s.LastRead))
 	gauge(descLastFlush, unixSeconds(s.LastFlush))
+	counter(descResends, s.Resends)
+	counter(descLostUnits, s.LostUnits)
 
 	o := st.apps.currentOrigin()
 	if o == nil {
 		return
 	}
-	for _, ep := range o.Stats().Endpoints {
+	os := o.Stats()
+	ch <- prometheus.MustNewConstMetric(descOriginRestarts, prometheus.CounterValue, float64(os.Restarts))
+	for _, ep := range os.Endpoints {
 		for _, b := range []struct {
 			name  string
 			state origin.BreakerState

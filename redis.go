@@ -81,10 +81,32 @@ func (s *state) useOrigin(a *App) {
 		return
 	}
 	s.engine.SetTiming(a.timing)
-	var o engine.Origin = a.origin
-	if m := a.ids.mapper(); m != nil {
-		o = &mappedOrigin{Origin: a.origin, mapID: m}
-	}
-	s.engine.SetOrigin(o)
+	s.engine.SetOrigin(a.engineOrigin())
 	s.apps.setOrigin(a.origin)
+}
+
+// engineOrigin is a's origin as the engine sees it: identifiers mapped to
+// their HMACs under identifier_secret.
+func (a *App) engineOrigin() engine.Origin {
+	if m := a.ids.mapper(); m != nil {
+		return &mappedOrigin{Origin: a.origin, mapID: m}
+	}
+	return a.origin
+}
+
+// startOrigin sets a's origin watching its servers for a restart: Redis
+// restarted empty lost every process's units, and the engine sends its
+// live cells' totals again (engine.Resend) while a's origin is the one
+// in use. Checked every slow tick, so within a flush period.
+func (a *App) startOrigin() {
+	if a.origin == nil {
+		return
+	}
+	st := a.state
+	a.origin.WatchRestarts(a.timing.SlowTick, func() {
+		if st.apps.currentOrigin() == originView(a.origin) {
+			n := st.engine.Resend()
+			a.logger.Warn("Redis restarted empty: sending every live key's count to it again", zap.Int("cells", n))
+		}
+	})
 }

@@ -179,3 +179,66 @@ func TestOrigin_FollowsTheNewestStartedConfig(t *testing.T) {
 	b.state.stop(b) // Cleanup after Stop: no-op
 	using(nil, "stopped twice")
 }
+
+// TestCaddy_ReloadWithoutRedisWritesPendingUnits is the review's case: a
+// reload that removes redis from the config detached the origin at once,
+// and units admitted but not yet replayed never reached Redis. Now the old
+// config's origin writes them as it stops; and when Redis cannot take
+// them, they are counted as lost (replay_lost_units_total) and logged.
+func TestCaddy_ReloadWithoutRedisWritesPendingUnits(t *testing.T) {
+	window, ok := testclock.FreshWindow(time.Now(), time.Minute, 2*time.Minute, 30*time.Second)
+	if !ok {
+		t.Fatal("no window length in [1m, 2m] leaves 30 s")
+	}
+	for _, redisDown := range []bool{false, true} {
+		t.Run(fmt.Sprintf("redis down %v", redisDown), func(t *testing.T) {
+			srv := redistest.Start(t)
+			t.Setenv("RATELIMIT_TEST_REDIS_URL", srv.URL())
+			rdb := srv.Client()
+			admin, port := e2eAdminPort(t), redistest.MustFreePort(t)
+			base := fmt.Sprintf("http://127.0.0.1:%d/", port)
+			tester := caddytest.NewTester(t).WithDefaultOverrides(caddytest.Config{AdminPort: admin})
+			// Ticks of a minute: nothing replays on its own during the test.
+			tester.InitServer(redisConfig(admin, port, `	ratelimit {
+		redis {env.RATELIMIT_TEST_REDIS_URL}
+		prefix pend
+		slow_tick 1m
+		fast_tick 1m
+	}`, window), "caddyfile")
+			if t.Failed() {
+				t.FailNow()
+			}
+			defer tester.InitServer(e2eConfig(admin, port, ""), "caddyfile") // unload: the next test starts without an engine
+			st := lookupState()
+			lost := st.engine.Stats().LostUnits
+			id := fmt.Sprintf("carol-%v", redisDown)
+			for i := 0; i < 4; i++ {
+				get(t, tester, base, "X-Key", id).expect(t, 200, "ok")
+			}
+			key := "pend:{e2e_redis:" + id + "}:" + strconv.FormatInt(window.Milliseconds(), 10) + ":" +
+				strconv.FormatInt(time.Now().UnixMilli()/window.Milliseconds(), 10)
+			if n, _ := rdb.Get(context.Background(), key).Int64(); n != 0 {
+				t.Fatalf("Redis holds %d before the reload: the units were replayed already", n)
+			}
+			if redisDown {
+				srv.Stop()
+			}
+			tester.InitServer(redisConfig(admin, port, "", window), "caddyfile")
+			if t.Failed() {
+				t.FailNow()
+			}
+			if redisDown {
+				if got := st.engine.Stats().LostUnits - lost; got != 4 {
+					t.Fatalf("lost units counted: %d, want the 4 Redis could not take", got)
+				}
+				return
+			}
+			if n, err := rdb.Get(context.Background(), key).Int64(); err != nil || n != 4 {
+				t.Fatalf("Redis holds %d (%v) after the reload without redis, want the 4 admitted units", n, err)
+			}
+			if got := st.engine.Stats().LostUnits - lost; got != 0 {
+				t.Fatalf("lost units counted: %d, want 0", got)
+			}
+		})
+	}
+}

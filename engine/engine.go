@@ -222,6 +222,16 @@ func (e *Engine) Flush(ctx context.Context) error {
 	return nil
 }
 
+// FlushTo replays every pending delta to o now, within ctx's deadline,
+// whatever origin the engine uses: for a config whose origin is being let
+// go (a reload without it) while it can still take the units.
+func (e *Engine) FlushTo(ctx context.Context, o Origin) error {
+	if o == nil {
+		return nil
+	}
+	return e.flushAll(ctx, o)
+}
+
 // makeQueues makes the replay queues and starts the replay loop, once.
 func (e *Engine) makeQueues() {
 	e.queueOnce.Do(func() {

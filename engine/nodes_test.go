@@ -149,9 +149,9 @@ const (
 
 // op is one operation; its fields are read by its kind.
 type op struct {
-	kind       opKind
-	node       int
-	key, key2  int
+	kind        opKind
+	node        int
+	key, key2   int
 	cost, cost2 int64
 }
 
@@ -232,7 +232,6 @@ func genOps(seed uint64, n int) []op {
 	ops = append([]op{{kind: opTick, node: nodes - 1}}, ops...)
 	return ops
 }
-
 
 // simTrace logs every checked decision of the shortest failing run
 // (RATELIMIT_PROPERTY_TRACE=1).

@@ -251,7 +251,7 @@ func TestStrict_DenialMakesNoOriginCallAndRolloverReserves(t *testing.T) {
 	if !ks.StrictUntil.Equal(wantUntil) {
 		t.Fatalf("strict until %v, want one window after the last denial, %v", ks.StrictUntil, wantUntil)
 	}
-	// Next window, three quarters in: the previous cell weighs 2.5, so a
+	// Next window, three quarters in: the previous cell weighs ⌊2.5⌋, so a
 	// request would pass locally; strict mode sends it to the origin.
 	clk.Set(time.UnixMilli(epoch + 60_000 + 45_000))
 	if _, err := e.ReplayOnce(bg, Fast); err != nil {
@@ -260,7 +260,12 @@ func TestStrict_DenialMakesNoOriginCallAndRolloverReserves(t *testing.T) {
 	if _, err := replayBoth(e); err != nil {
 		t.Fatal(err)
 	}
-	o.add(l.Key, clk.UnixMilli()/60_000, 8) // another node's traffic
+	// A look at the key (cost 0) reads the stale shared cell; another
+	// node's traffic reaches the origin after that read.
+	peek := l
+	peek.Cost = 0
+	e.Decide(bg, peek)
+	o.add(l.Key, clk.UnixMilli()/60_000, 8)
 	reserves = o.reserves.Load()
 	if d := e.Decide(bg, l); d.Allowed {
 		t.Fatalf("strict mode did not ask the origin: %+v", d)

@@ -379,6 +379,7 @@ func (e *Engine) Resend() int {
 			x.pending.Add(o)
 			e.markDirty(z, id, c, true)
 			n++
+			e.awaitQueued(z, id, c)
 		}
 	}
 	e.rangeZones(func(z *Zone) bool {
@@ -402,6 +403,23 @@ func (e *Engine) Resend() int {
 	e.stats.resends.Add(int64(n))
 	e.distrust(e.nowMs()) // the others' totals come back within a flush period
 	return n
+}
+
+// awaitQueued waits, a fast tick at a time, until c is queued for replay
+// (or with it), when both queues were full: Resend sends every live cell,
+// more than the queues hold at once. A manual engine does not wait (its
+// janitor's Sweep queues the cell again), nor does a closed one.
+func (e *Engine) awaitQueued(z *Zone, id string, c *cell) {
+	for !e.cfg.Manual && c.state.Load()&(stDirty|stFlushing) == 0 && c.pending() > 0 {
+		t := time.NewTimer(time.Duration(e.fastTick.Load()))
+		select {
+		case <-e.stop:
+			t.Stop()
+			return
+		case <-t.C:
+		}
+		e.markDirty(z, id, c, true)
+	}
 }
 
 // DropUnsent gives up the committed units no origin has received yet, when

@@ -51,11 +51,14 @@ type Redis struct {
 	endpoints []*endpoint
 	opts      Options
 
-	events  chan stateEvent
-	dropped atomic.Uint64
-	closed  atomic.Bool
-	once    sync.Once
-	done    chan struct{}
+	events   chan stateEvent
+	dropped  atomic.Uint64
+	restarts atomic.Uint64 // run ID changes seen (restart.go)
+	// runIDChecks counts the watch's checks, for tests to await one.
+	runIDChecks atomic.Uint64
+	closed      atomic.Bool
+	once        sync.Once
+	done        chan struct{}
 }
 
 type stateEvent struct {
@@ -233,7 +236,7 @@ func (r *Redis) Flush(ctx context.Context, batch []engine.Delta) error {
 
 // Stats returns a snapshot for operators.
 func (r *Redis) Stats() Stats {
-	st := Stats{Endpoints: make([]EndpointStats, len(r.endpoints))}
+	st := Stats{Endpoints: make([]EndpointStats, len(r.endpoints)), Restarts: r.restarts.Load()}
 	for i, ep := range r.endpoints {
 		st.Endpoints[i] = ep.stats()
 	}

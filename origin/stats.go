@@ -129,6 +129,10 @@ type Options struct {
 // Stats is a snapshot of the origin for operators.
 type Stats struct {
 	Endpoints []EndpointStats `json:"endpoints"`
+	// Restarts counts the servers seen restarted (their run ID changed;
+	// see WatchRestarts), after each of which every live cell's total was
+	// sent again.
+	Restarts uint64 `json:"restarts"`
 }
 
 // EndpointStats is a snapshot of one endpoint.

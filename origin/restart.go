@@ -1,0 +1,109 @@
+package origin
+
+import (
+	"context"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// A Redis restarted empty has lost every process's contributions. The
+// writes are idempotent, so each process repairs what it writes next, but
+// a key no request touches any more would stay short of its units for the
+// rest of its window: the other processes would admit them again. So the
+// origin watches each server's run ID (INFO server), which a restart
+// changes, and tells its owner, who sends every live cell's total again
+// (engine.Resend). A failover to a replica changes the run ID too; the
+// replica has the data, and sending the totals again is a no-op then.
+
+// runIDTimeout bounds one check of the run IDs.
+const runIDTimeout = time.Second
+
+// WatchRestarts checks every endpoint's run IDs (every master's in a
+// Cluster) every interval until Close, and calls onRestart, on the
+// watching goroutine, when one of them changed since it was last seen.
+// The first run IDs seen are the reference; an unreachable server is
+// skipped until it answers. Call it once, when the origin goes to work:
+// Provision must not start goroutines.
+func (r *Redis) WatchRestarts(interval time.Duration, onRestart func()) {
+	if interval <= 0 || onRestart == nil {
+		return
+	}
+	w := &restartWatch{r: r, seen: map[string]string{}}
+	go func() {
+		t := time.NewTicker(interval)
+		defer t.Stop()
+		for {
+			select {
+			case <-r.done:
+				return
+			case <-t.C:
+			}
+			if w.check() {
+				r.restarts.Add(1)
+				onRestart()
+			}
+		}
+	}()
+}
+
+// restartWatch remembers the run ID of every server seen.
+type restartWatch struct {
+	r    *Redis
+	seen map[string]string // server address → run ID
+}
+
+// check reads every server's run ID and reports whether one changed.
+func (w *restartWatch) check() bool {
+	changed := false
+	for _, ep := range w.r.endpoints {
+		ctx, cancel := context.WithTimeout(context.Background(), runIDTimeout)
+		for addr, id := range runIDs(ctx, ep) {
+			if old, ok := w.seen[addr]; ok && old != id {
+				changed = true
+			}
+			w.seen[addr] = id
+		}
+		cancel()
+	}
+	w.r.runIDChecks.Add(1)
+	return changed
+}
+
+// runIDs returns the run ID of the endpoint's server, or of each master of
+// a Cluster, by address; servers that do not answer are left out.
+func runIDs(ctx context.Context, ep *endpoint) map[string]string {
+	out := map[string]string{}
+	if c, ok := ep.client.(*redis.ClusterClient); ok {
+		var mu sync.Mutex
+		_ = c.ForEachMaster(ctx, func(ctx context.Context, m *redis.Client) error {
+			if id := runID(ctx, m); id != "" {
+				mu.Lock()
+				out[m.Options().Addr] = id
+				mu.Unlock()
+			}
+			return nil
+		})
+		return out
+	}
+	if id := runID(ctx, ep.client); id != "" {
+		out[ep.address] = id
+	}
+	return out
+}
+
+// runID returns the server's run ID, or "" when it does not answer.
+func runID(ctx context.Context, c redis.Cmdable) string {
+	info, err := c.Info(ctx, "server").Result()
+	if err != nil {
+		return ""
+	}
+	for _, line := range strings.Split(info, "\n") {
+		if v, ok := strings.CutPrefix(line, "run_id:"); ok {
+			return strings.TrimSpace(v)
+		}
+	}
+	return ""
+}
