@@ -155,7 +155,6 @@ func (a *App) provisionPropagation() error {
 	cfg.Region = a.rowRegion()
 	cfg.MapID = a.ids.mapper()
 	st := a.state
-	cfg.LimitOf = func(ns, id string) int64 { return st.limitOf(ns, id) }
 	if o := a.Origin; o != nil {
 		// The breaker lines given apply here too; those not given keep
 		// the write breaker's own defaults (it sees far fewer calls than
@@ -188,16 +187,6 @@ func resolveDSN(dsn string) (string, error) {
 		return "", errors.New("mysql: a placeholder in the DSN did not resolve (unknown or empty)")
 	}
 	return v, nil
-}
-
-// limitOf is the limit the newest config applies to (ns, id), or 0 when
-// no loaded config defines the zone.
-func (s *state) limitOf(ns, id string) int64 {
-	defs := s.zones.definitions(ns, s.apps.view().app)
-	if len(defs) == 0 {
-		return 0
-	}
-	return defs[0].limitFor(ns, id)
 }
 
 // startPropagation starts this config's propagator's loops; the state's

@@ -62,9 +62,13 @@ type cellSync struct {
 	// published is the regional count last published to other regions
 	// (see global.go); it only grows, after a successful write.
 	published atomic.Int64
+	// limit is the limit of the last decision on the cell: what the
+	// cross-region layer weighs its count against, since one zone may
+	// carry different limits in different sites or overrides.
+	limit atomic.Int64
 }
 
-// syncCell is a cell with its sync counters, in one allocation of 80 bytes
+// syncCell is a cell with its sync counters, in one allocation of 88 bytes
 // (no pointer either). Everything holds it as a *cell, its first field.
 type syncCell struct {
 	cell
@@ -81,6 +85,14 @@ func newCell(seq int64, sync bool) *cell {
 	n.inc = incarnations.Add(1)
 	n.state.Store(stSync)
 	return &n.cell
+}
+
+// syncOrNil is sync for a cell that may be nil.
+func (c *cell) syncOrNil() *cellSync {
+	if c == nil {
+		return nil
+	}
+	return c.sync()
 }
 
 // sync returns the cell's sync counters, or nil for a plain cell. stSync is

@@ -324,6 +324,13 @@ func (e *Engine) locate(lc *located, l *Limit, now int64, syncs bool) {
 		if c != nil && syncs {
 			c = e.synced(z, id, en, &en.cur, c)
 		}
+		if c != nil && syncs {
+			// The limit the count is decided against, for the cross-region
+			// layer; written only when it changes.
+			if x := c.sync(); x != nil && x.limit.Load() != l.Limit {
+				x.limit.Store(l.Limit)
+			}
+		}
 		if c != nil {
 			r := now - c.seq*w
 			if r < 0 {

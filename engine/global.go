@@ -118,6 +118,9 @@ type CellView struct {
 	// previous cell, regional and global): the same for both cells of a
 	// key, it measures the key's pressure.
 	Effective int64
+	// Limit is the limit of the key's last decision here (0 when none was
+	// made: a cell made only by an import): the same for both cells.
+	Limit int64
 }
 
 // ScanCells calls f with the current and the previous cell of every key
@@ -145,7 +148,12 @@ func (e *Engine) ScanCells(minWindow time.Duration, f func(v *CellView) bool) {
 			} else {
 				prev = c
 			}
-			var eff int64
+			var eff, limit int64
+			for _, x := range [2]*cell{cur, prev} {
+				if xs := x.syncOrNil(); xs != nil && limit == 0 {
+					limit = xs.limit.Load()
+				}
+			}
 			if cur != nil {
 				eff = cur.total()
 			}
@@ -162,6 +170,7 @@ func (e *Engine) ScanCells(minWindow time.Duration, f func(v *CellView) bool) {
 					Sequence:  x.seq,
 					Regional:  x.count.Load() - spec,
 					Effective: eff,
+					Limit:     limit,
 				}
 				if xs := x.sync(); xs != nil {
 					v.Global, v.Published = xs.global.Load(), xs.published.Load()

@@ -93,10 +93,6 @@ type Config struct {
 	// under identifier_secret); rows then never hold a raw identifier, and
 	// receivers find entries through an index built at entry creation.
 	MapID func(string) string
-	// LimitOf returns the limit that applies to a key now (its zone's, or
-	// an override's); 0 when no loaded config defines it. Called off the
-	// request path, once per scanned cell.
-	LimitOf func(namespace, identifier string) int64
 }
 
 // WithDefaults returns c with every unset field at its default.

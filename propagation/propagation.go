@@ -87,6 +87,7 @@ type Propagator struct {
 	mu          sync.Mutex
 	pending     map[cellKey]*BlocklistRow // denial rows not yet written
 	imports     map[cellKey]*cellImport
+	ahead       map[cellKey]update // imports for windows not begun here yet
 	index       map[zoneID]string // row identifier → raw identifier (MapID)
 	recentOut   []BlocklistRow
 	recentIn    []BlocklistRow
@@ -190,6 +191,7 @@ func New(cfg Config, eng *engine.Engine, opts Options) (*Propagator, error) {
 		denials: make(chan engine.GlobalDenial, denialQueue),
 		pending: make(map[cellKey]*BlocklistRow),
 		imports: make(map[cellKey]*cellImport),
+		ahead:   make(map[cellKey]update),
 		index:   make(map[zoneID]string),
 		stop:    make(chan struct{}),
 	}

@@ -63,16 +63,21 @@ func newSetup(t *testing.T) *setup {
 // config.
 func (s *setup) region(name string, mod ...func(*Config)) *region {
 	s.t.Helper()
-	eng := engine.New(engine.Config{Now: s.clk.Now, Manual: true})
+	return s.regionOn(s.clk, name, mod...)
+}
+
+// regionOn is region on a clock of its own.
+func (s *setup) regionOn(clk *clock, name string, mod ...func(*Config)) *region {
+	s.t.Helper()
+	eng := engine.New(engine.Config{Now: clk.Now, Manual: true})
 	eng.Zone("z", window)
 	cfg := Config{
 		DSN: s.dsn, Region: name, Batch: 100, Timeout: 5 * time.Second,
-		LimitOf: func(ns, id string) int64 { return s.limit },
 	}
 	for _, m := range mod {
 		m(&cfg)
 	}
-	p, err := New(cfg, eng, Options{Now: s.clk.Now, Logger: zap.NewNop()})
+	p, err := New(cfg, eng, Options{Now: clk.Now, Logger: zap.NewNop()})
 	if err != nil {
 		s.t.Fatal(err)
 	}
@@ -498,7 +503,6 @@ func TestOutage_StartsDownMigratesLaterAndRetriesDenials(t *testing.T) {
 	p, err := New(Config{
 		DSN: dsn, Region: "a", Timeout: 200 * time.Millisecond,
 		Flush: time.Hour, GlobalSync: time.Hour, BlocklistSync: time.Hour,
-		LimitOf: func(string, string) int64 { return 10 },
 	}, eng, Options{Now: clk.Now})
 	if err != nil {
 		t.Fatal(err)
@@ -546,8 +550,7 @@ func TestOutage_DenialDroppedAtExpiry(t *testing.T) {
 	eng := engine.New(engine.Config{Now: s.clk.Now, Manual: true})
 	defer eng.Close(bg)
 	// A port nothing listens on: every write fails fast.
-	p, err := New(Config{DSN: "root:@tcp(127.0.0.1:1)/db", Region: "a", Timeout: 100 * time.Millisecond,
-		LimitOf: func(string, string) int64 { return 10 }}, eng, Options{Now: s.clk.Now})
+	p, err := New(Config{DSN: "root:@tcp(127.0.0.1:1)/db", Region: "a", Timeout: 100 * time.Millisecond}, eng, Options{Now: s.clk.Now})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -671,5 +674,57 @@ func TestDriverLog_GoesToTheModuleLoggerWithoutThePassword(t *testing.T) {
 	}
 	if !found {
 		t.Fatalf("no driver line reached the logger; lines: %d", logs.Len())
+	}
+}
+
+// TestPublish_WeighsEachCellAgainstItsDecisionsLimit: one zone defined by
+// two sites with limits 110 and 200 (zone names are global to the
+// process). The layer used to take the first site's limit for every key
+// of the zone, so a key decided against 110 and at 60 looked below half
+// its limit and waited for the next full sync to be published, while
+// other regions admitted on. Each cell is weighed against the limit of
+// the decisions that produced its count.
+func TestPublish_WeighsEachCellAgainstItsDecisionsLimit(t *testing.T) {
+	s := newSetup(t)
+	a := s.region("a")
+	if n := a.decide("tight", 110, 60); n != 60 {
+		t.Fatalf("admitted %d of 60 below a limit of 110", n)
+	}
+	if n := a.decide("loose", 200, 60); n != 60 {
+		t.Fatalf("admitted %d of 60 below a limit of 200", n)
+	}
+	a.p.FlushOnce(bg)
+	if n := countRows(t, s.dsn, "ratelimit_global_counts", "WHERE identifier = ?", "tight"); n != 1 {
+		t.Fatalf("%d published rows for the key at 60 of 110, want 1 at once", n)
+	}
+	if n := countRows(t, s.dsn, "ratelimit_global_counts", "WHERE identifier = ?", "loose"); n != 0 {
+		t.Fatalf("%d published rows for the key at 60 of 200, want none before a full sync", n)
+	}
+}
+
+// TestImport_ForAWindowAheadIsAppliedWhenItBeginsHere: region a's clock
+// runs a little ahead, into the next window, and publishes a count there.
+// Region b pulls it before that window begins on b's clock. The engine
+// holds no cell ahead of its clock and dropped the import, which the layer
+// had already recorded: no later pull brought it back, and b never
+// weighed a's units. The import waits until the window begins here.
+func TestImport_ForAWindowAheadIsAppliedWhenItBeginsHere(t *testing.T) {
+	s := newSetup(t)
+	ahead := new(clock)
+	ahead.ms.Store(s.clk.ms.Load() + window.Milliseconds()) // the next window
+	a, b := s.regionOn(ahead, "a"), s.region("b")
+	if n := a.decide("early", 100, 60); n != 60 {
+		t.Fatalf("a admitted %d of 60", n)
+	}
+	a.p.FlushOnce(bg)
+	b.decide("early", 100, 1) // b holds the key, in its current window
+	b.p.GlobalSyncOnce(bg)
+	if c := b.cell(t, "early", seq0); c.Global != 0 {
+		t.Fatalf("b imported a's count of the next window into its current one: %+v", c)
+	}
+	s.clk.ms.Add(window.Milliseconds()) // the window begins at b
+	b.p.FlushOnce(bg)
+	if c := b.cell(t, "early", seq0+1); c.Global != 60 {
+		t.Fatalf("b's cell of the window a counted in = %+v, want a's 60 as global", c)
 	}
 }

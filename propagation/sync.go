@@ -17,6 +17,7 @@ import (
 // cell when a global sync asked for it), and pulls the rows of the
 // busiest cells by a targeted query. Each step is bounded by Batch rows.
 func (p *Propagator) FlushOnce(ctx context.Context) {
+	p.handDue()
 	p.writeDenials(ctx)
 	hot := p.pushCounts(ctx)
 	p.pullCells(ctx, hot)
@@ -127,10 +128,9 @@ func (p *Propagator) pushCounts(ctx context.Context) []cellKey {
 	var push, hot []candidate
 	floor := p.cfg.PublishFloor
 	p.eng.ScanCells(p.cfg.MinWindow, func(v *engine.CellView) bool {
-		limit := int64(0)
-		if p.cfg.LimitOf != nil {
-			limit = p.cfg.LimitOf(v.Key.Namespace, v.Key.Identifier)
-		}
+		// The limit the count was decided against: a zone may carry
+		// different limits in different sites, and overrides.
+		limit := v.Limit
 		if limit <= 0 {
 			return true
 		}
@@ -451,8 +451,13 @@ func (p *Propagator) mergeLocked(k cellKey, region string, n, expires int64) (up
 	return update{key: key, seq: k.seq, sum: ci.sum(), create: p.cfg.MapID == nil}, true
 }
 
-// hand applies updates to the engine.
+// hand applies updates to the engine. An import for a window that has not
+// begun on this node's clock (the other region's clock is ahead, or this
+// one behind) waits until it begins here: the engine holds no cell ahead
+// of its clock, and the count, recorded as imported, would not be news to
+// the next pull.
 func (p *Propagator) hand(ups []update) {
+	now := p.now().UnixMilli()
 	for _, u := range ups {
 		if u.wait {
 			continue
@@ -461,6 +466,42 @@ func (p *Propagator) hand(ups []update) {
 			p.eng.RaiseRegional(u.key, u.seq, u.sum)
 			continue
 		}
+		if u.seq > now/u.key.Window.Milliseconds() {
+			p.defer_(u)
+			continue
+		}
+		p.eng.ImportGlobal(u.key, u.seq, u.sum, u.create)
+	}
+}
+
+// defer_ keeps u, an import for a window ahead of this node's clock, for
+// handDue; a later import of the same cell replaces it (sums only grow).
+func (p *Propagator) defer_(u update) {
+	k := cellKey{u.key.Namespace, u.key.Identifier, u.key.Window.Milliseconds(), u.seq}
+	p.mu.Lock()
+	if len(p.ahead) < maxImports {
+		p.ahead[k] = u
+	}
+	p.mu.Unlock()
+}
+
+// handDue applies the imports kept for windows that have begun here since,
+// and forgets those whose window has passed.
+func (p *Propagator) handDue() {
+	now := p.now().UnixMilli()
+	var due []update
+	p.mu.Lock()
+	for k, u := range p.ahead {
+		switch cur := now / k.w; {
+		case u.seq <= cur-2:
+			delete(p.ahead, k)
+		case u.seq <= cur:
+			due = append(due, u)
+			delete(p.ahead, k)
+		}
+	}
+	p.mu.Unlock()
+	for _, u := range due {
 		p.eng.ImportGlobal(u.key, u.seq, u.sum, u.create)
 	}
 }
