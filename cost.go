@@ -12,6 +12,7 @@ import (
 	"math"
 	"net/http"
 	"strconv"
+	"strings"
 
 	"github.com/caddyserver/caddy/v2"
 	"go.uber.org/zap"
@@ -64,9 +65,11 @@ func (z *zone) costOf(r *http.Request, repl *caddy.Replacer) (int64, costClamp) 
 	case err == nil && n >= 0:
 		// ParseInt takes a sign and leading zeros: "-0", "+0" and "00" are
 		// 0, which min_cost raises like any other small cost.
-	case n == math.MaxInt64 && errors.Is(err, strconv.ErrRange):
+	case n == math.MaxInt64 && errors.Is(err, strconv.ErrRange) && isUnsignedInteger(s):
 		// Digits past int64: the largest cost, never the default, so a
-		// huge cost is no way to pay less.
+		// huge cost is no way to pay less. (ParseInt reports the range
+		// before the syntax: "99999999999999999999x" is out of range too,
+		// and is no integer.)
 	default:
 		z.metrics.invalidCost.Inc()
 		return z.defaultCost, costClamp{}
@@ -80,6 +83,21 @@ func (z *zone) costOf(r *http.Request, repl *caddy.Replacer) (int64, costClamp) 
 		return z.maxCost, costClamp{bound: boundMax, requested: n}
 	}
 	return n, costClamp{}
+}
+
+// isUnsignedInteger reports whether s is decimal digits with an optional
+// leading '+', as ParseInt reads a non-negative integer.
+func isUnsignedInteger(s string) bool {
+	s = strings.TrimPrefix(s, "+")
+	if s == "" {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		if s[i] < '0' || s[i] > '9' {
+			return false
+		}
+	}
+	return true
 }
 
 // costClamped logs, at debug level, a placeholder cost that costOf moved

@@ -95,6 +95,8 @@ func TestCostOf_PlaceholderIsClampedOrChargedTheDefault(t *testing.T) {
 				{"9223372036854775807", math.MaxInt64, "", math.MaxInt64},
 				{huge, math.MaxInt64, "", math.MaxInt64}, // past int64: the largest cost
 				{"+" + huge, math.MaxInt64, "", math.MaxInt64},
+				{huge + "x", dflt, "invalid", 0}, // ParseInt says out of range, not syntax
+				{huge + ".5", dflt, "invalid", 0},
 				{" 0", dflt, "invalid", 0},
 				{"0 ", dflt, "invalid", 0},
 				{"-1", dflt, "invalid", 0},
