@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"strconv"
 
@@ -95,6 +96,8 @@ func checkZonesAcrossSites(st map[string]any, zones []parsedZone) error {
 //	        limit       <positive integer>
 //	        window      <duration, ≥ 1s>
 //	        cost        <integer or placeholder> [<default cost>]   # default 1
+//	        min_cost    <integer ≥ 0>                               # default 1
+//	        max_cost    <integer ≥ min_cost>                        # default 2^53-1
 //	        override    <identifier> <limit>                        # repeatable
 //	        ipv4_prefix <1-32>                                      # default 32
 //	        ipv6_prefix <1-128>                                     # default 64
@@ -106,7 +109,9 @@ func checkZonesAcrossSites(st map[string]any, zones []parsedZone) error {
 //	}
 //
 // The zone block may be repeated, up to 64 times; every zone applies to
-// every request the directive matches.
+// every request the directive matches. A cost placeholder that evaluates
+// to an integer is clamped to [min_cost, max_cost]; a constant cost is
+// charged as written.
 func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	_, err := h.unmarshal(d)
 	return err
@@ -205,6 +210,9 @@ func unmarshalZone(d *caddyfile.Dispenser) (*Zone, error) {
 		return nil, d.ArgErr()
 	}
 	seen := map[string]bool{}
+	// costLine is the line of the last cost, min_cost or max_cost: where a
+	// contradiction between them becomes true, reading down.
+	costLine := 0
 	for d.NextBlock(0) {
 		sub := d.Val()
 		if sub != "override" {
@@ -212,6 +220,10 @@ func unmarshalZone(d *caddyfile.Dispenser) (*Zone, error) {
 				return nil, d.Errf("zone %q: %s given twice", z.Name, sub)
 			}
 			seen[sub] = true
+		}
+		switch sub {
+		case "cost", "min_cost", "max_cost":
+			costLine = d.Line()
 		}
 		if err := unmarshalZoneLine(d, z, sub); err != nil {
 			return nil, err
@@ -227,6 +239,11 @@ func unmarshalZone(d *caddyfile.Dispenser) (*Zone, error) {
 		return nil, d.Errf("zone %q: missing limit", z.Name)
 	case z.Window == 0:
 		return nil, d.Errf("zone %q: missing window", z.Name)
+	}
+	if err := z.validateCostBounds("default cost"); err != nil {
+		for d.Line() < costLine && d.Next() {
+		}
+		return nil, d.Errf("zone %q: %w", z.Name, err)
 	}
 	return z, nil
 }
@@ -284,6 +301,28 @@ func unmarshalZoneLine(d *caddyfile.Dispenser, z *Zone, sub string) error {
 			}
 			z.DefaultCost = n
 		}
+	case "min_cost", "max_cost":
+		v, err := oneArg(d)
+		if err != nil {
+			return err
+		}
+		n, err := strconv.ParseInt(v, 10, 64)
+		switch {
+		case errors.Is(err, strconv.ErrRange) && n > 0:
+			return d.Errf("zone %q: %s %s is above the largest count, %d (2^53-1)", z.Name, sub, v, int64(maxUnits))
+		case errors.Is(err, strconv.ErrRange):
+			return d.Errf("zone %q: %s %s is negative", z.Name, sub, v)
+		case err != nil:
+			return d.Errf("zone %q: %s %q is not an integer", z.Name, sub, v)
+		}
+		if err := validateCostBound(sub, n); err != nil {
+			return d.Errf("zone %q: %w", z.Name, err)
+		}
+		if sub == "min_cost" {
+			z.MinCost = &n
+		} else {
+			z.MaxCost = &n
+		}
 	case "override":
 		args := d.RemainingArgs()
 		if len(args) != 2 {
@@ -325,7 +364,7 @@ func unmarshalZoneLine(d *caddyfile.Dispenser, z *Zone, sub string) error {
 			z.IPv6Prefix = bits
 		}
 	default:
-		return d.Errf("zone %q: unknown subdirective %q (want key, limit, window, cost, override, ipv4_prefix or ipv6_prefix)", z.Name, sub)
+		return d.Errf("zone %q: unknown subdirective %q (want key, limit, window, cost, min_cost, max_cost, override, ipv4_prefix or ipv6_prefix)", z.Name, sub)
 	}
 	return nil
 }

@@ -266,3 +266,96 @@ func TestCaddy_EndToEnd(t *testing.T) {
 		waitNoEngineGoroutines(t)
 	})
 }
+
+// clientCostRoutes is the README's old example: a zone that takes its cost
+// from a header the client sends.
+const clientCostRoutes = `
+	handle /cost {
+		ratelimit {
+			zone e2e_client_cost {
+				key    {http.request.header.X-Key}
+				limit  10
+				window 1m
+				cost   {http.request.header.X-Cost} 1
+			}
+			headers off
+		}
+		respond "cost"
+	}
+`
+
+// TestCost_ClientZeroIsClampedToMinCost: a client that sends a cost of 0,
+// in any spelling ParseInt takes for zero, is charged min_cost (1 by
+// default), so it gets the zone's limit and no more; each such request is
+// counted as clamped at the min bound.
+func TestCost_ClientZeroIsClampedToMinCost(t *testing.T) {
+	useClock(t, 15*time.Second)
+	tester, admin, base := startCaddy(t, func(admin, port int) string { return e2eConfig(admin, port, clientCostRoutes) })
+	before := scrape(t, admin)
+	zeros := []string{"0", "00", "+0", "-0"}
+	admitted := 0
+	for i := range 60 {
+		r := get(t, tester, base+"/cost", "X-Key", "attacker", "X-Cost", zeros[i%len(zeros)])
+		switch r.status {
+		case 200:
+			admitted++
+		case 429:
+		default:
+			t.Fatalf("request %d: status %d", i, r.status)
+		}
+	}
+	if admitted != 10 {
+		t.Fatalf("%d of 60 requests with a cost of zero admitted, want 10 (the limit)", admitted)
+	}
+	after := scrape(t, admin)
+	for series, want := range map[string]float64{
+		`caddy_ratelimit_clamped_costs_total{bound="min",zone="e2e_client_cost"}`: 60,
+		`caddy_ratelimit_clamped_costs_total{bound="max",zone="e2e_client_cost"}`: 0,
+		`caddy_ratelimit_invalid_costs_total{zone="e2e_client_cost"}`:             0,
+	} {
+		if got, ok := after[series]; !ok || got-before[series] != want {
+			t.Errorf("%s: +%v (present %v), want +%v", series, got-before[series], ok, want)
+		}
+	}
+}
+
+// operatorCostRoutes is the README's example: the cost comes from a map the
+// operator writes, by endpoint; a cost header the client sends is ignored.
+const operatorCostRoutes = `
+	map {path} {api_cost} {
+		~^/api/search  5
+		~^/api/export  20
+		default        1
+	}
+	handle /api/* {
+		ratelimit {
+			zone e2e_operator_cost {
+				key      {http.request.header.X-API-Key}
+				limit    100
+				window   1m
+				cost     {api_cost} 1
+				max_cost 20
+			}
+		}
+		respond "api"
+	}
+`
+
+// TestCost_OperatorMapSetsTheCost runs the README's example: each endpoint
+// is charged what the operator's map says, whatever the client sends.
+func TestCost_OperatorMapSetsTheCost(t *testing.T) {
+	useClock(t, 15*time.Second)
+	tester, _, base := startCaddy(t, func(admin, port int) string { return e2eConfig(admin, port, operatorCostRoutes) })
+	for _, step := range []struct {
+		path      string
+		remaining int
+	}{
+		{"/api/search", 95},
+		{"/api/export", 75},
+		{"/api/items", 74},
+		{"/api/search?q=x", 69},
+	} {
+		get(t, tester, base+step.path, "X-API-Key", "k1", "X-Cost", "0").expect(t, 200, "api",
+			"RateLimit", fmt.Sprintf(`"e2e_operator_cost";r=%d;t=45`, step.remaining))
+	}
+}

@@ -86,6 +86,11 @@ var (
 		Help: "Requests whose cost placeholder was not a non-negative integer and were charged the zone's default cost.",
 	}, []string{"zone"})
 
+	clampedCostsTotal = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: metricName("clamped_costs_total"),
+		Help: "Requests whose cost placeholder evaluated to an integer outside the zone's [min_cost, max_cost] and were charged the bound (bound: min, max).",
+	}, []string{"zone", "bound"})
+
 	originCallsTotal = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: metricName("origin_calls_total"),
 		Help: "Calls to the regional origin (Redis) per endpoint, by operation (read, flush, reserve) and outcome (ok, error, timeout, rejected by the breaker).",
@@ -108,7 +113,7 @@ var (
 
 // collectors are what every config registers.
 var collectors = []prometheus.Collector{
-	decisionsTotal, decisionSeconds, invalidCostsTotal,
+	decisionsTotal, decisionSeconds, invalidCostsTotal, clampedCostsTotal,
 	originCallsTotal, originCallSeconds, breakerTransitionsTotal,
 	engineMetrics,
 }
@@ -143,7 +148,7 @@ func registerMetrics(reg *prometheus.Registry) error {
 // provisioned so that counting a decision is one atomic add.
 type zoneMetrics struct {
 	allowed, denied, dryRunDenied, skipped, notCharged, missingKey prometheus.Counter
-	invalidCost                                                    prometheus.Counter
+	invalidCost, clampedMin, clampedMax                            prometheus.Counter
 }
 
 func newZoneMetrics(zone string) zoneMetrics {
@@ -156,6 +161,8 @@ func newZoneMetrics(zone string) zoneMetrics {
 		notCharged:   c(resultNotCharged),
 		missingKey:   c(resultMissingKey),
 		invalidCost:  invalidCostsTotal.WithLabelValues(zone),
+		clampedMin:   clampedCostsTotal.WithLabelValues(zone, boundMin),
+		clampedMax:   clampedCostsTotal.WithLabelValues(zone, boundMax),
 	}
 }
 

@@ -3,7 +3,6 @@ package ratelimit
 import (
 	"errors"
 	"fmt"
-	"math"
 	"math/rand/v2"
 	"net/http"
 	"strconv"
@@ -42,7 +41,6 @@ const (
 const (
 	defaultIPv4Prefix = 32
 	defaultIPv6Prefix = 64
-	defaultCost       = 1
 	// minWindow keeps windows in whole seconds: the draft header's w and t
 	// parameters are integer seconds, and a sub-second window would make
 	// every request a window rollover.
@@ -63,8 +61,8 @@ const (
 // maxUnits is the largest limit or cost a zone accepts: engine.MaxCount,
 // 2^53-1, since counts travel as JSON numbers and Lua numbers in the
 // origin's scripts, which are float64 and exact only up to 2^53. A constant
-// cost or limit above it is a config error; a cost placeholder that
-// evaluates above it is charged maxUnits.
+// cost, limit or cost bound above it is a config error; a cost placeholder
+// that evaluates above it is charged max_cost, at most maxUnits.
 const maxUnits = engine.MaxCount
 
 // Handler limits the rate of requests. Each request is decided against all
@@ -143,16 +141,31 @@ type Zone struct {
 	Window caddy.Duration `json:"window"`
 
 	// Cost is what one request consumes: a non-negative integer, or a
-	// placeholder evaluated per request. At most 2^53-1; a placeholder
-	// that evaluates to more is charged 2^53-1, and one that does not
-	// evaluate to a non-negative integer is charged DefaultCost (and
-	// counted). Default 1.
+	// placeholder evaluated per request. A constant is charged as written
+	// (0 makes a zone that only reads), at most 2^53-1. A placeholder that
+	// evaluates to a non-negative integer is clamped to [MinCost, MaxCost]
+	// (so 0 is charged MinCost, 1 by default); one that does not is
+	// charged DefaultCost. Both are counted. Default 1.
 	Cost caddyhttp.WeakString `json:"cost,omitempty"`
 
 	// DefaultCost is charged when a Cost placeholder does not evaluate to a
-	// non-negative integer, at most 2^53-1. Default 1; never 0, so a bad
-	// value is never a free pass.
+	// non-negative integer. It must lie within [MinCost, MaxCost]; a config
+	// where it does not is rejected. Default 1; never 0, so a bad value is
+	// never a free pass.
 	DefaultCost int64 `json:"default_cost,omitempty"`
+
+	// MinCost is the least a Cost placeholder is charged: one that
+	// evaluates to a smaller non-negative integer (0, "00", "-0") is
+	// charged MinCost. From 0 to MaxCost. Default 1, so a client that
+	// controls the placeholder cannot make its requests free; 0 lets the
+	// placeholder charge nothing. A constant Cost is not clamped, but one
+	// outside a bound written in the config is rejected as a contradiction.
+	MinCost *int64 `json:"min_cost,omitempty"`
+
+	// MaxCost is the most a Cost placeholder is charged: one that evaluates
+	// to a larger integer, however large, is charged MaxCost. From MinCost
+	// to 2^53-1. Default 2^53-1, the largest count.
+	MaxCost *int64 `json:"max_cost,omitempty"`
 
 	// Overrides maps identifiers to their own limit, replacing Limit for
 	// them. Identifiers are compared after IP masking (e.g.
@@ -180,8 +193,10 @@ type zone struct {
 	cost        template
 	staticCost  int64 // used when cost has no placeholder
 	defaultCost int64
-	overrides   map[string]int64
-	v4, v6      int
+	// minCost and maxCost bound a placeholder cost (see costOf).
+	minCost, maxCost int64
+	overrides        map[string]int64
+	v4, v6           int
 	// handle is the engine's zone, resolved at Provision so that a
 	// decision costs one lookup by identifier.
 	handle *engine.Zone
@@ -276,10 +291,8 @@ func (h *Handler) compile() {
 		if z.cost.literal && zc.Cost != "" {
 			z.staticCost, _ = strconv.ParseInt(string(zc.Cost), 10, 64) // checked by Validate
 		}
-		z.defaultCost = zc.DefaultCost
-		if z.defaultCost == 0 {
-			z.defaultCost = defaultCost
-		}
+		z.defaultCost = zc.defaultCost()
+		z.minCost, z.maxCost = zc.costBounds()
 		if len(zc.Overrides) > 0 {
 			z.overrides = zc.Overrides
 		}
@@ -357,11 +370,15 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 				ownLimits = false
 			}
 		}
+		cost, clamp := z.costOf(r, repl)
+		if clamp.bound != "" {
+			h.costClamped(z, id, cost, clamp)
+		}
 		lims = append(lims, engine.Limit{
 			Key:    engine.Key{Namespace: z.name, Identifier: id, Window: z.window},
 			Zone:   z.handle,
 			Limit:  limit,
-			Cost:   z.costOf(r, repl),
+			Cost:   cost,
 			DryRun: h.DryRun,
 		})
 		zi = append(zi, i)
@@ -459,25 +476,6 @@ func nextErrorID() string {
 		id /= 36
 	}
 	return string(b[:])
-}
-
-// costOf evaluates the zone's cost for one request.
-func (z *zone) costOf(r *http.Request, repl *caddy.Replacer) int64 {
-	if z.cost.literal {
-		return z.staticCost
-	}
-	s := z.cost.eval(r, repl)
-	n, err := strconv.ParseInt(s, 10, 64)
-	switch {
-	case err == nil && n >= 0:
-		// A huge cost is the largest one, never the default: it must not
-		// be a way to pay less.
-		return min(n, maxUnits)
-	case n == math.MaxInt64 && errors.Is(err, strconv.ErrRange):
-		return maxUnits // digits past int64
-	}
-	z.metrics.invalidCost.Inc()
-	return z.defaultCost
 }
 
 // countDecisions counts one decision per decided zone (see the result

@@ -50,12 +50,12 @@ func TestHandler_Cost(t *testing.T) {
 		invalid   bool
 	}{
 		{"3", 97, false},
-		{"0", 97, false},
-		{"abc", 90, true},
-		{"-2", 83, true},
-		{"", 76, true},
-		{"1.5", 69, true},
-		{"10", 59, false},
+		{"0", 96, false}, // min_cost, 1 by default
+		{"abc", 89, true},
+		{"-2", 82, true},
+		{"", 75, true},
+		{"1.5", 68, true},
+		{"10", 58, false},
 	}
 	for _, tc := range tests {
 		invalid := invalidCostsTotal.WithLabelValues("dyn")

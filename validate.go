@@ -71,6 +71,19 @@ func (z *Zone) validate() error {
 	if err := validateUnits("default_cost", z.DefaultCost); err != nil {
 		return err
 	}
+	if z.MinCost != nil {
+		if err := validateCostBound("min_cost", *z.MinCost); err != nil {
+			return err
+		}
+	}
+	if z.MaxCost != nil {
+		if err := validateCostBound("max_cost", *z.MaxCost); err != nil {
+			return err
+		}
+	}
+	if err := z.validateCostBounds("default_cost"); err != nil {
+		return err
+	}
 	for id, l := range z.Overrides {
 		if err := validateOverride(id, l); err != nil {
 			return err
@@ -158,6 +171,56 @@ func validateCost(cost string) error {
 		return fmt.Errorf("cost %q is neither a non-negative integer nor a placeholder", cost)
 	}
 	return validateUnits("cost", n)
+}
+
+// validateCostBound checks min_cost or max_cost (what says which) alone.
+func validateCostBound(what string, n int64) error {
+	if n < 0 {
+		return fmt.Errorf("%s %d is negative", what, n)
+	}
+	return validateUnits(what, n)
+}
+
+// validateCostBounds checks what a zone's cost settings say together, each
+// one having passed its own check; dflt is what the default cost is called
+// where it is written. min_cost must not exceed max_cost. With a
+// placeholder, the default cost must lie within them: it is charged as it
+// is, so a default outside the bounds would be a way around them. A
+// constant cost is charged as written, not clamped (a constant 0 is a zone
+// that only reads), but one outside a bound the config writes contradicts
+// it: the operator meant one of the two, and the config cannot say which.
+func (z *Zone) validateCostBounds(dflt string) error {
+	lo, hi := z.costBounds()
+	switch {
+	case lo <= hi:
+	case z.MinCost == nil:
+		return fmt.Errorf("max_cost %d is below min_cost, which is %d when not given", hi, lo)
+	default:
+		return fmt.Errorf("min_cost %d is above max_cost %d", lo, hi)
+	}
+	if cost := string(z.Cost); cost == "" || !strings.ContainsAny(cost, "{}") {
+		n := int64(defaultCost)
+		if cost != "" {
+			n, _ = strconv.ParseInt(cost, 10, 64) // checked by validateCost
+		}
+		switch {
+		case z.MinCost != nil && n < lo:
+			return fmt.Errorf("constant cost %d is below min_cost %d: the bounds apply to a cost placeholder, a constant cost is charged as written", n, lo)
+		case z.MaxCost != nil && n > hi:
+			return fmt.Errorf("constant cost %d is above max_cost %d: the bounds apply to a cost placeholder, a constant cost is charged as written", n, hi)
+		}
+		return nil
+	}
+	d := z.defaultCost()
+	switch {
+	case hi == 0:
+		return errors.New("max_cost 0 leaves no room for the default cost (at least 1): a zone that charges nothing has the constant cost 0")
+	case d >= lo && d <= hi:
+		return nil
+	case z.DefaultCost == 0:
+		return fmt.Errorf("%s, %d when not given, is outside [min_cost %d, max_cost %d]: give one within them", dflt, d, lo, hi)
+	}
+	return fmt.Errorf("%s %d is outside [min_cost %d, max_cost %d]", dflt, d, lo, hi)
 }
 
 func validateOverride(id string, limit int64) error {

@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"encoding/json"
 	"fmt"
 	"strings"
 	"testing"
@@ -37,6 +38,25 @@ func TestHandler_ValidateRejectsBadJSON(t *testing.T) {
 		{"limit above 2^53-1", func(h *Handler) { h.Zones[0].Limit = 1 << 53 }, "limit 9007199254740992 is above the largest count, 9007199254740991"},
 		{"cost above 2^53-1", func(h *Handler) { h.Zones[0].Cost = "9007199254740992" }, "cost 9007199254740992 is above the largest count"},
 		{"default cost above 2^53-1", func(h *Handler) { h.Zones[0].DefaultCost = 1 << 53 }, "default_cost 9007199254740992 is above the largest count"},
+		{"negative min_cost", func(h *Handler) { h.Zones[0].MinCost = int64p(-1) }, "min_cost -1 is negative"},
+		{"negative max_cost", func(h *Handler) { h.Zones[0].MaxCost = int64p(-1) }, "max_cost -1 is negative"},
+		{"min_cost above 2^53-1", func(h *Handler) { h.Zones[0].MinCost = int64p(1 << 53) }, "min_cost 9007199254740992 is above the largest count"},
+		{"max_cost above 2^53-1", func(h *Handler) { h.Zones[0].MaxCost = int64p(1 << 53) }, "max_cost 9007199254740992 is above the largest count"},
+		{"max_cost 0 below the default min_cost", func(h *Handler) { h.Zones[0].MaxCost = int64p(0) }, "max_cost 0 is below min_cost, which is 1 when not given"},
+		{"min_cost above max_cost", func(h *Handler) { h.Zones[0].MinCost, h.Zones[0].MaxCost = int64p(5), int64p(4) }, "min_cost 5 is above max_cost 4"},
+		{"default cost below min_cost", func(h *Handler) {
+			h.Zones[0].Cost, h.Zones[0].DefaultCost, h.Zones[0].MinCost = "{x}", 2, int64p(3)
+		}, "default_cost 2 is outside [min_cost 3, max_cost 9007199254740991]"},
+		{"default cost above max_cost", func(h *Handler) {
+			h.Zones[0].Cost, h.Zones[0].DefaultCost, h.Zones[0].MaxCost = "{x}", 20, int64p(10)
+		}, "default_cost 20 is outside [min_cost 1, max_cost 10]"},
+		{"implicit default cost below min_cost", func(h *Handler) { h.Zones[0].Cost, h.Zones[0].MinCost = "{x}", int64p(3) }, "default_cost, 1 when not given, is outside [min_cost 3"},
+		{"placeholder with max_cost 0", func(h *Handler) {
+			h.Zones[0].Cost, h.Zones[0].MinCost, h.Zones[0].MaxCost = "{x}", int64p(0), int64p(0)
+		}, "max_cost 0 leaves no room for the default cost"},
+		{"constant cost below a written min_cost", func(h *Handler) { h.Zones[0].Cost, h.Zones[0].MinCost = "0", int64p(1) }, "constant cost 0 is below min_cost 1"},
+		{"constant cost above a written max_cost", func(h *Handler) { h.Zones[0].Cost, h.Zones[0].MaxCost = "11", int64p(10) }, "constant cost 11 is above max_cost 10"},
+		{"no cost below a written min_cost", func(h *Handler) { h.Zones[0].MinCost = int64p(2) }, "constant cost 1 is below min_cost 2"},
 		{"override above 2^53-1", func(h *Handler) { h.Zones[0].Overrides = map[string]int64{"x": 1 << 53} }, `override "x": limit 9007199254740992 is above`},
 		{"65 zones", func(h *Handler) {
 			for i := range 64 {
@@ -56,5 +76,75 @@ func TestHandler_ValidateRejectsBadJSON(t *testing.T) {
 				t.Fatalf("Validate() = %v, want error containing %q", err, tc.want)
 			}
 		})
+	}
+}
+
+// TestZone_CostBoundsAccepted: the cost settings that agree with each
+// other pass Validate, and compile to the bounds costOf uses. A constant
+// cost is only held to the bounds the config writes: `cost 0` alone is a
+// zone that only reads.
+func TestZone_CostBoundsAccepted(t *testing.T) {
+	for _, tc := range []struct {
+		name         string
+		zone         func(z *Zone)
+		lo, hi, dflt int64
+	}{
+		{"defaults", func(z *Zone) {}, 1, maxUnits, 1},
+		{"constant zero", func(z *Zone) { z.Cost = "0" }, 1, maxUnits, 1},
+		{"constant zero under max_cost", func(z *Zone) { z.Cost, z.MaxCost = "0", int64p(5) }, 1, 5, 1},
+		{"constant zero with min_cost 0", func(z *Zone) { z.Cost, z.MinCost, z.MaxCost = "0", int64p(0), int64p(0) }, 0, 0, 1},
+		{"placeholder, free floor", func(z *Zone) { z.Cost, z.MinCost = "{x}", int64p(0) }, 0, maxUnits, 1},
+		{"placeholder, default at min_cost", func(z *Zone) { z.Cost, z.DefaultCost, z.MinCost = "{x}", 3, int64p(3) }, 3, maxUnits, 3},
+		{"placeholder, default at max_cost", func(z *Zone) { z.Cost, z.DefaultCost, z.MaxCost = "{x}", 10, int64p(10) }, 1, 10, 10},
+		{"placeholder, one cost", func(z *Zone) { z.Cost, z.MinCost, z.MaxCost = "{x}", int64p(1), int64p(1) }, 1, 1, 1},
+		{"largest bounds", func(z *Zone) {
+			z.Cost, z.DefaultCost, z.MinCost, z.MaxCost = "{x}", maxUnits, int64p(maxUnits), int64p(maxUnits)
+		}, maxUnits, maxUnits, maxUnits},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			z := zoneOf("z", 5, time.Minute)
+			tc.zone(z)
+			h := &Handler{Zones: []*Zone{z}}
+			if err := h.Validate(); err != nil {
+				t.Fatalf("Validate: %v", err)
+			}
+			h.compile()
+			if c := h.zones[0]; c.minCost != tc.lo || c.maxCost != tc.hi || c.defaultCost != tc.dflt {
+				t.Fatalf("compiled to [%d, %d], default %d; want [%d, %d], default %d", c.minCost, c.maxCost, c.defaultCost, tc.lo, tc.hi, tc.dflt)
+			}
+		})
+	}
+}
+
+// TestZone_CostBoundsFromJSON: min_cost 0 written in JSON is 0, not the
+// default 1, and bad bounds fail Validate with the field's name.
+func TestZone_CostBoundsFromJSON(t *testing.T) {
+	load := func(t *testing.T, zone string) (*Handler, error) {
+		t.Helper()
+		var h Handler
+		if err := json.Unmarshal([]byte(`{"zones": [`+zone+`]}`), &h); err != nil {
+			t.Fatal(err)
+		}
+		return &h, h.Validate()
+	}
+	h, err := load(t, `{"name": "a", "key": "k", "limit": 5, "window": "1m", "cost": "{x}", "min_cost": 0, "max_cost": 100}`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h.compile()
+	if z := h.zones[0]; z.minCost != 0 || z.maxCost != 100 {
+		t.Fatalf("compiled to [%d, %d], want [0, 100]", z.minCost, z.maxCost)
+	}
+	for _, tc := range []struct{ zone, want string }{
+		{`"min_cost": -1`, `zone "a": min_cost -1 is negative`},
+		{`"max_cost": 0`, `zone "a": max_cost 0 is below min_cost`},
+		{`"min_cost": 7, "max_cost": 6`, `zone "a": min_cost 7 is above max_cost 6`},
+		{`"max_cost": 9007199254740992`, `zone "a": max_cost 9007199254740992 is above the largest count`},
+		{`"min_cost": 2, "default_cost": 1`, `zone "a": default_cost 1 is outside [min_cost 2`},
+	} {
+		_, err := load(t, `{"name": "a", "key": "k", "limit": 5, "window": "1m", "cost": "{x}", `+tc.zone+`}`)
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: Validate() = %v, want %q", tc.zone, err, tc.want)
+		}
 	}
 }
