@@ -88,7 +88,7 @@ type Propagator struct {
 	pending     map[cellKey]*BlocklistRow // denial rows not yet written
 	imports     map[cellKey]*cellImport
 	ahead       map[cellKey]update // imports for windows not begun here yet
-	index       map[zoneID]string // row identifier → raw identifier (MapID)
+	index       map[zoneID]string  // row identifier → raw identifier (MapID)
 	recentOut   []BlocklistRow
 	recentIn    []BlocklistRow
 	fullDue     bool
