@@ -14,7 +14,7 @@ import (
 // replay and of the cross-region layer (cellSync) exist only in cells made
 // while the engine has an origin or a global layer: such a cell is
 // allocated as a syncCell and carries stSync. A local-only engine, which
-// never uses them, pays 32 bytes a cell instead of 80. Read those counters
+// never uses them, pays 32 bytes a cell instead of 88. Read those counters
 // through sync(): a plain cell has none, and reads them as 0. A plain cell
 // made before an origin or a global layer was attached is replaced by a
 // syncCell copy when next touched (see Engine.upgrade).

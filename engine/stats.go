@@ -2,6 +2,7 @@ package engine
 
 import (
 	"container/heap"
+	"context"
 	"sort"
 	"strings"
 	"sync/atomic"
@@ -275,6 +276,20 @@ func (e *Engine) Forget(key Key) bool {
 		return false
 	}
 	found := false
+	if o := e.getOrigin(); o != nil {
+		// The units this process has not replayed yet go out first: the
+		// key's next request here reads the origin, which must hold them,
+		// or it would admit them again. A failed write leaves them queued.
+		if en, ok := z.entries.Load(id); ok {
+			batch := make([]Delta, 0, 2)
+			for _, c := range [2]*cell{en.cur.Load(), en.prev.Load()} {
+				if c != nil && c != tombstone && c.state.Load()&stFlushing == 0 {
+					batch = e.take(batch, z, id, c, true)
+				}
+			}
+			_ = e.flush(context.Background(), o, batch)
+		}
+	}
 	if en, ok := z.entries.LoadAndDelete(id); ok {
 		found = true
 		if e.origin.Load() != nil {
