@@ -4,11 +4,12 @@
 #                plain Caddy under wrk (scripts/loadtest.sh); make loadtest is
 #                the same
 # make soak      the long multi-region scenarios (default intervals, minutes of load; SOAK_MINUTES)
+# make property  the multi-node reference test for PROPERTY_DURATION (default 10m) of random seeds
 
 GO       ?= go
 TIMEOUT  ?= 20m
 
-.PHONY: test vet fmt-check servers allocs bench compare loadtest soak
+.PHONY: test vet fmt-check servers allocs bench compare loadtest soak property
 
 test: vet fmt-check servers allocs
 	PATH="$$PATH:/usr/sbin:/usr/local/sbin" $(GO) test -race -count=1 -timeout $(TIMEOUT) ./...
@@ -45,3 +46,9 @@ loadtest: compare
 # default intervals, one-minute windows, SOAK_MINUTES (default 4) of load.
 soak: servers
 	PATH="$$PATH:/usr/sbin:/usr/local/sbin" $(GO) test -tags soak -count=1 -timeout 60m -run 'TestSoak_' -v ./integration
+
+# The multi-node reference test (internal/nodecheck) on new random seeds
+# for PROPERTY_DURATION; a failure prints its seed and shortest run.
+PROPERTY_DURATION ?= 10m
+property:
+	RATELIMIT_PROPERTY_DURATION=$(PROPERTY_DURATION) $(GO) test -count=1 -timeout 0 -run 'TestProperty_NodesAgreeWithOneCounter' -v ./internal/nodecheck

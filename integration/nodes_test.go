@@ -1,0 +1,102 @@
+package integration
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/edgelimit/caddy-ratelimit/engine"
+	"github.com/edgelimit/caddy-ratelimit/internal/nodecheck"
+	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
+	"github.com/edgelimit/caddy-ratelimit/internal/testclock"
+	"github.com/edgelimit/caddy-ratelimit/origin"
+)
+
+// redisCluster is a nodecheck.Cluster on a real Redis: each engine has its
+// own origin.Redis under a node ID of its own, as separate processes do.
+type redisCluster struct {
+	t       *testing.T
+	srv     *redistest.Server
+	prefix  string
+	engines []*engine.Engine
+	clocks  []*testclock.Clock
+	origins []*origin.Redis
+}
+
+func newRedisCluster(t *testing.T, srv *redistest.Server, n int, prefix string) *redisCluster {
+	c := &redisCluster{t: t, srv: srv, prefix: prefix}
+	for i := range n {
+		clk := testclock.New(time.Now())
+		c.engines = append(c.engines, engine.New(nodecheck.EngineConfig(clk.Now)))
+		c.clocks = append(c.clocks, clk)
+		c.origins = append(c.origins, nil)
+		c.Reload(i)
+	}
+	return c
+}
+
+func (c *redisCluster) Engine(i int) *engine.Engine { return c.engines[i] }
+func (c *redisCluster) SetClock(i int, t time.Time) { c.clocks[i].Set(t) }
+func (c *redisCluster) Restart()                    { c.srv.Restart() }
+func (c *redisCluster) Settle()                     {}
+
+// SetDown is not drawn for real Redis (Gen leaves outages out here).
+func (c *redisCluster) SetDown(bool) { c.t.Error("no outage on real Redis in this test") }
+
+// Reload gives node i a new origin under its node ID, as a config reload
+// does, and closes the one before.
+func (c *redisCluster) Reload(i int) {
+	o, err := origin.New(origin.Config{Redis: []string{c.srv.URL()}, Prefix: c.prefix},
+		origin.Options{NodeID: fmt.Sprintf("node-%d", i)})
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	c.engines[i].SetOrigin(o)
+	if old := c.origins[i]; old != nil {
+		_ = old.Close()
+	}
+	c.origins[i] = o
+}
+
+func (c *redisCluster) close() {
+	for i, e := range c.engines {
+		_ = e.Close(context.Background())
+		_ = c.origins[i].Close()
+	}
+}
+
+// TestProperty_NodesOnRedis runs nodecheck's lists on a real Redis: the
+// same invariant as TestProperty_NodesAgreeWithOneCounter, with Redis
+// restarted empty (no outage: a stopped Redis costs every call its
+// timeout). The engines' clocks run a few seconds ahead of the wall
+// clock, which Redis expires keys by, so no key of the run expires early.
+func TestProperty_NodesOnRedis(t *testing.T) {
+	requireBinary(t, "redis-server")
+	srv := redistest.Start(t)
+	faults := nodecheck.Faults{Restart: true, Step: true}
+	run := func(ops []nodecheck.Op, prefix string) nodecheck.Result {
+		c := newRedisCluster(t, srv, nodecheck.Nodes(ops), prefix)
+		defer c.close()
+		return nodecheck.Run(c, ops, time.Now().Add(10*time.Second), nil)
+	}
+	decisions, runs := 0, 0
+	for _, seed := range []uint64{1, 2, 3, 4} {
+		ops := nodecheck.Gen(seed, 3000, faults)
+		runs++
+		res := run(ops, fmt.Sprintf("nc%d", runs))
+		decisions += res.Decisions
+		if res.Err == nil {
+			continue
+		}
+		short, serr := nodecheck.Shrink(ops, func(o []nodecheck.Op) error {
+			runs++
+			return run(o, fmt.Sprintf("nc%d", runs)).Err
+		})
+		t.Fatalf("seed %d: %v\n%s", seed, res.Err, nodecheck.Describe(short, serr))
+	}
+	if decisions < 1000 {
+		t.Fatalf("only %d decisions checked", decisions)
+	}
+	t.Logf("%d decisions checked on Redis against the central counter", decisions)
+}

@@ -1,0 +1,322 @@
+package nodecheck
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/edgelimit/caddy-ratelimit/engine"
+)
+
+// Cluster is the region a list runs on: n engines, each its own process to
+// one shared origin, on clocks the runner sets.
+type Cluster interface {
+	// Engine is node i's engine, configured with FastTick and SlowTick,
+	// Manual (the runner drives replay and the janitor) and a small entry
+	// cap (24), so that eviction happens.
+	Engine(i int) *engine.Engine
+	// SetClock sets node i's clock.
+	SetClock(i int, t time.Time)
+	// Reload hands node i's engine a new origin object of the same
+	// process, as a config reload does.
+	Reload(i int)
+	// Restart empties the origin, as a Redis restarted empty.
+	Restart()
+	// SetDown makes the origin unreachable, or reachable again.
+	SetDown(down bool)
+	// Settle returns once the engines' background work (reads started
+	// without waiting) has finished, or as soon as it can.
+	Settle()
+}
+
+// Result is what a run found.
+type Result struct {
+	// Decisions counts the decisions checked.
+	Decisions int
+	// Over is the largest over-admission seen outside faults (units past
+	// the limit), with the slack it was allowed.
+	Over, OverSlack int64
+	// Err is the first violation of the invariant; nil when none.
+	Err error
+}
+
+// Trace, when set, receives a line per checked decision.
+type Trace func(format string, args ...any)
+
+// Run runs ops on c, which has Nodes(ops) nodes, from base (a time whose
+// windows are live at the origin: a real Redis expires the keys of a past
+// one), and checks every decision against one central counter that
+// receives every admitted unit, in the window the admitting node counted it
+// in.
+//
+// The invariant, in DESIGN's terms: while the origin is reachable, a
+// request is admitted only if the central count of its key, weighed as the
+// engine weighs (current + ⌊previous × (1 − progress)⌋), plus its cost
+// stays within limit + slack, where the slack is what the other nodes
+// admitted that the deciding node cannot know yet: their admissions since
+// its view of the key was taken (its last read or replay, KeyState's
+// ViewedAt), and those they had not replayed then, a slow tick and a fast
+// one's worth. A request is never denied while that count with its cost is
+// within the limit: no node counts a unit that was not admitted. After a
+// fault (the origin restarted empty or unreachable, a node's clock
+// stepped), the bound holds again within one flush period.
+func Run(c Cluster, ops []Op, base time.Time, trace Trace) Result {
+	r := &runner{c: c, base: base, trace: trace, n: Nodes(ops),
+		quietTill: -1, resendAt: -1, central: map[cellID]int64{}, recent: admissions{}}
+	r.offsets = make([]time.Duration, r.n)
+	for i := range r.n {
+		c.SetClock(i, base)
+	}
+	for i, o := range ops[1:] {
+		if err := r.do(i+1, o); err != nil {
+			r.res.Err = err
+			break
+		}
+		c.Settle()
+	}
+	return r.res
+}
+
+// Shrink removes operations from ops one chunk at a time while run still
+// fails, halving the chunks down to single operations, until no removal
+// keeps it failing. It returns the shortest list found and its failure.
+func Shrink(ops []Op, run func([]Op) error) ([]Op, error) {
+	var last error
+	fails := func(o []Op) bool {
+		if err := run(o); err != nil {
+			last = err
+			return true
+		}
+		return false
+	}
+	cur := ops
+	for progress := true; progress; {
+		progress = false
+		for chunk := len(cur) / 2; chunk >= 1; chunk /= 2 {
+			for i := 1; i < len(cur); { // the first operation carries the node count
+				end := min(i+chunk, len(cur))
+				try := append(append([]Op(nil), cur[:i]...), cur[end:]...)
+				if fails(try) {
+					cur, progress = try, true
+					continue
+				}
+				i = end
+			}
+		}
+	}
+	fails(cur)
+	return cur, last
+}
+
+type cellID struct {
+	id     string
+	w, seq int64
+}
+
+type runner struct {
+	c       Cluster
+	base    time.Time
+	trace   Trace
+	n       int
+	offsets []time.Duration
+	res     Result
+
+	now       int64 // the true clock, ms since base
+	ticks     int
+	quietTill int64 // faults: the bound holds again after this
+	down      bool
+	resendAt  int64
+	central   map[cellID]int64
+	recent    admissions
+}
+
+var bg = context.Background()
+
+func (r *runner) fault(until int64) { r.quietTill = max(r.quietTill, until) }
+
+func (r *runner) nodeNow(i int) int64 { return r.now + r.offsets[i].Milliseconds() }
+
+func (r *runner) setClock(i int) {
+	r.c.SetClock(i, r.base.Add(time.Duration(r.now)*time.Millisecond+r.offsets[i]))
+}
+
+func limitOf(k Key, cost int64) engine.Limit {
+	return engine.Limit{Key: engine.Key{Namespace: Zone, Identifier: k.ID, Window: k.Window}, Limit: k.Limit, Cost: cost}
+}
+
+// effective is the central count of k weighed at at (ms since base).
+func (r *runner) effective(k Key, at int64) int64 {
+	w := k.Window.Milliseconds()
+	abs := r.base.UnixMilli() + at
+	seq, rem := abs/w, abs%w
+	prev := r.central[cellID{k.ID, w, seq - 1}]
+	return r.central[cellID{k.ID, w, seq}] + prev*(w-rem)/w
+}
+
+// check judges node i's verdict on k at cost against the central count
+// before it, and charges the central counter when admitted.
+func (r *runner) check(op, i int, k Key, cost int64, allowed bool) error {
+	at := r.nodeNow(i)
+	eff := r.effective(k, at)
+	quiet := r.now <= r.quietTill || r.down
+	// The node's view of the key was taken at its last read or replay: what
+	// the others admitted since, and what they had not replayed then, is
+	// what its decision cannot weigh.
+	since := r.now - slowMs - fastMs
+	if ks, ok := r.c.Engine(i).Inspect(engine.Key{Namespace: Zone, Identifier: k.ID, Window: k.Window}); ok && !ks.ViewedAt.IsZero() {
+		since = min(since, ks.ViewedAt.UnixMilli()-r.base.UnixMilli()-r.offsets[i].Milliseconds()-slowMs-fastMs)
+	}
+	slack := r.recent.others(i, k.ID, since)
+	if !quiet && allowed && eff+cost-k.Limit > r.res.Over {
+		r.res.Over, r.res.OverSlack = eff+cost-k.Limit, slack
+	}
+	if r.trace != nil {
+		r.trace("op %d t=%d node %d %s cost %d allowed=%v central=%d slack=%d quiet=%v", op, r.now, i, k.ID, cost, allowed, eff, slack, quiet)
+	}
+	switch {
+	case quiet:
+	case allowed && eff+cost > k.Limit+slack:
+		return fmt.Errorf("operation %d: node %d admitted %s (cost %d) at a central count of %d: over limit %d + slack %d",
+			op, i, k.ID, cost, eff, k.Limit, slack)
+	case !allowed && eff+cost <= k.Limit:
+		return fmt.Errorf("operation %d: node %d denied %s (cost %d) at a central count of %d: within limit %d",
+			op, i, k.ID, cost, eff, k.Limit)
+	}
+	if allowed {
+		w := k.Window.Milliseconds()
+		r.central[cellID{k.ID, w, (r.base.UnixMilli() + at) / w}] += cost
+		r.recent.add(i, k.ID, r.now, cost)
+	}
+	return nil
+}
+
+// do runs operation number op.
+func (r *runner) do(op int, o Op) error {
+	i := o.Node % r.n
+	e := r.c.Engine(i)
+	switch o.Kind {
+	case OpDecide:
+		k := Keys[o.Key]
+		d := e.Decide(bg, limitOf(k, o.Cost))
+		r.res.Decisions++
+		return r.check(op, i, k, o.Cost, d.Allowed)
+	case OpBatch:
+		k1, k2 := Keys[o.Key], Keys[o.Key2]
+		out := make([]engine.Decision, 2)
+		ok := e.DecideMany(bg, []engine.Limit{limitOf(k1, o.Cost), limitOf(k2, o.Cost2)}, out)
+		r.res.Decisions++
+		// A batch reads instead of reserving: it may over-admit by what
+		// the others admit until their next replay, within the same slack.
+		// Its denial may come from the other limit, so only an admission
+		// is judged.
+		if ok {
+			if err := r.check(op, i, k1, o.Cost, true); err != nil {
+				return err
+			}
+			return r.check(op, i, k2, o.Cost2, true)
+		}
+	case OpTick:
+		r.tick()
+	case OpForget:
+		e.Forget(limitOf(Keys[o.Key], 0).Key)
+	case OpEvict:
+		e.Evict()
+	case OpSweep:
+		if r.offsets[i] != 0 {
+			// A compound fault: the janitor of a node whose clock is an
+			// hour ahead drops the entries of the real window as idle,
+			// and their units are not sent again should the origin restart
+			// empty before that window ends. Checked again from the window
+			// after next.
+			r.fault(r.now + 2*maxWindow)
+		}
+		e.Sweep()
+	case OpReload:
+		r.c.Reload(i)
+	case OpStep:
+		if r.offsets[i] == 0 {
+			r.offsets[i] = time.Hour
+		} else {
+			r.offsets[i] = 0
+		}
+		r.setClock(i)
+		r.fault(r.now + flushPeriod)
+	case OpRestart:
+		r.c.Restart()
+		r.resendAt = r.now + slowMs
+		r.fault(r.resendAt + flushPeriod)
+	case OpDown:
+		r.down = !r.down
+		r.c.SetDown(r.down)
+		r.fault(r.now + flushPeriod)
+	}
+	return nil
+}
+
+// tick advances the clock a fast tick and runs the replay ticks due.
+func (r *runner) tick() {
+	r.now += fastMs
+	r.ticks++
+	for i := range r.n {
+		r.setClock(i)
+	}
+	if r.resendAt >= 0 && r.now >= r.resendAt {
+		// The origin's restart is noticed (its run ID) within a slow tick:
+		// every node sends its cells' totals again.
+		for i := range r.n {
+			r.c.Engine(i).Resend()
+		}
+		r.resendAt = -1
+	}
+	for i := range r.n {
+		e := r.c.Engine(i)
+		_, _ = e.ReplayOnce(bg, engine.Fast)
+		if r.ticks%int(slowMs/fastMs) == 0 {
+			_, _ = e.ReplayOnce(bg, engine.Slow)
+		}
+	}
+}
+
+// admissions remembers what each node admitted of each key lately, for the
+// slack of a check.
+type admissions map[string][]admission
+
+type admission struct {
+	node     int
+	at, cost int64
+}
+
+func (a admissions) add(node int, id string, at, cost int64) {
+	list := a[id]
+	i := 0
+	for i < len(list) && list[i].at < at-5000 { // far beyond any view's age
+		i++
+	}
+	a[id] = append(list[i:], admission{node, at, cost})
+}
+
+// others is the slack a decision of node on id is allowed: what the other
+// nodes admitted of the key after since. Their units reach the origin
+// within a replay interval, and this node's view within its next read or
+// replay; until then no decision of it, local or at the origin, can weigh
+// them.
+func (a admissions) others(node int, id string, since int64) int64 {
+	var n int64
+	for _, x := range a[id] {
+		if x.node != node && x.at > since {
+			n += x.cost
+		}
+	}
+	return n
+}
+
+// Describe lists a shrunk run for a failure message.
+func Describe(ops []Op, err error) string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "shortest failing run found, %d nodes, %d operations (%v):", Nodes(ops), len(ops)-1, err)
+	for i, o := range ops[1:] {
+		fmt.Fprintf(&b, "\n\t%d: %s", i+1, o)
+	}
+	return b.String()
+}
