@@ -76,4 +76,3 @@ func TestCaddy_ClockStepForwardAndBack(t *testing.T) {
 		t.Fatalf("admitted %d of 300 after the clock came back, want the whole limit of 100", admitted)
 	}
 }
-
