@@ -25,4 +25,44 @@
 //	admin.go       admin API: status, counters, strict keys
 //	metrics.go     Prometheus collectors
 //	logs.go        log lines of the engine and origin hooks
+//
+// # Words
+//
+// One word per idea, in names, comments, metrics and the README:
+//
+//   - zone: one named limit of a handler (its namespace in the engine); zone
+//     names are global to the process.
+//   - identifier: what a zone's key evaluates to for a request (an API key,
+//     an IP prefix); a key is (zone, identifier, window).
+//   - cell: one fixed window of one key, (zone, identifier, window,
+//     sequence), with its counters; sequence = ⌊unix_ms / window_ms⌋.
+//   - entry: one key in memory: its current cell and the previous one.
+//   - incarnation: one cell object of a key and sequence in a process; a
+//     key forgotten or evicted and made again in the same window is a new
+//     incarnation, with its own record at the origin.
+//   - plain cell, linked cell: a plain cell holds what a decision needs; a
+//     linked cell also holds the counters the backends use (replay, own
+//     total, imported count, published count).
+//   - origin: the region's Redis, behind engine.Origin (package origin).
+//   - regional count: what the region counted in a cell (this process's
+//     committed units and what the origin returned).
+//   - own total: every unit this process handed the origin for a cell; each
+//     write carries it whole, so writes are idempotent.
+//   - replay: handing committed units to the origin in the background, on
+//     the slow or the fast tick.
+//   - read: an origin read of a cell and the one before it; a cold read is
+//     the first touch's, waited for; a refresh is a stale cell's.
+//   - reservation: a decision made at the origin, atomically (a shared key
+//     near its limit, or in strict mode); requests that arrive while one is
+//     in flight form the next one (a group).
+//   - shared: a cell in which the origin has shown another process's units.
+//   - strict mode: a key denied within the last window; a decision that
+//     would allow it is made at the origin.
+//   - cross-region layer: MySQL between regions (package propagation).
+//   - published count: a region's count of a cell, written to MySQL.
+//   - denial row: a cell's first denial, written to MySQL with the region's
+//     counts.
+//   - imported count (global): what other regions counted in a cell; kept
+//     apart from the regional count, never published again.
+//   - backend: Redis or MySQL as the app wires them (backend.go).
 package ratelimit
