@@ -64,87 +64,10 @@ func (a *AdminAPI) Routes() []caddy.AdminRoute {
 	}
 }
 
-// lookupState returns the pooled state without taking a reference, or nil
-// when no loaded config uses the limiter.
-func lookupState() *state {
-	var st *state
-	pool.Range(func(_, v any) bool {
-		st, _ = v.(*state)
-		return st == nil
-	})
-	return st
-}
-
-// statusDoc is GET /ratelimit/status.
-type statusDoc struct {
-	// Region is the configured region; empty for a single-region setup.
-	Region string `json:"region"`
-	// Identifiers is "hmac" when identifier_secret is set (every
-	// identifier in this API's output is its HMAC) and "raw" otherwise.
-	Identifiers string       `json:"identifiers"`
-	Zones       []zoneStatus `json:"zones"`
-	Engine      engineStatus `json:"engine"`
-	// Origin is the regional origin; null when the limiter is local-only.
-	Origin *originStatus `json:"origin"`
-	// Propagation is the cross-region layer; null until it is configured.
-	Propagation any `json:"propagation"`
-}
-
 type zoneStatus struct {
 	Name     string `json:"name"`
 	Key      string `json:"key"`
 	WindowMs int64  `json:"window_ms"`
-}
-
-type engineStatus struct {
-	Entries          int64 `json:"entries"`
-	StrictKeys       int64 `json:"strict_keys"`
-	Evictions        int64 `json:"evictions"`
-	FirstDenials     int64 `json:"first_denials"`
-	PendingCells     int64 `json:"pending_cells"`
-	ReplayDrops      int64 `json:"replay_drops"`
-	Reads            int64 `json:"reads"`
-	ReadErrors       int64 `json:"read_errors"`
-	ReadWaitTimeouts int64 `json:"read_wait_timeouts"`
-	SharedReads      int64 `json:"shared_reads"`
-	SyncReads        int64 `json:"sync_reads"`
-	BackgroundReads  int64 `json:"background_reads"`
-	// Reservations are the round trips that decide requests at the origin
-	// (shared keys near their limit, or in strict mode); the other three
-	// count those requests by verdict.
-	Reservations         int64 `json:"reservations"`
-	ReservationsAdmitted int64 `json:"reservations_admitted"`
-	ReservationsDenied   int64 `json:"reservations_denied"`
-	ReservationErrors    int64 `json:"reservation_errors"`
-	Flushes              int64 `json:"flushes"`
-	FlushErrors          int64 `json:"flush_errors"`
-	// Resends counts cells sent again whole after Redis restarted empty;
-	// LostUnits the admitted units given up unsent when Redis was let go.
-	Resends   int64      `json:"resends"`
-	LostUnits int64      `json:"lost_units"`
-	LastRead  *time.Time `json:"last_read"`
-	LastFlush *time.Time `json:"last_flush"`
-}
-
-type originStatus struct {
-	Endpoints []endpointStatus `json:"endpoints"`
-	// Restarts counts the Redis servers seen restarted (a new run ID).
-	Restarts uint64 `json:"restarts"`
-}
-
-type endpointStatus struct {
-	// Address has scheme, hosts, port and database: never credentials.
-	Address string `json:"address"`
-	Kind    string `json:"kind"`
-	// Breaker guards the request path (reads, reservations), ReplayBreaker
-	// replay.
-	Breaker       string                       `json:"breaker"`
-	ReplayBreaker string                       `json:"replay_breaker"`
-	Calls         map[string]map[string]uint64 `json:"calls"`
-	RoundTrips    uint64                       `json:"round_trips"`
-	SlowCalls     uint64                       `json:"slow_calls"`
-	LastRead      *time.Time                   `json:"last_read"`
-	LastFlush     *time.Time                   `json:"last_flush"`
 }
 
 // keyDoc is one key of GET /ratelimit/counters.
@@ -205,6 +128,10 @@ type strictKeyDoc struct {
 	Until      time.Time `json:"until"`
 }
 
+// handleStatus is GET /ratelimit/status: the region, how identifiers are
+// shown ("hmac" under identifier_secret: every identifier in this API's
+// output is its HMAC; else "raw"), the zones, the engine's numbers, then
+// each backend's section (null where the engine uses none).
 func (a *AdminAPI) handleStatus(w http.ResponseWriter, r *http.Request) error {
 	if err := allowMethods(w, r, http.MethodGet); err != nil {
 		return err
@@ -217,61 +144,20 @@ func (a *AdminAPI) handleStatus(w http.ResponseWriter, r *http.Request) error {
 		return err
 	}
 	v := st.apps.view()
-	doc := statusDoc{
-		Region:      v.region,
-		Identifiers: "raw",
-		Zones:       st.zones.statuses(),
-		Engine:      engineStatusOf(st.engine.Stats()),
-	}
+	doc := new(object)
+	doc.set("region", v.region)
+	ids := "raw"
 	if v.ids.hashed() {
-		doc.Identifiers = "hmac"
+		ids = "hmac"
 	}
-	if o := st.apps.currentOrigin(); o != nil {
-		origin := &originStatus{Endpoints: []endpointStatus{}, Restarts: o.Stats().Restarts}
-		for _, ep := range o.Stats().Endpoints {
-			origin.Endpoints = append(origin.Endpoints, endpointStatus{
-				Address:       ep.Address,
-				Kind:          ep.Kind,
-				Breaker:       string(ep.Breaker),
-				ReplayBreaker: string(ep.ReplayBreaker),
-				Calls:         ep.Calls,
-				RoundTrips:    ep.RoundTrips,
-				SlowCalls:     ep.SlowCalls,
-				LastRead:      timeOrNull(ep.LastRead),
-				LastFlush:     timeOrNull(ep.LastFlush),
-			})
-		}
-		doc.Origin = origin
+	doc.set("identifiers", ids)
+	doc.set("zones", st.zones.statuses())
+	s := st.engine.Stats()
+	doc.set("engine", engineStats.section(&s))
+	for _, k := range backendKinds {
+		doc.set(k.name, k.status(st))
 	}
-	doc.Propagation = propagationStatusDoc() // cross-region layer (mysql_status.go)
 	return writeJSON(w, doc)
-}
-
-func engineStatusOf(s engine.Stats) engineStatus {
-	return engineStatus{
-		Entries:              s.Entries,
-		StrictKeys:           s.StrictKeys,
-		Evictions:            s.Evictions,
-		FirstDenials:         s.FirstDenials,
-		PendingCells:         s.PendingCells,
-		ReplayDrops:          s.ReplayDrops,
-		Reads:                s.Reads,
-		ReadErrors:           s.ReadErrors,
-		ReadWaitTimeouts:     s.ReadWaitTimeouts,
-		SharedReads:          s.SharedReads,
-		SyncReads:            s.SyncReads,
-		BackgroundReads:      s.BackgroundReads,
-		Reservations:         s.Reservations,
-		ReservationsAdmitted: s.ReservationsAdmitted,
-		ReservationsDenied:   s.ReservationsDenied,
-		ReservationErrors:    s.ReservationErrors,
-		Flushes:              s.Flushes,
-		FlushErrors:          s.FlushErrors,
-		Resends:              s.Resends,
-		LostUnits:            s.LostUnits,
-		LastRead:             timeOrNull(s.LastRead),
-		LastFlush:            timeOrNull(s.LastFlush),
-	}
 }
 
 func (a *AdminAPI) handleCounters(w http.ResponseWriter, r *http.Request) error {
@@ -426,19 +312,6 @@ func (a *AdminAPI) handleStrict(w http.ResponseWriter, r *http.Request) error {
 	return writeJSON(w, doc)
 }
 
-// runningState returns the pooled state, or a 503 when no loaded config
-// uses the limiter.
-func runningState() (*state, error) {
-	st := lookupState()
-	if st == nil {
-		return nil, caddy.APIError{
-			HTTPStatus: http.StatusServiceUnavailable,
-			Err:        errors.New("the rate limiter is not running: no loaded config uses it"),
-		}
-	}
-	return st, nil
-}
-
 // allowMethods answers 405, with Allow, to any other method.
 func allowMethods(w http.ResponseWriter, r *http.Request, methods ...string) error {
 	if slices.Contains(methods, r.Method) {
@@ -523,3 +396,8 @@ func timeOrNull(t time.Time) *time.Time {
 
 // Interface guards.
 var _ caddy.AdminRouter = (*AdminAPI)(nil)
+
+// errString is an error of a constant message.
+type errString string
+
+func (e errString) Error() string { return string(e) }

@@ -243,14 +243,14 @@ func TestAdmin_Routes(t *testing.T) {
 		}
 		st := lookupState()
 		st.engine.SetOrigin(fakeOrigin{})
-		st.apps.setOrigin(fakeView{origin.Stats{Endpoints: []origin.EndpointStats{{
+		st.setOrigin(fakeView{origin.Stats{Endpoints: []origin.EndpointStats{{
 			Address: "redis://127.0.0.1:6379/0", Kind: "standalone", Breaker: origin.BreakerOpen, ReplayBreaker: origin.BreakerClosed,
 			Calls:    map[string]map[string]uint64{"read": {"ok": 2}},
 			LastRead: now,
 		}}}})
 		t.Cleanup(func() {
 			st.engine.SetOrigin(nil)
-			st.apps.setOrigin(nil)
+			st.setOrigin(nil)
 		})
 		for range 4 {
 			hit("carol", "192.0.2.1")

@@ -1,18 +1,15 @@
 package ratelimit
 
 import (
-	"context"
 	"fmt"
 	"strings"
 	"sync"
-	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"go.uber.org/zap"
 
 	"github.com/edgelimit/caddy-ratelimit/engine"
 	"github.com/edgelimit/caddy-ratelimit/origin"
-	"github.com/edgelimit/caddy-ratelimit/propagation"
 )
 
 func init() {
@@ -24,8 +21,8 @@ func init() {
 // local-only with every default; handlers load it on demand.
 //
 // The engine itself does not belong to any one config: it lives in a
-// package-level pool shared by every config the process loads, so a reload
-// keeps every counter.
+// package-level pool shared by every config the process loads (state.go),
+// so a reload keeps every counter.
 type App struct {
 	// Region names the region this Caddy runs in (letters, digits, '_', '-'
 	// and '.'). It labels what the process publishes to other regions.
@@ -55,19 +52,22 @@ type App struct {
 	MaxEntries int `json:"max_entries,omitempty"`
 
 	// Origin is the regional origin, Redis, that converges the counts of
-	// the Caddy processes of one region. Addresses and passwords should be
-	// runtime placeholders ({env.REDIS_URL}), resolved at provisioning.
-	// Default none: local-only.
+	// the Caddy processes of one region (redis.go). Addresses and passwords
+	// should be runtime placeholders ({env.REDIS_URL}), resolved at
+	// provisioning. Default none: local-only.
 	Origin *origin.Config `json:"origin,omitempty"`
 
-	// MySQL is the cross-region layer (see mysql.go). Default none: the
+	// MySQL is the cross-region layer (mysql.go). Default none: the
 	// region's counts stay in the region.
 	MySQL *MySQLConfig `json:"mysql,omitempty"`
 
-	prop    *propagation.Propagator // cross-region layer (mysql.go)
-	mysqlAt string                  // Caddyfile position of the mysql line
-	origin  *origin.Redis
-	timing  engine.Timing
+	// backends are the app's backends, one per backendKinds entry (nil
+	// where the app configures none).
+	backends []backend
+	// lineAt is where each line of the global option stood
+	// ("file:line"), for errors that concern several lines.
+	lineAt map[string]string
+
 	ids     identities
 	state   *state
 	logger  *zap.Logger
@@ -83,8 +83,9 @@ func (*App) CaddyModule() caddy.ModuleInfo {
 	}
 }
 
-// Provision takes a reference to the process's engine. It starts no I/O:
-// `caddy validate` provisions and cleans up configs it never runs.
+// Provision takes a reference to the process's engine and builds the
+// backends. It starts no I/O: `caddy validate` provisions and cleans up
+// configs it never runs.
 func (a *App) Provision(ctx caddy.Context) error {
 	a.logger = ctx.Logger()
 	if err := a.Validate(); err != nil {
@@ -107,10 +108,13 @@ func (a *App) Provision(ctx caddy.Context) error {
 	}
 	a.state = st
 	st.apps.provision(a)
-	if err := a.provisionOrigin(); err != nil {
-		return err
+	a.backends = make([]backend, len(backendKinds))
+	for i, k := range backendKinds {
+		if a.backends[i], err = k.provision(a); err != nil {
+			return fmt.Errorf("ratelimit app: %w", err)
+		}
 	}
-	return a.provisionPropagation() // cross-region layer (mysql.go)
+	return nil
 }
 
 // Validate checks the app's settings.
@@ -124,43 +128,51 @@ func (a *App) Validate() error {
 	if a.MaxEntries < 0 {
 		return fmt.Errorf("ratelimit app: max_entries must be positive, got %d", a.MaxEntries)
 	}
-	if a.Origin != nil {
-		if err := checkOrigin(*a.Origin); err != nil {
-			return fmt.Errorf("ratelimit app: origin: %w", err)
+	for _, k := range backendKinds {
+		if err := k.validate(a); err != nil {
+			return fmt.Errorf("ratelimit app: %w", err)
 		}
 	}
-	return a.validateMySQL() // cross-region layer (mysql.go)
+	return nil
 }
 
-// Start makes this config's origin (or none) the engine's. The engine's
-// goroutines follow the pool's reference count, not Start and Stop, because
-// the old config's Stop runs after the new config's Start.
+// configureEngine applies the settings that size a new engine.
+func (a *App) configureEngine(cfg *engine.Config) {
+	for _, k := range backendKinds {
+		k.configureEngine(a, cfg)
+	}
+	if a.MaxEntries > 0 {
+		cfg.MaxEntries = a.MaxEntries
+	}
+}
+
+// Start starts the backends' work and makes them the engine's. The
+// engine's goroutines follow the pool's reference count, not Start and
+// Stop, because the old config's Stop runs after the new config's Start.
 func (a *App) Start() error {
-	a.startOrigin()
-	a.startPropagation() // cross-region layer (mysql.go)
+	a.eachBackend(func(b backend) { b.start() })
 	a.state.start(a)
 	return nil
 }
 
-// Stop detaches this config's origin, flushing pending counts through it
-// when no newer config has taken over.
+// Stop hands the engine to the newest config still started (or none),
+// after the backends wrote what they hold if they were the engine's.
 func (a *App) Stop() error {
 	a.state.stop(a)
-	a.stopPropagation() // cross-region layer (mysql.go)
 	return nil
 }
 
-// Cleanup releases the app's reference to the engine.
+// Cleanup releases the app's reference to the engine and closes the
+// backends.
 func (a *App) Cleanup() error {
 	if a.state == nil {
 		return nil
 	}
 	a.state.stop(a)
 	a.state.apps.cleanup(a)
-	a.closePropagation() // cross-region layer (mysql.go)
 	a.state = nil
 	err := releaseState()
-	a.closeOrigin()
+	a.eachBackend(func(b backend) { b.close() })
 	return err
 }
 
@@ -171,78 +183,6 @@ func (a *App) nextHandler() int {
 	defer a.mu.Unlock()
 	a.handler++
 	return a.handler
-}
-
-// The process's one engine, shared by every config through the pool.
-var pool = caddy.NewUsagePool()
-
-// poolKey is the pool key of the process's state; there is only one.
-const poolKey = "ratelimit.state"
-
-// closeTimeout bounds how long the last user of the engine waits for
-// pending deltas to be flushed: long enough for a few origin round trips,
-// short enough not to hold up a shutdown.
-const closeTimeout = 5 * time.Second
-
-// newEngineConfig returns the configuration of a new engine; tests replace
-// it to inject a clock.
-var newEngineConfig = func() engine.Config { return engine.Config{} }
-
-// state is what the pool holds: the engine and the zone definitions of the
-// configs that use it.
-type state struct {
-	engine *engine.Engine
-	zones  zoneRegistry
-	apps   liveApps
-	obs    observer
-}
-
-// acquireState returns the process's state, creating its engine if this is
-// the first user; every call must be matched by releaseState. The app of
-// the first config passes its origin settings, which size the engine's
-// replay workers (fixed for the life of the process).
-func acquireState(a *App) (*state, error) {
-	v, _, err := pool.LoadOrNew(poolKey, func() (caddy.Destructor, error) {
-		st := new(state)
-		cfg := newEngineConfig()
-		if a != nil && a.Origin != nil {
-			a.Origin.ApplyEngine(&cfg)
-		}
-		if a != nil && a.MaxEntries > 0 {
-			cfg.MaxEntries = a.MaxEntries
-		}
-		st.obs.apps = &st.apps
-		st.obs.observeEngine(&cfg)
-		st.engine = engine.New(cfg)
-		return st, nil
-	})
-	if err != nil {
-		return nil, fmt.Errorf("ratelimit engine: %w", err)
-	}
-	st, ok := v.(*state)
-	if !ok {
-		return nil, fmt.Errorf("ratelimit engine: pool holds %T", v)
-	}
-	return st, nil
-}
-
-// releaseState drops one reference; the last one closes the engine.
-func releaseState() error {
-	if _, err := pool.Delete(poolKey); err != nil {
-		return fmt.Errorf("ratelimit engine: %w", err)
-	}
-	return nil
-}
-
-// Destruct closes the engine when its last user is gone: pending deltas are
-// flushed within closeTimeout and every background goroutine stops.
-func (s *state) Destruct() error {
-	ctx, cancel := context.WithTimeout(context.Background(), closeTimeout)
-	defer cancel()
-	if err := s.engine.Close(ctx); err != nil {
-		return fmt.Errorf("closing ratelimit engine: %w", err)
-	}
-	return nil
 }
 
 // Interface guards.

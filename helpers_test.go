@@ -114,3 +114,21 @@ func wantHeader(t *testing.T, r result, key, want string) {
 		t.Fatalf("%s: %q, want %q", key, got, want)
 	}
 }
+
+// statusDoc decodes what the tests read of GET /ratelimit/status.
+type statusDoc struct {
+	Region      string       `json:"region"`
+	Identifiers string       `json:"identifiers"`
+	Zones       []zoneStatus `json:"zones"`
+	Engine      struct {
+		Entries      int64      `json:"entries"`
+		FirstDenials int64      `json:"first_denials"`
+		LastRead     *time.Time `json:"last_read"`
+	} `json:"engine"`
+	Origin *struct {
+		Endpoints []struct {
+			Address string `json:"address"`
+			Breaker string `json:"breaker"`
+		} `json:"endpoints"`
+	} `json:"origin"`
+}

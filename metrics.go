@@ -3,12 +3,9 @@ package ratelimit
 import (
 	"errors"
 	"fmt"
-	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-
-	"github.com/edgelimit/caddy-ratelimit/origin"
 )
 
 // The collectors live at package level: Caddy makes a new metrics registry
@@ -58,13 +55,6 @@ var decisionBuckets = []float64{
 	1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3,
 }
 
-// originBuckets run from 100 µs (a pipelined round trip on loopback) to 1 s
-// (beyond any call timeout).
-var originBuckets = []float64{
-	100e-6, 250e-6, 500e-6,
-	1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3, 500e-3, 1,
-}
-
 func metricName(name string) string {
 	return prometheus.BuildFQName(metricsNamespace, metricsSubsystem, name)
 }
@@ -91,32 +81,19 @@ var (
 		Help: "Requests whose cost placeholder evaluated to an integer outside the zone's [min_cost, max_cost] and were charged the bound (bound: min, max).",
 	}, []string{"zone", "bound"})
 
-	originCallsTotal = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Name: metricName("origin_calls_total"),
-		Help: "Calls to the regional origin (Redis) per endpoint, by operation (read, flush, reserve) and outcome (ok, error, timeout, rejected by the breaker).",
-	}, []string{"endpoint", "op", "outcome"})
-
-	originCallSeconds = prometheus.NewHistogramVec(prometheus.HistogramOpts{
-		Name:    metricName("origin_call_duration_seconds"),
-		Help:    "Duration of calls to the regional origin, batching included, by operation and outcome.",
-		Buckets: originBuckets,
-	}, []string{"op", "outcome"})
-
-	breakerTransitionsTotal = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Name: metricName("origin_breaker_transitions_total"),
-		Help: "Circuit breaker state changes per origin endpoint and breaker (ratelimit_origin: the request path; ratelimit_origin_replay: replay), by the state entered (open, half-open, closed).",
-	}, []string{"endpoint", "breaker", "state"})
-
 	// engineMetrics reads the pooled engine (and origin) at scrape time.
 	engineMetrics = new(engineCollector)
 )
 
-// collectors are what every config registers.
-var collectors = []prometheus.Collector{
-	decisionsTotal, decisionSeconds, invalidCostsTotal, clampedCostsTotal,
-	originCallsTotal, originCallSeconds, breakerTransitionsTotal,
-	engineMetrics,
-}
+// collectors are what every config registers: the handler's and the
+// engine's, then each backend kind's.
+var collectors = func() []prometheus.Collector {
+	cs := []prometheus.Collector{decisionsTotal, decisionSeconds, invalidCostsTotal, clampedCostsTotal, engineMetrics}
+	for _, k := range backendKinds {
+		cs = append(cs, k.collectors...)
+	}
+	return cs
+}()
 
 // The latency observers, resolved once: an observation on the request path
 // does no label lookup.
@@ -175,60 +152,6 @@ func observeDecision(allowed bool, d time.Duration) {
 	}
 }
 
-// originCallMetrics caches the resolved series of one endpoint: origin
-// calls can be on the request path (a synchronous read), so they too do no
-// label lookup after an endpoint's first call.
-type originCallMetrics struct {
-	calls [numOriginOps][numOriginOutcomes]prometheus.Counter
-}
-
-// The origin's ops and outcomes, as the label values index them.
-const (
-	numOriginOps      = int(origin.OpReserve) + 1
-	numOriginOutcomes = int(origin.OutcomeRejected) + 1
-)
-
-var (
-	originEndpointMetrics sync.Map // endpoint address → *originCallMetrics
-	originDurations       = func() (o [numOriginOps][numOriginOutcomes]prometheus.Observer) {
-		for op := range numOriginOps {
-			for oc := range numOriginOutcomes {
-				o[op][oc] = originCallSeconds.WithLabelValues(origin.Op(op).String(), origin.Outcome(oc).String())
-			}
-		}
-		return o
-	}()
-)
-
-func endpointMetrics(endpoint string) *originCallMetrics {
-	if m, ok := originEndpointMetrics.Load(endpoint); ok {
-		return m.(*originCallMetrics)
-	}
-	m := new(originCallMetrics)
-	for op := range numOriginOps {
-		for oc := range numOriginOutcomes {
-			m.calls[op][oc] = originCallsTotal.WithLabelValues(endpoint, origin.Op(op).String(), origin.Outcome(oc).String())
-		}
-	}
-	actual, _ := originEndpointMetrics.LoadOrStore(endpoint, m)
-	return actual.(*originCallMetrics)
-}
-
-// observeOriginCall counts one origin call and its duration.
-func observeOriginCall(ci origin.CallInfo) {
-	op, oc := int(ci.Op), int(ci.Outcome)
-	if op >= numOriginOps || oc >= numOriginOutcomes {
-		return
-	}
-	endpointMetrics(ci.Endpoint).calls[op][oc].Inc()
-	originDurations[op][oc].Observe(ci.Duration.Seconds())
-}
-
-// observeBreakerChange counts a breaker transition.
-func observeBreakerChange(endpoint, breaker string, to origin.BreakerState) {
-	breakerTransitionsTotal.WithLabelValues(endpoint, breaker, string(to)).Inc()
-}
-
 // engineCollector exports the pooled engine's state at scrape time: nothing
 // on the request path maintains these values, and a scrape with no config
 // using the limiter exports none of them.
@@ -238,61 +161,9 @@ func newDesc(name, help string, labels ...string) *prometheus.Desc {
 	return prometheus.NewDesc(metricName(name), help, labels, nil)
 }
 
-var (
-	descEntries = newDesc("entries",
-		"Live keys (zone, identifier, window) held in memory.")
-	descStrictKeys = newDesc("strict_keys",
-		"Keys in strict mode: denied recently, so a decision that would allow them reads the origin first.")
-	descEvictions = newDesc("evictions_total",
-		"Keys evicted because live entries reached the cap (in local-only mode an eviction forgets a count).")
-	descFirstDenials = newDesc("first_denials_total",
-		"Cells (key and window) that denied their first request: how many keys hit their limit.")
-	descPendingCells = newDesc("replay_pending_cells",
-		"Cells queued for replay to the origin.")
-	descReplayDrops = newDesc("replay_drops_total",
-		"Cells a full replay queue could not take; their units stay pending and are replayed later.")
-	descReplayBatches = newDesc("replay_batches_total",
-		"Replay batches flushed to the origin, by outcome (ok, error).", "outcome")
-	descCellReads = newDesc("cell_reads_total",
-		"Reads of a cell pair from the origin, by outcome (ok, error).", "outcome")
-	descSyncReads = newDesc("sync_reads_total",
-		"Decisions that waited for an origin read (a cold key, or a stale one at half its limit or more): request-path round trips.")
-	descReservations = newDesc("reservations_total",
-		"Requests decided at the origin (a key other processes also count, near its limit or in strict mode), by verdict (admitted, denied; error: the reservation failed and the request was decided locally). Requests that arrive while a reservation is in flight share the next one: one request-path round trip decides them all.", "result")
-	descSharedReads = newDesc("shared_reads_total",
-		"Decisions that joined an origin read already in flight instead of starting one.")
-	descBackgroundReads = newDesc("background_reads_total",
-		"Origin reads started in the background, without holding up a request.")
-	descReadWaitTimeouts = newDesc("read_wait_timeouts_total",
-		"Decisions that stopped waiting for an origin read at the read timeout and decided on local counts.")
-	descLastRead = newDesc("last_read_timestamp_seconds",
-		"Unix time of the last successful origin read; 0 if none.")
-	descLastFlush = newDesc("last_flush_timestamp_seconds",
-		"Unix time of the last successful replay flush; 0 if none.")
-	descBreakerState = newDesc("origin_breaker_state",
-		"1 for the state each origin endpoint's circuit breakers are in (closed, half-open, open), 0 for the others; breaker ratelimit_origin guards the request path, ratelimit_origin_replay replay.", "endpoint", "breaker", "state")
-	descResends = newDesc("resends_total",
-		"Cells whose whole count was sent to Redis again because it restarted empty (a new run ID).")
-	descLostUnits = newDesc("replay_lost_units_total",
-		"Admitted units given up unsent when Redis was let go (a reload without it, or shutdown) and could not take them.")
-	descOriginRestarts = newDesc("origin_restarts_total",
-		"Redis servers seen restarted (their run ID changed), after each of which every live key's count is sent again.")
-	descSlowCalls = newDesc("origin_slow_calls_total",
-		"Request-path calls to an endpoint that answered slower than breaker_slow_call (each a failure for its breaker).", "endpoint")
-
-	engineDescs = []*prometheus.Desc{
-		descEntries, descStrictKeys, descEvictions, descFirstDenials,
-		descPendingCells, descReplayDrops, descReplayBatches, descCellReads,
-		descSyncReads, descSharedReads, descBackgroundReads, descReadWaitTimeouts,
-		descLastRead, descLastFlush, descBreakerState, descSlowCalls, descReservations,
-		descResends, descLostUnits, descOriginRestarts,
-	}
-	breakerStates = []origin.BreakerState{origin.BreakerClosed, origin.BreakerHalfOpen, origin.BreakerOpen}
-)
-
 // Describe implements prometheus.Collector.
 func (*engineCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range engineDescs {
+	for _, d := range engineStats.descs() {
 		ch <- d
 	}
 }
@@ -303,56 +174,8 @@ func (*engineCollector) Collect(ch chan<- prometheus.Metric) {
 	if st == nil {
 		return
 	}
-	gauge := func(d *prometheus.Desc, v float64, labels ...string) {
-		ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v, labels...)
-	}
-	counter := func(d *prometheus.Desc, v int64, labels ...string) {
-		ch <- prometheus.MustNewConstMetric(d, prometheus.CounterValue, float64(v), labels...)
-	}
 	s := st.engine.Stats()
-	gauge(descEntries, float64(s.Entries))
-	gauge(descStrictKeys, float64(s.StrictKeys))
-	counter(descEvictions, s.Evictions)
-	counter(descFirstDenials, s.FirstDenials)
-	gauge(descPendingCells, float64(s.PendingCells))
-	counter(descReplayDrops, s.ReplayDrops)
-	counter(descReplayBatches, s.Flushes, "ok")
-	counter(descReplayBatches, s.FlushErrors, "error")
-	counter(descCellReads, s.Reads, "ok")
-	counter(descCellReads, s.ReadErrors, "error")
-	counter(descSyncReads, s.SyncReads)
-	counter(descSharedReads, s.SharedReads)
-	counter(descBackgroundReads, s.BackgroundReads)
-	counter(descReadWaitTimeouts, s.ReadWaitTimeouts)
-	counter(descReservations, s.ReservationsAdmitted, "admitted")
-	counter(descReservations, s.ReservationsDenied, "denied")
-	counter(descReservations, s.ReservationErrors, "error")
-	gauge(descLastRead, unixSeconds(s.LastRead))
-	gauge(descLastFlush, unixSeconds(s.LastFlush))
-	counter(descResends, s.Resends)
-	counter(descLostUnits, s.LostUnits)
-
-	o := st.apps.currentOrigin()
-	if o == nil {
-		return
-	}
-	os := o.Stats()
-	ch <- prometheus.MustNewConstMetric(descOriginRestarts, prometheus.CounterValue, float64(os.Restarts))
-	for _, ep := range os.Endpoints {
-		for _, b := range []struct {
-			name  string
-			state origin.BreakerState
-		}{{origin.BreakerName, ep.Breaker}, {origin.ReplayBreakerName, ep.ReplayBreaker}} {
-			for _, bs := range breakerStates {
-				v := 0.0
-				if b.state == bs {
-					v = 1
-				}
-				gauge(descBreakerState, v, ep.Address, b.name, string(bs))
-			}
-		}
-		ch <- prometheus.MustNewConstMetric(descSlowCalls, prometheus.CounterValue, float64(ep.SlowCalls), ep.Address)
-	}
+	engineStats.collect(ch, &s, nil)
 }
 
 func unixSeconds(t time.Time) float64 {

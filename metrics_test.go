@@ -262,13 +262,13 @@ func TestMetrics_RegisterTwiceIsSuccess(t *testing.T) {
 	useClock(t, 0)
 	provisionTest(t, nil, &Handler{Zones: []*Zone{zoneOf("reg_twice", 1, time.Minute)}})
 	st := lookupState()
-	st.apps.setOrigin(fakeView{stats: fakeEndpoints("redis://a:6379/0", "redis://b:6379/0")})
-	t.Cleanup(func() { st.apps.setOrigin(nil) })
+	st.setOrigin(fakeView{stats: fakeEndpoints("redis://a:6379/0", "redis://b:6379/0")})
+	t.Cleanup(func() { st.setOrigin(nil) })
 	if _, err := reg.Gather(); err != nil {
 		t.Fatalf("gather with an engine and an origin: %v", err)
 	}
 	// Two endpoints × two breakers × three states.
-	if got := collectCount(engineMetrics, "caddy_ratelimit_origin_breaker_state"); got != 12 {
+	if got := collectCount(redisCollector{}, "caddy_ratelimit_origin_breaker_state"); got != 12 {
 		t.Fatalf("%d breaker state series for two endpoints, want 12", got)
 	}
 }

@@ -14,29 +14,98 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 
+	"github.com/edgelimit/caddy-ratelimit/engine"
 	"github.com/edgelimit/caddy-ratelimit/propagation"
 )
 
-// The cross-region layer (MySQL) of the `ratelimit` app.
+// The MySQL backend: the cross-region layer (package propagation). Its
+// status section, GET /ratelimit/blocklist and its metrics are in
+// mysql_status.go.
 //
-// Lifecycle across reloads, as for the regional origin (apps.go):
-// Provision resolves the DSN and builds the propagator without any I/O;
-// Start starts its loops (it succeeds with MySQL down: the schema is
-// migrated in the background) and the state makes it the engine's
-// (useBackends); Stop hands the engine to the newest config still started,
-// after a last write if it was the engine's (flushBackends), then stops
-// the loops. The engine keeps every imported count and every "last
-// published" mark in its cells, so a reload swaps the layer around the
-// same counts.
-//
-// The region a process writes under cannot change without a restart: its
-// earlier rows would look like another region's, and its own units would
-// count twice.
+// Its loops start with the app (it succeeds with MySQL down: the schema is
+// migrated in the background); the engine keeps every imported count and
+// every "last published" mark in its cells, so a reload swaps the layer
+// around the same counts. The region a process writes under cannot change
+// without a restart: its earlier rows would look like another region's,
+// and its own units would count twice.
 
-func init() {
-	for name, parse := range mysqlSubdirectives {
-		appSubdirectives[name] = parse
+// mysqlKind is the MySQL backend among the app's backends.
+var mysqlKind = backendKind{
+	name:            "propagation",
+	lines:           mysqlLines,
+	checkLines:      checkMySQLLines,
+	validate:        validateMySQL,
+	configureEngine: func(*App, *engine.Config) {},
+	provision:       provisionMySQL,
+	unuse: func(st *state) {
+		st.engine.SetGlobal(nil)
+		currentProp.Store(nil)
+	},
+	status:     func(*state) any { return propagationStatusDoc() },
+	collectors: propagationCollectors,
+}
+
+// mysqlLines are the cross-region lines of the global option:
+//
+//	ratelimit {
+//	    region         <name>            # required with mysql
+//	    mysql          <dsn>             # e.g. {env.MYSQL_DSN}
+//	    blocklist_sync <duration>        # default 10s
+//	    global_sync    <duration>        # default 5s
+//	    mysql_flush    <duration>        # default 1s
+//	    mysql_batch    <n>               # default 100
+//	    mysql_timeout  <duration>        # default 1s
+//	    mysql_migrate  on|off            # default on
+//	    min_window     <duration>        # default 1m
+//	    publish_floor  <ratio>           # default 0.2
+//	    denial_gossip  on|off            # default on
+//	}
+//
+// Intervals are at least propagation.MinInterval.
+var mysqlLines = []optionLine{
+	stringLine("mysql", func(v string) error {
+		if v == "" {
+			return errString("mysql: the DSN is empty")
+		}
+		return nil
+	}, func(a *App, v string) { mysqlOf(a).DSN = v }),
+	durationLine("blocklist_sync", propagation.MinInterval, func(a *App, v time.Duration) { mysqlOf(a).BlocklistSync = caddy.Duration(v) }),
+	durationLine("global_sync", propagation.MinInterval, func(a *App, v time.Duration) { mysqlOf(a).GlobalSync = caddy.Duration(v) }),
+	durationLine("mysql_flush", propagation.MinInterval, func(a *App, v time.Duration) { mysqlOf(a).Flush = caddy.Duration(v) }),
+	durationLine("mysql_timeout", propagation.MinInterval, func(a *App, v time.Duration) { mysqlOf(a).Timeout = caddy.Duration(v) }),
+	durationLine("min_window", propagation.MinInterval, func(a *App, v time.Duration) { mysqlOf(a).MinWindow = caddy.Duration(v) }),
+	intLine("mysql_batch", 1, propagation.MaxBatch, func(a *App, n int) { mysqlOf(a).Batch = n }),
+	ratioLine("publish_floor", func(a *App, r float64) { mysqlOf(a).PublishFloor = r }),
+	switchLine("mysql_migrate", func(a *App, on bool) { mysqlOf(a).Migrate = &on }),
+	switchLine("denial_gossip", func(a *App, on bool) { mysqlOf(a).DenialGossip = &on }),
+}
+
+// mysqlOf returns the app's MySQL settings, made on the first line: a
+// tunable line may come before the mysql line.
+func mysqlOf(a *App) *MySQLConfig {
+	if a.MySQL == nil {
+		a.MySQL = new(MySQLConfig)
 	}
+	return a.MySQL
+}
+
+// checkMySQLLines is the end-of-block check of the global option: the
+// cross-region tunables need a mysql line, and mysql needs a region.
+func checkMySQLLines(a *App, d *caddyfile.Dispenser) error {
+	if a.MySQL == nil {
+		return nil
+	}
+	at := a.lineAt["mysql"]
+	if at == "" {
+		at = d.File() + ":" + strconv.Itoa(d.Line())
+	}
+	if a.MySQL.DSN == "" {
+		return fmt.Errorf("cross-region settings without a mysql line, at %s", at)
+	}
+	if a.Region == "" {
+		return fmt.Errorf("region is required with mysql (every row names the region that counted it), at %s", at)
+	}
+	return nil
 }
 
 // MySQLConfig is the `mysql` part of the app: the cross-region layer.
@@ -90,22 +159,19 @@ func (m *MySQLConfig) propagationConfig() propagation.Config {
 }
 
 // validateMySQL checks the settings, with placeholders unresolved.
-func (a *App) validateMySQL() error {
+func validateMySQL(a *App) error {
 	if a.MySQL == nil {
 		return nil
 	}
 	if a.Region == "" {
-		return errors.New("ratelimit app: region is required with mysql: every row names the region that counted it")
+		return errors.New("region is required with mysql: every row names the region that counted it")
 	}
 	cfg := a.MySQL.propagationConfig().WithDefaults()
 	cfg.Region = a.Region
 	if cfg.DSN == "" {
-		return errors.New("ratelimit app: mysql: the DSN is empty")
+		return errors.New("mysql: the DSN is empty")
 	}
-	if err := cfg.Validate(); err != nil {
-		return fmt.Errorf("ratelimit app: %w", err)
-	}
-	return nil
+	return cfg.Validate()
 }
 
 // nodeName names this process in rows when it has no regional origin: a
@@ -119,7 +185,8 @@ var nodeName = sync.OnceValue(func() string {
 	return hex.EncodeToString(b[:])
 })
 
-// rowRegion is the identity this app's rows are written under.
+// rowRegion is the identity this app's rows are written under: a node
+// without Redis is its own region for this layer.
 func (a *App) rowRegion() string {
 	if a.Origin == nil {
 		return a.Region + "/" + nodeName()
@@ -134,27 +201,33 @@ var processRegion struct {
 	region string
 }
 
-// provisionPropagation resolves the DSN and builds the propagator.
-func (a *App) provisionPropagation() error {
+// mysqlBackend is one config's cross-region layer.
+type mysqlBackend struct {
+	a    *App
+	prop *propagation.Propagator
+}
+
+// provisionMySQL resolves the DSN and builds the propagator without any
+// I/O.
+func provisionMySQL(a *App) (backend, error) {
 	if a.MySQL == nil {
-		return nil
+		return nil, nil
 	}
 	processRegion.Lock()
 	prev := processRegion.region
 	processRegion.Unlock()
 	if prev != "" && prev != a.Region {
-		return fmt.Errorf("ratelimit app: region changed from %q to %q: restart Caddy to change it (rows this process wrote as %q would count as another region's)",
+		return nil, fmt.Errorf("region changed from %q to %q: restart Caddy to change it (rows this process wrote as %q would count as another region's)",
 			prev, a.Region, prev)
 	}
 	cfg := a.MySQL.propagationConfig()
 	dsn, err := resolveDSN(cfg.DSN)
 	if err != nil {
-		return fmt.Errorf("ratelimit app: %w", err)
+		return nil, err
 	}
 	cfg.DSN = dsn
 	cfg.Region = a.rowRegion()
 	cfg.MapID = a.ids.mapper()
-	st := a.state
 	if o := a.Origin; o != nil {
 		// The breaker lines given apply here too; those not given keep
 		// the write breaker's own defaults (it sees far fewer calls than
@@ -165,15 +238,14 @@ func (a *App) provisionPropagation() error {
 			MinRequests: b.MinRequests, FailureRatio: b.FailureRatio,
 		}
 	}
-	p, err := propagation.New(cfg, st.engine, propagation.Options{
+	p, err := propagation.New(cfg, a.state.engine, propagation.Options{
 		Logger:          a.logger.Named("propagation"),
 		OnBreakerChange: observePropagationBreaker,
 	})
 	if err != nil {
-		return fmt.Errorf("ratelimit app: %w", err)
+		return nil, err
 	}
-	a.prop = p
-	return nil
+	return &mysqlBackend{a: a, prop: p}, nil
 }
 
 // resolveDSN replaces runtime placeholders in the DSN. Errors never quote
@@ -189,181 +261,48 @@ func resolveDSN(dsn string) (string, error) {
 	return v, nil
 }
 
-// startPropagation starts this config's propagator's loops; the state's
-// start makes it the engine's (usePropagation).
-func (a *App) startPropagation() {
-	if a.prop == nil {
-		return
-	}
+// start starts the propagator's loops; the state makes it the engine's
+// (use).
+func (b *mysqlBackend) start() {
 	processRegion.Lock()
-	processRegion.region = a.Region
+	processRegion.region = b.a.Region
 	processRegion.Unlock()
-	a.prop.Start()
+	b.prop.Start()
 }
 
-// usePropagation makes a's propagator (or none) the engine's cross-region
-// layer; called by useBackends with the newest started app.
-func (s *state) usePropagation(a *App) {
-	if a == nil || a.prop == nil {
-		s.engine.SetGlobal(nil)
-		currentProp.Store(nil)
-		return
-	}
-	s.engine.SetGlobal(a.prop)
-	currentProp.Store(a.prop)
+// use makes the propagator the engine's cross-region layer.
+func (b *mysqlBackend) use(st *state) {
+	st.engine.SetGlobal(b.prop)
+	currentProp.Store(b.prop)
 }
 
-// flushPropagation writes what this config's propagator holds (denial
-// rows, grown counts) before another config's takes over or the process
-// stops.
-func (a *App) flushPropagation() {
-	if a.prop == nil || !a.prop.Ready() {
+// flush writes what the propagator holds (denial rows, grown counts)
+// before another config's takes over or the process stops.
+func (b *mysqlBackend) flush(*state) {
+	if !b.prop.Ready() {
 		return
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), closeTimeout)
 	defer cancel()
-	a.prop.FlushOnce(ctx)
+	b.prop.FlushOnce(ctx)
 }
 
-// stopPropagation stops this config's propagator once the state has
-// handed the engine to another config's (or none).
-func (a *App) stopPropagation() { a.closePropagation() }
+// letGo stops the propagator's loops once the state has handed the engine
+// to another config's layer (or none).
+func (b *mysqlBackend) letGo(*state, bool) { b.close() }
 
-// closePropagation stops the propagator's loops and closes its
-// connections; its counters join the retired totals the metrics add up.
-func (a *App) closePropagation() {
-	if a.prop == nil {
+// close stops the loops and closes the connections, once; the
+// propagator's counters join the retired totals the metrics add up.
+func (b *mysqlBackend) close() {
+	if b.prop == nil {
 		return
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), closeTimeout)
 	defer cancel()
-	a.prop.Stop(ctx)
-	retire(a.prop.Stats())
-	a.prop = nil
+	b.prop.Stop(ctx)
+	retireProp(b.prop.Stats())
+	b.prop = nil
 }
 
-// mysqlSubdirectives parse the cross-region lines of the global option:
-//
-//	ratelimit {
-//	    region         <name>            # required with mysql
-//	    mysql          <dsn>             # e.g. {env.MYSQL_DSN}
-//	    blocklist_sync <duration>        # default 10s
-//	    global_sync    <duration>        # default 5s
-//	    mysql_flush    <duration>        # default 1s
-//	    mysql_batch    <n>               # default 100
-//	    mysql_timeout  <duration>        # default 1s
-//	    mysql_migrate  on|off            # default on
-//	    min_window     <duration>        # default 1m
-//	    publish_floor  <ratio>           # default 0.2
-//	    denial_gossip  on|off            # default on
-//	}
-//
-// Durations are at least 10ms. Each line is checked where it stands.
-var mysqlSubdirectives = map[string]func(d *caddyfile.Dispenser, a *App) error{
-	"mysql": func(d *caddyfile.Dispenser, a *App) error {
-		v, err := oneArg(d)
-		if err != nil {
-			return err
-		}
-		if v == "" {
-			return d.Errf("mysql: the DSN is empty")
-		}
-		a.mysql().DSN = v
-		a.mysqlAt = d.File() + ":" + strconv.Itoa(d.Line())
-		return nil
-	},
-	"blocklist_sync": mysqlDuration(propagation.MinInterval, func(m *MySQLConfig, v caddy.Duration) { m.BlocklistSync = v }),
-	"global_sync":    mysqlDuration(propagation.MinInterval, func(m *MySQLConfig, v caddy.Duration) { m.GlobalSync = v }),
-	"mysql_flush":    mysqlDuration(propagation.MinInterval, func(m *MySQLConfig, v caddy.Duration) { m.Flush = v }),
-	"mysql_timeout":  mysqlDuration(propagation.MinInterval, func(m *MySQLConfig, v caddy.Duration) { m.Timeout = v }),
-	"min_window":     mysqlDuration(propagation.MinInterval, func(m *MySQLConfig, v caddy.Duration) { m.MinWindow = v }),
-	"mysql_batch": func(d *caddyfile.Dispenser, a *App) error {
-		v, err := oneArg(d)
-		if err != nil {
-			return err
-		}
-		n, err := strconv.Atoi(v)
-		if err != nil || n < 1 || n > propagation.MaxBatch {
-			return d.Errf("mysql_batch: want an integer from 1 to %d, got %q", propagation.MaxBatch, v)
-		}
-		a.mysql().Batch = n
-		return nil
-	},
-	"publish_floor": func(d *caddyfile.Dispenser, a *App) error {
-		v, err := oneArg(d)
-		if err != nil {
-			return err
-		}
-		r, err := strconv.ParseFloat(v, 64)
-		if err != nil || !(r > 0 && r <= 1) {
-			return d.Errf("publish_floor: want a ratio in (0, 1], got %q", v)
-		}
-		a.mysql().PublishFloor = r
-		return nil
-	},
-	"mysql_migrate": mysqlSwitch(func(m *MySQLConfig, on bool) { m.Migrate = &on }),
-	"denial_gossip": mysqlSwitch(func(m *MySQLConfig, on bool) { m.DenialGossip = &on }),
-}
-
-// mysql returns the app's MySQL settings, creating them: a tunable line
-// may come before the mysql line.
-func (a *App) mysql() *MySQLConfig {
-	if a.MySQL == nil {
-		a.MySQL = new(MySQLConfig)
-	}
-	return a.MySQL
-}
-
-func mysqlDuration(min time.Duration, set func(*MySQLConfig, caddy.Duration)) func(*caddyfile.Dispenser, *App) error {
-	return func(d *caddyfile.Dispenser, a *App) error {
-		name := d.Val()
-		v, err := oneArg(d)
-		if err != nil {
-			return err
-		}
-		dur, err := caddy.ParseDuration(v)
-		if err != nil || dur < min {
-			return d.Errf("%s: want a duration of at least %s such as 1s, got %q", name, min, v)
-		}
-		set(a.mysql(), caddy.Duration(dur))
-		return nil
-	}
-}
-
-func mysqlSwitch(set func(*MySQLConfig, bool)) func(*caddyfile.Dispenser, *App) error {
-	return func(d *caddyfile.Dispenser, a *App) error {
-		name := d.Val()
-		v, err := oneArg(d)
-		if err != nil {
-			return err
-		}
-		switch v {
-		case "on":
-			set(a.mysql(), true)
-		case "off":
-			set(a.mysql(), false)
-		default:
-			return d.Errf("%s: want on or off, got %q", name, v)
-		}
-		return nil
-	}
-}
-
-// checkMySQLLines is the end-of-block check of the global option: the
-// cross-region tunables need a mysql line, and mysql needs a region.
-func (a *App) checkMySQLLines(d *caddyfile.Dispenser) error {
-	if a.MySQL == nil {
-		return nil
-	}
-	at := a.mysqlAt
-	if at == "" {
-		at = d.File() + ":" + strconv.Itoa(d.Line())
-	}
-	if a.MySQL.DSN == "" {
-		return fmt.Errorf("cross-region settings without a mysql line, at %s", at)
-	}
-	if a.Region == "" {
-		return fmt.Errorf("region is required with mysql (every row names the region that counted it), at %s", at)
-	}
-	return nil
-}
+// Interface guards.
+var _ backend = (*mysqlBackend)(nil)

@@ -4,7 +4,6 @@ import (
 	"net/http"
 	"sync"
 	"sync/atomic"
-	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/prometheus/client_golang/prometheus"
@@ -20,40 +19,53 @@ import (
 // currentProp is the propagator the engine uses now, or nil.
 var currentProp atomic.Pointer[propagation.Propagator]
 
-// propagationStatus is the status's propagation section.
-type propagationStatus struct {
+// propagationStats are the layer's numbers: the status's propagation
+// section and the layer's metrics.
+var propagationStats = statSet[propagation.Stats]{stats: []stat[propagation.Stats]{
 	// Region is the identity rows are written under: the region, or
 	// region/node for a node without Redis.
-	Region   string `json:"region"`
-	Database string `json:"database"`
+	{json: "region", value: func(s *propagation.Stats) any { return s.Region }},
+	{json: "database", value: func(s *propagation.Stats) any { return s.Database }},
 	// Ready is false until the schema is known to exist.
-	Ready             bool       `json:"ready"`
-	Breaker           string     `json:"breaker"`
-	LastPush          *time.Time `json:"last_push"`
-	LastPull          *time.Time `json:"last_pull"`
-	LastBlocklistPull *time.Time `json:"last_blocklist_pull"`
-	RowsEmitted       struct {
-		Blocklist    int64 `json:"blocklist"`
-		GlobalCounts int64 `json:"global_counts"`
-	} `json:"rows_emitted"`
-	RowsApplied struct {
-		Blocklist    int64 `json:"blocklist"`
-		GlobalCounts int64 `json:"global_counts"`
-	} `json:"rows_applied"`
-	DenialsFiltered  int64 `json:"denials_filtered"`
-	DenialsExpired   int64 `json:"denials_expired"`
-	DenialQueueDrops int64 `json:"denial_queue_drops"`
-	PendingDenials   int64 `json:"pending_denials"`
-	DroppedBatches   int64 `json:"dropped_batches"`
-	Errors           struct {
-		Write   int64 `json:"write"`
-		Read    int64 `json:"read"`
-		Migrate int64 `json:"migrate"`
-	} `json:"errors"`
-	Imports        int64 `json:"imports"`
-	ImportDrops    int64 `json:"import_drops"`
-	CleanupDeleted int64 `json:"cleanup_deleted"`
-}
+	{json: "ready", metric: "propagation_ready", gauge: true, value: func(s *propagation.Stats) any { return s.Ready },
+		help: "1 once the MySQL schema is known to exist; 0 while MySQL has not answered since start."},
+	{json: "breaker", value: func(s *propagation.Stats) any { return s.Breaker }},
+	{json: "last_push", metric: "propagation_last_push_timestamp_seconds", gauge: true, value: func(s *propagation.Stats) any { return s.LastPush },
+		help: "Unix time of the last successful MySQL write; 0 if none."},
+	{json: "last_pull", metric: "propagation_last_pull_timestamp_seconds", gauge: true, value: func(s *propagation.Stats) any { return s.LastPull },
+		help: "Unix time of the last successful read of published counts; 0 if none."},
+	{json: "last_blocklist_pull", value: func(s *propagation.Stats) any { return s.LastBlocklistPull }},
+	{json: "rows_emitted.blocklist", metric: "propagation_rows_written_total", label: [2]string{"table", "ratelimit_blocklist"},
+		value: func(s *propagation.Stats) any { return s.DenialsEmitted },
+		help:  "Rows written to MySQL, by table (ratelimit_blocklist, ratelimit_global_counts)."},
+	{json: "rows_emitted.global_counts", metric: "propagation_rows_written_total", label: [2]string{"table", "ratelimit_global_counts"},
+		value: func(s *propagation.Stats) any { return s.CountsPublished }},
+	{json: "rows_applied.blocklist", metric: "propagation_rows_applied_total", label: [2]string{"table", "ratelimit_blocklist"},
+		value: func(s *propagation.Stats) any { return s.DenialsApplied },
+		help:  "Rows read from MySQL that raised another region's count here, by table."},
+	{json: "rows_applied.global_counts", metric: "propagation_rows_applied_total", label: [2]string{"table", "ratelimit_global_counts"},
+		value: func(s *propagation.Stats) any { return s.CountsApplied }},
+	{json: "denials_filtered", metric: "propagation_denials_not_written_total", label: [2]string{"reason", "filtered"},
+		value: func(s *propagation.Stats) any { return s.DenialsFiltered },
+		help:  "First denials not written, by reason (filtered: below half the limit regionally; expired: MySQL down until the row expired; queue_full)."},
+	{json: "denials_expired", metric: "propagation_denials_not_written_total", label: [2]string{"reason", "expired"},
+		value: func(s *propagation.Stats) any { return s.DenialsExpired }},
+	{json: "denial_queue_drops", metric: "propagation_denials_not_written_total", label: [2]string{"reason", "queue_full"},
+		value: func(s *propagation.Stats) any { return s.DenialQueueDrops }},
+	{json: "pending_denials", metric: "propagation_pending_denials", gauge: true, value: func(s *propagation.Stats) any { return s.PendingDenials },
+		help: "Denial rows waiting to be written."},
+	{json: "dropped_batches", metric: "propagation_dropped_batches_total", value: func(s *propagation.Stats) any { return s.DroppedBatches },
+		help: "Write batches dropped because MySQL failed or the write breaker was open (denial rows are retried until they expire; counts are published again)."},
+	{json: "errors.write", metric: "propagation_errors_total", label: [2]string{"op", "write"}, value: func(s *propagation.Stats) any { return s.WriteErrors },
+		help: "Failed MySQL operations, by operation (write, read, migrate)."},
+	{json: "errors.read", metric: "propagation_errors_total", label: [2]string{"op", "read"}, value: func(s *propagation.Stats) any { return s.ReadErrors }},
+	{json: "errors.migrate", metric: "propagation_errors_total", label: [2]string{"op", "migrate"}, value: func(s *propagation.Stats) any { return s.MigrateErrors }},
+	{json: "imports", metric: "propagation_imported_cells", gauge: true, value: func(s *propagation.Stats) any { return s.Imports },
+		help: "Cells holding counts imported from other regions (including imports waiting for a key's first request)."},
+	{json: "import_drops", value: func(s *propagation.Stats) any { return s.ImportDrops }},
+	{json: "cleanup_deleted", metric: "propagation_cleanup_deleted_rows_total", value: func(s *propagation.Stats) any { return s.CleanupDeleted },
+		help: "Expired rows this node deleted."},
+}}
 
 // propagationStatusDoc returns the section, or nil (JSON null) when the
 // layer is not configured.
@@ -63,17 +75,7 @@ func propagationStatusDoc() any {
 		return nil
 	}
 	s := p.Stats()
-	doc := &propagationStatus{
-		Region: s.Region, Database: s.Database, Ready: s.Ready, Breaker: s.Breaker,
-		LastPush: timeOrNull(s.LastPush), LastPull: timeOrNull(s.LastPull), LastBlocklistPull: timeOrNull(s.LastBlocklistPull),
-		DenialsFiltered: s.DenialsFiltered, DenialsExpired: s.DenialsExpired, DenialQueueDrops: s.DenialQueueDrops,
-		PendingDenials: s.PendingDenials, DroppedBatches: s.DroppedBatches,
-		Imports: s.Imports, ImportDrops: s.ImportDrops, CleanupDeleted: s.CleanupDeleted,
-	}
-	doc.RowsEmitted.Blocklist, doc.RowsEmitted.GlobalCounts = s.DenialsEmitted, s.CountsPublished
-	doc.RowsApplied.Blocklist, doc.RowsApplied.GlobalCounts = s.DenialsApplied, s.CountsApplied
-	doc.Errors.Write, doc.Errors.Read, doc.Errors.Migrate = s.WriteErrors, s.ReadErrors, s.MigrateErrors
-	return doc
+	return propagationStats.section(&s)
 }
 
 // blocklistDoc is GET /ratelimit/blocklist: the denial rows this node
@@ -112,10 +114,6 @@ func handleBlocklist(w http.ResponseWriter, r *http.Request) error {
 
 var errNoPropagation = errString("the cross-region layer is not configured (no mysql line in the ratelimit global option)")
 
-type errString string
-
-func (e errString) Error() string { return string(e) }
-
 // foreignCounts returns what each foreign region counted in the cell, for
 // the counters route; nil without the layer.
 func foreignCounts(key engine.Key, seq int64) map[string]int64 {
@@ -130,26 +128,14 @@ func foreignCounts(key engine.Key, seq int64) map[string]int64 {
 // metrics stay monotonic across reloads, which replace the propagator.
 var retired struct {
 	sync.Mutex
-	s propagation.Stats
+	base []float64
 }
 
-func retire(s propagation.Stats) {
+// retireProp adds a stopped propagator's counters to the retired totals.
+func retireProp(s propagation.Stats) {
 	retired.Lock()
 	defer retired.Unlock()
-	r := &retired.s
-	r.DenialsEmitted += s.DenialsEmitted
-	r.DenialsApplied += s.DenialsApplied
-	r.DenialsFiltered += s.DenialsFiltered
-	r.DenialsExpired += s.DenialsExpired
-	r.DenialQueueDrops += s.DenialQueueDrops
-	r.CountsPublished += s.CountsPublished
-	r.CountsApplied += s.CountsApplied
-	r.DroppedBatches += s.DroppedBatches
-	r.WriteErrors += s.WriteErrors
-	r.ReadErrors += s.ReadErrors
-	r.MigrateErrors += s.MigrateErrors
-	r.ImportDrops += s.ImportDrops
-	r.CleanupDeleted += s.CleanupDeleted
+	retired.base = propagationStats.retire(&s, retired.base)
 }
 
 var (
@@ -158,37 +144,14 @@ var (
 		Help: "State changes of the MySQL write breaker (ratelimit_propagation_writes), by the state entered.",
 	}, []string{"state"})
 
-	descPropRows = newDesc("propagation_rows_written_total",
-		"Rows written to MySQL, by table (ratelimit_blocklist, ratelimit_global_counts).", "table")
-	descPropApplied = newDesc("propagation_rows_applied_total",
-		"Rows read from MySQL that raised another region's count here, by table.", "table")
-	descPropDropped = newDesc("propagation_dropped_batches_total",
-		"Write batches dropped because MySQL failed or the write breaker was open (denial rows are retried until they expire; counts are published again).")
-	descPropErrors = newDesc("propagation_errors_total",
-		"Failed MySQL operations, by operation (write, read, migrate).", "op")
-	descPropDenials = newDesc("propagation_denials_not_written_total",
-		"First denials not written, by reason (filtered: below half the limit regionally; expired: MySQL down until the row expired; queue_full).", "reason")
-	descPropPending = newDesc("propagation_pending_denials",
-		"Denial rows waiting to be written.")
-	descPropImports = newDesc("propagation_imported_cells",
-		"Cells holding counts imported from other regions (including imports waiting for a key's first request).")
-	descPropCleanup = newDesc("propagation_cleanup_deleted_rows_total",
-		"Expired rows this node deleted.")
 	descPropBreaker = newDesc("propagation_breaker_state",
 		"1 for the state the MySQL write breaker is in (closed, half-open, open), 0 for the others.", "state")
-	descPropReady = newDesc("propagation_ready",
-		"1 once the MySQL schema is known to exist; 0 while MySQL has not answered since start.")
-	descPropLastPush = newDesc("propagation_last_push_timestamp_seconds",
-		"Unix time of the last successful MySQL write; 0 if none.")
-	descPropLastPull = newDesc("propagation_last_pull_timestamp_seconds",
-		"Unix time of the last successful read of published counts; 0 if none.")
 
-	propDescs = []*prometheus.Desc{descPropRows, descPropApplied, descPropDropped, descPropErrors, descPropDenials,
-		descPropPending, descPropImports, descPropCleanup, descPropBreaker, descPropReady, descPropLastPush, descPropLastPull}
+	// propagationCollectors are the MySQL backend's metrics.
+	propagationCollectors = []prometheus.Collector{propagationBreakerTransitions, propagationCollector{}}
 )
 
 func init() {
-	collectors = append(collectors, propagationBreakerTransitions, propagationCollector{})
 	caddy.RegisterModule(new(propagationAdmin))
 }
 
@@ -196,12 +159,13 @@ func observePropagationBreaker(_, to string) {
 	propagationBreakerTransitions.WithLabelValues(to).Inc()
 }
 
-// propagationCollector exports the layer's counters at scrape time.
+// propagationCollector exports the layer's numbers at scrape time: its
+// counters go on from those of the propagators reloads retired.
 type propagationCollector struct{}
 
 // Describe implements prometheus.Collector.
 func (propagationCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range propDescs {
+	for _, d := range append(propagationStats.descs(), descPropBreaker) {
 		ch <- d
 	}
 }
@@ -210,52 +174,24 @@ func (propagationCollector) Describe(ch chan<- *prometheus.Desc) {
 func (propagationCollector) Collect(ch chan<- prometheus.Metric) {
 	p := currentProp.Load()
 	retired.Lock()
-	s := retired.s
+	base := append([]float64(nil), retired.base...)
 	retired.Unlock()
-	if p == nil && s == (propagation.Stats{}) {
+	if p == nil && base == nil {
 		return
 	}
-	var cur propagation.Stats
-	if p != nil {
-		cur = p.Stats()
-	}
-	counter := func(d *prometheus.Desc, v int64, labels ...string) {
-		ch <- prometheus.MustNewConstMetric(d, prometheus.CounterValue, float64(v), labels...)
-	}
-	gauge := func(d *prometheus.Desc, v float64, labels ...string) {
-		ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v, labels...)
-	}
-	counter(descPropRows, s.DenialsEmitted+cur.DenialsEmitted, "ratelimit_blocklist")
-	counter(descPropRows, s.CountsPublished+cur.CountsPublished, "ratelimit_global_counts")
-	counter(descPropApplied, s.DenialsApplied+cur.DenialsApplied, "ratelimit_blocklist")
-	counter(descPropApplied, s.CountsApplied+cur.CountsApplied, "ratelimit_global_counts")
-	counter(descPropDropped, s.DroppedBatches+cur.DroppedBatches)
-	counter(descPropErrors, s.WriteErrors+cur.WriteErrors, "write")
-	counter(descPropErrors, s.ReadErrors+cur.ReadErrors, "read")
-	counter(descPropErrors, s.MigrateErrors+cur.MigrateErrors, "migrate")
-	counter(descPropDenials, s.DenialsFiltered+cur.DenialsFiltered, "filtered")
-	counter(descPropDenials, s.DenialsExpired+cur.DenialsExpired, "expired")
-	counter(descPropDenials, s.DenialQueueDrops+cur.DenialQueueDrops, "queue_full")
-	counter(descPropCleanup, s.CleanupDeleted+cur.CleanupDeleted)
 	if p == nil {
+		propagationStats.collect(ch, nil, base)
 		return
 	}
-	gauge(descPropPending, float64(cur.PendingDenials))
-	gauge(descPropImports, float64(cur.Imports))
+	cur := p.Stats()
+	propagationStats.collect(ch, &cur, base)
 	for _, state := range []string{"closed", "half-open", "open"} {
 		v := 0.0
 		if cur.Breaker == state {
 			v = 1
 		}
-		gauge(descPropBreaker, v, state)
+		ch <- prometheus.MustNewConstMetric(descPropBreaker, prometheus.GaugeValue, v, state)
 	}
-	ready := 0.0
-	if cur.Ready {
-		ready = 1
-	}
-	gauge(descPropReady, ready)
-	gauge(descPropLastPush, unixSeconds(cur.LastPush))
-	gauge(descPropLastPull, unixSeconds(cur.LastPull))
 }
 
 // propagationAdmin is the admin API extension `admin.api.ratelimit_propagation`:

@@ -186,9 +186,9 @@ func TestMySQLOption_ErrorsNeverQuoteThePassword(t *testing.T) {
 		"{env.RATELIMIT_TEST_UNSET_DSN_VAR}",
 	} {
 		a := &App{Region: "r", MySQL: &MySQLConfig{DSN: dsn}, state: st, logger: st.apps.view().logger}
-		err := a.provisionPropagation()
+		b, err := provisionMySQL(a)
 		if err == nil {
-			a.closePropagation()
+			b.close()
 			t.Fatalf("DSN %q accepted", dsn)
 		}
 		if strings.Contains(err.Error(), "pw-s3cret") {

@@ -3,110 +3,247 @@ package ratelimit
 import (
 	"context"
 	"fmt"
+	"sync/atomic"
 	"time"
 
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"go.uber.org/zap"
 
 	"github.com/edgelimit/caddy-ratelimit/engine"
 	"github.com/edgelimit/caddy-ratelimit/origin"
 )
 
-// The regional origin (Redis) of the `ratelimit` app.
-//
-// Lifecycle across reloads: Provision builds the origin without dialling
-// (`caddy validate` provisions configs it never runs); Start attaches it to
-// the process's engine; Stop flushes pending deltas if this config's origin
-// is still the one in use and detaches it; Cleanup closes it. The engine
-// uses the origin of the most recently started config that has not
-// stopped, so a reload swaps the origin around the same counters, a reload
-// without Redis makes the engine local-only, and a new config that fails to
-// start hands the engine back to the config that keeps running (see
-// liveApps for the orders).
+// The Redis backend: the region's origin (package origin), which
+// converges the counts of the Caddy processes of one region. Its status
+// section and metrics are in redis_status.go.
 
-// provisionOrigin resolves the origin settings and builds the origin.
-func (a *App) provisionOrigin() error {
-	if a.Origin == nil {
+// redisKind is the Redis backend among the app's backends.
+var redisKind = backendKind{
+	name:  "origin",
+	lines: redisLines,
+	checkLines: func(*App, *caddyfile.Dispenser) error {
+		return nil // each line checks the whole origin config where it stands
+	},
+	validate: func(a *App) error {
+		if a.Origin == nil {
+			return nil
+		}
+		if err := checkOrigin(*a.Origin); err != nil {
+			return fmt.Errorf("origin: %w", err)
+		}
 		return nil
+	},
+	configureEngine: func(a *App, cfg *engine.Config) {
+		if a.Origin != nil {
+			a.Origin.ApplyEngine(cfg)
+		}
+	},
+	provision: provisionRedis,
+	unuse: func(st *state) {
+		st.engine.SetOrigin(nil)
+		st.setOrigin(nil)
+	},
+	status:     redisStatus,
+	collectors: originCollectors,
+}
+
+// redisLines are the origin's lines of the global option:
+//
+//	ratelimit {
+//	    redis          <url>              # repeat: partitions
+//	    redis_cluster  <addr> [<addr>…]
+//	    redis_sentinel <master> <addr> [<addr>…]
+//	    tls_ca_file    <file>
+//	    prefix         <prefix>
+//	    replay_workers <n>
+//	    read_timeout   <duration>
+//	    freshness      <duration>
+//	    slow_tick      <duration>
+//	    fast_tick      <duration>
+//	    breaker_interval      <duration>
+//	    breaker_timeout       <duration>
+//	    breaker_min_requests  <n>
+//	    breaker_failure_ratio <ratio>
+//	    breaker_slow_call     <duration>
+//	}
+//
+// Each line checks the whole origin config as it stands, so `caddy adapt`
+// names the line that made it wrong.
+var redisLines = func() []optionLine {
+	lines := []optionLine{
+		stringLine("redis", nil, func(a *App, u string) { originOf(a).Redis = append(originOf(a).Redis, u) }),
+		argsLine("redis_cluster", 1, func(a *App, addrs []string) error {
+			originOf(a).Cluster = &origin.ClusterConfig{Addrs: addrs}
+			return nil
+		}),
+		argsLine("redis_sentinel", 0, func(a *App, args []string) error {
+			if len(args) < 2 {
+				return errString("redis_sentinel needs a master name and at least one sentinel address")
+			}
+			originOf(a).Sentinel = &origin.SentinelConfig{Master: args[0], Addrs: args[1:]}
+			return nil
+		}),
+		stringLine("tls_ca_file", nil, func(a *App, v string) { originOf(a).TLSCAFile = v }),
+		stringLine("prefix", nil, func(a *App, v string) { originOf(a).Prefix = v }),
+		intLine("replay_workers", 1, 0, func(a *App, n int) { originOf(a).ReplayWorkers = n }),
+		intLine("breaker_min_requests", 1, 0, func(a *App, n int) { originOf(a).Breaker.MinRequests = n }),
+		ratioLine("breaker_failure_ratio", func(a *App, r float64) { originOf(a).Breaker.FailureRatio = r }),
+	}
+	for _, d := range []struct {
+		name string
+		set  func(c *origin.Config, v origin.Duration)
+	}{
+		{"read_timeout", func(c *origin.Config, v origin.Duration) { c.ReadTimeout = v }},
+		{"freshness", func(c *origin.Config, v origin.Duration) { c.Freshness = v }},
+		{"slow_tick", func(c *origin.Config, v origin.Duration) { c.SlowTick = v }},
+		{"fast_tick", func(c *origin.Config, v origin.Duration) { c.FastTick = v }},
+		{"breaker_interval", func(c *origin.Config, v origin.Duration) { c.Breaker.Interval = v }},
+		{"breaker_timeout", func(c *origin.Config, v origin.Duration) { c.Breaker.Timeout = v }},
+		{"breaker_slow_call", func(c *origin.Config, v origin.Duration) { c.Breaker.SlowCall = v }},
+	} {
+		set := d.set
+		lines = append(lines, durationLine(d.name, minDuration, func(a *App, v time.Duration) { set(originOf(a), origin.Duration(v)) }))
+	}
+	for i := range lines {
+		lines[i] = checked(lines[i], func(a *App) error { return checkOrigin(*a.Origin) })
+	}
+	return lines
+}()
+
+// originOf returns the app's origin settings, made on the first line.
+func originOf(a *App) *origin.Config {
+	if a.Origin == nil {
+		a.Origin = new(origin.Config)
+	}
+	return a.Origin
+}
+
+// redisBackend is one config's origin.
+type redisBackend struct {
+	a      *App
+	origin *origin.Redis
+	// engineOrigin is origin as the engine sees it: identifiers mapped to
+	// their HMACs under identifier_secret.
+	engineOrigin engine.Origin
+	// timing is the config's read timeout, freshness and ticks, which the
+	// engine follows while the origin is its.
+	timing engine.Timing
+}
+
+// provisionRedis resolves the origin settings and builds the origin
+// without dialling.
+func provisionRedis(a *App) (backend, error) {
+	if a.Origin == nil {
+		return nil, nil
 	}
 	cfg, err := resolveOrigin(*a.Origin)
 	if err != nil {
-		return fmt.Errorf("ratelimit app: %w", err)
+		return nil, err
 	}
 	routeRedisLog(a.logger)
 	o, err := origin.New(cfg, a.state.obs.originOptions())
 	if err != nil {
-		return fmt.Errorf("ratelimit app: %w", err)
+		return nil, err
 	}
-	a.origin = o
-	d := cfg.WithDefaults()
-	a.timing = engine.Timing{
-		ReadTimeout: time.Duration(d.ReadTimeout),
-		Freshness:   time.Duration(d.Freshness),
-		SlowTick:    time.Duration(d.SlowTick),
-		FastTick:    time.Duration(d.FastTick),
+	b := &redisBackend{a: a, origin: o, engineOrigin: o}
+	if m := a.ids.mapper(); m != nil {
+		b.engineOrigin = &mappedOrigin{Origin: o, mapID: m}
+	}
+	var ec engine.Config
+	cfg.ApplyEngine(&ec)
+	b.timing = engine.Timing{ReadTimeout: ec.ReadTimeout, Freshness: ec.Freshness, SlowTick: ec.SlowTick, FastTick: ec.FastTick}
+	return b, nil
+}
+
+// start sets the origin watching its servers for a restart: Redis
+// restarted empty lost every process's units, and the engine sends its
+// cells' totals again (engine.Resend) while this origin is the one in use.
+// Checked every slow tick, so within a flush period.
+func (b *redisBackend) start() {
+	st := b.a.state
+	b.origin.WatchRestarts(b.timing.SlowTick, func() {
+		if st.currentOrigin() == originView(b.origin) {
+			n := st.engine.Resend()
+			b.a.logger.Warn("Redis restarted empty: sending every live key's count to it again", zap.Int("cells", n))
+		}
+	})
+}
+
+// use points the engine at the origin, with the config's timing, and
+// publishes it to the status and the metrics.
+func (b *redisBackend) use(st *state) {
+	st.engine.SetTiming(b.timing)
+	st.engine.SetOrigin(b.engineOrigin)
+	st.setOrigin(b.origin)
+}
+
+// flush pushes the engine's pending deltas through the origin, the
+// engine's until the app stops.
+func (b *redisBackend) flush(st *state) {
+	ctx, cancel := context.WithTimeout(context.Background(), closeTimeout)
+	defer cancel()
+	if err := st.engine.Flush(ctx); err != nil {
+		b.a.logger.Warn("flushing rate limit counts to the origin on stop", zap.Error(err))
+	}
+}
+
+// letGo handles what is left for the origin when the engine has none any
+// more (a reload without Redis, or shutdown): units admitted before that
+// and not replayed yet go out through this origin, still open until the
+// app is cleaned up (a newer config took the engine away from it without a
+// flush), and those it could not take are given up, counted and logged,
+// rather than left pending for an origin that may never come.
+func (b *redisBackend) letGo(st *state, flushed bool) {
+	if st.engine.Origin() != nil {
+		return
+	}
+	if !flushed {
+		ctx, cancel := context.WithTimeout(context.Background(), closeTimeout)
+		if err := st.engine.FlushTo(ctx, b.engineOrigin); err != nil {
+			b.a.logger.Warn("flushing rate limit counts to the origin the new config no longer uses", zap.Error(err))
+		}
+		cancel()
+	}
+	if lost := st.engine.DropUnsent(); lost > 0 {
+		b.a.logger.Warn("rate limit units admitted here could not be written to Redis before it was let go: the region never counts them",
+			zap.Int64("units", lost))
+	}
+}
+
+// close closes the origin; the state has detached it.
+func (b *redisBackend) close() {
+	if err := b.origin.Close(); err != nil {
+		b.a.logger.Warn("closing the rate limit origin", zap.Error(err))
+	}
+}
+
+// originView is what the status and the metrics read of the origin in
+// use; *origin.Redis implements it.
+type originView interface {
+	Stats() origin.Stats
+}
+
+// originInUse is the origin the engine uses now, for the status and the
+// metrics: nil when local-only.
+type originInUse struct{ v atomic.Pointer[originView] }
+
+// setOrigin publishes the origin the engine uses now (nil: none). Whoever
+// calls engine.SetOrigin calls this with the same origin.
+func (s *state) setOrigin(v originView) {
+	if v == nil {
+		s.origin.v.Store(nil)
+		return
+	}
+	s.origin.v.Store(&v)
+}
+
+// currentOrigin returns the published origin, or nil.
+func (s *state) currentOrigin() originView {
+	if p := s.origin.v.Load(); p != nil {
+		return *p
 	}
 	return nil
 }
 
-// flushOrigin pushes the engine's pending deltas through a's origin, which
-// is the engine's until a stops.
-func (a *App) flushOrigin() {
-	if a.origin == nil {
-		return
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), closeTimeout)
-	defer cancel()
-	if err := a.state.engine.Flush(ctx); err != nil {
-		a.logger.Warn("flushing rate limit counts to the origin on stop", zap.Error(err))
-	}
-}
-
-// closeOrigin closes this config's origin; Stop has detached it.
-func (a *App) closeOrigin() {
-	if a.origin == nil {
-		return
-	}
-	if err := a.origin.Close(); err != nil {
-		a.logger.Warn("closing the rate limit origin", zap.Error(err))
-	}
-	a.origin = nil
-}
-
-// useOrigin points the engine at a's origin (local-only when a is nil or
-// has none), with a's timing, and publishes it to the status and metrics.
-func (s *state) useOrigin(a *App) {
-	if a == nil || a.origin == nil {
-		s.engine.SetOrigin(nil)
-		s.apps.setOrigin(nil)
-		return
-	}
-	s.engine.SetTiming(a.timing)
-	s.engine.SetOrigin(a.engineOrigin())
-	s.apps.setOrigin(a.origin)
-}
-
-// engineOrigin is a's origin as the engine sees it: identifiers mapped to
-// their HMACs under identifier_secret.
-func (a *App) engineOrigin() engine.Origin {
-	if m := a.ids.mapper(); m != nil {
-		return &mappedOrigin{Origin: a.origin, mapID: m}
-	}
-	return a.origin
-}
-
-// startOrigin sets a's origin watching its servers for a restart: Redis
-// restarted empty lost every process's units, and the engine sends its
-// live cells' totals again (engine.Resend) while a's origin is the one
-// in use. Checked every slow tick, so within a flush period.
-func (a *App) startOrigin() {
-	if a.origin == nil {
-		return
-	}
-	st := a.state
-	a.origin.WatchRestarts(a.timing.SlowTick, func() {
-		if st.apps.currentOrigin() == originView(a.origin) {
-			n := st.engine.Resend()
-			a.logger.Warn("Redis restarted empty: sending every live key's count to it again", zap.Int("cells", n))
-		}
-	})
-}
+// Interface guards.
+var _ backend = (*redisBackend)(nil)

@@ -141,7 +141,8 @@ func TestOrigin_FollowsTheNewestStartedConfig(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		a := &App{Origin: &cfg, origin: o, state: st, logger: zap.NewNop()}
+		a := &App{Origin: &cfg, state: st, logger: zap.NewNop()}
+		a.backends = []backend{&redisBackend{a: a, origin: o, engineOrigin: o}, nil}
 		t.Cleanup(func() { o.Close() })
 		return a
 	}
@@ -160,8 +161,8 @@ func TestOrigin_FollowsTheNewestStartedConfig(t *testing.T) {
 		switch {
 		case want == nil && got != nil:
 			t.Fatalf("%s: engine uses %v, want local-only", when, got)
-		case want != nil && got != engine.Origin(want.origin):
-			t.Fatalf("%s: engine uses %v, want %v", when, got, want.origin)
+		case want != nil && got != engine.Origin(want.backends[0].(*redisBackend).origin):
+			t.Fatalf("%s: engine uses %v, want %v", when, got, want.backends[0])
 		}
 	}
 

@@ -137,6 +137,9 @@ func freePort() (int, error) {
 	return l.Addr().(*net.TCPAddr).Port, nil
 }
 
+// tmpDir is the server's temporary directory.
+func (s *Server) tmpDir() string { return filepath.Join(s.dir, "tmp") }
+
 // install creates the system tables in the data directory.
 func (s *Server) install() error {
 	bin, err := lookPath("mariadb-install-db")
@@ -144,11 +147,16 @@ func (s *Server) install() error {
 		return err
 	}
 	data := filepath.Join(s.dir, "data")
-	if err := os.MkdirAll(data, 0o700); err != nil {
-		return fmt.Errorf("mysqltest: %w", err)
+	for _, d := range []string{data, s.tmpDir()} {
+		if err := os.MkdirAll(d, 0o700); err != nil {
+			return fmt.Errorf("mysqltest: %w", err)
+		}
 	}
+	// A temporary directory of its own: bootstraps of several test binaries
+	// at once in the shared /tmp have been seen to lose each other's
+	// temporary tables.
 	cmd := exec.Command(bin, "--no-defaults", "--user=root", "--datadir="+data,
-		"--auth-root-authentication-method=normal", "--skip-test-db")
+		"--auth-root-authentication-method=normal", "--skip-test-db", "--tmpdir="+s.tmpDir())
 	if out, err := cmd.CombinedOutput(); err != nil {
 		return fmt.Errorf("mariadb-install-db: %w\n%s", err, out)
 	}
@@ -167,7 +175,7 @@ func (s *Server) launch() error {
 	cmd := exec.Command(bin, "--no-defaults", "--user=root", "--datadir="+data,
 		"--socket="+filepath.Join(s.dir, "sock"), "--port="+strconv.Itoa(s.port),
 		"--bind-address=127.0.0.1", "--skip-grant-tables",
-		"--pid-file="+filepath.Join(s.dir, "mariadbd.pid"),
+		"--pid-file="+filepath.Join(s.dir, "mariadbd.pid"), "--tmpdir="+s.tmpDir(),
 		// Small and quick: a test server needs no large buffers or
 		// durable commits.
 		"--innodb-buffer-pool-size=32M", "--innodb-log-file-size=16M",

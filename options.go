@@ -1,0 +1,264 @@
+package ratelimit
+
+import (
+	"encoding/json"
+	"fmt"
+	"strconv"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
+)
+
+// The global `ratelimit` option, line by line. Every line is one entry of
+// a table (its name, its arguments and bounds, and where the value goes),
+// parsed by one of a few parsers, one per kind of value, so that a
+// duration, a count or a ratio is read and bounded the same way whatever
+// backend it configures. Each backend declares its own lines beside its
+// code (backendKind.lines); this file holds the app's.
+
+func init() {
+	httpcaddyfile.RegisterGlobalOption("ratelimit", parseGlobalOption)
+}
+
+// optionLine is one line of the global option.
+type optionLine struct {
+	name string
+	// parse reads the line's arguments (the dispenser is on its name) into
+	// the app; errors name the line.
+	parse func(d *caddyfile.Dispenser, a *App) error
+}
+
+// minDuration is the shortest duration any line takes: the engine counts
+// in milliseconds.
+const minDuration = time.Millisecond
+
+// appLines are the app's own lines.
+var appLines = []optionLine{
+	stringLine("region", validateRegion, func(a *App, v string) { a.Region = v }),
+	stringLine("identifier_secret", validateSecret, func(a *App, v string) { a.IdentifierSecret = v }),
+	flagLine("log_identifiers", func(a *App) { a.LogIdentifiers = true }),
+	intLine("max_entries", 1, 0, func(a *App, n int) { a.MaxEntries = n }),
+}
+
+// optionLines returns every line of the global option: the app's and each
+// backend kind's.
+func optionLines() map[string]optionLine {
+	lines := map[string]optionLine{}
+	for _, l := range appLines {
+		lines[l.name] = l
+	}
+	for _, k := range backendKinds {
+		for _, l := range k.lines {
+			lines[l.name] = l
+		}
+	}
+	return lines
+}
+
+// parseGlobalOption parses the global `ratelimit` option into the
+// `ratelimit` app. Given twice, the second block adds to the first.
+func parseGlobalOption(d *caddyfile.Dispenser, existing any) (any, error) {
+	app := new(App)
+	if prev, ok := existing.(httpcaddyfile.App); ok && len(prev.Value) > 0 {
+		if err := json.Unmarshal(prev.Value, app); err != nil {
+			return nil, fmt.Errorf("ratelimit global option: %w", err)
+		}
+	}
+	if err := app.UnmarshalCaddyfile(d); err != nil {
+		return nil, err
+	}
+	return httpcaddyfile.App{Name: "ratelimit", Value: caddyconfig.JSON(app, nil)}, nil
+}
+
+// UnmarshalCaddyfile sets up the app from the global option's tokens.
+// Syntax (the README has each line's meaning and default):
+//
+//	ratelimit {
+//	    region            <name>
+//	    identifier_secret <secret, e.g. {env.RATELIMIT_SECRET}>
+//	    log_identifiers
+//	    max_entries       <n>
+//	    redis …           # the origin's lines (redis.go)
+//	    mysql …           # the cross-region layer's lines (mysql.go)
+//	}
+func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	d.Next() // option name
+	if d.NextArg() {
+		return d.ArgErr()
+	}
+	lines := optionLines()
+	for d.NextBlock(0) {
+		l, ok := lines[d.Val()]
+		if !ok {
+			return d.Errf("unknown subdirective %q of the ratelimit global option", d.Val())
+		}
+		if a.lineAt == nil {
+			a.lineAt = map[string]string{}
+		}
+		a.lineAt[l.name] = d.File() + ":" + strconv.Itoa(d.Line())
+		if err := l.parse(d, a); err != nil {
+			return err
+		}
+	}
+	for _, k := range backendKinds {
+		if err := k.checkLines(a, d); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// oneArg returns the single argument of the current line.
+func oneArg(d *caddyfile.Dispenser) (string, error) {
+	if !d.NextArg() {
+		return "", d.ArgErr()
+	}
+	v := d.Val()
+	if d.NextArg() {
+		return "", d.ArgErr()
+	}
+	return v, nil
+}
+
+// The parsers, one per kind of value. Each takes where the value goes as a
+// function of the app, so a backend's line fills the backend's settings;
+// check, when a line has one, runs on the app after the value is stored,
+// so an error that concerns several lines names the last.
+
+// flagLine is a line without arguments.
+func flagLine(name string, set func(*App)) optionLine {
+	return optionLine{name, func(d *caddyfile.Dispenser, a *App) error {
+		if d.NextArg() {
+			return d.ArgErr()
+		}
+		set(a)
+		return nil
+	}}
+}
+
+// stringLine is a line of one argument that check accepts.
+func stringLine(name string, check func(string) error, set func(*App, string)) optionLine {
+	return optionLine{name, func(d *caddyfile.Dispenser, a *App) error {
+		v, err := oneArg(d)
+		if err != nil {
+			return err
+		}
+		if check != nil {
+			if err := check(v); err != nil {
+				return d.WrapErr(err)
+			}
+		}
+		set(a, v)
+		return nil
+	}}
+}
+
+// intLine is a line of one integer from lo to hi (no upper bound when hi
+// is 0).
+func intLine(name string, lo, hi int, set func(*App, int)) optionLine {
+	return optionLine{name, func(d *caddyfile.Dispenser, a *App) error {
+		v, err := oneArg(d)
+		if err != nil {
+			return err
+		}
+		n, err := strconv.Atoi(v)
+		switch {
+		case hi > 0 && (err != nil || n < lo || n > hi):
+			return d.Errf("%s: want an integer from %d to %d, got %q", name, lo, hi, v)
+		case err != nil || n < lo:
+			return d.Errf("%s: want an integer of at least %d, got %q", name, lo, v)
+		}
+		set(a, n)
+		return nil
+	}}
+}
+
+// durationLine is a line of one duration of at least lo (never below
+// minDuration).
+func durationLine(name string, lo time.Duration, set func(*App, time.Duration)) optionLine {
+	lo = max(lo, minDuration)
+	return optionLine{name, func(d *caddyfile.Dispenser, a *App) error {
+		v, err := oneArg(d)
+		if err != nil {
+			return err
+		}
+		dur, err := caddy.ParseDuration(v)
+		if err != nil || dur < lo {
+			return d.Errf("%s: want a duration of at least %s, such as 1s, got %q", name, lo, v)
+		}
+		set(a, dur)
+		return nil
+	}}
+}
+
+// ratioLine is a line of one ratio in (0, 1].
+func ratioLine(name string, set func(*App, float64)) optionLine {
+	return optionLine{name, func(d *caddyfile.Dispenser, a *App) error {
+		v, err := oneArg(d)
+		if err != nil {
+			return err
+		}
+		r, err := strconv.ParseFloat(v, 64)
+		if err != nil || !(r > 0 && r <= 1) {
+			return d.Errf("%s: want a ratio in (0, 1], got %q", name, v)
+		}
+		set(a, r)
+		return nil
+	}}
+}
+
+// switchLine is a line of one `on` or `off`.
+func switchLine(name string, set func(*App, bool)) optionLine {
+	return optionLine{name, func(d *caddyfile.Dispenser, a *App) error {
+		v, err := oneArg(d)
+		if err != nil {
+			return err
+		}
+		switch v {
+		case "on":
+			set(a, true)
+		case "off":
+			set(a, false)
+		default:
+			return d.Errf("%s: want on or off, got %q", name, v)
+		}
+		return nil
+	}}
+}
+
+// argsLine is a line of at least n arguments, which set takes (and may
+// refuse: its error names the line).
+func argsLine(name string, n int, set func(a *App, args []string) error) optionLine {
+	return optionLine{name, func(d *caddyfile.Dispenser, a *App) error {
+		args := d.RemainingArgs()
+		if len(args) < n {
+			return d.ArgErr()
+		}
+		if err := set(a, args); err != nil {
+			return d.Errf("%v", err)
+		}
+		return nil
+	}}
+}
+
+// checked adds check to l: it runs on the app after the line's value is
+// stored, and its error names the line.
+func checked(l optionLine, check func(*App) error) optionLine {
+	parse := l.parse
+	l.parse = func(d *caddyfile.Dispenser, a *App) error {
+		if err := parse(d, a); err != nil {
+			return err
+		}
+		if err := check(a); err != nil {
+			return d.Errf("%v", err)
+		}
+		return nil
+	}
+	return l
+}
+
+// Interface guards.
+var _ caddyfile.Unmarshaler = (*App)(nil)

@@ -1,0 +1,184 @@
+package ratelimit
+
+import (
+	"sync"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/edgelimit/caddy-ratelimit/origin"
+)
+
+// What operators see of the Redis backend: the status's origin section and
+// the origin's metrics (calls and their durations by endpoint, breaker
+// states and transitions, slow calls, restarts).
+
+// endpointStats are one origin endpoint's numbers, labelled by endpoint.
+var endpointStats = statSet[origin.EndpointStats]{labels: []string{"endpoint"}, stats: []stat[origin.EndpointStats]{
+	// Address has scheme, hosts, port and database: never credentials.
+	{json: "address", value: func(s *origin.EndpointStats) any { return s.Address }},
+	{json: "kind", value: func(s *origin.EndpointStats) any { return s.Kind }},
+	{json: "breaker", value: func(s *origin.EndpointStats) any { return s.Breaker }},
+	{json: "replay_breaker", value: func(s *origin.EndpointStats) any { return s.ReplayBreaker }},
+	{json: "calls", value: func(s *origin.EndpointStats) any { return s.Calls }},
+	{json: "round_trips", value: func(s *origin.EndpointStats) any { return s.RoundTrips }},
+	{json: "slow_calls", metric: "origin_slow_calls_total", value: func(s *origin.EndpointStats) any { return s.SlowCalls },
+		help: "Request-path calls to an endpoint that answered slower than breaker_slow_call (each a failure for its breaker)."},
+	{json: "last_read", value: func(s *origin.EndpointStats) any { return s.LastRead }},
+	{json: "last_flush", value: func(s *origin.EndpointStats) any { return s.LastFlush }},
+}}
+
+// originStats are the origin's own numbers.
+var originStats = statSet[origin.Stats]{stats: []stat[origin.Stats]{
+	{json: "restarts", metric: "origin_restarts_total", value: func(s *origin.Stats) any { return s.Restarts },
+		help: "Redis servers seen restarted (their run ID changed), after each of which every live key's count is sent again."},
+}}
+
+// redisStatus is the status's origin section: null when local-only.
+func redisStatus(st *state) any {
+	o := st.currentOrigin()
+	if o == nil {
+		return nil
+	}
+	s := o.Stats()
+	doc := new(object)
+	eps := make([]*object, len(s.Endpoints))
+	for i := range s.Endpoints {
+		eps[i] = endpointStats.section(&s.Endpoints[i])
+	}
+	doc.set("endpoints", eps)
+	own := originStats.section(&s)
+	for _, k := range own.keys {
+		doc.set(k, own.vals[k])
+	}
+	return doc
+}
+
+var (
+	originCallsTotal = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: metricName("origin_calls_total"),
+		Help: "Calls to the regional origin (Redis) per endpoint, by operation (read, flush, reserve) and outcome (ok, error, timeout, rejected by the breaker).",
+	}, []string{"endpoint", "op", "outcome"})
+
+	originCallSeconds = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Name:    metricName("origin_call_duration_seconds"),
+		Help:    "Duration of calls to the regional origin, batching included, by operation and outcome.",
+		Buckets: originBuckets,
+	}, []string{"op", "outcome"})
+
+	breakerTransitionsTotal = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: metricName("origin_breaker_transitions_total"),
+		Help: "Circuit breaker state changes per origin endpoint and breaker (ratelimit_origin: the request path; ratelimit_origin_replay: replay), by the state entered (open, half-open, closed).",
+	}, []string{"endpoint", "breaker", "state"})
+
+	descBreakerState = newDesc("origin_breaker_state",
+		"1 for the state each origin endpoint's circuit breakers are in (closed, half-open, open), 0 for the others; breaker ratelimit_origin guards the request path, ratelimit_origin_replay replay.", "endpoint", "breaker", "state")
+
+	breakerStates = []origin.BreakerState{origin.BreakerClosed, origin.BreakerHalfOpen, origin.BreakerOpen}
+
+	// originCollectors are the Redis backend's metrics.
+	originCollectors = []prometheus.Collector{originCallsTotal, originCallSeconds, breakerTransitionsTotal, redisCollector{}}
+)
+
+// originBuckets run from 100 µs (a pipelined round trip on loopback) to 1 s
+// (beyond any call timeout).
+var originBuckets = []float64{
+	100e-6, 250e-6, 500e-6,
+	1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3, 500e-3, 1,
+}
+
+// redisCollector exports the origin's state at scrape time.
+type redisCollector struct{}
+
+// Describe implements prometheus.Collector.
+func (redisCollector) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range append(append(endpointStats.descs(), originStats.descs()...), descBreakerState) {
+		ch <- d
+	}
+}
+
+// Collect implements prometheus.Collector.
+func (redisCollector) Collect(ch chan<- prometheus.Metric) {
+	st := lookupState()
+	if st == nil {
+		return
+	}
+	o := st.currentOrigin()
+	if o == nil {
+		return
+	}
+	s := o.Stats()
+	originStats.collect(ch, &s, nil)
+	for i := range s.Endpoints {
+		ep := &s.Endpoints[i]
+		endpointStats.collect(ch, ep, nil, ep.Address)
+		for _, b := range []struct {
+			name  string
+			state origin.BreakerState
+		}{{origin.BreakerName, ep.Breaker}, {origin.ReplayBreakerName, ep.ReplayBreaker}} {
+			for _, bs := range breakerStates {
+				v := 0.0
+				if b.state == bs {
+					v = 1
+				}
+				ch <- prometheus.MustNewConstMetric(descBreakerState, prometheus.GaugeValue, v, ep.Address, b.name, string(bs))
+			}
+		}
+	}
+}
+
+// originCallMetrics caches the resolved series of one endpoint: origin
+// calls can be on the request path (a synchronous read), so they too do no
+// label lookup after an endpoint's first call.
+type originCallMetrics struct {
+	calls [numOriginOps][numOriginOutcomes]prometheus.Counter
+}
+
+// The origin's ops and outcomes, as the label values index them.
+const (
+	numOriginOps      = int(origin.OpReserve) + 1
+	numOriginOutcomes = int(origin.OutcomeRejected) + 1
+)
+
+var (
+	originEndpointMetrics sync.Map // endpoint address → *originCallMetrics
+	originDurations       = func() (o [numOriginOps][numOriginOutcomes]prometheus.Observer) {
+		for op := range numOriginOps {
+			for oc := range numOriginOutcomes {
+				o[op][oc] = originCallSeconds.WithLabelValues(origin.Op(op).String(), origin.Outcome(oc).String())
+			}
+		}
+		return o
+	}()
+)
+
+func endpointMetrics(endpoint string) *originCallMetrics {
+	if m, ok := originEndpointMetrics.Load(endpoint); ok {
+		return m.(*originCallMetrics)
+	}
+	m := new(originCallMetrics)
+	for op := range numOriginOps {
+		for oc := range numOriginOutcomes {
+			m.calls[op][oc] = originCallsTotal.WithLabelValues(endpoint, origin.Op(op).String(), origin.Outcome(oc).String())
+		}
+	}
+	actual, _ := originEndpointMetrics.LoadOrStore(endpoint, m)
+	return actual.(*originCallMetrics)
+}
+
+// observeOriginCall counts one origin call and its duration.
+func observeOriginCall(ci origin.CallInfo) {
+	op, oc := int(ci.Op), int(ci.Outcome)
+	if op >= numOriginOps || oc >= numOriginOutcomes {
+		return
+	}
+	endpointMetrics(ci.Endpoint).calls[op][oc].Inc()
+	originDurations[op][oc].Observe(ci.Duration.Seconds())
+}
+
+// observeBreakerChange counts a breaker transition.
+func observeBreakerChange(endpoint, breaker string, to origin.BreakerState) {
+	breakerTransitionsTotal.WithLabelValues(endpoint, breaker, string(to)).Inc()
+}
+
+// Interface guards.
+var _ prometheus.Collector = redisCollector{}

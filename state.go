@@ -1,0 +1,226 @@
+package ratelimit
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"go.uber.org/zap"
+
+	"github.com/edgelimit/caddy-ratelimit/engine"
+)
+
+// The process's one engine, shared by every config through the pool, and
+// the registry of the configs' apps around it.
+
+// pool holds the process's state: one engine whatever the configs.
+var pool = caddy.NewUsagePool()
+
+// poolKey is the pool key of the process's state; there is only one.
+const poolKey = "ratelimit.state"
+
+// closeTimeout bounds how long the last user of the engine waits for
+// pending deltas to be flushed: long enough for a few origin round trips,
+// short enough not to hold up a shutdown.
+const closeTimeout = 5 * time.Second
+
+// newEngineConfig returns the configuration of a new engine; tests replace
+// it to inject a clock.
+var newEngineConfig = func() engine.Config { return engine.Config{} }
+
+// state is what the pool holds: the engine and the zone definitions of the
+// configs that use it.
+type state struct {
+	engine *engine.Engine
+	zones  zoneRegistry
+	apps   liveApps
+	obs    observer
+	// origin is the origin the engine uses now (redis.go).
+	origin originInUse
+}
+
+// acquireState returns the process's state, creating its engine if this is
+// the first user; every call must be matched by releaseState. The app of
+// the first config sizes the engine (settings fixed for the life of the
+// process: the entry cap, and each backend's, such as replay_workers).
+func acquireState(a *App) (*state, error) {
+	v, _, err := pool.LoadOrNew(poolKey, func() (caddy.Destructor, error) {
+		st := new(state)
+		cfg := newEngineConfig()
+		if a != nil {
+			a.configureEngine(&cfg)
+		}
+		st.obs.apps = &st.apps
+		st.obs.observeEngine(&cfg)
+		st.engine = engine.New(cfg)
+		return st, nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("ratelimit engine: %w", err)
+	}
+	st, ok := v.(*state)
+	if !ok {
+		return nil, fmt.Errorf("ratelimit engine: pool holds %T", v)
+	}
+	return st, nil
+}
+
+// releaseState drops one reference; the last one closes the engine.
+func releaseState() error {
+	if _, err := pool.Delete(poolKey); err != nil {
+		return fmt.Errorf("ratelimit engine: %w", err)
+	}
+	return nil
+}
+
+// Destruct closes the engine when its last user is gone: pending deltas are
+// flushed within closeTimeout and every background goroutine stops.
+func (s *state) Destruct() error {
+	ctx, cancel := context.WithTimeout(context.Background(), closeTimeout)
+	defer cancel()
+	if err := s.engine.Close(ctx); err != nil {
+		return fmt.Errorf("closing ratelimit engine: %w", err)
+	}
+	return nil
+}
+
+// lookupState returns the pooled state without taking a reference, or nil
+// when no loaded config uses the limiter.
+func lookupState() *state {
+	var st *state
+	pool.Range(func(_, v any) bool {
+		st, _ = v.(*state)
+		return st == nil
+	})
+	return st
+}
+
+// runningState returns the pooled state, or a 503 when no loaded config
+// uses the limiter.
+func runningState() (*state, error) {
+	st := lookupState()
+	if st == nil {
+		return nil, caddy.APIError{
+			HTTPStatus: http.StatusServiceUnavailable,
+			Err:        errString("the rate limiter is not running: no loaded config uses it"),
+		}
+	}
+	return st, nil
+}
+
+// liveApps is the one registry of the `ratelimit` apps of the loaded
+// configs. It lives in the pooled state, beside the engine, and keeps the
+// apps in the two orders that matter:
+//
+//   - provisioned (and not cleaned up), oldest first: the newest speaks for
+//     the process (logger, region, identifiers). A reload provisions the
+//     new config before cleaning up the old one, and a failed reload cleans
+//     up its own app, which leaves the running config's app the newest
+//     again.
+//   - started (and not stopped), oldest first: the newest one's backends
+//     are the engine's. The old config's Stop runs after the new config's
+//     Start, and a new config that fails to start is stopped, which hands
+//     the engine back to the config that keeps running.
+type liveApps struct {
+	mu          sync.Mutex
+	provisioned []*App
+	started     []*App
+
+	cur atomic.Pointer[appView]
+}
+
+// appView is what the newest app says about the process.
+type appView struct {
+	app    *App
+	logger *zap.Logger
+	region string
+	ids    identities
+}
+
+// provision records a as the newest provisioned app.
+func (l *liveApps) provision(a *App) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.provisioned = append(l.provisioned, a)
+	l.publish()
+}
+
+// cleanup forgets a; the newest remaining app speaks for the process.
+func (l *liveApps) cleanup(a *App) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.provisioned = slices.DeleteFunc(l.provisioned, func(x *App) bool { return x == a })
+	l.publish()
+}
+
+func (l *liveApps) publish() {
+	if len(l.provisioned) == 0 {
+		l.cur.Store(nil)
+		return
+	}
+	a := l.provisioned[len(l.provisioned)-1]
+	l.cur.Store(&appView{app: a, logger: a.logger, region: a.Region, ids: a.ids})
+}
+
+// view returns the newest app's settings, or the defaults (Caddy's default
+// logger, identifiers truncated in logs) when no app is provisioned, e.g.
+// between a handler's provisioning and its app's in tests.
+func (l *liveApps) view() *appView {
+	if v := l.cur.Load(); v != nil {
+		return v
+	}
+	return &appView{logger: caddy.Log().Named("ratelimit")}
+}
+
+// start records a as the newest started app and makes its backends (or
+// none) the engine's.
+func (s *state) start(a *App) {
+	l := &s.apps
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.started = append(l.started, a)
+	s.useBackends(a)
+}
+
+// stop forgets a as started. If its backends are the engine's (no newer
+// config took over: a shutdown, or a failed reload), they write what they
+// hold first; then the newest remaining started app's backends take over,
+// and a's backends hear that they are let go. Stopping an app that is not
+// started does nothing.
+func (s *state) stop(a *App) {
+	l := &s.apps
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	i := slices.Index(l.started, a)
+	if i < 0 {
+		return
+	}
+	last := i == len(l.started)-1
+	if last {
+		a.eachBackend(func(b backend) { b.flush(s) })
+	}
+	l.started = slices.Delete(l.started, i, i+1)
+	var next *App
+	if n := len(l.started); n > 0 {
+		next = l.started[n-1]
+	}
+	s.useBackends(next)
+	a.eachBackend(func(b backend) { b.letGo(s, last) })
+}
+
+// useBackends points the engine at a's backends, kind by kind: a kind a
+// does not configure (or a nil a) leaves the engine without one.
+func (s *state) useBackends(a *App) {
+	for _, k := range backendKinds {
+		if b := a.backend(k); b != nil {
+			b.use(s)
+		} else {
+			k.unuse(s)
+		}
+	}
+}
