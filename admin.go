@@ -189,45 +189,56 @@ func (a *AdminAPI) handleCounters(w http.ResponseWriter, r *http.Request) error 
 	if len(defs) == 0 {
 		return errNoZone(zoneName)
 	}
-	ids := st.apps.view().ids
-
 	if !byID {
-		doc := keyListDoc{Zone: zoneName, Prefix: prefix, Max: max, Keys: []keyDoc{}}
-		windows := defWindows(defs)
-		found := st.engine.Scan(zoneName, prefix, max+1)
-		doc.Truncated = len(found) > max
-		for _, ks := range found[:min(len(found), max)] {
-			// Keys of a window no loaded config uses any more linger until
-			// the janitor drops them; they are not the zone's.
-			if slices.Contains(windows, ks.Key.Window) {
-				doc.Keys = append(doc.Keys, keyDocOf(ks, defs, ids))
-			}
-		}
-		return writeJSON(w, doc)
+		return writeJSON(w, listKeys(st, zoneName, prefix, max, defs))
 	}
-
 	// The handler counts an IP address by its prefix; so does the lookup.
 	if id != "" {
 		id = maskIP(id, defs[0].v4, defs[0].v6)
 	}
 	if r.Method == http.MethodDelete {
-		forgotten := false
-		for _, window := range defWindows(defs) {
-			if st.engine.Forget(engine.Key{Namespace: zoneName, Identifier: id, Window: window}) {
-				forgotten = true
-			}
-		}
-		if !forgotten {
-			return errNoKey(zoneName)
-		}
-		return writeJSON(w, forgetDoc{Zone: zoneName, Identifier: ids.shown(engine.NormalizeIdentifier(id)), Forgotten: true})
+		return forgetKey(w, st, zoneName, id, defs)
 	}
+	ids := st.apps.view().ids
 	for _, window := range defWindows(defs) {
 		if ks, ok := st.engine.Inspect(engine.Key{Namespace: zoneName, Identifier: id, Window: window}); ok {
 			return writeJSON(w, keyDocOf(ks, defs, ids))
 		}
 	}
 	return errNoKey(zoneName)
+}
+
+// listKeys lists up to max keys of the zone whose identifier starts with
+// prefix.
+func listKeys(st *state, zoneName, prefix string, max int, defs []zoneDef) keyListDoc {
+	ids := st.apps.view().ids
+	doc := keyListDoc{Zone: zoneName, Prefix: prefix, Max: max, Keys: []keyDoc{}}
+	windows := defWindows(defs)
+	found := st.engine.Scan(zoneName, prefix, max+1)
+	doc.Truncated = len(found) > max
+	for _, ks := range found[:min(len(found), max)] {
+		// Keys of a window no loaded config uses any more linger until the
+		// janitor drops them; they are not the zone's.
+		if slices.Contains(windows, ks.Key.Window) {
+			doc.Keys = append(doc.Keys, keyDocOf(ks, defs, ids))
+		}
+	}
+	return doc
+}
+
+// forgetKey forgets the key in every window the zone is defined with.
+func forgetKey(w http.ResponseWriter, st *state, zoneName, id string, defs []zoneDef) error {
+	forgotten := false
+	for _, window := range defWindows(defs) {
+		if st.engine.Forget(engine.Key{Namespace: zoneName, Identifier: id, Window: window}) {
+			forgotten = true
+		}
+	}
+	if !forgotten {
+		return errNoKey(zoneName)
+	}
+	ids := st.apps.view().ids
+	return writeJSON(w, forgetDoc{Zone: zoneName, Identifier: ids.shown(engine.NormalizeIdentifier(id)), Forgotten: true})
 }
 
 // errNoZone is the 404 for a zone no loaded config defines.

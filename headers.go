@@ -71,67 +71,25 @@ func (h *Handler) writeHeaders(hdr http.Header, lims []engine.Limit, decs []engi
 	buf := arr[:0]
 	// Offsets into buf: draft policy (only when a limit was overridden or a
 	// zone skipped), draft RateLimit, then the three legacy values.
-	var policyEnd, rateEnd, limitEnd, remainEnd, resetEnd int
-
+	var policyEnd, rateEnd int
+	var legacyEnds [3]int
 	if h.draft {
 		if !ownLimits {
-			for k := range lims {
-				if k > 0 {
-					buf = append(buf, ", "...)
-				}
-				z := &h.zones[zi[k]]
-				if lims[k].Limit == z.limit {
-					buf = append(buf, z.policy...)
-					continue
-				}
-				buf = append(buf, z.policyQ...)
-				buf = strconv.AppendInt(buf, lims[k].Limit, 10)
-				buf = append(buf, z.policyW...)
-			}
+			buf = h.appendPolicy(buf, lims, zi)
 		}
 		policyEnd = len(buf)
-		for k := range decs {
-			if k > 0 {
-				buf = append(buf, ", "...)
-			}
-			buf = append(buf, h.zones[zi[k]].remainingR...)
-			buf = strconv.AppendInt(buf, decs[k].Remaining, 10)
-			buf = append(buf, ";t="...)
-			buf = strconv.AppendInt(buf, ceilSeconds(decs[k].Reset), 10)
-		}
+		buf = h.appendRateLimit(buf, decs, zi)
 	}
 	rateEnd = len(buf)
 	if h.legacy {
-		// The most restrictive zone is the one with the lowest remaining;
-		// on a tie, the first.
-		m := 0
-		for k := 1; k < len(decs); k++ {
-			if decs[k].Remaining < decs[m].Remaining {
-				m = k
-			}
-		}
-		buf = strconv.AppendInt(buf, lims[m].Limit, 10)
-		limitEnd = len(buf)
-		buf = strconv.AppendInt(buf, decs[m].Remaining, 10)
-		remainEnd = len(buf)
-		buf = strconv.AppendInt(buf, ceilSeconds(decs[m].Reset), 10)
-		resetEnd = len(buf)
+		buf, legacyEnds = appendLegacy(buf, lims, decs)
 	}
 	s := string(buf)
 
-	n := 0
-	if h.draft {
-		n += 2
-	}
-	if h.legacy {
-		n += 3
-	}
-	vals := make([]string, n)
-	i := 0
+	vals := make([]string, 0, 5)
 	set := func(key, v string) {
-		vals[i] = v
-		hdr[key] = vals[i : i+1 : i+1]
-		i++
+		vals = append(vals, v)
+		hdr[key] = vals[len(vals)-1 : len(vals) : len(vals)]
 	}
 	if h.draft {
 		if ownLimits {
@@ -142,8 +100,62 @@ func (h *Handler) writeHeaders(hdr http.Header, lims []engine.Limit, decs []engi
 		set(hdrRateLimit, s[policyEnd:rateEnd])
 	}
 	if h.legacy {
-		set(hdrLegacyLimit, s[rateEnd:limitEnd])
-		set(hdrLegacyRemain, s[limitEnd:remainEnd])
-		set(hdrLegacyReset, s[remainEnd:resetEnd])
+		set(hdrLegacyLimit, s[rateEnd:legacyEnds[0]])
+		set(hdrLegacyRemain, s[legacyEnds[0]:legacyEnds[1]])
+		set(hdrLegacyReset, s[legacyEnds[1]:legacyEnds[2]])
 	}
+}
+
+// appendPolicy appends the draft RateLimit-Policy value of a request whose
+// limits are not all the zones' own (an override matched, or a zone was
+// skipped).
+func (h *Handler) appendPolicy(buf []byte, lims []engine.Limit, zi []int) []byte {
+	for k := range lims {
+		if k > 0 {
+			buf = append(buf, ", "...)
+		}
+		z := &h.zones[zi[k]]
+		if lims[k].Limit == z.limit {
+			buf = append(buf, z.policy...)
+			continue
+		}
+		buf = append(buf, z.policyQ...)
+		buf = strconv.AppendInt(buf, lims[k].Limit, 10)
+		buf = append(buf, z.policyW...)
+	}
+	return buf
+}
+
+// appendRateLimit appends the draft RateLimit value: one member per zone.
+func (h *Handler) appendRateLimit(buf []byte, decs []engine.Decision, zi []int) []byte {
+	for k := range decs {
+		if k > 0 {
+			buf = append(buf, ", "...)
+		}
+		buf = append(buf, h.zones[zi[k]].remainingR...)
+		buf = strconv.AppendInt(buf, decs[k].Remaining, 10)
+		buf = append(buf, ";t="...)
+		buf = strconv.AppendInt(buf, ceilSeconds(decs[k].Reset), 10)
+	}
+	return buf
+}
+
+// appendLegacy appends the X-RateLimit-* values of the most restrictive
+// zone (the lowest remaining; on a tie, the first) and returns where each
+// of the three ends.
+func appendLegacy(buf []byte, lims []engine.Limit, decs []engine.Decision) ([]byte, [3]int) {
+	m := 0
+	for k := 1; k < len(decs); k++ {
+		if decs[k].Remaining < decs[m].Remaining {
+			m = k
+		}
+	}
+	var ends [3]int
+	buf = strconv.AppendInt(buf, lims[m].Limit, 10)
+	ends[0] = len(buf)
+	buf = strconv.AppendInt(buf, decs[m].Remaining, 10)
+	ends[1] = len(buf)
+	buf = strconv.AppendInt(buf, ceilSeconds(decs[m].Reset), 10)
+	ends[2] = len(buf)
+	return buf, ends
 }

@@ -355,3 +355,30 @@ func BenchmarkMetrics_PerRequest(b *testing.B) {
 		h.countDecisions(decs, zi, true)
 	}
 }
+
+// seriesValue returns the value of the series of c named name whose one
+// label has the value label, or -1 when c sends none.
+func seriesValue(t *testing.T, c prometheus.Collector, name, label string) float64 {
+	t.Helper()
+	ch := make(chan prometheus.Metric)
+	go func() {
+		c.Collect(ch)
+		close(ch)
+	}()
+	v := -1.0
+	for m := range ch {
+		if !strings.Contains(m.Desc().String(), `fqName: "`+name+`"`) {
+			continue
+		}
+		var pb dto.Metric
+		if err := m.Write(&pb); err != nil {
+			t.Fatal(err)
+		}
+		for _, l := range pb.GetLabel() {
+			if l.GetValue() == label {
+				v = pb.GetCounter().GetValue() + pb.GetGauge().GetValue()
+			}
+		}
+	}
+	return v
+}

@@ -202,20 +202,7 @@ func (r *runner) do(op int, o Op) error {
 		r.res.Decisions++
 		return r.check(op, i, k, o.Cost, d.Allowed)
 	case OpBatch:
-		k1, k2 := Keys[o.Key], Keys[o.Key2]
-		out := make([]engine.Decision, 2)
-		ok := e.DecideMany(bg, []engine.Limit{limitOf(k1, o.Cost), limitOf(k2, o.Cost2)}, out)
-		r.res.Decisions++
-		// A batch reads instead of reserving: it may over-admit by what
-		// the others admit until their next replay, within the same slack.
-		// Its denial may come from the other limit, so only an admission
-		// is judged.
-		if ok {
-			if err := r.check(op, i, k1, o.Cost, true); err != nil {
-				return err
-			}
-			return r.check(op, i, k2, o.Cost2, true)
-		}
+		return r.batch(op, i, o)
 	case OpTick:
 		r.tick()
 	case OpForget:
@@ -252,6 +239,24 @@ func (r *runner) do(op int, o Op) error {
 		r.fault(r.now + flushPeriod)
 	}
 	return nil
+}
+
+// batch runs an OpBatch. A batch reads instead of reserving: it may
+// over-admit by what the others admit until their next replay, within the
+// same slack. Its denial may come from the other limit, so only an
+// admission is judged.
+func (r *runner) batch(op, i int, o Op) error {
+	k1, k2 := Keys[o.Key], Keys[o.Key2]
+	out := make([]engine.Decision, 2)
+	ok := r.c.Engine(i).DecideMany(bg, []engine.Limit{limitOf(k1, o.Cost), limitOf(k2, o.Cost2)}, out)
+	r.res.Decisions++
+	if !ok {
+		return nil
+	}
+	if err := r.check(op, i, k1, o.Cost, true); err != nil {
+		return err
+	}
+	return r.check(op, i, k2, o.Cost2, true)
 }
 
 // tick advances the clock a fast tick and runs the replay ticks due.

@@ -1,0 +1,60 @@
+package ratelimit
+
+import (
+	"encoding/json"
+	"testing"
+
+	"github.com/edgelimit/caddy-ratelimit/propagation"
+)
+
+// TestPropagationStats_SectionKeepsItsKeys: the status's propagation
+// section, keys and nesting as the dashboard and operators read them.
+func TestPropagationStats_SectionKeepsItsKeys(t *testing.T) {
+	s := propagation.Stats{Region: "eu", Database: "tcp(db:3306)/rl", Ready: true, Breaker: "closed",
+		DenialsEmitted: 1, CountsPublished: 2, DenialsApplied: 3, CountsApplied: 4, WriteErrors: 5, Imports: 6}
+	b, err := json.Marshal(propagationStats.section(&s))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := `{"region":"eu","database":"tcp(db:3306)/rl","ready":true,"breaker":"closed","last_push":null,"last_pull":null,` +
+		`"last_blocklist_pull":null,"rows_emitted":{"blocklist":1,"global_counts":2},"rows_applied":{"blocklist":3,"global_counts":4},` +
+		`"denials_filtered":0,"denials_expired":0,"denial_queue_drops":0,"pending_denials":0,"dropped_batches":0,` +
+		`"errors":{"write":5,"read":0,"migrate":0},"imports":6,"import_drops":0,"cleanup_deleted":0}`
+	if string(b) != want {
+		t.Fatalf("section\n%s\nwant\n%s", b, want)
+	}
+}
+
+// TestPropagationCollector_CountersGoOnAfterAReload: a reload replaces the
+// propagator; what the stopped one counted stays in the counters, and
+// without a layer only the counters are exported.
+func TestPropagationCollector_CountersGoOnAfterAReload(t *testing.T) {
+	retired.Lock()
+	saved := retired.base
+	retired.base = nil
+	retired.Unlock()
+	t.Cleanup(func() {
+		retired.Lock()
+		retired.base = saved
+		retired.Unlock()
+	})
+	if currentProp.Load() != nil {
+		t.Fatal("a propagator is in use by another test")
+	}
+	if n := collectCount(propagationCollector{}, "caddy_ratelimit_propagation_rows_written_total"); n != 0 {
+		t.Fatalf("%d series before any layer ran, want none", n)
+	}
+	retireProp(propagation.Stats{DenialsEmitted: 7, CountsPublished: 9, PendingDenials: 3})
+	got := map[string]bool{}
+	for _, name := range []string{"rows_written_total", "pending_denials", "ready"} {
+		if collectCount(propagationCollector{}, "caddy_ratelimit_propagation_"+name) > 0 {
+			got[name] = true
+		}
+	}
+	if !got["rows_written_total"] || got["pending_denials"] || got["ready"] {
+		t.Fatalf("after a retire: %v, want the counters and no gauge", got)
+	}
+	if v := seriesValue(t, propagationCollector{}, "caddy_ratelimit_propagation_rows_written_total", "ratelimit_blocklist"); v != 7 {
+		t.Fatalf("denial rows written: %v, want the retired 7", v)
+	}
+}

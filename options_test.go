@@ -1,0 +1,94 @@
+package ratelimit
+
+import (
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+)
+
+// parseLine runs one option line over its arguments.
+func parseLine(l optionLine, args string) (*App, error) {
+	d := caddyfile.NewTestDispenser(l.name + " " + args)
+	d.Next()
+	a := new(App)
+	return a, l.parse(d, a)
+}
+
+// TestOptions_OneParserPerKindOfValue: every line of a kind of value is
+// read and bounded the same way, and its error names the line and what it
+// wants.
+func TestOptions_OneParserPerKindOfValue(t *testing.T) {
+	var gotDur time.Duration
+	var gotInt int
+	var gotRatio float64
+	var gotOn *bool
+	dur := durationLine("d", 10*time.Millisecond, func(_ *App, v time.Duration) { gotDur = v })
+	count := intLine("n", 1, 5, func(_ *App, v int) { gotInt = v })
+	open := intLine("m", 2, 0, func(_ *App, v int) { gotInt = v })
+	ratio := ratioLine("r", func(_ *App, v float64) { gotRatio = v })
+	sw := switchLine("s", func(_ *App, on bool) { gotOn = &on })
+	for _, tc := range []struct {
+		line    optionLine
+		args    string
+		wantErr string
+	}{
+		{dur, "250ms", ""},
+		{dur, "5ms", `d: want a duration of at least 10ms, such as 1s, got "5ms"`},
+		{dur, "soon", `d: want a duration of at least 10ms`},
+		{dur, "", "wrong argument count"},
+		{dur, "1s 2s", "wrong argument count"},
+		{durationLine("tiny", 0, func(*App, time.Duration) {}), "500us", "at least 1ms"},
+		{count, "5", ""},
+		{count, "6", `n: want an integer from 1 to 5, got "6"`},
+		{count, "x", `n: want an integer from 1 to 5`},
+		{open, "2", ""},
+		{open, "1", `m: want an integer of at least 2, got "1"`},
+		{ratio, "0.5", ""},
+		{ratio, "0", `r: want a ratio in (0, 1], got "0"`},
+		{ratio, "1.5", `r: want a ratio in (0, 1]`},
+		{sw, "off", ""},
+		{sw, "maybe", `s: want on or off, got "maybe"`},
+		{flagLine("f", func(*App) {}), "extra", "wrong argument count"},
+	} {
+		_, err := parseLine(tc.line, tc.args)
+		switch {
+		case tc.wantErr == "" && err != nil:
+			t.Errorf("%s %s: %v", tc.line.name, tc.args, err)
+		case tc.wantErr != "" && (err == nil || !strings.Contains(err.Error(), tc.wantErr)):
+			t.Errorf("%s %s: error %v, want %q", tc.line.name, tc.args, err, tc.wantErr)
+		}
+	}
+	if gotDur != 250*time.Millisecond || gotInt != 2 || gotRatio != 0.5 || gotOn == nil || *gotOn {
+		t.Fatalf("values stored: %v %v %v %v", gotDur, gotInt, gotRatio, gotOn)
+	}
+}
+
+// TestOptions_EveryBackendLineIsKnown: the global option knows the app's
+// lines and every backend kind's, each under one name.
+func TestOptions_EveryBackendLineIsKnown(t *testing.T) {
+	lines := optionLines()
+	n := len(appLines)
+	for _, k := range backendKinds {
+		n += len(k.lines)
+	}
+	if len(lines) != n {
+		t.Fatalf("%d distinct lines of %d declared: two lines share a name", len(lines), n)
+	}
+	for _, name := range []string{"region", "max_entries", "redis", "fast_tick", "mysql", "mysql_flush", "denial_gossip"} {
+		if _, ok := lines[name]; !ok {
+			t.Errorf("line %q unknown", name)
+		}
+	}
+}
+
+// TestOptions_ChecksRunAfterTheValueIsStored: a check across lines names
+// the line that made the settings wrong.
+func TestOptions_ChecksRunAfterTheValueIsStored(t *testing.T) {
+	d := caddyfile.NewTestDispenser("ratelimit {\n\tredis redis://a\n\tredis_cluster b:1\n}")
+	err := new(App).UnmarshalCaddyfile(d)
+	if err == nil || !strings.Contains(err.Error(), "set only one of redis, redis_cluster and redis_sentinel") || !strings.Contains(err.Error(), ":3") {
+		t.Fatalf("error %v, want the conflict at line 3", err)
+	}
+}
