@@ -194,4 +194,3 @@ func (h *Handler) compile() {
 	}
 	h.policyAll = strings.Join(policies, ", ")
 }
-
