@@ -4,27 +4,39 @@
 //
 // A request's path, and the file that holds each step:
 //
-//	ServeHTTP                      module.go: each zone's key and cost
-//	  │                              (templates.go), IP masking (identifiers.go)
+//	ServeHTTP                      handler.go: each zone's key and cost
+//	  │                              (templates.go, cost.go), IP masking
+//	  │                              (identifiers.go)
 //	  ├─ engine decision           engine/: all zones at once, from memory
 //	  │    └─ origin read          origin/: only when the tier asks (cold key,
 //	  │                              near the limit, strict mode)
 //	  ├─ headers                   headers.go: RateLimit, X-RateLimit-*, Retry-After
-//	  ├─ next handler, or 429      module.go (deny); dry run: dryrun.go
-//	  └─ async replay              engine/ → origin/: the charged units reach
+//	  ├─ next handler, or 429      handler.go (deny); dry run: dryrun.go
+//	  └─ replay                    engine/ → origin/: the charged units reach
 //	                                 Redis in the background
 //
 // Around it:
 //
-//	caddyfile.go   the directive and the global option, line by line
-//	validate.go    the checks they share with Validate (JSON configs)
-//	app.go         the app: the process's one engine in a caddy.UsagePool
-//	apps.go        the one registry of live apps (provisioned, started)
-//	redis.go       the Redis origin's lifecycle across reloads
-//	zones.go       zone definitions across handlers and configs
-//	admin.go       admin API: status, counters, strict keys
-//	metrics.go     Prometheus collectors
-//	logs.go        log lines of the engine and origin hooks
+//	handler_config.go    the handler's zones: config and what it compiles to
+//	handler_caddyfile.go the directive, line by line
+//	validate.go          the checks the Caddyfile and Validate (JSON) share
+//	app.go               the app: settings, Provision, Start, Stop, Cleanup
+//	state.go             the process's one engine in a caddy.UsagePool, and
+//	                     the live apps (provisioned, started) around it
+//	backend.go           the one interface of a backend's lifecycle; the
+//	                     app loops over the list of kinds
+//	options.go           the global option: one table of lines, one parser
+//	                     per kind of value
+//	redis.go             the Redis backend (origin/), its lines;
+//	redis_status.go      its status section and metrics
+//	mysql.go             the MySQL backend (propagation/), its lines;
+//	mysql_status.go      its status section, /ratelimit/blocklist, metrics
+//	counters.go          counters declared once: status and Prometheus
+//	                     are made from the same list
+//	zones.go             zone definitions across handlers and configs
+//	admin.go             admin API: status, counters, strict keys
+//	metrics.go           the handler's metrics and the engine's collector
+//	logs.go              log lines of the engine and origin hooks
 //
 // # Words
 //
