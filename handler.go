@@ -166,9 +166,11 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	}
 	lims, zi, ownLimits, missing := h.limits(r, lims, zi)
 	switch {
-	case missing != nil:
-		return deny(w, r, missing)
+	case missing >= 0:
+		h.setMissing(r, missing)
+		return deny(w, r, h.zones[missing].missing)
 	case len(lims) == 0:
+		h.setOutcome(r, decisionSkipped, nil, nil, nil, -1)
 		return next.ServeHTTP(w, r)
 	}
 	decs = decs[:len(lims)]
@@ -179,18 +181,36 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	switch {
 	case h.DryRun:
 		h.dryRunDenied(lims, decs, zi) // would-be denials are logged; the request was charged
+		decision, all := decisionAllowed, allAllowed(decs)
+		if !all {
+			decision = decisionDryRunDenied
+		}
+		h.setOutcome(r, decision, lims, decs, zi, spokenZone(decs, all))
 		return next.ServeHTTP(w, r)
 	case allowed:
+		h.setOutcome(r, decisionAllowed, lims, decs, zi, spokenZone(decs, true))
 		return next.ServeHTTP(w, r)
 	}
+	h.setOutcome(r, decisionDenied, lims, decs, zi, spokenZone(decs, false))
 	return h.denied(w, r, hdr, decs, zi)
+}
+
+// allAllowed reports whether every limit allowed.
+func allAllowed(decs []engine.Decision) bool {
+	for k := range decs {
+		if !decs[k].Allowed {
+			return false
+		}
+	}
+	return true
 }
 
 // limits appends to lims the limit of each zone that applies to the
 // request, and to zi the zone's index. ownLimits is false when an
-// override changed a zone's limit. missing is the error of a zone whose
-// key is empty under on_missing_key deny: the request is denied at once.
-func (h *Handler) limits(r *http.Request, lims []engine.Limit, zi []int) (_ []engine.Limit, _ []int, ownLimits bool, missing error) {
+// override changed a zone's limit. missing is the index of a zone whose
+// key is empty under on_missing_key deny (the request is denied at once),
+// -1 when none.
+func (h *Handler) limits(r *http.Request, lims []engine.Limit, zi []int) (_ []engine.Limit, _ []int, ownLimits bool, missing int) {
 	repl, _ := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 	ownLimits = true
 	for i := range h.zones {
@@ -203,7 +223,7 @@ func (h *Handler) limits(r *http.Request, lims []engine.Limit, zi []int) (_ []en
 				continue
 			case missingDeny:
 				z.metrics.missingKey.Inc()
-				return lims, zi, ownLimits, z.missing
+				return lims, zi, ownLimits, i
 			}
 		} else {
 			id = maskIP(id, z.v4, z.v6)
@@ -228,7 +248,7 @@ func (h *Handler) limits(r *http.Request, lims []engine.Limit, zi []int) (_ []en
 		})
 		zi = append(zi, i)
 	}
-	return lims, zi, ownLimits, nil
+	return lims, zi, ownLimits, -1
 }
 
 // decide decides lims all together into decs and reports whether the

@@ -1,0 +1,150 @@
+package ratelimit
+
+import (
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+
+	"github.com/edgelimit/caddy-ratelimit/engine"
+)
+
+// The decision of a request, as placeholders the rest of Caddy reads (log
+// lines, headers, error routes):
+//
+//	{http.ratelimit.zone}        the zone that denied, or the most
+//	                             constrained one (lowest remaining)
+//	{http.ratelimit.limit}       that zone's limit for the request
+//	{http.ratelimit.remaining}   its units left after the decision
+//	{http.ratelimit.reset}       seconds to the end of its window
+//	{http.ratelimit.decision}    allowed, denied, dry_run_denied or skipped
+//	{http.ratelimit.identifier}  the zone's identifier as it leaves the
+//	                             process: its HMAC under identifier_secret,
+//	                             whole with log_identifiers, else truncated
+//
+// They are one provider of the request's replacer, computed only when
+// something reads them: a decided request pays one small allocation for
+// them, never a string it does not need.
+
+const placeholderPrefix = "http.ratelimit."
+
+// Decisions as {http.ratelimit.decision} says them.
+const (
+	decisionAllowed      = "allowed"
+	decisionDenied       = "denied"
+	decisionDryRunDenied = "dry_run_denied"
+	decisionSkipped      = "skipped"
+)
+
+// outcome is what the placeholders of one request read. It is at most 128
+// bytes, so that the closure of setOutcome holds it by value (one
+// allocation, not two).
+type outcome struct {
+	ids              *identities
+	decision         string
+	zone             string
+	id               string
+	limit, remaining int64
+	reset            time.Duration
+	decided          bool // limit, remaining and reset are known
+}
+
+// lookup is the replacer provider.
+func (o outcome) lookup(key string) (any, bool) {
+	name, ok := strings.CutPrefix(key, placeholderPrefix)
+	if !ok {
+		return nil, false
+	}
+	switch name {
+	case "decision":
+		return o.decision, true
+	case "zone":
+		return o.zone, true
+	case "identifier":
+		return o.identifier(), true
+	}
+	if !o.decided {
+		switch name {
+		case "limit", "remaining", "reset":
+			return "", true
+		}
+		return nil, false
+	}
+	switch name {
+	case "limit":
+		return strconv.FormatInt(o.limit, 10), true
+	case "remaining":
+		return strconv.FormatInt(o.remaining, 10), true
+	case "reset":
+		return strconv.FormatInt(ceilSeconds(o.reset), 10), true
+	}
+	return nil, false
+}
+
+// identifier renders the zone's identifier as identifiers leave the
+// process.
+func (o outcome) identifier() string {
+	switch {
+	case o.id == "":
+		return ""
+	case o.ids.hashed():
+		return identifierHMAC(o.ids.secret, engine.NormalizeIdentifier(o.id))
+	case o.ids.logRaw:
+		return o.id
+	}
+	return truncateIdentifier(o.id)
+}
+
+// setOutcome makes the decision of r readable as placeholders: k is the
+// index (in lims and decs) of the zone the placeholders speak of, -1 when
+// every zone was skipped.
+func (h *Handler) setOutcome(r *http.Request, decision string, lims []engine.Limit, decs []engine.Decision, zi []int, k int) {
+	repl, _ := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+	if repl == nil {
+		return
+	}
+	// o is never assigned again, so the closure holds its own copy of it:
+	// one allocation in all.
+	o := h.outcome(decision, lims, decs, zi, k)
+	repl.Map(func(key string) (any, bool) { return o.lookup(key) })
+}
+
+// outcome is the outcome of a request decided against lims; k as for
+// setOutcome.
+func (h *Handler) outcome(decision string, lims []engine.Limit, decs []engine.Decision, zi []int, k int) outcome {
+	o := outcome{ids: &h.ids, decision: decision}
+	if k >= 0 {
+		o.zone, o.id, o.limit, o.decided = h.zones[zi[k]].name, lims[k].Identifier, lims[k].Limit, true
+		o.remaining, o.reset = decs[k].Remaining, decs[k].Reset
+	}
+	return o
+}
+
+// setMissing makes a denial for a missing key readable as placeholders:
+// the zone whose key was empty, no identifier, no count.
+func (h *Handler) setMissing(r *http.Request, zone int) {
+	repl, _ := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+	if repl == nil {
+		return
+	}
+	o := outcome{ids: &h.ids, decision: decisionDenied, zone: h.zones[zone].name}
+	repl.Map(func(key string) (any, bool) { return o.lookup(key) })
+}
+
+// spokenZone is the zone the placeholders speak of: the first that denied
+// when the request was denied (or would have been, in a dry run), else the
+// most constrained (the lowest remaining; on a tie, the first).
+func spokenZone(decs []engine.Decision, allowed bool) int {
+	m := 0
+	for k := range decs {
+		if !allowed && !decs[k].Allowed {
+			return k
+		}
+		if decs[k].Remaining < decs[m].Remaining {
+			m = k
+		}
+	}
+	return m
+}

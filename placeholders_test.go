@@ -1,0 +1,145 @@
+package ratelimit
+
+import (
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+
+	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
+)
+
+// placeholdersOf serves one request through h and returns what the
+// {http.ratelimit.*} placeholders read afterwards.
+func placeholdersOf(t *testing.T, h *Handler, vars map[string]string) map[string]string {
+	t.Helper()
+	req := requestWith(vars)
+	next := caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error { return nil })
+	_ = h.ServeHTTP(httptest.NewRecorder(), req, next)
+	repl := req.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+	out := map[string]string{}
+	for _, k := range []string{"zone", "limit", "remaining", "reset", "decision", "identifier"} {
+		v, ok := repl.GetString("http.ratelimit." + k)
+		if !ok {
+			v = "<unset>"
+		}
+		out[k] = v
+	}
+	return out
+}
+
+func wantPlaceholders(t *testing.T, got map[string]string, want string) {
+	t.Helper()
+	var b strings.Builder
+	for _, k := range []string{"zone", "limit", "remaining", "reset", "decision", "identifier"} {
+		b.WriteString(k + "=" + got[k] + " ")
+	}
+	if s := strings.TrimSpace(b.String()); s != want {
+		t.Fatalf("placeholders\n %s\nwant\n %s", s, want)
+	}
+}
+
+// TestPlaceholders_SpeakOfTheZoneThatDecided: the most constrained zone of
+// an allowed request, the zone that denied a denied one.
+func TestPlaceholders_SpeakOfTheZoneThatDecided(t *testing.T) {
+	useClock(t, 15*time.Second)
+	h := provisionTest(t, nil, &Handler{Zones: []*Zone{zoneOf("ph_wide", 10, time.Minute), zoneOf("ph_tight", 2, time.Minute)}})
+	id := map[string]string{"ph_wide": "customer-1234567890", "ph_tight": "customer-1234567890"}
+	wantPlaceholders(t, placeholdersOf(t, h, id),
+		"zone=ph_tight limit=2 remaining=1 reset=45 decision=allowed identifier=cust…")
+	placeholdersOf(t, h, id)
+	wantPlaceholders(t, placeholdersOf(t, h, id),
+		"zone=ph_tight limit=2 remaining=0 reset=45 decision=denied identifier=cust…")
+}
+
+func TestPlaceholders_DryRunSkipAndMissingKey(t *testing.T) {
+	useClock(t, 0)
+	dry := provisionTest(t, nil, &Handler{DryRun: true, Zones: []*Zone{zoneOf("ph_dry", 1, time.Minute)}})
+	placeholdersOf(t, dry, map[string]string{"ph_dry": "k"})
+	wantPlaceholders(t, placeholdersOf(t, dry, map[string]string{"ph_dry": "k"}),
+		"zone=ph_dry limit=1 remaining=0 reset=60 decision=dry_run_denied identifier=…")
+	skip := provisionTest(t, nil, &Handler{OnMissingKey: "skip", Zones: []*Zone{zoneOf("ph_skip", 1, time.Minute)}})
+	wantPlaceholders(t, placeholdersOf(t, skip, nil), "zone= limit= remaining= reset= decision=skipped identifier=")
+	deny := provisionTest(t, nil, &Handler{OnMissingKey: "deny", Zones: []*Zone{zoneOf("ph_deny", 1, time.Minute)}})
+	wantPlaceholders(t, placeholdersOf(t, deny, nil), "zone=ph_deny limit= remaining= reset= decision=denied identifier=")
+}
+
+// TestPlaceholders_IdentifierLeavesAsConfigured: the HMAC under
+// identifier_secret, whole with log_identifiers, truncated otherwise.
+func TestPlaceholders_IdentifierLeavesAsConfigured(t *testing.T) {
+	useClock(t, 0)
+	const secret = "0123456789abcdef-secret"
+	for _, tc := range []struct {
+		app  *App
+		want string
+	}{
+		{&App{}, "sk_l…"},
+		{&App{LogIdentifiers: true}, "sk_live_abcdefghij"},
+		{&App{IdentifierSecret: secret}, identifierHMAC([]byte(secret), "sk_live_abcdefghij")},
+	} {
+		ids, err := newIdentities(tc.app.IdentifierSecret, tc.app.LogIdentifiers)
+		if err != nil {
+			t.Fatal(err)
+		}
+		tc.app.ids = ids
+		h := provisionTest(t, tc.app, &Handler{Zones: []*Zone{zoneOf("ph_id", 5, time.Minute)}})
+		if got := placeholdersOf(t, h, map[string]string{"ph_id": "sk_live_abcdefghij"})["identifier"]; got != tc.want {
+			t.Errorf("identifier %q, want %q", got, tc.want)
+		}
+	}
+}
+
+// TestCaddy_PlaceholdersInARouteAnErrorRouteAndTheAccessLog: the README's
+// example: a response and an error body read the decision, and the access
+// log carries it (log_append).
+func TestCaddy_PlaceholdersInARouteAnErrorRouteAndTheAccessLog(t *testing.T) {
+	useClock(t, 15*time.Second)
+	logFile := filepath.Join(t.TempDir(), "access.log")
+	routes := fmt.Sprintf(`
+	log {
+		output file %s
+		format json
+	}
+	log_append ratelimit_decision {http.ratelimit.decision}
+	log_append ratelimit_zone {http.ratelimit.zone}
+	handle /ph {
+		ratelimit {
+			zone e2e_ph {
+				key    {http.request.header.X-Key}
+				limit  2
+				window 1m
+			}
+		}
+		respond "{http.ratelimit.decision} {http.ratelimit.zone} {http.ratelimit.remaining}"
+	}
+	handle_errors 429 {
+		respond "{http.ratelimit.decision} by {http.ratelimit.zone}: retry in {http.ratelimit.reset} s" 429
+	}`, logFile)
+	tester, _, base := startCaddy(t, func(admin, port int) string { return e2eConfig(admin, port, routes) })
+	get(t, tester, base+"/ph", "X-Key", "k").expect(t, 200, "allowed e2e_ph 1")
+	get(t, tester, base+"/ph", "X-Key", "k").expect(t, 200, "allowed e2e_ph 0")
+	get(t, tester, base+"/ph", "X-Key", "k").expect(t, 429, "denied by e2e_ph: retry in 45 s")
+	var lines []string
+	redistest.Eventually(t, 5*time.Second, "three access log lines", func() bool {
+		b, _ := os.ReadFile(logFile)
+		lines = strings.Split(strings.TrimSpace(string(b)), "\n")
+		return len(lines) >= 3
+	})
+	for i, want := range []string{"allowed", "allowed", "denied"} {
+		var entry map[string]any
+		if err := json.Unmarshal([]byte(lines[i]), &entry); err != nil {
+			t.Fatal(err)
+		}
+		if entry["ratelimit_decision"] != want || entry["ratelimit_zone"] != "e2e_ph" {
+			t.Fatalf("access log line %d: decision %v zone %v, want %s e2e_ph", i, entry["ratelimit_decision"], entry["ratelimit_zone"], want)
+		}
+	}
+}
