@@ -4,12 +4,14 @@
 #                plain Caddy under wrk (scripts/loadtest.sh); make loadtest is
 #                the same
 # make soak      the long multi-region scenarios (default intervals, minutes of load; SOAK_MINUTES)
+# make bench-engine-vs REF=<commit>  the engine's decision benchmarks against another
+#                commit's, builds alternated in one sitting, medians (scripts/bench-engine-vs.sh)
 # make property  the multi-node reference test for PROPERTY_DURATION (default 10m) of random seeds
 
 GO       ?= go
 TIMEOUT  ?= 20m
 
-.PHONY: test vet fmt-check servers allocs bench compare loadtest soak property
+.PHONY: test vet fmt-check servers allocs bench bench-engine-vs compare loadtest soak property
 
 test: vet fmt-check servers allocs
 	PATH="$$PATH:/usr/sbin:/usr/local/sbin" $(GO) test -race -count=1 -timeout $(TIMEOUT) ./...
@@ -33,6 +35,9 @@ servers:
 
 bench:
 	$(GO) test -run '^$$' -bench . -benchmem ./...
+
+bench-engine-vs:
+	GO=$(GO) REF=$(REF) scripts/bench-engine-vs.sh
 
 # Real Caddy under wrk, this module and the peer module side by side with
 # plain Caddy; ROUNDS, DURATION, SCENARIOS, PEER, RESULTS, PROFILE tune it
