@@ -109,7 +109,7 @@ func New(cfg Config, opts Options) (*Redis, error) {
 			r:       r,
 			address: s.address,
 			kind:    s.kind,
-			seed:    labelHash(s.kind, s.partitionLabelOrAddress()),
+			seed:    labelHash(s.kind, s.placementLabel()),
 			client:  newClient(s, roots),
 		}
 		ep.idle = sync.NewCond(&ep.mu)
@@ -118,13 +118,6 @@ func New(cfg Config, opts Options) (*Redis, error) {
 		r.endpoints = append(r.endpoints, ep)
 	}
 	return r, nil
-}
-
-func (s *endpointSpec) partitionLabelOrAddress() string {
-	if s.kind == KindStandalone {
-		return s.partitionLabel()
-	}
-	return s.address
 }
 
 // processNodeID identifies this process to Redis. The engine, and with it
