@@ -14,9 +14,10 @@ import (
 )
 
 // A flush sends the cells in chunks, one EVALSHA of writeScript (scripts.go)
-// per chunk, in one pipeline per endpoint: each cell's contribution hash records each
-// process's absolute total, so the write is idempotent and a Redis restarted
-// empty is repaired by the next flush of each cell, exactly. A script Redis
+// per chunk, in one pipeline per endpoint: each cell's contribution hash
+// records the own total of each process's incarnation, so the write is
+// idempotent and a Redis restarted empty is repaired by the next flush of
+// each cell, exactly. A script Redis
 // does not know (restarted, failed over) is loaded and the pipeline's
 // failed items sent again: they are idempotent too.
 

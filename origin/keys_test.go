@@ -189,7 +189,7 @@ func FuzzKeyEncodingInjective(f *testing.F) {
 		if (hashTag(a) == hashTag(b)) != (ns1 == ns2 && id1 == id2) {
 			t.Fatalf("hash tags of %q and %q: equal=%v, but (ns, id) equal=%v", a, b, hashTag(a) == hashTag(b), ns1 == ns2 && id1 == id2)
 		}
-		if ownersKey(a) == b {
+		if contributionKey(a) == b {
 			t.Fatalf("contribution hash of %q is the key of another cell", a)
 		}
 		cur, prev := cellKeys(DefaultPrefix, k1, s1)

@@ -51,11 +51,11 @@ type readReq struct {
 }
 
 // Read returns the totals of the cell (key, seq) and of the cell before it,
-// with the recorded share of this process's incarnation inc of the cell,
-// which it registers in the cell; a missing cell is 0. It
-// returns by ctx's deadline whatever Redis does, and at once when the
-// endpoint's request-path breaker is open. Concurrent reads of one
-// endpoint share round trips.
+// with the own total recorded for this process's incarnation inc of the
+// cell, which it registers in the cell; a missing cell is 0. It returns by
+// ctx's deadline whatever Redis does, and at once when the endpoint's
+// request-path breaker is open. Concurrent reads of one endpoint share
+// round trips.
 func (r *Redis) Read(ctx context.Context, key engine.Key, seq int64, inc uint32) (engine.Totals, error) {
 	start := time.Now()
 	ep := r.route(key)

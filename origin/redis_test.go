@@ -163,7 +163,7 @@ func TestFlush_ReaddsOwnContributionsAfterRestartEmpty(t *testing.T) {
 	if got, err := c.Get(ctxT(t), cellKey(DefaultPrefix, k, seq)).Int64(); err != nil || got != 11 {
 		t.Fatalf("Redis holds %d (%v), want 11", got, err)
 	}
-	if got, err := c.HGetAll(ctxT(t), ownersKey(cellKey(DefaultPrefix, k, seq))).Result(); err != nil ||
+	if got, err := c.HGetAll(ctxT(t), contributionKey(cellKey(DefaultPrefix, k, seq))).Result(); err != nil ||
 		got["a.0"] != "7" || got["b.0"] != "4" || len(got) != 2 {
 		t.Fatalf("contributions %v (%v), want a=7 b=4", got, err)
 	}
@@ -173,7 +173,7 @@ func TestFlush_ReaddsOwnContributionsAfterRestartEmpty(t *testing.T) {
 	if d := flush(b, 1); d.Totals.Cur != 13 {
 		t.Fatalf("after recovery: total %d, want 13", d.Totals.Cur)
 	}
-	at, err := c.Do(ctxT(t), "PEXPIRETIME", ownersKey(cellKey(DefaultPrefix, k, seq))).Int64()
+	at, err := c.Do(ctxT(t), "PEXPIRETIME", contributionKey(cellKey(DefaultPrefix, k, seq))).Int64()
 	if err != nil || at != (seq+3)*time.Minute.Milliseconds() {
 		t.Fatalf("contribution hash expires at %d (%v), want with its cell", at, err)
 	}
@@ -238,7 +238,7 @@ func TestFlush_OverlappingFlushesOfACellCountOnce(t *testing.T) {
 	}
 
 	// A real shortfall (Redis lost 2 of this process's units) is repaired.
-	if err := srv.Client().HSet(ctxT(t), ownersKey(cellKey(DefaultPrefix, k, seq)), "p.0", 5).Err(); err != nil {
+	if err := srv.Client().HSet(ctxT(t), contributionKey(cellKey(DefaultPrefix, k, seq)), "p.0", 5).Err(); err != nil {
 		t.Fatal(err)
 	}
 	third := []engine.Delta{{Key: k, Sequence: seq, Delta: 1, Own: 8}}

@@ -65,7 +65,7 @@ func (ep *endpoint) reserveArgs(res *engine.Reservation) (keys []string, args []
 		costs = strconv.AppendInt(append(costs, ' '), c, 10)
 	}
 	cur, prev := cellKeys(ep.r.prefix, res.Key, res.Sequence)
-	keys = []string{cur, ownersKey(cur), prev}
+	keys = []string{cur, contributionKey(cur), prev}
 	args = []any{ep.r.nodeID + "." + strconv.FormatUint(uint64(res.Incarnation), 10), res.Own, expireAt(res.Key, res.Sequence).UnixMilli(), string(costs), res.Limit,
 		windowMs(res.Key.Window), res.Elapsed, engine.ClampCount(res.Global), engine.ClampCount(res.GlobalPrev)}
 	return keys, args, nil

@@ -116,7 +116,7 @@ func TestReserve_WeighsThePreviousCellAndImportedCounts(t *testing.T) {
 			t.Fatalf("previous total %d, want 40", r.Totals.Prev)
 		}
 		if r.Admitted { // give the unit back for the next case
-			if err := srv.Client().Del(ctxT(t), cellKey(DefaultPrefix, k, seq), ownersKey(cellKey(DefaultPrefix, k, seq))).Err(); err != nil {
+			if err := srv.Client().Del(ctxT(t), cellKey(DefaultPrefix, k, seq), contributionKey(cellKey(DefaultPrefix, k, seq))).Err(); err != nil {
 				t.Fatal(err)
 			}
 		}
