@@ -2,8 +2,6 @@ package origin
 
 import (
 	"context"
-	"fmt"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -11,58 +9,6 @@ import (
 	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
 	"github.com/edgelimit/caddy-ratelimit/internal/testclock"
 )
-
-// nodesMade numbers the simulated nodes, for their IDs.
-var nodesMade atomic.Int64
-
-// node is one simulated Caddy process: an engine with its own origin.
-type node struct {
-	e *engine.Engine
-	o *Redis
-	// flushedCells counts cells the origin flushed successfully.
-	flushedCells atomic.Int64
-}
-
-func newNode(t *testing.T, url string, clock *testclock.Clock) *node {
-	t.Helper()
-	n := &node{}
-	n.o = newOrigin(t, Config{Redis: []string{url}}, Options{NodeID: t.Name() + fmt.Sprint(nodesMade.Add(1)), OnCall: func(c CallInfo) {
-		if c.Op == OpFlush && c.Outcome == OutcomeOK {
-			n.flushedCells.Add(int64(c.Cells))
-		}
-	}})
-	n.e = engine.New(engine.Config{Now: clock.Now})
-	n.e.SetOrigin(n.o)
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		_ = n.e.Close(ctx)
-	})
-	return n
-}
-
-// tick runs the replay ticks due at simulated millisecond ms, as the
-// engine's loop would: fast every 10 ms, slow every 100 ms.
-func (n *node) tick(t *testing.T, ms int64) {
-	ctx := context.Background()
-	if ms%engine.DefaultFastTick.Milliseconds() == 0 {
-		if _, err := n.e.ReplayOnce(ctx, engine.Fast); err != nil {
-			t.Fatalf("fast replay: %v", err)
-		}
-	}
-	if ms%engine.DefaultSlowTick.Milliseconds() == 0 {
-		if _, err := n.e.ReplayOnce(ctx, engine.Slow); err != nil {
-			t.Fatalf("slow replay: %v", err)
-		}
-	}
-}
-
-// windowStart returns the start of the next window after the real clock:
-// the simulation runs in the near future so PEXPIREAT keeps its keys.
-func windowStart(w time.Duration) int64 {
-	wms := w.Milliseconds()
-	return (time.Now().UnixMilli()/wms + 1) * wms
-}
 
 // TestConvergence_TwoEnginesShareOneRedis is the scenario: two
 // processes sharing one Redis, one key limited to 10,000 per 10 s, offered
