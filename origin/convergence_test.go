@@ -7,7 +7,6 @@ import (
 
 	"github.com/edgelimit/caddy-ratelimit/engine"
 	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
-	"github.com/edgelimit/caddy-ratelimit/internal/testclock"
 )
 
 // TestConvergence_TwoEnginesShareOneRedis is the scenario: two
@@ -26,9 +25,7 @@ func TestConvergence_TwoEnginesShareOneRedis(t *testing.T) {
 		duration = 10_000 // ms
 		perMs    = 2      // 2,000 req/s: one request per node per millisecond
 	)
-	clock := testclock.New(time.UnixMilli(0))
-	start := windowStart(window)
-	clock.Set(time.UnixMilli(start))
+	clock, start := windowClock(window)
 	nodes := []*node{newNode(t, srv.URL(), clock), newNode(t, srv.URL(), clock)}
 	k := engine.Key{Namespace: "api", Identifier: "tenant-42", Window: window}
 
@@ -115,9 +112,7 @@ func TestConvergence_HotKeyBelowHalfItsLimit(t *testing.T) {
 		duration = 10_000 // ms
 		perMs    = 2
 	)
-	clock := testclock.New(time.UnixMilli(0))
-	start := windowStart(window)
-	clock.Set(time.UnixMilli(start))
+	clock, start := windowClock(window)
 	n := newNode(t, srv.URL(), clock)
 	k := engine.Key{Namespace: "api", Identifier: "hot", Window: window}
 

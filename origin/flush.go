@@ -94,16 +94,6 @@ func boundContext(ctx context.Context) (context.Context, context.CancelFunc) {
 	return context.WithDeadline(ctx, limit)
 }
 
-// expireAt is when the cell (key, seq) may leave Redis: the end of the cell
-// plus two windows. Past its own end the cell is still weighted as the
-// previous cell for one window, and one more window of slack covers clock
-// skew between nodes and a replay that arrives late; so a cell never
-// expires while it is still weighted, and a lost PEXPIREAT is repeated by
-// the next write (it is idempotent), so no key lives forever.
-func expireAt(key engine.Key, seq int64) time.Time {
-	return time.UnixMilli((seq + 3) * windowMs(key.Window))
-}
-
 // flush writes the items idx of batch (all when idx is nil).
 func (ep *endpoint) flush(ctx context.Context, batch []engine.Delta, idx []int) error {
 	if ep.r.closed.Load() {

@@ -131,6 +131,13 @@ func windowStart(w time.Duration) int64 {
 	return (time.Now().UnixMilli()/wms + 1) * wms
 }
 
+// windowClock is a simulated clock at windowStart(w), and that start in
+// Unix milliseconds.
+func windowClock(w time.Duration) (*testclock.Clock, int64) {
+	start := windowStart(w)
+	return testclock.New(time.UnixMilli(start)), start
+}
+
 // blockPipelines makes o's next pipeline wait until release is closed,
 // after its flush has registered as in flight; entered is closed when it
 // waits.

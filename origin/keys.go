@@ -81,6 +81,16 @@ func appendTag(b []byte, key engine.Key) []byte {
 	return append(b, '}')
 }
 
+// expireAt is when the cell (key, seq) may leave Redis: the end of the cell
+// plus two windows. Past its own end the cell is still weighted as the
+// previous cell for one window, and one more window of slack covers clock
+// skew between nodes and a replay that arrives late; so a cell never
+// expires while it is still weighted, and a lost PEXPIREAT is repeated by
+// the next write (it is idempotent), so no key lives forever.
+func expireAt(key engine.Key, seq int64) time.Time {
+	return time.UnixMilli((seq + 3) * windowMs(key.Window))
+}
+
 // windowMs is the window at the millisecond precision the engine uses for
 // sequences; the engine guarantees at least one millisecond.
 func windowMs(w time.Duration) int64 { return w.Milliseconds() }
