@@ -1,11 +1,9 @@
 package origin
 
 import (
-	"context"
 	"errors"
 	"slices"
 	"sort"
-	"sync"
 	"testing"
 	"time"
 
@@ -19,25 +17,11 @@ import (
 // half-open probe closes it again over a fresh connection.
 func TestBreaker_OpensWhenRedisStopsAndRecoversAfterRestart(t *testing.T) {
 	srv := redistest.Start(t)
-	var mu sync.Mutex
-	var transitions []string
-	hooks := Options{OnStateChange: func(ep, name string, from, to BreakerState) {
-		if name != BreakerName {
-			return
-		}
-		mu.Lock()
-		transitions = append(transitions, string(from)+">"+string(to))
-		mu.Unlock()
-	}}
+	var states stateLog
 	cfg := Config{Redis: []string{srv.URL()}, Breaker: BreakerConfig{Timeout: Duration(500 * time.Millisecond)}}
-	o := newOrigin(t, cfg, hooks)
+	o := newOrigin(t, cfg, Options{OnStateChange: states.hook})
 	k, seq := key("carol"), nowSeq()
-	read := func() error {
-		ctx, cancel := context.WithTimeout(context.Background(), engine.DefaultReadTimeout)
-		defer cancel()
-		_, _, err := readPair(o, ctx, k, seq)
-		return err
-	}
+	read := func() error { return requestRead(o, k, seq) }
 	// Healthy traffic first: successes in the window must not mask the
 	// outage that follows (the ratio decides, not a count).
 	for i := 0; i < 30; i++ {
@@ -79,13 +63,12 @@ func TestBreaker_OpensWhenRedisStopsAndRecoversAfterRestart(t *testing.T) {
 		return read() == nil && o.Stats().Endpoints[0].Breaker == BreakerClosed
 	})
 	redistest.Eventually(t, time.Second, "state changes reported", func() bool {
-		mu.Lock()
-		defer mu.Unlock()
 		// Probes that failed while Redis was down add open>half-open>open
 		// cycles in the middle.
-		n := len(transitions)
-		return n >= 3 && transitions[0] == "closed>open" &&
-			slices.Equal(transitions[n-2:], []string{"open>half-open", "half-open>closed"})
+		seen := states.transitions(BreakerName)
+		n := len(seen)
+		return n >= 3 && seen[0] == "closed>open" &&
+			slices.Equal(seen[n-2:], []string{"open>half-open", "half-open>closed"})
 	})
 	if st := o.Stats().Endpoints[0]; st.Calls["read"]["rejected"] == 0 || st.Calls["flush"]["rejected"] == 0 {
 		t.Fatalf("rejected calls not counted: %+v", st.Calls)
@@ -100,9 +83,7 @@ func TestBreaker_SlowRedisOpensTheRequestPathOnly(t *testing.T) {
 	var took []time.Duration
 	for i := 0; i < 60; i++ {
 		start := time.Now()
-		ctx, cancel := context.WithTimeout(context.Background(), engine.DefaultReadTimeout)
-		_, _ = o.Read(ctx, k, seq, 0)
-		cancel()
+		_ = requestRead(o, k, seq)
 		took = append(took, time.Since(start))
 		if err := o.Flush(ctxT(t), []engine.Delta{{Key: k, Sequence: seq, Delta: 1, Own: int64(i + 1)}}); err != nil {
 			t.Fatalf("flush %d through a slow Redis: %v", i, err)

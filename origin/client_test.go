@@ -101,3 +101,19 @@ func TestCluster_ThreeNodes(t *testing.T) {
 		t.Fatalf("stats: %+v", st)
 	}
 }
+
+// nodeOfSlot returns the address of the Cluster node that serves slot.
+func nodeOfSlot(t *testing.T, c *redis.Client, slot int64) string {
+	t.Helper()
+	slots, err := c.ClusterSlots(ctxT(t)).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, s := range slots {
+		if int64(s.Start) <= slot && slot <= int64(s.End) {
+			return s.Nodes[0].Addr
+		}
+	}
+	t.Fatalf("slot %d is not served", slot)
+	return ""
+}

@@ -7,6 +7,7 @@ import (
 
 	"github.com/edgelimit/caddy-ratelimit/engine"
 	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
+	"github.com/edgelimit/caddy-ratelimit/internal/testclock"
 )
 
 // TestConvergence_TwoEnginesShareOneRedis is the scenario: two
@@ -44,12 +45,7 @@ func TestConvergence_TwoEnginesShareOneRedis(t *testing.T) {
 		}
 	}
 	for _, n := range nodes {
-		if _, err := n.e.ReplayOnce(ctx, engine.Fast); err != nil {
-			t.Fatal(err)
-		}
-		if _, err := n.e.ReplayOnce(ctx, engine.Slow); err != nil {
-			t.Fatal(err)
-		}
+		n.tick(t, 0) // both ticks are due at 0: the last replay of each
 	}
 
 	requests := duration * perMs
@@ -69,25 +65,8 @@ func TestConvergence_TwoEnginesShareOneRedis(t *testing.T) {
 
 	var trips, syncReads, reservations, atOrigin int64
 	for _, n := range nodes {
-		st := n.o.Stats().Endpoints[0]
-		trips += int64(st.RoundTrips)
-		es := n.e.Stats()
-		syncReads += es.SyncReads
-		reservations += es.Reservations
-		atOrigin += es.ReservationsAdmitted
-		// The cold read, and its retry if a loaded machine timed it out.
-		if es.SyncReads > 1+es.ReadWaitTimeouts+es.ReadErrors {
-			t.Errorf("a node waited for %d reads; only the cold one may: %+v", es.SyncReads, es)
-		}
-		if es.ReservationErrors != 0 {
-			t.Errorf("%d reservations failed against a healthy Redis", es.ReservationErrors)
-		}
-		if st.Calls["read"]["error"]+st.Calls["flush"]["error"]+st.Calls["flush"]["timeout"]+st.Calls["reserve"]["error"] > 0 {
-			t.Errorf("origin calls failed: %+v", st.Calls)
-		}
-		if got := int64(st.Calls["reserve"]["ok"]); got != es.Reservations {
-			t.Errorf("the origin answered %d reservations, the engine made %d", got, es.Reservations)
-		}
+		tr, sr, rs, ao := n.calls(t)
+		trips, syncReads, reservations, atOrigin = trips+tr, syncReads+sr, reservations+rs, atOrigin+ao
 	}
 	t.Logf("admitted %d of %d; %d round trips: %d request-path (%d cold reads, %d reservations, %d admitted at the origin)",
 		admitted, requests, trips, syncReads+reservations, syncReads, reservations, atOrigin)
@@ -152,4 +131,35 @@ func TestConvergence_HotKeyBelowHalfItsLimit(t *testing.T) {
 	if err != nil || total != requests {
 		t.Errorf("Redis holds %d (%v); %d were admitted", total, err, requests)
 	}
+}
+
+// windowClock is a simulated clock at windowStart(w), and that start in
+// Unix milliseconds.
+func windowClock(w time.Duration) (*testclock.Clock, int64) {
+	start := windowStart(w)
+	return testclock.New(time.UnixMilli(start)), start
+}
+
+// calls checks n's calls after a run against a healthy Redis (only the
+// cold read waited, no call failed, the origin answered every reservation
+// the engine made) and returns its round trips, the reads it waited for,
+// its reservations and the admissions decided at the origin.
+func (n *node) calls(t *testing.T) (trips, syncReads, reservations, atOrigin int64) {
+	t.Helper()
+	st := n.o.Stats().Endpoints[0]
+	es := n.e.Stats()
+	// The cold read, and its retry if a loaded machine timed it out.
+	if es.SyncReads > 1+es.ReadWaitTimeouts+es.ReadErrors {
+		t.Errorf("a node waited for %d reads; only the cold one may: %+v", es.SyncReads, es)
+	}
+	if es.ReservationErrors != 0 {
+		t.Errorf("%d reservations failed against a healthy Redis", es.ReservationErrors)
+	}
+	if st.Calls["read"]["error"]+st.Calls["flush"]["error"]+st.Calls["flush"]["timeout"]+st.Calls["reserve"]["error"] > 0 {
+		t.Errorf("origin calls failed: %+v", st.Calls)
+	}
+	if got := int64(st.Calls["reserve"]["ok"]); got != es.Reservations {
+		t.Errorf("the origin answered %d reservations, the engine made %d", got, es.Reservations)
+	}
+	return int64(st.RoundTrips), es.SyncReads, es.Reservations, es.ReservationsAdmitted
 }

@@ -36,6 +36,7 @@
 //	stats.go      what operators see: calls by op and outcome, Stats
 //
 // Each file's tests are beside it. convergence_test.go, failover_test.go
-// and password_test.go are scenarios across files; helpers_test.go holds
-// the helpers every test file shares.
+// and password_test.go are scenarios across files. helpers_test.go holds
+// the helpers that several test files share; a helper of one file's tests
+// stays in that file.
 package origin

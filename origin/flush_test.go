@@ -5,8 +5,11 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
+
+	"github.com/redis/go-redis/v9"
 
 	"github.com/edgelimit/caddy-ratelimit/engine"
 	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
@@ -248,4 +251,33 @@ func BenchmarkFlush(b *testing.B) {
 	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*cells), "ns/cell")
 	// This process's CPU time alone: Redis runs the scripts in its own.
 	b.ReportMetric(float64((cpuTime(b)-cpu0).Nanoseconds())/float64(b.N*cells), "cpu-ns/cell")
+}
+
+// blockPipelines makes o's next pipeline wait until release is closed,
+// after its flush has registered as in flight; entered is closed when it
+// waits.
+func blockPipelines(o *Redis) (entered, release chan struct{}) {
+	entered, release = make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	o.endpoints[0].client.AddHook(pipelineHook(func(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+		return func(ctx context.Context, cmds []redis.Cmder) error {
+			once.Do(func() {
+				close(entered)
+				<-release
+			})
+			return next(ctx, cmds)
+		}
+	}))
+	return entered, release
+}
+
+// pipelineHook is a go-redis hook of pipelines only.
+type pipelineHook func(redis.ProcessPipelineHook) redis.ProcessPipelineHook
+
+func (pipelineHook) DialHook(next redis.DialHook) redis.DialHook { return next }
+
+func (pipelineHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook { return next }
+
+func (h pipelineHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return h(next)
 }

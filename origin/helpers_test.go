@@ -10,8 +10,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/redis/go-redis/v9"
-
 	"github.com/edgelimit/caddy-ratelimit/engine"
 	"github.com/edgelimit/caddy-ratelimit/internal/testclock"
 )
@@ -49,9 +47,57 @@ func readPair(o *Redis, ctx context.Context, k engine.Key, seq int64) (cur, prev
 	return t.Cur, t.Prev, err
 }
 
+// requestRead reads the cell (k, seq) within the engine's default read
+// timeout, as a request's read would.
+func requestRead(o *Redis, k engine.Key, seq int64) error {
+	ctx, cancel := context.WithTimeout(context.Background(), engine.DefaultReadTimeout)
+	defer cancel()
+	_, err := o.Read(ctx, k, seq, 0)
+	return err
+}
+
 // reservation is a reservation of cost at limit, carrying own.
 func reservation(k engine.Key, seq, own, cost, limit int64) *engine.Reservation {
 	return &engine.Reservation{Key: k, Sequence: seq, Own: own, Cost: cost, Limit: limit}
+}
+
+// stateLog records the breakers' state changes as OnStateChange reports
+// them.
+type stateLog struct {
+	mu     sync.Mutex
+	events []stateEvent
+}
+
+// hook is the OnStateChange that records.
+func (l *stateLog) hook(endpoint, breaker string, from, to BreakerState) {
+	l.mu.Lock()
+	l.events = append(l.events, stateEvent{endpoint: endpoint, breaker: breaker, from: from, to: to})
+	l.mu.Unlock()
+}
+
+// transitions returns the state changes of the breaker name so far, as
+// "closed>open".
+func (l *stateLog) transitions(name string) []string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	var out []string
+	for _, ev := range l.events {
+		if ev.breaker == name {
+			out = append(out, string(ev.from)+">"+string(ev.to))
+		}
+	}
+	return out
+}
+
+// endpoints returns the endpoint that each state change so far names.
+func (l *stateLog) endpoints() []string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	out := make([]string, len(l.events))
+	for i, ev := range l.events {
+		out[i] = ev.endpoint
+	}
+	return out
 }
 
 // validateCase is a configuration and the error Validate must give it.
@@ -131,76 +177,6 @@ func windowStart(w time.Duration) int64 {
 	return (time.Now().UnixMilli()/wms + 1) * wms
 }
 
-// windowClock is a simulated clock at windowStart(w), and that start in
-// Unix milliseconds.
-func windowClock(w time.Duration) (*testclock.Clock, int64) {
-	start := windowStart(w)
-	return testclock.New(time.UnixMilli(start)), start
-}
-
-// blockPipelines makes o's next pipeline wait until release is closed,
-// after its flush has registered as in flight; entered is closed when it
-// waits.
-func blockPipelines(o *Redis) (entered, release chan struct{}) {
-	entered, release = make(chan struct{}), make(chan struct{})
-	var once sync.Once
-	o.endpoints[0].client.AddHook(pipelineHook(func(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
-		return func(ctx context.Context, cmds []redis.Cmder) error {
-			once.Do(func() {
-				close(entered)
-				<-release
-			})
-			return next(ctx, cmds)
-		}
-	}))
-	return entered, release
-}
-
-// pipelineHook is a go-redis hook of pipelines only.
-type pipelineHook func(redis.ProcessPipelineHook) redis.ProcessPipelineHook
-
-func (pipelineHook) DialHook(next redis.DialHook) redis.DialHook { return next }
-
-func (pipelineHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook { return next }
-
-func (h pipelineHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
-	return h(next)
-}
-
-// nodeOfSlot returns the address of the Cluster node that serves slot.
-func nodeOfSlot(t *testing.T, c *redis.Client, slot int64) string {
-	t.Helper()
-	slots, err := c.ClusterSlots(ctxT(t)).Result()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, s := range slots {
-		if int64(s.Start) <= slot && slot <= int64(s.End) {
-			return s.Nodes[0].Addr
-		}
-	}
-	t.Fatalf("slot %d is not served", slot)
-	return ""
-}
-
-// logSink captures go-redis's own log lines.
-type logSink struct {
-	mu  sync.Mutex
-	buf strings.Builder
-}
-
-func (l *logSink) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.buf.String()
-}
-
-func (l *logSink) printf(format string, v ...any) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	fmt.Fprintf(&l.buf, format+"\n", v...)
-}
-
 // cpuTime is the CPU time this process has used, user and system.
 func cpuTime(tb testing.TB) time.Duration {
 	var ru syscall.Rusage
@@ -208,12 +184,4 @@ func cpuTime(tb testing.TB) time.Duration {
 		tb.Fatal(err)
 	}
 	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
-}
-
-// trunc shortens s for a failure message.
-func trunc(s string) string {
-	if len(s) > 40 {
-		return s[:40] + "…"
-	}
-	return s
 }

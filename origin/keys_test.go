@@ -229,3 +229,11 @@ func TestRedis_HostileIdentifiersNeverCollide(t *testing.T) {
 		t.Fatalf("DBSIZE = %d (%v), want %d distinct keys", n, err, 2*len(batch))
 	}
 }
+
+// trunc shortens s for a failure message.
+func trunc(s string) string {
+	if len(s) > 40 {
+		return s[:40] + "…"
+	}
+	return s
+}

@@ -2,6 +2,7 @@ package origin
 
 import (
 	"encoding/json"
+	"fmt"
 	"strings"
 	"sync"
 	"testing"
@@ -29,38 +30,11 @@ func TestPassword_NeverInErrorsLogsOrStatus(t *testing.T) {
 			t.Fatalf("%s leaks the password: %s", where, s)
 		}
 	}
-
-	for _, bad := range []string{
-		"redis://:" + secret + "@127.0.0.1:notaport",
-		"redis://user:" + secret + "/x@127.0.0.1:6379",
-		"redis://user:" + secret + "@127.0.0.1:6379/x/y",
-		"redis://:" + secret + "@127.0.0.1:6379/" + secret,
-		"redis://:" + secret + "@127.0.0.1:6379/?password=" + secret,
-		"http://:" + secret + "@127.0.0.1:6379",
-		"redis://:" + secret + "@127.0.0.1:6379\x7f",
-		"user:" + secret + "@127.0.0.1:6379",
-	} {
-		err := Config{Redis: []string{bad}}.Validate()
-		if err == nil {
-			t.Fatalf("Validate accepted a malformed URL")
-		}
-		check("Validate error", err.Error())
-		err = Config{Cluster: &ClusterConfig{Addrs: []string{bad}}}.Validate()
-		if err == nil {
-			t.Fatalf("Validate accepted a malformed cluster address")
-		}
-		check("Validate error (cluster)", err.Error())
-	}
+	checkMalformedURLs(t, secret, check)
 
 	srv := redistest.Start(t, redistest.WithPassword(secret))
-	var mu sync.Mutex
-	var notes []string
-	hooks := Options{OnStateChange: func(ep, _ string, from, to BreakerState) {
-		mu.Lock()
-		notes = append(notes, ep)
-		mu.Unlock()
-	}}
-	good := newOrigin(t, Config{Redis: []string{srv.URL()}}, hooks)
+	var notes stateLog
+	good := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{OnStateChange: notes.hook})
 	if _, _, err := readPair(good, ctxT(t), key("x"), 1); err != nil {
 		t.Fatalf("read with the right password: %v", err)
 	}
@@ -89,20 +63,62 @@ func TestPassword_NeverInErrorsLogsOrStatus(t *testing.T) {
 		}
 	}
 	redistest.Eventually(t, 5*time.Second, "breaker notification", func() bool {
-		mu.Lock()
-		defer mu.Unlock()
-		return len(notes) > 0
+		return len(notes.endpoints()) > 0
 	})
-	mu.Lock()
-	for _, n := range notes {
+	for _, n := range notes.endpoints() {
 		check("OnStateChange endpoint", n)
 	}
-	mu.Unlock()
 	if !strings.Contains(sink.String(), srv.Addr()) {
 		t.Fatalf("go-redis logged nothing about the dead server; the log check proves nothing: %q", sink.String())
 	}
 	check("go-redis log", sink.String())
 	if len(seen) < 20 {
 		t.Fatalf("only %d strings checked", len(seen))
+	}
+}
+
+// logSink captures go-redis's own log lines.
+type logSink struct {
+	mu  sync.Mutex
+	buf strings.Builder
+}
+
+func (l *logSink) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.buf.String()
+}
+
+func (l *logSink) printf(format string, v ...any) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	fmt.Fprintf(&l.buf, format+"\n", v...)
+}
+
+// checkMalformedURLs has Validate refuse URLs malformed around the
+// password secret, as partitions and as Cluster seeds, and hands check
+// each error.
+func checkMalformedURLs(t *testing.T, secret string, check func(where, s string)) {
+	t.Helper()
+	for _, bad := range []string{
+		"redis://:" + secret + "@127.0.0.1:notaport",
+		"redis://user:" + secret + "/x@127.0.0.1:6379",
+		"redis://user:" + secret + "@127.0.0.1:6379/x/y",
+		"redis://:" + secret + "@127.0.0.1:6379/" + secret,
+		"redis://:" + secret + "@127.0.0.1:6379/?password=" + secret,
+		"http://:" + secret + "@127.0.0.1:6379",
+		"redis://:" + secret + "@127.0.0.1:6379\x7f",
+		"user:" + secret + "@127.0.0.1:6379",
+	} {
+		err := Config{Redis: []string{bad}}.Validate()
+		if err == nil {
+			t.Fatalf("Validate accepted a malformed URL")
+		}
+		check("Validate error", err.Error())
+		err = Config{Cluster: &ClusterConfig{Addrs: []string{bad}}}.Validate()
+		if err == nil {
+			t.Fatalf("Validate accepted a malformed cluster address")
+		}
+		check("Validate error (cluster)", err.Error())
 	}
 }

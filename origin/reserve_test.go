@@ -85,21 +85,21 @@ func TestReserve_WeighsThePreviousCellAndImportedCounts(t *testing.T) {
 	}
 	w := k.Window.Milliseconds()
 	for _, c := range []struct {
-		elapsed, global, globalPrev int64
-		want                        bool
+		elapsed, imported, importedPrev int64
+		want                            bool
 	}{
-		{elapsed: w / 2, want: true},                   // 20 + 1 ≤ 21
-		{elapsed: w / 4, want: false},                  // 30 + 1 > 21
-		{elapsed: w / 2, global: 1, want: false},       // 1 + 20 + 1 > 21
-		{elapsed: w / 2, globalPrev: 2, want: false},   // 21 + 1 > 21
-		{elapsed: w - 1, globalPrev: 1000, want: true}, // weighs 1040/60000
+		{elapsed: w / 2, want: true},                     // 20 + 1 ≤ 21
+		{elapsed: w / 4, want: false},                    // 30 + 1 > 21
+		{elapsed: w / 2, imported: 1, want: false},       // 1 + 20 + 1 > 21
+		{elapsed: w / 2, importedPrev: 2, want: false},   // 21 + 1 > 21
+		{elapsed: w - 1, importedPrev: 1000, want: true}, // weighs 1040/60000
 		// ⌊40 × 30750/60000⌋ = ⌊20.5⌋ = 20: the previous cell's weight is
 		// rounded down, as the engine rounds it (exactly, 21.5 + 1 > 21).
 		{elapsed: w * 4875 / 10000, want: true},
-		{elapsed: w*4875/10000 - 1, globalPrev: 1, want: false}, // ⌊41 × 30751/60000⌋ = 21
+		{elapsed: w*4875/10000 - 1, importedPrev: 1, want: false}, // ⌊41 × 30751/60000⌋ = 21
 	} {
 		r := reservation(k, seq, 0, 1, 21)
-		r.Elapsed, r.Global, r.GlobalPrev = c.elapsed, c.global, c.globalPrev
+		r.Elapsed, r.Global, r.GlobalPrev = c.elapsed, c.imported, c.importedPrev
 		if err := o.Reserve(ctxT(t), r); err != nil {
 			t.Fatal(err)
 		}

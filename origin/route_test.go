@@ -55,28 +55,7 @@ func TestPartitions_RouteBothCellsOfAKeyToOneServer(t *testing.T) {
 	if err := o.Flush(ctxT(t), batch); err != nil {
 		t.Fatalf("Flush: %v", err)
 	}
-	home := make(map[string]int) // identifier → server index
-	for i := 0; i < keys; i++ {
-		k := key(fmt.Sprintf("tenant-%d", i))
-		holders := 0
-		for s, srv := range srvs {
-			n, err := srv.Client().Exists(ctxT(t), cellKey(DefaultPrefix, k, seq), cellKey(DefaultPrefix, k, seq-1)).Result()
-			if err != nil {
-				t.Fatal(err)
-			}
-			switch n {
-			case 0:
-			case 2:
-				holders++
-				home[k.Identifier] = s
-			default:
-				t.Fatalf("%s: server %d holds %d of its 2 cells", k.Identifier, s, n)
-			}
-		}
-		if holders != 1 {
-			t.Fatalf("%s: held by %d servers, want 1", k.Identifier, holders)
-		}
-	}
+	home := homes(t, srvs, keys, seq)
 	share := make([]int, len(srvs))
 	for _, s := range home {
 		share[s]++
@@ -107,4 +86,34 @@ func TestPartitions_RouteBothCellsOfAKeyToOneServer(t *testing.T) {
 			t.Fatalf("%s (on server %d) moved when partition 1 left: %d, %v", id, home[id], cur, err)
 		}
 	}
+}
+
+// homes returns, for each of the keys tenant-0 … tenant-<keys−1>, the
+// index of the one server of srvs that holds both its cells at seq and
+// seq − 1; a cell elsewhere, or a key on several servers, fails t.
+func homes(t *testing.T, srvs []*redistest.Server, keys int, seq int64) map[string]int {
+	t.Helper()
+	home := make(map[string]int) // identifier → server index
+	for i := 0; i < keys; i++ {
+		k := key(fmt.Sprintf("tenant-%d", i))
+		holders := 0
+		for s, srv := range srvs {
+			n, err := srv.Client().Exists(ctxT(t), cellKey(DefaultPrefix, k, seq), cellKey(DefaultPrefix, k, seq-1)).Result()
+			if err != nil {
+				t.Fatal(err)
+			}
+			switch n {
+			case 0:
+			case 2:
+				holders++
+				home[k.Identifier] = s
+			default:
+				t.Fatalf("%s: server %d holds %d of its 2 cells", k.Identifier, s, n)
+			}
+		}
+		if holders != 1 {
+			t.Fatalf("%s: held by %d servers, want 1", k.Identifier, holders)
+		}
+	}
+	return home
 }
