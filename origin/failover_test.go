@@ -101,11 +101,7 @@ func newRealTimeProc(t *testing.T, url, id string, openTimeout time.Duration, no
 	}, Options{NodeID: id})
 	p.e = engine.New(engine.Config{Now: now})
 	p.e.SetOrigin(p.o)
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-		defer cancel()
-		_ = p.e.Close(ctx)
-	})
+	closeAtCleanup(t, p.e, 2*time.Second)
 	return p
 }
 

@@ -146,11 +146,7 @@ func newNode(t *testing.T, url string, clock *testclock.Clock) *node {
 	}})
 	n.e = engine.New(engine.Config{Now: clock.Now})
 	n.e.SetOrigin(n.o)
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		_ = n.e.Close(ctx)
-	})
+	closeAtCleanup(t, n.e, 5*time.Second)
 	return n
 }
 
@@ -168,6 +164,16 @@ func (n *node) tick(t *testing.T, ms int64) {
 			t.Fatalf("slow replay: %v", err)
 		}
 	}
+}
+
+// closeAtCleanup closes e when the test ends, waiting at most within for
+// its last replay.
+func closeAtCleanup(t *testing.T, e *engine.Engine, within time.Duration) {
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), within)
+		defer cancel()
+		_ = e.Close(ctx)
+	})
 }
 
 // windowStart returns the start of the next window after the real clock:
