@@ -22,7 +22,8 @@ const (
 type endpointSpec struct {
 	kind string
 	// address is the endpoint's name for operators: scheme, hosts, port
-	// and database, never credentials. Partitions are placed by it.
+	// and database, never credentials. A Cluster or a Sentinel group is
+	// placed by it, a partition by its partitionLabel (placementLabel).
 	address string
 
 	addrs      []string // host:port
