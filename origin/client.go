@@ -4,7 +4,9 @@ import (
 	"context"
 	"crypto/tls"
 	"crypto/x509"
+	"fmt"
 	"net"
+	"os"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -56,71 +58,59 @@ func newClient(s endpointSpec, roots *x509.CertPool) redis.UniversalClient {
 			InsecureSkipVerify: s.tlsSkipVer, //nolint:gosec // the operator's explicit skip_verify=true
 		}
 	}
-	dial := dialer(tlsConfig)
-	// Maintenance notifications (a Redis Enterprise feature) would send an
-	// extra command on every connection and expect RESP3 push messages.
-	maint := &maintnotifications.Config{Mode: maintnotifications.ModeDisabled}
-
+	// One set of options for every kind; Cluster, Failover and Simple copy
+	// what their kind knows of it (a Cluster has no database, a client of
+	// Sentinels no maintenance notifications, a standalone client uses the
+	// first address).
+	o := &redis.UniversalOptions{
+		Addrs:                 s.addrs,
+		MasterName:            s.master,
+		SentinelUsername:      s.sentinelUser,
+		SentinelPassword:      s.sentinelPass,
+		Username:              s.username,
+		Password:              s.password,
+		DB:                    s.db,
+		Dialer:                dialer(tlsConfig),
+		TLSConfig:             tlsConfig,
+		MaxRetries:            noRetries,
+		MaxRedirects:          maxRedirects,
+		DialTimeout:           dialTimeout,
+		DialerRetries:         dialAttempts,
+		ReadTimeout:           maxCallTimeout,
+		WriteTimeout:          maxCallTimeout,
+		ContextTimeoutEnabled: true,
+		PoolSize:              poolSize,
+		PoolTimeout:           maxCallTimeout,
+		DisableIdentity:       true,
+		// Maintenance notifications (a Redis Enterprise feature) would send
+		// an extra command on every connection and expect RESP3 push
+		// messages.
+		MaintNotificationsConfig: &maintnotifications.Config{Mode: maintnotifications.ModeDisabled},
+	}
 	switch s.kind {
 	case KindCluster:
-		return redis.NewClusterClient(&redis.ClusterOptions{
-			Addrs:                    s.addrs,
-			Username:                 s.username,
-			Password:                 s.password,
-			Dialer:                   dial,
-			TLSConfig:                tlsConfig,
-			MaxRetries:               noRetries,
-			MaxRedirects:             maxRedirects,
-			DialTimeout:              dialTimeout,
-			DialerRetries:            dialAttempts,
-			ReadTimeout:              maxCallTimeout,
-			WriteTimeout:             maxCallTimeout,
-			ContextTimeoutEnabled:    true,
-			PoolSize:                 poolSize,
-			PoolTimeout:              maxCallTimeout,
-			DisableIdentity:          true,
-			MaintNotificationsConfig: maint,
-		})
+		return redis.NewClusterClient(o.Cluster())
 	case KindSentinel:
-		return redis.NewFailoverClient(&redis.FailoverOptions{
-			MasterName:            s.master,
-			SentinelAddrs:         s.addrs,
-			SentinelUsername:      s.sentinelUser,
-			SentinelPassword:      s.sentinelPass,
-			Username:              s.username,
-			Password:              s.password,
-			DB:                    s.db,
-			Dialer:                dial,
-			TLSConfig:             tlsConfig,
-			MaxRetries:            noRetries,
-			DialTimeout:           dialTimeout,
-			DialerRetries:         dialAttempts,
-			ReadTimeout:           maxCallTimeout,
-			WriteTimeout:          maxCallTimeout,
-			ContextTimeoutEnabled: true,
-			PoolSize:              poolSize,
-			PoolTimeout:           maxCallTimeout,
-			DisableIdentity:       true,
-		})
+		return redis.NewFailoverClient(o.Failover())
 	}
-	return redis.NewClient(&redis.Options{
-		Addr:                     s.addrs[0],
-		Username:                 s.username,
-		Password:                 s.password,
-		DB:                       s.db,
-		Dialer:                   dial,
-		TLSConfig:                tlsConfig,
-		MaxRetries:               noRetries,
-		DialTimeout:              dialTimeout,
-		DialerRetries:            dialAttempts,
-		ReadTimeout:              maxCallTimeout,
-		WriteTimeout:             maxCallTimeout,
-		ContextTimeoutEnabled:    true,
-		PoolSize:                 poolSize,
-		PoolTimeout:              maxCallTimeout,
-		DisableIdentity:          true,
-		MaintNotificationsConfig: maint,
-	})
+	return redis.NewClient(o.Simple())
+}
+
+// certPool reads the PEM file of certificate authorities named by
+// tls_ca_file; nil (the system's roots) when file is "".
+func certPool(file string) (*x509.CertPool, error) {
+	if file == "" {
+		return nil, nil
+	}
+	pem, err := os.ReadFile(file)
+	if err != nil {
+		return nil, fmt.Errorf("tls_ca_file: %w", err)
+	}
+	roots := x509.NewCertPool()
+	if !roots.AppendCertsFromPEM(pem) {
+		return nil, fmt.Errorf("tls_ca_file %s: no PEM certificate in it", file)
+	}
+	return roots, nil
 }
 
 // dialer returns a dial function that honours the context's deadline for

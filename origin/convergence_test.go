@@ -2,8 +2,6 @@ package origin
 
 import (
 	"context"
-	"fmt"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -11,58 +9,6 @@ import (
 	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
 	"github.com/edgelimit/caddy-ratelimit/internal/testclock"
 )
-
-// nodesMade numbers the simulated nodes, for their IDs.
-var nodesMade atomic.Int64
-
-// node is one simulated Caddy process: an engine with its own origin.
-type node struct {
-	e *engine.Engine
-	o *Redis
-	// flushedCells counts cells the origin flushed successfully.
-	flushedCells atomic.Int64
-}
-
-func newNode(t *testing.T, url string, clock *testclock.Clock) *node {
-	t.Helper()
-	n := &node{}
-	n.o = newOrigin(t, Config{Redis: []string{url}}, Options{NodeID: t.Name() + fmt.Sprint(nodesMade.Add(1)), OnCall: func(c CallInfo) {
-		if c.Op == OpFlush && c.Outcome == OutcomeOK {
-			n.flushedCells.Add(int64(c.Cells))
-		}
-	}})
-	n.e = engine.New(engine.Config{Now: clock.Now})
-	n.e.SetOrigin(n.o)
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		_ = n.e.Close(ctx)
-	})
-	return n
-}
-
-// tick runs the replay ticks due at simulated millisecond ms, as the
-// engine's loop would: fast every 10 ms, slow every 100 ms.
-func (n *node) tick(t *testing.T, ms int64) {
-	ctx := context.Background()
-	if ms%engine.DefaultFastTick.Milliseconds() == 0 {
-		if _, err := n.e.ReplayOnce(ctx, engine.Fast); err != nil {
-			t.Fatalf("fast replay: %v", err)
-		}
-	}
-	if ms%engine.DefaultSlowTick.Milliseconds() == 0 {
-		if _, err := n.e.ReplayOnce(ctx, engine.Slow); err != nil {
-			t.Fatalf("slow replay: %v", err)
-		}
-	}
-}
-
-// windowStart returns the start of the next window after the real clock:
-// the simulation runs in the near future so PEXPIREAT keeps its keys.
-func windowStart(w time.Duration) int64 {
-	wms := w.Milliseconds()
-	return (time.Now().UnixMilli()/wms + 1) * wms
-}
 
 // TestConvergence_TwoEnginesShareOneRedis is the scenario: two
 // processes sharing one Redis, one key limited to 10,000 per 10 s, offered
@@ -80,9 +26,7 @@ func TestConvergence_TwoEnginesShareOneRedis(t *testing.T) {
 		duration = 10_000 // ms
 		perMs    = 2      // 2,000 req/s: one request per node per millisecond
 	)
-	clock := testclock.New(time.UnixMilli(0))
-	start := windowStart(window)
-	clock.Set(time.UnixMilli(start))
+	clock, start := windowClock(window)
 	nodes := []*node{newNode(t, srv.URL(), clock), newNode(t, srv.URL(), clock)}
 	k := engine.Key{Namespace: "api", Identifier: "tenant-42", Window: window}
 
@@ -101,12 +45,7 @@ func TestConvergence_TwoEnginesShareOneRedis(t *testing.T) {
 		}
 	}
 	for _, n := range nodes {
-		if _, err := n.e.ReplayOnce(ctx, engine.Fast); err != nil {
-			t.Fatal(err)
-		}
-		if _, err := n.e.ReplayOnce(ctx, engine.Slow); err != nil {
-			t.Fatal(err)
-		}
+		n.tick(t, 0) // both ticks are due at 0: the last replay of each
 	}
 
 	requests := duration * perMs
@@ -126,25 +65,8 @@ func TestConvergence_TwoEnginesShareOneRedis(t *testing.T) {
 
 	var trips, syncReads, reservations, atOrigin int64
 	for _, n := range nodes {
-		st := n.o.Stats().Endpoints[0]
-		trips += int64(st.RoundTrips)
-		es := n.e.Stats()
-		syncReads += es.SyncReads
-		reservations += es.Reservations
-		atOrigin += es.ReservationsAdmitted
-		// The cold read, and its retry if a loaded machine timed it out.
-		if es.SyncReads > 1+es.ReadWaitTimeouts+es.ReadErrors {
-			t.Errorf("a node waited for %d reads; only the cold one may: %+v", es.SyncReads, es)
-		}
-		if es.ReservationErrors != 0 {
-			t.Errorf("%d reservations failed against a healthy Redis", es.ReservationErrors)
-		}
-		if st.Calls["read"]["error"]+st.Calls["flush"]["error"]+st.Calls["flush"]["timeout"]+st.Calls["reserve"]["error"] > 0 {
-			t.Errorf("origin calls failed: %+v", st.Calls)
-		}
-		if got := int64(st.Calls["reserve"]["ok"]); got != es.Reservations {
-			t.Errorf("the origin answered %d reservations, the engine made %d", got, es.Reservations)
-		}
+		tr, sr, rs, ao := n.calls(t)
+		trips, syncReads, reservations, atOrigin = trips+tr, syncReads+sr, reservations+rs, atOrigin+ao
 	}
 	t.Logf("admitted %d of %d; %d round trips: %d request-path (%d cold reads, %d reservations, %d admitted at the origin)",
 		admitted, requests, trips, syncReads+reservations, syncReads, reservations, atOrigin)
@@ -169,9 +91,7 @@ func TestConvergence_HotKeyBelowHalfItsLimit(t *testing.T) {
 		duration = 10_000 // ms
 		perMs    = 2
 	)
-	clock := testclock.New(time.UnixMilli(0))
-	start := windowStart(window)
-	clock.Set(time.UnixMilli(start))
+	clock, start := windowClock(window)
 	n := newNode(t, srv.URL(), clock)
 	k := engine.Key{Namespace: "api", Identifier: "hot", Window: window}
 
@@ -211,4 +131,35 @@ func TestConvergence_HotKeyBelowHalfItsLimit(t *testing.T) {
 	if err != nil || total != requests {
 		t.Errorf("Redis holds %d (%v); %d were admitted", total, err, requests)
 	}
+}
+
+// windowClock is a simulated clock at windowStart(w), and that start in
+// Unix milliseconds.
+func windowClock(w time.Duration) (*testclock.Clock, int64) {
+	start := windowStart(w)
+	return testclock.New(time.UnixMilli(start)), start
+}
+
+// calls checks n's calls after a run against a healthy Redis (only the
+// cold read waited, no call failed, the origin answered every reservation
+// the engine made) and returns its round trips, the reads it waited for,
+// its reservations and the admissions decided at the origin.
+func (n *node) calls(t *testing.T) (trips, syncReads, reservations, atOrigin int64) {
+	t.Helper()
+	st := n.o.Stats().Endpoints[0]
+	es := n.e.Stats()
+	// The cold read, and its retry if a loaded machine timed it out.
+	if es.SyncReads > 1+es.ReadWaitTimeouts+es.ReadErrors {
+		t.Errorf("a node waited for %d reads; only the cold one may: %+v", es.SyncReads, es)
+	}
+	if es.ReservationErrors != 0 {
+		t.Errorf("%d reservations failed against a healthy Redis", es.ReservationErrors)
+	}
+	if st.Calls["read"]["error"]+st.Calls["flush"]["error"]+st.Calls["flush"]["timeout"]+st.Calls["reserve"]["error"] > 0 {
+		t.Errorf("origin calls failed: %+v", st.Calls)
+	}
+	if got := int64(st.Calls["reserve"]["ok"]); got != es.Reservations {
+		t.Errorf("the origin answered %d reservations, the engine made %d", got, es.Reservations)
+	}
+	return int64(st.RoundTrips), es.SyncReads, es.Reservations, es.ReservationsAdmitted
 }

@@ -2,16 +2,13 @@ package origin
 
 import (
 	"context"
-	"errors"
+	"crypto/x509"
 	"fmt"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/redis/go-redis/v9"
-	"github.com/sony/gobreaker/v2"
-
-	"github.com/edgelimit/caddy-ratelimit/engine"
 )
 
 // endpoint is one Redis deployment (a standalone partition, a Cluster or a
@@ -20,130 +17,63 @@ type endpoint struct {
 	r       *Redis
 	address string
 	kind    string
-	seed    uint64
+	seed    uint64 // placement (route.go)
 	client  redis.UniversalClient
-	// sync guards the request path (reads and reservations): a call slower
-	// than the slow-call threshold counts as a failure, so a slow Redis
-	// stops costing requests latency just as a dead one does. replay guards
-	// flushes and counts errors only, so a slow Redis still gets the counts.
-	sync, replay *breaker
+	// requests guards the request path (reads and reservations): a call
+	// slower than the slow-call threshold counts as a failure, so a slow
+	// Redis stops costing requests latency just as a dead one does. replay
+	// guards flushes and counts errors only, so a slow Redis still gets
+	// the counts.
+	requests, replay *breaker
 
 	calls      [numOps][numOutcomes]atomic.Uint64
 	lastOK     [numOps]atomic.Int64 // unix nanoseconds
 	roundTrips atomic.Uint64
 	slowCalls  atomic.Uint64
 
-	// Read batching (read.go): mu guards queue, drainers and closing; idle
-	// is signalled when the last drainer leaves.
+	// Read batching (read.go): mu guards queue, batchers and closing; idle
+	// is signalled when the last batcher leaves.
 	mu       sync.Mutex
 	idle     *sync.Cond
 	queue    []*readReq
-	drainers int
+	batchers int
 	closing  bool
 }
 
-// breaker is one gobreaker circuit breaker with its slow-call threshold
-// (zero: errors only).
-type breaker struct {
-	cb   *gobreaker.CircuitBreaker[struct{}]
-	slow time.Duration
-	ep   *endpoint
-}
-
-// errSlowCall marks, for the breaker only, a call that succeeded too late.
-var errSlowCall = errors.New("slow call")
-
-// starvedError marks, for the breaker only, a call that timed out while
-// this process was starved of CPU; the breaker excludes it.
-type starvedError struct{ err error }
-
-func (e starvedError) Error() string { return "timed out while starved: " + e.err.Error() }
-
-// starvedTimeout is the scheduler latency (99th percentile) from which a
-// timeout is taken for this process's own doing: a tenth of the least time
-// a read pipeline gets (roundTripFloor).
-const starvedTimeout = roundTripFloor / 10
-
-func (ep *endpoint) newBreaker(name string, c BreakerConfig, slow time.Duration) *breaker {
-	interval := time.Duration(c.Interval)
-	minRequests := uint32(c.MinRequests)
-	ratio := c.FailureRatio
-	return &breaker{ep: ep, slow: slow, cb: gobreaker.NewCircuitBreaker[struct{}](gobreaker.Settings{
-		Name:         name,
-		MaxRequests:  halfOpenProbes,
-		Interval:     interval,
-		BucketPeriod: interval / breakerBuckets,
-		Timeout:      time.Duration(c.Timeout),
-		// A ratio over a minimum sample, counted per round trip: the herd of
-		// cold reads at a window rollover shares a few batched round trips
-		// (read.go) that succeed on a healthy Redis, and reads that merely
-		// ran out of time waiting for a batch never reach the breaker.
-		ReadyToTrip: func(n gobreaker.Counts) bool {
-			done := n.TotalSuccesses + n.TotalFailures
-			return done >= minRequests && float64(n.TotalFailures) >= ratio*float64(done)
-		},
-		IsSuccessful: func(err error) bool { return err == nil || !countsAgainst(err) },
-		// A caller that gave up says nothing about Redis.
-		IsExcluded: func(err error) bool {
-			var starved starvedError
-			return errors.Is(err, context.Canceled) || errors.As(err, &starved)
-		},
-		OnStateChange: func(name string, from, to gobreaker.State) {
-			ep.r.emit(stateEvent{endpoint: ep.address, breaker: name, from: breakerState(from), to: breakerState(to)})
-		},
-	})}
-}
-
-// countsAgainst reports whether err says something about Redis's health. A
-// command Redis refused for its own key (a wrong type, a value that is not
-// a number, a script error) does not: one hostile key must not open the
-// breaker of the region. Redis refusing work as a whole does.
-func countsAgainst(err error) bool {
-	var rerr redis.Error
-	if !errors.As(err, &rerr) {
-		return true
+// newEndpoint makes the endpoint of s, with its client (not dialled yet)
+// and its two breakers.
+func (r *Redis) newEndpoint(s endpointSpec, roots *x509.CertPool, b BreakerConfig) *endpoint {
+	ep := &endpoint{
+		r:       r,
+		address: s.address,
+		kind:    s.kind,
+		seed:    labelHash(s.kind, s.placementLabel()),
+		client:  newClient(s, roots),
 	}
-	for _, p := range []string{"LOADING", "READONLY", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "BUSY", "OOM", "NOAUTH", "WRONGPASS", "NOPERM"} {
-		if redis.HasErrorPrefix(err, p) {
-			return true
-		}
-	}
-	return false
+	ep.idle = sync.NewCond(&ep.mu)
+	ep.requests = ep.newBreaker(BreakerName, b, time.Duration(b.SlowCall))
+	ep.replay = ep.newBreaker(ReplayBreakerName, b, 0)
+	return ep
 }
 
-// open reports whether the breaker refuses calls right now (a cheap check
-// before any work, so an open breaker costs a request nothing).
-func (b *breaker) open() bool { return b.cb.State() == gobreaker.StateOpen }
-
-// guard runs fn through the breaker, translating its refusals. A call that
-// succeeded past the slow-call threshold counts as a failure for the
-// breaker (unless this process was starved of CPU: starve.go), and as the
-// success it was for the caller.
-func (b *breaker) guard(fn func() error) error {
-	_, err := b.cb.Execute(func() (struct{}, error) {
-		start := time.Now()
-		err := fn()
-		switch {
-		case err == nil && b.slow > 0 && time.Since(start) > b.slow && !sched.starved(b.slow/2):
-			b.ep.slowCalls.Add(1)
-			return struct{}{}, errSlowCall
-		case err != nil && isTimeout(err) && sched.starved(starvedTimeout):
-			// Out of time because this process could not run: says
-			// nothing about Redis.
-			return struct{}{}, starvedError{err}
-		}
-		return struct{}{}, err
-	})
-	var starved starvedError
-	switch {
-	case errors.As(err, &starved):
-		return starved.err
-	case errors.Is(err, errSlowCall):
-		return nil
-	case errors.Is(err, gobreaker.ErrOpenState), errors.Is(err, gobreaker.ErrTooManyRequests):
+// ready reports why a request-path call (a read or a reservation) of a
+// cell of window w may not go to Redis now: its caller left, the origin is
+// closed, the breaker is open, or the window is shorter than the keys
+// can name. It costs no I/O, so a refusal costs a request nothing.
+func (ep *endpoint) ready(ctx context.Context, w time.Duration) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	if ep.r.closed.Load() {
+		return ErrClosed
+	}
+	if ep.requests.open() {
 		return ErrBreakerOpen
 	}
-	return err
+	if w < time.Millisecond {
+		return fmt.Errorf("window %s is below one millisecond", w)
+	}
+	return nil
 }
 
 // record counts a finished call and reports it to OnCall.
@@ -159,11 +89,12 @@ func (ep *endpoint) record(op Op, err error, start time.Time, cells int) {
 	}
 }
 
+// stats is the endpoint's snapshot: its breakers and its counters.
 func (ep *endpoint) stats() EndpointStats {
 	s := EndpointStats{
 		Address:       ep.address,
 		Kind:          ep.kind,
-		Breaker:       breakerState(ep.sync.cb.State()),
+		Breaker:       breakerState(ep.requests.cb.State()),
 		ReplayBreaker: breakerState(ep.replay.cb.State()),
 		SlowCalls:     ep.slowCalls.Load(),
 		Calls:         make(map[string]map[string]uint64, numOps),
@@ -189,24 +120,8 @@ func (ep *endpoint) stats() EndpointStats {
 func (ep *endpoint) shutdown() {
 	ep.mu.Lock()
 	ep.closing = true
-	for ep.drainers > 0 {
+	for ep.batchers > 0 {
 		ep.idle.Wait()
 	}
 	ep.mu.Unlock()
-}
-
-// flushRecorded flushes the items idx of batch (all of them when idx is
-// nil) to this endpoint, and counts the call.
-func (ep *endpoint) flushRecorded(ctx context.Context, batch []engine.Delta, idx []int) error {
-	start := time.Now()
-	n := len(batch)
-	if idx != nil {
-		n = len(idx)
-	}
-	err := ep.flush(ctx, batch, idx)
-	ep.record(OpFlush, err, start, n)
-	if err != nil {
-		return fmt.Errorf("redis flush %s (%d cells): %w", ep.address, n, err)
-	}
-	return nil
 }

@@ -2,12 +2,13 @@ package origin
 
 import (
 	"context"
-	"fmt"
 	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/redis/go-redis/v9"
 
 	"github.com/edgelimit/caddy-ratelimit/engine"
 	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
@@ -34,27 +35,9 @@ func TestFailover_RedisStoppedUnderLoadThenRestartedEmpty(t *testing.T) {
 	start := windowStart(window)
 	t0 := time.Now()
 	now := func() time.Time { return time.UnixMilli(start).Add(time.Since(t0)) }
-
-	type proc struct {
-		e        *engine.Engine
-		o        *Redis
-		admitted atomic.Int64
-	}
-	var procs []*proc
-	for i := 0; i < 2; i++ {
-		p := &proc{}
-		p.o = newOrigin(t, Config{
-			Redis:   []string{srv.URL()},
-			Breaker: BreakerConfig{Timeout: Duration(openTimeout)},
-		}, Options{NodeID: fmt.Sprintf("node-%d", i)})
-		p.e = engine.New(engine.Config{Now: now})
-		p.e.SetOrigin(p.o)
-		t.Cleanup(func() {
-			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-			defer cancel()
-			_ = p.e.Close(ctx)
-		})
-		procs = append(procs, p)
+	procs := []*proc{
+		newRealTimeProc(t, srv.URL(), "node-0", openTimeout, now),
+		newRealTimeProc(t, srv.URL(), "node-1", openTimeout, now),
 	}
 	k := engine.Key{Namespace: "api", Identifier: "tenant-7", Window: window}
 	ctx := context.Background()
@@ -67,110 +50,147 @@ func TestFailover_RedisStoppedUnderLoadThenRestartedEmpty(t *testing.T) {
 		t.Fatalf("replay of the prefill: %v", err)
 	}
 
-	// Load: two goroutines per engine, each recording decision latencies
-	// by phase.
-	type sample struct {
-		phase int32
-		d     time.Duration
-	}
-	var phase atomic.Int32 // 0 healthy, 1 Redis down, 2 Redis back
-	var stop atomic.Bool
-	var wg sync.WaitGroup
-	var mu sync.Mutex
-	var samples []sample
-	var denied atomic.Int64
-	for _, p := range procs {
-		for g := 0; g < 2; g++ {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				var local []sample
-				for !stop.Load() {
-					ph := phase.Load()
-					t := time.Now()
-					d := p.e.Decide(ctx, engine.Limit{Key: k, Limit: limit, Cost: 1})
-					local = append(local, sample{ph, time.Since(t)})
-					if d.Allowed {
-						p.admitted.Add(1)
-					} else {
-						denied.Add(1)
-					}
-					time.Sleep(100 * time.Microsecond)
-				}
-				mu.Lock()
-				samples = append(samples, local...)
-				mu.Unlock()
-			}()
-		}
-	}
-	defer func() {
-		stop.Store(true)
-		wg.Wait()
-	}()
+	// Load: two goroutines per engine, recording latencies by phase.
+	var l load
+	l.run(ctx, procs, engine.Limit{Key: k, Limit: limit, Cost: 1})
+	defer l.halt()
 
 	time.Sleep(300 * time.Millisecond) // healthy load, for contrast only
-	phase.Store(1)
+	l.phase.Store(1)
 	srv.Stop()
-	redistest.Eventually(t, 10*time.Second, "both breakers open", func() bool {
-		for _, p := range procs {
-			if p.o.Stats().Endpoints[0].Breaker != BreakerOpen {
-				return false
-			}
-		}
-		return true
-	})
+	redistest.Eventually(t, 10*time.Second, "both breakers open", func() bool { return allBreakers(procs, BreakerOpen) })
 	time.Sleep(300 * time.Millisecond) // load with the breakers open
 
-	phase.Store(2)
+	l.phase.Store(2)
 	srv.Restart()
 	restarted := time.Now()
-	redistest.Eventually(t, openTimeout+5*time.Second, "both breakers close", func() bool {
-		for _, p := range procs {
-			if p.o.Stats().Endpoints[0].Breaker != BreakerClosed {
-				return false
-			}
-		}
-		return true
-	})
-	stop.Store(true)
-	wg.Wait()
+	redistest.Eventually(t, openTimeout+5*time.Second, "both breakers close", func() bool { return allBreakers(procs, BreakerClosed) })
+	l.halt()
 
 	var admitted int64
 	for _, p := range procs {
 		admitted += p.admitted.Load()
 	}
 	cell := cellKey(DefaultPrefix, k, start/window.Milliseconds())
-	c := srv.Client()
-	var total int64
-	converged := false
-	for deadline := restarted.Add(openTimeout + 2*time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
-		total, _ = c.Get(ctx, cell).Int64()
-		if total == admitted {
-			converged = true
-			break
-		}
-	}
-	t.Logf("admitted %d (%d denied); Redis holds %d, %s after the restart", admitted, denied.Load(), total, time.Since(restarted))
+	total, converged := awaitTotal(ctx, srv.Client(), cell, admitted, restarted.Add(openTimeout+2*time.Second))
+	t.Logf("admitted %d (%d denied); Redis holds %d, %s after the restart", admitted, l.denied.Load(), total, time.Since(restarted))
 	if !converged {
 		t.Fatalf("Redis holds %d, the engines admitted %d: not reconverged within the open time + 2 s", total, admitted)
 	}
-	if denied.Load() != 0 {
-		t.Fatalf("%d requests denied below the limit", denied.Load())
+	if l.denied.Load() != 0 {
+		t.Fatalf("%d requests denied below the limit", l.denied.Load())
 	}
+	checkLatencies(t, &l)
+}
 
-	mu.Lock()
-	defer mu.Unlock()
-	for ph, name := range []string{"healthy", "Redis down"} {
-		var ds []time.Duration
-		for _, s := range samples {
-			if s.phase == int32(ph) {
-				ds = append(ds, s.d)
-			}
+// proc is one simulated process in real time: an engine with its own
+// origin, and the units it admitted.
+type proc struct {
+	e        *engine.Engine
+	o        *Redis
+	admitted atomic.Int64
+}
+
+// newRealTimeProc makes the process id on the Redis at url, its breakers
+// open for openTimeout, its engine on the clock now.
+func newRealTimeProc(t *testing.T, url, id string, openTimeout time.Duration, now func() time.Time) *proc {
+	p := &proc{}
+	p.o = newOrigin(t, Config{
+		Redis:   []string{url},
+		Breaker: BreakerConfig{Timeout: Duration(openTimeout)},
+	}, Options{NodeID: id})
+	p.e = engine.New(engine.Config{Now: now})
+	p.e.SetOrigin(p.o)
+	closeAtCleanup(t, p.e, 2*time.Second)
+	return p
+}
+
+// allBreakers reports whether the request-path breaker of every process
+// is in state s.
+func allBreakers(procs []*proc, s BreakerState) bool {
+	for _, p := range procs {
+		if p.o.Stats().Endpoints[0].Breaker != s {
+			return false
 		}
+	}
+	return true
+}
+
+// latency is one decision's latency, in a phase of a load.
+type latency struct {
+	phase int32
+	d     time.Duration
+}
+
+// load is two goroutines per process deciding one key in real time, each
+// recording its decisions' latencies by phase.
+type load struct {
+	phase   atomic.Int32 // 0 healthy, 1 Redis down, 2 Redis back
+	stop    atomic.Bool
+	wg      sync.WaitGroup
+	mu      sync.Mutex
+	samples []latency
+	denied  atomic.Int64
+}
+
+// halt stops the load and waits for its goroutines.
+func (l *load) halt() {
+	l.stop.Store(true)
+	l.wg.Wait()
+}
+
+// latencies returns the latencies of phase ph, sorted.
+func (l *load) latencies(ph int32) []time.Duration {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	var ds []time.Duration
+	for _, s := range l.samples {
+		if s.phase == ph {
+			ds = append(ds, s.d)
+		}
+	}
+	slices.Sort(ds)
+	return ds
+}
+
+// run starts the load of requests lim on procs, until halt.
+func (l *load) run(ctx context.Context, procs []*proc, lim engine.Limit) {
+	for _, p := range procs {
+		for g := 0; g < 2; g++ {
+			l.wg.Add(1)
+			go func() {
+				defer l.wg.Done()
+				var local []latency
+				for !l.stop.Load() {
+					ph := l.phase.Load()
+					began := time.Now()
+					d := p.e.Decide(ctx, lim)
+					local = append(local, latency{ph, time.Since(began)})
+					if d.Allowed {
+						p.admitted.Add(lim.Cost)
+					} else {
+						l.denied.Add(1)
+					}
+					time.Sleep(100 * time.Microsecond)
+				}
+				l.mu.Lock()
+				l.samples = append(l.samples, local...)
+				l.mu.Unlock()
+			}()
+		}
+	}
+}
+
+// checkLatencies logs the decisions' latencies of l while Redis was
+// healthy and while it was down, and fails t unless each phase has enough
+// decisions and those made while it was down stayed local.
+func checkLatencies(t *testing.T, l *load) {
+	t.Helper()
+	for ph, name := range []string{"healthy", "Redis down"} {
+		ds := l.latencies(int32(ph))
 		if len(ds) < 100 {
 			t.Fatalf("%s: only %d decisions", name, len(ds))
 		}
-		slices.Sort(ds)
 		p99 := ds[len(ds)*99/100]
 		t.Logf("%s: %d decisions, p50 %s, p99 %s, max %s", name, len(ds), ds[len(ds)/2], p99, ds[len(ds)-1])
 		// The read timeout is 50 ms; local decisions take microseconds.
@@ -179,4 +199,17 @@ func TestFailover_RedisStoppedUnderLoadThenRestartedEmpty(t *testing.T) {
 			t.Fatalf("%s: p99 decision latency %s; decisions must stay local", name, p99)
 		}
 	}
+}
+
+// awaitTotal polls the count of cell until it is want or deadline passes,
+// and returns the last count seen and whether it reached want.
+func awaitTotal(ctx context.Context, c *redis.Client, cell string, want int64, deadline time.Time) (int64, bool) {
+	var total int64
+	for ; time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+		total, _ = c.Get(ctx, cell).Int64()
+		if total == want {
+			return total, true
+		}
+	}
+	return total, false
 }

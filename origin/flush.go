@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"sync"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -13,20 +14,84 @@ import (
 )
 
 // A flush sends the cells in chunks, one EVALSHA of writeScript (scripts.go)
-// per chunk, in one pipeline per endpoint: each cell's contribution hash records each
-// process's absolute total, so the write is idempotent and a Redis restarted
-// empty is repaired by the next flush of each cell, exactly. A script Redis
+// per chunk, in one pipeline per endpoint: each cell's contribution hash
+// records the own total of each process's incarnation, so the write is
+// idempotent and a Redis restarted empty is repaired by the next flush of
+// each cell, exactly. A script Redis
 // does not know (restarted, failed over) is loaded and the pipeline's
 // failed items sent again: they are idempotent too.
 
-// expireAt is when the cell (key, seq) may leave Redis: the end of the cell
-// plus two windows. Past its own end the cell is still weighted as the
-// previous cell for one window, and one more window of slack covers clock
-// skew between nodes and a replay that arrives late; so a cell never
-// expires while it is still weighted, and a lost PEXPIREAT is repeated by
-// the next write (it is idempotent), so no key lives forever.
-func expireAt(key engine.Key, seq int64) time.Time {
-	return time.UnixMilli((seq + 3) * windowMs(key.Window))
+// Flush raises this process's own total in each item's cell to its Own
+// in one pipeline per endpoint, and stores the cell's totals and Done for
+// each item Redis applied. See scripts.go: the write is
+// idempotent, so a Redis restarted empty gets every unit back exactly once.
+//
+// Endpoints are written concurrently; an endpoint whose breaker is open or
+// whose round trip fails leaves its items not Done. The error joins every
+// endpoint's error.
+func (r *Redis) Flush(ctx context.Context, batch []engine.Delta) error {
+	if len(batch) == 0 {
+		return nil
+	}
+	ctx, cancel := boundContext(ctx)
+	defer cancel()
+	if len(r.endpoints) == 1 {
+		return r.endpoints[0].flushRecorded(ctx, batch, nil)
+	}
+	groups := make(map[*endpoint][]int, len(r.endpoints))
+	for i := range batch {
+		ep := r.route(batch[i].Key)
+		groups[ep] = append(groups[ep], i)
+	}
+	if len(groups) == 1 {
+		for ep := range groups {
+			return ep.flushRecorded(ctx, batch, nil)
+		}
+	}
+	var (
+		wg   sync.WaitGroup
+		mu   sync.Mutex
+		errs []error
+	)
+	for ep, idx := range groups {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			// Each goroutine writes only its own items of batch.
+			if err := ep.flushRecorded(ctx, batch, idx); err != nil {
+				mu.Lock()
+				errs = append(errs, err)
+				mu.Unlock()
+			}
+		}()
+	}
+	wg.Wait()
+	return errors.Join(errs...)
+}
+
+// flushRecorded flushes the items idx of batch (all of them when idx is
+// nil) to this endpoint, and counts the call.
+func (ep *endpoint) flushRecorded(ctx context.Context, batch []engine.Delta, idx []int) error {
+	start := time.Now()
+	n := len(batch)
+	if idx != nil {
+		n = len(idx)
+	}
+	err := ep.flush(ctx, batch, idx)
+	ep.record(OpFlush, err, start, n)
+	if err != nil {
+		return fmt.Errorf("redis flush %s (%d cells): %w", ep.address, n, err)
+	}
+	return nil
+}
+
+// boundContext gives ctx a deadline no later than maxCallTimeout from now.
+func boundContext(ctx context.Context) (context.Context, context.CancelFunc) {
+	limit := time.Now().Add(maxCallTimeout)
+	if d, ok := ctx.Deadline(); ok && d.Before(limit) {
+		return ctx, func() {}
+	}
+	return context.WithDeadline(ctx, limit)
 }
 
 // flush writes the items idx of batch (all when idx is nil).

@@ -24,22 +24,13 @@ const DefaultPrefix = "ratelimit"
 // key parses back to its parts: two different cells never share a key.
 func cellKey(prefix string, key engine.Key, seq int64) string {
 	b := make([]byte, 0, len(prefix)+len(key.Namespace)+len(key.Identifier)+48)
-	b = appendTag(append(append(b, prefix...), ':'), key)
-	b = append(b, ':')
-	b = strconv.AppendInt(b, windowMs(key.Window), 10)
-	b = append(b, ':')
-	b = strconv.AppendInt(b, seq, 10)
-	return string(b)
+	return string(strconv.AppendInt(appendStem(b, prefix, key), seq, 10))
 }
 
 // cellKeys returns the keys of the cell at seq and of the one before it,
 // sharing the work of escaping the tag.
 func cellKeys(prefix string, key engine.Key, seq int64) (cur, prev string) {
-	b := make([]byte, 0, len(prefix)+len(key.Namespace)+len(key.Identifier)+48)
-	b = appendTag(append(append(b, prefix...), ':'), key)
-	b = append(b, ':')
-	b = strconv.AppendInt(b, windowMs(key.Window), 10)
-	b = append(b, ':')
+	b := appendStem(make([]byte, 0, len(prefix)+len(key.Namespace)+len(key.Identifier)+48), prefix, key)
 	n := len(b)
 	cur = string(strconv.AppendInt(b, seq, 10))
 	prev = string(strconv.AppendInt(b[:n], seq-1, 10))
@@ -51,28 +42,35 @@ func cellKeys(prefix string, key engine.Key, seq int64) (cur, prev string) {
 // cell's key, and returns where each ends in b.
 func appendWriteKeys(b []byte, prefix string, key engine.Key, seq int64) ([]byte, [3]int) {
 	from := len(b)
-	b = appendTag(append(append(b, prefix...), ':'), key)
-	b = append(b, ':')
-	b = strconv.AppendInt(b, windowMs(key.Window), 10)
-	b = append(b, ':')
+	b = appendStem(b, prefix, key)
 	stem := len(b)
 	b = strconv.AppendInt(b, seq, 10)
 	var ends [3]int
 	ends[0] = len(b)
-	b = append(append(b, b[from:ends[0]]...), ownersSuffix...)
+	b = append(append(b, b[from:ends[0]]...), contributionSuffix...)
 	ends[1] = len(b)
 	b = strconv.AppendInt(append(b, b[from:stem]...), seq-1, 10)
 	ends[2] = len(b)
 	return b, ends
 }
 
-// ownersSuffix ends the key of a cell's contribution hash. A cell key
-// ends in an integer, so the two can never be equal.
-const ownersSuffix = ":own"
+// appendStem appends what every cell key of key begins with:
+// "<prefix>:{<ns>:<id>}:<window_ms>:".
+func appendStem(b []byte, prefix string, key engine.Key) []byte {
+	b = appendTag(append(append(b, prefix...), ':'), key)
+	b = append(b, ':')
+	b = strconv.AppendInt(b, windowMs(key.Window), 10)
+	return append(b, ':')
+}
 
-// ownersKey returns the key of the hash that holds, per process, the units
-// that process added to cellKey: the same hash tag, so the same slot.
-func ownersKey(cellKey string) string { return cellKey + ownersSuffix }
+// contributionSuffix ends the key of a cell's contribution hash. A cell key
+// ends in an integer, so the two can never be equal.
+const contributionSuffix = ":own"
+
+// contributionKey returns the key of the contribution hash of cellKey, which
+// holds the own total of each process's incarnation of the cell: the same
+// hash tag, so the same slot.
+func contributionKey(cellKey string) string { return cellKey + contributionSuffix }
 
 // appendTag appends the hash tag "{<ns>:<id>}" with both parts escaped.
 func appendTag(b []byte, key engine.Key) []byte {
@@ -81,6 +79,16 @@ func appendTag(b []byte, key engine.Key) []byte {
 	b = append(b, ':')
 	b = escape(b, key.Identifier)
 	return append(b, '}')
+}
+
+// expireAt is when the cell (key, seq) may leave Redis: the end of the cell
+// plus two windows. Past its own end the cell is still weighted as the
+// previous cell for one window, and one more window of slack covers clock
+// skew between nodes and a replay that arrives late; so a cell never
+// expires while it is still weighted, and a lost PEXPIREAT is repeated by
+// the next write (it is idempotent), so no key lives forever.
+func expireAt(key engine.Key, seq int64) time.Time {
+	return time.UnixMilli((seq + 3) * windowMs(key.Window))
 }
 
 // windowMs is the window at the millisecond precision the engine uses for

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/edgelimit/caddy-ratelimit/engine"
+	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
 )
 
 // parseCellKey is the inverse of cellKey; ok is false when s is not a key
@@ -155,13 +156,6 @@ func TestCellKey_HostileIdentifiersNeverCollide(t *testing.T) {
 	}
 }
 
-func trunc(s string) string {
-	if len(s) > 40 {
-		return s[:40] + "…"
-	}
-	return s
-}
-
 // FuzzKeyEncodingInjective proves the key encoding injective: two cells
 // share a key only if they are the same cell, every key parses back to its
 // cell, and every cell of one (namespace, identifier) has the same hash tag.
@@ -189,7 +183,7 @@ func FuzzKeyEncodingInjective(f *testing.F) {
 		if (hashTag(a) == hashTag(b)) != (ns1 == ns2 && id1 == id2) {
 			t.Fatalf("hash tags of %q and %q: equal=%v, but (ns, id) equal=%v", a, b, hashTag(a) == hashTag(b), ns1 == ns2 && id1 == id2)
 		}
-		if ownersKey(a) == b {
+		if contributionKey(a) == b {
 			t.Fatalf("contribution hash of %q is the key of another cell", a)
 		}
 		cur, prev := cellKeys(DefaultPrefix, k1, s1)
@@ -197,4 +191,49 @@ func FuzzKeyEncodingInjective(f *testing.F) {
 			t.Fatalf("cellKeys(%q) = %q, %q", a, cur, prev)
 		}
 	})
+}
+
+// TestRedis_HostileIdentifiersNeverCollide writes a distinct count for each
+// hostile identifier into a real Redis and reads every one back.
+func TestRedis_HostileIdentifiersNeverCollide(t *testing.T) {
+	srv := redistest.Start(t)
+	o := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{})
+	big := strings.Repeat("A", 64<<10)
+	ids := []string{
+		"", ":", "{", "}", "{}", "a:b", "a%3Ab", "%", "%25", "\n", "a\nb", "a\r\nb", "\x00",
+		"\xff\xfe", "\xc3\x28", "é", "x}:60000:1", "api:x", big, big + "\n", big + "{",
+	}
+	seq := nowSeq()
+	var batch []engine.Delta
+	for i, id := range ids {
+		batch = append(batch, engine.Delta{Key: key(id), Sequence: seq, Delta: int64(i + 1), Own: int64(i + 1)})
+	}
+	// One that would collide with "x" under a naive "ns:id" join.
+	batch = append(batch, engine.Delta{
+		Key: engine.Key{Namespace: "api:x", Identifier: "", Window: time.Minute}, Sequence: seq, Delta: 100, Own: 100,
+	})
+	if err := o.Flush(ctxT(t), batch); err != nil {
+		t.Fatalf("Flush: %v", err)
+	}
+	for _, d := range batch {
+		if !d.Done || d.Totals.Cur != d.Delta {
+			t.Fatalf("%q: Total %d, want %d: another identifier shares its key", trunc(d.Key.Identifier), d.Totals.Cur, d.Delta)
+		}
+		cur, _, err := readPair(o, ctxT(t), d.Key, seq)
+		if err != nil || cur != d.Delta {
+			t.Fatalf("%q: Read %d, %v; want %d", trunc(d.Key.Identifier), cur, err, d.Delta)
+		}
+	}
+	// A cell and its contribution hash per identifier, none shared.
+	if n, err := srv.Client().DBSize(ctxT(t)).Result(); err != nil || n != 2*int64(len(batch)) {
+		t.Fatalf("DBSIZE = %d (%v), want %d distinct keys", n, err, 2*len(batch))
+	}
+}
+
+// trunc shortens s for a failure message.
+func trunc(s string) string {
+	if len(s) > 40 {
+		return s[:40] + "…"
+	}
+	return s
 }

@@ -38,7 +38,7 @@ func TestAppendWriteKeys_MatchesTheKeysOfOneCell(t *testing.T) {
 	b, ends := appendWriteKeys([]byte("xyz"), DefaultPrefix, k, 42)
 	cur, prev := cellKeys(DefaultPrefix, k, 42)
 	got := []string{string(b[3:ends[0]]), string(b[ends[0]:ends[1]]), string(b[ends[1]:ends[2]])}
-	if want := []string{cur, ownersKey(cur), prev}; !reflect.DeepEqual(got, want) || ends[2] != len(b) {
+	if want := []string{cur, contributionKey(cur), prev}; !reflect.DeepEqual(got, want) || ends[2] != len(b) {
 		t.Fatalf("keys %q (ends %v, len %d), want %q", got, ends, len(b), want)
 	}
 }

@@ -12,11 +12,12 @@ import (
 )
 
 // Read batching. Every new sequence makes every active key's new cell cold
-// at once, and each cold cell is hydrated by a read: a herd of thousands of
+// at once, and each cold cell waits for a cold read: a herd of thousands of
 // reads at every window rollover. Sent one round trip each, they would queue
 // for connections, time out, and trip the breaker on a healthy Redis. So
-// reads queue per endpoint and a few drainers send them in pipelines: an idle
-// endpoint sends a lone read at once, a busy one sends many per round trip.
+// reads queue per endpoint and a few batchers send them in pipelines: an
+// idle endpoint sends a lone read at once, a busy one sends many per round
+// trip.
 const (
 	// maxReadRoundTrips is the number of read pipelines in flight per
 	// endpoint; with the replay workers it stays below poolSize, so reads
@@ -36,33 +37,42 @@ const (
 	roundTripFloor = 250 * time.Millisecond
 )
 
-// readReq is one Read waiting for a batch. The drainer writes totals or
+// readReq is one Read waiting for a batch. The batcher writes totals or
 // err, then closes done; the reader looks at them only after done.
 type readReq struct {
-	ctx      context.Context
-	deadline time.Time
-	key      engine.Key
-	seq      int64
-	inc      uint32
-	totals   engine.Totals
-	err      error
-	done     chan struct{}
+	ctx         context.Context
+	deadline    time.Time
+	key         engine.Key
+	seq         int64
+	incarnation uint32
+	totals      engine.Totals
+	err         error
+	done        chan struct{}
 }
 
+// Read returns the totals of the cell (key, seq) and of the cell before it,
+// with the own total recorded for this process's incarnation inc of the
+// cell, which it registers in the cell; a missing cell is 0. It returns by
+// ctx's deadline whatever Redis does, and at once when the endpoint's
+// request-path breaker is open. Concurrent reads of one endpoint share
+// round trips.
+func (r *Redis) Read(ctx context.Context, key engine.Key, seq int64, inc uint32) (engine.Totals, error) {
+	start := time.Now()
+	ep := r.route(key)
+	t, err := ep.read(ctx, key, seq, inc)
+	ep.record(OpRead, err, start, 2)
+	if err != nil {
+		return engine.Totals{}, fmt.Errorf("redis read %s (zone %q): %w", ep.address, key.Namespace, err)
+	}
+	return t, nil
+}
+
+// read queues one read for a batch and waits for its answer or ctx.
 func (ep *endpoint) read(ctx context.Context, key engine.Key, seq int64, inc uint32) (engine.Totals, error) {
-	if err := ctx.Err(); err != nil {
+	if err := ep.ready(ctx, key.Window); err != nil {
 		return engine.Totals{}, err
 	}
-	if ep.r.closed.Load() {
-		return engine.Totals{}, ErrClosed
-	}
-	if ep.sync.open() {
-		return engine.Totals{}, ErrBreakerOpen
-	}
-	if key.Window < time.Millisecond {
-		return engine.Totals{}, fmt.Errorf("window %s is below one millisecond", key.Window)
-	}
-	q := &readReq{ctx: ctx, key: key, seq: seq, inc: inc, done: make(chan struct{})}
+	q := &readReq{ctx: ctx, key: key, seq: seq, incarnation: inc, done: make(chan struct{})}
 	q.deadline = time.Now().Add(maxCallTimeout)
 	if d, ok := ctx.Deadline(); ok && d.Before(q.deadline) {
 		q.deadline = d
@@ -74,12 +84,12 @@ func (ep *endpoint) read(ctx context.Context, key engine.Key, seq int64, inc uin
 	case <-q.done:
 		return q.totals, q.err
 	case <-ctx.Done():
-		// The drainer skips or finishes q on its own; nobody reads it.
+		// The batcher skips or finishes q on its own; nobody reads it.
 		return engine.Totals{}, ctx.Err()
 	}
 }
 
-// enqueue adds q to the queue and starts a drainer if fewer than
+// enqueue adds q to the queue and starts a batcher if fewer than
 // maxReadRoundTrips run. The caller never does I/O itself, so it is free to
 // leave at its deadline.
 func (ep *endpoint) enqueue(q *readReq) error {
@@ -89,19 +99,20 @@ func (ep *endpoint) enqueue(q *readReq) error {
 		return ErrClosed
 	}
 	ep.queue = append(ep.queue, q)
-	start := ep.drainers < maxReadRoundTrips
+	start := ep.batchers < maxReadRoundTrips
 	if start {
-		ep.drainers++
+		ep.batchers++
 	}
 	ep.mu.Unlock()
 	if start {
-		go ep.drain()
+		go ep.sendBatches()
 	}
 	return nil
 }
 
-// drain sends queued reads in batches until the queue is empty.
-func (ep *endpoint) drain() {
+// sendBatches is a batcher: it sends queued reads in batches until the
+// queue is empty.
+func (ep *endpoint) sendBatches() {
 	for {
 		batch := ep.take()
 		if batch == nil {
@@ -112,7 +123,7 @@ func (ep *endpoint) drain() {
 }
 
 // take removes up to maxReadBatch live requests from the queue, dropping
-// those whose callers already left; nil (and one drainer fewer) when none
+// those whose callers already left; nil (and one batcher fewer) when none
 // is left.
 func (ep *endpoint) take() []*readReq {
 	ep.mu.Lock()
@@ -133,8 +144,8 @@ func (ep *endpoint) take() []*readReq {
 		ep.queue = nil // let the grown array go
 	}
 	if len(batch) == 0 {
-		ep.drainers--
-		if ep.drainers == 0 {
+		ep.batchers--
+		if ep.batchers == 0 {
 			ep.idle.Broadcast()
 		}
 		return nil
@@ -160,7 +171,7 @@ func (ep *endpoint) readBatch(batch []*readReq) {
 	defer cancel()
 	chunk := ep.chunk()
 	cmds := make([]*redis.Cmd, 0, (len(batch)+chunk-1)/chunk)
-	err := ep.sync.guard(func() error {
+	err := ep.requests.guard(func() error {
 		var err error
 		for attempt := 0; attempt < 2; attempt++ {
 			pipe := ep.client.Pipeline()
@@ -197,7 +208,7 @@ func (ep *endpoint) sendReads(ctx context.Context, pipe redis.Pipeliner, part []
 	return pipe.Do(ctx, ep.manyArgs(readScript, len(part), func(i int) (engine.Key, int64) {
 		return part[i].key, part[i].seq
 	}, func(b []byte, i int) []byte {
-		b = strconv.AppendUint(b, uint64(part[i].inc), 10)
+		b = strconv.AppendUint(b, uint64(part[i].incarnation), 10)
 		b = append(b, ' ')
 		return strconv.AppendInt(b, expireAt(part[i].key, part[i].seq).UnixMilli(), 10)
 	})...)
@@ -221,67 +232,4 @@ func parseReads(c *redis.Cmd, part []*readReq) {
 		part[i].totals = engine.Totals{Cur: v[0], Prev: v[1], Mine: v[2], Shared: v[3] > 1}
 		part[i].err = nil
 	})
-}
-
-// reserve runs the reservation script for res.
-func (ep *endpoint) reserve(ctx context.Context, res *engine.Reservation) error {
-	if err := ctx.Err(); err != nil {
-		return err
-	}
-	if ep.r.closed.Load() {
-		return ErrClosed
-	}
-	if ep.sync.open() {
-		return ErrBreakerOpen
-	}
-	switch {
-	case res.Key.Window < time.Millisecond:
-		return fmt.Errorf("window %s is below one millisecond", res.Key.Window)
-	case res.Own < 0 || res.Own > engine.MaxCount || res.Cost < 0 || res.Cost > engine.MaxCount ||
-		res.Limit < 0 || res.Limit > engine.MaxCount:
-		return fmt.Errorf("reservation out of range: own %d, cost %d, limit %d", res.Own, res.Cost, res.Limit)
-	}
-	costs := strconv.AppendInt(make([]byte, 0, 8*(1+len(res.Joined))), res.Cost, 10)
-	for _, c := range res.Joined {
-		if c < 0 || c > engine.MaxCount {
-			return fmt.Errorf("reservation out of range: joined cost %d", c)
-		}
-		costs = strconv.AppendInt(append(costs, ' '), c, 10)
-	}
-	cur, prev := cellKeys(ep.r.prefix, res.Key, res.Sequence)
-	keys := []string{cur, ownersKey(cur), prev}
-	args := []any{ep.r.nodeID + "." + strconv.FormatUint(uint64(res.Incarnation), 10), res.Own, expireAt(res.Key, res.Sequence).UnixMilli(), string(costs), res.Limit,
-		windowMs(res.Key.Window), res.Elapsed, engine.ClampCount(res.Global), engine.ClampCount(res.GlobalPrev)}
-	var vals []any
-	err := ep.sync.guard(func() error {
-		ep.roundTrips.Add(1)
-		// Run sends EVALSHA, and EVAL when Redis lost the script: a
-		// NOSCRIPT reply means nothing ran, so the retry charges once.
-		var err error
-		vals, err = reserveScript.Run(ctx, ep.client, keys, args...).Slice()
-		return err
-	})
-	if err != nil {
-		return err
-	}
-	if len(vals) != 5 {
-		return fmt.Errorf("reserve script returned %v", vals)
-	}
-	verdicts, ok := vals[0].(string)
-	if !ok || len(verdicts) != 1+len(res.Joined) {
-		return fmt.Errorf("reserve script returned %v", vals)
-	}
-	var n [4]int64
-	for i := range n {
-		if n[i], ok = vals[i+1].(int64); !ok {
-			return fmt.Errorf("reserve script returned %v", vals)
-		}
-	}
-	res.Admitted = verdicts[0] == '1'
-	res.JoinedAdmitted = make([]bool, len(res.Joined))
-	for i := range res.Joined {
-		res.JoinedAdmitted[i] = verdicts[i+1] == '1'
-	}
-	res.Totals = engine.Totals{Cur: n[0], Prev: n[1], Mine: n[2], Shared: n[3] > 1}
-	return nil
 }

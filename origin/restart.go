@@ -9,7 +9,7 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
-// A Redis restarted empty has lost every process's contributions. The
+// A Redis restarted empty has lost every process's own totals. The
 // writes are idempotent, so each process repairs what it writes next, but
 // a key no request touches any more would stay short of its units for the
 // rest of its window: the other processes would admit them again. So the

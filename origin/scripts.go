@@ -4,16 +4,16 @@ import "github.com/redis/go-redis/v9"
 
 // Every write is one script, so that replay and reservation are idempotent.
 // A cell <cell> has a contribution hash <cell>:own with one field per
-// process and incarnation of the cell in it, <node ID>.<incarnation>: the
-// units that incarnation has added, as an absolute total. A write carries
-// the incarnation's absolute total for the cell (Own); the script raises
-// the field to it and adds the difference to the cell. So a replayed flush,
+// process and incarnation of the cell in it, <node ID>.<incarnation>: that
+// incarnation's own total, every unit it has added. A write carries the
+// incarnation's own total for the cell (Own); the script raises the field
+// to it and adds the difference to the cell. So a replayed flush,
 // a lost reply, two overlapping writes (in either order) and a Redis
 // restarted empty are no-ops or exact re-adds: nothing is subtracted and
 // nothing counts twice, and it takes one round trip. A key a process
 // forgets, evicts or replaces and makes again in the same window is a new
 // incarnation (engine.Delta.Incarnation): its units add to the old field's
-// instead of hiding below it, so a process's contribution never shrinks.
+// instead of hiding below it, so what a process has added never shrinks.
 //
 // Counts saturate at 2^53 − 1 (engine.MaxCount): Lua numbers are doubles.
 // Numbers go back to Redis through string.format('%d'), never as Lua
@@ -21,7 +21,7 @@ import "github.com/redis/go-redis/v9"
 
 // raiseLua defines raise(k, h, node, own): it raises the field node (the
 // node ID and the incarnation) of the contribution hash h of cell k to the
-// absolute total own (a decimal string) and adds the difference to the cell
+// own total own (a decimal string) and adds the difference to the cell
 // (saturated), and returns the cell's total and the field. Every write
 // script begins with it.
 const raiseLua = `
@@ -41,15 +41,16 @@ local function raise(k, h, node, own)
 end
 `
 
-// reserveLua is a write (as writeLua's, for one cell) followed by the decisions of one or more requests
-// against the region's count, each charged in the same step when it
-// passes, in order, as if they came one after another:
+// reserveLua is a write (as writeLua's, for one cell) followed by the
+// decisions of one or more requests (a group) against the region's count
+// and the imported counts, each charged in the same step when it passes,
+// in order, as if they came one after another:
 //
-//	cur + global + cost + ⌊(prev + globalPrev) × (w − elapsed) / w⌋ ≤ limit
+//	cur + imported + cost + ⌊(prev + importedPrev) × (w − elapsed) / w⌋ ≤ limit
 //
 // (the previous cell's weight rounded down, as the engine rounds it),
-// evaluated as (prev + globalPrev) × (w − elapsed) < (limit − cur − global
-// − cost + 1) × w, where cur includes the costs admitted before. The products
+// evaluated as (prev + importedPrev) × (w − elapsed) < (limit − cur −
+// imported − cost + 1) × w, where cur includes the costs admitted before. The products
 // are doubles: exact while they stay below 2^53 (say a count of a million
 // over a window of a day), within one part in 2^53 beyond. The costs
 // admitted sum to at most the limit, so nothing here passes 2^53 − 1.
@@ -57,7 +58,8 @@ end
 //	KEYS[1] cell, KEYS[2] its contribution hash, KEYS[3] the previous cell
 //	ARGV[1] field (node ID.incarnation), ARGV[2] Own, ARGV[3] expiry (Unix ms), ARGV[4] the
 //	costs, decimal, separated by spaces, ARGV[5] limit, ARGV[6] window ms,
-//	ARGV[7] elapsed ms, ARGV[8] global, ARGV[9] global of the previous cell
+//	ARGV[7] elapsed ms, ARGV[8] imported count (engine.Reservation.Global),
+//	ARGV[9] imported count of the previous cell
 //	returns {one verdict per cost as a string of "1" (admitted) and "0",
 //	cell total, previous cell total, this process's field, processes in
 //	the hash}
@@ -66,12 +68,12 @@ local total, mine = raise(KEYS[1], KEYS[2], ARGV[1], ARGV[2])
 local prev = tonumber(redis.call('GET', KEYS[3]) or '0')
 local limit = tonumber(ARGV[5])
 local w, r = tonumber(ARGV[6]), tonumber(ARGV[7])
-local global = tonumber(ARGV[8])
+local imported = tonumber(ARGV[8])
 local weighed = math.min(prev + tonumber(ARGV[9]), max)
 local verdicts, charged = {}, 0
 for c in string.gmatch(ARGV[4], '%d+') do
   local cost = tonumber(c)
-  local room = limit - math.min(total + charged + global, max) - cost
+  local room = limit - math.min(total + charged + imported, max) - cost
   if room >= 0 and (weighed == 0 or r >= w or weighed * (w - r) < (room + 1) * w) then
     charged = charged + cost
     verdicts[#verdicts + 1] = '1'
@@ -90,7 +92,7 @@ redis.call('PEXPIREAT', KEYS[2], ARGV[3])
 return {table.concat(verdicts), total, prev, mine, redis.call('HLEN', KEYS[2])}
 `
 
-// writeLua raises this process's contribution to each of its cells, and
+// writeLua raises this process's own total in each of its cells, and
 // returns each previous cell's total too, so that a replay refreshes
 // everything a decision weighs, as a read would. One call carries a chunk
 // of cells (a single cell in a Cluster, where the cells of different keys

@@ -15,7 +15,7 @@ import (
 // was not starved: when the Go scheduler's recent wake-up latency (its 99th
 // percentile since the last look) stays under half the slow-call
 // threshold; and a call that timed out while goroutines waited 25 ms and
-// more to run is excluded from the breaker's counts (endpoint.go).
+// more to run is excluded from the breaker's counts (breaker.go).
 
 // schedSampleEvery bounds how often the scheduler's latency histogram is
 // read: it is cumulative, so the latency of the last interval is a delta.
@@ -59,27 +59,33 @@ func (w *schedWatch) look() {
 		copy(w.prev, h.Counts)
 		return
 	}
+	w.p99 = p99Since(w.prev, h.Counts, h.Buckets)
+	copy(w.prev, h.Counts)
+}
+
+// p99Since is the 99th percentile of the wake-ups that the histogram
+// (counts, buckets) counted since prev, at the lower bound of its bucket;
+// 0 when there were none.
+func p99Since(prev, counts []uint64, buckets []float64) time.Duration {
 	var total uint64
-	for i, c := range h.Counts {
-		total += c - w.prev[i]
+	for i, c := range counts {
+		total += c - prev[i]
 	}
 	if total == 0 {
-		w.p99 = 0
-		return
+		return 0
 	}
 	want := total - total/100 // the wake-up at the 99th percentile
 	var acc uint64
-	for i, c := range h.Counts {
-		acc += c - w.prev[i]
+	for i, c := range counts {
+		acc += c - prev[i]
 		if acc >= want {
-			// Buckets[i] is the bucket's lower bound.
-			lo := h.Buckets[i]
+			// buckets[i] is the bucket's lower bound.
+			lo := buckets[i]
 			if math.IsInf(lo, -1) {
 				lo = 0
 			}
-			w.p99 = time.Duration(lo * float64(time.Second))
-			break
+			return time.Duration(lo * float64(time.Second))
 		}
 	}
-	copy(w.prev, h.Counts)
+	return 0 // not reached: acc ends at total
 }

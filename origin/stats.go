@@ -108,24 +108,6 @@ type CallInfo struct {
 	Cells int
 }
 
-// Options are the origin's settings that are not configuration: hooks to
-// observe it and the process's identity. All are optional.
-type Options struct {
-	// NodeID names this process in the cells' contribution hashes (see
-	// Flush). It must be unique among the processes sharing a Redis and
-	// stable for the life of the engine, across config reloads; the
-	// default, a random ID made once per process, is both.
-	NodeID string
-	// OnCall runs on the calling goroutine after every Read and after every
-	// endpoint's part of a Flush: keep it cheap (update a histogram).
-	OnCall func(CallInfo)
-	// OnStateChange runs when one of an endpoint's breakers (BreakerName
-	// or ReplayBreakerName) changes state, in order, on a goroutine of its
-	// own, so it may log, update metrics or call Stats. A slow hook delays
-	// later notifications only.
-	OnStateChange func(endpoint, breaker string, from, to BreakerState)
-}
-
 // Stats is a snapshot of the origin for operators.
 type Stats struct {
 	Endpoints []EndpointStats `json:"endpoints"`
@@ -161,14 +143,14 @@ type EndpointStats struct {
 	LastFlush time.Time `json:"last_flush,omitzero"`
 }
 
-// Errors returned by Read and Flush, wrapped with the endpoint's address.
-var (
-	// ErrBreakerOpen: the endpoint's breaker is open (or half-open with its
-	// probe in flight); nothing was sent.
-	ErrBreakerOpen = errors.New("circuit breaker open")
-	// ErrClosed: Close was called.
-	ErrClosed = errors.New("origin closed")
-)
+// Stats returns a snapshot for operators.
+func (r *Redis) Stats() Stats {
+	st := Stats{Endpoints: make([]EndpointStats, len(r.endpoints)), Restarts: r.restarts.Load()}
+	for i, ep := range r.endpoints {
+		st.Endpoints[i] = ep.stats()
+	}
+	return st
+}
 
 // classify maps an error to the outcome it counts as.
 func classify(err error) Outcome {

@@ -1,0 +1,171 @@
+package origin
+
+import (
+	"context"
+	"errors"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+	"github.com/sony/gobreaker/v2"
+)
+
+// Names of every endpoint's two circuit breakers: the request path's
+// (reads and reservations, where slow counts as failed) and replay's
+// (errors only).
+const (
+	BreakerName       = "ratelimit_origin"
+	ReplayBreakerName = "ratelimit_origin_replay"
+)
+
+// Tunables of the breaker and the state-change notifications.
+const (
+	// breakerBuckets splits the breaker's counting interval into a rolling
+	// window, so counts age out one bucket at a time instead of all at
+	// once at the end of each interval (which would forget a building
+	// outage every 10 s).
+	breakerBuckets = 10
+	// halfOpenProbes is the number of calls a half-open breaker lets
+	// through; one successful round trip is enough evidence that Redis
+	// answers again, and more would keep decisions local for longer.
+	halfOpenProbes = 1
+	// stateEventBuffer holds breaker transitions until OnStateChange takes
+	// them; transitions are rare (seconds apart), so a full buffer means a
+	// stuck hook, and dropping is better than blocking a Redis call.
+	stateEventBuffer = 64
+	// starvedTimeout is the scheduler latency (99th percentile) from which
+	// a timeout is taken for this process's own doing: a tenth of the
+	// least time a read pipeline gets (roundTripFloor).
+	starvedTimeout = roundTripFloor / 10
+)
+
+// breaker is one gobreaker circuit breaker with its slow-call threshold
+// (zero: errors only).
+type breaker struct {
+	cb   *gobreaker.CircuitBreaker[struct{}]
+	slow time.Duration
+	ep   *endpoint
+}
+
+// errSlowCall marks, for the breaker only, a call that succeeded too late.
+var errSlowCall = errors.New("slow call")
+
+// starvedError marks, for the breaker only, a call that timed out while
+// this process was starved of CPU; the breaker excludes it.
+type starvedError struct{ err error }
+
+func (e starvedError) Error() string { return "timed out while starved: " + e.err.Error() }
+
+func (ep *endpoint) newBreaker(name string, c BreakerConfig, slow time.Duration) *breaker {
+	interval := time.Duration(c.Interval)
+	minRequests := uint32(c.MinRequests)
+	ratio := c.FailureRatio
+	return &breaker{ep: ep, slow: slow, cb: gobreaker.NewCircuitBreaker[struct{}](gobreaker.Settings{
+		Name:         name,
+		MaxRequests:  halfOpenProbes,
+		Interval:     interval,
+		BucketPeriod: interval / breakerBuckets,
+		Timeout:      time.Duration(c.Timeout),
+		// A ratio over a minimum sample, counted per round trip: the herd of
+		// cold reads at a window rollover shares a few batched round trips
+		// (read.go) that succeed on a healthy Redis, and reads that merely
+		// ran out of time waiting for a batch never reach the breaker.
+		ReadyToTrip: func(n gobreaker.Counts) bool {
+			done := n.TotalSuccesses + n.TotalFailures
+			return done >= minRequests && float64(n.TotalFailures) >= ratio*float64(done)
+		},
+		IsSuccessful: func(err error) bool { return err == nil || !countsAgainst(err) },
+		// A caller that gave up says nothing about Redis.
+		IsExcluded: func(err error) bool {
+			var starved starvedError
+			return errors.Is(err, context.Canceled) || errors.As(err, &starved)
+		},
+		OnStateChange: func(name string, from, to gobreaker.State) {
+			ep.r.emit(stateEvent{endpoint: ep.address, breaker: name, from: breakerState(from), to: breakerState(to)})
+		},
+	})}
+}
+
+// countsAgainst reports whether err says something about Redis's health. A
+// command Redis refused for its own key (a wrong type, a value that is not
+// a number, a script error) does not: one hostile key must not open the
+// breaker of the region. Redis refusing work as a whole does.
+func countsAgainst(err error) bool {
+	var rerr redis.Error
+	if !errors.As(err, &rerr) {
+		return true
+	}
+	for _, p := range []string{"LOADING", "READONLY", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "BUSY", "OOM", "NOAUTH", "WRONGPASS", "NOPERM"} {
+		if redis.HasErrorPrefix(err, p) {
+			return true
+		}
+	}
+	return false
+}
+
+// open reports whether the breaker refuses calls right now (a cheap check
+// before any work, so an open breaker costs a request nothing).
+func (b *breaker) open() bool { return b.cb.State() == gobreaker.StateOpen }
+
+// guard runs fn through the breaker, translating its refusals. A call that
+// succeeded past the slow-call threshold counts as a failure for the
+// breaker (unless this process was starved of CPU: starve.go), and as the
+// success it was for the caller.
+func (b *breaker) guard(fn func() error) error {
+	_, err := b.cb.Execute(func() (struct{}, error) {
+		start := time.Now()
+		err := fn()
+		switch {
+		case err == nil && b.slow > 0 && time.Since(start) > b.slow && !sched.starved(b.slow/2):
+			b.ep.slowCalls.Add(1)
+			return struct{}{}, errSlowCall
+		case err != nil && isTimeout(err) && sched.starved(starvedTimeout):
+			// Out of time because this process could not run: says
+			// nothing about Redis.
+			return struct{}{}, starvedError{err}
+		}
+		return struct{}{}, err
+	})
+	var starved starvedError
+	switch {
+	case errors.As(err, &starved):
+		return starved.err
+	case errors.Is(err, errSlowCall):
+		return nil
+	case errors.Is(err, gobreaker.ErrOpenState), errors.Is(err, gobreaker.ErrTooManyRequests):
+		return ErrBreakerOpen
+	}
+	return err
+}
+
+// stateEvent is one breaker transition on its way to OnStateChange.
+type stateEvent struct {
+	endpoint, breaker string
+	from, to          BreakerState
+}
+
+// emit queues a breaker transition for OnStateChange. gobreaker calls its
+// hook with its lock held, so the user's hook runs elsewhere and may call
+// Stats.
+func (r *Redis) emit(ev stateEvent) {
+	if r.events == nil {
+		return
+	}
+	select {
+	case r.events <- ev:
+	default:
+		r.dropped.Add(1)
+	}
+}
+
+// notify hands the queued transitions to OnStateChange, in order, until
+// Close.
+func (r *Redis) notify() {
+	for {
+		select {
+		case ev := <-r.events:
+			r.opts.OnStateChange(ev.endpoint, ev.breaker, ev.from, ev.to)
+		case <-r.done:
+			return
+		}
+	}
+}

@@ -1,0 +1,134 @@
+package origin
+
+import (
+	"errors"
+	"slices"
+	"sort"
+	"testing"
+	"time"
+
+	"github.com/edgelimit/caddy-ratelimit/engine"
+	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
+)
+
+// TestBreaker_OpensWhenRedisStopsAndRecoversAfterRestart stops Redis under
+// a stream of calls: the breaker opens on the failure ratio, open calls are
+// refused without I/O, and after Redis comes back (empty, same port) the
+// half-open probe closes it again over a fresh connection.
+func TestBreaker_OpensWhenRedisStopsAndRecoversAfterRestart(t *testing.T) {
+	srv := redistest.Start(t)
+	var states stateLog
+	cfg := Config{Redis: []string{srv.URL()}, Breaker: BreakerConfig{Timeout: Duration(500 * time.Millisecond)}}
+	o := newOrigin(t, cfg, Options{OnStateChange: states.hook})
+	k, seq := key("carol"), nowSeq()
+	read := func() error { return requestRead(o, k, seq) }
+	// Healthy traffic first: successes in the window must not mask the
+	// outage that follows (the ratio decides, not a count).
+	for i := 0; i < 30; i++ {
+		if err := read(); err != nil {
+			t.Fatalf("healthy read %d: %v", i, err)
+		}
+	}
+
+	flush := func() error {
+		return o.Flush(ctxT(t), []engine.Delta{{Key: k, Sequence: seq, Delta: 1, Own: 1}})
+	}
+	srv.Stop()
+	redistest.Eventually(t, 10*time.Second, "both breakers open", func() bool {
+		_ = read()
+		_ = flush()
+		st := o.Stats().Endpoints[0]
+		return st.Breaker == BreakerOpen && st.ReplayBreaker == BreakerOpen
+	})
+	st := o.Stats().Endpoints[0]
+	if failed := st.Calls["read"]["error"] + st.Calls["read"]["timeout"]; failed < 20 {
+		t.Fatalf("breaker opened after %d failed reads; the minimum sample is 20", failed)
+	}
+
+	start := time.Now()
+	err := read()
+	if !errors.Is(err, ErrBreakerOpen) {
+		t.Fatalf("read with the breaker open: %v, want ErrBreakerOpen", err)
+	}
+	if took := time.Since(start); took > 20*time.Millisecond {
+		t.Fatalf("an open breaker took %s to refuse; it must not wait on Redis", took)
+	}
+	b := []engine.Delta{{Key: k, Sequence: seq, Delta: 1, Own: 1}}
+	if err := o.Flush(ctxT(t), b); !errors.Is(err, ErrBreakerOpen) || b[0].Done {
+		t.Fatalf("flush with the breaker open: Done=%v err=%v", b[0].Done, err)
+	}
+
+	srv.Restart()
+	redistest.Eventually(t, 10*time.Second, "breaker closes after Redis is back", func() bool {
+		return read() == nil && o.Stats().Endpoints[0].Breaker == BreakerClosed
+	})
+	redistest.Eventually(t, time.Second, "state changes reported", func() bool {
+		// Probes that failed while Redis was down add open>half-open>open
+		// cycles in the middle.
+		seen := states.transitions(BreakerName)
+		n := len(seen)
+		return n >= 3 && seen[0] == "closed>open" &&
+			slices.Equal(seen[n-2:], []string{"open>half-open", "half-open>closed"})
+	})
+	if st := o.Stats().Endpoints[0]; st.Calls["read"]["rejected"] == 0 || st.Calls["flush"]["rejected"] == 0 {
+		t.Fatalf("rejected calls not counted: %+v", st.Calls)
+	}
+}
+
+func TestBreaker_SlowRedisOpensTheRequestPathOnly(t *testing.T) {
+	srv := redistest.Start(t)
+	proxy := redistest.StartDelayProxy(t, srv.Addr(), 30*time.Millisecond)
+	o := newOrigin(t, Config{Redis: []string{proxy.URL()}, Breaker: BreakerConfig{Timeout: Duration(time.Hour)}}, Options{NodeID: "p"})
+	k, seq := key("judy"), nowSeq()
+	var took []time.Duration
+	for i := 0; i < 60; i++ {
+		start := time.Now()
+		_ = requestRead(o, k, seq)
+		took = append(took, time.Since(start))
+		if err := o.Flush(ctxT(t), []engine.Delta{{Key: k, Sequence: seq, Delta: 1, Own: int64(i + 1)}}); err != nil {
+			t.Fatalf("flush %d through a slow Redis: %v", i, err)
+		}
+	}
+	st := o.Stats().Endpoints[0]
+	if st.Breaker != BreakerOpen || st.ReplayBreaker != BreakerClosed {
+		t.Fatalf("after 60 slow calls: request path %s, replay %s; want open and closed", st.Breaker, st.ReplayBreaker)
+	}
+	if st.SlowCalls < 10 {
+		t.Fatalf("%d slow calls counted", st.SlowCalls)
+	}
+	// Once open, a read costs nothing.
+	last := took[len(took)-10:]
+	sort.Slice(last, func(i, j int) bool { return last[i] < last[j] })
+	if med := last[len(last)/2]; med > 5*time.Millisecond {
+		t.Fatalf("median read with the breaker open took %s", med)
+	}
+	// Replay still delivered every unit.
+	cur, _, err := readPair(newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "q"}), ctxT(t), k, seq)
+	if err != nil || cur != 60 {
+		t.Fatalf("Redis holds %d (%v), want the 60 replayed units", cur, err)
+	}
+}
+
+func TestFlush_AFailingCommandDoesNotCountAgainstTheBreaker(t *testing.T) {
+	srv := redistest.Start(t)
+	o := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "p"})
+	seq := nowSeq()
+	bad, good := key("mallory"), key("trent")
+	// A cell that holds something other than a count: its script fails.
+	if err := srv.Client().Set(ctxT(t), cellKey(DefaultPrefix, bad, seq), "not a number", 0).Err(); err != nil {
+		t.Fatal(err)
+	}
+	for i := int64(1); i <= 50; i++ {
+		b := []engine.Delta{{Key: bad, Sequence: seq, Delta: 1, Own: i}, {Key: good, Sequence: seq, Delta: 1, Own: i}}
+		_ = o.Flush(ctxT(t), b)
+		if b[0].Done || !b[1].Done || b[1].Totals.Cur != i {
+			t.Fatalf("flush %d: bad Done=%v, good Done=%v total %d", i, b[0].Done, b[1].Done, b[1].Totals.Cur)
+		}
+		if _, err := o.Read(ctxT(t), bad, seq, 0); err == nil {
+			t.Fatal("read of a non-integer cell succeeded")
+		}
+	}
+	if st := o.Stats().Endpoints[0]; st.Breaker != BreakerClosed || st.ReplayBreaker != BreakerClosed {
+		t.Fatalf("one hostile key opened a breaker: %+v", st)
+	}
+}

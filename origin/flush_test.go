@@ -1,0 +1,283 @@
+package origin
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/edgelimit/caddy-ratelimit/engine"
+	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
+)
+
+func TestFlush_ExpiresTwoWindowsAfterTheCellEnds(t *testing.T) {
+	srv := redistest.Start(t)
+	o := newOrigin(t, Config{Redis: []string{srv.URL()}, Prefix: "rl"}, Options{})
+	for _, w := range []time.Duration{time.Second, time.Minute, time.Hour} {
+		k := engine.Key{Namespace: "z", Identifier: "id", Window: w}
+		seq := time.Now().UnixMilli() / w.Milliseconds()
+		if err := o.Flush(ctxT(t), []engine.Delta{{Key: k, Sequence: seq, Delta: 1, Own: 1}}); err != nil {
+			t.Fatalf("Flush: %v", err)
+		}
+		name := cellKey("rl", k, seq)
+		at, err := srv.Client().Do(ctxT(t), "PEXPIRETIME", name).Int64()
+		if err != nil {
+			t.Fatalf("PEXPIRETIME %s: %v", name, err)
+		}
+		if want := (seq + 3) * w.Milliseconds(); at != want {
+			t.Fatalf("window %s: key expires at %d, want %d (end of cell + 2 windows)", w, at, want)
+		}
+	}
+}
+
+// TestFlush_ReaddsOwnTotalsAfterRestartEmpty has two processes count in
+// one cell, kills Redis, starts it again empty on the same port, and has
+// both flush again: the cell ends up with each process's own total exactly
+// once, nothing lost and nothing doubled.
+func TestFlush_ReaddsOwnTotalsAfterRestartEmpty(t *testing.T) {
+	srv := redistest.Start(t)
+	a := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "a"})
+	b := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "b"})
+	k, seq := key("bob"), nowSeq()
+
+	// own tracks what each process's engine has committed to the cell.
+	own := map[*Redis]int64{}
+	// flush replays delta from p until it is Done, as the engine does with
+	// items left not Done; a failed attempt that was applied behind our
+	// back would show up as a doubled total below.
+	flush := func(p *Redis, delta int64) engine.Delta {
+		t.Helper()
+		var d engine.Delta
+		redistest.Eventually(t, 10*time.Second, "flush succeeds", func() bool {
+			batch := []engine.Delta{{Key: k, Sequence: seq, Delta: delta, Own: own[p] + delta}}
+			_ = p.Flush(ctxT(t), batch)
+			d = batch[0]
+			return d.Done
+		})
+		own[p] += delta
+		return d
+	}
+
+	flush(a, 5)
+	if d := flush(b, 3); d.Totals.Cur != 8 {
+		t.Fatalf("before the restart: total %d, want 8", d.Totals.Cur)
+	}
+
+	srv.Restart()
+
+	if d := flush(a, 2); d.Totals.Cur != 7 {
+		t.Fatalf("a after the restart: total %d, want 7 (its 5 re-added once + 2)", d.Totals.Cur)
+	}
+	if d := flush(b, 1); d.Totals.Cur != 11 {
+		t.Fatalf("b after the restart: total %d, want 11 (a's 7 + b's 3 re-added once + 1)", d.Totals.Cur)
+	}
+	c := srv.Client()
+	if got, err := c.Get(ctxT(t), cellKey(DefaultPrefix, k, seq)).Int64(); err != nil || got != 11 {
+		t.Fatalf("Redis holds %d (%v), want 11", got, err)
+	}
+	if got, err := c.HGetAll(ctxT(t), contributionKey(cellKey(DefaultPrefix, k, seq))).Result(); err != nil ||
+		got["a.0"] != "7" || got["b.0"] != "4" || len(got) != 2 {
+		t.Fatalf("contributions %v (%v), want a=7 b=4", got, err)
+	}
+
+	// Nothing doubles afterwards: the next deltas just add.
+	flush(a, 1)
+	if d := flush(b, 1); d.Totals.Cur != 13 {
+		t.Fatalf("after recovery: total %d, want 13", d.Totals.Cur)
+	}
+	at, err := c.Do(ctxT(t), "PEXPIRETIME", contributionKey(cellKey(DefaultPrefix, k, seq))).Int64()
+	if err != nil || at != (seq+3)*time.Minute.Milliseconds() {
+		t.Fatalf("contribution hash expires at %d (%v), want with its cell", at, err)
+	}
+}
+
+// TestFlush_OverlappingFlushesOfACellCountOnce has one process flush a
+// cell twice at once, the later flush landing first. Each write carries the
+// own total, so the later one brings the earlier one's units along and
+// the earlier one, landing last, is a no-op: every unit counts once.
+func TestFlush_OverlappingFlushesOfACellCountOnce(t *testing.T) {
+	srv := redistest.Start(t)
+	// Two origins under one node ID are one process's old and new origin
+	// around a config reload, or simply two flushes of one origin.
+	early := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "p"})
+	late := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "p"})
+	k, seq := key("erin"), nowSeq()
+
+	entered, release := blockPipelines(early)
+	first := []engine.Delta{{Key: k, Sequence: seq, Delta: 4, Own: 4}}
+	done := make(chan error)
+	go func() { done <- early.Flush(ctxT(t), first) }()
+	<-entered
+
+	second := []engine.Delta{{Key: k, Sequence: seq, Delta: 3, Own: 7}}
+	if err := late.Flush(ctxT(t), second); err != nil || !second[0].Done || second[0].Totals.Cur != 7 {
+		t.Fatalf("later flush: Done=%v Total=%d err=%v; want true, 7", second[0].Done, second[0].Totals.Cur, err)
+	}
+	close(release)
+	if err := <-done; err != nil || !first[0].Done || first[0].Totals.Cur != 7 {
+		t.Fatalf("earlier flush: Done=%v Total=%d err=%v; want true, 7 (a no-op)", first[0].Done, first[0].Totals.Cur, err)
+	}
+	// The same write again (a lost reply replayed) changes nothing.
+	again := []engine.Delta{{Key: k, Sequence: seq, Delta: 3, Own: 7}}
+	if err := late.Flush(ctxT(t), again); err != nil || again[0].Totals.Cur != 7 || again[0].Totals.Mine != 7 {
+		t.Fatalf("replayed flush: totals %+v err=%v; want 7 and 7", again[0].Totals, err)
+	}
+
+	// A real shortfall (Redis lost 2 of this process's units) is repaired.
+	if err := srv.Client().HSet(ctxT(t), contributionKey(cellKey(DefaultPrefix, k, seq)), "p.0", 5).Err(); err != nil {
+		t.Fatal(err)
+	}
+	third := []engine.Delta{{Key: k, Sequence: seq, Delta: 1, Own: 8}}
+	if err := late.Flush(ctxT(t), third); err != nil || third[0].Totals.Cur != 10 {
+		t.Fatalf("flush after a loss of 2: Total=%d err=%v; want 7+1+2 = 10", third[0].Totals.Cur, err)
+	}
+}
+
+// TestPartitions_OneDeadPartitionFailsOnlyItsItems flushes across two
+// partitions, one stopped: the live one's items are Done, the dead one's
+// are not, and the error names the dead endpoint.
+func TestPartitions_OneDeadPartitionFailsOnlyItsItems(t *testing.T) {
+	live, dead := redistest.Start(t), redistest.Start(t)
+	o := newOrigin(t, Config{Redis: []string{live.URL(), dead.URL()}}, Options{})
+	dead.Stop()
+	seq := nowSeq()
+	var batch []engine.Delta
+	for i := 0; i < 40; i++ {
+		batch = append(batch, engine.Delta{Key: key(fmt.Sprintf("k%d", i)), Sequence: seq, Delta: 1, Own: 1})
+	}
+	err := o.Flush(ctxT(t), batch)
+	if err == nil || !strings.Contains(err.Error(), dead.Addr()) || strings.Contains(err.Error(), live.Addr()) {
+		t.Fatalf("Flush error %v: want one naming %s only", err, dead.Addr())
+	}
+	done, notDone := 0, 0
+	for _, d := range batch {
+		onLive := o.route(d.Key).address == o.endpoints[0].address
+		if d.Done != onLive {
+			t.Fatalf("%s: Done=%v but on live partition=%v", d.Key.Identifier, d.Done, onLive)
+		}
+		if d.Done {
+			done++
+		} else {
+			notDone++
+		}
+	}
+	if done == 0 || notDone == 0 {
+		t.Fatalf("all %d keys on one partition; the test proves nothing", len(batch))
+	}
+}
+
+// TestFlush_ManyCellsGoInChunksAndFailAlone flushes more cells than one
+// script call carries, with hostile identifiers and one cell Redis refuses:
+// every other cell is applied once with its own totals, in order.
+func TestFlush_ManyCellsGoInChunksAndFailAlone(t *testing.T) {
+	srv := redistest.Start(t)
+	o := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "p"})
+	seq := nowSeq()
+	const n = 2*manyChunk + 22
+	const bad = manyChunk + 5
+	batch := make([]engine.Delta, n)
+	for i := range batch {
+		id := fmt.Sprintf("u %d:{x}%%\n\x00\xff", i)
+		batch[i] = engine.Delta{Key: key(id), Sequence: seq, Delta: int64(i + 1), Own: int64(i + 1)}
+		// Each previous cell holds its own count, and each cell 1000 units
+		// of another process.
+		if err := srv.Client().Set(ctxT(t), cellKey(DefaultPrefix, batch[i].Key, seq-1), 7*i, 0).Err(); err != nil {
+			t.Fatal(err)
+		}
+		if err := srv.Client().Set(ctxT(t), cellKey(DefaultPrefix, batch[i].Key, seq), 1000, 0).Err(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := srv.Client().Set(ctxT(t), cellKey(DefaultPrefix, batch[bad].Key, seq), "not a number", 0).Err(); err != nil {
+		t.Fatal(err)
+	}
+	for round := 0; round < 2; round++ { // the second flush is a replay: a no-op
+		err := o.Flush(ctxT(t), batch)
+		if err == nil || !strings.Contains(err.Error(), "refused 1 cells") {
+			t.Fatalf("flush: %v, want the one refused cell reported", err)
+		}
+		for i, d := range batch {
+			if i == bad {
+				if d.Done {
+					t.Fatalf("the refused cell is marked done: %+v", d.Totals)
+				}
+				continue
+			}
+			want := engine.Totals{Cur: 1000 + int64(i+1), Prev: int64(7 * i), Mine: int64(i + 1), Shared: false}
+			if !d.Done || d.Totals != want {
+				t.Fatalf("round %d, cell %d: done=%v totals %+v, want %+v", round, i, d.Done, d.Totals, want)
+			}
+		}
+	}
+	if st := o.Stats().Endpoints[0]; st.ReplayBreaker != BreakerClosed {
+		t.Fatalf("a refused cell opened the replay breaker: %+v", st)
+	}
+}
+
+// BenchmarkFlush is one replay batch of 256 distinct cells against a real
+// Redis, the shape of a slow tick with many keys each touched once: the
+// Caddy-side cost of replay per cell (ns/cell, allocs/op over 256).
+func BenchmarkFlush(b *testing.B) {
+	srv := redistest.Start(b)
+	o := newOrigin(b, Config{Redis: []string{srv.URL()}}, Options{NodeID: "bench"})
+	const cells = 256
+	seq := nowSeq()
+	batch := make([]engine.Delta, cells)
+	ks := make([]engine.Key, cells)
+	for i := range ks {
+		ks[i] = key("user-" + strconv.Itoa(1_000_000+i))
+	}
+	ctx := context.Background()
+	own := int64(0)
+	b.ReportAllocs()
+	cpu0 := cpuTime(b)
+	for b.Loop() {
+		own++
+		for i := range batch {
+			batch[i] = engine.Delta{Key: ks[i], Sequence: seq, Delta: 1, Own: own}
+		}
+		if err := o.Flush(ctx, batch); err != nil {
+			b.Fatal(err)
+		}
+		if !batch[cells-1].Done || batch[cells-1].Totals.Mine != own {
+			b.Fatalf("last item: done=%v totals=%+v, want mine=%d", batch[cells-1].Done, batch[cells-1].Totals, own)
+		}
+	}
+	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*cells), "ns/cell")
+	// This process's CPU time alone: Redis runs the scripts in its own.
+	b.ReportMetric(float64((cpuTime(b)-cpu0).Nanoseconds())/float64(b.N*cells), "cpu-ns/cell")
+}
+
+// blockPipelines makes o's next pipeline wait until release is closed,
+// after its flush has registered as in flight; entered is closed when it
+// waits.
+func blockPipelines(o *Redis) (entered, release chan struct{}) {
+	entered, release = make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	o.endpoints[0].client.AddHook(pipelineHook(func(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+		return func(ctx context.Context, cmds []redis.Cmder) error {
+			once.Do(func() {
+				close(entered)
+				<-release
+			})
+			return next(ctx, cmds)
+		}
+	}))
+	return entered, release
+}
+
+// pipelineHook is a go-redis hook of pipelines only.
+type pipelineHook func(redis.ProcessPipelineHook) redis.ProcessPipelineHook
+
+func (pipelineHook) DialHook(next redis.DialHook) redis.DialHook { return next }
+
+func (pipelineHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook { return next }
+
+func (h pipelineHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return h(next)
+}

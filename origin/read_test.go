@@ -1,0 +1,123 @@
+package origin
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/edgelimit/caddy-ratelimit/engine"
+	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
+)
+
+// TestRead_HungRedisNeverBlocksPastTheDeadline pauses Redis (SIGSTOP): the
+// socket stays open and nothing answers. Reads and flushes return at their
+// deadline.
+func TestRead_HungRedisNeverBlocksPastTheDeadline(t *testing.T) {
+	srv := redistest.Start(t)
+	o := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{})
+	k, seq := key("dave"), nowSeq()
+	if _, _, err := readPair(o, ctxT(t), k, seq); err != nil {
+		t.Fatalf("warm-up read: %v", err)
+	}
+	srv.Pause()
+	defer srv.Resume()
+
+	const budget = 50 * time.Millisecond
+	// Slack for a loaded machine; a go-redis default timeout would be 5 s.
+	const slack = 250 * time.Millisecond
+	for i := 0; i < 3; i++ {
+		ctx, cancel := context.WithTimeout(context.Background(), budget)
+		start := time.Now()
+		_, _, err := readPair(o, ctx, k, seq)
+		took := time.Since(start)
+		cancel()
+		if err == nil || !isTimeout(err) {
+			t.Fatalf("read from a hung Redis: %v, want a timeout", err)
+		}
+		if took > budget+slack {
+			t.Fatalf("read took %s with a %s deadline", took, budget)
+		}
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), budget)
+	defer cancel()
+	start := time.Now()
+	b := []engine.Delta{{Key: k, Sequence: seq, Delta: 1, Own: 1}}
+	err := o.Flush(ctx, b)
+	if took := time.Since(start); err == nil || b[0].Done || took > budget+slack {
+		t.Fatalf("flush to a hung Redis: err=%v Done=%v after %s", err, b[0].Done, took)
+	}
+	if st := o.Stats().Endpoints[0]; st.Calls["read"]["timeout"] != 3 || st.Calls["flush"]["timeout"] != 1 {
+		t.Fatalf("timeouts not counted as such: %+v", st.Calls)
+	}
+}
+
+// TestRead_ColdHerdAtRolloverDoesNotTripTheBreaker fires thousands of
+// concurrent first reads, as every active key's new cell does at a window
+// rollover. They share a few round trips and the breaker stays closed.
+func TestRead_ColdHerdAtRolloverDoesNotTripTheBreaker(t *testing.T) {
+	srv := redistest.Start(t)
+	o := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{})
+	seq := nowSeq()
+	const herd = 5000
+	var wg sync.WaitGroup
+	var ok atomic.Int64
+	for i := 0; i < herd; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if requestRead(o, key(fmt.Sprintf("user-%d", i)), seq) == nil {
+				ok.Add(1)
+			}
+		}()
+	}
+	wg.Wait()
+	st := o.Stats().Endpoints[0]
+	if st.Breaker != BreakerClosed {
+		t.Fatalf("breaker %s after a cold herd of %d reads (%+v)", st.Breaker, herd, st.Calls)
+	}
+	if st.Calls["read"]["rejected"] != 0 {
+		t.Fatalf("%d reads rejected by the breaker", st.Calls["read"]["rejected"])
+	}
+	if st.RoundTrips > herd/10 {
+		t.Fatalf("%d reads took %d round trips; concurrent reads must share them", herd, st.RoundTrips)
+	}
+	t.Logf("%d of %d reads answered within %s in %d round trips", ok.Load(), herd, engine.DefaultReadTimeout, st.RoundTrips)
+	if ok.Load() == 0 {
+		t.Fatal("no read of the herd succeeded")
+	}
+}
+
+// BenchmarkColdDecide is the first decision of keys this process has never
+// seen, through an engine on a real Redis, from 64 concurrent callers (the
+// load harness's connections): each reads Redis before it decides. cpu-ns/op
+// is this process's CPU per decision, the engine and the origin together.
+func BenchmarkColdDecide(b *testing.B) {
+	srv := redistest.Start(b)
+	o := newOrigin(b, Config{Redis: []string{srv.URL()}}, Options{NodeID: "bench"})
+	e := engine.New(engine.Config{})
+	b.Cleanup(func() { _ = e.Close(context.Background()) })
+	e.SetOrigin(o)
+	var next atomic.Int64
+	b.SetParallelism(32) // 64 callers on 2 cores
+	b.ReportAllocs()
+	cpu0 := cpuTime(b)
+	b.RunParallel(func(pb *testing.PB) {
+		ctx := context.Background()
+		for pb.Next() {
+			id := "k" + strconv.FormatInt(next.Add(1), 10)
+			d := e.Decide(ctx, engine.Limit{Key: engine.Key{Namespace: "api", Identifier: id, Window: time.Hour}, Limit: 1 << 40, Cost: 1})
+			if !d.Allowed {
+				b.Fatal("denied")
+			}
+		}
+	})
+	b.ReportMetric(float64((cpuTime(b)-cpu0).Nanoseconds())/float64(b.N), "cpu-ns/op")
+	b.ReportMetric(float64(o.Stats().Endpoints[0].RoundTrips)/float64(b.N), "roundtrips/op")
+	if st := e.Stats(); st.SyncReads < int64(b.N)/2 {
+		b.Fatalf("%d synchronous reads for %d cold keys", st.SyncReads, b.N)
+	}
+}

@@ -1,0 +1,97 @@
+package origin
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+	"time"
+
+	"github.com/edgelimit/caddy-ratelimit/engine"
+)
+
+// Reserve decides one request at Redis in one script (scripts.go): it raises
+// this process's own total to res.Own, then admits res.Cost only if the
+// region's count allows, charging it in the same step. It returns by ctx's
+// deadline whatever Redis does, and at once when the request-path breaker
+// is open.
+func (r *Redis) Reserve(ctx context.Context, res *engine.Reservation) error {
+	start := time.Now()
+	ep := r.route(res.Key)
+	err := ep.reserve(ctx, res)
+	ep.record(OpReserve, err, start, 1)
+	if err != nil {
+		return fmt.Errorf("redis reserve %s (zone %q): %w", ep.address, res.Key.Namespace, err)
+	}
+	return nil
+}
+
+// reserve runs the reservation script for res: its own cost first, then
+// the costs of the requests that joined it (res.Joined), in order.
+func (ep *endpoint) reserve(ctx context.Context, res *engine.Reservation) error {
+	if err := ep.ready(ctx, res.Key.Window); err != nil {
+		return err
+	}
+	keys, args, err := ep.reserveArgs(res)
+	if err != nil {
+		return err
+	}
+	var vals []any
+	err = ep.requests.guard(func() error {
+		ep.roundTrips.Add(1)
+		// Run sends EVALSHA, and EVAL when Redis lost the script: a
+		// NOSCRIPT reply means nothing ran, so the retry charges once.
+		var err error
+		vals, err = reserveScript.Run(ctx, ep.client, keys, args...).Slice()
+		return err
+	})
+	if err != nil {
+		return err
+	}
+	return parseReservation(vals, res)
+}
+
+// reserveArgs returns the keys and arguments of reserveLua for res, or why
+// res may not be sent: a count out of range, checked before anything is.
+func (ep *endpoint) reserveArgs(res *engine.Reservation) (keys []string, args []any, err error) {
+	if res.Own < 0 || res.Own > engine.MaxCount || res.Cost < 0 || res.Cost > engine.MaxCount ||
+		res.Limit < 0 || res.Limit > engine.MaxCount {
+		return nil, nil, fmt.Errorf("reservation out of range: own %d, cost %d, limit %d", res.Own, res.Cost, res.Limit)
+	}
+	costs := strconv.AppendInt(make([]byte, 0, 8*(1+len(res.Joined))), res.Cost, 10)
+	for _, c := range res.Joined {
+		if c < 0 || c > engine.MaxCount {
+			return nil, nil, fmt.Errorf("reservation out of range: joined cost %d", c)
+		}
+		costs = strconv.AppendInt(append(costs, ' '), c, 10)
+	}
+	cur, prev := cellKeys(ep.r.prefix, res.Key, res.Sequence)
+	keys = []string{cur, contributionKey(cur), prev}
+	args = []any{ep.r.nodeID + "." + strconv.FormatUint(uint64(res.Incarnation), 10), res.Own, expireAt(res.Key, res.Sequence).UnixMilli(), string(costs), res.Limit,
+		windowMs(res.Key.Window), res.Elapsed, engine.ClampCount(res.Global), engine.ClampCount(res.GlobalPrev)}
+	return keys, args, nil
+}
+
+// parseReservation stores in res the verdicts and totals of reserveLua's
+// reply vals.
+func parseReservation(vals []any, res *engine.Reservation) error {
+	if len(vals) != 5 {
+		return fmt.Errorf("reserve script returned %v", vals)
+	}
+	verdicts, ok := vals[0].(string)
+	if !ok || len(verdicts) != 1+len(res.Joined) {
+		return fmt.Errorf("reserve script returned %v", vals)
+	}
+	var n [4]int64
+	for i := range n {
+		if n[i], ok = vals[i+1].(int64); !ok {
+			return fmt.Errorf("reserve script returned %v", vals)
+		}
+	}
+	res.Admitted = verdicts[0] == '1'
+	res.JoinedAdmitted = make([]bool, len(res.Joined))
+	for i := range res.Joined {
+		res.JoinedAdmitted[i] = verdicts[i+1] == '1'
+	}
+	res.Totals = engine.Totals{Cur: n[0], Prev: n[1], Mine: n[2], Shared: n[3] > 1}
+	return nil
+}
