@@ -71,8 +71,8 @@ func TestCaddy_RedisOrigin(t *testing.T) {
 	// Another node already used bob's quota in this window.
 	windowMs := strconv.FormatInt(window.Milliseconds(), 10)
 	seq := strconv.FormatInt(time.Now().UnixMilli()/window.Milliseconds(), 10)
-	bobKey := "e2e:{e2e_redis:bob}:" + windowMs + ":" + seq
-	if err := rdb.IncrBy(ctx, bobKey, 5).Err(); err != nil {
+	bobKey := "e2e:{e2e_redis:bob}:" + windowMs + ":" + seq + ":c"
+	if err := rdb.HSet(ctx, bobKey, "t", 5).Err(); err != nil {
 		t.Fatal(err)
 	}
 	get(t, tester, base, "X-Key", "bob").expect(t, 429, "")
@@ -82,9 +82,9 @@ func TestCaddy_RedisOrigin(t *testing.T) {
 	}
 	get(t, tester, base, "X-Key", "alice").expect(t, 429, "")
 	// The five units reach Redis on the replay ticks, without more traffic.
-	aliceKey := "e2e:{e2e_redis:alice}:" + windowMs + ":" + seq
+	aliceKey := "e2e:{e2e_redis:alice}:" + windowMs + ":" + seq + ":c"
 	redistest.Eventually(t, 10*time.Second, "Redis holds alice's 5 units", func() bool {
-		n, err := rdb.Get(ctx, aliceKey).Int64()
+		n, err := rdb.HGet(ctx, aliceKey, "t").Int64()
 		return err == nil && n == 5
 	})
 
@@ -217,8 +217,8 @@ func TestCaddy_ReloadWithoutRedisWritesPendingUnits(t *testing.T) {
 				get(t, tester, base, "X-Key", id).expect(t, 200, "ok")
 			}
 			key := "pend:{e2e_redis:" + id + "}:" + strconv.FormatInt(window.Milliseconds(), 10) + ":" +
-				strconv.FormatInt(time.Now().UnixMilli()/window.Milliseconds(), 10)
-			if n, _ := rdb.Get(context.Background(), key).Int64(); n != 0 {
+				strconv.FormatInt(time.Now().UnixMilli()/window.Milliseconds(), 10) + ":c"
+			if n, _ := rdb.HGet(context.Background(), key, "t").Int64(); n != 0 {
 				t.Fatalf("Redis holds %d before the reload: the units were replayed already", n)
 			}
 			if redisDown {
@@ -234,7 +234,7 @@ func TestCaddy_ReloadWithoutRedisWritesPendingUnits(t *testing.T) {
 				}
 				return
 			}
-			if n, err := rdb.Get(context.Background(), key).Int64(); err != nil || n != 4 {
+			if n, err := rdb.HGet(context.Background(), key, "t").Int64(); err != nil || n != 4 {
 				t.Fatalf("Redis holds %d (%v) after the reload without redis, want the 4 admitted units", n, err)
 			}
 			if got := st.engine.Stats().LostUnits - lost; got != 0 {

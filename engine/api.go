@@ -114,6 +114,10 @@ type Totals struct {
 	// when they first read it, so that two processes starting on one key at
 	// once know of each other before either has replayed a unit.
 	Shared bool
+	// Global and GlobalPrev are what other regions counted in the cell and
+	// in the previous cell, as the region's cross-region role left them at
+	// the origin: the engine raises its imported counts to them.
+	Global, GlobalPrev int64
 }
 
 // Delta is one cell's committed units that are due for replay to the origin.

@@ -54,7 +54,7 @@ func TestSentinel_FindsTheMaster(t *testing.T) {
 	if cur, _, err := readPair(o, ctxT(t), k, seq); err != nil || cur != 3 {
 		t.Fatalf("Read through Sentinel: %d, %v", cur, err)
 	}
-	if got, err := master.Client().Get(ctxT(t), cellKey(DefaultPrefix, k, seq)).Int64(); err != nil || got != 3 {
+	if got, err := cellTotal(ctxT(t), master.Client(), DefaultPrefix, k, seq); err != nil || got != 3 {
 		t.Fatalf("the master holds %d (%v), want 3", got, err)
 	}
 	st := o.Stats().Endpoints[0]

@@ -58,7 +58,7 @@ func TestConvergence_TwoEnginesShareOneRedis(t *testing.T) {
 
 	// Nothing lost, nothing doubled: Redis holds exactly what was admitted.
 	seq := start / window.Milliseconds()
-	total, err := srv.Client().Get(ctx, cellKey(DefaultPrefix, k, seq)).Int64()
+	total, err := cellTotal(ctx, srv.Client(), DefaultPrefix, k, seq)
 	if err != nil || total != int64(admitted) {
 		t.Errorf("Redis holds %d (%v) for the cell; the nodes admitted %d", total, err, admitted)
 	}
@@ -127,7 +127,7 @@ func TestConvergence_HotKeyBelowHalfItsLimit(t *testing.T) {
 	if es.SyncReads > 1 {
 		t.Errorf("%d requests waited for Redis; only the cold first one may", es.SyncReads)
 	}
-	total, err := srv.Client().Get(ctx, cellKey(DefaultPrefix, k, start/window.Milliseconds())).Int64()
+	total, err := cellTotal(ctx, srv.Client(), DefaultPrefix, k, start/window.Milliseconds())
 	if err != nil || total != requests {
 		t.Errorf("Redis holds %d (%v); %d were admitted", total, err, requests)
 	}

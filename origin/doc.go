@@ -5,10 +5,10 @@
 // Redis, with two circuit breakers per endpoint so a sick or slow Redis
 // costs requests no latency.
 //
-// Cells live at <prefix>:{<namespace>:<identifier>}:<window_ms>:<sequence>
-// (keys.go), each with a contribution hash <cell>:own holding the own total
-// of each process's incarnation of the cell. Every call is a script
-// (scripts.go):
+// A cell is one hash at <prefix>:{<namespace>:<identifier>}:<window_ms>:<sequence>:c
+// (keys.go), holding the region's total, the count imported from other
+// regions and the own total of each process's incarnation of the cell.
+// Every call is a script (scripts.go):
 //
 //	engine read (cold or refresh) → Read    → read.go: queued, pipelined per endpoint
 //	engine reservation            → Reserve → reserve.go: one EVALSHA, both cells in

@@ -206,7 +206,7 @@ func checkLatencies(t *testing.T, l *load) {
 func awaitTotal(ctx context.Context, c *redis.Client, cell string, want int64, deadline time.Time) (int64, bool) {
 	var total int64
 	for ; time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
-		total, _ = c.Get(ctx, cell).Int64()
+		total, _ = c.HGet(ctx, cell, "t").Int64()
 		if total == want {
 			return total, true
 		}

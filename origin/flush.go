@@ -13,7 +13,7 @@ import (
 	"github.com/edgelimit/caddy-ratelimit/engine"
 )
 
-// A flush sends the cells in chunks, one EVALSHA of writeScript (scripts.go)
+// A flush sends the cells in chunks, one EVALSHA of cellsScript (scripts.go)
 // per chunk, in one pipeline per endpoint: each cell's contribution hash
 // records the own total of each process's incarnation, so the write is
 // idempotent and a Redis restarted empty is repaired by the next flush of
@@ -143,7 +143,7 @@ func (ep *endpoint) flush(ctx context.Context, batch []engine.Delta, idx []int) 
 				break
 			}
 			// Redis lost its scripts: load and send those items again.
-			if lerr := writeScript.Load(ctx, ep.client).Err(); lerr != nil {
+			if lerr := cellsScript.Load(ctx, ep.client).Err(); lerr != nil {
 				return fmt.Errorf("load write script: %w", lerr)
 			}
 			todo = again
@@ -156,7 +156,7 @@ func (ep *endpoint) flush(ctx context.Context, batch []engine.Delta, idx []int) 
 	return errors.Join(append(errs, invalid...)...)
 }
 
-// write sends the items todo in chunks (ep.chunk), one call of writeScript
+// write sends the items todo in chunks (ep.chunk), one call of cellsScript
 // per chunk, all in one pipeline; it marks the items Redis
 // applied and returns those of chunks Redis refused for an unknown script.
 // A chunk's arguments are built in a few buffers, and its reply is one
@@ -172,7 +172,7 @@ func (ep *endpoint) write(ctx context.Context, todo []int, item func(int) *engin
 	cmds := make([]*redis.Cmd, 0, (len(todo)+chunk-1)/chunk)
 	for lo := 0; lo < len(todo); lo += chunk {
 		part := todo[lo:min(lo+chunk, len(todo))]
-		cmds = append(cmds, pipe.Do(ctx, ep.manyArgs(writeScript, len(part), func(i int) (engine.Key, int64) {
+		cmds = append(cmds, pipe.Do(ctx, ep.manyArgs(cellsScript, len(part), func(i int) (engine.Key, int64) {
 			d := item(part[i])
 			return d.Key, d.Sequence
 		}, func(b []byte, i int) []byte {
@@ -200,9 +200,9 @@ func (ep *endpoint) write(ctx context.Context, todo []int, item func(int) *engin
 		if terr != nil {
 			continue
 		}
-		refused += parseMany(reply, len(part), func(i int, v [4]int64) {
+		refused += parseMany(reply, len(part), func(i int, t engine.Totals) {
 			d := item(part[i])
-			d.Totals = engine.Totals{Cur: v[0], Prev: v[3], Mine: v[1], Shared: v[2] > 1}
+			d.Totals = t
 			d.Done = true
 		})
 	}

@@ -77,12 +77,12 @@ func TestFlush_ReaddsOwnTotalsAfterRestartEmpty(t *testing.T) {
 		t.Fatalf("b after the restart: total %d, want 11 (a's 7 + b's 3 re-added once + 1)", d.Totals.Cur)
 	}
 	c := srv.Client()
-	if got, err := c.Get(ctxT(t), cellKey(DefaultPrefix, k, seq)).Int64(); err != nil || got != 11 {
+	if got, err := cellTotal(ctxT(t), c, DefaultPrefix, k, seq); err != nil || got != 11 {
 		t.Fatalf("Redis holds %d (%v), want 11", got, err)
 	}
-	if got, err := c.HGetAll(ctxT(t), contributionKey(cellKey(DefaultPrefix, k, seq))).Result(); err != nil ||
-		got["a.0"] != "7" || got["b.0"] != "4" || len(got) != 2 {
-		t.Fatalf("contributions %v (%v), want a=7 b=4", got, err)
+	if got, err := c.HGetAll(ctxT(t), cellKey(DefaultPrefix, k, seq)).Result(); err != nil ||
+		got["a.0"] != "7" || got["b.0"] != "4" || got["t"] != "11" || got["n"] != "2" || len(got) != 4 {
+		t.Fatalf("cell %v (%v), want a=7 b=4, total 11, 2 records", got, err)
 	}
 
 	// Nothing doubles afterwards: the next deltas just add.
@@ -90,9 +90,9 @@ func TestFlush_ReaddsOwnTotalsAfterRestartEmpty(t *testing.T) {
 	if d := flush(b, 1); d.Totals.Cur != 13 {
 		t.Fatalf("after recovery: total %d, want 13", d.Totals.Cur)
 	}
-	at, err := c.Do(ctxT(t), "PEXPIRETIME", contributionKey(cellKey(DefaultPrefix, k, seq))).Int64()
+	at, err := c.Do(ctxT(t), "PEXPIRETIME", cellKey(DefaultPrefix, k, seq)).Int64()
 	if err != nil || at != (seq+3)*time.Minute.Milliseconds() {
-		t.Fatalf("contribution hash expires at %d (%v), want with its cell", at, err)
+		t.Fatalf("the cell made again after the restart expires at %d (%v), want the end of the cell + 2 windows", at, err)
 	}
 }
 
@@ -129,7 +129,7 @@ func TestFlush_OverlappingFlushesOfACellCountOnce(t *testing.T) {
 	}
 
 	// A real shortfall (Redis lost 2 of this process's units) is repaired.
-	if err := srv.Client().HSet(ctxT(t), contributionKey(cellKey(DefaultPrefix, k, seq)), "p.0", 5).Err(); err != nil {
+	if err := srv.Client().HSet(ctxT(t), cellKey(DefaultPrefix, k, seq), "p.0", 5).Err(); err != nil {
 		t.Fatal(err)
 	}
 	third := []engine.Delta{{Key: k, Sequence: seq, Delta: 1, Own: 8}}
@@ -186,10 +186,10 @@ func TestFlush_ManyCellsGoInChunksAndFailAlone(t *testing.T) {
 		batch[i] = engine.Delta{Key: key(id), Sequence: seq, Delta: int64(i + 1), Own: int64(i + 1)}
 		// Each previous cell holds its own count, and each cell 1000 units
 		// of another process.
-		if err := srv.Client().Set(ctxT(t), cellKey(DefaultPrefix, batch[i].Key, seq-1), 7*i, 0).Err(); err != nil {
+		if err := setCellTotal(ctxT(t), srv.Client(), DefaultPrefix, batch[i].Key, seq-1, 7*i); err != nil {
 			t.Fatal(err)
 		}
-		if err := srv.Client().Set(ctxT(t), cellKey(DefaultPrefix, batch[i].Key, seq), 1000, 0).Err(); err != nil {
+		if err := setCellTotal(ctxT(t), srv.Client(), DefaultPrefix, batch[i].Key, seq, 1000); err != nil {
 			t.Fatal(err)
 		}
 	}

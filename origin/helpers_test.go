@@ -2,6 +2,7 @@ package origin
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strings"
 	"sync"
@@ -9,6 +10,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/redis/go-redis/v9"
 
 	"github.com/edgelimit/caddy-ratelimit/engine"
 	"github.com/edgelimit/caddy-ratelimit/internal/testclock"
@@ -190,4 +193,20 @@ func cpuTime(tb testing.TB) time.Duration {
 		tb.Fatal(err)
 	}
 	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+// cellTotal reads the region's total of the cell (key, seq): field t of
+// its hash, 0 when there is none.
+func cellTotal(ctx context.Context, c redis.Cmdable, prefix string, k engine.Key, seq int64) (int64, error) {
+	v, err := c.HGet(ctx, cellKey(prefix, k, seq), "t").Int64()
+	if errors.Is(err, redis.Nil) {
+		return 0, nil
+	}
+	return v, err
+}
+
+// setCellTotal sets the region's total of the cell (key, seq), as another
+// process's units there would.
+func setCellTotal(ctx context.Context, c redis.Cmdable, prefix string, k engine.Key, seq int64, v any) error {
+	return c.HSet(ctx, cellKey(prefix, k, seq), "t", v).Err()
 }

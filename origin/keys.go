@@ -2,6 +2,7 @@ package origin
 
 import (
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/edgelimit/caddy-ratelimit/engine"
@@ -11,20 +12,22 @@ import (
 // them apart from other data in a shared Redis (SCAN MATCH ratelimit:*).
 const DefaultPrefix = "ratelimit"
 
-// cellKey returns the Redis key of the cell (key, seq):
+// cellKey returns the Redis key of the cell (key, seq), a hash:
 //
-//	<prefix>:{<ns>:<id>}:<window_ms>:<sequence>
+//	<prefix>:{<ns>:<id>}:<window_ms>:<sequence>:c
 //
 // The braces are a Cluster hash tag: Redis Cluster hashes only what lies
 // between the first "{" and the first "}" after it, so every cell of one
-// (namespace, identifier) lands in the same slot and a read of the current
-// and previous cells is one single-slot MGET. The prefix may not contain a
+// (namespace, identifier) lands in the same slot and a script reads the
+// current and previous cells in one call. The prefix may not contain a
 // brace (Config.Validate), and escape removes every brace and colon from the
 // namespace and identifier, so the tag is always exactly "<ns>:<id>" and the
-// key parses back to its parts: two different cells never share a key.
+// key parses back to its parts (parseCellKey): two different cells never
+// share a key. The suffix keeps these hashes apart from the keys of
+// earlier versions, a counter and a ":own" hash per cell.
 func cellKey(prefix string, key engine.Key, seq int64) string {
 	b := make([]byte, 0, len(prefix)+len(key.Namespace)+len(key.Identifier)+48)
-	return string(strconv.AppendInt(appendStem(b, prefix, key), seq, 10))
+	return string(appendCell(appendStem(b, prefix, key), seq))
 }
 
 // cellKeys returns the keys of the cell at seq and of the one before it,
@@ -32,27 +35,33 @@ func cellKey(prefix string, key engine.Key, seq int64) string {
 func cellKeys(prefix string, key engine.Key, seq int64) (cur, prev string) {
 	b := appendStem(make([]byte, 0, len(prefix)+len(key.Namespace)+len(key.Identifier)+48), prefix, key)
 	n := len(b)
-	cur = string(strconv.AppendInt(b, seq, 10))
-	prev = string(strconv.AppendInt(b[:n], seq-1, 10))
+	cur = string(appendCell(b, seq))
+	prev = string(appendCell(b[:n], seq-1))
 	return cur, prev
 }
 
-// appendWriteKeys appends the three keys a write of the cell (key, seq)
-// names: the cell's key, its contribution hash's key and the previous
-// cell's key, and returns where each ends in b.
-func appendWriteKeys(b []byte, prefix string, key engine.Key, seq int64) ([]byte, [3]int) {
+// appendCellKeys appends the two keys a call about the cell (key, seq)
+// names, the cell's and the previous cell's, and returns where each ends
+// in b.
+func appendCellKeys(b []byte, prefix string, key engine.Key, seq int64) ([]byte, [2]int) {
 	from := len(b)
 	b = appendStem(b, prefix, key)
 	stem := len(b)
-	b = strconv.AppendInt(b, seq, 10)
-	var ends [3]int
+	var ends [2]int
+	b = appendCell(b, seq)
 	ends[0] = len(b)
-	b = append(append(b, b[from:ends[0]]...), contributionSuffix...)
+	b = appendCell(append(b, b[from:stem]...), seq-1)
 	ends[1] = len(b)
-	b = strconv.AppendInt(append(b, b[from:stem]...), seq-1, 10)
-	ends[2] = len(b)
 	return b, ends
 }
+
+// appendCell appends a cell key's end: "<sequence>:c".
+func appendCell(b []byte, seq int64) []byte {
+	return append(strconv.AppendInt(b, seq, 10), cellSuffix...)
+}
+
+// cellSuffix ends every cell key.
+const cellSuffix = ":c"
 
 // appendStem appends what every cell key of key begins with:
 // "<prefix>:{<ns>:<id>}:<window_ms>:".
@@ -63,14 +72,63 @@ func appendStem(b []byte, prefix string, key engine.Key) []byte {
 	return append(b, ':')
 }
 
-// contributionSuffix ends the key of a cell's contribution hash. A cell key
-// ends in an integer, so the two can never be equal.
-const contributionSuffix = ":own"
+// parseCellKey parses a cell key back into its cell: the inverse of
+// cellKey for the prefix, and ok false for any other string.
+func parseCellKey(prefix, s string) (key engine.Key, seq int64, ok bool) {
+	rest, found := strings.CutPrefix(s, prefix+":{")
+	if !found {
+		return key, 0, false
+	}
+	rest, found = strings.CutSuffix(rest, cellSuffix)
+	if !found {
+		return key, 0, false
+	}
+	tag, tail, found := strings.Cut(rest, "}:")
+	if !found {
+		return key, 0, false
+	}
+	ns, id, found := strings.Cut(tag, ":")
+	if !found {
+		return key, 0, false
+	}
+	w, sq, found := strings.Cut(tail, ":")
+	if !found {
+		return key, 0, false
+	}
+	wms, err1 := strconv.ParseInt(w, 10, 64)
+	seq, err2 := strconv.ParseInt(sq, 10, 64)
+	nsRaw, ok1 := unescape(ns)
+	idRaw, ok2 := unescape(id)
+	if err1 != nil || err2 != nil || !ok1 || !ok2 || wms < 1 {
+		return key, 0, false
+	}
+	return engine.Key{Namespace: nsRaw, Identifier: idRaw, Window: time.Duration(wms) * time.Millisecond}, seq, true
+}
 
-// contributionKey returns the key of the contribution hash of cellKey, which
-// holds the own total of each process's incarnation of the cell: the same
-// hash tag, so the same slot.
-func contributionKey(cellKey string) string { return cellKey + contributionSuffix }
+// unescape is the inverse of escape; ok is false for what escape never
+// writes (a malformed escape, a byte it would have escaped).
+func unescape(s string) (string, bool) {
+	b := make([]byte, 0, len(s))
+	for i := 0; i < len(s); i++ {
+		if s[i] != '%' {
+			if needsEscape(s[i]) {
+				return "", false
+			}
+			b = append(b, s[i])
+			continue
+		}
+		if i+2 >= len(s) {
+			return "", false
+		}
+		hi, lo := strings.IndexByte(hexDigits, s[i+1]), strings.IndexByte(hexDigits, s[i+2])
+		if hi < 0 || lo < 0 {
+			return "", false
+		}
+		b = append(b, byte(hi<<4|lo))
+		i += 2
+	}
+	return string(b), true
+}
 
 // appendTag appends the hash tag "{<ns>:<id>}" with both parts escaped.
 func appendTag(b []byte, key engine.Key) []byte {
@@ -85,8 +143,8 @@ func appendTag(b []byte, key engine.Key) []byte {
 // plus two windows. Past its own end the cell is still weighted as the
 // previous cell for one window, and one more window of slack covers clock
 // skew between nodes and a replay that arrives late; so a cell never
-// expires while it is still weighted, and a lost PEXPIREAT is repeated by
-// the next write (it is idempotent), so no key lives forever.
+// expires while it is still weighted. The expiry is set in the script
+// that makes the cell, so a cell never exists without one.
 func expireAt(key engine.Key, seq int64) time.Time {
 	return time.UnixMilli((seq + 3) * windowMs(key.Window))
 }

@@ -11,7 +11,7 @@ import (
 	"github.com/edgelimit/caddy-ratelimit/engine"
 )
 
-// Reads and writes (readLua, writeLua) take chunks of cells: one call
+// Reads and writes (cellsLua) take chunks of cells: one call
 // carries many, so the fixed cost of a command (its value, its arguments as
 // values, its reply as values) is shared by the chunk. Their arguments are
 // a few buffers and their reply is one string, so the cost per cell on this
@@ -24,7 +24,7 @@ const manyChunk = 64
 
 // chunk is the most cells one call to ep carries: manyChunk, or 1 in a
 // Cluster, where the cells of different keys lie in different slots (the
-// three keys of one cell share its hash tag, so its slot).
+// two keys of one cell share its hash tag, so its slot).
 func (ep *endpoint) chunk() int {
 	if ep.kind == KindCluster {
 		return 1
@@ -33,23 +33,23 @@ func (ep *endpoint) chunk() int {
 }
 
 // manyArgs returns one EVALSHA of script over n cells: per cell i, named by
-// cell(i), its key, its contribution hash's key and the previous cell's
-// key; then the node ID and one string of each cell's numbers, written by
-// nums(b, i) and separated by spaces. The keys share one string, and the
+// cell(i), its key and the previous cell's key; then the node ID and one
+// string of each cell's numbers, written by nums(b, i) and separated by
+// spaces. The keys share one string, and the
 // command refers to them by pointer, which go-redis writes as strings
 // without a value per key.
 func (ep *endpoint) manyArgs(script *redis.Script, n int, cell func(i int) (engine.Key, int64), nums func(b []byte, i int) []byte) []any {
 	size := 0
 	for i := range n {
 		k, _ := cell(i)
-		size += 3 * (len(ep.r.prefix) + len(k.Namespace) + len(k.Identifier) + 32)
+		size += 2 * (len(ep.r.prefix) + len(k.Namespace) + len(k.Identifier) + 32)
 	}
 	kb, nb := make([]byte, 0, size), make([]byte, 0, 32*n)
-	ends := make([]int, 0, 3*n)
+	ends := make([]int, 0, 2*n)
 	for i := range n {
 		k, seq := cell(i)
-		var e [3]int
-		kb, e = appendWriteKeys(kb, ep.r.prefix, k, seq)
+		var e [2]int
+		kb, e = appendCellKeys(kb, ep.r.prefix, k, seq)
 		ends = append(ends, e[:]...)
 		if i > 0 {
 			nb = append(nb, ' ')
@@ -70,18 +70,18 @@ func (ep *endpoint) manyArgs(script *redis.Script, n int, cell func(i int) (engi
 	return append(args, &ep.r.nodeID, string(nb))
 }
 
-// parseMany reads the reply of a script over n cells: per cell, four
+// parseMany reads the reply of cellsLua over n cells: per cell, six
 // integers or "e" (Redis refused the cell's commands). It calls each for
-// every cell with its integers, and returns how many cells were refused. A
+// every cell with its totals, and returns how many cells were refused. A
 // malformed reply stops it: the cells left are not reported.
-func parseMany(reply string, n int, each func(i int, v [4]int64)) (refused int) {
+func parseMany(reply string, n int, each func(i int, t engine.Totals)) (refused int) {
 	for i := range n {
 		var tok string
 		if tok, reply = nextField(reply); tok == "e" {
 			refused++
 			continue
 		}
-		var v [4]int64
+		var v [6]int64
 		for k := range v {
 			if k > 0 {
 				tok, reply = nextField(reply)
@@ -92,9 +92,15 @@ func parseMany(reply string, n int, each func(i int, v [4]int64)) (refused int) 
 			}
 			v[k] = x
 		}
-		each(i, v)
+		each(i, totalsOf(v))
 	}
 	return refused
+}
+
+// totalsOf reads a cell's numbers as the scripts return them: t, the
+// previous t, the record, n, g and the previous g.
+func totalsOf(v [6]int64) engine.Totals {
+	return engine.Totals{Cur: v[0], Prev: v[1], Mine: v[2], Shared: v[3] > 1, Global: v[4], GlobalPrev: v[5]}
 }
 
 // nextField splits s at its first space.

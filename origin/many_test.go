@@ -9,23 +9,25 @@ import (
 )
 
 func TestParseMany_ReadsCellsInOrderAndStopsAtAMalformedReply(t *testing.T) {
+	tot := func(v ...int64) engine.Totals { return totalsOf([6]int64(v)) }
 	for _, tc := range []struct {
 		name    string
 		reply   string
 		n       int
-		want    map[int][4]int64
+		want    map[int]engine.Totals
 		refused int
 	}{
-		{"all", "1 2 3 4 5 6 7 8", 2, map[int][4]int64{0: {1, 2, 3, 4}, 1: {5, 6, 7, 8}}, 0},
-		{"one refused", "e 5 6 7 8 e", 3, map[int][4]int64{1: {5, 6, 7, 8}}, 2},
-		{"huge values", "9007199254740991 0 1 9007199254740991", 1, map[int][4]int64{0: {engine.MaxCount, 0, 1, engine.MaxCount}}, 0},
-		{"malformed", "1 2 3 4 5 x 7 8 9 10 11 12", 3, map[int][4]int64{0: {1, 2, 3, 4}}, 0},
-		{"short", "1 2 3", 1, map[int][4]int64{}, 0},
-		{"empty", "", 2, map[int][4]int64{}, 0},
+		{"all", "1 2 3 1 5 6 7 8 9 2 11 12", 2, map[int]engine.Totals{0: tot(1, 2, 3, 1, 5, 6), 1: tot(7, 8, 9, 2, 11, 12)}, 0},
+		{"one refused", "e 5 6 7 8 9 10 e", 3, map[int]engine.Totals{1: tot(5, 6, 7, 8, 9, 10)}, 2},
+		{"huge values", "9007199254740991 0 1 9007199254740991 0 9007199254740991", 1,
+			map[int]engine.Totals{0: tot(engine.MaxCount, 0, 1, engine.MaxCount, 0, engine.MaxCount)}, 0},
+		{"malformed", "1 2 3 4 5 6 7 x 9 10 11 12", 3, map[int]engine.Totals{0: tot(1, 2, 3, 4, 5, 6)}, 0},
+		{"short", "1 2 3 4 5", 1, map[int]engine.Totals{}, 0},
+		{"empty", "", 2, map[int]engine.Totals{}, 0},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			got := map[int][4]int64{}
-			refused := parseMany(tc.reply, tc.n, func(i int, v [4]int64) { got[i] = v })
+			got := map[int]engine.Totals{}
+			refused := parseMany(tc.reply, tc.n, func(i int, v engine.Totals) { got[i] = v })
 			if refused != tc.refused || !reflect.DeepEqual(got, tc.want) {
 				t.Fatalf("parseMany(%q) = %v, refused %d; want %v, refused %d", tc.reply, got, refused, tc.want, tc.refused)
 			}
@@ -33,12 +35,23 @@ func TestParseMany_ReadsCellsInOrderAndStopsAtAMalformedReply(t *testing.T) {
 	}
 }
 
-func TestAppendWriteKeys_MatchesTheKeysOfOneCell(t *testing.T) {
+func TestTotalsOf_NamesTheScriptsNumbers(t *testing.T) {
+	got := totalsOf([6]int64{10, 20, 3, 2, 40, 50})
+	want := engine.Totals{Cur: 10, Prev: 20, Mine: 3, Shared: true, Global: 40, GlobalPrev: 50}
+	if got != want {
+		t.Fatalf("totalsOf = %+v, want %+v", got, want)
+	}
+	if totalsOf([6]int64{1, 0, 1, 1, 0, 0}).Shared {
+		t.Fatal("one record is not shared")
+	}
+}
+
+func TestAppendCellKeys_MatchesTheKeysOfOneCell(t *testing.T) {
 	k := engine.Key{Namespace: "api", Identifier: "a b:{c}%", Window: time.Minute}
-	b, ends := appendWriteKeys([]byte("xyz"), DefaultPrefix, k, 42)
+	b, ends := appendCellKeys([]byte("xyz"), DefaultPrefix, k, 42)
 	cur, prev := cellKeys(DefaultPrefix, k, 42)
-	got := []string{string(b[3:ends[0]]), string(b[ends[0]:ends[1]]), string(b[ends[1]:ends[2]])}
-	if want := []string{cur, contributionKey(cur), prev}; !reflect.DeepEqual(got, want) || ends[2] != len(b) {
+	got := []string{string(b[3:ends[0]]), string(b[ends[0]:ends[1]])}
+	if want := []string{cur, prev}; !reflect.DeepEqual(got, want) || ends[1] != len(b) {
 		t.Fatalf("keys %q (ends %v, len %d), want %q", got, ends, len(b), want)
 	}
 }

@@ -154,7 +154,7 @@ func (ep *endpoint) take() []*readReq {
 }
 
 // readBatch sends one pipeline of reads for the batch, one call of
-// readScript per chunk of requests (ep.chunk), and hands each request its
+// cellsScript per chunk of requests (ep.chunk), and hands each request its
 // result. The pipeline
 // runs until the latest deadline in the batch (at least roundTripFloor),
 // not bound to any one caller's context: the others still wait. A Redis
@@ -183,7 +183,7 @@ func (ep *endpoint) readBatch(batch []*readReq) {
 			if _, err = pipe.Exec(ctx); err == nil || !redis.HasErrorPrefix(err, "NOSCRIPT") {
 				return err
 			}
-			if lerr := readScript.Load(ctx, ep.client).Err(); lerr != nil {
+			if lerr := cellsScript.Load(ctx, ep.client).Err(); lerr != nil {
 				return fmt.Errorf("load read script: %w", lerr)
 			}
 		}
@@ -203,13 +203,13 @@ func (ep *endpoint) readBatch(batch []*readReq) {
 	}
 }
 
-// sendReads queues the call of readScript that reads part on pipe.
+// sendReads queues the call of cellsScript that reads part on pipe.
 func (ep *endpoint) sendReads(ctx context.Context, pipe redis.Pipeliner, part []*readReq) *redis.Cmd {
-	return pipe.Do(ctx, ep.manyArgs(readScript, len(part), func(i int) (engine.Key, int64) {
+	return pipe.Do(ctx, ep.manyArgs(cellsScript, len(part), func(i int) (engine.Key, int64) {
 		return part[i].key, part[i].seq
 	}, func(b []byte, i int) []byte {
 		b = strconv.AppendUint(b, uint64(part[i].incarnation), 10)
-		b = append(b, ' ')
+		b = append(b, " 0 "...) // a read registers the record, with no units
 		return strconv.AppendInt(b, expireAt(part[i].key, part[i].seq).UnixMilli(), 10)
 	})...)
 }
@@ -228,8 +228,8 @@ func parseReads(c *redis.Cmd, part []*readReq) {
 	for _, q := range part {
 		q.err = refusedCells(1)
 	}
-	parseMany(reply, len(part), func(i int, v [4]int64) {
-		part[i].totals = engine.Totals{Cur: v[0], Prev: v[1], Mine: v[2], Shared: v[3] > 1}
+	parseMany(reply, len(part), func(i int, t engine.Totals) {
+		part[i].totals = t
 		part[i].err = nil
 	})
 }

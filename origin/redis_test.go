@@ -46,9 +46,9 @@ func TestRedis_ReadAndFlushRoundTrip(t *testing.T) {
 	if err != nil || cur != 10 || prev != 4 {
 		t.Fatalf("Read = %d, %d, %v; want 10, 4, nil", cur, prev, err)
 	}
-	got, err := srv.Client().Get(ctxT(t), "ratelimit:{api:alice}:60000:"+fmt.Sprint(seq)).Int64()
+	got, err := srv.Client().HGet(ctxT(t), "ratelimit:{api:alice}:60000:"+fmt.Sprint(seq)+":c", "t").Int64()
 	if err != nil || got != 10 {
-		t.Fatalf("GET of the documented key = %d, %v; want 10", got, err)
+		t.Fatalf("HGET t of the documented key = %d, %v; want 10", got, err)
 	}
 
 	st := o.Stats().Endpoints[0]

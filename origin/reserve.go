@@ -65,7 +65,7 @@ func (ep *endpoint) reserveArgs(res *engine.Reservation) (keys []string, args []
 		costs = strconv.AppendInt(append(costs, ' '), c, 10)
 	}
 	cur, prev := cellKeys(ep.r.prefix, res.Key, res.Sequence)
-	keys = []string{cur, contributionKey(cur), prev}
+	keys = []string{cur, prev}
 	args = []any{ep.r.nodeID + "." + strconv.FormatUint(uint64(res.Incarnation), 10), res.Own, expireAt(res.Key, res.Sequence).UnixMilli(), string(costs), res.Limit,
 		windowMs(res.Key.Window), res.Elapsed, engine.ClampCount(res.Global), engine.ClampCount(res.GlobalPrev)}
 	return keys, args, nil
@@ -74,14 +74,14 @@ func (ep *endpoint) reserveArgs(res *engine.Reservation) (keys []string, args []
 // parseReservation stores in res the verdicts and totals of reserveLua's
 // reply vals.
 func parseReservation(vals []any, res *engine.Reservation) error {
-	if len(vals) != 5 {
+	if len(vals) != 7 {
 		return fmt.Errorf("reserve script returned %v", vals)
 	}
 	verdicts, ok := vals[0].(string)
 	if !ok || len(verdicts) != 1+len(res.Joined) {
 		return fmt.Errorf("reserve script returned %v", vals)
 	}
-	var n [4]int64
+	var n [6]int64
 	for i := range n {
 		if n[i], ok = vals[i+1].(int64); !ok {
 			return fmt.Errorf("reserve script returned %v", vals)
@@ -92,6 +92,6 @@ func parseReservation(vals []any, res *engine.Reservation) error {
 	for i := range res.Joined {
 		res.JoinedAdmitted[i] = verdicts[i+1] == '1'
 	}
-	res.Totals = engine.Totals{Cur: n[0], Prev: n[1], Mine: n[2], Shared: n[3] > 1}
+	res.Totals = totalsOf(n)
 	return nil
 }

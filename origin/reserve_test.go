@@ -110,7 +110,7 @@ func TestReserve_WeighsThePreviousCellAndImportedCounts(t *testing.T) {
 			t.Fatalf("previous total %d, want 40", r.Totals.Prev)
 		}
 		if r.Admitted { // give the unit back for the next case
-			if err := srv.Client().Del(ctxT(t), cellKey(DefaultPrefix, k, seq), contributionKey(cellKey(DefaultPrefix, k, seq))).Err(); err != nil {
+			if err := srv.Client().Del(ctxT(t), cellKey(DefaultPrefix, k, seq)).Err(); err != nil {
 				t.Fatal(err)
 			}
 		}
@@ -129,7 +129,7 @@ func TestReserve_HugeValuesSaturateAndNeverPassFree(t *testing.T) {
 	if err := o.Reserve(ctxT(t), r); err != nil || r.Admitted || r.Totals.Cur != engine.MaxCount {
 		t.Fatalf("a huge cost at the ceiling: %+v err=%v; want denied, saturated", r, err)
 	}
-	got, err := srv.Client().Get(ctxT(t), cellKey(DefaultPrefix, k, seq)).Int64()
+	got, err := cellTotal(ctxT(t), srv.Client(), DefaultPrefix, k, seq)
 	if err != nil || got != engine.MaxCount {
 		t.Fatalf("Redis holds %d (%v), want %d", got, err, engine.MaxCount)
 	}
@@ -169,7 +169,7 @@ func TestReserve_JoinedCostsAreDecidedInOrder(t *testing.T) {
 	o := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "a"})
 	k, seq := key("grace"), nowSeq()
 	// Another process holds 6 units of a limit of 10.
-	if err := srv.Client().Set(ctxT(t), cellKey(DefaultPrefix, k, seq), 6, 0).Err(); err != nil {
+	if err := setCellTotal(ctxT(t), srv.Client(), DefaultPrefix, k, seq, 6); err != nil {
 		t.Fatal(err)
 	}
 	r := reservation(k, seq, 0, 1, 10)

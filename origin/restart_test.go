@@ -52,7 +52,7 @@ func TestRestart_IdleKeysGetTheirTotalsBack(t *testing.T) {
 		}
 	}
 	total := func() int64 {
-		v, _ := srv.Client().Get(context.Background(), cellKey(DefaultPrefix, k, seq)).Int64()
+		v, _ := cellTotal(context.Background(), srv.Client(), DefaultPrefix, k, seq)
 		return v
 	}
 	if got := total(); got != 50 {
