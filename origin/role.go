@@ -1,0 +1,393 @@
+package origin
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/edgelimit/caddy-ratelimit/engine"
+)
+
+// The region's cross-region role, in the region's Redis. One node of the
+// region holds the role (a lease) and talks to MySQL for all of them: the
+// nodes leave here the cells worth publishing (a registry) and their first
+// denials, and the holder leaves in each cell's hash (field g) what other
+// regions counted, which every node's reads, writes and reservations
+// return beside the region's total. So MySQL sees one client per region,
+// however many nodes it has, and the nodes learn the other regions' counts
+// through the round trips they make anyway.
+//
+// Keys, all on the endpoint of the role (roleEndpoint), tagged so that a
+// Cluster spreads the shards:
+//
+//	<prefix>:{role}:lease         the holder's node ID, with a TTL
+//	<prefix>:{role-reg-<s>}       registered cells: cell key → "<limit> <expiry>"
+//	<prefix>:{role-reg-<s>}:q     cells registered since the holder last looked
+//	<prefix>:{role-den-<s>}       first denials: cell key → the row, opaque here
+//
+// The registry and the denials outlive holders: a cell registered but not
+// yet published, or a denial not yet written, is found by the next holder.
+
+// roleShards spread the registry and the denials over this many keys, so a
+// Cluster spreads them over its nodes.
+const roleShards = 16
+
+// roleQueueBatch is the most queued registrations taken per call.
+const roleQueueBatch = 1000
+
+// RoleCell is a cell registered for the region's role to publish.
+type RoleCell struct {
+	Key      engine.Key
+	Sequence int64
+	// Limit is the limit of the cell's last decision in the registering
+	// node; Expires (Unix ms) when the cell stops mattering.
+	Limit, Expires int64
+}
+
+// RoleDenial is a cell's first denial, left for the holder: Row is the
+// denial row as the cross-region layer writes it (opaque here).
+type RoleDenial struct {
+	Key      engine.Key
+	Sequence int64
+	Row      string
+}
+
+// RoleImport is what other regions counted in a cell, for the region.
+type RoleImport struct {
+	Key      engine.Key
+	Sequence int64
+	Count    int64
+}
+
+var (
+	// leaseLua takes the lease KEYS[1] for ARGV[1] (node) for ARGV[2] ms
+	// when it is free, or renews it when ARGV[1] holds it; returns 1 when
+	// ARGV[1] holds it afterwards.
+	leaseScript = redis.NewScript(`
+local v = redis.call('GET', KEYS[1])
+if v == ARGV[1] then redis.call('PEXPIRE', KEYS[1], ARGV[2]) return 1 end
+if not v then redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) return 1 end
+return 0
+`)
+	// releaseScript deletes the lease KEYS[1] if ARGV[1] holds it.
+	releaseScript = redis.NewScript(`
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+return 0
+`)
+	// registerScript sets each field ARGV[2i+1] of the registry KEYS[1] to
+	// ARGV[2i+2] and queues it in KEYS[2] when it is new or changed.
+	registerScript = redis.NewScript(`
+for i = 1, #ARGV, 2 do
+  if redis.call('HGET', KEYS[1], ARGV[i]) ~= ARGV[i+1] then
+    redis.call('HSET', KEYS[1], ARGV[i], ARGV[i+1])
+    redis.call('RPUSH', KEYS[2], ARGV[i])
+  end
+end
+return 0
+`)
+	// forgetScript deletes each field ARGV[2i+1] of the hash KEYS[1] if it
+	// still holds ARGV[2i+2]: a denial written, unless a newer one came.
+	forgetScript = redis.NewScript(`
+for i = 1, #ARGV, 2 do
+  if redis.call('HGET', KEYS[1], ARGV[i]) == ARGV[i+1] then redis.call('HDEL', KEYS[1], ARGV[i]) end
+end
+return 0
+`)
+	// importScript raises field g of each cell KEYS[i] to ARGV[2i-1] (a
+	// cell made here gets t and n at 0 and the expiry ARGV[2i]).
+	importScript = redis.NewScript(`
+for i = 1, #KEYS do
+  local v = redis.call('HMGET', KEYS[i], 'g', 't')
+  local g = ARGV[2*i-1]
+  if tonumber(v[1] or '0') < tonumber(g) then
+    if v[2] then
+      redis.call('HSET', KEYS[i], 'g', g)
+    else
+      redis.call('HSET', KEYS[i], 'g', g, 't', '0', 'n', '0')
+      redis.call('PEXPIREAT', KEYS[i], ARGV[2*i])
+    end
+  end
+end
+return 0
+`)
+)
+
+// roleKey is the routing key of the role's own keys.
+var roleKey = engine.Key{Namespace: "role"}
+
+// roleEndpoint is where the lease, the registry and the denials live:
+// every process that lists the same partitions agrees on it.
+func (r *Redis) roleEndpoint() *endpoint { return r.route(roleKey) }
+
+func (r *Redis) leaseKey() string { return r.prefix + ":{role}:lease" }
+
+func (r *Redis) shardKey(kind string, s int) string {
+	return r.prefix + ":{role-" + kind + "-" + strconv.Itoa(s) + "}"
+}
+
+// shardOf is the shard of a cell key.
+func shardOf(cell string) int { return int(fnv64a(fnvOffset, cell) % roleShards) }
+
+// Lease takes the region's role for ttl, or renews it when this process
+// holds it, and reports whether it holds it now.
+func (r *Redis) Lease(ctx context.Context, ttl time.Duration) (bool, error) {
+	ep := r.roleEndpoint()
+	n, err := leaseScript.Run(ctx, ep.client, []string{r.leaseKey()}, r.nodeID, ttl.Milliseconds()).Int()
+	if err != nil {
+		return false, fmt.Errorf("redis lease %s: %w", ep.address, err)
+	}
+	return n == 1, nil
+}
+
+// ReleaseLease gives the role up when this process holds it, so another
+// node takes it at once rather than after the TTL.
+func (r *Redis) ReleaseLease(ctx context.Context) error {
+	ep := r.roleEndpoint()
+	if err := releaseScript.Run(ctx, ep.client, []string{r.leaseKey()}, r.nodeID).Err(); err != nil && !errors.Is(err, redis.Nil) {
+		return fmt.Errorf("redis release lease %s: %w", ep.address, err)
+	}
+	return nil
+}
+
+// LeaseHolder returns the node ID that holds the role, "" when none.
+func (r *Redis) LeaseHolder(ctx context.Context) (string, error) {
+	v, err := r.roleEndpoint().client.Get(ctx, r.leaseKey()).Result()
+	if errors.Is(err, redis.Nil) {
+		return "", nil
+	}
+	return v, err
+}
+
+// Register records cells for the holder to publish; a cell registered
+// again with the same limit is a no-op.
+func (r *Redis) Register(ctx context.Context, cells []RoleCell) error {
+	byShard := map[int][]any{}
+	for _, c := range cells {
+		k := cellKey(r.prefix, c.Key, c.Sequence)
+		s := shardOf(k)
+		byShard[s] = append(byShard[s], k, strconv.FormatInt(c.Limit, 10)+" "+strconv.FormatInt(c.Expires, 10))
+	}
+	ep := r.roleEndpoint()
+	pipe := ep.client.Pipeline()
+	for s, args := range byShard {
+		reg := r.shardKey("reg", s)
+		registerScript.Run(ctx, pipe, []string{reg, reg + ":q"}, args...)
+	}
+	return ep.execScripts(ctx, pipe, registerScript)
+}
+
+// execScripts runs pipe on ep, loading scripts and sending the pipeline
+// again once if Redis lost its scripts (every role script is
+// idempotent).
+func (ep *endpoint) execScripts(ctx context.Context, pipe redis.Pipeliner, scripts ...*redis.Script) error {
+	cmds, err := pipe.Exec(ctx)
+	if err == nil || !redis.HasErrorPrefix(err, "NOSCRIPT") {
+		return err
+	}
+	for _, s := range scripts {
+		if err := s.Load(ctx, ep.client).Err(); err != nil {
+			return err
+		}
+	}
+	again := ep.client.Pipeline()
+	for _, c := range cmds {
+		_ = again.Process(ctx, c)
+	}
+	_, err = again.Exec(ctx)
+	return err
+}
+
+// TakeRegistered returns the cells registered since the last call, or
+// with all every cell registered (a new holder's first look); either way
+// it drops the registrations that expired before now (Unix ms).
+func (r *Redis) TakeRegistered(ctx context.Context, all bool, now int64) ([]RoleCell, error) {
+	ep := r.roleEndpoint()
+	var out []RoleCell
+	for s := range roleShards {
+		reg := r.shardKey("reg", s)
+		var vals map[string]string
+		var err error
+		if all {
+			if err = ep.client.Del(ctx, reg+":q").Err(); err == nil {
+				vals, err = ep.client.HGetAll(ctx, reg).Result()
+			}
+		} else {
+			vals, err = r.takeQueued(ctx, ep, reg)
+		}
+		if err != nil {
+			return out, fmt.Errorf("redis registry %s: %w", ep.address, err)
+		}
+		var expired []string
+		for k, v := range vals {
+			c, ok := r.parseRoleCell(k, v)
+			switch {
+			case !ok:
+				expired = append(expired, k) // nothing this version wrote
+			case c.Expires <= now:
+				expired = append(expired, k)
+			default:
+				out = append(out, c)
+			}
+		}
+		if len(expired) > 0 && all {
+			if err := ep.client.HDel(ctx, reg, expired...).Err(); err != nil {
+				return out, fmt.Errorf("redis registry %s: %w", ep.address, err)
+			}
+		}
+	}
+	return out, nil
+}
+
+// takeQueued pops the queue of the registry reg and returns the
+// registrations it names.
+func (r *Redis) takeQueued(ctx context.Context, ep *endpoint, reg string) (map[string]string, error) {
+	vals := map[string]string{}
+	for {
+		fields, err := ep.client.LPopCount(ctx, reg+":q", roleQueueBatch).Result()
+		if errors.Is(err, redis.Nil) || len(fields) == 0 {
+			return vals, nil
+		}
+		if err != nil {
+			return vals, err
+		}
+		got, err := ep.client.HMGet(ctx, reg, fields...).Result()
+		if err != nil {
+			return vals, err
+		}
+		for i, v := range got {
+			if s, ok := v.(string); ok {
+				vals[fields[i]] = s
+			}
+		}
+		if len(fields) < roleQueueBatch {
+			return vals, nil
+		}
+	}
+}
+
+// parseRoleCell reads a registration.
+func (r *Redis) parseRoleCell(k, v string) (RoleCell, bool) {
+	key, seq, ok := parseCellKey(r.prefix, k)
+	lim, exp, found := strings.Cut(v, " ")
+	if !ok || !found {
+		return RoleCell{}, false
+	}
+	l, err1 := strconv.ParseInt(lim, 10, 64)
+	e, err2 := strconv.ParseInt(exp, 10, 64)
+	if err1 != nil || err2 != nil {
+		return RoleCell{}, false
+	}
+	return RoleCell{Key: key, Sequence: seq, Limit: l, Expires: e}, true
+}
+
+// PutDenials leaves first denials for the holder; a later denial of the
+// same cell replaces an earlier one.
+func (r *Redis) PutDenials(ctx context.Context, ds []RoleDenial) error {
+	ep := r.roleEndpoint()
+	pipe := ep.client.Pipeline()
+	for _, d := range ds {
+		k := cellKey(r.prefix, d.Key, d.Sequence)
+		pipe.HSet(ctx, r.shardKey("den", shardOf(k)), k, d.Row)
+	}
+	if _, err := pipe.Exec(ctx); err != nil {
+		return fmt.Errorf("redis denials %s: %w", ep.address, err)
+	}
+	return nil
+}
+
+// TakeDenials returns every denial left for the holder.
+func (r *Redis) TakeDenials(ctx context.Context) ([]RoleDenial, error) {
+	ep := r.roleEndpoint()
+	var out []RoleDenial
+	for s := range roleShards {
+		vals, err := ep.client.HGetAll(ctx, r.shardKey("den", s)).Result()
+		if err != nil {
+			return out, fmt.Errorf("redis denials %s: %w", ep.address, err)
+		}
+		for k, v := range vals {
+			if key, seq, ok := parseCellKey(r.prefix, k); ok {
+				out = append(out, RoleDenial{Key: key, Sequence: seq, Row: v})
+			}
+		}
+	}
+	return out, nil
+}
+
+// DenialsWritten removes denials the holder wrote, unless a newer denial
+// of the same cell replaced them meanwhile.
+func (r *Redis) DenialsWritten(ctx context.Context, ds []RoleDenial) error {
+	byShard := map[int][]any{}
+	for _, d := range ds {
+		k := cellKey(r.prefix, d.Key, d.Sequence)
+		s := shardOf(k)
+		byShard[s] = append(byShard[s], k, d.Row)
+	}
+	ep := r.roleEndpoint()
+	pipe := ep.client.Pipeline()
+	for s, args := range byShard {
+		forgetScript.Run(ctx, pipe, []string{r.shardKey("den", s)}, args...)
+	}
+	return ep.execScripts(ctx, pipe, forgetScript)
+}
+
+// CellTotals returns the region's total of each cell (0 for a cell Redis
+// does not hold), in order.
+func (r *Redis) CellTotals(ctx context.Context, cells []RoleCell) ([]int64, error) {
+	out := make([]int64, len(cells))
+	byEP := map[*endpoint][]int{}
+	for i, c := range cells {
+		ep := r.route(c.Key)
+		byEP[ep] = append(byEP[ep], i)
+	}
+	for ep, idx := range byEP {
+		pipe := ep.client.Pipeline()
+		cmds := make([]*redis.StringCmd, len(idx))
+		for j, i := range idx {
+			cmds[j] = pipe.HGet(ctx, cellKey(r.prefix, cells[i].Key, cells[i].Sequence), "t")
+		}
+		if _, err := pipe.Exec(ctx); err != nil && !errors.Is(err, redis.Nil) {
+			return out, fmt.Errorf("redis totals %s: %w", ep.address, err)
+		}
+		for j, i := range idx {
+			out[i], _ = cmds[j].Int64()
+		}
+	}
+	return out, nil
+}
+
+// Import raises each cell's imported count (field g) to its Count, making
+// the cell (with its expiry) when the region holds none yet, so that a
+// node that first sees the key reads the other regions' count in its cold
+// read.
+func (r *Redis) Import(ctx context.Context, imports []RoleImport) error {
+	byEP := map[*endpoint][]int{}
+	for i, im := range imports {
+		ep := r.route(im.Key)
+		byEP[ep] = append(byEP[ep], i)
+	}
+	var errs []error
+	for ep, idx := range byEP {
+		pipe := ep.client.Pipeline()
+		chunk := ep.chunk()
+		for lo := 0; lo < len(idx); lo += chunk {
+			part := idx[lo:min(lo+chunk, len(idx))]
+			keys := make([]string, len(part))
+			args := make([]any, 0, 2*len(part))
+			for j, i := range part {
+				im := imports[i]
+				keys[j] = cellKey(r.prefix, im.Key, im.Sequence)
+				args = append(args, engine.ClampCount(im.Count), expireAt(im.Key, im.Sequence).UnixMilli())
+			}
+			importScript.Run(ctx, pipe, keys, args...)
+		}
+		if err := ep.execScripts(ctx, pipe, importScript); err != nil {
+			errs = append(errs, fmt.Errorf("redis import %s: %w", ep.address, err))
+		}
+	}
+	return errors.Join(errs...)
+}

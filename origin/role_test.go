@@ -1,0 +1,146 @@
+package origin
+
+import (
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/edgelimit/caddy-ratelimit/engine"
+	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
+)
+
+func TestRole_LeaseIsHeldByOneNodeAndPassesOn(t *testing.T) {
+	srv := redistest.Start(t)
+	a := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "a"})
+	b := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "b"})
+	const ttl = 300 * time.Millisecond
+	if ok, err := a.Lease(ctxT(t), ttl); err != nil || !ok {
+		t.Fatalf("a takes the free lease: %v %v", ok, err)
+	}
+	if ok, err := b.Lease(ctxT(t), ttl); err != nil || ok {
+		t.Fatalf("b takes a's lease: %v %v", ok, err)
+	}
+	if ok, err := a.Lease(ctxT(t), ttl); err != nil || !ok {
+		t.Fatalf("a renews: %v %v", ok, err)
+	}
+	if h, _ := b.LeaseHolder(ctxT(t)); h != "a" {
+		t.Fatalf("holder %q, want a", h)
+	}
+	// a dies without releasing: b takes the role once the lease lapses.
+	redistest.Eventually(t, 5*time.Second, "b takes the lapsed lease", func() bool {
+		ok, err := b.Lease(ctxT(t), ttl)
+		return err == nil && ok
+	})
+	if ok, _ := a.Lease(ctxT(t), ttl); ok {
+		t.Fatal("a took the role back from b")
+	}
+	if err := b.ReleaseLease(ctxT(t)); err != nil {
+		t.Fatal(err)
+	}
+	if ok, err := a.Lease(ctxT(t), ttl); err != nil || !ok {
+		t.Fatalf("a takes the released lease at once: %v %v", ok, err)
+	}
+	if err := b.ReleaseLease(ctxT(t)); err != nil {
+		t.Fatal(err)
+	}
+	if h, _ := a.LeaseHolder(ctxT(t)); h != "a" {
+		t.Fatalf("a non-holder's release freed the lease: holder %q", h)
+	}
+}
+
+func TestRole_RegistrationsAreQueuedOnceAndKeptForTheNextHolder(t *testing.T) {
+	srv := redistest.Start(t)
+	o := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "n"})
+	now := time.Now().UnixMilli()
+	cell := func(id string, limit, expires int64) RoleCell {
+		return RoleCell{Key: engine.Key{Namespace: "z", Identifier: id, Window: time.Minute}, Sequence: 7, Limit: limit, Expires: expires}
+	}
+	if err := o.Register(ctxT(t), []RoleCell{cell("a:b{c}", 10, now+60_000), cell("old", 10, now-1)}); err != nil {
+		t.Fatal(err)
+	}
+	if err := o.Register(ctxT(t), []RoleCell{cell("a:b{c}", 10, now+60_000)}); err != nil { // again: a no-op
+		t.Fatal(err)
+	}
+	got, err := o.TakeRegistered(ctxT(t), false, now)
+	if err != nil || len(got) != 1 || got[0] != cell("a:b{c}", 10, now+60_000) {
+		t.Fatalf("queued registrations %+v (%v), want the live one once", got, err)
+	}
+	if got, _ := o.TakeRegistered(ctxT(t), false, now); len(got) != 0 {
+		t.Fatalf("taken twice: %+v", got)
+	}
+	// A new limit queues the cell again; a new holder sees every live one.
+	if err := o.Register(ctxT(t), []RoleCell{cell("a:b{c}", 20, now+60_000), cell("b", 5, now+60_000)}); err != nil {
+		t.Fatal(err)
+	}
+	all, err := o.TakeRegistered(ctxT(t), true, now)
+	slices.SortFunc(all, func(x, y RoleCell) int { return len(x.Key.Identifier) - len(y.Key.Identifier) })
+	if err != nil || len(all) != 2 || all[0] != cell("b", 5, now+60_000) || all[1] != cell("a:b{c}", 20, now+60_000) {
+		t.Fatalf("every registration %+v (%v)", all, err)
+	}
+	if n, _ := srv.Client().HLen(ctxT(t), o.shardKey("reg", shardOf(cellKey(o.prefix, cell("old", 0, 0).Key, 7)))).Result(); n != 0 {
+		t.Fatalf("the expired registration is still held (%d fields in its shard)", n)
+	}
+}
+
+func TestRole_DenialsStayUntilWrittenAndANewerOneIsKept(t *testing.T) {
+	srv := redistest.Start(t)
+	o := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "n"})
+	k := engine.Key{Namespace: "z", Identifier: "burst", Window: time.Minute}
+	first := RoleDenial{Key: k, Sequence: 3, Row: "row-1"}
+	if err := o.PutDenials(ctxT(t), []RoleDenial{first}); err != nil {
+		t.Fatal(err)
+	}
+	got, err := o.TakeDenials(ctxT(t))
+	if err != nil || len(got) != 1 || got[0] != first {
+		t.Fatalf("denials %+v (%v)", got, err)
+	}
+	// A newer denial of the cell lands while the holder writes the first.
+	newer := RoleDenial{Key: k, Sequence: 3, Row: "row-2"}
+	if err := o.PutDenials(ctxT(t), []RoleDenial{newer}); err != nil {
+		t.Fatal(err)
+	}
+	if err := o.DenialsWritten(ctxT(t), got); err != nil {
+		t.Fatal(err)
+	}
+	if got, _ := o.TakeDenials(ctxT(t)); len(got) != 1 || got[0] != newer {
+		t.Fatalf("after writing the first: %+v, want the newer kept", got)
+	}
+	if err := o.DenialsWritten(ctxT(t), []RoleDenial{newer}); err != nil {
+		t.Fatal(err)
+	}
+	if got, _ := o.TakeDenials(ctxT(t)); len(got) != 0 {
+		t.Fatalf("written denials still held: %+v", got)
+	}
+}
+
+// TestRole_ImportsReachEveryNodesRoundTrips: the holder raises a cell's
+// imported count; every node's read (a cold one included) and write
+// return it beside the region's total, and it never lowers.
+func TestRole_ImportsReachEveryNodesRoundTrips(t *testing.T) {
+	srv := redistest.Start(t)
+	holder := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "h"})
+	node := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "n"})
+	k, seq := key("imported"), nowSeq()
+	if err := holder.Import(ctxT(t), []RoleImport{{Key: k, Sequence: seq, Count: 40}, {Key: k, Sequence: seq - 1, Count: 9}}); err != nil {
+		t.Fatal(err)
+	}
+	tot, err := node.Read(ctxT(t), k, seq, 1)
+	if err != nil || tot.Global != 40 || tot.GlobalPrev != 9 || tot.Cur != 0 {
+		t.Fatalf("cold read %+v (%v), want the imports 40 and 9", tot, err)
+	}
+	at, err := srv.Client().Do(ctxT(t), "PEXPIRETIME", cellKey(DefaultPrefix, k, seq)).Int64()
+	if err != nil || at != expireAt(k, seq).UnixMilli() {
+		t.Fatalf("an imported cell expires at %d (%v), want %d", at, err, expireAt(k, seq).UnixMilli())
+	}
+	if err := holder.Import(ctxT(t), []RoleImport{{Key: k, Sequence: seq, Count: 30}}); err != nil { // never lowers
+		t.Fatal(err)
+	}
+	b := []engine.Delta{{Key: k, Sequence: seq, Incarnation: 1, Delta: 5, Own: 5}}
+	if err := node.Flush(ctxT(t), b); err != nil || b[0].Totals.Global != 40 || b[0].Totals.Cur != 5 {
+		t.Fatalf("write %+v (%v), want total 5 beside the import 40", b[0].Totals, err)
+	}
+	totals, err := holder.CellTotals(ctxT(t), []RoleCell{{Key: k, Sequence: seq}, {Key: key("none"), Sequence: seq}})
+	if err != nil || !slices.Equal(totals, []int64{5, 0}) {
+		t.Fatalf("totals %v (%v), want the region's 5 (never the import) and 0", totals, err)
+	}
+}
