@@ -224,6 +224,18 @@ func (c *cell) observe(t Totals) {
 	}
 }
 
+// importGlobal raises the cell's imported count to n: what other regions
+// counted in it, as the region's cross-region role left it at the origin.
+// A plain cell holds none (an engine with an origin makes linked cells).
+func (c *cell) importGlobal(n int64) {
+	if n <= 0 {
+		return
+	}
+	if x := c.sync(); x != nil {
+		raise(&x.global, ClampCount(n))
+	}
+}
+
 // extendFresh moves the freshness deadline forward to until (never back).
 // A plain cell has no deadline: it is never fresh.
 func (c *cell) extendFresh(until int64) {

@@ -267,12 +267,15 @@ func (e *Engine) readCell(o Origin, key Key, en *entry, c *cell) {
 }
 
 // merge brings the origin's totals t of c (and of the cell before it) into
-// the entry, and marks c hydrated and fresh from sent, the time the call
-// that returned t was sent.
+// the entry, the counts other regions counted there (the region's
+// cross-region role leaves them at the origin) included, and marks c
+// hydrated and fresh from sent, the time the call that returned t was
+// sent.
 func (e *Engine) merge(en *entry, c *cell, t Totals, sent int64) {
 	c.observe(t)
 	c.mergeOrigin(t.Cur)
-	if t.Prev > 0 {
+	c.importGlobal(t.Global)
+	if t.Prev > 0 || t.GlobalPrev > 0 {
 		p := en.previous(c)
 		if p == nil && en.cur.Load() == c {
 			// The origin knows a previous cell this process never saw.
@@ -287,6 +290,7 @@ func (e *Engine) merge(en *entry, c *cell, t Totals, sent int64) {
 		}
 		if p != nil {
 			p.mergeOrigin(t.Prev)
+			p.importGlobal(t.GlobalPrev)
 		}
 	}
 	c.setBits(stHydrated)

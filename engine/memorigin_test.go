@@ -29,6 +29,9 @@ type memOrigin struct {
 	// reserveDelay, when set, is how long each reservation takes (a round
 	// trip).
 	reserveDelay atomic.Int64
+	// global, when set, is what other regions counted in a cell, as the
+	// region's cross-region role leaves it at the origin.
+	global func(id cellID) (int64, bool)
 }
 
 // memStore is what the origin holds, shared by the processes that use it.
@@ -75,7 +78,12 @@ func (m *memOrigin) peer(node string) *memOrigin { return &memOrigin{memStore: m
 // origin's HLEN does.
 func (m *memOrigin) totalsLocked(id cellID, inc uint32) Totals {
 	h := m.fields[id]
-	return Totals{Cur: m.totals[id], Prev: m.totals[cellID{id.key, id.seq - 1}], Mine: h[writer{m.node, inc}], Shared: len(h) > 1}
+	t := Totals{Cur: m.totals[id], Prev: m.totals[cellID{id.key, id.seq - 1}], Mine: h[writer{m.node, inc}], Shared: len(h) > 1}
+	if m.global != nil {
+		t.Global, _ = m.global(id)
+		t.GlobalPrev, _ = m.global(cellID{id.key, id.seq - 1})
+	}
+	return t
 }
 
 func (m *memOrigin) Read(ctx context.Context, key Key, seq int64, inc uint32) (Totals, error) {
@@ -164,6 +172,13 @@ func (m *memOrigin) Reserve(ctx context.Context, r *Reservation) error {
 	}
 	r.Totals = m.totalsLocked(id, r.Incarnation)
 	return nil
+}
+
+// setGlobal sets what other regions counted in each cell.
+func (m *memOrigin) setGlobal(f func(id cellID) (int64, bool)) {
+	m.mu.Lock()
+	m.global = f
+	m.mu.Unlock()
 }
 
 // add is another node's traffic reaching the origin.

@@ -526,3 +526,33 @@ func TestReserve_ConcurrentRequestsAtTheLimitAdmitExactlyWhatIsLeft(t *testing.T
 			st.ReservationsAdmitted+st.ReservationsDenied, st.ReservationErrors)
 	}
 }
+
+// TestOrigin_ImportedCountsArriveWithTheOriginsAnswers: what other regions
+// counted, left at the origin by the region's cross-region role, reaches a
+// cell with a read and with a replay's answer, and only ever rises.
+func TestOrigin_ImportedCountsArriveWithTheOriginsAnswers(t *testing.T) {
+	e, _, o := withOrigin(t, Config{})
+	o.setGlobal(func(id cellID) (int64, bool) { return map[int64]int64{0: 30, -1: 8}[id.seq-epoch/60_000], true })
+	l := lim("k", time.Minute, 100, 1)
+	// At the window's start the previous cell's 8 weigh in full.
+	if d := e.Decide(bg, l); !d.Allowed || d.Remaining != 100-30-8-1 {
+		t.Fatalf("first decision %+v: the cold read must bring the 30 and 8 imported", d)
+	}
+	ks, _ := e.Inspect(l.Key)
+	if ks.Cells[0].Global != 30 {
+		t.Fatalf("cells %+v, want 30 imported", ks.Cells)
+	}
+	o.setGlobal(func(cellID) (int64, bool) { return 45, true })
+	if _, err := replayBoth(e); err != nil {
+		t.Fatal(err)
+	}
+	if ks, _ = e.Inspect(l.Key); ks.Cells[0].Global != 45 {
+		t.Fatalf("after a replay %+v, want 45 imported", ks.Cells)
+	}
+	o.setGlobal(func(cellID) (int64, bool) { return 10, true })
+	e.Decide(bg, lim("k", time.Minute, 100, 1))
+	replayBoth(e)
+	if ks, _ = e.Inspect(l.Key); ks.Cells[0].Global != 45 {
+		t.Fatalf("an import fell: %+v", ks.Cells)
+	}
+}
