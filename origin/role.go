@@ -47,6 +47,18 @@ type RoleCell struct {
 	// Limit is the limit of the cell's last decision in the registering
 	// node; Expires (Unix ms) when the cell stops mattering.
 	Limit, Expires int64
+	// Hot: the cell is at half its limit or more, and its total is worth
+	// publishing on every flush, not only at the periodic sync.
+	Hot bool
+}
+
+// roleCellValue is a registration as the registry holds it.
+func roleCellValue(c RoleCell) string {
+	v := strconv.FormatInt(c.Limit, 10) + " " + strconv.FormatInt(c.Expires, 10)
+	if c.Hot {
+		v += " hot"
+	}
+	return v
 }
 
 // RoleDenial is a cell's first denial, left for the holder: Row is the
@@ -65,14 +77,14 @@ type RoleImport struct {
 }
 
 var (
-	// leaseLua takes the lease KEYS[1] for ARGV[1] (node) for ARGV[2] ms
-	// when it is free, or renews it when ARGV[1] holds it; returns 1 when
-	// ARGV[1] holds it afterwards.
+	// leaseScript takes the lease KEYS[1] for ARGV[1] (node) for ARGV[2]
+	// ms when it is free, or renews it when ARGV[1] holds it; returns the
+	// holder afterwards.
 	leaseScript = redis.NewScript(`
 local v = redis.call('GET', KEYS[1])
-if v == ARGV[1] then redis.call('PEXPIRE', KEYS[1], ARGV[2]) return 1 end
-if not v then redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) return 1 end
-return 0
+if v == ARGV[1] then redis.call('PEXPIRE', KEYS[1], ARGV[2]) return v end
+if not v then redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) return ARGV[1] end
+return v
 `)
 	// releaseScript deletes the lease KEYS[1] if ARGV[1] holds it.
 	releaseScript = redis.NewScript(`
@@ -133,15 +145,16 @@ func (r *Redis) shardKey(kind string, s int) string {
 // shardOf is the shard of a cell key.
 func shardOf(cell string) int { return int(fnv64a(fnvOffset, cell) % roleShards) }
 
-// Lease takes the region's role for ttl, or renews it when this process
-// holds it, and reports whether it holds it now.
-func (r *Redis) Lease(ctx context.Context, ttl time.Duration) (bool, error) {
+// Lease takes the region's role for ttl when no node holds it, or renews
+// it when this process does, and returns the node ID that holds it now
+// (this process's, NodeID, when it does).
+func (r *Redis) Lease(ctx context.Context, ttl time.Duration) (string, error) {
 	ep := r.roleEndpoint()
-	n, err := leaseScript.Run(ctx, ep.client, []string{r.leaseKey()}, r.nodeID, ttl.Milliseconds()).Int()
+	holder, err := leaseScript.Run(ctx, ep.client, []string{r.leaseKey()}, r.nodeID, ttl.Milliseconds()).Text()
 	if err != nil {
-		return false, fmt.Errorf("redis lease %s: %w", ep.address, err)
+		return "", fmt.Errorf("redis lease %s: %w", ep.address, err)
 	}
-	return n == 1, nil
+	return holder, nil
 }
 
 // ReleaseLease gives the role up when this process holds it, so another
@@ -164,13 +177,13 @@ func (r *Redis) LeaseHolder(ctx context.Context) (string, error) {
 }
 
 // Register records cells for the holder to publish; a cell registered
-// again with the same limit is a no-op.
+// again with the same limit and heat is a no-op.
 func (r *Redis) Register(ctx context.Context, cells []RoleCell) error {
 	byShard := map[int][]any{}
 	for _, c := range cells {
 		k := cellKey(r.prefix, c.Key, c.Sequence)
 		s := shardOf(k)
-		byShard[s] = append(byShard[s], k, strconv.FormatInt(c.Limit, 10)+" "+strconv.FormatInt(c.Expires, 10))
+		byShard[s] = append(byShard[s], k, roleCellValue(c))
 	}
 	ep := r.roleEndpoint()
 	pipe := ep.client.Pipeline()
@@ -273,16 +286,16 @@ func (r *Redis) takeQueued(ctx context.Context, ep *endpoint, reg string) (map[s
 // parseRoleCell reads a registration.
 func (r *Redis) parseRoleCell(k, v string) (RoleCell, bool) {
 	key, seq, ok := parseCellKey(r.prefix, k)
-	lim, exp, found := strings.Cut(v, " ")
-	if !ok || !found {
+	f := strings.Fields(v)
+	if !ok || len(f) < 2 || len(f) > 3 || (len(f) == 3 && f[2] != "hot") {
 		return RoleCell{}, false
 	}
-	l, err1 := strconv.ParseInt(lim, 10, 64)
-	e, err2 := strconv.ParseInt(exp, 10, 64)
+	l, err1 := strconv.ParseInt(f[0], 10, 64)
+	e, err2 := strconv.ParseInt(f[1], 10, 64)
 	if err1 != nil || err2 != nil {
 		return RoleCell{}, false
 	}
-	return RoleCell{Key: key, Sequence: seq, Limit: l, Expires: e}, true
+	return RoleCell{Key: key, Sequence: seq, Limit: l, Expires: e, Hot: len(f) == 3}, true
 }
 
 // PutDenials leaves first denials for the holder; a later denial of the

@@ -14,13 +14,13 @@ func TestRole_LeaseIsHeldByOneNodeAndPassesOn(t *testing.T) {
 	a := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "a"})
 	b := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "b"})
 	const ttl = 300 * time.Millisecond
-	if ok, err := a.Lease(ctxT(t), ttl); err != nil || !ok {
+	if ok, err := lease(t, a, ttl); err != nil || !ok {
 		t.Fatalf("a takes the free lease: %v %v", ok, err)
 	}
-	if ok, err := b.Lease(ctxT(t), ttl); err != nil || ok {
-		t.Fatalf("b takes a's lease: %v %v", ok, err)
+	if h, err := b.Lease(ctxT(t), ttl); err != nil || h != "a" {
+		t.Fatalf("b's try names holder %q (%v), want a", h, err)
 	}
-	if ok, err := a.Lease(ctxT(t), ttl); err != nil || !ok {
+	if ok, err := lease(t, a, ttl); err != nil || !ok {
 		t.Fatalf("a renews: %v %v", ok, err)
 	}
 	if h, _ := b.LeaseHolder(ctxT(t)); h != "a" {
@@ -28,16 +28,16 @@ func TestRole_LeaseIsHeldByOneNodeAndPassesOn(t *testing.T) {
 	}
 	// a dies without releasing: b takes the role once the lease lapses.
 	redistest.Eventually(t, 5*time.Second, "b takes the lapsed lease", func() bool {
-		ok, err := b.Lease(ctxT(t), ttl)
+		ok, err := lease(t, b, ttl)
 		return err == nil && ok
 	})
-	if ok, _ := a.Lease(ctxT(t), ttl); ok {
+	if ok, _ := lease(t, a, ttl); ok {
 		t.Fatal("a took the role back from b")
 	}
 	if err := b.ReleaseLease(ctxT(t)); err != nil {
 		t.Fatal(err)
 	}
-	if ok, err := a.Lease(ctxT(t), ttl); err != nil || !ok {
+	if ok, err := lease(t, a, ttl); err != nil || !ok {
 		t.Fatalf("a takes the released lease at once: %v %v", ok, err)
 	}
 	if err := b.ReleaseLease(ctxT(t)); err != nil {
@@ -46,6 +46,12 @@ func TestRole_LeaseIsHeldByOneNodeAndPassesOn(t *testing.T) {
 	if h, _ := a.LeaseHolder(ctxT(t)); h != "a" {
 		t.Fatalf("a non-holder's release freed the lease: holder %q", h)
 	}
+}
+
+// lease tries o's lease and reports whether o holds it.
+func lease(t *testing.T, o *Redis, ttl time.Duration) (bool, error) {
+	h, err := o.Lease(ctxT(t), ttl)
+	return h == o.NodeID(), err
 }
 
 func TestRole_RegistrationsAreQueuedOnceAndKeptForTheNextHolder(t *testing.T) {
@@ -67,6 +73,15 @@ func TestRole_RegistrationsAreQueuedOnceAndKeptForTheNextHolder(t *testing.T) {
 	}
 	if got, _ := o.TakeRegistered(ctxT(t), false, now); len(got) != 0 {
 		t.Fatalf("taken twice: %+v", got)
+	}
+	// The cell turning hot queues it again, hot.
+	hot := cell("a:b{c}", 10, now+60_000)
+	hot.Hot = true
+	if err := o.Register(ctxT(t), []RoleCell{hot}); err != nil {
+		t.Fatal(err)
+	}
+	if got, _ := o.TakeRegistered(ctxT(t), false, now); len(got) != 1 || got[0] != hot {
+		t.Fatalf("after turning hot: %+v, want %+v", got, hot)
 	}
 	// A new limit queues the cell again; a new holder sees every live one.
 	if err := o.Register(ctxT(t), []RoleCell{cell("a:b{c}", 20, now+60_000), cell("b", 5, now+60_000)}); err != nil {

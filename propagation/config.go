@@ -8,21 +8,22 @@ import (
 
 // Defaults of Config. Each says why.
 const (
-	// DefaultBlocklistSync is how often the whole active blocklist is read:
-	// denial gossip is the slow safety net for keys this node has not seen
-	// (pressure pulls cover the busy ones on every flush).
+	// DefaultBlocklistSync paces the safety net of denial gossip: every
+	// tenth sync reads the whole blocklist (every flush reads what
+	// changed).
 	DefaultBlocklistSync = 10 * time.Second
-	// DefaultGlobalSync is how often all published counts are read, and how
-	// often cells below half their limit are published: often enough that
-	// a one-minute window sees about twelve updates.
+	// DefaultGlobalSync is how often cells below half their limit are
+	// published (often enough that a one-minute window sees about twelve
+	// updates); every tenth sync reads all published counts whole.
 	DefaultGlobalSync = 5 * time.Second
-	// DefaultFlush is the write batching interval, and the interval at
-	// which cells at half their limit or more are pushed and pulled.
+	// DefaultFlush is the write interval, the interval at which cells at
+	// half their limit or more are published, and at which both tables'
+	// changes are pulled.
 	DefaultFlush = time.Second
-	// DefaultBatch bounds the rows of one write and of one targeted pull,
-	// per table and tick: MySQL's load is at most nodes × batch rows per
-	// flush, whatever the traffic.
-	DefaultBatch = 100
+	// DefaultBatch bounds the rows of one write, per table and flush:
+	// MySQL's write load is at most one batch per region and flush,
+	// whatever the traffic and however many nodes the region has.
+	DefaultBatch = 500
 	// DefaultTimeout bounds every query: MySQL is off the request path, but
 	// a hung server must not stall the loops.
 	DefaultTimeout = time.Second
@@ -66,14 +67,18 @@ type Config struct {
 	// DSN is a go-sql-driver/mysql DSN with placeholders already resolved.
 	// It is never printed: errors and Stats show the address only.
 	DSN string
-	// Region is this node's identity in the rows: the region's name, or,
-	// without a regional origin, the region and a per-process node name
-	// ("eu-1/3f9a…"), so that Redis-less nodes count each other.
+	// ReadDSN, if set, is where pulls read (mysql_read: a replica in the
+	// region); writes and cleanup go to DSN.
+	ReadDSN string
+	// Region is the identity rows are written under: the region's name,
+	// or, for a process without the region's Redis (its own region), the
+	// region and a per-process node name ("eu-1/3f9a…"), so that
+	// Redis-less nodes count each other.
 	Region string
 	// BlocklistSync, GlobalSync and Flush are the loop intervals (defaults
 	// above, each at least MinInterval).
 	BlocklistSync, GlobalSync, Flush time.Duration
-	// Batch bounds rows per write and per targeted pull (default 100).
+	// Batch bounds rows per write (default 500).
 	Batch int
 	// Timeout bounds every query (default 1s).
 	Timeout time.Duration

@@ -2,16 +2,12 @@ package propagation
 
 import (
 	"context"
-	"database/sql"
 	"errors"
-	"fmt"
 	"math/rand/v2"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
 
-	"github.com/go-sql-driver/mysql"
 	"github.com/sony/gobreaker/v2"
 	"go.uber.org/zap"
 
@@ -68,31 +64,85 @@ const (
 	breakerProbes = 1
 	// breakerBuckets divides the breaker's interval into rolling buckets.
 	breakerBuckets = 10
+	// wholeEvery: a table is read whole every this many syncs (and when a
+	// process starts or takes the role); between, pulls read what changed.
+	// The whole read is the safety net for what a read of changes cannot
+	// see: rows written by versions without the change column, and a
+	// database clock stepped back further than changeMargin.
+	wholeEvery = 10
+	// changeMargin is how far before the newest change seen a read of
+	// changes starts: it covers transactions that commit after a later
+	// one (their change time is their statement's, not their commit's)
+	// and a replica applying them in commit order.
+	changeMargin = 2 * time.Second
+	// maxRegistered bounds the cells a holder publishes for its region
+	// and the cells a node remembers registering: about 150 bytes each.
+	maxRegistered = 1_000_000
+	// registerBatch bounds the registrations a node sends per flush; the
+	// rest wait for the next.
+	registerBatch = 10_000
+	// regionChunk bounds the cells of one call to the region (totals,
+	// imports), so a call stays within the query timeout.
+	regionChunk = 10_000
 )
+
+// Engine is what the layer needs of the engine (*engine.Engine).
+type Engine interface {
+	// ScanCells calls f with the current and previous cell of every key
+	// whose window is at least minWindow.
+	ScanCells(minWindow time.Duration, f func(v *engine.CellView) bool)
+	// MarkPublished records the regional count last published.
+	MarkPublished(key engine.Key, seq, n int64) bool
+	// RaiseRegional raises a cell's regional count to what this region
+	// published before (a restarted process of its own region).
+	RaiseRegional(key engine.Key, seq, n int64) bool
+	// HasEntry reports whether the engine holds the key.
+	HasEntry(key engine.Key) bool
+	// ImportGlobal raises a cell's imported count.
+	ImportGlobal(key engine.Key, seq, total int64, create bool) bool
+}
 
 // Propagator is the cross-region layer of one config. It implements
 // engine.Global: attach it with engine.SetGlobal after Start.
 type Propagator struct {
-	cfg  Config
-	eng  *engine.Engine
-	db   *sql.DB
-	log  *zap.Logger
-	addr string
-	now  func() time.Time
-	cb   *gobreaker.CircuitBreaker[struct{}]
+	cfg    Config
+	eng    Engine
+	store  Store
+	region Region // nil: the process is its own region
+	log    *zap.Logger
+	addr   string
+	now    func() time.Time
+	cb     *gobreaker.CircuitBreaker[struct{}]
 
 	ready   atomic.Bool
 	denials chan engine.GlobalDenial
+	role    atomic.Int32
+	holder  atomic.Pointer[string]
 
+	// mu guards what the holder (or a process of its own region) keeps.
 	mu          sync.Mutex
-	pending     map[cellKey]*BlocklistRow // denial rows not yet written
-	imports     map[cellKey]*cellImport
-	ahead       map[cellKey]update // imports for windows not begun here yet
-	index       map[zoneID]string  // row identifier → raw identifier (MapID)
+	pending     map[Cell]*BlocklistRow // denial rows not yet written
+	taken       map[Cell]BlocklistRow  // denial rows taken from the region, as taken
+	reg         map[Cell]*regCell      // the region's registered cells
+	imports     map[Cell]*cellImport
+	importDue   map[Cell]struct{} // imports the region has not taken yet
+	ahead       map[Cell]update   // imports for windows not begun here yet
+	index       map[zoneID]string // row identifier → raw identifier (MapID)
+	cursor      [tables]int64     // newest change time seen, per table
+	fullPull    [tables]bool      // the next pull of the table reads it whole
+	fullPush    bool              // the next push publishes every grown cell
+	fullTake    bool              // the next take reads every registration
+	syncs       [tables]int       // syncs since the table's last whole read
 	recentOut   []BlocklistRow
 	recentIn    []BlocklistRow
-	fullDue     bool
 	importCount atomic.Int64
+
+	// member guards what every node of a region keeps.
+	member struct {
+		sync.Mutex
+		registered map[engineCell]registration // cells this node registered
+		unput      map[Cell]*BlocklistRow      // denial rows not yet left in the region
+	}
 
 	stats counters
 
@@ -100,12 +150,6 @@ type Propagator struct {
 	stopOnce sync.Once
 	wg       sync.WaitGroup
 	started  atomic.Bool
-}
-
-// cellKey names a cell as rows do: the identifier is the row's (mapped).
-type cellKey struct {
-	ns, id string
-	w, seq int64
 }
 
 // zoneID is a key without its sequence, as rows name it.
@@ -137,67 +181,69 @@ type Options struct {
 	Now func() time.Time
 	// OnBreakerChange is told the write breaker's transitions.
 	OnBreakerChange func(from, to string)
+	// Region is the region's shared state (its Redis): the nodes of a
+	// region then share one MySQL client, the role's holder. Nil: the
+	// process is its own region (Config.Region names it alone).
+	Region Region
+	// Store replaces MySQL (the simulator's model); nil opens Config.DSN.
+	Store Store
 }
 
 // New builds a Propagator around eng without any I/O: `caddy validate`
 // builds configs it never runs. Start begins the work.
-func New(cfg Config, eng *engine.Engine, opts Options) (*Propagator, error) {
+func New(cfg Config, eng Engine, opts Options) (*Propagator, error) {
 	cfg = cfg.WithDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, err
-	}
-	dsn, err := mysql.ParseDSN(cfg.DSN)
-	if err != nil {
-		return nil, fmt.Errorf("mysql: malformed DSN (want user:password@tcp(host:port)/database?params): %s", redact(err.Error(), cfg.DSN))
-	}
-	if dsn.DBName == "" {
-		return nil, errors.New("mysql: the DSN names no database (…@tcp(host:port)/database)")
 	}
 	log := opts.Logger
 	if log == nil {
 		log = zap.NewNop()
 	}
-	// Every network step is bounded, whatever the DSN says, so a hung
-	// server cannot hold a loop past the query timeout.
-	if dsn.Timeout == 0 || dsn.Timeout > cfg.Timeout {
-		dsn.Timeout = cfg.Timeout
+	store, addr := opts.Store, "model"
+	if store == nil {
+		s, a, err := openStore(cfg, log)
+		if err != nil {
+			return nil, err
+		}
+		store, addr = s, a
 	}
-	if dsn.ReadTimeout == 0 || dsn.ReadTimeout > cfg.Timeout {
-		dsn.ReadTimeout = cfg.Timeout
-	}
-	if dsn.WriteTimeout == 0 || dsn.WriteTimeout > cfg.Timeout {
-		dsn.WriteTimeout = cfg.Timeout
-	}
-	dsn.Logger = driverLogger{log}
-	conn, err := mysql.NewConnector(dsn)
-	if err != nil {
-		return nil, fmt.Errorf("mysql: %s", redact(err.Error(), cfg.DSN))
-	}
-	db := sql.OpenDB(conn)
-	db.SetMaxOpenConns(maxOpenConns)
-	db.SetMaxIdleConns(maxIdleConns)
-	db.SetConnMaxLifetime(5 * time.Minute)
 	now := opts.Now
 	if now == nil {
 		now = time.Now
 	}
 	p := &Propagator{
-		cfg:     cfg,
-		eng:     eng,
-		db:      db,
-		log:     log,
-		addr:    dsn.Net + "(" + dsn.Addr + ")/" + dsn.DBName,
-		now:     now,
-		denials: make(chan engine.GlobalDenial, denialQueue),
-		pending: make(map[cellKey]*BlocklistRow),
-		imports: make(map[cellKey]*cellImport),
-		ahead:   make(map[cellKey]update),
-		index:   make(map[zoneID]string),
-		stop:    make(chan struct{}),
+		cfg:       cfg,
+		eng:       eng,
+		store:     store,
+		region:    opts.Region,
+		log:       log,
+		addr:      addr,
+		now:       now,
+		denials:   make(chan engine.GlobalDenial, denialQueue),
+		pending:   make(map[Cell]*BlocklistRow),
+		taken:     make(map[Cell]BlocklistRow),
+		reg:       make(map[Cell]*regCell),
+		imports:   make(map[Cell]*cellImport),
+		importDue: make(map[Cell]struct{}),
+		ahead:     make(map[Cell]update),
+		index:     make(map[zoneID]string),
+		fullPull:  [tables]bool{true, true},
+		stop:      make(chan struct{}),
 	}
-	onChange := opts.OnBreakerChange
-	b := cfg.Breaker
-	p.cb = gobreaker.NewCircuitBreaker[struct{}](gobreaker.Settings{
+	p.stats.replicaLagMs.Store(-1)
+	p.member.registered = make(map[engineCell]registration)
+	p.member.unput = make(map[Cell]*BlocklistRow)
+	if p.region != nil {
+		p.role.Store(roleMember)
+	}
+	p.cb = newBreaker(cfg.Breaker, log, opts.OnBreakerChange)
+	return p, nil
+}
+
+// newBreaker builds the write breaker.
+func newBreaker(b Breaker, log *zap.Logger, onChange func(from, to string)) *gobreaker.CircuitBreaker[struct{}] {
+	return gobreaker.NewCircuitBreaker[struct{}](gobreaker.Settings{
 		Name:         BreakerName,
 		MaxRequests:  breakerProbes,
 		Interval:     b.Interval,
@@ -209,36 +255,13 @@ func New(cfg Config, eng *engine.Engine, opts Options) (*Propagator, error) {
 		},
 		IsExcluded: func(err error) bool { return errors.Is(err, context.Canceled) },
 		OnStateChange: func(_ string, from, to gobreaker.State) {
-			p.log.Info("mysql write breaker changed state",
+			log.Info("mysql write breaker changed state",
 				zap.String("breaker", BreakerName), zap.String("from", from.String()), zap.String("to", to.String()))
 			if onChange != nil {
 				onChange(from.String(), to.String())
 			}
 		},
 	})
-	return p, nil
-}
-
-// redact removes the DSN's password from a message, should a driver error
-// ever quote it.
-func redact(msg, dsn string) string {
-	at := strings.LastIndex(dsn, "@")
-	if at < 0 {
-		return msg
-	}
-	colon := strings.Index(dsn[:at], ":")
-	if colon < 0 || colon+1 >= at {
-		return msg
-	}
-	return strings.ReplaceAll(msg, dsn[colon+1:at], "****")
-}
-
-// driverLogger routes go-sql-driver's own log lines (broken connections)
-// to the module's logger, at warn: the driver logs only what went wrong.
-type driverLogger struct{ log *zap.Logger }
-
-func (l driverLogger) Print(v ...any) {
-	l.log.Warn("mysql driver: " + strings.TrimSpace(fmt.Sprint(v...)))
 }
 
 // Addr is the database's network address and name: never credentials.
@@ -270,14 +293,21 @@ func (p *Propagator) Start() {
 }
 
 // Stop stops the loops after one last write of what is pending, within
-// ctx, and closes the connections.
+// ctx: a member leaves its denial rows in the region, a holder writes
+// what it holds and gives the role up. Then it closes the connections.
 func (p *Propagator) Stop(ctx context.Context) {
 	p.stopOnce.Do(func() { close(p.stop) })
 	p.wg.Wait()
 	if p.started.Load() && p.ready.Load() {
-		p.writeDenials(ctx)
+		if p.region != nil {
+			p.putDenials(ctx)
+		}
+		if p.role.Load() != roleMember {
+			p.writeDenials(ctx)
+		}
+		p.releaseRole(ctx)
 	}
-	_ = p.db.Close()
+	_ = p.store.Close()
 }
 
 // loop runs fn after a jittered first delay, then every jittered interval,
@@ -322,8 +352,8 @@ func jitter(d time.Duration) time.Duration {
 func (p *Propagator) migrateLoop() {
 	defer p.wg.Done()
 	for {
-		ctx, cancel := context.WithTimeout(context.Background(), p.cfg.Timeout*time.Duration(len(schema)))
-		err := Migrate(ctx, p.db)
+		ctx, cancel := context.WithTimeout(context.Background(), p.cfg.Timeout*time.Duration(migrateSteps))
+		err := p.store.Migrate(ctx)
 		cancel()
 		if err == nil {
 			p.ready.Store(true)
@@ -346,9 +376,9 @@ func (p *Propagator) migrateLoop() {
 // MigrateOnce migrates the schema on the calling goroutine and marks the
 // layer ready: for tests and tools.
 func (p *Propagator) MigrateOnce(ctx context.Context) error {
-	ctx, cancel := context.WithTimeout(ctx, p.cfg.Timeout*time.Duration(len(schema)))
+	ctx, cancel := context.WithTimeout(ctx, p.cfg.Timeout*time.Duration(migrateSteps))
 	defer cancel()
-	if err := Migrate(ctx, p.db); err != nil {
+	if err := p.store.Migrate(ctx); err != nil {
 		return err
 	}
 	p.ready.Store(true)
@@ -383,9 +413,10 @@ func (p *Propagator) rowID(id string) string {
 
 // EntryCreated implements engine.Global: it indexes the key by its row
 // identifier (one HMAC per entry under identifier_secret, none per
-// request) and applies the imports that waited for it.
+// request) and applies the imports that waited for it. Nodes of a region
+// learn imports from the region's Redis instead, in their cold read.
 func (p *Propagator) EntryCreated(key engine.Key, seq int64) {
-	if key.Window < p.cfg.MinWindow {
+	if p.region != nil || key.Window < p.cfg.MinWindow {
 		return
 	}
 	id := key.Identifier
@@ -400,7 +431,7 @@ func (p *Propagator) EntryCreated(key engine.Key, seq int64) {
 		p.index[zoneID{key.Namespace, rid, w}] = id
 	}
 	for i, s := range [2]int64{seq, seq - 1} {
-		if ci := p.imports[cellKey{key.Namespace, rid, w, s}]; ci != nil {
+		if ci := p.imports[Cell{key.Namespace, rid, w, s}]; ci != nil {
 			sums[i] = ci.sum()
 		}
 	}

@@ -3,7 +3,10 @@ package propagation
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
+
+	"github.com/go-sql-driver/mysql"
 )
 
 // The schema. Portable across MySQL 8, MariaDB 10.6+ and Vitess:
@@ -16,6 +19,8 @@ import (
 //   - The unique key is the primary key (Vitess and PlanetScale want one,
 //     and InnoDB clusters rows by it: a cell's rows sit together).
 //   - expires_ms is indexed for the cleanup's bounded deletes.
+//   - updated_ms is when a count of the row last rose, on the database's
+//     clock, indexed for the pulls that read what changed.
 //
 // The statements are also in the README; keep them in step.
 var schema = []string{
@@ -29,8 +34,10 @@ var schema = []string{
   count_cur     BIGINT         NOT NULL,
   count_prev    BIGINT         NOT NULL,
   expires_ms    BIGINT         NOT NULL,
+  updated_ms    BIGINT         NOT NULL DEFAULT 0,
   PRIMARY KEY (namespace, identifier, window_ms, sequence, origin_region),
-  KEY ratelimit_blocklist_expires (expires_ms)
+  KEY ratelimit_blocklist_expires (expires_ms),
+  KEY ratelimit_blocklist_updated (updated_ms)
 ) ENGINE=InnoDB`,
 	`CREATE TABLE IF NOT EXISTS ratelimit_global_counts (
   namespace  VARBINARY(64)  NOT NULL,
@@ -40,21 +47,78 @@ var schema = []string{
   region     VARBINARY(96)  NOT NULL,
   count      BIGINT         NOT NULL,
   expires_ms BIGINT         NOT NULL,
+  updated_ms BIGINT         NOT NULL DEFAULT 0,
   PRIMARY KEY (namespace, identifier, window_ms, sequence, region),
-  KEY ratelimit_global_counts_expires (expires_ms)
+  KEY ratelimit_global_counts_expires (expires_ms),
+  KEY ratelimit_global_counts_updated (updated_ms)
 ) ENGINE=InnoDB`,
 }
 
-// Migrate creates the tables if they are missing. It is idempotent and
-// safe on every node at once (CREATE TABLE IF NOT EXISTS).
+// upgrades bring tables made by earlier versions up to the schema: each
+// runs when its column is missing. Two nodes that both find it missing
+// both run it; the second fails with a duplicate column or key, which
+// means done.
+var upgrades = []struct {
+	table, column, stmt string
+}{
+	{"ratelimit_blocklist", "updated_ms", `ALTER TABLE ratelimit_blocklist
+  ADD COLUMN updated_ms BIGINT NOT NULL DEFAULT 0,
+  ADD KEY ratelimit_blocklist_updated (updated_ms)`},
+	{"ratelimit_global_counts", "updated_ms", `ALTER TABLE ratelimit_global_counts
+  ADD COLUMN updated_ms BIGINT NOT NULL DEFAULT 0,
+  ADD KEY ratelimit_global_counts_updated (updated_ms)`},
+}
+
+// MySQL's errors for a column or key that already exists.
+const (
+	errDupColumn = 1060
+	errDupKey    = 1061
+)
+
+// migrateSteps is how many statements a migration runs at most, for its
+// timeout.
+var migrateSteps = len(schema) + 2*len(upgrades)
+
+// Migrate creates the tables if they are missing and upgrades older ones
+// in place. It is idempotent and safe on every node at once.
 func Migrate(ctx context.Context, db *sql.DB) error {
 	for _, stmt := range schema {
 		if _, err := db.ExecContext(ctx, stmt); err != nil {
 			return fmt.Errorf("migrate: %w", err)
 		}
 	}
+	for _, u := range upgrades {
+		var n int
+		err := db.QueryRowContext(ctx, `SELECT COUNT(*) FROM information_schema.columns
+  WHERE table_schema = DATABASE() AND table_name = ? AND column_name = ?`, u.table, u.column).Scan(&n)
+		if err != nil {
+			return fmt.Errorf("migrate: look for %s.%s: %w", u.table, u.column, err)
+		}
+		if n > 0 {
+			continue
+		}
+		if _, err := db.ExecContext(ctx, u.stmt); err != nil && !isDuplicate(err) {
+			return fmt.Errorf("migrate: add %s.%s: %w", u.table, u.column, err)
+		}
+	}
 	return nil
+}
+
+// isDuplicate reports a column or key that another node added first.
+func isDuplicate(err error) bool {
+	var me *mysql.MySQLError
+	return errors.As(err, &me) && (me.Number == errDupColumn || me.Number == errDupKey)
 }
 
 // SchemaSQL returns the schema's statements, for documentation and tools.
 func SchemaSQL() []string { return append([]string(nil), schema...) }
+
+// UpgradeSQL returns the statements that bring tables of earlier versions
+// up to the schema, for operators who manage it (mysql_migrate off).
+func UpgradeSQL() []string {
+	out := make([]string, len(upgrades))
+	for i, u := range upgrades {
+		out[i] = u.stmt
+	}
+	return out
+}

@@ -8,11 +8,17 @@ import (
 // counters are the layer's monotonic counters.
 type counters struct {
 	denialsEmitted, denialsApplied, denialsFiltered, denialsExpired atomic.Int64
-	denialQueueDrops                                                atomic.Int64
+	denialQueueDrops, denialsLeft                                   atomic.Int64
 	countsPublished, countsApplied                                  atomic.Int64
 	droppedBatches, writeErrors, readErrors, migrateErrors          atomic.Int64
-	importDrops, waitingApplied, cleanupDeleted                     atomic.Int64
-	lastPush, lastPull, lastBlocklistPull                           atomic.Int64 // Unix ms
+	importDrops, waitingApplied, cleanupDeleted, importsSent        atomic.Int64
+	registered, registryDrops, regionErrors, leaseErrors, lagErrors atomic.Int64
+	roleTaken, roleLost, wholeReads, changeReads                    atomic.Int64
+	rowsRead                                                        [tables]atomic.Int64
+	lastPush                                                        atomic.Int64 // Unix ms
+	lastPull                                                        [tables]atomic.Int64
+	// replicaLagMs is the replica's last reported lag, -1 when unknown.
+	replicaLagMs atomic.Int64
 }
 
 // Stats is a snapshot of the layer for operators.
@@ -26,7 +32,7 @@ type Stats struct {
 	// Breaker is the write breaker's state: closed, half-open or open.
 	Breaker string
 	// LastPush is the last successful write; LastPull the last successful
-	// read of published counts; LastBlocklistPull of denial rows.
+	// pull of published counts; LastBlocklistPull of denial rows.
 	LastPush, LastPull, LastBlocklistPull time.Time
 	// DenialsEmitted counts denial rows written; DenialsApplied foreign
 	// denial rows that raised an import; DenialsFiltered first denials
@@ -47,6 +53,33 @@ type Stats struct {
 	PendingDenials, Imports, ImportDrops, WaitingApplied int64
 	// CleanupDeleted counts expired rows this node deleted.
 	CleanupDeleted int64
+
+	// Role is what this process does for its region: "holder" (it talks
+	// to MySQL for the region), "member" (another node does, or none can
+	// while the region's Redis is down), or "own-region" (no Redis: it is
+	// its own region). Holder is the node ID that holds the role as last
+	// seen ("" for own-region); NodeID this process's.
+	Role, Holder, NodeID string
+	// RoleTaken and RoleLost count the times this process took the role
+	// and lost it to another node; LeaseErrors failed lease calls.
+	RoleTaken, RoleLost, LeaseErrors int64
+	// Registered counts the cells this node registered for the holder to
+	// publish; DenialsLeft the denial rows it left for the holder;
+	// RegionErrors failed calls to the region's Redis.
+	Registered, DenialsLeft, RegionErrors int64
+	// RegistryCells is the cells the holder publishes for the region;
+	// RegistryDrops registrations its bound refused; ImportsSent imported
+	// counts handed to the region's Redis.
+	RegistryCells, RegistryDrops, ImportsSent int64
+	// CountRowsRead and DenialRowsRead count rows pulled; ChangeReads
+	// pulls of what changed; WholeReads pulls of a whole table.
+	CountRowsRead, DenialRowsRead, ChangeReads, WholeReads int64
+	// ReplicaLag is how far mysql_read's replica said it was behind at
+	// the last global sync; -1 when unknown (no replica, its SQL thread
+	// stopped, or no right to ask). NewestRowAge is the age of the newest
+	// change pulled, on this node's clock against the database's: an
+	// upper bound of the lag while rows are written.
+	ReplicaLag, NewestRowAge time.Duration
 }
 
 func msTime(ms int64) time.Time {
@@ -60,16 +93,20 @@ func msTime(ms int64) time.Time {
 func (p *Propagator) Stats() Stats {
 	p.mu.Lock()
 	pending, imports := int64(len(p.pending)+len(p.denials)), int64(len(p.imports))
+	registry, newest := int64(len(p.reg)), max(p.cursor[Counts], p.cursor[Denials])
 	p.mu.Unlock()
+	p.member.Lock()
+	pending += int64(len(p.member.unput))
+	p.member.Unlock()
 	s := &p.stats
-	return Stats{
+	st := Stats{
 		Region:            p.cfg.Region,
 		Database:          p.addr,
 		Ready:             p.ready.Load(),
 		Breaker:           p.cb.State().String(),
 		LastPush:          msTime(s.lastPush.Load()),
-		LastPull:          msTime(s.lastPull.Load()),
-		LastBlocklistPull: msTime(s.lastBlocklistPull.Load()),
+		LastPull:          msTime(s.lastPull[Counts].Load()),
+		LastBlocklistPull: msTime(s.lastPull[Denials].Load()),
 		DenialsEmitted:    s.denialsEmitted.Load(),
 		DenialsApplied:    s.denialsApplied.Load(),
 		DenialsFiltered:   s.denialsFiltered.Load(),
@@ -86,5 +123,34 @@ func (p *Propagator) Stats() Stats {
 		ImportDrops:       s.importDrops.Load(),
 		WaitingApplied:    s.waitingApplied.Load(),
 		CleanupDeleted:    s.cleanupDeleted.Load(),
+		Role:              roleNames[p.role.Load()],
+		RoleTaken:         s.roleTaken.Load(),
+		RoleLost:          s.roleLost.Load(),
+		LeaseErrors:       s.leaseErrors.Load(),
+		Registered:        s.registered.Load(),
+		DenialsLeft:       s.denialsLeft.Load(),
+		RegionErrors:      s.regionErrors.Load(),
+		RegistryCells:     registry,
+		RegistryDrops:     s.registryDrops.Load(),
+		ImportsSent:       s.importsSent.Load(),
+		CountRowsRead:     s.rowsRead[Counts].Load(),
+		DenialRowsRead:    s.rowsRead[Denials].Load(),
+		ChangeReads:       s.changeReads.Load(),
+		WholeReads:        s.wholeReads.Load(),
+		ReplicaLag:        -1,
+		NewestRowAge:      -1,
 	}
+	if p.region != nil {
+		st.NodeID = p.region.NodeID()
+		if h := p.holder.Load(); h != nil {
+			st.Holder = *h
+		}
+	}
+	if p.cfg.ReadDSN != "" && s.replicaLagMs.Load() >= 0 {
+		st.ReplicaLag = time.Duration(s.replicaLagMs.Load()) * time.Millisecond
+	}
+	if newest > 0 {
+		st.NewestRowAge = max(0, p.now().Sub(time.UnixMilli(newest)))
+	}
+	return st
 }

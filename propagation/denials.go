@@ -1,0 +1,168 @@
+package propagation
+
+import (
+	"context"
+	"slices"
+
+	"github.com/edgelimit/caddy-ratelimit/engine"
+)
+
+// Denial gossip: a cell's first denial becomes a row of
+// ratelimit_blocklist with the region's counts of the cell and of the one
+// before it. A process of its own region writes its rows; the nodes of a
+// region leave theirs in the region (member.go) and the holder writes
+// them.
+
+// drainDenials moves the queued first denials into rows (the lock that
+// guards rows is held).
+func (p *Propagator) drainDenials(rows map[Cell]*BlocklistRow) {
+	for {
+		select {
+		case d := <-p.denials:
+			p.addDenial(rows, d)
+		default:
+			return
+		}
+	}
+}
+
+// addDenial merges a first denial into rows, keyed by the row's cell: a
+// later denial of the same cell raises its counts.
+func (p *Propagator) addDenial(rows map[Cell]*BlocklistRow, d engine.GlobalDenial) {
+	w := d.Window.Milliseconds()
+	c := Cell{d.Namespace, p.rowID(d.Identifier), w, d.Sequence}
+	if r := rows[c]; r != nil {
+		n := *r
+		n.CountCur, n.CountPrev = max(n.CountCur, d.Cur), max(n.CountPrev, d.Prev)
+		n.Limit = d.Limit.Limit
+		rows[c] = &n
+		return
+	}
+	if len(rows) >= maxPendingDenials {
+		p.stats.denialQueueDrops.Add(1)
+		return
+	}
+	rows[c] = &BlocklistRow{
+		Namespace: c.Namespace, Identifier: c.Identifier, WindowMs: w, Sequence: d.Sequence,
+		Region: p.cfg.Region, Limit: d.Limit.Limit, CountCur: d.Cur, CountPrev: d.Prev,
+		ExpiresMs: expiresMs(d.Sequence, w),
+	}
+}
+
+// mergeDenial merges a row into the pending ones (p.mu held).
+func (p *Propagator) mergeDenial(r BlocklistRow) {
+	c := r.cell()
+	if cur := p.pending[c]; cur != nil {
+		r.CountCur, r.CountPrev = max(r.CountCur, cur.CountCur), max(r.CountPrev, cur.CountPrev)
+		r.ExpiresMs = max(r.ExpiresMs, cur.ExpiresMs)
+	} else if len(p.pending) >= maxPendingDenials {
+		p.stats.denialQueueDrops.Add(1)
+		return
+	}
+	p.pending[c] = &r
+}
+
+// takeDenials takes the rows the region's nodes left, to write them. They
+// stay in the region until written, so a holder that dies first leaves
+// them to the next.
+func (p *Propagator) takeDenials(ctx context.Context) {
+	var rows []BlocklistRow
+	err := p.query(ctx, func(ctx context.Context) error {
+		var err error
+		rows, err = p.region.TakeDenials(ctx)
+		return err
+	})
+	if err != nil {
+		p.regionFailed("taking denial rows", err)
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, r := range rows {
+		p.taken[r.cell()] = r
+		p.mergeDenial(r)
+	}
+}
+
+// writeDenials writes up to Batch denial rows: rows past their expiry are
+// dropped, and a failed write keeps the rest for the next tick. Rows
+// taken from the region and written (or expired) are removed there.
+func (p *Propagator) writeDenials(ctx context.Context) {
+	now := p.now().UnixMilli()
+	var done []BlocklistRow
+	p.mu.Lock()
+	if p.region == nil {
+		p.drainDenials(p.pending)
+	}
+	rows := make([]*BlocklistRow, 0, len(p.pending))
+	for c, r := range p.pending {
+		if r.ExpiresMs <= now {
+			delete(p.pending, c)
+			done = p.doneTaken(done, c)
+			p.stats.denialsExpired.Add(1)
+			continue
+		}
+		rows = append(rows, r)
+	}
+	p.mu.Unlock()
+	slices.SortFunc(rows, compareBlock)
+	if len(rows) > p.cfg.Batch {
+		rows = rows[:p.cfg.Batch]
+	}
+	if len(rows) > 0 {
+		if err := p.write(ctx, func(ctx context.Context) error { return p.store.UpsertDenials(ctx, rows) }); err != nil {
+			p.writeFailed("denial rows", len(rows), err)
+		} else {
+			done = p.denialsWritten(rows, done)
+		}
+	}
+	if len(done) > 0 && p.region != nil {
+		if err := p.query(ctx, func(ctx context.Context) error { return p.region.DenialsWritten(ctx, done) }); err != nil {
+			p.regionFailed("removing written denial rows", err)
+		}
+	}
+}
+
+// denialsWritten forgets the rows written, unless a newer row of the
+// same cell came meanwhile, and returns done with the taken rows they
+// were.
+func (p *Propagator) denialsWritten(rows []*BlocklistRow, done []BlocklistRow) []BlocklistRow {
+	p.stats.denialsEmitted.Add(int64(len(rows)))
+	p.stats.lastPush.Store(p.now().UnixMilli())
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, r := range rows {
+		// A newer row of the cell, merged meanwhile, stays pending, and
+		// so does the region's copy of it.
+		if c := r.cell(); p.pending[c] == r {
+			delete(p.pending, c)
+			done = p.doneTaken(done, c)
+		}
+		p.recentOut = appendRecent(p.recentOut, *r)
+	}
+	return done
+}
+
+// doneTaken appends the row taken from the region for c, if any, to done
+// (p.mu held).
+func (p *Propagator) doneTaken(done []BlocklistRow, c Cell) []BlocklistRow {
+	if t, ok := p.taken[c]; ok {
+		delete(p.taken, c)
+		done = append(done, t)
+	}
+	return done
+}
+
+func appendRecent(s []BlocklistRow, r BlocklistRow) []BlocklistRow {
+	if len(s) >= recentRows {
+		s = append(s[:0], s[len(s)-recentRows+1:]...)
+	}
+	return append(s, r)
+}
+
+// Recent returns copies of the denial rows this process wrote and
+// applied most recently, oldest first.
+func (p *Propagator) Recent() (emitted, applied []BlocklistRow) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return slices.Clone(p.recentOut), slices.Clone(p.recentIn)
+}

@@ -1,0 +1,232 @@
+package propagation
+
+import (
+	"cmp"
+	"context"
+	"slices"
+
+	"go.uber.org/zap"
+
+	"github.com/edgelimit/caddy-ratelimit/engine"
+)
+
+// Published counts: the region's count of each cell worth publishing
+// becomes a row of ratelimit_global_counts, hot cells on every flush and
+// the others at each global sync, highest pressure first and at most
+// Batch rows a flush. The holder publishes the region's totals, as its
+// Redis holds them, of the cells its nodes registered; a process of its
+// own region publishes what its engine counted.
+
+// regCell is a registered cell, as the holder keeps it.
+type regCell struct {
+	limit, expires int64
+	hot            bool
+	// published is the count last written.
+	published int64
+}
+
+// candidate is a cell due to be published.
+type candidate struct {
+	row      *CountRow
+	pressure float64
+	// at is the engine's cell, for a process of its own region.
+	at engineCell
+}
+
+// publish publishes the grown counts that are due.
+func (p *Propagator) publish(ctx context.Context) {
+	if p.region == nil {
+		p.publishScanned(ctx)
+		return
+	}
+	p.publishRegistered(ctx)
+}
+
+// takeRegistrations adds the cells the region's nodes registered to those
+// the holder publishes: the new ones on every flush, every live one when
+// it takes the role and at each whole read.
+func (p *Propagator) takeRegistrations(ctx context.Context) {
+	now := p.now().UnixMilli()
+	p.mu.Lock()
+	all := p.fullTake
+	p.mu.Unlock()
+	var cells []RegionCell
+	err := p.query(ctx, func(ctx context.Context) error {
+		var err error
+		cells, err = p.region.TakeRegistered(ctx, all, now)
+		return err
+	})
+	if err != nil {
+		p.regionFailed("taking registered cells", err)
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if all && err == nil {
+		p.fullTake = false
+	}
+	for _, c := range cells {
+		r := p.reg[c.Cell]
+		if r == nil {
+			if len(p.reg) >= maxRegistered {
+				p.stats.registryDrops.Add(1)
+				continue
+			}
+			r = new(regCell)
+			p.reg[c.Cell] = r
+		}
+		r.limit, r.expires, r.hot = c.Limit, max(r.expires, c.Expires), r.hot || c.Hot
+	}
+}
+
+// publishRegistered reads the region's totals of the registered cells due
+// (the hot ones of the last two windows, or all at a global sync) and
+// publishes those that grew.
+func (p *Propagator) publishRegistered(ctx context.Context) {
+	now := p.now().UnixMilli()
+	p.mu.Lock()
+	full := p.fullPush
+	var due []Cell
+	for c, r := range p.reg {
+		if r.expires <= now {
+			delete(p.reg, c)
+			continue
+		}
+		if full || (r.hot && c.Sequence >= now/c.WindowMs-1) {
+			due = append(due, c)
+		}
+	}
+	p.mu.Unlock()
+	totals, ok := p.regionTotals(ctx, due)
+	var cands []candidate
+	p.mu.Lock()
+	for i, c := range due {
+		r, n := p.reg[c], totals[i]
+		if r == nil || n <= r.published || r.limit <= 0 {
+			continue
+		}
+		level := engine.SatAdd(n, p.importSum(c))
+		r.hot = r.hot || level*2 >= r.limit
+		cands = append(cands, candidate{row: &CountRow{
+			Namespace: c.Namespace, Identifier: c.Identifier, WindowMs: c.WindowMs, Sequence: c.Sequence,
+			Region: p.cfg.Region, Count: n, ExpiresMs: expiresMs(c.Sequence, c.WindowMs),
+		}, pressure: float64(level) / float64(r.limit)})
+	}
+	p.mu.Unlock()
+	written, more, err := p.writeCounts(ctx, cands)
+	if err != nil {
+		return
+	}
+	p.mu.Lock()
+	for _, c := range written {
+		if r := p.reg[c.row.cell()]; r != nil {
+			r.published = max(r.published, c.row.Count)
+		}
+	}
+	if full && ok && !more {
+		p.fullPush = false
+	}
+	p.mu.Unlock()
+}
+
+// regionTotals reads the region's totals of cells, a chunk at a time; ok
+// is false when a chunk failed (its totals read 0: nothing published).
+func (p *Propagator) regionTotals(ctx context.Context, cells []Cell) ([]int64, bool) {
+	out := make([]int64, len(cells))
+	ok := true
+	for lo := 0; lo < len(cells); lo += regionChunk {
+		hi := min(lo+regionChunk, len(cells))
+		err := p.query(ctx, func(ctx context.Context) error {
+			t, err := p.region.Totals(ctx, cells[lo:hi])
+			copy(out[lo:hi], t)
+			return err
+		})
+		if err != nil {
+			p.regionFailed("reading the region's totals", err)
+			ok = false
+		}
+	}
+	return out, ok
+}
+
+// importSum is what other regions counted in c (p.mu held).
+func (p *Propagator) importSum(c Cell) int64 {
+	if ci := p.imports[c]; ci != nil {
+		return ci.sum()
+	}
+	return 0
+}
+
+// publishScanned publishes what a process of its own region counted: hot
+// cells that grew on every flush, every cell worth it at a global sync.
+func (p *Propagator) publishScanned(ctx context.Context) {
+	p.mu.Lock()
+	full := p.fullPush
+	p.mu.Unlock()
+	var cands []candidate
+	p.eng.ScanCells(p.cfg.MinWindow, func(v *engine.CellView) bool {
+		worth, hot, pressure := p.worth(v)
+		if !worth || v.Regional <= v.Published || !(hot || full) {
+			return true
+		}
+		w := v.Key.Window.Milliseconds()
+		cands = append(cands, candidate{row: &CountRow{
+			Namespace: v.Key.Namespace, Identifier: v.Key.Identifier, WindowMs: w, Sequence: v.Sequence,
+			Region: p.cfg.Region, Count: engine.ClampCount(v.Regional), ExpiresMs: expiresMs(v.Sequence, w),
+		}, pressure: pressure, at: engineCell{v.Key, v.Sequence}})
+		return true
+	})
+	// Identifiers become the rows' only for the rows written: one HMAC
+	// per row under identifier_secret, none per scanned cell.
+	written, more, err := p.writeCounts(ctx, cands, func(c *candidate) { c.row.Identifier = p.rowID(c.row.Identifier) })
+	if err != nil {
+		return
+	}
+	// Only now: a failed write leaves the cells due for the next tick.
+	for _, c := range written {
+		p.eng.MarkPublished(c.at.key, c.at.seq, c.row.Count)
+	}
+	if full && !more {
+		p.mu.Lock()
+		p.fullPush = false
+		p.mu.Unlock()
+	}
+}
+
+// writeCounts writes the Batch candidates of highest pressure (fix, if
+// given, readies each row first) and returns them; more reports that some
+// were left for the next flush.
+func (p *Propagator) writeCounts(ctx context.Context, cands []candidate, fix ...func(*candidate)) (written []candidate, more bool, err error) {
+	if len(cands) == 0 {
+		return nil, false, nil
+	}
+	slices.SortFunc(cands, func(a, b candidate) int { return cmp.Compare(b.pressure, a.pressure) })
+	more = len(cands) > p.cfg.Batch
+	if more {
+		cands = cands[:p.cfg.Batch]
+	}
+	rows := make([]*CountRow, len(cands))
+	for i := range cands {
+		for _, f := range fix {
+			f(&cands[i])
+		}
+		rows[i] = cands[i].row
+	}
+	if err := p.write(ctx, func(ctx context.Context) error { return p.store.UpsertCounts(ctx, rows) }); err != nil {
+		p.writeFailed("published counts", len(rows), err)
+		return nil, more, err
+	}
+	p.stats.countsPublished.Add(int64(len(rows)))
+	p.stats.lastPush.Store(p.now().UnixMilli())
+	return cands, more, nil
+}
+
+// writeFailed counts and logs a failed write: one line per streak start,
+// then one per hundred (the metrics count every dropped batch).
+func (p *Propagator) writeFailed(what string, n int, err error) {
+	p.stats.droppedBatches.Add(1)
+	if c := p.stats.writeErrors.Add(1); c == 1 || c%100 == 0 {
+		p.log.Warn("mysql write failed: batch dropped (decisions stand locally; rows are retried)",
+			zap.String("what", what), zap.Int("rows", n), zap.String("database", p.addr),
+			zap.Int64("write_errors", c), zap.Error(err))
+	}
+}

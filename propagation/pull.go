@@ -1,0 +1,335 @@
+package propagation
+
+import (
+	"context"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/edgelimit/caddy-ratelimit/engine"
+)
+
+// Pulls: what other regions counted. A pull reads the rows whose counts
+// rose since the newest change it saw (less changeMargin), through the
+// updated_ms index: a table nobody writes costs a pull nothing. A table is
+// read whole at start, when a node takes the role, and every wholeEvery
+// syncs. Each row raises, per cell and foreign region, the larger of the
+// two tables' counts; the cell's imported count is their sum, handed to
+// the region's Redis (where every node's round trips find it) or to this
+// process's engine.
+
+// pull reads table t's changes, or the whole table when due.
+func (p *Propagator) pull(ctx context.Context, t Table) {
+	p.mu.Lock()
+	whole := p.fullPull[t]
+	r := Read{Changed: !whole, Since: p.cursor[t] - changeMargin.Milliseconds(), Now: p.now().UnixMilli(), Limit: pageSize}
+	p.mu.Unlock()
+	var ok bool
+	if t == Counts {
+		ok = readPages(p, ctx, t, r, p.store.ReadCounts, (*CountRow).key, func(rows []CountRow) { p.applyCounts(rows, r.Now) })
+	} else {
+		ok = readPages(p, ctx, t, r, p.store.ReadDenials, (*BlocklistRow).key, func(rows []BlocklistRow) { p.applyBlocklist(rows, r.Now) })
+	}
+	if !ok {
+		return
+	}
+	p.stats.lastPull[t].Store(p.now().UnixMilli())
+	if whole {
+		p.stats.wholeReads.Add(1)
+		p.mu.Lock()
+		p.fullPull[t] = false
+		p.mu.Unlock()
+	} else {
+		p.stats.changeReads.Add(1)
+	}
+}
+
+// readPages reads the pages of r (at most maxPages), hands each to apply
+// and moves the table's cursor to the newest change seen. It reports
+// whether it read to the end; a failed read is logged and ends the pull,
+// keeping what was imported.
+func readPages[T any](p *Propagator, ctx context.Context, t Table, r Read,
+	read func(context.Context, Read) ([]T, error), key func(*T) *RowKey, apply func([]T)) bool {
+	for range maxPages {
+		var rows []T
+		err := p.query(ctx, func(ctx context.Context) error {
+			var err error
+			rows, err = read(ctx, r)
+			return err
+		})
+		if err != nil {
+			p.readFailed(t.what(), err)
+			return false
+		}
+		apply(rows)
+		p.stats.rowsRead[t].Add(int64(len(rows)))
+		var newest int64
+		for i := range rows {
+			newest = max(newest, key(&rows[i]).UpdatedMs)
+		}
+		p.mu.Lock()
+		p.cursor[t] = max(p.cursor[t], newest)
+		p.mu.Unlock()
+		if len(rows) < r.Limit {
+			return true
+		}
+		r.After = key(&rows[len(rows)-1])
+	}
+	return false
+}
+
+func (p *Propagator) readFailed(what string, err error) {
+	if c := p.stats.readErrors.Add(1); c == 1 || c%100 == 0 {
+		p.log.Warn("mysql read failed: keeping the imported counts we have",
+			zap.String("what", what), zap.String("database", p.addr), zap.Int64("read_errors", c), zap.Error(err))
+	}
+}
+
+// update is an import to hand to the engine once p.mu is released (the
+// engine may call EntryCreated, which takes it).
+type update struct {
+	key      engine.Key
+	seq, sum int64
+	create   bool
+	own      bool
+	// wait: the key is not held here yet; the import waits in the map.
+	wait bool
+}
+
+// applyCounts merges published counts into the imports.
+func (p *Propagator) applyCounts(rows []CountRow, now int64) {
+	var ups []update
+	for i := range rows {
+		r := &rows[i]
+		if r.ExpiresMs <= now || r.WindowMs < p.cfg.MinWindow.Milliseconds() {
+			continue
+		}
+		// The lock is taken per row: EntryCreated takes it on the request
+		// path and must never wait for a whole page.
+		p.mu.Lock()
+		u, ok := p.mergeLocked(r.cell(), r.Region, r.Count, r.ExpiresMs)
+		p.mu.Unlock()
+		if ok {
+			ups = append(ups, u)
+			p.stats.countsApplied.Add(1)
+		}
+	}
+	p.hand(ups)
+}
+
+// applyBlocklist merges denial rows: count_cur into the row's own
+// sequence, count_prev into the one before.
+func (p *Propagator) applyBlocklist(rows []BlocklistRow, now int64) {
+	var ups []update
+	for i := range rows {
+		r := &rows[i]
+		if r.ExpiresMs <= now || r.WindowMs < p.cfg.MinWindow.Milliseconds() {
+			continue
+		}
+		p.mu.Lock() // per row, as in applyCounts
+		applied := false
+		if u, ok := p.mergeLocked(r.cell(), r.Region, r.CountCur, r.ExpiresMs); ok {
+			ups, applied = append(ups, u), true
+		}
+		if r.CountPrev > 0 {
+			prev := r.cell()
+			prev.Sequence--
+			if u, ok := p.mergeLocked(prev, r.Region, r.CountPrev, r.ExpiresMs-r.WindowMs); ok {
+				ups, applied = append(ups, u), true
+			}
+		}
+		if applied && r.Region != p.cfg.Region {
+			p.stats.denialsApplied.Add(1)
+			p.recentIn = appendRecent(p.recentIn, *r)
+		}
+		p.mu.Unlock()
+	}
+	p.hand(ups)
+}
+
+// mergeLocked records that region counted n in cell c and returns the
+// engine update it calls for, if the count is news. A region's own rows
+// never come back as foreign: a process of its own region raises its
+// regional count with them (it restarted, or another of its processes
+// wrote them); a region with Redis has its total there and skips them.
+// Foreign ones are kept per region, and the cell's imported count is
+// their sum: for the region's Redis (importDue) or the engine. p.mu is
+// held.
+func (p *Propagator) mergeLocked(c Cell, region string, n, expires int64) (update, bool) {
+	if n <= 0 {
+		return update{}, false
+	}
+	raw, known := c.Identifier, true
+	if p.cfg.MapID != nil && p.region == nil {
+		raw, known = p.index[zoneID{c.Namespace, c.Identifier, c.WindowMs}]
+	}
+	key := engine.Key{Namespace: c.Namespace, Identifier: raw, Window: time.Duration(c.WindowMs) * time.Millisecond}
+	if region == p.cfg.Region {
+		if !known || p.region != nil {
+			return update{}, false
+		}
+		return update{key: key, seq: c.Sequence, sum: n, own: true}, true
+	}
+	ci := p.imports[c]
+	if ci == nil {
+		if len(p.imports) >= maxImports {
+			p.stats.importDrops.Add(1)
+			return update{}, false
+		}
+		ci = &cellImport{regions: make(map[string]int64, 2), expires: expires}
+		p.imports[c] = ci
+		p.importCount.Store(int64(len(p.imports)))
+	}
+	if old, ok := ci.regions[region]; ok && old >= n {
+		return update{}, false
+	}
+	ci.regions[region] = n
+	ci.expires = max(ci.expires, expires)
+	if p.region != nil {
+		p.importDue[c] = struct{}{}
+		return update{wait: true}, true
+	}
+	if !known {
+		// Waits in the map until the key's entry is created here.
+		return update{wait: true}, true
+	}
+	return update{key: key, seq: c.Sequence, sum: ci.sum(), create: p.cfg.MapID == nil}, true
+}
+
+// hand applies updates to the engine. An import for a window that has not
+// begun on this node's clock (the other region's clock is ahead, or this
+// one behind) waits until it begins here: the engine holds no cell ahead
+// of its clock, and the count, recorded as imported, would not be news to
+// the next pull.
+func (p *Propagator) hand(ups []update) {
+	now := p.now().UnixMilli()
+	for _, u := range ups {
+		if u.wait {
+			continue
+		}
+		if u.own {
+			p.eng.RaiseRegional(u.key, u.seq, u.sum)
+			continue
+		}
+		if u.seq > now/u.key.Window.Milliseconds() {
+			p.defer_(u)
+			continue
+		}
+		p.eng.ImportGlobal(u.key, u.seq, u.sum, u.create)
+	}
+}
+
+// defer_ keeps u, an import for a window ahead of this node's clock, for
+// handDue; a later import of the same cell replaces it (sums only grow).
+func (p *Propagator) defer_(u update) {
+	c := Cell{u.key.Namespace, u.key.Identifier, u.key.Window.Milliseconds(), u.seq}
+	p.mu.Lock()
+	if len(p.ahead) < maxImports {
+		p.ahead[c] = u
+	}
+	p.mu.Unlock()
+}
+
+// handDue applies the imports kept for windows that have begun here since,
+// and forgets those whose window has passed.
+func (p *Propagator) handDue() {
+	now := p.now().UnixMilli()
+	var due []update
+	p.mu.Lock()
+	for c, u := range p.ahead {
+		switch cur := now / c.WindowMs; {
+		case u.seq <= cur-2:
+			delete(p.ahead, c)
+		case u.seq <= cur:
+			due = append(due, u)
+			delete(p.ahead, c)
+		}
+	}
+	p.mu.Unlock()
+	for _, u := range due {
+		p.eng.ImportGlobal(u.key, u.seq, u.sum, u.create)
+	}
+}
+
+// sendImports hands the imported counts that changed to the region's
+// Redis, a chunk at a time; a chunk that fails is sent again on the next
+// flush.
+func (p *Propagator) sendImports(ctx context.Context) {
+	p.mu.Lock()
+	ims := make([]RegionImport, 0, len(p.importDue))
+	for c := range p.importDue {
+		if ci := p.imports[c]; ci != nil {
+			ims = append(ims, RegionImport{Cell: c, Count: ci.sum()})
+		} else {
+			delete(p.importDue, c)
+		}
+	}
+	p.mu.Unlock()
+	for lo := 0; lo < len(ims); lo += regionChunk {
+		part := ims[lo:min(lo+regionChunk, len(ims))]
+		if err := p.query(ctx, func(ctx context.Context) error { return p.region.Import(ctx, part) }); err != nil {
+			p.regionFailed("handing imported counts to the region", err)
+			continue
+		}
+		p.mu.Lock()
+		for _, im := range part {
+			// A count that grew meanwhile stays due.
+			if ci := p.imports[im.Cell]; ci == nil || ci.sum() == im.Count {
+				delete(p.importDue, im.Cell)
+			}
+		}
+		p.mu.Unlock()
+		p.stats.importsSent.Add(int64(len(part)))
+	}
+}
+
+// prune forgets expired imports and index entries of keys the engine no
+// longer holds.
+func (p *Propagator) prune(now int64) {
+	p.mu.Lock()
+	for c, ci := range p.imports {
+		if ci.expires <= now {
+			delete(p.imports, c)
+			delete(p.importDue, c)
+		}
+	}
+	p.importCount.Store(int64(len(p.imports)))
+	idx := make([]zoneID, 0, len(p.index))
+	raws := make([]string, 0, len(p.index))
+	for z, raw := range p.index {
+		idx = append(idx, z)
+		raws = append(raws, raw)
+	}
+	p.mu.Unlock()
+	var gone []zoneID
+	for i, z := range idx {
+		if !p.eng.HasEntry(engine.Key{Namespace: z.ns, Identifier: raws[i], Window: time.Duration(z.w) * time.Millisecond}) {
+			gone = append(gone, z)
+		}
+	}
+	if len(gone) == 0 {
+		return
+	}
+	p.mu.Lock()
+	for _, z := range gone {
+		delete(p.index, z)
+	}
+	p.mu.Unlock()
+}
+
+// ForeignCounts returns, for the cell (key, seq), what each foreign region
+// counted, as imported; nil when nothing was.
+func (p *Propagator) ForeignCounts(key engine.Key, seq int64) map[string]int64 {
+	c := Cell{key.Namespace, p.rowID(key.Identifier), key.Window.Milliseconds(), seq}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	ci := p.imports[c]
+	if ci == nil {
+		return nil
+	}
+	out := make(map[string]int64, len(ci.regions))
+	for r, n := range ci.regions {
+		out[r] = n
+	}
+	return out
+}

@@ -1,0 +1,139 @@
+package propagation
+
+import (
+	"context"
+	"time"
+
+	"go.uber.org/zap"
+)
+
+// Region is the region's shared state, in its Redis (the origin's role
+// API, through the root's adapter): a lease names the one node of the
+// region that talks to MySQL for all of them (the role's holder); every
+// node leaves there the cells worth publishing and its first denials; the
+// holder leaves there what other regions counted, which every node's
+// reads and writes return beside the region's total. Identifiers are the
+// rows' (HMACs under identifier_secret, as the region's Redis keys are).
+type Region interface {
+	// NodeID is this process's name in the lease.
+	NodeID() string
+	// Lease takes the role for ttl when no node holds it, or renews it
+	// when this process does, and returns the holder's node ID.
+	Lease(ctx context.Context, ttl time.Duration) (holder string, err error)
+	// ReleaseLease gives the role up, if this process holds it.
+	ReleaseLease(ctx context.Context) error
+	// Register records cells for the holder to publish; registering a
+	// cell again with the same limit and heat is a no-op.
+	Register(ctx context.Context, cells []RegionCell) error
+	// TakeRegistered returns the cells registered since the last take, or
+	// with all every live one (a new holder's first look).
+	TakeRegistered(ctx context.Context, all bool, now int64) ([]RegionCell, error)
+	// PutDenials leaves denial rows for the holder; TakeDenials returns
+	// those left; DenialsWritten removes those written, unless a newer
+	// row of the same cell replaced them meanwhile.
+	PutDenials(ctx context.Context, rows []BlocklistRow) error
+	TakeDenials(ctx context.Context) ([]BlocklistRow, error)
+	DenialsWritten(ctx context.Context, rows []BlocklistRow) error
+	// Totals returns the region's total of each cell (0 for one it does
+	// not hold), in order: what its nodes counted, never what it imported.
+	Totals(ctx context.Context, cells []Cell) ([]int64, error)
+	// Import raises each cell's imported count, making the cell when the
+	// region holds none yet.
+	Import(ctx context.Context, imports []RegionImport) error
+}
+
+// RegionCell is a cell registered for the holder to publish.
+type RegionCell struct {
+	Cell
+	// Limit is the limit of the cell's last decision in the registering
+	// node; Expires (Unix ms) when the cell stops mattering.
+	Limit, Expires int64
+	// Hot: at half its limit or more, published on every flush.
+	Hot bool
+}
+
+// RegionImport is what other regions counted in a cell, for the region.
+type RegionImport struct {
+	Cell
+	Count int64
+}
+
+// Roles a process plays in the cross-region layer.
+const (
+	// roleOwn: no Redis; the process is its own region and talks to MySQL
+	// itself.
+	roleOwn int32 = iota
+	// roleMember: a node of a region whose role another node holds (or
+	// nobody can: the region's Redis is down).
+	roleMember
+	// roleHolder: the node that talks to MySQL for its region.
+	roleHolder
+)
+
+var roleNames = [...]string{roleOwn: "own-region", roleMember: "member", roleHolder: "holder"}
+
+// leaseTTL is how long the role outlives its holder's last renewal: three
+// flushes, and a query's timeout for a flush that ran long, so a live
+// holder never loses it between two renewals.
+func (p *Propagator) leaseTTL() time.Duration { return 3*p.cfg.Flush + p.cfg.Timeout }
+
+// holdRole takes or renews the region's role and reports whether this
+// process holds it, and whether it just took it. A process without a
+// region always holds its own. A failed lease call is a lost role: the
+// region's Redis is down, and its publication waits for it.
+func (p *Propagator) holdRole(ctx context.Context) (held, taken bool) {
+	if p.region == nil {
+		return true, p.role.Swap(roleOwn) != roleOwn
+	}
+	var holder string
+	err := p.query(ctx, func(ctx context.Context) error {
+		var err error
+		holder, err = p.region.Lease(ctx, p.leaseTTL())
+		return err
+	})
+	if err != nil {
+		if c := p.stats.leaseErrors.Add(1); c == 1 || c%100 == 0 {
+			p.log.Warn("the region's Redis did not answer the role's lease: publication pauses until it does",
+				zap.Int64("lease_errors", c), zap.Error(err))
+		}
+	}
+	p.holder.Store(&holder)
+	held = err == nil && holder == p.region.NodeID()
+	was := p.role.Load() == roleHolder
+	switch {
+	case held && !was:
+		p.role.Store(roleHolder)
+		p.stats.roleTaken.Add(1)
+		p.log.Info("took the region's cross-region role: this node talks to MySQL for the region", zap.String("node", holder))
+		return true, true
+	case !held && was:
+		p.stats.roleLost.Add(1)
+		p.log.Info("the region's cross-region role passed to another node", zap.String("holder", holder))
+	}
+	if !held {
+		p.role.Store(roleMember)
+	}
+	return held, false
+}
+
+// takeRole readies a new holder: it reads every registration and both
+// tables whole, and publishes every registered cell that grew.
+func (p *Propagator) takeRole() {
+	p.mu.Lock()
+	p.fullTake = true
+	p.fullPush = true
+	p.fullPull = [tables]bool{true, true}
+	p.mu.Unlock()
+}
+
+// releaseRole gives the role up on stop, so another node takes it at once
+// rather than when the lease lapses.
+func (p *Propagator) releaseRole(ctx context.Context) {
+	if p.region == nil || p.role.Load() != roleHolder {
+		return
+	}
+	if err := p.query(ctx, p.region.ReleaseLease); err != nil {
+		p.log.Warn("releasing the region's cross-region role: the next node takes it when the lease lapses", zap.Error(err))
+	}
+	p.role.Store(roleMember)
+}

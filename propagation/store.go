@@ -1,0 +1,344 @@
+package propagation
+
+import (
+	"cmp"
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/go-sql-driver/mysql"
+	"go.uber.org/zap"
+)
+
+// Store is the database between regions, as the layer uses it: MySQL
+// through database/sql here (sqlStore), a model in the simulator.
+type Store interface {
+	// Migrate creates the tables, or brings older ones up to date, in
+	// place and idempotently.
+	Migrate(ctx context.Context) error
+	// UpsertDenials and UpsertCounts write rows whose counts only grow;
+	// a count that rises stamps the row's change time.
+	UpsertDenials(ctx context.Context, rows []*BlocklistRow) error
+	UpsertCounts(ctx context.Context, rows []*CountRow) error
+	// ReadDenials and ReadCounts read one page of a table.
+	ReadDenials(ctx context.Context, r Read) ([]BlocklistRow, error)
+	ReadCounts(ctx context.Context, r Read) ([]CountRow, error)
+	// DeleteExpired deletes up to chunk rows of t that expired at now.
+	DeleteExpired(ctx context.Context, t Table, now int64, chunk int) (int64, error)
+	// ReplicaLag is how far the database pulls read from is behind the
+	// one writes go to; known is false when it cannot tell (no replica,
+	// its replication stopped, or no right to ask).
+	ReplicaLag(ctx context.Context) (lag time.Duration, known bool, err error)
+	// Close closes the connections.
+	Close() error
+}
+
+// Read selects one page of a table's live rows.
+type Read struct {
+	// Changed reads the rows whose counts rose at or after Since (Unix ms
+	// on the database's clock), in change order; otherwise every row, in
+	// key order.
+	Changed bool
+	Since   int64
+	// Now: only rows that expire after it.
+	Now int64
+	// After resumes after that row (nil: from the start).
+	After *RowKey
+	// Limit bounds the page.
+	Limit int
+}
+
+// sqlStore is a Store on MySQL (MySQL 8, MariaDB 10.6+, Vitess): writes go
+// to write, pulls to read (mysql_read, a nearby replica; else write).
+type sqlStore struct {
+	write, read *sql.DB
+	replica     bool
+}
+
+// openStore opens the pools without dialling. Every network step is
+// bounded by timeout whatever the DSN says, so a hung server cannot hold a
+// loop past it; sessions run in UTC, so the database's clock in the change
+// column is Unix time whatever the server's zone.
+func openStore(cfg Config, log *zap.Logger) (*sqlStore, string, error) {
+	write, addr, err := openDB(cfg.DSN, cfg.Timeout, log, "mysql")
+	if err != nil {
+		return nil, "", err
+	}
+	s := &sqlStore{write: write, read: write}
+	if cfg.ReadDSN != "" {
+		if s.read, _, err = openDB(cfg.ReadDSN, cfg.Timeout, log, "mysql_read"); err != nil {
+			_ = write.Close()
+			return nil, "", err
+		}
+		s.replica = true
+	}
+	return s, addr, nil
+}
+
+// openDB opens one pool; line names the setting in errors.
+func openDB(dsn string, timeout time.Duration, log *zap.Logger, line string) (*sql.DB, string, error) {
+	c, err := mysql.ParseDSN(dsn)
+	if err != nil {
+		return nil, "", fmt.Errorf("%s: malformed DSN (want user:password@tcp(host:port)/database?params): %s", line, redact(err.Error(), dsn))
+	}
+	if c.DBName == "" {
+		return nil, "", fmt.Errorf("%s: the DSN names no database (…@tcp(host:port)/database)", line)
+	}
+	for _, d := range []*time.Duration{&c.Timeout, &c.ReadTimeout, &c.WriteTimeout} {
+		if *d == 0 || *d > timeout {
+			*d = timeout
+		}
+	}
+	if c.Params == nil {
+		c.Params = map[string]string{}
+	}
+	c.Params["time_zone"] = "'+00:00'"
+	c.Logger = driverLogger{log}
+	conn, err := mysql.NewConnector(c)
+	if err != nil {
+		return nil, "", fmt.Errorf("%s: %s", line, redact(err.Error(), dsn))
+	}
+	db := sql.OpenDB(conn)
+	db.SetMaxOpenConns(maxOpenConns)
+	db.SetMaxIdleConns(maxIdleConns)
+	db.SetConnMaxLifetime(5 * time.Minute)
+	return db, c.Net + "(" + c.Addr + ")/" + c.DBName, nil
+}
+
+// redact removes the DSN's password from a message, should a driver error
+// ever quote it.
+func redact(msg, dsn string) string {
+	at := strings.LastIndex(dsn, "@")
+	if at < 0 {
+		return msg
+	}
+	colon := strings.Index(dsn[:at], ":")
+	if colon < 0 || colon+1 >= at {
+		return msg
+	}
+	return strings.ReplaceAll(msg, dsn[colon+1:at], "****")
+}
+
+// driverLogger routes go-sql-driver's own log lines (broken connections)
+// to the module's logger, at warn: the driver logs only what went wrong.
+type driverLogger struct{ log *zap.Logger }
+
+func (l driverLogger) Print(v ...any) {
+	l.log.Warn("mysql driver: " + strings.TrimSpace(fmt.Sprint(v...)))
+}
+
+func (s *sqlStore) Migrate(ctx context.Context) error { return Migrate(ctx, s.write) }
+
+func (s *sqlStore) Close() error {
+	err := s.write.Close()
+	if s.replica {
+		err = errors.Join(err, s.read.Close())
+	}
+	return err
+}
+
+// dbNowMs is the database's clock in Unix ms (sessions run in UTC).
+const dbNowMs = `ROUND(UNIX_TIMESTAMP(NOW(3)) * 1000)`
+
+// placeholders returns n groups of k placeholders, each followed by tail
+// ("(?,?,…,?tail),(…)").
+func placeholders(n, k int, tail string) string {
+	group := "(" + strings.TrimSuffix(strings.Repeat("?,", k), ",") + tail + ")"
+	return strings.TrimSuffix(strings.Repeat(group+",", n), ",")
+}
+
+// UpsertDenials writes rows, sorted in unique-key order (concurrent bulk
+// upserts from many writers that lock keys in different orders deadlock).
+// Counts only grow: a late or repeated write never lowers a row, and only
+// a count that rises moves the row's change time.
+func (s *sqlStore) UpsertDenials(ctx context.Context, rows []*BlocklistRow) error {
+	if len(rows) == 0 {
+		return nil
+	}
+	slices.SortFunc(rows, compareBlock)
+	args := make([]any, 0, len(rows)*9)
+	for _, r := range rows {
+		args = append(args, []byte(r.Namespace), []byte(r.Identifier), r.WindowMs, r.Sequence, []byte(r.Region),
+			r.Limit, r.CountCur, r.CountPrev, r.ExpiresMs)
+	}
+	// MySQL applies the assignments left to right: updated_ms compares
+	// the counts before they are raised.
+	q := `INSERT INTO ratelimit_blocklist
+  (namespace, identifier, window_ms, sequence, origin_region, limit_units, count_cur, count_prev, expires_ms, updated_ms)
+VALUES ` + placeholders(len(rows), 9, ","+dbNowMs) + `
+ON DUPLICATE KEY UPDATE
+  updated_ms = IF(VALUES(count_cur) > count_cur OR VALUES(count_prev) > count_prev, VALUES(updated_ms), updated_ms),
+  limit_units = VALUES(limit_units),
+  count_cur = GREATEST(count_cur, VALUES(count_cur)),
+  count_prev = GREATEST(count_prev, VALUES(count_prev)),
+  expires_ms = GREATEST(expires_ms, VALUES(expires_ms))`
+	if _, err := s.write.ExecContext(ctx, q, args...); err != nil {
+		return fmt.Errorf("upsert %d blocklist rows: %w", len(rows), err)
+	}
+	return nil
+}
+
+// UpsertCounts writes published counts, sorted like UpsertDenials, with
+// count = GREATEST(count, new): a region's count only grows, and a
+// repeated write (a new holder, a retry) changes nothing.
+func (s *sqlStore) UpsertCounts(ctx context.Context, rows []*CountRow) error {
+	if len(rows) == 0 {
+		return nil
+	}
+	slices.SortFunc(rows, compareCount)
+	args := make([]any, 0, len(rows)*7)
+	for _, r := range rows {
+		args = append(args, []byte(r.Namespace), []byte(r.Identifier), r.WindowMs, r.Sequence, []byte(r.Region),
+			r.Count, r.ExpiresMs)
+	}
+	q := `INSERT INTO ratelimit_global_counts
+  (namespace, identifier, window_ms, sequence, region, count, expires_ms, updated_ms)
+VALUES ` + placeholders(len(rows), 7, ","+dbNowMs) + `
+ON DUPLICATE KEY UPDATE
+  updated_ms = IF(VALUES(count) > count, VALUES(updated_ms), updated_ms),
+  count = GREATEST(count, VALUES(count)),
+  expires_ms = GREATEST(expires_ms, VALUES(expires_ms))`
+	if _, err := s.write.ExecContext(ctx, q, args...); err != nil {
+		return fmt.Errorf("upsert %d count rows: %w", len(rows), err)
+	}
+	return nil
+}
+
+const (
+	blocklistColumns = `namespace, identifier, window_ms, sequence, origin_region, limit_units, count_cur, count_prev, expires_ms, updated_ms`
+	countColumns     = `namespace, identifier, window_ms, sequence, region, count, expires_ms, updated_ms`
+)
+
+func (s *sqlStore) ReadDenials(ctx context.Context, r Read) ([]BlocklistRow, error) {
+	q, args := readQuery(Denials, blocklistColumns, r)
+	rs, err := s.read.QueryContext(ctx, q, args...)
+	if err != nil {
+		return nil, err
+	}
+	defer rs.Close()
+	var out []BlocklistRow
+	for rs.Next() {
+		var ns, id, region []byte
+		var b BlocklistRow
+		if err := rs.Scan(&ns, &id, &b.WindowMs, &b.Sequence, &region, &b.Limit, &b.CountCur, &b.CountPrev, &b.ExpiresMs, &b.UpdatedMs); err != nil {
+			return out, fmt.Errorf("scan blocklist row: %w", err)
+		}
+		b.Namespace, b.Identifier, b.Region = string(ns), string(id), string(region)
+		out = append(out, b)
+	}
+	if err := rs.Err(); err != nil {
+		return out, fmt.Errorf("read blocklist rows: %w", err)
+	}
+	return out, nil
+}
+
+func (s *sqlStore) ReadCounts(ctx context.Context, r Read) ([]CountRow, error) {
+	q, args := readQuery(Counts, countColumns, r)
+	rs, err := s.read.QueryContext(ctx, q, args...)
+	if err != nil {
+		return nil, err
+	}
+	defer rs.Close()
+	var out []CountRow
+	for rs.Next() {
+		var ns, id, region []byte
+		var c CountRow
+		if err := rs.Scan(&ns, &id, &c.WindowMs, &c.Sequence, &region, &c.Count, &c.ExpiresMs, &c.UpdatedMs); err != nil {
+			return out, fmt.Errorf("scan count row: %w", err)
+		}
+		c.Namespace, c.Identifier, c.Region = string(ns), string(id), string(region)
+		out = append(out, c)
+	}
+	if err := rs.Err(); err != nil {
+		return out, fmt.Errorf("read count rows: %w", err)
+	}
+	return out, nil
+}
+
+// readQuery builds the page r of table t. Keyset paging reads each row
+// once however many pages there are; a read of changes walks the
+// updated_ms index (whose entries carry the primary key, so the order is
+// the index's own).
+func readQuery(t Table, columns string, r Read) (string, []any) {
+	order := `namespace, identifier, window_ms, sequence, ` + t.regionColumn()
+	q := `SELECT ` + columns + ` FROM ` + t.String() + ` WHERE expires_ms > ?`
+	args := []any{r.Now}
+	if r.Changed {
+		q += ` AND updated_ms >= ?`
+		args = append(args, r.Since)
+		order = `updated_ms, ` + order
+	}
+	if a := r.After; a != nil {
+		keys := []any{[]byte(a.Namespace), []byte(a.Identifier), a.WindowMs, a.Sequence, []byte(a.Region)}
+		if r.Changed {
+			q += ` AND (` + order + `) > (?, ?, ?, ?, ?, ?)`
+			args = append(append(args, a.UpdatedMs), keys...)
+		} else {
+			q += ` AND (` + order + `) > (?, ?, ?, ?, ?)`
+			args = append(args, keys...)
+		}
+	}
+	q += ` ORDER BY ` + order + ` LIMIT ?`
+	return q, append(args, r.Limit)
+}
+
+// DeleteExpired deletes up to chunk rows of t that expired at now.
+func (s *sqlStore) DeleteExpired(ctx context.Context, t Table, now int64, chunk int) (int64, error) {
+	res, err := s.write.ExecContext(ctx, `DELETE FROM `+t.String()+` WHERE expires_ms <= ? LIMIT ?`, now, chunk)
+	if err != nil {
+		return 0, fmt.Errorf("delete expired rows of %s: %w", t, err)
+	}
+	n, err := res.RowsAffected()
+	if err != nil {
+		return 0, fmt.Errorf("delete expired rows of %s: %w", t, err)
+	}
+	return n, nil
+}
+
+// ReplicaLag asks the replica (mysql_read) how far behind it is:
+// SHOW REPLICA STATUS (MySQL 8.0.22+, MariaDB 10.5+), else SHOW SLAVE
+// STATUS. Its Seconds_Behind_Source (or _Master) is NULL while the SQL
+// thread is stopped: unknown, not zero.
+func (s *sqlStore) ReplicaLag(ctx context.Context) (time.Duration, bool, error) {
+	if !s.replica {
+		return 0, false, nil
+	}
+	var err error
+	for _, q := range []string{"SHOW REPLICA STATUS", "SHOW SLAVE STATUS"} {
+		var lag sql.NullInt64
+		var found bool
+		if lag, found, err = s.showLag(ctx, q); err == nil {
+			return time.Duration(lag.Int64) * time.Second, found && lag.Valid, nil
+		}
+	}
+	return 0, false, err
+}
+
+func (s *sqlStore) showLag(ctx context.Context, q string) (sql.NullInt64, bool, error) {
+	var lag sql.NullInt64
+	rs, err := s.read.QueryContext(ctx, q)
+	if err != nil {
+		return lag, false, err
+	}
+	defer rs.Close()
+	cols, err := rs.Columns()
+	if err != nil || !rs.Next() {
+		return lag, false, cmp.Or(err, rs.Err())
+	}
+	vals := make([]any, len(cols))
+	for i, c := range cols {
+		if c == "Seconds_Behind_Source" || c == "Seconds_Behind_Master" {
+			vals[i] = &lag
+		} else {
+			vals[i] = new(sql.RawBytes)
+		}
+	}
+	if err := rs.Scan(vals...); err != nil {
+		return lag, false, err
+	}
+	return lag, true, nil
+}
