@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -201,11 +202,35 @@ func (a *AdminAPI) handleCounters(w http.ResponseWriter, r *http.Request) error 
 	}
 	ids := st.apps.view().ids
 	for _, window := range defWindows(defs) {
-		if ks, ok := st.engine.Inspect(engine.Key{Namespace: zoneName, Identifier: id, Window: window}); ok {
+		if ks, ok := regionView(r.Context(), st, engine.Key{Namespace: zoneName, Identifier: id, Window: window}); ok {
 			return writeJSON(w, keyDocOf(ks, defs, ids))
 		}
 	}
 	return errNoKey(zoneName)
+}
+
+// regionView is key as this process holds it, with what the region's
+// Redis holds of it raised in (a peek, which registers nothing): the
+// other nodes' units and the other regions' counts the role's holder left
+// there, also for a key this process has not seen. Without Redis, or when
+// it does not answer within the read timeout, it is this process's view.
+func regionView(ctx context.Context, st *state, key engine.Key) (engine.KeyState, bool) {
+	o := st.currentOrigin()
+	if o == nil {
+		return st.engine.Inspect(key)
+	}
+	ctx, cancel := context.WithTimeout(ctx, st.engine.Timing().ReadTimeout)
+	defer cancel()
+	peek := key
+	peek.Identifier = engine.NormalizeIdentifier(key.Identifier)
+	if m := st.apps.view().ids.mapper(); m != nil {
+		peek.Identifier = m(peek.Identifier)
+	}
+	t, err := o.Peek(ctx, peek, st.engine.Now().UnixMilli()/key.Window.Milliseconds())
+	if err != nil {
+		return st.engine.Inspect(key)
+	}
+	return st.engine.Overlay(key, t)
 }
 
 // listKeys lists up to max keys of the zone whose identifier starts with

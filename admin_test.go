@@ -116,6 +116,10 @@ type fakeView struct{ stats origin.Stats }
 
 func (v fakeView) Stats() origin.Stats { return v.stats }
 
+func (fakeView) Peek(context.Context, engine.Key, int64) (engine.Totals, error) {
+	return engine.Totals{}, errors.New("a fake origin holds nothing")
+}
+
 const adminRoutes = `
 	handle /api {
 		ratelimit {

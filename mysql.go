@@ -50,10 +50,11 @@ var mysqlKind = backendKind{
 //	ratelimit {
 //	    region         <name>            # required with mysql
 //	    mysql          <dsn>             # e.g. {env.MYSQL_DSN}
+//	    mysql_read     <dsn>             # a replica pulls read from
 //	    blocklist_sync <duration>        # default 10s
 //	    global_sync    <duration>        # default 5s
 //	    mysql_flush    <duration>        # default 1s
-//	    mysql_batch    <n>               # default 100
+//	    mysql_batch    <n>               # default 500
 //	    mysql_timeout  <duration>        # default 1s
 //	    mysql_migrate  on|off            # default on
 //	    min_window     <duration>        # default 1m
@@ -69,6 +70,12 @@ var mysqlLines = []optionLine{
 		}
 		return nil
 	}, func(a *App, v string) { mysqlOf(a).DSN = v }),
+	stringLine("mysql_read", func(v string) error {
+		if v == "" {
+			return errString("mysql_read: the DSN is empty")
+		}
+		return nil
+	}, func(a *App, v string) { mysqlOf(a).ReadDSN = v }),
 	durationLine("blocklist_sync", propagation.MinInterval, func(a *App, v time.Duration) { mysqlOf(a).BlocklistSync = caddy.Duration(v) }),
 	durationLine("global_sync", propagation.MinInterval, func(a *App, v time.Duration) { mysqlOf(a).GlobalSync = caddy.Duration(v) }),
 	durationLine("mysql_flush", propagation.MinInterval, func(a *App, v time.Duration) { mysqlOf(a).Flush = caddy.Duration(v) }),
@@ -115,17 +122,20 @@ type MySQLConfig struct {
 	// placeholder such as {env.MYSQL_DSN}, resolved at provisioning, so
 	// the password never sits in the config the admin API serves.
 	DSN string `json:"dsn,omitempty"`
-	// BlocklistSync is how often every active denial row is read
-	// (default 10s).
+	// ReadDSN, if set, is where pulls read: a replica near the region
+	// (writes and cleanup go to DSN). A runtime placeholder as for DSN.
+	ReadDSN string `json:"read_dsn,omitempty"`
+	// BlocklistSync paces the safety net of denial gossip: every tenth
+	// sync reads every active denial row (default 10s).
 	BlocklistSync caddy.Duration `json:"blocklist_sync,omitempty"`
-	// GlobalSync is how often every active published count is read, and
-	// how often cells below half their limit are published (default 5s).
+	// GlobalSync is how often cells below half their limit are published;
+	// every tenth sync reads every active published count (default 5s).
 	GlobalSync caddy.Duration `json:"global_sync,omitempty"`
-	// Flush is the write interval, and the interval at which cells at half
-	// their limit or more are pushed and pulled (default 1s).
+	// Flush is the write interval, the interval at which cells at half
+	// their limit or more are published, and at which what changed in
+	// both tables is pulled (default 1s).
 	Flush caddy.Duration `json:"flush,omitempty"`
-	// Batch bounds the rows of one write and of one targeted pull (default
-	// 100).
+	// Batch bounds the rows of one write (default 500).
 	Batch int `json:"batch,omitempty"`
 	// Timeout bounds every query (default 1s).
 	Timeout caddy.Duration `json:"timeout,omitempty"`
@@ -146,6 +156,7 @@ type MySQLConfig struct {
 func (m *MySQLConfig) propagationConfig() propagation.Config {
 	return propagation.Config{
 		DSN:            m.DSN,
+		ReadDSN:        m.ReadDSN,
 		BlocklistSync:  time.Duration(m.BlocklistSync),
 		GlobalSync:     time.Duration(m.GlobalSync),
 		Flush:          time.Duration(m.Flush),
@@ -221,11 +232,16 @@ func provisionMySQL(a *App) (backend, error) {
 			prev, a.Region, prev)
 	}
 	cfg := a.MySQL.propagationConfig()
-	dsn, err := resolveDSN(cfg.DSN)
+	dsn, err := resolveDSN("mysql", cfg.DSN)
 	if err != nil {
 		return nil, err
 	}
 	cfg.DSN = dsn
+	if cfg.ReadDSN != "" {
+		if cfg.ReadDSN, err = resolveDSN("mysql_read", cfg.ReadDSN); err != nil {
+			return nil, err
+		}
+	}
 	cfg.Region = a.rowRegion()
 	cfg.MapID = a.ids.mapper()
 	if o := a.Origin; o != nil {
@@ -238,10 +254,19 @@ func provisionMySQL(a *App) (backend, error) {
 			MinRequests: b.MinRequests, FailureRatio: b.FailureRatio,
 		}
 	}
-	p, err := propagation.New(cfg, a.state.engine, propagation.Options{
+	opts := propagation.Options{
 		Logger:          a.logger.Named("propagation"),
 		OnBreakerChange: observePropagationBreaker,
+	}
+	// With Redis, the region's nodes share one MySQL client: the holder
+	// of the role the region's Redis leases.
+	// (The origin is provisioned first: backendKinds.)
+	a.eachBackend(func(b backend) {
+		if rb, ok := b.(*redisBackend); ok {
+			opts.Region = redisRegion{rb.origin}
+		}
 	})
+	p, err := propagation.New(cfg, a.state.engine, opts)
 	if err != nil {
 		return nil, err
 	}
@@ -250,13 +275,13 @@ func provisionMySQL(a *App) (backend, error) {
 
 // resolveDSN replaces runtime placeholders in the DSN. Errors never quote
 // it.
-func resolveDSN(dsn string) (string, error) {
+func resolveDSN(line, dsn string) (string, error) {
 	if !strings.Contains(dsn, "{") {
 		return dsn, nil
 	}
 	v, err := caddy.NewReplacer().ReplaceOrErr(dsn, true, true)
 	if err != nil {
-		return "", errors.New("mysql: a placeholder in the DSN did not resolve (unknown or empty)")
+		return "", fmt.Errorf("%s: a placeholder in the DSN did not resolve (unknown or empty)", line)
 	}
 	return v, nil
 }

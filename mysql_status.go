@@ -4,6 +4,7 @@ import (
 	"net/http"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/prometheus/client_golang/prometheus"
@@ -65,7 +66,61 @@ var propagationStats = statSet[propagation.Stats]{stats: []stat[propagation.Stat
 	{json: "import_drops", value: func(s *propagation.Stats) any { return s.ImportDrops }},
 	{json: "cleanup_deleted", metric: "propagation_cleanup_deleted_rows_total", value: func(s *propagation.Stats) any { return s.CleanupDeleted },
 		help: "Expired rows this node deleted."},
+	// The region's role: which node talks to MySQL for the region.
+	{json: "role", value: func(s *propagation.Stats) any { return s.Role }},
+	{metric: "propagation_role_held", gauge: true, value: func(s *propagation.Stats) any { return s.Role != "member" },
+		help: "1 when this process talks to MySQL (it holds its region's role, or it has no Redis and is its own region); 0 for the region's other nodes."},
+	{json: "holder", value: func(s *propagation.Stats) any { return s.Holder }},
+	{json: "node_id", value: func(s *propagation.Stats) any { return s.NodeID }},
+	{json: "role_taken", metric: "propagation_role_changes_total", label: [2]string{"change", "taken"},
+		value: func(s *propagation.Stats) any { return s.RoleTaken },
+		help:  "Times this process took its region's role (taken) or lost it to another node (lost)."},
+	{json: "role_lost", metric: "propagation_role_changes_total", label: [2]string{"change", "lost"},
+		value: func(s *propagation.Stats) any { return s.RoleLost }},
+	{json: "errors.lease", metric: "propagation_errors_total", label: [2]string{"op", "lease"}, value: func(s *propagation.Stats) any { return s.LeaseErrors }},
+	{json: "errors.region", metric: "propagation_errors_total", label: [2]string{"op", "region"}, value: func(s *propagation.Stats) any { return s.RegionErrors }},
+	{json: "cells_registered", metric: "propagation_cells_registered_total", value: func(s *propagation.Stats) any { return s.Registered },
+		help: "Cells this node registered in its region's Redis for the role's holder to publish."},
+	{json: "denials_left", metric: "propagation_denials_left_total", value: func(s *propagation.Stats) any { return s.DenialsLeft },
+		help: "Denial rows this node left in its region's Redis for the role's holder to write."},
+	{json: "registry_cells", metric: "propagation_registry_cells", gauge: true, value: func(s *propagation.Stats) any { return s.RegistryCells },
+		help: "Cells the role's holder publishes for its region (0 on the other nodes)."},
+	{json: "registry_drops", value: func(s *propagation.Stats) any { return s.RegistryDrops }},
+	{json: "imports_sent", metric: "propagation_imports_sent_total", value: func(s *propagation.Stats) any { return s.ImportsSent },
+		help: "Imported counts the role's holder wrote into its region's Redis."},
+	{json: "rows_read.blocklist", metric: "propagation_rows_read_total", label: [2]string{"table", "ratelimit_blocklist"},
+		value: func(s *propagation.Stats) any { return s.DenialRowsRead },
+		help:  "Rows pulled from MySQL, by table."},
+	{json: "rows_read.global_counts", metric: "propagation_rows_read_total", label: [2]string{"table", "ratelimit_global_counts"},
+		value: func(s *propagation.Stats) any { return s.CountRowsRead }},
+	{json: "pulls.changes", metric: "propagation_pulls_total", label: [2]string{"kind", "changes"},
+		value: func(s *propagation.Stats) any { return s.ChangeReads },
+		help:  "Pulls of a table, by kind (changes: the rows changed since the last pull; whole: the safety net)."},
+	{json: "pulls.whole", metric: "propagation_pulls_total", label: [2]string{"kind", "whole"},
+		value: func(s *propagation.Stats) any { return s.WholeReads }},
+	{json: "replica_lag_seconds", value: func(s *propagation.Stats) any { return secondsOrNull(s.ReplicaLag) }},
+	{metric: "propagation_replica_lag_seconds", gauge: true, value: func(s *propagation.Stats) any { return seconds(s.ReplicaLag) },
+		help: "How far mysql_read's replica said it was behind at the last global sync (Seconds_Behind_Source); -1 when unknown: no replica, its SQL thread stopped, or no right to ask."},
+	{json: "newest_row_age_seconds", value: func(s *propagation.Stats) any { return secondsOrNull(s.NewestRowAge) }},
+	{metric: "propagation_newest_row_age_seconds", gauge: true, value: func(s *propagation.Stats) any { return seconds(s.NewestRowAge) },
+		help: "Age of the newest change pulled from MySQL (-1 before the first): while other regions write, an upper bound of the replica's lag."},
 }}
+
+// seconds is d in seconds, -1 for a negative d (unknown).
+func seconds(d time.Duration) float64 {
+	if d < 0 {
+		return -1
+	}
+	return d.Seconds()
+}
+
+// secondsOrNull is d in seconds, nil (JSON null) when unknown.
+func secondsOrNull(d time.Duration) any {
+	if d < 0 {
+		return nil
+	}
+	return d.Seconds()
+}
 
 // propagationStatusDoc returns the section, or nil (JSON null) when the
 // layer is not configured.

@@ -217,10 +217,12 @@ func (b *redisBackend) close() {
 	}
 }
 
-// originView is what the status and the metrics read of the origin in
-// use; *origin.Redis implements it.
+// originView is what the status, the metrics and the counters route read
+// of the origin in use; *origin.Redis implements it.
 type originView interface {
 	Stats() origin.Stats
+	// Peek reads what the region holds of a cell, registering nothing.
+	Peek(ctx context.Context, key engine.Key, seq int64) (engine.Totals, error)
 }
 
 // originInUse is the origin the engine uses now, for the status and the

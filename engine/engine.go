@@ -93,6 +93,19 @@ func (e *Engine) SetTiming(t Timing) {
 	}
 }
 
+// Timing returns the read timeout, freshness and replay ticks in force.
+func (e *Engine) Timing() Timing {
+	return Timing{
+		ReadTimeout: e.readTimeoutD(),
+		Freshness:   time.Duration(e.freshness.Load()),
+		SlowTick:    time.Duration(e.slowTick.Load()),
+		FastTick:    time.Duration(e.fastTick.Load()),
+	}
+}
+
+// Now is the engine's clock (Config.Now).
+func (e *Engine) Now() time.Time { return e.now() }
+
 func (e *Engine) readTimeoutD() time.Duration { return time.Duration(e.readTimeout.Load()) }
 func (e *Engine) freshnessMs() int64          { return time.Duration(e.freshness.Load()).Milliseconds() }
 func (e *Engine) fastTickMs() int64           { return time.Duration(e.fastTick.Load()).Milliseconds() }

@@ -1,8 +1,10 @@
 package engine
 
 import (
+	"cmp"
 	"container/heap"
 	"context"
+	"slices"
 	"sort"
 	"strings"
 	"sync/atomic"
@@ -193,6 +195,44 @@ func (e *Engine) inspect(z *Zone, id string, en *entry, now int64) (KeyState, bo
 		ks.StrictUntil = time.UnixMilli(s)
 	}
 	return ks, true
+}
+
+// Overlay returns key's state with the region's totals t raised in: t is
+// what the origin holds of the key's current cell and of the one before
+// it (a peek, which registers nothing), so the result is the region's
+// view as far as this process can tell, other regions' counts included,
+// also for a key this process does not hold. ok is false when neither
+// this process nor t knows of any count.
+func (e *Engine) Overlay(key Key, t Totals) (ks KeyState, ok bool) {
+	z, _, found := e.findKey(key)
+	if !found {
+		return KeyState{}, false
+	}
+	ks, ok = e.Inspect(key)
+	ks.Key = z.key(NormalizeIdentifier(key.Identifier))
+	now := e.nowMs()
+	seq := now / z.w
+	raised := [2]struct{ regional, global int64 }{{t.Cur, t.Global}, {t.Prev, t.GlobalPrev}}
+	var totals [2]int64
+	for i := range raised {
+		want := seq - int64(i)
+		j := slices.IndexFunc(ks.Cells, func(c CellState) bool { return c.Sequence == want })
+		if j < 0 {
+			if raised[i].regional == 0 && raised[i].global == 0 {
+				continue
+			}
+			ks.Cells = append(ks.Cells, CellState{Sequence: want})
+			j = len(ks.Cells) - 1
+		}
+		c := &ks.Cells[j]
+		c.Regional = max(c.Regional, raised[i].regional)
+		c.Global = max(c.Global, raised[i].global)
+		totals[i] = SatAdd(SatAdd(c.Regional, c.Speculative), c.Global)
+		ok = true
+	}
+	slices.SortFunc(ks.Cells, func(a, b CellState) int { return cmp.Compare(b.Sequence, a.Sequence) })
+	ks.Effective = SatAdd(totals[0], weighted(totals[1], z.w, now-seq*z.w))
+	return ks, ok
 }
 
 func cellState(c *cell) CellState {

@@ -263,11 +263,13 @@ func TestRegions_CleanupDeletesExpiredRowsOnly(t *testing.T) {
 		}
 		for i, exp := range append(append([]int64{}, expired...), live...) {
 			id := []byte(fmt.Sprintf("cleanup-%d", i))
-			if _, err := db.Exec(`INSERT INTO ratelimit_global_counts VALUES (?, ?, 60000, 1, ?, 5, ?)`,
+			if _, err := db.Exec(`INSERT INTO ratelimit_global_counts (namespace, identifier, window_ms, sequence, region, count, expires_ms)
+				VALUES (?, ?, 60000, 1, ?, 5, ?)`,
 				[]byte("global"), id, []byte("region-z"), exp); err != nil {
 				t.Fatal(err)
 			}
-			if _, err := db.Exec(`INSERT INTO ratelimit_blocklist VALUES (?, ?, 60000, 1, ?, 10, 5, 0, ?)`,
+			if _, err := db.Exec(`INSERT INTO ratelimit_blocklist (namespace, identifier, window_ms, sequence, origin_region, limit_units, count_cur, count_prev, expires_ms)
+				VALUES (?, ?, 60000, 1, ?, 10, 5, 0, ?)`,
 				[]byte("global"), id, []byte("region-z"), exp); err != nil {
 				t.Fatal(err)
 			}

@@ -233,3 +233,25 @@ func parseReads(c *redis.Cmd, part []*readReq) {
 		part[i].err = nil
 	})
 }
+
+// Peek returns the region's totals of the cell (key, seq) and of the cell
+// before it, other regions' counts included, without registering this
+// process in the cell or writing anything: what the admin API shows of a
+// key. A missing cell is 0.
+func (r *Redis) Peek(ctx context.Context, key engine.Key, seq int64) (engine.Totals, error) {
+	ep := r.route(key)
+	cur, prev := cellKeys(r.prefix, key, seq)
+	pipe := ep.client.Pipeline()
+	c := pipe.HMGet(ctx, cur, "t", "g")
+	p := pipe.HMGet(ctx, prev, "t", "g")
+	if _, err := pipe.Exec(ctx); err != nil {
+		return engine.Totals{}, fmt.Errorf("redis peek %s (zone %q): %w", ep.address, key.Namespace, err)
+	}
+	num := func(v []any, i int) int64 {
+		s, _ := v[i].(string)
+		n, _ := strconv.ParseInt(s, 10, 64)
+		return engine.ClampCount(n)
+	}
+	cv, pv := c.Val(), p.Val()
+	return engine.Totals{Cur: num(cv, 0), Global: num(cv, 1), Prev: num(pv, 0), GlobalPrev: num(pv, 1)}, nil
+}

@@ -1,0 +1,113 @@
+package ratelimit
+
+import (
+	"context"
+	"encoding/json"
+	"time"
+
+	"github.com/edgelimit/caddy-ratelimit/engine"
+	"github.com/edgelimit/caddy-ratelimit/origin"
+	"github.com/edgelimit/caddy-ratelimit/propagation"
+)
+
+// redisRegion is the region's shared state in its Redis as the
+// cross-region layer sees it (propagation.Region): the origin's role API.
+// Identifiers pass as they are: the layer's are the rows', which are the
+// origin's keys' (HMACs under identifier_secret in both).
+type redisRegion struct{ o *origin.Redis }
+
+func roleKey(c propagation.Cell) engine.Key {
+	return engine.Key{Namespace: c.Namespace, Identifier: c.Identifier, Window: time.Duration(c.WindowMs) * time.Millisecond}
+}
+
+func roleCell(c propagation.Cell) origin.RoleCell {
+	return origin.RoleCell{Key: roleKey(c), Sequence: c.Sequence}
+}
+
+func layerCell(k engine.Key, seq int64) propagation.Cell {
+	return propagation.Cell{Namespace: k.Namespace, Identifier: k.Identifier, WindowMs: k.Window.Milliseconds(), Sequence: seq}
+}
+
+func (r redisRegion) NodeID() string { return r.o.NodeID() }
+
+func (r redisRegion) Lease(ctx context.Context, ttl time.Duration) (string, error) {
+	return r.o.Lease(ctx, ttl)
+}
+
+func (r redisRegion) ReleaseLease(ctx context.Context) error { return r.o.ReleaseLease(ctx) }
+
+func (r redisRegion) Register(ctx context.Context, cells []propagation.RegionCell) error {
+	out := make([]origin.RoleCell, len(cells))
+	for i, c := range cells {
+		out[i] = roleCell(c.Cell)
+		out[i].Limit, out[i].Expires, out[i].Hot = c.Limit, c.Expires, c.Hot
+	}
+	return r.o.Register(ctx, out)
+}
+
+func (r redisRegion) TakeRegistered(ctx context.Context, all bool, now int64) ([]propagation.RegionCell, error) {
+	cells, err := r.o.TakeRegistered(ctx, all, now)
+	out := make([]propagation.RegionCell, len(cells))
+	for i, c := range cells {
+		out[i] = propagation.RegionCell{Cell: layerCell(c.Key, c.Sequence), Limit: c.Limit, Expires: c.Expires, Hot: c.Hot}
+	}
+	return out, err
+}
+
+// denial is a denial row as the region holds it: its JSON, which encodes
+// the same row the same way every time (DenialsWritten compares it).
+func denial(row propagation.BlocklistRow) origin.RoleDenial {
+	b, _ := json.Marshal(row) // a struct of strings and numbers always encodes
+	c := propagation.Cell{Namespace: row.Namespace, Identifier: row.Identifier, WindowMs: row.WindowMs, Sequence: row.Sequence}
+	return origin.RoleDenial{Key: roleKey(c), Sequence: row.Sequence, Row: string(b)}
+}
+
+func (r redisRegion) PutDenials(ctx context.Context, rows []propagation.BlocklistRow) error {
+	out := make([]origin.RoleDenial, len(rows))
+	for i, row := range rows {
+		out[i] = denial(row)
+	}
+	return r.o.PutDenials(ctx, out)
+}
+
+// TakeDenials returns the rows left in the region; one that does not
+// decode (written by another version) is skipped, and stays until it
+// expires with its cell.
+func (r redisRegion) TakeDenials(ctx context.Context) ([]propagation.BlocklistRow, error) {
+	ds, err := r.o.TakeDenials(ctx)
+	out := make([]propagation.BlocklistRow, 0, len(ds))
+	for _, d := range ds {
+		var row propagation.BlocklistRow
+		if json.Unmarshal([]byte(d.Row), &row) == nil {
+			out = append(out, row)
+		}
+	}
+	return out, err
+}
+
+func (r redisRegion) DenialsWritten(ctx context.Context, rows []propagation.BlocklistRow) error {
+	out := make([]origin.RoleDenial, len(rows))
+	for i, row := range rows {
+		out[i] = denial(row)
+	}
+	return r.o.DenialsWritten(ctx, out)
+}
+
+func (r redisRegion) Totals(ctx context.Context, cells []propagation.Cell) ([]int64, error) {
+	out := make([]origin.RoleCell, len(cells))
+	for i, c := range cells {
+		out[i] = roleCell(c)
+	}
+	return r.o.CellTotals(ctx, out)
+}
+
+func (r redisRegion) Import(ctx context.Context, ims []propagation.RegionImport) error {
+	out := make([]origin.RoleImport, len(ims))
+	for i, im := range ims {
+		out[i] = origin.RoleImport{Key: roleKey(im.Cell), Sequence: im.Sequence, Count: im.Count}
+	}
+	return r.o.Import(ctx, out)
+}
+
+// Interface guard.
+var _ propagation.Region = redisRegion{}
