@@ -128,7 +128,7 @@ type Propagator struct {
 	importDue   map[Cell]struct{} // imports the region has not taken yet
 	ahead       map[Cell]update   // imports for windows not begun here yet
 	index       map[zoneID]string // row identifier → raw identifier (MapID)
-	cursor      [tables]int64     // newest change time seen, per table
+	cursor      [tables]cursor    // where the next pull of changes starts
 	fullPull    [tables]bool      // the next pull of the table reads it whole
 	fullPush    bool              // the next push publishes every grown cell
 	fullTake    bool              // the next take reads every registration
@@ -150,6 +150,13 @@ type Propagator struct {
 	stopOnce sync.Once
 	wg       sync.WaitGroup
 	started  atomic.Bool
+}
+
+// cursor is where a table's next pull of changes starts: the newest row
+// seen (by change time, then key) and when it was first seen.
+type cursor struct {
+	newest *RowKey
+	seenAt int64 // Unix ms, this process's clock
 }
 
 // zoneID is a key without its sequence, as rows name it.

@@ -10,8 +10,11 @@ import (
 )
 
 // Pulls: what other regions counted. A pull reads the rows whose counts
-// rose since the newest change it saw (less changeMargin), through the
-// updated_ms index: a table nobody writes costs a pull nothing. A table is
+// rose since the newest change it saw, through the updated_ms index: a
+// table nobody writes costs a pull nothing. For changeMargin after a new
+// newest row, pulls start changeMargin before it, for the transactions
+// that commit after a later one (a row's change time is its statement's,
+// not its commit's); after that, strictly after it. A table is
 // read whole at start, when a node takes the role, and every wholeEvery
 // syncs. Each row raises, per cell and foreign region, the larger of the
 // two tables' counts; the cell's imported count is their sum, handed to
@@ -22,7 +25,14 @@ import (
 func (p *Propagator) pull(ctx context.Context, t Table) {
 	p.mu.Lock()
 	whole := p.fullPull[t]
-	r := Read{Changed: !whole, Since: p.cursor[t] - changeMargin.Milliseconds(), Now: p.now().UnixMilli(), Limit: pageSize}
+	r := Read{Changed: !whole, Now: p.now().UnixMilli(), Limit: pageSize}
+	if c := p.cursor[t]; !whole && c.newest != nil {
+		if r.Now-c.seenAt < changeMargin.Milliseconds() {
+			r.Since = c.newest.UpdatedMs - changeMargin.Milliseconds()
+		} else {
+			r.Since, r.After = c.newest.UpdatedMs, c.newest
+		}
+	}
 	p.mu.Unlock()
 	var ok bool
 	if t == Counts {
@@ -45,7 +55,7 @@ func (p *Propagator) pull(ctx context.Context, t Table) {
 }
 
 // readPages reads the pages of r (at most maxPages), hands each to apply
-// and moves the table's cursor to the newest change seen. It reports
+// and moves the table's cursor to the newest row seen. It reports
 // whether it read to the end; a failed read is logged and ends the pull,
 // keeping what was imported.
 func readPages[T any](p *Propagator, ctx context.Context, t Table, r Read,
@@ -63,19 +73,37 @@ func readPages[T any](p *Propagator, ctx context.Context, t Table, r Read,
 		}
 		apply(rows)
 		p.stats.rowsRead[t].Add(int64(len(rows)))
-		var newest int64
-		for i := range rows {
-			newest = max(newest, key(&rows[i]).UpdatedMs)
-		}
-		p.mu.Lock()
-		p.cursor[t] = max(p.cursor[t], newest)
-		p.mu.Unlock()
+		advance(p, t, rows, key)
 		if len(rows) < r.Limit {
 			return true
 		}
 		r.After = key(&rows[len(rows)-1])
 	}
 	return false
+}
+
+// advance moves table t's cursor to the newest of rows, if it is newer.
+func advance[T any](p *Propagator, t Table, rows []T, key func(*T) *RowKey) {
+	var newest *RowKey
+	for i := range rows {
+		if k := key(&rows[i]); newest == nil || newer(k, newest) {
+			newest = k
+		}
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if c := &p.cursor[t]; newest != nil && (c.newest == nil || newer(newest, c.newest)) {
+		c.newest, c.seenAt = newest, p.now().UnixMilli()
+	}
+}
+
+// newer orders rows as a pull of changes reads them: by change time, then
+// by key.
+func newer(a, b *RowKey) bool {
+	if a.UpdatedMs != b.UpdatedMs {
+		return a.UpdatedMs > b.UpdatedMs
+	}
+	return compareKeys(a, b) > 0
 }
 
 func (p *Propagator) readFailed(what string, err error) {

@@ -93,7 +93,13 @@ func msTime(ms int64) time.Time {
 func (p *Propagator) Stats() Stats {
 	p.mu.Lock()
 	pending, imports := int64(len(p.pending)+len(p.denials)), int64(len(p.imports))
-	registry, newest := int64(len(p.reg)), max(p.cursor[Counts], p.cursor[Denials])
+	registry := int64(len(p.reg))
+	var newest int64
+	for _, c := range p.cursor {
+		if c.newest != nil {
+			newest = max(newest, c.newest.UpdatedMs)
+		}
+	}
 	p.mu.Unlock()
 	p.member.Lock()
 	pending += int64(len(p.member.unput))

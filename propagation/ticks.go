@@ -125,10 +125,11 @@ func (p *Propagator) checkLag(ctx context.Context) {
 	}
 	err := p.query(ctx, func(ctx context.Context) error {
 		lag, known, err := p.store.ReplicaLag(ctx)
+		ms := lag.Milliseconds()
 		if !known {
-			lag = -1
+			ms = -1
 		}
-		p.stats.replicaLagMs.Store(lag.Milliseconds())
+		p.stats.replicaLagMs.Store(ms)
 		return err
 	})
 	if err != nil {

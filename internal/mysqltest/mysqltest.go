@@ -84,6 +84,9 @@ func Require(t testing.TB) {
 type Server struct {
 	dir  string
 	port int
+	// role is the server's part in replication (replication.go): none
+	// (grant tables skipped, no binary log), a primary or a replica.
+	role role
 
 	mu   sync.Mutex
 	cmd  *exec.Cmd
@@ -109,10 +112,14 @@ func Start(t testing.TB) *Server {
 // needed); the caller must Stop it. For a server shared by a whole test
 // binary, started from TestMain.
 func StartProcess(dir string) (*Server, error) {
+	return startProcess(dir, standalone)
+}
+
+func startProcess(dir string, r role) (*Server, error) {
 	if err := Available(); err != nil {
 		return nil, err
 	}
-	s := &Server{dir: dir}
+	s := &Server{dir: dir, role: r}
 	if err := s.install(); err != nil {
 		return nil, err
 	}
@@ -172,15 +179,16 @@ func (s *Server) launch() error {
 		return err
 	}
 	data := filepath.Join(s.dir, "data")
-	cmd := exec.Command(bin, "--no-defaults", "--user=root", "--datadir="+data,
-		"--socket="+filepath.Join(s.dir, "sock"), "--port="+strconv.Itoa(s.port),
-		"--bind-address=127.0.0.1", "--skip-grant-tables",
-		"--pid-file="+filepath.Join(s.dir, "mariadbd.pid"), "--tmpdir="+s.tmpDir(),
+	args := append([]string{"--no-defaults", "--user=root", "--datadir=" + data,
+		"--socket=" + filepath.Join(s.dir, "sock"), "--port=" + strconv.Itoa(s.port),
+		"--bind-address=127.0.0.1",
+		"--pid-file=" + filepath.Join(s.dir, "mariadbd.pid"), "--tmpdir=" + s.tmpDir(),
 		// Small and quick: a test server needs no large buffers or
 		// durable commits.
 		"--innodb-buffer-pool-size=32M", "--innodb-log-file-size=16M",
-		"--innodb-flush-log-at-trx-commit=0", "--skip-log-bin",
-		"--max-connections=500")
+		"--innodb-flush-log-at-trx-commit=0",
+		"--max-connections=500"}, s.role.args(s.dir)...)
+	cmd := exec.Command(bin, args...)
 	log := new(bytes.Buffer)
 	cmd.Stdout, cmd.Stderr = log, log
 	// The server dies with the test binary, even one killed by a timeout.
@@ -233,7 +241,8 @@ func tailOf(s string) string {
 func (s *Server) Port() int { return s.port }
 
 // DSN is a go-sql-driver/mysql DSN for database db ("" for none), as root
-// without a password (the server skips grant tables).
+// without a password (the server skips grant tables, or, in replication,
+// root's password is empty).
 func (s *Server) DSN(db string) string {
 	return fmt.Sprintf("root:@tcp(127.0.0.1:%d)/%s", s.port, db)
 }

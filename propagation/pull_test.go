@@ -1,0 +1,212 @@
+package propagation
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"sync"
+	"testing"
+
+	"github.com/edgelimit/caddy-ratelimit/internal/mysqltest"
+)
+
+// ageRows moves every row's change time back by ms, as if it had been
+// written that long ago.
+func ageRows(t *testing.T, dsn string, ms int64) {
+	t.Helper()
+	db := mysqltest.Open(t, dsn)
+	for _, tbl := range []string{"ratelimit_global_counts", "ratelimit_blocklist"} {
+		if _, err := db.Exec(`UPDATE `+tbl+` SET updated_ms = updated_ms - ?`, ms); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// TestPull_ASteadyTableCostsNothing: after its first, whole, read, a pull
+// reads only the rows whose counts rose since the newest change it saw
+// (less the margin): a table nobody writes costs a pull no row, and one
+// count that rises costs one.
+func TestPull_ASteadyTableCostsNothing(t *testing.T) {
+	s := newSetup(t)
+	a, b := s.region("a"), s.region("b")
+	for i := range 50 {
+		a.decide(fmt.Sprintf("k%02d", i), 100, 60)
+	}
+	a.p.FlushOnce(bg)
+	ageRows(t, s.dsn, 3*changeMargin.Milliseconds())
+	b.p.FlushOnce(bg)
+	st := b.p.Stats()
+	if st.CountRowsRead != 50 || st.WholeReads != 2 {
+		t.Fatalf("first pull read %d count rows in %d whole reads, want the 50 rows of a whole read of each table", st.CountRowsRead, st.WholeReads)
+	}
+	// Once the margin has passed since the newest row was seen, pulls
+	// start strictly after it.
+	s.clk.Add(changeMargin)
+	for range 3 {
+		b.p.FlushOnce(bg)
+	}
+	if got := b.p.Stats(); got.CountRowsRead != 50 || got.ChangeReads != 6 {
+		t.Fatalf("three pulls of a steady table read %d rows more (%d pulls of changes), want none",
+			got.CountRowsRead-50, got.ChangeReads)
+	}
+	a.decide("k07", 100, 5)
+	a.p.FlushOnce(bg)
+	b.p.FlushOnce(bg)
+	if got := b.p.Stats(); got.CountRowsRead != 51 {
+		t.Fatalf("a pull after one count rose read %d rows, want that one", got.CountRowsRead-50)
+	}
+	if c := b.cell(t, "k07", seq0); c.Global != 65 {
+		t.Fatalf("b's cell = %+v, want a's 65 as global", c)
+	}
+}
+
+// TestPull_ChangeTimeMovesOnlyWhenACountRises: a repeated or lower write
+// (a new holder publishing again, a retry) leaves the row's change time,
+// so pulls do not read it again.
+func TestPull_ChangeTimeMovesOnlyWhenACountRises(t *testing.T) {
+	s := newSetup(t)
+	a := s.region("a")
+	store := a.p.store
+	row := func(n int64) []*CountRow {
+		return []*CountRow{{Namespace: "z", Identifier: "k", WindowMs: 60_000, Sequence: seq0, Region: "a", Count: n, ExpiresMs: expiresMs(seq0, 60_000)}}
+	}
+	db := mysqltest.Open(t, s.dsn)
+	changed := func() int64 {
+		var u int64
+		if err := db.QueryRow(`SELECT updated_ms FROM ratelimit_global_counts`).Scan(&u); err != nil {
+			t.Fatal(err)
+		}
+		return u
+	}
+	if err := store.UpsertCounts(bg, row(10)); err != nil {
+		t.Fatal(err)
+	}
+	if u := changed(); u <= 0 {
+		t.Fatalf("a new row's change time is %d", u)
+	}
+	ageRows(t, s.dsn, 10_000)
+	first := changed()
+	for _, n := range []int64{10, 7} {
+		if err := store.UpsertCounts(bg, row(n)); err != nil {
+			t.Fatal(err)
+		}
+		if u := changed(); u != first {
+			t.Fatalf("writing %d over 10 moved the change time from %d to %d", n, first, u)
+		}
+	}
+	if err := store.UpsertCounts(bg, row(11)); err != nil {
+		t.Fatal(err)
+	}
+	if u := changed(); u < first+10_000 {
+		t.Fatalf("a count that rose left the change time at %d (was %d, aged by 10 s)", u, first)
+	}
+}
+
+// TestPull_WholeReadEveryTenthSync: the safety net reads a table whole
+// every wholeEvery syncs, and only then.
+func TestPull_WholeReadEveryTenthSync(t *testing.T) {
+	s := newSetup(t)
+	b := s.region("b")
+	b.p.FlushOnce(bg)
+	for i := 1; i <= 2*wholeEvery; i++ {
+		b.p.GlobalSyncOnce(bg)
+		b.p.BlocklistSyncOnce(bg)
+		b.p.FlushOnce(bg)
+		if got, want := b.p.Stats().WholeReads, int64(2+2*(i/wholeEvery)); got != want {
+			t.Fatalf("after %d syncs: %d whole reads, want %d", i, got, want)
+		}
+	}
+}
+
+// oldSchema is the schema of the version before updated_ms.
+var oldSchema = []string{
+	`CREATE TABLE ratelimit_blocklist (
+  namespace VARBINARY(64) NOT NULL, identifier VARBINARY(128) NOT NULL, window_ms BIGINT NOT NULL,
+  sequence BIGINT NOT NULL, origin_region VARBINARY(96) NOT NULL, limit_units BIGINT NOT NULL,
+  count_cur BIGINT NOT NULL, count_prev BIGINT NOT NULL, expires_ms BIGINT NOT NULL,
+  PRIMARY KEY (namespace, identifier, window_ms, sequence, origin_region),
+  KEY ratelimit_blocklist_expires (expires_ms)) ENGINE=InnoDB`,
+	`CREATE TABLE ratelimit_global_counts (
+  namespace VARBINARY(64) NOT NULL, identifier VARBINARY(128) NOT NULL, window_ms BIGINT NOT NULL,
+  sequence BIGINT NOT NULL, region VARBINARY(96) NOT NULL, count BIGINT NOT NULL, expires_ms BIGINT NOT NULL,
+  PRIMARY KEY (namespace, identifier, window_ms, sequence, region),
+  KEY ratelimit_global_counts_expires (expires_ms)) ENGINE=InnoDB`,
+}
+
+// TestMigrate_UpgradesOlderTablesInPlace: tables of the version before
+// the change column, with rows in them, are upgraded in place by many
+// nodes migrating at once; the rows stay, and a process reads them (its
+// first pull is whole) and the changes written after.
+func TestMigrate_UpgradesOlderTablesInPlace(t *testing.T) {
+	s := newSetup(t)
+	db := mysqltest.Open(t, s.dsn)
+	for _, q := range oldSchema {
+		if _, err := db.Exec(q); err != nil {
+			t.Fatal(err)
+		}
+	}
+	exp := expiresMs(seq0, 60_000)
+	if _, err := db.Exec(`INSERT INTO ratelimit_global_counts VALUES ('z', 'old', 60000, ?, 'a', 40, ?)`, seq0, exp); err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	errs := make(chan error, 4)
+	for range 4 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			pool, err := sql.Open("mysql", s.dsn)
+			if err != nil {
+				errs <- err
+				return
+			}
+			defer pool.Close()
+			errs <- Migrate(context.Background(), pool)
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		if err != nil {
+			t.Fatalf("a node's migration: %v", err)
+		}
+	}
+	var keys int
+	if err := db.QueryRow(`SELECT COUNT(*) FROM information_schema.statistics WHERE table_schema = DATABASE()
+		AND index_name IN ('ratelimit_blocklist_updated', 'ratelimit_global_counts_updated')`).Scan(&keys); err != nil || keys != 2 {
+		t.Fatalf("%d change-time keys (%v), want one per table", keys, err)
+	}
+	a, b := s.region("a"), s.region("b")
+	b.decide("old", 100, 1)
+	b.p.FlushOnce(bg)
+	if c := b.cell(t, "old", seq0); c.Global != 40 {
+		t.Fatalf("b's cell of the row written before the upgrade = %+v, want 40 global", c)
+	}
+	a.decide("new", 100, 60)
+	a.p.FlushOnce(bg)
+	b.p.FlushOnce(bg)
+	if c := b.cell(t, "new", seq0); c.Global != 60 {
+		t.Fatalf("b's cell of a row written after the upgrade = %+v, want 60 global", c)
+	}
+}
+
+// TestPull_ALateCommitWithinTheMarginIsRead: a row whose change time is
+// older than the newest one a pull saw (its transaction committed later)
+// is still read, while the newest row is younger than the margin.
+func TestPull_ALateCommitWithinTheMarginIsRead(t *testing.T) {
+	s := newSetup(t)
+	a, b := s.region("a"), s.region("b")
+	a.decide("first", 100, 60)
+	a.p.FlushOnce(bg)
+	b.p.FlushOnce(bg)
+	db := mysqltest.Open(t, s.dsn)
+	if _, err := db.Exec(`INSERT INTO ratelimit_global_counts (namespace, identifier, window_ms, sequence, region, count, expires_ms, updated_ms)
+		SELECT 'z', 'late', window_ms, sequence, 'c', 30, expires_ms, updated_ms - 1000 FROM ratelimit_global_counts WHERE identifier = 'first'`); err != nil {
+		t.Fatal(err)
+	}
+	b.decide("late", 100, 1)
+	b.p.FlushOnce(bg)
+	if c := b.cell(t, "late", seq0); c.Global != 30 {
+		t.Fatalf("b's cell of the late row = %+v, want its 30 as global", c)
+	}
+}

@@ -1,0 +1,332 @@
+package propagation
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/edgelimit/caddy-ratelimit/engine"
+	"github.com/edgelimit/caddy-ratelimit/internal/mysqltest"
+)
+
+// memRegion is a region's shared state in memory, standing in for the
+// origin's role API (whose own tests run on a real Redis): the layer's
+// own interface, implemented for the layer's tests. The lease lapses on
+// the tests' clock.
+type memRegion struct {
+	mu       sync.Mutex
+	clk      *clock
+	holder   string
+	until    int64
+	reg      map[Cell]RegionCell
+	queue    []Cell
+	denials  map[Cell]BlocklistRow
+	totals   map[Cell]int64 // the region's totals, as the test sets them
+	imported map[Cell]int64
+}
+
+func newMemRegion(clk *clock) *memRegion {
+	return &memRegion{clk: clk, reg: map[Cell]RegionCell{}, denials: map[Cell]BlocklistRow{},
+		totals: map[Cell]int64{}, imported: map[Cell]int64{}}
+}
+
+// memNode is one node's handle on a memRegion.
+type memNode struct {
+	*memRegion
+	id string
+}
+
+func (n memNode) NodeID() string { return n.id }
+
+func (n memNode) Lease(_ context.Context, ttl time.Duration) (string, error) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	now := n.clk.ms.Load()
+	if n.holder == "" || n.holder == n.id || now >= n.until {
+		n.holder, n.until = n.id, now+ttl.Milliseconds()
+	}
+	return n.holder, nil
+}
+
+func (n memNode) ReleaseLease(context.Context) error {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if n.holder == n.id {
+		n.holder = ""
+	}
+	return nil
+}
+
+func (n memNode) Register(_ context.Context, cells []RegionCell) error {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	for _, c := range cells {
+		if n.reg[c.Cell] != c {
+			n.reg[c.Cell] = c
+			n.queue = append(n.queue, c.Cell)
+		}
+	}
+	return nil
+}
+
+func (n memNode) TakeRegistered(_ context.Context, all bool, now int64) ([]RegionCell, error) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	var out []RegionCell
+	if all {
+		for _, c := range n.reg {
+			out = append(out, c)
+		}
+	} else {
+		for _, c := range n.queue {
+			out = append(out, n.reg[c])
+		}
+	}
+	n.queue = nil
+	return out, nil
+}
+
+func (n memNode) PutDenials(_ context.Context, rows []BlocklistRow) error {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	for _, r := range rows {
+		n.denials[r.cell()] = r
+	}
+	return nil
+}
+
+func (n memNode) TakeDenials(context.Context) ([]BlocklistRow, error) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	var out []BlocklistRow
+	for _, r := range n.denials {
+		out = append(out, r)
+	}
+	return out, nil
+}
+
+func (n memNode) DenialsWritten(_ context.Context, rows []BlocklistRow) error {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	for _, r := range rows {
+		if n.denials[r.cell()] == r {
+			delete(n.denials, r.cell())
+		}
+	}
+	return nil
+}
+
+func (n memNode) Totals(_ context.Context, cells []Cell) ([]int64, error) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	out := make([]int64, len(cells))
+	for i, c := range cells {
+		out[i] = n.totals[c]
+	}
+	return out, nil
+}
+
+func (n memNode) Import(_ context.Context, ims []RegionImport) error {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	for _, im := range ims {
+		n.imported[im.Cell] = max(n.imported[im.Cell], im.Count)
+	}
+	return nil
+}
+
+func (r *memRegion) setTotal(id string, n int64) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.totals[Cell{"z", id, window.Milliseconds(), seq0}] = n
+}
+
+func (r *memRegion) importedOf(id string) int64 {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.imported[Cell{"z", id, window.Milliseconds(), seq0}]
+}
+
+// countingStore counts the statements a process sends MySQL, and fails
+// its writes on demand (a holder that dies between taking and writing).
+type countingStore struct {
+	Store
+	statements atomic.Int64
+	failWrites atomic.Bool
+}
+
+var errDown = errors.New("the holder died before this write")
+
+func (s *countingStore) UpsertDenials(ctx context.Context, rows []*BlocklistRow) error {
+	s.statements.Add(1)
+	if s.failWrites.Load() {
+		return errDown
+	}
+	return s.Store.UpsertDenials(ctx, rows)
+}
+
+func (s *countingStore) UpsertCounts(ctx context.Context, rows []*CountRow) error {
+	s.statements.Add(1)
+	if s.failWrites.Load() {
+		return errDown
+	}
+	return s.Store.UpsertCounts(ctx, rows)
+}
+
+func (s *countingStore) ReadDenials(ctx context.Context, r Read) ([]BlocklistRow, error) {
+	s.statements.Add(1)
+	return s.Store.ReadDenials(ctx, r)
+}
+
+func (s *countingStore) ReadCounts(ctx context.Context, r Read) ([]CountRow, error) {
+	s.statements.Add(1)
+	return s.Store.ReadCounts(ctx, r)
+}
+
+func (s *countingStore) DeleteExpired(ctx context.Context, t Table, now int64, chunk int) (int64, error) {
+	s.statements.Add(1)
+	return s.Store.DeleteExpired(ctx, t, now, chunk)
+}
+
+// regionNode is a node of a region with Redis (mem), its store counted.
+type regionNode struct {
+	*region
+	store *countingStore
+}
+
+func (s *setup) regionNode(name, id string, mem *memRegion) *regionNode {
+	s.t.Helper()
+	eng := engine.New(engine.Config{Now: s.clk.Now, Manual: true})
+	eng.Zone("z", window)
+	cfg := Config{DSN: s.dsn, Region: name, Batch: 100, Timeout: 5 * time.Second}.WithDefaults()
+	sql, _, err := openStore(cfg, zap.NewNop())
+	if err != nil {
+		s.t.Fatal(err)
+	}
+	store := &countingStore{Store: sql}
+	p, err := New(cfg, eng, Options{Now: s.clk.Now, Region: memNode{mem, id}, Store: store})
+	if err != nil {
+		s.t.Fatal(err)
+	}
+	if err := p.MigrateOnce(bg); err != nil {
+		s.t.Fatal(err)
+	}
+	eng.SetGlobal(p)
+	s.t.Cleanup(func() {
+		p.Stop(bg)
+		_ = eng.Close(bg)
+	})
+	store.statements.Store(0)
+	return &regionNode{region: &region{eng: eng, p: p}, store: store}
+}
+
+// TestRole_OneNodeTalksToMySQLForItsRegion: of a region's three nodes one
+// holds the role; it publishes the region's total of a cell the others
+// registered, writes the denial row another left, and hands what another
+// region counted to the region; the other two send MySQL nothing.
+func TestRole_OneNodeTalksToMySQLForItsRegion(t *testing.T) {
+	s := newSetup(t)
+	mem := newMemRegion(s.clk)
+	nodes := []*regionNode{s.regionNode("a", "n1", mem), s.regionNode("a", "n2", mem), s.regionNode("a", "n3", mem)}
+	b := s.region("b")
+	nodes[1].decide("k", 100, 30)
+	nodes[2].decide("k", 100, 30)
+	mem.setTotal("k", 60) // what the region's Redis would hold
+	nodes[2].decide("burst", 10, 11)
+	b.decide("k", 100, 55)
+	b.p.FlushOnce(bg)
+	for _, n := range nodes {
+		n.p.FlushOnce(bg)
+		n.p.GlobalSyncOnce(bg) // k, at 30 % in each node's view, is published at the sync
+	}
+	for _, n := range nodes {
+		n.p.FlushOnce(bg)
+	}
+	holders := 0
+	for i, n := range nodes {
+		st := n.p.Stats()
+		if st.Role == "holder" {
+			holders++
+			continue
+		}
+		if st.Role != "member" || st.Holder != "n1" || n.store.statements.Load() != 0 {
+			t.Fatalf("node %d: role %q, holder %q, %d statements; want a member of n1's role that sends MySQL nothing",
+				i+1, st.Role, st.Holder, n.store.statements.Load())
+		}
+	}
+	if holders != 1 || nodes[0].p.Stats().Role != "holder" {
+		t.Fatalf("%d holders, want n1 alone", holders)
+	}
+	db := mysqltest.Open(t, s.dsn)
+	var count int64
+	if err := db.QueryRow(`SELECT count FROM ratelimit_global_counts WHERE region = 'a' AND identifier = 'k'`).Scan(&count); err != nil || count != 60 {
+		t.Fatalf("region a's row of k: %d (%v), want the region's 60", count, err)
+	}
+	if n := countRows(t, s.dsn, "ratelimit_blocklist", "WHERE origin_region = 'a'"); n != 1 {
+		t.Fatalf("%d denial rows of region a, want n3's one", n)
+	}
+	if got := mem.importedOf("k"); got != 55 {
+		t.Fatalf("the region holds %d imported for k, want b's 55", got)
+	}
+}
+
+// TestRole_TheNextHolderWritesWhatTheDeadOneTook: the holder takes a
+// registration and a denial row, and dies before writing them. Once its
+// lease lapses, another node takes the role and writes both: nothing
+// taken is lost.
+func TestRole_TheNextHolderWritesWhatTheDeadOneTook(t *testing.T) {
+	s := newSetup(t)
+	mem := newMemRegion(s.clk)
+	n1, n2 := s.regionNode("a", "n1", mem), s.regionNode("a", "n2", mem)
+	n1.p.FlushOnce(bg) // n1 holds the role
+	n2.decide("k", 100, 60)
+	n2.decide("burst", 10, 11)
+	mem.setTotal("k", 60)
+	n2.p.FlushOnce(bg) // registers k, leaves the denial row
+	n1.store.failWrites.Store(true)
+	n1.p.FlushOnce(bg) // takes both, writes neither: it dies here
+	if n := countRows(t, s.dsn, "ratelimit_global_counts", "") + countRows(t, s.dsn, "ratelimit_blocklist", ""); n != 0 {
+		t.Fatalf("%d rows written by a holder whose writes fail", n)
+	}
+	n2.p.FlushOnce(bg)
+	if st := n2.p.Stats(); st.Role != "member" {
+		t.Fatalf("n2 took the role while n1's lease runs: %+v", st.Role)
+	}
+	s.clk.Add(n1.p.leaseTTL())
+	n2.p.FlushOnce(bg)
+	if st := n2.p.Stats(); st.Role != "holder" || st.RoleTaken != 1 {
+		t.Fatalf("n2 after n1's lease lapsed: role %q, taken %d", st.Role, st.RoleTaken)
+	}
+	if n := countRows(t, s.dsn, "ratelimit_global_counts", "WHERE identifier = 'k' AND count = 60"); n != 1 {
+		t.Fatal("the new holder did not publish the cell the dead one took")
+	}
+	if n := countRows(t, s.dsn, "ratelimit_blocklist", "WHERE identifier = 'burst'"); n != 1 {
+		t.Fatal("the new holder did not write the denial row the dead one took")
+	}
+}
+
+// TestRole_ARegionsOwnRowsNeverComeBackAsForeign: the holder reads its own
+// region's rows (its own writes) and imports nothing from them.
+func TestRole_ARegionsOwnRowsNeverComeBackAsForeign(t *testing.T) {
+	s := newSetup(t)
+	mem := newMemRegion(s.clk)
+	n1 := s.regionNode("a", "n1", mem)
+	n1.decide("k", 100, 60)
+	mem.setTotal("k", 60)
+	for range 3 {
+		n1.p.FlushOnce(bg)
+	}
+	n1.p.ReadWholeNext()
+	n1.p.FlushOnce(bg)
+	if got := mem.importedOf("k"); got != 0 {
+		t.Fatalf("the region imported %d of its own units", got)
+	}
+	if st := n1.p.Stats(); st.CountRowsRead == 0 || st.Imports != 0 {
+		t.Fatalf("read %d rows, imported %d cells; want its own row read and nothing imported", st.CountRowsRead, st.Imports)
+	}
+}
