@@ -2,6 +2,7 @@ package integration
 
 import (
 	"bytes"
+	"cmp"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -56,6 +57,12 @@ type clusterSpec struct {
 	// beforeNodes, if set, runs on the fresh database before any node
 	// starts.
 	beforeNodes func(dsn string)
+	// flush, globalSync and blocklistSync replace the test intervals.
+	flush, globalSync, blocklistSync time.Duration
+	// replica gives the cluster a MariaDB primary and a replica of it
+	// (its own pair); the regions after the first pull from the replica
+	// (mysql_read), as regions far from the primary do.
+	replica bool
 }
 
 type cluster struct {
@@ -63,6 +70,8 @@ type cluster struct {
 	spec    clusterSpec
 	mysql   *mysqltest.Server
 	dsn     string
+	pair    *mysqltest.Pair
+	readDSN string
 	redis   []*redistest.Server
 	regions [][]*regionNode
 }
@@ -93,13 +102,22 @@ func pickWindow(need time.Duration) time.Duration {
 func startCluster(t *testing.T, spec clusterSpec) *cluster {
 	t.Helper()
 	requireBinary(t, "redis-server")
+	spec.flush = cmp.Or(spec.flush, testFlush)
+	spec.globalSync = cmp.Or(spec.globalSync, testGlobalSync)
+	spec.blocklistSync = cmp.Or(spec.blocklistSync, testBlocklistSync)
 	c := &cluster{t: t, spec: spec}
-	if spec.ownMySQL {
+	switch {
+	case spec.replica:
+		c.pair = mysqltest.StartPair(t)
+		c.mysql = c.pair.Primary
+		c.dsn, c.readDSN = c.pair.NewDatabase(t)
+	case spec.ownMySQL:
 		c.mysql = mysqltest.Start(t)
-	} else {
+		c.dsn = c.mysql.NewDatabase(t)
+	default:
 		c.mysql = sharedMySQL.Get(t)
+		c.dsn = c.mysql.NewDatabase(t)
 	}
-	c.dsn = c.mysql.NewDatabase(t)
 	if spec.beforeNodes != nil {
 		spec.beforeNodes(c.dsn)
 	}
@@ -135,8 +153,11 @@ func (c *cluster) globalLines(r int) string {
 		fmt.Fprintf(&b, "\t\tredis %s\n\t\tfast_tick 10ms\n", rs.URL())
 	}
 	fmt.Fprintf(&b, "\t\tmysql {env.RATELIMIT_MYSQL_DSN}\n")
+	if c.readDSN != "" && r > 0 {
+		fmt.Fprintf(&b, "\t\tmysql_read {env.RATELIMIT_MYSQL_READ_DSN}\n")
+	}
 	fmt.Fprintf(&b, "\t\tmysql_flush %s\n\t\tglobal_sync %s\n\t\tblocklist_sync %s\n\t\tmin_window 1s\n",
-		testFlush, testGlobalSync, testBlocklistSync)
+		c.spec.flush, c.spec.globalSync, c.spec.blocklistSync)
 	if c.spec.secret != "" {
 		fmt.Fprintf(&b, "\t\tidentifier_secret %s\n", c.spec.secret)
 	}
@@ -173,7 +194,7 @@ func (c *cluster) startNode(r int) *regionNode {
 	}
 	n.cmd = exec.Command(bin, "run", "--config", n.file)
 	n.cmd.Env = append(os.Environ(), "HOME="+dir, "XDG_DATA_HOME="+dir, "XDG_CONFIG_HOME="+dir,
-		"RATELIMIT_MYSQL_DSN="+c.dsn)
+		"RATELIMIT_MYSQL_DSN="+c.dsn, "RATELIMIT_MYSQL_READ_DSN="+c.readDSN)
 	n.cmd.Stdout, n.cmd.Stderr = n.log, n.log
 	if err := n.cmd.Start(); err != nil {
 		t.Fatal(err)
@@ -223,8 +244,11 @@ type propStatus struct {
 			Blocklist    int64 `json:"blocklist"`
 			GlobalCounts int64 `json:"global_counts"`
 		} `json:"rows_applied"`
-		DroppedBatches int64 `json:"dropped_batches"`
-		Imports        int64 `json:"imports"`
+		DroppedBatches int64  `json:"dropped_batches"`
+		Imports        int64  `json:"imports"`
+		Role           string `json:"role"`
+		Holder         string `json:"holder"`
+		NodeID         string `json:"node_id"`
 	} `json:"propagation"`
 }
 
@@ -444,21 +468,27 @@ func TestRegions_EvenTrafficNodesWithoutRedis(t *testing.T) { runEvenTraffic(t, 
 // at the limit, and returns the time from A's first denial to then.
 func denyLatency(t *testing.T, c *cluster, key string, viaCounters bool) time.Duration {
 	t.Helper()
-	a, b := c.regions[0][0], c.regions[1][0]
+	return denyLatencyAt(t, c.regions[0][0], c.regions[1][0], c.spec.limit, key, viaCounters)
+}
+
+// denyLatencyAt is denyLatency from node a of one region to node b of
+// another.
+func denyLatencyAt(t *testing.T, a, b *regionNode, limit int64, key string, viaCounters bool) time.Duration {
+	t.Helper()
 	var firstDeny time.Time
-	for i := int64(0); i < c.spec.limit*2; i++ {
+	for i := int64(0); i < limit*2; i++ {
 		if sendKey(loadClient, a.url("/"), key) == http.StatusTooManyRequests {
 			firstDeny = time.Now()
 			break
 		}
 	}
 	if firstDeny.IsZero() {
-		t.Fatalf("region A never denied %d requests of a limit of %d", c.spec.limit*2, c.spec.limit)
+		t.Fatalf("region A never denied %d requests of a limit of %d", limit*2, limit)
 	}
 	deadline := firstDeny.Add(10 * time.Second)
 	for time.Now().Before(deadline) {
 		if viaCounters {
-			if kc, ok := b.counters(key); ok && kc.Effective >= c.spec.limit {
+			if kc, ok := b.counters(key); ok && kc.Effective >= limit {
 				return time.Since(firstDeny)
 			}
 		} else {
