@@ -4,6 +4,9 @@
 #                plain Caddy under wrk (scripts/loadtest.sh); make loadtest is
 #                the same
 # make soak      the long multi-region scenarios (default intervals, minutes of load; SOAK_MINUTES)
+# make regions   the scale harness: 2–3 regions × 1, 2, 4 nodes of real Caddy with a Redis
+#                each, a MariaDB primary and replica; prints admitted/limit and what it cost
+#                MySQL and Redis (SCALE_REGIONS, SCALE_NODES: comma lists)
 # make bench-engine-vs REF=<commit>  the engine's decision benchmarks against another
 #                commit's, builds alternated in one sitting, medians (scripts/bench-engine-vs.sh)
 # make property  the multi-node reference test for PROPERTY_DURATION (default 10m) of random seeds
@@ -11,7 +14,7 @@
 GO       ?= go
 TIMEOUT  ?= 20m
 
-.PHONY: test vet fmt-check servers allocs bench bench-engine-vs compare loadtest soak property
+.PHONY: test vet fmt-check servers allocs bench bench-engine-vs compare loadtest soak regions property
 
 test: vet fmt-check servers allocs
 	PATH="$$PATH:/usr/sbin:/usr/local/sbin" $(GO) test -race -count=1 -timeout $(TIMEOUT) ./...
@@ -51,6 +54,12 @@ loadtest: compare
 # default intervals, one-minute windows, SOAK_MINUTES (default 4) of load.
 soak: servers
 	PATH="$$PATH:/usr/sbin:/usr/local/sbin" $(GO) test -tags soak -count=1 -timeout 60m -run 'TestSoak_' -v ./integration
+
+# The scale harness (integration/scale_test.go): tables of admitted/limit,
+# MySQL statements and rows read per second and Redis commands per second
+# for R regions × N nodes, and one region's MySQL load with no traffic.
+regions: servers
+	PATH="$$PATH:/usr/sbin:/usr/local/sbin" $(GO) test -tags scale -count=1 -timeout 30m -run 'TestScale_' -v ./integration
 
 # The multi-node reference test (internal/nodecheck) on new random seeds
 # for PROPERTY_DURATION; a failure prints its seed and shortest run.

@@ -31,6 +31,8 @@
 //	redis_status.go      its status section and metrics
 //	mysql.go             the MySQL backend (propagation/), its lines;
 //	mysql_status.go      its status section, /ratelimit/blocklist, metrics
+//	mysql_region.go      the region's role through the Redis backend: the
+//	                     origin's role API as propagation.Region
 //	counters.go          counters declared once: status and Prometheus
 //	                     are made from the same list
 //	zones.go             zone definitions across handlers and configs
@@ -76,5 +78,12 @@
 //     counts.
 //   - imported count (global): what other regions counted in a cell; kept
 //     apart from the regional count, never published again.
+//   - role: the region's right to talk to MySQL, a lease in its Redis; its
+//     holder publishes and pulls for the region, the other nodes are
+//     members; a process without Redis is its own region.
+//   - registration: a member's note in the region's Redis that a cell is
+//     worth publishing, which the holder takes.
+//   - changes pull: a read of the rows whose updated_ms is past the newest
+//     change seen; a whole read is the safety net that reads every row.
 //   - backend: Redis or MySQL as the app wires them (backend.go).
 package ratelimit

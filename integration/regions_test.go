@@ -244,11 +244,12 @@ type propStatus struct {
 			Blocklist    int64 `json:"blocklist"`
 			GlobalCounts int64 `json:"global_counts"`
 		} `json:"rows_applied"`
-		DroppedBatches int64  `json:"dropped_batches"`
-		Imports        int64  `json:"imports"`
-		Role           string `json:"role"`
-		Holder         string `json:"holder"`
-		NodeID         string `json:"node_id"`
+		DroppedBatches  int64  `json:"dropped_batches"`
+		Imports         int64  `json:"imports"`
+		Role            string `json:"role"`
+		Holder          string `json:"holder"`
+		NodeID          string `json:"node_id"`
+		CellsRegistered int64  `json:"cells_registered"`
 	} `json:"propagation"`
 }
 

@@ -31,9 +31,8 @@ func soakMinutes() int {
 
 // soakCluster is a cluster with the default intervals.
 func soakCluster(t *testing.T, regions, nodes int, limit int64) *cluster {
-	extra := fmt.Sprintf("\t\tmysql_flush %s\n\t\tglobal_sync %s\n\t\tblocklist_sync %s\n\t\tmin_window 1m\n",
-		soakFlush, soakGlobal, soakBlocklist)
-	return startCluster(t, clusterSpec{regions: regions, nodes: nodes, limit: limit, window: time.Minute, extra: extra})
+	return startCluster(t, clusterSpec{regions: regions, nodes: nodes, limit: limit, window: time.Minute,
+		flush: soakFlush, globalSync: soakGlobal, blocklistSync: soakBlocklist})
 }
 
 // TestSoak_EvenTraffic offers twice the limit, spread evenly over 2

@@ -14,7 +14,7 @@ import (
 // table nobody writes costs a pull nothing. For changeMargin after a new
 // newest row, pulls start changeMargin before it, for the transactions
 // that commit after a later one (a row's change time is its statement's,
-// not its commit's); after that, strictly after it. A table is
+// not its commit's); after that, from the millisecond after it. A table is
 // read whole at start, when a node takes the role, and every wholeEvery
 // syncs. Each row raises, per cell and foreign region, the larger of the
 // two tables' counts; the cell's imported count is their sum, handed to
@@ -30,7 +30,11 @@ func (p *Propagator) pull(ctx context.Context, t Table) {
 		if r.Now-c.seenAt < changeMargin.Milliseconds() {
 			r.Since = c.newest.UpdatedMs - changeMargin.Milliseconds()
 		} else {
-			r.Since, r.After = c.newest.UpdatedMs, c.newest
+			// Past the margin every row of the newest change time has
+			// committed and been read: start after that time, so the
+			// index range holds none of them (a resume after the newest
+			// row's key would make the server read each again).
+			r.Since = c.newest.UpdatedMs + 1
 		}
 	}
 	p.mu.Unlock()

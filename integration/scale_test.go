@@ -1,0 +1,223 @@
+//go:build scale
+
+package integration
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
+)
+
+// The scale harness, run by `make regions`: R regions × N nodes of real
+// Caddy processes, a Redis per region, a MariaDB primary and a replica
+// that the regions after the first read from. Each cluster runs even
+// traffic, traffic skewed over the regions and a burst at one region, and
+// prints what was admitted, what it cost MySQL and each region's Redis,
+// and which node holds each region's role. A second table is the steady
+// region of issue 17: live keys, no traffic, MySQL's load with 1, 2 and 4
+// nodes. SCALE_REGIONS and SCALE_NODES (comma lists) choose the sizes.
+
+// The intervals of the measurement in issue 17.
+const (
+	scaleFlush = 200 * time.Millisecond
+	scaleSync  = time.Second
+)
+
+func scaleSizes(env string, def []int) []int {
+	v := os.Getenv(env)
+	if v == "" {
+		return def
+	}
+	var out []int
+	for _, f := range strings.Split(v, ",") {
+		n, err := strconv.Atoi(strings.TrimSpace(f))
+		if err != nil || n < 1 {
+			panic(fmt.Sprintf("%s=%q: want a comma list of positive numbers", env, v))
+		}
+		out = append(out, n)
+	}
+	return out
+}
+
+// costs is a snapshot of what the servers have done: MariaDB's statements
+// and rows read on the primary and the replica, and the commands each
+// region's Redis processed.
+type costs struct {
+	at                  time.Time
+	stmts, rows         float64
+	replStmts, replRows float64
+	redis               []float64
+}
+
+func (c *cluster) costs(t *testing.T) costs {
+	t.Helper()
+	s := costs{at: time.Now()}
+	s.stmts, s.rows = mysqlCounters(t, c.dsn)
+	if c.readDSN != "" {
+		s.replStmts, s.replRows = mysqlCounters(t, c.readDSN)
+	}
+	for _, rs := range c.redis {
+		s.redis = append(s.redis, redisCommands(t, rs))
+	}
+	return s
+}
+
+// redisCommands is INFO's total_commands_processed.
+func redisCommands(t *testing.T, rs *redistest.Server) float64 {
+	t.Helper()
+	cl := rs.Client()
+	info, err := cl.Info(context.Background(), "stats").Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, line := range strings.Split(info, "\n") {
+		if v, ok := strings.CutPrefix(strings.TrimSpace(line), "total_commands_processed:"); ok {
+			n, err := strconv.ParseFloat(v, 64)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return n
+		}
+	}
+	t.Fatalf("no total_commands_processed in INFO of %s", rs.Addr())
+	return 0
+}
+
+// since formats the cost per second from s0 to s1: MySQL statements/s
+// and rows read/s (primary + replica) and each region's Redis commands/s.
+func since(s0, s1 costs) (stmts, rows string, redis string) {
+	d := s1.at.Sub(s0.at).Seconds()
+	stmts = fmt.Sprintf("%.0f + %.0f", (s1.stmts-s0.stmts)/d, (s1.replStmts-s0.replStmts)/d)
+	rows = fmt.Sprintf("%.0f + %.0f", (s1.rows-s0.rows)/d, (s1.replRows-s0.replRows)/d)
+	var rs []string
+	for i := range s1.redis {
+		rs = append(rs, fmt.Sprintf("%.0f", (s1.redis[i]-s0.redis[i])/d))
+	}
+	return stmts, rows, strings.Join(rs, " / ")
+}
+
+// weighted returns the cluster's nodes repeated so that a round robin
+// over the result sends region r shares[r] parts of the traffic, spread
+// evenly over the region's nodes.
+func weighted(c *cluster, shares []int) []*regionNode {
+	var out []*regionNode
+	nodes := len(c.regions[0])
+	for turn := 0; turn < nodes; turn++ {
+		for r, share := range shares {
+			for range share {
+				out = append(out, c.regions[r][turn])
+			}
+		}
+	}
+	return out
+}
+
+// holders names the node (its place in the region, from 1) holding each
+// region's role.
+func holders(t *testing.T, c *cluster) string {
+	var out []string
+	for _, nodes := range c.regions {
+		h := holderOf(t, nodes, 10*time.Second)
+		for i, n := range nodes {
+			if n == h {
+				out = append(out, strconv.Itoa(i+1))
+			}
+		}
+	}
+	return strings.Join(out, " / ")
+}
+
+func skewShares(regions int) ([]int, string) {
+	switch regions {
+	case 1:
+		return []int{1}, "100"
+	case 2:
+		return []int{7, 3}, "70/30"
+	case 3:
+		return []int{6, 3, 1}, "60/30/10"
+	}
+	shares := make([]int, regions)
+	shares[0] = regions
+	for i := 1; i < regions; i++ {
+		shares[i] = 1
+	}
+	return shares, "first region half"
+}
+
+const scaleHeader = "| regions × nodes | scenario | admitted / limit | burst at A seen at B | MySQL statements/s (primary + replica) | MySQL rows read/s (primary + replica) | Redis commands/s per region | role held by node |\n| --- | --- | --- | --- | --- | --- | --- | --- |\n"
+
+// TestScale_Regions runs the traffic scenarios on each size.
+func TestScale_Regions(t *testing.T) {
+	const limit, rate = 300, 80
+	dur := time.Duration(float64(2*limit)/rate*float64(time.Second)) + 500*time.Millisecond
+	var b strings.Builder
+	b.WriteString(scaleHeader)
+	for _, regions := range scaleSizes("SCALE_REGIONS", []int{2, 3}) {
+		for _, nodes := range scaleSizes("SCALE_NODES", []int{1, 2, 4}) {
+			t.Run(fmt.Sprintf("%dx%d", regions, nodes), func(t *testing.T) {
+				c := startCluster(t, clusterSpec{regions: regions, nodes: nodes, limit: limit, window: pickWindow(3 * time.Minute),
+					replica: true, flush: scaleFlush, globalSync: scaleSync, blocklistSync: scaleSync})
+				size := fmt.Sprintf("%d × %d", regions, nodes)
+				even := make([]int, regions)
+				for i := range even {
+					even[i] = 1
+				}
+				skew, skewName := skewShares(regions)
+				for _, sc := range []struct {
+					name   string
+					shares []int
+				}{{"even", even}, {"skewed " + skewName, skew}} {
+					s0 := c.costs(t)
+					res := load(t, weighted(c, sc.shares), freshKey("scale"), rate, dur, nil)
+					s1 := c.costs(t)
+					stmts, rows, redis := since(s0, s1)
+					ratio := float64(res.ok) / limit
+					fmt.Fprintf(&b, "| %s | %s, %d req/s for %s | %.2f | | %s | %s | %s | %s |\n",
+						size, sc.name, rate, dur, ratio, stmts, rows, redis, holders(t, c))
+					if res.other != 0 || ratio > 1.10 || ratio < 0.95 {
+						t.Errorf("%s %s: admitted %d of %d (%.2f ×), %d other answers", size, sc.name, res.ok, limit, ratio, res.other)
+					}
+				}
+				s0 := c.costs(t)
+				lat := denyLatencyAt(t, c.regions[0][0], c.regions[1][0], limit, freshKey("scale-burst"), true)
+				s1 := c.costs(t)
+				stmts, rows, redis := since(s0, s1)
+				fmt.Fprintf(&b, "| %s | burst at A | | %s | %s | %s | %s | %s |\n",
+					size, lat.Round(time.Millisecond), stmts, rows, redis, holders(t, c))
+				if bound := time.Duration(1.2*float64(scaleFlush+scaleSync)) + 250*time.Millisecond; lat > bound {
+					t.Errorf("%s: B learned of the burst after %s > %s", size, lat, bound)
+				}
+			})
+		}
+	}
+	fmt.Printf("\nscale: limit %d per window, mysql_flush %s, global_sync and blocklist_sync %s; the regions after the first read from the replica\n%s",
+		limit, scaleFlush, scaleSync, b.String())
+}
+
+// TestScale_SteadyRegion is issue 17's measurement: one region, 400 live
+// keys at 60 % of their limit, no traffic during the measurement, MySQL's
+// own counters over 10 s, with 1, 2 and 4 nodes.
+func TestScale_SteadyRegion(t *testing.T) {
+	const keys, d = 400, 10 * time.Second
+	var b strings.Builder
+	b.WriteString("| nodes | statements/s | rows read/s |\n| --- | --- | --- |\n")
+	var first float64
+	for _, n := range scaleSizes("SCALE_NODES", []int{1, 2, 4}) {
+		s, r := mysqlLoad(t, n, keys, d)
+		fmt.Fprintf(&b, "| %d | %.1f | %.1f |\n", n, s, r)
+		if first == 0 {
+			first = s
+		}
+		if s > 1.5*first || r > keys/4 {
+			t.Errorf("%d nodes: %.1f statements/s (1 node %.1f), %.1f rows read/s (bound %d)", n, s, first, r, keys/4)
+		}
+	}
+	fmt.Printf("\nscale: one region, %d live keys at 60 %% of their limit, no traffic, MariaDB's counters over %s (mysql_flush %s, global_sync and blocklist_sync %s)\n%s",
+		keys, d, scaleFlush, scaleSync, b.String())
+}
