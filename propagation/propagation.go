@@ -125,14 +125,16 @@ type Propagator struct {
 	taken       map[Cell]BlocklistRow  // denial rows taken from the region, as taken
 	reg         map[Cell]*regCell      // the region's registered cells
 	imports     map[Cell]*cellImport
-	importDue   map[Cell]struct{} // imports the region has not taken yet
-	ahead       map[Cell]update   // imports for windows not begun here yet
-	index       map[zoneID]string // row identifier → raw identifier (MapID)
-	cursor      [tables]cursor    // where the next pull of changes starts
-	fullPull    [tables]bool      // the next pull of the table reads it whole
-	fullPush    bool              // the next push publishes every grown cell
-	fullTake    bool              // the next take reads every registration
-	syncs       [tables]int       // syncs since the table's last whole read
+	importDue   map[Cell]struct{}     // imports the region has not taken yet
+	ahead       map[Cell]update       // imports for windows not begun here yet
+	index       map[zoneID]string     // row identifier → raw identifier (MapID)
+	cursor      [tables]cursor        // where the next pull of changes starts
+	fullPull    [tables]bool          // the next pull of the table reads it whole
+	fullPush    bool                  // the next push publishes every grown cell
+	fullTake    bool                  // the next take reads every registration
+	syncs       [tables]int           // syncs since the table's last whole read
+	ovPending   map[Cell]*OverrideRow // overrides changed here or in the region, not yet written
+	onOverrides func([]OverrideRow)
 	recentOut   []BlocklistRow
 	recentIn    []BlocklistRow
 	importCount atomic.Int64
@@ -194,6 +196,10 @@ type Options struct {
 	Region Region
 	// Store replaces MySQL (the simulator's model); nil opens Config.DSN.
 	Store Store
+	// OnOverrides receives the runtime overrides pulled from MySQL, for a
+	// process that is its own region (a region's holder hands them to the
+	// region instead).
+	OnOverrides func([]OverrideRow)
 }
 
 // New builds a Propagator around eng without any I/O: `caddy validate`
@@ -220,23 +226,25 @@ func New(cfg Config, eng Engine, opts Options) (*Propagator, error) {
 		now = time.Now
 	}
 	p := &Propagator{
-		cfg:       cfg,
-		eng:       eng,
-		store:     store,
-		region:    opts.Region,
-		log:       log,
-		addr:      addr,
-		now:       now,
-		denials:   make(chan engine.GlobalDenial, denialQueue),
-		pending:   make(map[Cell]*BlocklistRow),
-		taken:     make(map[Cell]BlocklistRow),
-		reg:       make(map[Cell]*regCell),
-		imports:   make(map[Cell]*cellImport),
-		importDue: make(map[Cell]struct{}),
-		ahead:     make(map[Cell]update),
-		index:     make(map[zoneID]string),
-		fullPull:  [tables]bool{true, true},
-		stop:      make(chan struct{}),
+		cfg:         cfg,
+		eng:         eng,
+		store:       store,
+		region:      opts.Region,
+		log:         log,
+		addr:        addr,
+		now:         now,
+		denials:     make(chan engine.GlobalDenial, denialQueue),
+		pending:     make(map[Cell]*BlocklistRow),
+		taken:       make(map[Cell]BlocklistRow),
+		reg:         make(map[Cell]*regCell),
+		imports:     make(map[Cell]*cellImport),
+		importDue:   make(map[Cell]struct{}),
+		ahead:       make(map[Cell]update),
+		index:       make(map[zoneID]string),
+		ovPending:   make(map[Cell]*OverrideRow),
+		onOverrides: opts.OnOverrides,
+		fullPull:    [tables]bool{true, true, true},
+		stop:        make(chan struct{}),
 	}
 	p.stats.replicaLagMs.Store(-1)
 	p.member.registered = make(map[engineCell]registration)

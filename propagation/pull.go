@@ -23,6 +23,17 @@ import (
 
 // pull reads table t's changes, or the whole table when due.
 func (p *Propagator) pull(ctx context.Context, t Table) {
+	if t == Counts {
+		pullTable(p, ctx, t, p.store.ReadCounts, (*CountRow).key, func(rows []CountRow) { p.applyCounts(rows, p.now().UnixMilli()) })
+	} else {
+		pullTable(p, ctx, t, p.store.ReadDenials, (*BlocklistRow).key, func(rows []BlocklistRow) { p.applyBlocklist(rows, p.now().UnixMilli()) })
+	}
+}
+
+// pullTable reads table t's changes, or the whole table when due, hands
+// each page to apply, and reports whether it read to the end.
+func pullTable[T any](p *Propagator, ctx context.Context, t Table,
+	read func(context.Context, Read) ([]T, error), key func(*T) *RowKey, apply func([]T)) bool {
 	p.mu.Lock()
 	whole := p.fullPull[t]
 	r := Read{Changed: !whole, Now: p.now().UnixMilli(), Limit: pageSize}
@@ -38,14 +49,8 @@ func (p *Propagator) pull(ctx context.Context, t Table) {
 		}
 	}
 	p.mu.Unlock()
-	var ok bool
-	if t == Counts {
-		ok = readPages(p, ctx, t, r, p.store.ReadCounts, (*CountRow).key, func(rows []CountRow) { p.applyCounts(rows, r.Now) })
-	} else {
-		ok = readPages(p, ctx, t, r, p.store.ReadDenials, (*BlocklistRow).key, func(rows []BlocklistRow) { p.applyBlocklist(rows, r.Now) })
-	}
-	if !ok {
-		return
+	if !readPages(p, ctx, t, r, read, key, apply) {
+		return false
 	}
 	p.stats.lastPull[t].Store(p.now().UnixMilli())
 	if whole {
@@ -56,6 +61,7 @@ func (p *Propagator) pull(ctx context.Context, t Table) {
 	} else {
 		p.stats.changeReads.Add(1)
 	}
+	return true
 }
 
 // readPages reads the pages of r (at most maxPages), hands each to apply

@@ -122,7 +122,7 @@ func (p *Propagator) takeRole() {
 	p.mu.Lock()
 	p.fullTake = true
 	p.fullPush = true
-	p.fullPull = [tables]bool{true, true}
+	p.fullPull = [tables]bool{true, true, true}
 	p.mu.Unlock()
 }
 

@@ -78,27 +78,32 @@ func compareKeys(a, b *RowKey) int {
 		cmp.Compare(a.WindowMs, b.WindowMs), cmp.Compare(a.Sequence, b.Sequence), strings.Compare(a.Region, b.Region))
 }
 
-// Table names one of the two tables.
+// Table names one of the tables.
 type Table int
 
 // The tables.
 const (
 	Counts Table = iota
 	Denials
+	// Overrides holds the operators' runtime overrides (overrides.go).
+	Overrides
 	tables
 )
 
 // String is the table's name in the database.
 func (t Table) String() string {
-	if t == Denials {
+	switch t {
+	case Denials:
 		return "ratelimit_blocklist"
+	case Overrides:
+		return "ratelimit_overrides"
 	}
 	return "ratelimit_global_counts"
 }
 
 // regionColumn is the column that names the counting region.
 func (t Table) regionColumn() string {
-	if t == Denials {
+	if t == Denials || t == Overrides {
 		return "origin_region"
 	}
 	return "region"
@@ -106,8 +111,11 @@ func (t Table) regionColumn() string {
 
 // what is the table's rows in log lines.
 func (t Table) what() string {
-	if t == Denials {
+	switch t {
+	case Denials:
 		return "denial rows"
+	case Overrides:
+		return "overrides"
 	}
 	return "published counts"
 }

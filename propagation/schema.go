@@ -19,8 +19,12 @@ import (
 //   - The unique key is the primary key (Vitess and PlanetScale want one,
 //     and InnoDB clusters rows by it: a cell's rows sit together).
 //   - expires_ms is indexed for the cleanup's bounded deletes.
-//   - updated_ms is when a count of the row last rose, on the database's
-//     clock, indexed for the pulls that read what changed.
+//   - updated_ms is when a count of the row last rose (an override: when
+//     a newer change replaced it), on the database's clock, indexed for
+//     the pulls that read what changed.
+//   - ratelimit_overrides holds one row per zone and identifier: the
+//     newest change (version) of its runtime override, removals included
+//     until they lapse.
 //
 // The statements are also in the README; keep them in step.
 var schema = []string{
@@ -51,6 +55,20 @@ var schema = []string{
   PRIMARY KEY (namespace, identifier, window_ms, sequence, region),
   KEY ratelimit_global_counts_expires (expires_ms),
   KEY ratelimit_global_counts_updated (updated_ms)
+) ENGINE=InnoDB`,
+	`CREATE TABLE IF NOT EXISTS ratelimit_overrides (
+  namespace     VARBINARY(64)  NOT NULL,
+  identifier    VARBINARY(128) NOT NULL,
+  limit_units   BIGINT         NOT NULL,
+  expires_ms    BIGINT         NOT NULL,
+  reason        VARBINARY(512) NOT NULL,
+  origin_region VARBINARY(96)  NOT NULL,
+  version       BIGINT         NOT NULL,
+  deleted       TINYINT        NOT NULL,
+  updated_ms    BIGINT         NOT NULL DEFAULT 0,
+  PRIMARY KEY (namespace, identifier),
+  KEY ratelimit_overrides_expires (expires_ms),
+  KEY ratelimit_overrides_updated (updated_ms)
 ) ENGINE=InnoDB`,
 }
 

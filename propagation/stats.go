@@ -14,6 +14,7 @@ type counters struct {
 	importDrops, waitingApplied, cleanupDeleted, importsSent        atomic.Int64
 	registered, registryDrops, regionErrors, leaseErrors, lagErrors atomic.Int64
 	roleTaken, roleLost, wholeReads, changeReads                    atomic.Int64
+	overridesWritten                                                atomic.Int64
 	rowsRead                                                        [tables]atomic.Int64
 	lastPush                                                        atomic.Int64 // Unix ms
 	lastPull                                                        [tables]atomic.Int64
@@ -74,6 +75,10 @@ type Stats struct {
 	// CountRowsRead and DenialRowsRead count rows pulled; ChangeReads
 	// pulls of what changed; WholeReads pulls of a whole table.
 	CountRowsRead, DenialRowsRead, ChangeReads, WholeReads int64
+	// OverridesWritten and OverrideRowsRead count runtime overrides
+	// written to and pulled from MySQL; PendingOverrides wait to be
+	// written.
+	OverridesWritten, OverrideRowsRead, PendingOverrides int64
 	// ReplicaLag is how far mysql_read's replica said it was behind at
 	// the last global sync; -1 when unknown (no replica, its SQL thread
 	// stopped, or no right to ask). NewestRowAge is the age of the newest
@@ -93,7 +98,7 @@ func msTime(ms int64) time.Time {
 func (p *Propagator) Stats() Stats {
 	p.mu.Lock()
 	pending, imports := int64(len(p.pending)+len(p.denials)), int64(len(p.imports))
-	registry := int64(len(p.reg))
+	registry, pendingOv := int64(len(p.reg)), int64(len(p.ovPending))
 	var newest int64
 	for _, c := range p.cursor {
 		if c.newest != nil {
@@ -141,6 +146,9 @@ func (p *Propagator) Stats() Stats {
 		ImportsSent:       s.importsSent.Load(),
 		CountRowsRead:     s.rowsRead[Counts].Load(),
 		DenialRowsRead:    s.rowsRead[Denials].Load(),
+		OverridesWritten:  s.overridesWritten.Load(),
+		OverrideRowsRead:  s.rowsRead[Overrides].Load(),
+		PendingOverrides:  pendingOv,
 		ChangeReads:       s.changeReads.Load(),
 		WholeReads:        s.wholeReads.Load(),
 		ReplicaLag:        -1,

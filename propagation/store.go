@@ -293,9 +293,14 @@ func readQuery(t Table, columns string, r Read) (string, []any) {
 	return q, append(args, r.Limit)
 }
 
-// DeleteExpired deletes up to chunk rows of t that expired at now.
+// DeleteExpired deletes up to chunk rows of t that expired at now (an
+// override without an expiry never does).
 func (s *sqlStore) DeleteExpired(ctx context.Context, t Table, now int64, chunk int) (int64, error) {
-	res, err := s.write.ExecContext(ctx, `DELETE FROM `+t.String()+` WHERE expires_ms <= ? LIMIT ?`, now, chunk)
+	cond := `expires_ms <= ?`
+	if t == Overrides {
+		cond = `expires_ms > 0 AND expires_ms <= ?`
+	}
+	res, err := s.write.ExecContext(ctx, `DELETE FROM `+t.String()+` WHERE `+cond+` LIMIT ?`, now, chunk)
 	if err != nil {
 		return 0, fmt.Errorf("delete expired rows of %s: %w", t, err)
 	}
@@ -348,4 +353,89 @@ func (s *sqlStore) showLag(ctx context.Context, q string) (sql.NullInt64, bool, 
 		return lag, false, err
 	}
 	return lag, true, nil
+}
+
+// UpsertOverrides writes overrides, sorted by key, each replacing the row
+// only when its version is newer: the assignments run left to right, so
+// version, compared by the others, is set last.
+func (s *sqlStore) UpsertOverrides(ctx context.Context, rows []*OverrideRow) error {
+	if len(rows) == 0 {
+		return nil
+	}
+	args := make([]any, 0, len(rows)*8)
+	for _, r := range rows {
+		del := 0
+		if r.Deleted {
+			del = 1
+		}
+		args = append(args, []byte(r.Namespace), []byte(r.Identifier), r.Limit, r.ExpiresMs, []byte(r.Reason),
+			[]byte(r.Region), r.Version, del)
+	}
+	newer := `VALUES(version) > version`
+	q := `INSERT INTO ratelimit_overrides
+  (namespace, identifier, limit_units, expires_ms, reason, origin_region, version, deleted, updated_ms)
+VALUES ` + placeholders(len(rows), 8, ","+dbNowMs) + `
+ON DUPLICATE KEY UPDATE
+  updated_ms = IF(` + newer + `, VALUES(updated_ms), updated_ms),
+  limit_units = IF(` + newer + `, VALUES(limit_units), limit_units),
+  expires_ms = IF(` + newer + `, VALUES(expires_ms), expires_ms),
+  reason = IF(` + newer + `, VALUES(reason), reason),
+  origin_region = IF(` + newer + `, VALUES(origin_region), origin_region),
+  deleted = IF(` + newer + `, VALUES(deleted), deleted),
+  version = GREATEST(version, VALUES(version))`
+	if _, err := s.write.ExecContext(ctx, q, args...); err != nil {
+		return fmt.Errorf("upsert %d overrides: %w", len(rows), err)
+	}
+	return nil
+}
+
+const overrideColumns = `namespace, identifier, limit_units, expires_ms, reason, origin_region, version, deleted, updated_ms`
+
+// ReadOverrides reads a page of overrides: those changed since r.Since,
+// in change order, or all of them in key order. Removals and lapsed ones
+// are read too: a removal must reach every region.
+func (s *sqlStore) ReadOverrides(ctx context.Context, r Read) ([]OverrideRow, error) {
+	q := `SELECT ` + overrideColumns + ` FROM ratelimit_overrides`
+	var args []any
+	order := `namespace, identifier`
+	var where []string
+	if r.Changed {
+		q += ` FORCE INDEX (ratelimit_overrides_updated)`
+		where = append(where, `updated_ms >= ?`)
+		args = append(args, r.Since)
+		order = `updated_ms, ` + order
+	}
+	if a := r.After; a != nil {
+		if r.Changed {
+			where = append(where, `(`+order+`) > (?, ?, ?)`)
+			args = append(args, a.UpdatedMs, []byte(a.Namespace), []byte(a.Identifier))
+		} else {
+			where = append(where, `(`+order+`) > (?, ?)`)
+			args = append(args, []byte(a.Namespace), []byte(a.Identifier))
+		}
+	}
+	if len(where) > 0 {
+		q += ` WHERE ` + strings.Join(where, ` AND `)
+	}
+	q += ` ORDER BY ` + order + ` LIMIT ?`
+	rs, err := s.read.QueryContext(ctx, q, append(args, r.Limit)...)
+	if err != nil {
+		return nil, err
+	}
+	defer rs.Close()
+	var out []OverrideRow
+	for rs.Next() {
+		var ns, id, reason, region []byte
+		var o OverrideRow
+		var del int
+		if err := rs.Scan(&ns, &id, &o.Limit, &o.ExpiresMs, &reason, &region, &o.Version, &del, &o.UpdatedMs); err != nil {
+			return out, fmt.Errorf("scan override: %w", err)
+		}
+		o.Namespace, o.Identifier, o.Reason, o.Region, o.Deleted = string(ns), string(id), string(reason), string(region), del != 0
+		out = append(out, o)
+	}
+	if err := rs.Err(); err != nil {
+		return out, fmt.Errorf("read overrides: %w", err)
+	}
+	return out, nil
 }

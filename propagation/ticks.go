@@ -31,13 +31,16 @@ func (p *Propagator) FlushOnce(ctx context.Context) {
 	if p.region != nil {
 		p.takeRegistrations(ctx)
 		p.takeDenials(ctx)
+		p.takeOverrides(ctx, taken)
 	}
 	p.writeDenials(ctx)
+	p.writeOverrides(ctx)
 	p.publish(ctx)
 	p.pull(ctx, Counts)
 	if !p.cfg.NoDenialGossip {
 		p.pull(ctx, Denials)
 	}
+	p.pullOverrides(ctx)
 	if p.region != nil {
 		p.sendImports(ctx)
 	}
@@ -58,6 +61,7 @@ func (p *Propagator) GlobalSyncOnce(ctx context.Context) {
 	if p.syncs[Counts]++; p.syncs[Counts] >= wholeEvery {
 		p.syncs[Counts] = 0
 		p.fullPull[Counts] = true
+		p.fullPull[Overrides] = true
 		p.fullTake = p.region != nil
 	}
 	p.mu.Unlock()
@@ -79,15 +83,15 @@ func (p *Propagator) BlocklistSyncOnce(context.Context) {
 	p.mu.Unlock()
 }
 
-// ReadWholeNext makes the next flush read both tables whole, as at start:
+// ReadWholeNext makes the next flush read every table whole, as at start:
 // for tests and tools.
 func (p *Propagator) ReadWholeNext() {
 	p.mu.Lock()
-	p.fullPull = [tables]bool{true, true}
+	p.fullPull = [tables]bool{true, true, true}
 	p.mu.Unlock()
 }
 
-// CleanupOnce deletes expired rows of both tables in bounded chunks; the
+// CleanupOnce deletes expired rows of every table in bounded chunks; the
 // holder does it for its region. Safe on many processes at once: a row
 // deleted twice is deleted once.
 func (p *Propagator) CleanupOnce(ctx context.Context) int64 {
@@ -97,6 +101,9 @@ func (p *Propagator) CleanupOnce(ctx context.Context) int64 {
 	now := p.now().UnixMilli()
 	var total int64
 	for t := range tables {
+		if t == Overrides && p.overrideStore() == nil {
+			continue
+		}
 		for range cleanupMaxChunks {
 			var n int64
 			err := p.query(ctx, func(ctx context.Context) error {

@@ -1,0 +1,187 @@
+package origin
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// Runtime overrides of the region, in its Redis: operators change a key's
+// limit through any node's admin API, and every node of the region reads
+// the change within a fast tick. The values are opaque here; each carries
+// a version (the change's time, in microseconds), and a write replaces a
+// field only with a newer version, so two nodes that apply the same
+// changes in different orders agree.
+//
+// Keys, on the endpoint of the role (one hash tag, so a Cluster keeps them
+// together):
+//
+//	<prefix>:{overrides}     field → "<version> <value>"
+//	<prefix>:{overrides}:v   bumped by every change that took
+//	<prefix>:{overrides}:q   fields changed here, for the role's holder to
+//	                         write to MySQL
+
+// Override is one runtime override as the region's Redis holds it.
+type Override struct {
+	// Field names the override (its zone and identifier, as the root
+	// encodes them).
+	Field string
+	// Version orders changes of a field: the newer replaces the older.
+	Version int64
+	// Value is the override, opaque here.
+	Value string
+}
+
+var (
+	// overridePutScript sets each field ARGV[3i+1] of KEYS[1] to
+	// "ARGV[3i+2] ARGV[3i+3]" when its version ARGV[3i+2] is newer than the
+	// one held, queues it in KEYS[3] when ARGV[#ARGV] is "1", and bumps
+	// KEYS[2] once if any changed; returns how many changed.
+	overridePutScript = redis.NewScript(`
+local changed = 0
+local queue = ARGV[#ARGV] == '1'
+for i = 1, #ARGV - 1, 3 do
+  local old = redis.call('HGET', KEYS[1], ARGV[i])
+  local ov = -1
+  if old then ov = tonumber(string.match(old, '^(%-?%d+)')) or -1 end
+  if tonumber(ARGV[i+1]) > ov then
+    redis.call('HSET', KEYS[1], ARGV[i], ARGV[i+1] .. ' ' .. ARGV[i+2])
+    if queue then redis.call('RPUSH', KEYS[3], ARGV[i]) end
+    changed = changed + 1
+  end
+end
+if changed > 0 then redis.call('INCR', KEYS[2]) end
+return changed
+`)
+	// overrideTakeScript pops up to ARGV[1] queued fields of KEYS[2] and
+	// returns each with its value in KEYS[1] (fields since removed are
+	// skipped).
+	overrideTakeScript = redis.NewScript(`
+local fields = redis.call('LRANGE', KEYS[2], 0, tonumber(ARGV[1]) - 1)
+if #fields > 0 then redis.call('LTRIM', KEYS[2], #fields, -1) end
+local out = {}
+for _, f in ipairs(fields) do
+  local v = redis.call('HGET', KEYS[1], f)
+  if v then table.insert(out, f) table.insert(out, v) end
+end
+return out
+`)
+)
+
+func (r *Redis) overridesKey() string { return r.prefix + ":{overrides}" }
+
+// PutOverrides writes overrides that are newer than what the region holds
+// of their fields, and queues them for the role's holder when queue is
+// set (a change made here, which MySQL has not seen). It returns how many
+// took.
+func (r *Redis) PutOverrides(ctx context.Context, os []Override, queue bool) (int, error) {
+	if len(os) == 0 {
+		return 0, nil
+	}
+	args := make([]any, 0, 3*len(os)+1)
+	for _, o := range os {
+		args = append(args, o.Field, strconv.FormatInt(o.Version, 10), o.Value)
+	}
+	args = append(args, map[bool]string{true: "1", false: "0"}[queue])
+	k := r.overridesKey()
+	ep := r.roleEndpoint()
+	n, err := overridePutScript.Run(ctx, ep.client, []string{k, k + ":v", k + ":q"}, args...).Int()
+	if err != nil {
+		return 0, fmt.Errorf("redis put overrides %s: %w", ep.address, err)
+	}
+	return n, nil
+}
+
+// OverridesVersion returns the region's change counter of overrides: it
+// moves with every change, so a node re-reads them only when it moved.
+func (r *Redis) OverridesVersion(ctx context.Context) (int64, error) {
+	ep := r.roleEndpoint()
+	v, err := ep.client.Get(ctx, r.overridesKey()+":v").Int64()
+	if errors.Is(err, redis.Nil) {
+		return 0, nil
+	}
+	if err != nil {
+		return 0, fmt.Errorf("redis overrides version %s: %w", ep.address, err)
+	}
+	return v, nil
+}
+
+// Overrides returns every override the region holds and the change
+// counter they are as of.
+func (r *Redis) Overrides(ctx context.Context) (int64, []Override, error) {
+	ep := r.roleEndpoint()
+	k := r.overridesKey()
+	pipe := ep.client.Pipeline()
+	ver := pipe.Get(ctx, k+":v")
+	all := pipe.HGetAll(ctx, k)
+	if _, err := pipe.Exec(ctx); err != nil && !errors.Is(err, redis.Nil) {
+		return 0, nil, fmt.Errorf("redis overrides %s: %w", ep.address, err)
+	}
+	v, _ := ver.Int64()
+	out := make([]Override, 0, len(all.Val()))
+	for f, raw := range all.Val() {
+		if o, ok := parseOverride(f, raw); ok {
+			out = append(out, o)
+		}
+	}
+	return v, out, nil
+}
+
+// TakeOverrides returns the overrides changed in the region that the role's
+// holder has not taken yet, up to roleQueueBatch; with all, every one the
+// region holds (a new holder's first look: what a dead one took and did
+// not write is written again, which the newer-wins writes make harmless).
+func (r *Redis) TakeOverrides(ctx context.Context, all bool) ([]Override, error) {
+	if all {
+		_, os, err := r.Overrides(ctx)
+		return os, err
+	}
+	ep := r.roleEndpoint()
+	k := r.overridesKey()
+	vals, err := overrideTakeScript.Run(ctx, ep.client, []string{k, k + ":q"}, roleQueueBatch).StringSlice()
+	if err != nil && !errors.Is(err, redis.Nil) {
+		return nil, fmt.Errorf("redis take overrides %s: %w", ep.address, err)
+	}
+	var out []Override
+	for i := 0; i+1 < len(vals); i += 2 {
+		if o, ok := parseOverride(vals[i], vals[i+1]); ok {
+			out = append(out, o)
+		}
+	}
+	return out, nil
+}
+
+// DropOverrides removes each override's field if it still holds that
+// version: one that lapsed or a removal old enough to have reached every
+// region. A newer change of the field stays.
+func (r *Redis) DropOverrides(ctx context.Context, os []Override) error {
+	if len(os) == 0 {
+		return nil
+	}
+	args := make([]any, 0, 2*len(os))
+	for _, o := range os {
+		args = append(args, o.Field, strconv.FormatInt(o.Version, 10)+" "+o.Value)
+	}
+	ep := r.roleEndpoint()
+	if err := forgetScript.Run(ctx, ep.client, []string{r.overridesKey()}, args...).Err(); err != nil && !errors.Is(err, redis.Nil) {
+		return fmt.Errorf("redis drop overrides %s: %w", ep.address, err)
+	}
+	return nil
+}
+
+// parseOverride splits a held value into its version and value.
+func parseOverride(field, raw string) (Override, bool) {
+	ver, val, ok := strings.Cut(raw, " ")
+	if !ok {
+		return Override{}, false
+	}
+	v, err := strconv.ParseInt(ver, 10, 64)
+	if err != nil {
+		return Override{}, false
+	}
+	return Override{Field: field, Version: v, Value: val}, true
+}

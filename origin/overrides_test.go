@@ -1,0 +1,85 @@
+package origin
+
+import (
+	"slices"
+	"testing"
+
+	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
+)
+
+// TestOverrides_NewerWinsAndTheCounterMovesOnlyOnAChange: two nodes write
+// changes of one override in either order and agree on the newest; a
+// stale or repeated write changes nothing, not even the counter.
+func TestOverrides_NewerWinsAndTheCounterMovesOnlyOnAChange(t *testing.T) {
+	srv := redistest.Start(t)
+	a := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "a"})
+	b := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "b"})
+	ctx := ctxT(t)
+	put := func(o *Redis, ver int64, val string) int {
+		t.Helper()
+		n, err := o.PutOverrides(ctx, []Override{{Field: "z k", Version: ver, Value: val}}, false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	if n := put(a, 20, "new value"); n != 1 {
+		t.Fatalf("first write took %d, want 1", n)
+	}
+	v1, _ := b.OverridesVersion(ctx)
+	if n := put(b, 10, "older"); n != 0 {
+		t.Fatalf("an older version took %d, want 0", n)
+	}
+	if n := put(b, 20, "new value"); n != 0 {
+		t.Fatalf("the same version again took %d, want 0", n)
+	}
+	if v2, _ := b.OverridesVersion(ctx); v2 != v1 || v1 == 0 {
+		t.Fatalf("counter %d then %d: want it moved by the first write only", v1, v2)
+	}
+	_, all, err := b.Overrides(ctx)
+	if err != nil || len(all) != 1 || all[0] != (Override{Field: "z k", Version: 20, Value: "new value"}) {
+		t.Fatalf("overrides = %+v (%v), want the version 20 one", all, err)
+	}
+}
+
+// TestOverrides_HolderTakesQueuedChangesOnce: changes made with queue are
+// taken once, as they are now; a new holder's first look takes them all.
+func TestOverrides_HolderTakesQueuedChangesOnce(t *testing.T) {
+	srv := redistest.Start(t)
+	a := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "a"})
+	ctx := ctxT(t)
+	if _, err := a.PutOverrides(ctx, []Override{{Field: "z one", Version: 1, Value: "1"}, {Field: "z two", Version: 1, Value: "2"}}, true); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := a.PutOverrides(ctx, []Override{{Field: "z one", Version: 2, Value: "1b"}}, true); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := a.PutOverrides(ctx, []Override{{Field: "z pulled", Version: 1, Value: "p"}}, false); err != nil {
+		t.Fatal(err)
+	}
+	got, err := a.TakeOverrides(ctx, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var fields []string
+	for _, o := range got {
+		fields = append(fields, o.Field+"="+o.Value)
+	}
+	// "z one" was queued twice; both takes see its newest value.
+	if want := []string{"z one=1b", "z two=2", "z one=1b"}; !slices.Equal(fields, want) {
+		t.Fatalf("taken %v, want %v (the pulled one is not queued)", fields, want)
+	}
+	if again, _ := a.TakeOverrides(ctx, false); len(again) != 0 {
+		t.Fatalf("taken again: %+v", again)
+	}
+	if all, _ := a.TakeOverrides(ctx, true); len(all) != 3 {
+		t.Fatalf("a new holder's look took %d, want all 3", len(all))
+	}
+	// A lapsed override is dropped only at the version it lapsed at.
+	if err := a.DropOverrides(ctx, []Override{{Field: "z one", Version: 1, Value: "1"}, {Field: "z two", Version: 1, Value: "2"}}); err != nil {
+		t.Fatal(err)
+	}
+	if _, all, _ := a.Overrides(ctx); len(all) != 2 {
+		t.Fatalf("after dropping: %+v, want z one (newer) and z pulled", all)
+	}
+}

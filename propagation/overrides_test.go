@@ -1,0 +1,93 @@
+package propagation
+
+import (
+	"sync"
+	"testing"
+)
+
+// overridesSeen collects what a process's pulls hand to OnOverrides.
+type overridesSeen struct {
+	mu   sync.Mutex
+	rows map[string]OverrideRow
+}
+
+func watchOverrides(r *region) *overridesSeen {
+	s := &overridesSeen{rows: map[string]OverrideRow{}}
+	r.p.onOverrides = func(rows []OverrideRow) {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		for _, o := range rows {
+			if old, ok := s.rows[o.Identifier]; !ok || o.Version > old.Version {
+				s.rows[o.Identifier] = o
+			}
+		}
+	}
+	return s
+}
+
+func (s *overridesSeen) get(id string) (OverrideRow, bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	o, ok := s.rows[id]
+	return o, ok
+}
+
+// TestOverrides_TravelBetweenRegionsNewestFirst: a change made at region
+// a reaches region b at b's next flush; an older change written later (a
+// slow region) does not replace it; a removal travels as a tombstone; the
+// whole read at start hands b every override.
+func TestOverrides_TravelBetweenRegionsNewestFirst(t *testing.T) {
+	s := newSetup(t)
+	a, b := s.region("a"), s.region("b")
+	seen := watchOverrides(b)
+	b.p.FlushOnce(bg) // b's whole read at start: nothing yet
+	a.p.PutOverride(OverrideRow{Namespace: "z", Identifier: "cust", Limit: 500, Reason: "plan upgrade", Region: "a", Version: 2000})
+	a.p.FlushOnce(bg)
+	b.p.FlushOnce(bg)
+	if o, ok := seen.get("cust"); !ok || o.Limit != 500 || o.Reason != "plan upgrade" || o.Deleted || o.Region != "a" {
+		t.Fatalf("b saw %+v (%v), want a's limit of 500", o, ok)
+	}
+	// A change older than the one held is not written over it.
+	b.p.PutOverride(OverrideRow{Namespace: "z", Identifier: "cust", Limit: 1, Region: "b", Version: 1000})
+	b.p.FlushOnce(bg)
+	b.p.ReadWholeNext()
+	b.p.FlushOnce(bg)
+	if o, _ := seen.get("cust"); o.Limit != 500 {
+		t.Fatalf("an older change replaced the newer one: %+v", o)
+	}
+	// A removal is a newer row that every region reads.
+	a.p.PutOverride(OverrideRow{Namespace: "z", Identifier: "cust", Region: "a", Version: 3000, Deleted: true, ExpiresMs: s.clk.Now().UnixMilli() + 86_400_000})
+	a.p.FlushOnce(bg)
+	b.p.FlushOnce(bg)
+	if o, _ := seen.get("cust"); !o.Deleted || o.Live(s.clk.Now().UnixMilli()) {
+		t.Fatalf("b did not see the removal: %+v", o)
+	}
+	// A process that starts loads every override before it decides.
+	c := s.region("c")
+	all, err := c.p.LoadOverrides(bg)
+	if err != nil || len(all) != 1 || all[0].Version != 3000 {
+		t.Fatalf("LoadOverrides = %+v, %v; want the removal", all, err)
+	}
+	if st := a.p.Stats(); st.OverridesWritten != 2 || st.PendingOverrides != 0 {
+		t.Fatalf("a's stats: %d written, %d pending; want 2 and 0", st.OverridesWritten, st.PendingOverrides)
+	}
+}
+
+// TestOverrides_CleanupKeepsOverridesWithoutExpiry: cleanup deletes the
+// overrides that lapsed (removals included), never one without an expiry.
+func TestOverrides_CleanupKeepsOverridesWithoutExpiry(t *testing.T) {
+	s := newSetup(t)
+	a := s.region("a")
+	now := s.clk.Now().UnixMilli()
+	a.p.PutOverride(OverrideRow{Namespace: "z", Identifier: "forever", Limit: 5, Region: "a", Version: 1})
+	a.p.PutOverride(OverrideRow{Namespace: "z", Identifier: "lapsed", Limit: 5, Region: "a", Version: 1, ExpiresMs: now - 1})
+	a.p.PutOverride(OverrideRow{Namespace: "z", Identifier: "later", Limit: 5, Region: "a", Version: 1, ExpiresMs: now + 60_000})
+	a.p.FlushOnce(bg)
+	if n := a.p.CleanupOnce(bg); n != 1 {
+		t.Fatalf("cleanup deleted %d rows, want the lapsed override only", n)
+	}
+	all, err := a.p.LoadOverrides(bg)
+	if err != nil || len(all) != 2 {
+		t.Fatalf("left %+v (%v), want forever and later", all, err)
+	}
+}
