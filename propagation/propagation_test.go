@@ -159,6 +159,11 @@ func TestMigrate_IdempotentAndBinaryColumns(t *testing.T) {
 		"ratelimit_global_counts.window_ms:bigint", "ratelimit_global_counts.sequence:bigint",
 		"ratelimit_global_counts.region:varbinary", "ratelimit_global_counts.count:bigint",
 		"ratelimit_global_counts.expires_ms:bigint", "ratelimit_global_counts.updated_ms:bigint",
+		"ratelimit_overrides.namespace:varbinary", "ratelimit_overrides.identifier:varbinary",
+		"ratelimit_overrides.limit_units:bigint", "ratelimit_overrides.expires_ms:bigint",
+		"ratelimit_overrides.reason:varbinary", "ratelimit_overrides.origin_region:varbinary",
+		"ratelimit_overrides.version:bigint", "ratelimit_overrides.deleted:tinyint",
+		"ratelimit_overrides.updated_ms:bigint",
 	}
 	if strings.Join(got, " ") != strings.Join(want, " ") {
 		t.Fatalf("columns\n got %v\nwant %v", got, want)
