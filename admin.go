@@ -41,6 +41,9 @@ const (
 //	GET    /ratelimit/counters?zone=Z[&prefix=P][&max=N]
 //	DELETE /ratelimit/counters?zone=Z&identifier=I
 //	GET    /ratelimit/strict[?zone=Z][&max=N]
+//	PUT    /ratelimit/overrides?zone=Z&identifier=I    (overrides_admin.go)
+//	GET    /ratelimit/overrides?zone=Z[&identifier=I | &prefix=P&max=N]
+//	DELETE /ratelimit/overrides?zone=Z&identifier=I
 //
 // It holds no state: Caddy instantiates admin modules with every config
 // load, before the apps, and a reload that fails late keeps the old apps
@@ -62,6 +65,7 @@ func (a *AdminAPI) Routes() []caddy.AdminRoute {
 		{Pattern: "/ratelimit/status", Handler: caddy.AdminHandlerFunc(a.handleStatus)},
 		{Pattern: "/ratelimit/counters", Handler: caddy.AdminHandlerFunc(a.handleCounters)},
 		{Pattern: "/ratelimit/strict", Handler: caddy.AdminHandlerFunc(a.handleStrict)},
+		{Pattern: "/ratelimit/overrides", Handler: caddy.AdminHandlerFunc(a.handleOverrides)},
 	}
 }
 

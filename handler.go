@@ -206,7 +206,8 @@ func allAllowed(decs []engine.Decision) bool {
 }
 
 // limits appends to lims the limit of each zone that applies to the
-// request, and to zi the zone's index. ownLimits is false when an
+// request, and to zi the zone's index: a runtime override first, then
+// the zone's override line, then its limit. ownLimits is false when an
 // override changed a zone's limit. missing is the index of a zone whose
 // key is empty under on_missing_key deny (the request is denied at once),
 // -1 when none.
@@ -228,12 +229,14 @@ func (h *Handler) limits(r *http.Request, lims []engine.Limit, zi []int) (_ []en
 		} else {
 			id = maskIP(id, z.v4, z.v6)
 		}
-		limit := z.limit
-		if z.overrides != nil {
-			if l, ok := z.overrides[id]; ok {
-				limit = l
-				ownLimits = false
-			}
+		limit, ok := runtimeLimit(r.Context(), z.name, id)
+		if !ok && z.overrides != nil {
+			limit, ok = z.overrides[id]
+		}
+		if ok {
+			ownLimits = false
+		} else {
+			limit = z.limit
 		}
 		cost, clamp := z.costOf(r, repl)
 		if clamp.bound != "" {

@@ -81,6 +81,16 @@ var (
 		Help: "Requests whose cost placeholder evaluated to an integer outside the zone's [min_cost, max_cost] and were charged the bound (bound: min, max).",
 	}, []string{"zone", "bound"})
 
+	overrideChanges = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: metricName("override_changes_total"),
+		Help: "Runtime overrides set or removed through this node's admin API, by change (set, removed) and the scope it reached (node, region, global).",
+	}, []string{"change", "scope"})
+
+	overridesActive = prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: metricName("overrides_active"),
+		Help: "Runtime overrides this process applies now, from every scope.",
+	}, func() float64 { return float64(overrides.active()) })
+
 	// engineMetrics reads the pooled engine (and origin) at scrape time.
 	engineMetrics = new(engineCollector)
 )
@@ -88,7 +98,7 @@ var (
 // collectors are what every config registers: the handler's and the
 // engine's, then each backend kind's.
 var collectors = func() []prometheus.Collector {
-	cs := []prometheus.Collector{decisionsTotal, decisionSeconds, invalidCostsTotal, clampedCostsTotal, engineMetrics}
+	cs := []prometheus.Collector{decisionsTotal, decisionSeconds, invalidCostsTotal, clampedCostsTotal, overrideChanges, overridesActive, engineMetrics}
 	for _, k := range backendKinds {
 		cs = append(cs, k.collectors...)
 	}

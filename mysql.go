@@ -266,6 +266,12 @@ func provisionMySQL(a *App) (backend, error) {
 			opts.Region = redisRegion{rb.origin}
 		}
 	})
+	// Without Redis the process is its own region: runtime overrides come
+	// from MySQL to it directly, and it loads them before deciding.
+	if opts.Region == nil {
+		mysqlOverrideHooks(&opts)
+		overrides.beginLoad()
+	}
 	p, err := propagation.New(cfg, a.state.engine, opts)
 	if err != nil {
 		return nil, err
@@ -293,6 +299,9 @@ func (b *mysqlBackend) start() {
 	processRegion.region = b.a.Region
 	processRegion.Unlock()
 	b.prop.Start()
+	if !b.prop.HasRegion() {
+		go b.loadMySQLOverrides()
+	}
 }
 
 // use makes the propagator the engine's cross-region layer.

@@ -111,3 +111,27 @@ func (r redisRegion) Import(ctx context.Context, ims []propagation.RegionImport)
 
 // Interface guard.
 var _ propagation.Region = redisRegion{}
+
+func (r redisRegion) TakeOverrides(ctx context.Context, all bool) ([]propagation.OverrideRow, error) {
+	os, err := r.o.TakeOverrides(ctx, all)
+	out := make([]propagation.OverrideRow, 0, len(os))
+	for _, o := range os {
+		if rec, ok := recOfRegion(o); ok {
+			out = append(out, rec.row())
+		}
+	}
+	return out, err
+}
+
+func (r redisRegion) ApplyOverrides(ctx context.Context, rows []propagation.OverrideRow) error {
+	os := make([]origin.Override, len(rows))
+	for i := range rows {
+		rec := recOfRow(&rows[i])
+		os[i] = rec.regionValue()
+	}
+	_, err := r.o.PutOverrides(ctx, os, false)
+	return err
+}
+
+// Interface guards.
+var _ propagation.OverrideRegion = redisRegion{}

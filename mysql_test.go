@@ -51,7 +51,7 @@ func TestCaddy_MySQLLayer(t *testing.T) {
 	redistest.Eventually(t, 20*time.Second, "schema migrated", func() bool {
 		var n int
 		err := db.QueryRow(`SELECT COUNT(*) FROM information_schema.tables WHERE table_schema = DATABASE() AND table_name LIKE 'ratelimit_%'`).Scan(&n)
-		return err == nil && n == 2
+		return err == nil && n == 3
 	})
 	// Metrics add up across configs (and test runs): compare with before.
 	written0 := metricValue(t, admin, `caddy_ratelimit_propagation_rows_written_total{table="ratelimit_blocklist"}`)

@@ -128,6 +128,8 @@ type redisBackend struct {
 	// timing is the config's read timeout, freshness and ticks, which the
 	// engine follows while the origin is its.
 	timing engine.Timing
+	// stopOverrides ends the watch of the region's runtime overrides.
+	stopOverrides chan struct{}
 }
 
 // provisionRedis resolves the origin settings and builds the origin
@@ -152,14 +154,18 @@ func provisionRedis(a *App) (backend, error) {
 	var ec engine.Config
 	cfg.ApplyEngine(&ec)
 	b.timing = engine.Timing{ReadTimeout: ec.ReadTimeout, Freshness: ec.Freshness, SlowTick: ec.SlowTick, FastTick: ec.FastTick}
+	overrides.beginLoad()
 	return b, nil
 }
 
-// start sets the origin watching its servers for a restart: Redis
+// start watches the region's runtime overrides (overrides_sync.go) and
+// sets the origin watching its servers for a restart: Redis
 // restarted empty lost every process's units, and the engine sends its
 // cells' totals again (engine.Resend) while this origin is the one in use.
 // Checked every slow tick, so within a flush period.
 func (b *redisBackend) start() {
+	b.stopOverrides = make(chan struct{})
+	go b.watchOverrides(b.stopOverrides)
 	st := b.a.state
 	b.origin.WatchRestarts(b.timing.SlowTick, func() {
 		if st.currentOrigin() == originView(b.origin) {
@@ -212,6 +218,10 @@ func (b *redisBackend) letGo(st *state, flushed bool) {
 
 // close closes the origin; the state has detached it.
 func (b *redisBackend) close() {
+	if b.stopOverrides != nil {
+		close(b.stopOverrides)
+		b.stopOverrides = nil
+	}
 	if err := b.origin.Close(); err != nil {
 		b.a.logger.Warn("closing the rate limit origin", zap.Error(err))
 	}

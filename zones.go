@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"slices"
@@ -144,8 +145,11 @@ func defWindows(defs []zoneDef) []time.Duration {
 }
 
 // limitFor is the limit d's handler applies in zone name to the
-// (normalized) identifier id.
+// (normalized) identifier id: a runtime override first.
 func (d zoneDef) limitFor(name, id string) int64 {
+	if l, ok := runtimeLimit(context.Background(), name, id); ok {
+		return l
+	}
 	for i := range d.handler.zones {
 		z := &d.handler.zones[i]
 		if z.name != name {

@@ -72,6 +72,10 @@ type OverrideRegion interface {
 // holder writes them again).
 const maxPendingOverrides = 100_000
 
+// HasRegion reports whether the process is a node of a region (the
+// region's Redis) rather than its own region.
+func (p *Propagator) HasRegion() bool { return p.region != nil }
+
 // overrideStore returns the store's override side, or nil.
 func (p *Propagator) overrideStore() OverrideStore {
 	s, _ := p.store.(OverrideStore)

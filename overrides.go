@@ -1,0 +1,296 @@
+package ratelimit
+
+import (
+	"context"
+	"encoding/json"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/edgelimit/caddy-ratelimit/engine"
+	"github.com/edgelimit/caddy-ratelimit/origin"
+	"github.com/edgelimit/caddy-ratelimit/propagation"
+)
+
+// Runtime overrides: operators change a key's limit through the admin API
+// (overrides_admin.go), without a reload. Precedence: a runtime override,
+// then the Caddyfile's override line, then the zone's limit.
+//
+// The process keeps one book of them (it outlives reloads). Where a
+// change is stored follows the backends: with MySQL, every region
+// (ratelimit_overrides, carried by the region's role holder like the
+// counts); with Redis only, the region (a hash in its Redis, which every
+// node polls each fast tick); local-only, this process. Every change has a
+// version (its time in µs), and every copy keeps the newest, so nodes
+// that hear changes in different orders end the same.
+
+// overrideRec is one override, or its removal.
+type overrideRec struct {
+	Zone string `json:"zone"`
+	// Identifier is as the handler counts it (an IP masked to its
+	// prefix, a long one hashed), an HMAC under identifier_secret.
+	Identifier string `json:"identifier"`
+	Limit      int64  `json:"limit"`
+	// ExpiresMs is when it lapses (Unix ms), 0 never; a removal lapses a
+	// day after it was made, once every region had time to read it.
+	ExpiresMs int64  `json:"expires_ms,omitempty"`
+	Reason    string `json:"reason,omitempty"`
+	Region    string `json:"region,omitempty"`
+	CreatedMs int64  `json:"created_ms"`
+	Version   int64  `json:"version"`
+	Deleted   bool   `json:"deleted,omitempty"`
+}
+
+// tombstoneLife is how long a removal is kept, so that every region reads
+// it before it lapses.
+const tombstoneLife = 24 * time.Hour
+
+// live reports whether r applies at now (Unix ms).
+func (r *overrideRec) live(now int64) bool {
+	return !r.Deleted && (r.ExpiresMs == 0 || r.ExpiresMs > now)
+}
+
+// field is r's name in the region's hash: zone and identifier, which a
+// zone name (no NUL) cannot blur.
+func (r *overrideRec) field() string { return r.Zone + "\x00" + r.Identifier }
+
+func (r *overrideRec) regionValue() origin.Override {
+	b, _ := json.Marshal(r) // strings and numbers always encode
+	return origin.Override{Field: r.field(), Version: r.Version, Value: string(b)}
+}
+
+func recOfRegion(o origin.Override) (overrideRec, bool) {
+	var r overrideRec
+	if err := json.Unmarshal([]byte(o.Value), &r); err != nil || r.field() != o.Field {
+		return r, false
+	}
+	r.Version = o.Version
+	return r, true
+}
+
+func (r *overrideRec) row() propagation.OverrideRow {
+	return propagation.OverrideRow{Namespace: r.Zone, Identifier: r.Identifier, Limit: r.Limit, ExpiresMs: r.ExpiresMs,
+		Reason: r.Reason, Region: r.Region, Version: r.Version, Deleted: r.Deleted}
+}
+
+func recOfRow(o *propagation.OverrideRow) overrideRec {
+	return overrideRec{Zone: o.Namespace, Identifier: o.Identifier, Limit: o.Limit, ExpiresMs: o.ExpiresMs,
+		Reason: o.Reason, Region: o.Region, CreatedMs: o.Version / 1000, Version: o.Version, Deleted: o.Deleted}
+}
+
+// overrideKey names an override in the book.
+type overrideKey struct{ zone, id string }
+
+// overrideSet is what the request path reads: the live overrides by zone
+// and identifier, immutable once published.
+type overrideSet struct {
+	zones map[string]map[string]overrideLimit
+	// mapID turns an identifier into the form they are stored in (an
+	// HMAC under identifier_secret); nil when stored as they are.
+	mapID func(string) string
+	n     int
+}
+
+type overrideLimit struct{ limit, expiresMs int64 }
+
+// limit returns the runtime override of zone for the handler's
+// identifier id, if one applies now.
+func (s *overrideSet) limit(zone, id string) (int64, bool) {
+	zm := s.zones[zone]
+	if zm == nil {
+		return 0, false
+	}
+	if len(id) > engine.MaxIdentifierLen {
+		id = engine.NormalizeIdentifier(id)
+	}
+	if s.mapID != nil {
+		id = s.mapID(id)
+	}
+	o, ok := zm[id]
+	if !ok || (o.expiresMs != 0 && time.Now().UnixMilli() >= o.expiresMs) {
+		return 0, false
+	}
+	return o.limit, true
+}
+
+// overrideBook is the process's overrides: every override and removal it
+// knows, newest version of each, and the set the request path reads.
+type overrideBook struct {
+	mu   sync.Mutex
+	recs map[overrideKey]overrideRec
+	// mapID is the identifier mapping of the newest app.
+	mapID func(string) string
+
+	set atomic.Pointer[overrideSet]
+	// loading is set while a process's first load from its backends runs:
+	// decisions wait for it (at most loadTimeout), so a restarted node
+	// applies the overrides from its first decision.
+	loading atomic.Bool
+	loaded  chan struct{}
+	once    bool // the first load was started
+
+	changes atomic.Int64 // changes that took, any source
+}
+
+// loadTimeout bounds how long decisions wait for the first load.
+const loadTimeout = 2 * time.Second
+
+// overrides is the process's book; it outlives reloads.
+var overrides = &overrideBook{recs: map[overrideKey]overrideRec{}}
+
+// merge takes recs that are newer than what the book holds and republishes
+// the set; it returns how many took.
+func (b *overrideBook) merge(recs []overrideRec) int {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	n := 0
+	for _, r := range recs {
+		k := overrideKey{r.Zone, r.Identifier}
+		if old, ok := b.recs[k]; ok && old.Version >= r.Version {
+			continue
+		}
+		b.recs[k] = r
+		n++
+	}
+	if n > 0 {
+		b.changes.Add(int64(n))
+		b.publishLocked()
+	}
+	return n
+}
+
+// get returns the book's override of (zone, id), removals included.
+func (b *overrideBook) get(zone, id string) (overrideRec, bool) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	r, ok := b.recs[overrideKey{zone, id}]
+	return r, ok
+}
+
+// live returns the live overrides of zone whose stored identifier starts
+// with prefix, in no order.
+func (b *overrideBook) live(zone, prefix string) []overrideRec {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	now := time.Now().UnixMilli()
+	var out []overrideRec
+	for k, r := range b.recs {
+		if k.zone == zone && strings.HasPrefix(k.id, prefix) && r.live(now) {
+			out = append(out, r)
+		}
+	}
+	return out
+}
+
+// setMapping makes mapID the identifiers' stored form (identifier_secret).
+func (b *overrideBook) setMapping(mapID func(string) string) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.mapID = mapID
+	b.publishLocked()
+}
+
+// prune forgets what lapsed (removals a day old included) and republishes
+// when anything went; it returns what went.
+func (b *overrideBook) prune(now int64) []overrideRec {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	var gone []overrideRec
+	for k, r := range b.recs {
+		if r.ExpiresMs != 0 && r.ExpiresMs <= now {
+			gone = append(gone, r)
+			delete(b.recs, k)
+		}
+	}
+	if len(gone) > 0 {
+		b.publishLocked()
+	}
+	return gone
+}
+
+// publishLocked rebuilds the request path's set from the live overrides.
+func (b *overrideBook) publishLocked() {
+	now := time.Now().UnixMilli()
+	s := &overrideSet{zones: map[string]map[string]overrideLimit{}, mapID: b.mapID}
+	for k, r := range b.recs {
+		if !r.live(now) {
+			continue
+		}
+		zm := s.zones[k.zone]
+		if zm == nil {
+			zm = map[string]overrideLimit{}
+			s.zones[k.zone] = zm
+		}
+		zm[k.id] = overrideLimit{limit: r.Limit, expiresMs: r.ExpiresMs}
+		s.n++
+	}
+	if s.n == 0 {
+		b.set.Store(nil)
+		return
+	}
+	b.set.Store(s)
+}
+
+// active is the number of live overrides.
+func (b *overrideBook) active() int {
+	if s := b.set.Load(); s != nil {
+		return s.n
+	}
+	return 0
+}
+
+// beginLoad marks the process's first load from its backends as running,
+// once per process: a reload keeps the overrides the book has.
+func (b *overrideBook) beginLoad() {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.once {
+		return
+	}
+	b.once = true
+	b.loaded = make(chan struct{})
+	b.loading.Store(true)
+}
+
+// endLoad ends the first load (whether it succeeded or not).
+func (b *overrideBook) endLoad() {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.loading.Load() {
+		b.loading.Store(false)
+		close(b.loaded)
+	}
+}
+
+// waitLoaded waits for the first load, at most loadTimeout and never past
+// ctx: a decision made during it would miss the overrides.
+func (b *overrideBook) waitLoaded(ctx context.Context) {
+	b.mu.Lock()
+	ch := b.loaded
+	b.mu.Unlock()
+	if ch == nil {
+		return
+	}
+	t := time.NewTimer(loadTimeout)
+	defer t.Stop()
+	select {
+	case <-ch:
+	case <-t.C:
+		b.endLoad()
+	case <-ctx.Done():
+	}
+}
+
+// runtimeLimit is the request path's lookup: the runtime override of
+// zone for id, if one applies.
+func runtimeLimit(ctx context.Context, zone, id string) (int64, bool) {
+	if overrides.loading.Load() {
+		overrides.waitLoaded(ctx)
+	}
+	s := overrides.set.Load()
+	if s == nil {
+		return 0, false
+	}
+	return s.limit(zone, id)
+}

@@ -1,0 +1,232 @@
+package ratelimit
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"go.uber.org/zap"
+
+	"github.com/edgelimit/caddy-ratelimit/engine"
+)
+
+// The admin API's runtime overrides:
+//
+//	PUT    /ratelimit/overrides?zone=Z&identifier=I   {"limit": N, "expires": "RFC 3339" | null, "reason": "text"}
+//	GET    /ratelimit/overrides?zone=Z[&prefix=P][&max=N]
+//	GET    /ratelimit/overrides?zone=Z&identifier=I
+//	DELETE /ratelimit/overrides?zone=Z&identifier=I
+//
+// Identifiers are taken as the handler counts them: an IP address is
+// masked to the zone's prefix, a long one hashed, and under
+// identifier_secret only the HMAC is stored and shown.
+
+// Bounds of an override's body.
+const (
+	maxOverrideBody   = 64 << 10
+	maxOverrideReason = 512
+)
+
+// overrideBody is what a PUT sends.
+type overrideBody struct {
+	Limit   *int64     `json:"limit"`
+	Expires *time.Time `json:"expires"`
+	Reason  string     `json:"reason"`
+}
+
+// overrideDoc is one override as the API shows it.
+type overrideDoc struct {
+	Zone       string     `json:"zone"`
+	Identifier string     `json:"identifier"`
+	Limit      int64      `json:"limit"`
+	Expires    *time.Time `json:"expires"`
+	Reason     string     `json:"reason"`
+	Region     string     `json:"region,omitempty"`
+	Created    time.Time  `json:"created"`
+	// Scope is where the change was stored (node, region or global), in
+	// the answer to a change.
+	Scope string `json:"scope,omitempty"`
+	// Removed is set in the answer to a DELETE.
+	Removed bool `json:"removed,omitempty"`
+}
+
+func docOf(r overrideRec) overrideDoc {
+	d := overrideDoc{Zone: r.Zone, Identifier: r.Identifier, Limit: r.Limit, Reason: r.Reason, Region: r.Region,
+		Created: time.UnixMilli(r.CreatedMs).UTC()}
+	if r.ExpiresMs != 0 && !r.Deleted {
+		t := time.UnixMilli(r.ExpiresMs).UTC()
+		d.Expires = &t
+	}
+	return d
+}
+
+// overrideListDoc is a listing.
+type overrideListDoc struct {
+	Zone      string        `json:"zone"`
+	Prefix    string        `json:"prefix"`
+	Max       int           `json:"max"`
+	Truncated bool          `json:"truncated"`
+	Overrides []overrideDoc `json:"overrides"`
+}
+
+func (a *AdminAPI) handleOverrides(w http.ResponseWriter, r *http.Request) error {
+	if err := allowMethods(w, r, http.MethodGet, http.MethodPut, http.MethodDelete); err != nil {
+		return err
+	}
+	q, err := parseQuery(r, "zone", "identifier", "prefix", "max")
+	if err != nil {
+		return err
+	}
+	zoneName := q["zone"]
+	if zoneName == "" {
+		return badRequest("the zone parameter is required")
+	}
+	id, byID := q["identifier"]
+	_, byPrefix := q["prefix"]
+	_, hasMax := q["max"]
+	switch {
+	case byID && (byPrefix || hasMax):
+		return badRequest("identifier selects one override: prefix and max apply to listings only")
+	case r.Method != http.MethodGet && (!byID || id == ""):
+		return badRequest("a change names one key: the identifier parameter is required and not empty")
+	}
+	max, st, err := listing(q)
+	if err != nil {
+		return err
+	}
+	defs := st.zones.definitions(zoneName, st.apps.view().app)
+	if len(defs) == 0 {
+		return errNoZone(zoneName)
+	}
+	if !byID {
+		return writeJSON(w, listOverrides(zoneName, q["prefix"], max))
+	}
+	stored := storedIdentifier(st, id, defs)
+	switch r.Method {
+	case http.MethodPut:
+		return putOverride(w, r, st, zoneName, stored)
+	case http.MethodDelete:
+		return deleteOverride(w, r, st, zoneName, stored)
+	}
+	rec, ok := overrides.get(zoneName, stored)
+	if !ok || !rec.live(time.Now().UnixMilli()) {
+		return errNoOverride(zoneName)
+	}
+	return writeJSON(w, docOf(rec))
+}
+
+// storedIdentifier is id as overrides store it: masked to the zone's IP
+// prefix as the handler counts it, hashed when long, an HMAC under
+// identifier_secret.
+func storedIdentifier(st *state, id string, defs []zoneDef) string {
+	id = engine.NormalizeIdentifier(maskIP(id, defs[0].v4, defs[0].v6))
+	if m := st.apps.view().ids.mapper(); m != nil {
+		id = m(id)
+	}
+	return id
+}
+
+// listOverrides lists up to max live overrides of the zone, in identifier
+// order.
+func listOverrides(zoneName, prefix string, max int) overrideListDoc {
+	recs := overrides.live(zoneName, prefix)
+	slices.SortFunc(recs, func(a, b overrideRec) int { return strings.Compare(a.Identifier, b.Identifier) })
+	doc := overrideListDoc{Zone: zoneName, Prefix: prefix, Max: max, Truncated: len(recs) > max, Overrides: []overrideDoc{}}
+	for _, rec := range recs[:min(len(recs), max)] {
+		doc.Overrides = append(doc.Overrides, docOf(rec))
+	}
+	return doc
+}
+
+// readOverrideBody decodes and checks a PUT's body: nothing is stored
+// unless all of it is right.
+func readOverrideBody(r *http.Request, now time.Time) (overrideBody, error) {
+	var body overrideBody
+	dec := json.NewDecoder(http.MaxBytesReader(nil, r.Body, maxOverrideBody))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&body); err != nil {
+		var tooBig *http.MaxBytesError
+		if errors.As(err, &tooBig) {
+			return body, badRequest(fmt.Sprintf("the body is over %d bytes", maxOverrideBody))
+		}
+		return body, badRequest("the body is not an override: " + err.Error())
+	}
+	if _, err := dec.Token(); !errors.Is(err, io.EOF) {
+		return body, badRequest("the body holds more than one JSON value")
+	}
+	switch {
+	case body.Limit == nil:
+		return body, badRequest(`the body needs a "limit"`)
+	case *body.Limit < 0 || *body.Limit > maxUnits:
+		return body, badRequest(fmt.Sprintf("limit %d is out of range: 0 (blocks) to %d", *body.Limit, int64(maxUnits)))
+	case body.Expires != nil && !body.Expires.After(now):
+		return body, badRequest("expires is not in the future")
+	case len(body.Reason) > maxOverrideReason:
+		return body, badRequest(fmt.Sprintf("the reason is over %d bytes", maxOverrideReason))
+	}
+	return body, nil
+}
+
+func putOverride(w http.ResponseWriter, r *http.Request, st *state, zoneName, id string) error {
+	now := time.Now()
+	body, err := readOverrideBody(r, now)
+	if err != nil {
+		return err
+	}
+	rec := overrideRec{Zone: zoneName, Identifier: id, Limit: *body.Limit, Reason: body.Reason,
+		Region: st.apps.view().region, CreatedMs: now.UnixMilli(), Version: now.UnixMicro()}
+	if body.Expires != nil {
+		rec.ExpiresMs = body.Expires.UnixMilli()
+	}
+	return changeOverride(w, r, st, rec, "set")
+}
+
+func deleteOverride(w http.ResponseWriter, r *http.Request, st *state, zoneName, id string) error {
+	now := time.Now()
+	old, ok := overrides.get(zoneName, id)
+	if !ok || !old.live(now.UnixMilli()) {
+		return errNoOverride(zoneName)
+	}
+	rec := overrideRec{Zone: zoneName, Identifier: id, Region: st.apps.view().region, Deleted: true,
+		CreatedMs: now.UnixMilli(), Version: max(now.UnixMicro(), old.Version+1), ExpiresMs: now.Add(tombstoneLife).UnixMilli()}
+	return changeOverride(w, r, st, rec, "removed")
+}
+
+// changeOverride stores a change, logs who made it and counts it.
+func changeOverride(w http.ResponseWriter, r *http.Request, st *state, rec overrideRec, what string) error {
+	scope, err := storeOverride(r.Context(), st, rec)
+	view := st.apps.view()
+	if err != nil {
+		return caddy.APIError{HTTPStatus: http.StatusServiceUnavailable, Err: err}
+	}
+	overrideChanges.WithLabelValues(what, scope).Inc()
+	fields := append([]zap.Field{zap.String("by", r.RemoteAddr), zap.String("zone", rec.Zone), zap.String("scope", scope)},
+		shownFields(view.ids, rec.Identifier)...)
+	if !rec.Deleted {
+		fields = append(fields, zap.Int64("limit", rec.Limit), zap.Int64("expires_ms", rec.ExpiresMs), zap.String("reason", rec.Reason))
+	}
+	view.logger.Info("runtime override "+what, fields...)
+	doc := docOf(rec)
+	doc.Scope, doc.Removed = scope, rec.Deleted
+	return writeJSON(w, doc)
+}
+
+// shownFields are the log fields of a stored identifier: under
+// identifier_secret it already is the HMAC.
+func shownFields(ids identities, stored string) []zap.Field {
+	if ids.hashed() {
+		return []zap.Field{zap.String("identifier_hmac", stored)}
+	}
+	return ids.logFields(stored)
+}
+
+// errNoOverride never names the identifier: Caddy logs admin errors.
+func errNoOverride(zone string) error {
+	return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("no runtime override for this identifier in zone %q", zone)}
+}

@@ -1,0 +1,172 @@
+package ratelimit
+
+import (
+	"context"
+	"errors"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/edgelimit/caddy-ratelimit/origin"
+	"github.com/edgelimit/caddy-ratelimit/propagation"
+)
+
+// Where overrides come from and go to: the region's Redis (polled each
+// fast tick), MySQL through the cross-region layer, or this process only.
+
+// Scopes an override change reaches, as the admin API says them.
+const (
+	scopeNode   = "node"
+	scopeRegion = "region"
+	scopeGlobal = "global"
+)
+
+// overrideScope is where a change made now is stored: every region with
+// MySQL, the region with Redis, else this process.
+func overrideScope(st *state) string {
+	switch {
+	case currentProp.Load() != nil:
+		return scopeGlobal
+	case st.currentOrigin() != nil:
+		return scopeRegion
+	}
+	return scopeNode
+}
+
+// errOverrideStore is a change the region's Redis did not take: nothing
+// was stored anywhere.
+var errOverrideStore = errors.New("the region's Redis did not take the change")
+
+// storeOverride stores a change where its scope says and applies it here.
+// With Redis the region takes it first (and queues it for MySQL when the
+// cross-region layer runs): a change the region did not take is stored
+// nowhere. Without Redis, a process of its own region queues it for MySQL.
+func storeOverride(ctx context.Context, st *state, rec overrideRec) (string, error) {
+	scope := overrideScope(st)
+	rb := st.overridesRedis()
+	switch {
+	case rb != nil:
+		ctx, cancel := context.WithTimeout(ctx, time.Second)
+		defer cancel()
+		if _, err := rb.PutOverrides(ctx, []origin.Override{rec.regionValue()}, scope == scopeGlobal); err != nil {
+			return scope, errors.Join(errOverrideStore, err)
+		}
+	case scope == scopeGlobal:
+		currentProp.Load().PutOverride(rec.row())
+	}
+	overrides.merge([]overrideRec{rec})
+	return scope, nil
+}
+
+// overridesRedis is the origin in use as a store of overrides, or nil.
+func (s *state) overridesRedis() *origin.Redis {
+	if r, ok := s.currentOrigin().(*origin.Redis); ok {
+		return r
+	}
+	return nil
+}
+
+// loadRegionOverrides reads every override the region holds into the
+// book and drops those that lapsed from the region; it returns the
+// region's change counter they are as of.
+func loadRegionOverrides(ctx context.Context, o *origin.Redis) (int64, error) {
+	v, all, err := o.Overrides(ctx)
+	if err != nil {
+		return 0, err
+	}
+	now := time.Now().UnixMilli()
+	recs := make([]overrideRec, 0, len(all))
+	var lapsed []origin.Override
+	for _, ov := range all {
+		r, ok := recOfRegion(ov)
+		if !ok {
+			continue
+		}
+		if r.ExpiresMs != 0 && r.ExpiresMs <= now {
+			lapsed = append(lapsed, ov)
+		}
+		recs = append(recs, r)
+	}
+	overrides.merge(recs)
+	overrides.prune(now)
+	return v, o.DropOverrides(ctx, lapsed)
+}
+
+// watchOverrides keeps the book up to date with the region's Redis: it
+// loads every override at once (decisions wait for the process's first
+// load), then reads the region's change counter each fast tick and every
+// override when it moved, until stop closes.
+func (b *redisBackend) watchOverrides(stop <-chan struct{}) {
+	log := b.a.logger
+	load := func(ctx context.Context) (int64, error) {
+		ctx, cancel := context.WithTimeout(ctx, max(b.timing.ReadTimeout, loadTimeout/2))
+		defer cancel()
+		return loadRegionOverrides(ctx, b.origin)
+	}
+	seen, err := load(context.Background())
+	overrides.endLoad()
+	if err != nil {
+		seen = -1
+		log.Warn("loading the region's runtime overrides: retried each fast tick", zap.Error(err))
+	}
+	tick := time.NewTicker(b.timing.FastTick)
+	defer tick.Stop()
+	for {
+		select {
+		case <-stop:
+			return
+		case <-tick.C:
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), b.timing.ReadTimeout)
+		v, err := b.origin.OverridesVersion(ctx)
+		cancel()
+		if err != nil || v == seen {
+			continue
+		}
+		if got, err := load(context.Background()); err == nil {
+			seen = got
+		}
+		overrides.prune(time.Now().UnixMilli())
+	}
+}
+
+// mysqlOverrideHooks are the cross-region layer's hooks of a process
+// that is its own region: overrides pulled from MySQL go to the book.
+func mysqlOverrideHooks(opts *propagation.Options) {
+	opts.OnOverrides = func(rows []propagation.OverrideRow) {
+		recs := make([]overrideRec, len(rows))
+		for i := range rows {
+			recs[i] = recOfRow(&rows[i])
+		}
+		overrides.merge(recs)
+		overrides.prune(time.Now().UnixMilli())
+	}
+}
+
+// loadMySQLOverrides is the first load of a process that is its own
+// region: every override MySQL holds, before its first decision.
+// It tries again until loadTimeout while the schema is being made.
+func (b *mysqlBackend) loadMySQLOverrides() {
+	defer overrides.endLoad()
+	ctx, cancel := context.WithTimeout(context.Background(), loadTimeout)
+	defer cancel()
+	var rows []propagation.OverrideRow
+	var err error
+	for {
+		if rows, err = b.prop.LoadOverrides(ctx); err == nil || ctx.Err() != nil {
+			break
+		}
+		select {
+		case <-ctx.Done():
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+	if err != nil {
+		b.a.logger.Warn("loading the runtime overrides from MySQL: the pulls bring them", zap.Error(err))
+	}
+	recs := make([]overrideRec, len(rows))
+	for i := range rows {
+		recs[i] = recOfRow(&rows[i])
+	}
+	overrides.merge(recs)
+}
