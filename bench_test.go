@@ -190,3 +190,41 @@ func BenchmarkHandler_Keys(b *testing.B) {
 		})
 	}
 }
+
+// BenchmarkHandler_RuntimeOverrides is a warm allowed request with no
+// runtime override loaded, and with 10,000 loaded in the request's zone
+// (none of them its key's, and its key's own): the request path's lookup
+// is one atomic load without overrides, one map lookup with them.
+func BenchmarkHandler_RuntimeOverrides(b *testing.B) {
+	for _, bc := range []struct {
+		name   string
+		loaded int
+		own    bool
+	}{{"none", 0, false}, {"10000_other_keys", 10_000, false}, {"10000_own_key", 10_000, true}} {
+		b.Run(bc.name, func(b *testing.B) {
+			overrides.mu.Lock()
+			overrides.recs = map[overrideKey]overrideRec{}
+			overrides.mu.Unlock()
+			b.Cleanup(func() {
+				overrides.mu.Lock()
+				overrides.recs = map[overrideKey]overrideRec{}
+				overrides.publishLocked()
+				overrides.mu.Unlock()
+			})
+			var recs []overrideRec
+			for i := range bc.loaded {
+				recs = append(recs, overrideRec{Zone: "a", Identifier: "other-" + strconv.Itoa(i), Limit: 1 << 50, Version: 1})
+			}
+			if bc.own {
+				recs = append(recs, overrideRec{Zone: "a", Identifier: "203.0.113.7", Limit: 1 << 50, Version: 1})
+			}
+			overrides.merge(recs)
+			serveOne := warmRequest(b, "off", 1)
+			b.ReportAllocs()
+			b.ResetTimer()
+			for b.Loop() {
+				serveOne()
+			}
+		})
+	}
+}
