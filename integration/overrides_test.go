@@ -1,0 +1,116 @@
+package integration
+
+import (
+	"bytes"
+	"fmt"
+	"net/http"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
+)
+
+// Runtime overrides between real processes (issue 19): a change made on
+// one node of one region reaches every node of every region within
+// 1.2 × (mysql_flush + global_sync).
+
+func (n *regionNode) adminSend(t *testing.T, method, path, body string) int {
+	t.Helper()
+	req, err := http.NewRequest(method, fmt.Sprintf("http://localhost:%d%s", n.admin, path), bytes.NewBufferString(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	return resp.StatusCode
+}
+
+// reachAll waits until every node answers key with want, and returns how
+// long the slowest took.
+func reachAll(t *testing.T, nodes []*regionNode, key string, want int, what string) time.Duration {
+	t.Helper()
+	start := time.Now()
+	var slowest time.Duration
+	var mu sync.Mutex
+	var wg sync.WaitGroup
+	for _, n := range nodes {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			redistest.Eventually(t, 10*time.Second, what, func() bool { return sendKey(loadClient, n.url("/"), key) == want })
+			mu.Lock()
+			slowest = max(slowest, time.Since(start))
+			mu.Unlock()
+		}()
+	}
+	wg.Wait()
+	return slowest
+}
+
+// TestRegions_RuntimeOverrideReachesEveryNode: two regions × two nodes. A
+// PUT on one node of region A raises a denied key's limit, and every node
+// of both regions admits it within the bound; a DELETE on a node of B
+// restores the denials everywhere; an override that expires lapses
+// everywhere; a node started later applies an override from its first
+// decision.
+func TestRegions_RuntimeOverrideReachesEveryNode(t *testing.T) {
+	c := startCluster(t, clusterSpec{regions: 2, nodes: 2, limit: 3, window: pickWindow(2 * time.Minute)})
+	nodes := c.all()
+	bound := time.Duration(1.2 * float64(testFlush+testGlobalSync))
+	key := freshKey("override")
+	for _, n := range nodes {
+		for i := 0; i < 5; i++ {
+			sendKey(loadClient, n.url("/"), key)
+		}
+	}
+	reachAll(t, nodes, key, http.StatusTooManyRequests, "the key denied everywhere")
+	path := "/ratelimit/overrides?zone=global&identifier=" + urlQueryEscape(key)
+	if s := c.regions[0][0].adminSend(t, http.MethodPut, path, `{"limit": 100000, "reason": "plan upgrade"}`); s != http.StatusOK {
+		t.Fatalf("PUT: %d", s)
+	}
+	up := reachAll(t, nodes, key, http.StatusOK, "the raised limit admits everywhere")
+	if s := c.regions[1][1].adminSend(t, http.MethodDelete, path, ""); s != http.StatusOK {
+		t.Fatalf("DELETE on a node of region B: %d", s)
+	}
+	down := reachAll(t, nodes, key, http.StatusTooManyRequests, "the removal denies everywhere")
+	t.Logf("override raised everywhere within %s, removed within %s (bound %s)", up, down, bound)
+	if up > bound || down > bound {
+		t.Fatalf("an override change took %s / %s to reach every node, bound %s", up, down, bound)
+	}
+
+	// An override that expires lapses everywhere by itself.
+	exp := time.Now().Add(2 * time.Second).UTC().Format(time.RFC3339Nano)
+	if s := c.regions[0][1].adminSend(t, http.MethodPut, path, `{"limit": 100000, "expires": "`+exp+`"}`); s != http.StatusOK {
+		t.Fatalf("PUT with an expiry: %d", s)
+	}
+	reachAll(t, nodes, key, http.StatusOK, "the expiring override admits everywhere")
+	reachAll(t, nodes, key, http.StatusTooManyRequests, "the expired override lapsed everywhere")
+
+	// A node that starts applies the overrides from its first decision.
+	blocked := freshKey("blocked")
+	if s := c.regions[1][0].adminSend(t, http.MethodPut, "/ratelimit/overrides?zone=global&identifier="+urlQueryEscape(blocked), `{"limit": 0}`); s != http.StatusOK {
+		t.Fatalf("PUT limit 0: %d", s)
+	}
+	reachAll(t, nodes, blocked, http.StatusTooManyRequests, "limit 0 blocks everywhere")
+	for r := range c.regions {
+		fresh := c.startNode(r)
+		if s := sendFirst(t, fresh, blocked); s != http.StatusTooManyRequests {
+			t.Fatalf("a node of region %d started after the override answered %d to its first request, want 429", r, s)
+		}
+	}
+}
+
+// sendFirst sends the node's first request as soon as it serves.
+func sendFirst(t *testing.T, n *regionNode, key string) int {
+	t.Helper()
+	var status int
+	redistest.Eventually(t, 30*time.Second, "the new node serves", func() bool {
+		status = sendKey(loadClient, n.url("/"), key)
+		return status != 0
+	})
+	return status
+}
