@@ -17,6 +17,9 @@
 // Redis, whose replies carry it to every node. A process without Redis is
 // its own region and does both parts itself against its engine.
 //
+// Operators' runtime overrides travel the same way, in a third table,
+// ratelimit_overrides (overrides.go).
+//
 // A receiver keeps, per cell, the largest count either table gave for each
 // foreign region; their sum is the cell's global count, which decisions
 // weigh but which is never published again: rows carry regional counts
@@ -24,13 +27,14 @@
 //
 // Where each step is:
 //
-//	the loops, the engine's first denials → queue               propagation.go, denials.go
+//	the engine's first denials → queue, entries made             propagation.go, denials.go
 //	the role: lease, take over, hand over                        region.go
 //	member: register cells, leave denial rows                    member.go
 //	holder or own region: publish counts, write denial rows      publish.go, denials.go
 //	pulls of what changed (updated_ms cursor), whole reads,      pull.go
 //	  imports into the region's Redis or the engine
-//	flush, syncs, cleanup, the replica's lag                     ticks.go
+//	runtime overrides: written, pulled, handed on                overrides.go
+//	the loops, flush, syncs, cleanup, the replica's lag          ticks.go
 //	MySQL behind Store: pools, upserts, reads, deletes           store.go, rows.go
 //	schema and its in-place upgrade                              schema.go
 //	settings and defaults, what operators see                    config.go, stats.go

@@ -3,7 +3,6 @@ package propagation
 import (
 	"context"
 	"errors"
-	"math/rand/v2"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -287,121 +286,6 @@ func (p *Propagator) Region() string { return p.cfg.Region }
 
 // Config returns the settings in force, defaults applied.
 func (p *Propagator) Config() Config { return p.cfg }
-
-// Start starts the loops. It succeeds with MySQL down: the schema is
-// migrated in the background once MySQL answers, and until then writes
-// wait (denial rows are kept until they expire).
-func (p *Propagator) Start() {
-	if !p.started.CompareAndSwap(false, true) {
-		return
-	}
-	if p.cfg.NoMigrate {
-		p.ready.Store(true)
-	} else {
-		p.wg.Add(1)
-		go p.migrateLoop()
-	}
-	p.loop(p.cfg.Flush, p.cfg.Flush, func(ctx context.Context) { p.FlushOnce(ctx) })
-	p.loop(p.cfg.GlobalSync, p.cfg.GlobalSync, func(ctx context.Context) { p.GlobalSyncOnce(ctx) })
-	p.loop(p.cfg.BlocklistSync, p.cfg.BlocklistSync, func(ctx context.Context) { p.BlocklistSyncOnce(ctx) })
-	p.loop(cleanupFirst, CleanupInterval, func(ctx context.Context) { p.CleanupOnce(ctx) })
-}
-
-// Stop stops the loops after one last write of what is pending, within
-// ctx: a member leaves its denial rows in the region, a holder writes
-// what it holds and gives the role up. Then it closes the connections.
-func (p *Propagator) Stop(ctx context.Context) {
-	p.stopOnce.Do(func() { close(p.stop) })
-	p.wg.Wait()
-	if p.started.Load() && p.ready.Load() {
-		if p.region != nil {
-			p.putDenials(ctx)
-		}
-		if p.role.Load() != roleMember {
-			p.writeDenials(ctx)
-		}
-		p.releaseRole(ctx)
-	}
-	_ = p.store.Close()
-}
-
-// loop runs fn after a jittered first delay, then every jittered interval,
-// until Stop. Each run is bounded by the query timeout per query, so Stop
-// waits at most for one run. A tick before the schema is ready is skipped.
-func (p *Propagator) loop(first, interval time.Duration, fn func(context.Context)) {
-	p.wg.Add(1)
-	go func() {
-		defer p.wg.Done()
-		ctx, cancel := context.WithCancel(context.Background())
-		defer cancel()
-		go func() {
-			select {
-			case <-p.stop:
-				cancel()
-			case <-ctx.Done():
-			}
-		}()
-		t := time.NewTimer(jitter(first))
-		defer t.Stop()
-		for {
-			select {
-			case <-p.stop:
-				return
-			case <-t.C:
-			}
-			if p.ready.Load() {
-				fn(ctx)
-			}
-			t.Reset(jitter(interval))
-		}
-	}()
-}
-
-// jitter spreads d by ±jitterShare, so the nodes of a fleet do not query
-// in step.
-func jitter(d time.Duration) time.Duration {
-	f := 1 - jitterShare + 2*jitterShare*rand.Float64()
-	return time.Duration(float64(d) * f)
-}
-
-func (p *Propagator) migrateLoop() {
-	defer p.wg.Done()
-	for {
-		ctx, cancel := context.WithTimeout(context.Background(), p.cfg.Timeout*time.Duration(migrateSteps))
-		err := p.store.Migrate(ctx)
-		cancel()
-		if err == nil {
-			p.ready.Store(true)
-			p.log.Info("mysql schema ready", zap.String("database", p.addr))
-			return
-		}
-		p.stats.migrateErrors.Add(1)
-		if p.stats.migrateErrors.Load() == 1 {
-			p.log.Warn("mysql schema migration failed; retrying in the background, cross-region counts wait",
-				zap.String("database", p.addr), zap.Error(err))
-		}
-		select {
-		case <-p.stop:
-			return
-		case <-time.After(migrateRetry):
-		}
-	}
-}
-
-// MigrateOnce migrates the schema on the calling goroutine and marks the
-// layer ready: for tests and tools.
-func (p *Propagator) MigrateOnce(ctx context.Context) error {
-	ctx, cancel := context.WithTimeout(ctx, p.cfg.Timeout*time.Duration(migrateSteps))
-	defer cancel()
-	if err := p.store.Migrate(ctx); err != nil {
-		return err
-	}
-	p.ready.Store(true)
-	return nil
-}
-
-// Ready reports whether the schema is known to exist.
-func (p *Propagator) Ready() bool { return p.ready.Load() }
 
 // query runs fn with a context bounded by the query timeout.
 func (p *Propagator) query(ctx context.Context, fn func(ctx context.Context) error) error {

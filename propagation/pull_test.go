@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"fmt"
+	"strings"
 	"sync"
 	"testing"
 
@@ -229,5 +230,128 @@ func TestPull_ALateCommitWithinTheMarginIsRead(t *testing.T) {
 	b.p.FlushOnce(bg)
 	if c := b.cell(t, "late", seq0); c.Global != 30 {
 		t.Fatalf("b's cell of the late row = %+v, want its 30 as global", c)
+	}
+}
+
+func TestImport_LargerOfTwoTablesPerRegion(t *testing.T) {
+	s := newSetup(t)
+	s.limit = 20
+	a, b := s.region("a"), s.region("b")
+	a.decide("k", 20, 12) // published at 60 %
+	a.p.FlushOnce(bg)
+	a.decide("k", 20, 10) // denied at 20 after 8 more: a row with 20
+	a.p.FlushOnce(bg)
+	b.p.GlobalSyncOnce(bg)
+	b.p.BlocklistSyncOnce(bg)
+	b.p.FlushOnce(bg)
+	if c := b.cell(t, "k", seq0); c.Global != 20 {
+		t.Fatalf("B's global = %d, want 20: region a's units counted once (the larger row)", c.Global)
+	}
+	if got := b.p.ForeignCounts(key("k"), seq0); len(got) != 1 || got["a"] != 20 {
+		t.Fatalf("foreign counts = %v", got)
+	}
+}
+
+func TestImport_OwnRegionRaisesRegionalOnly(t *testing.T) {
+	s := newSetup(t)
+	s.limit = 100
+	a1, a2 := s.region("a"), s.region("a")
+	a1.decide("k", 100, 60)
+	a1.p.FlushOnce(bg)
+	a2.decide("k", 100, 1)
+	a2.p.FlushOnce(bg)
+	if c := a2.cell(t, "k", seq0); c.Regional != 60 || c.Global != 0 {
+		t.Fatalf("a2's cell = %+v, want regional raised to 60 and no global", c)
+	}
+}
+
+func TestImport_PreviousCellFromDenialRow(t *testing.T) {
+	s := newSetup(t)
+	a, b := s.region("a"), s.region("b")
+	a.decide("k", 10, 8)
+	s.clk.Add(window) // next window: 8 weigh as the previous cell
+	a.decide("k", 10, 10)
+	a.p.FlushOnce(bg)
+	b.p.FlushOnce(bg)
+	if c := b.cell(t, "k", seq0); c.Global != 8 {
+		t.Fatalf("B's previous cell global = %d, want count_prev 8", c.Global)
+	}
+	if c := b.cell(t, "k", seq0+1); c.Global == 0 {
+		t.Fatal("B's current cell got nothing from count_cur")
+	}
+}
+
+func TestPull_PeriodicReadsEveryPage(t *testing.T) {
+	s := newSetup(t)
+	b := s.region("b")
+	db := mysqltest.Open(t, s.dsn)
+	const n = 2*pageSize + 17
+	exp := (seq0 + 2) * window.Milliseconds()
+	for start := 0; start < n; start += 500 {
+		var q strings.Builder
+		var args []any
+		q.WriteString(`INSERT INTO ratelimit_global_counts (namespace, identifier, window_ms, sequence, region, count, expires_ms) VALUES `)
+		for i := start; i < min(n, start+500); i++ {
+			if i > start {
+				q.WriteString(",")
+			}
+			q.WriteString("(?, ?, ?, ?, 'a', 3, ?)")
+			args = append(args, []byte("z"), []byte(fmt.Sprintf("id-%05d", i)), window.Milliseconds(), seq0, exp)
+		}
+		if _, err := db.Exec(q.String(), args...); err != nil {
+			t.Fatal(err)
+		}
+	}
+	b.p.FlushOnce(bg) // a process's first pull reads the table whole
+	if st := b.p.Stats(); st.CountsApplied != n || st.Imports != n {
+		t.Fatalf("applied %d rows into %d cells, want %d: a page was skipped", st.CountsApplied, st.Imports, n)
+	}
+	if c := b.cell(t, fmt.Sprintf("id-%05d", n-1), seq0); c.Global != 3 {
+		t.Fatalf("last row's cell = %+v", c)
+	}
+}
+
+func TestPull_PressureTargetsTheBusiestCellsEveryFlush(t *testing.T) {
+	s := newSetup(t)
+	s.limit = 100
+	a, b := s.region("a"), s.region("b")
+	a.decide("hot", 100, 40)
+	a.p.GlobalSyncOnce(bg)
+	a.p.FlushOnce(bg) // published at 40 % on the full push
+	b.decide("hot", 100, 55)
+	// No periodic sync on B: its flush alone pulls the key it is pressed on.
+	b.p.FlushOnce(bg)
+	if c := b.cell(t, "hot", seq0); c.Global != 40 {
+		t.Fatalf("B's global = %d after its flush, want A's 40 from the targeted pull", c.Global)
+	}
+	if st := b.p.Stats(); st.LastPull.IsZero() {
+		t.Fatal("targeted pull not recorded")
+	}
+}
+
+// TestImport_ForAWindowAheadIsAppliedWhenItBeginsHere: region a's clock
+// runs a little ahead, into the next window, and publishes a count there.
+// Region b pulls it before that window begins on b's clock. The engine
+// holds no cell ahead of its clock and dropped the import, which the layer
+// had already recorded: no later pull brought it back, and b never
+// weighed a's units. The import waits until the window begins here.
+func TestImport_ForAWindowAheadIsAppliedWhenItBeginsHere(t *testing.T) {
+	s := newSetup(t)
+	ahead := new(clock)
+	ahead.ms.Store(s.clk.ms.Load() + window.Milliseconds()) // the next window
+	a, b := s.regionOn(ahead, "a"), s.region("b")
+	if n := a.decide("early", 100, 60); n != 60 {
+		t.Fatalf("a admitted %d of 60", n)
+	}
+	a.p.FlushOnce(bg)
+	b.decide("early", 100, 1) // b holds the key, in its current window
+	b.p.FlushOnce(bg)
+	if c := b.cell(t, "early", seq0); c.Global != 0 {
+		t.Fatalf("b imported a's count of the next window into its current one: %+v", c)
+	}
+	s.clk.ms.Add(window.Milliseconds()) // the window begins at b
+	b.p.FlushOnce(bg)
+	if c := b.cell(t, "early", seq0+1); c.Global != 60 {
+		t.Fatalf("b's cell of the window a counted in = %+v, want a's 60 as global", c)
 	}
 }

@@ -4,6 +4,8 @@ import (
 	"os"
 	"strings"
 	"testing"
+
+	"github.com/edgelimit/caddy-ratelimit/internal/mysqltest"
 )
 
 // TestSchema_READMEShowsTheStatements: operators with mysql_migrate off
@@ -20,5 +22,47 @@ func TestSchema_READMEShowsTheStatements(t *testing.T) {
 			first, _, _ := strings.Cut(stmt, "\n")
 			t.Errorf("README lacks the statement beginning %q (as the migration runs it, with a semicolon)", first)
 		}
+	}
+}
+
+func TestMigrate_IdempotentAndBinaryColumns(t *testing.T) {
+	s := newSetup(t)
+	a := s.region("a")
+	if err := a.p.MigrateOnce(bg); err != nil {
+		t.Fatalf("second migration: %v", err)
+	}
+	db := mysqltest.Open(t, s.dsn)
+	rows, err := db.Query(`SELECT table_name, column_name, data_type FROM information_schema.columns
+		WHERE table_schema = DATABASE() ORDER BY table_name, ordinal_position`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rows.Close()
+	var got []string
+	for rows.Next() {
+		var tbl, col, typ string
+		if err := rows.Scan(&tbl, &col, &typ); err != nil {
+			t.Fatal(err)
+		}
+		got = append(got, tbl+"."+col+":"+typ)
+	}
+	want := []string{
+		"ratelimit_blocklist.namespace:varbinary", "ratelimit_blocklist.identifier:varbinary",
+		"ratelimit_blocklist.window_ms:bigint", "ratelimit_blocklist.sequence:bigint",
+		"ratelimit_blocklist.origin_region:varbinary", "ratelimit_blocklist.limit_units:bigint",
+		"ratelimit_blocklist.count_cur:bigint", "ratelimit_blocklist.count_prev:bigint",
+		"ratelimit_blocklist.expires_ms:bigint", "ratelimit_blocklist.updated_ms:bigint",
+		"ratelimit_global_counts.namespace:varbinary", "ratelimit_global_counts.identifier:varbinary",
+		"ratelimit_global_counts.window_ms:bigint", "ratelimit_global_counts.sequence:bigint",
+		"ratelimit_global_counts.region:varbinary", "ratelimit_global_counts.count:bigint",
+		"ratelimit_global_counts.expires_ms:bigint", "ratelimit_global_counts.updated_ms:bigint",
+		"ratelimit_overrides.namespace:varbinary", "ratelimit_overrides.identifier:varbinary",
+		"ratelimit_overrides.limit_units:bigint", "ratelimit_overrides.expires_ms:bigint",
+		"ratelimit_overrides.reason:varbinary", "ratelimit_overrides.origin_region:varbinary",
+		"ratelimit_overrides.version:bigint", "ratelimit_overrides.deleted:tinyint",
+		"ratelimit_overrides.updated_ms:bigint",
+	}
+	if strings.Join(got, " ") != strings.Join(want, " ") {
+		t.Fatalf("columns\n got %v\nwant %v", got, want)
 	}
 }

@@ -96,9 +96,10 @@ func msTime(ms int64) time.Time {
 
 // Stats returns a snapshot of the layer.
 func (p *Propagator) Stats() Stats {
+	st := p.stats.snapshot()
 	p.mu.Lock()
-	pending, imports := int64(len(p.pending)+len(p.denials)), int64(len(p.imports))
-	registry, pendingOv := int64(len(p.reg)), int64(len(p.ovPending))
+	st.PendingDenials, st.Imports = int64(len(p.pending)+len(p.denials)), int64(len(p.imports))
+	st.RegistryCells, st.PendingOverrides = int64(len(p.reg)), int64(len(p.ovPending))
 	var newest int64
 	for _, c := range p.cursor {
 		if c.newest != nil {
@@ -107,14 +108,29 @@ func (p *Propagator) Stats() Stats {
 	}
 	p.mu.Unlock()
 	p.member.Lock()
-	pending += int64(len(p.member.unput))
+	st.PendingDenials += int64(len(p.member.unput))
 	p.member.Unlock()
-	s := &p.stats
-	st := Stats{
-		Region:            p.cfg.Region,
-		Database:          p.addr,
-		Ready:             p.ready.Load(),
-		Breaker:           p.cb.State().String(),
+	st.Region, st.Database, st.Ready = p.cfg.Region, p.addr, p.ready.Load()
+	st.Breaker, st.Role = p.cb.State().String(), roleNames[p.role.Load()]
+	if p.region != nil {
+		st.NodeID = p.region.NodeID()
+		if h := p.holder.Load(); h != nil {
+			st.Holder = *h
+		}
+	}
+	if lag := p.stats.replicaLagMs.Load(); p.cfg.ReadDSN != "" && lag >= 0 {
+		st.ReplicaLag = time.Duration(lag) * time.Millisecond
+	}
+	if newest > 0 {
+		st.NewestRowAge = max(0, p.now().Sub(time.UnixMilli(newest)))
+	}
+	return st
+}
+
+// snapshot reads the counters into a Stats; what the Propagator holds
+// (queues, maps, the role) is Stats' part.
+func (s *counters) snapshot() Stats {
+	return Stats{
 		LastPush:          msTime(s.lastPush.Load()),
 		LastPull:          msTime(s.lastPull[Counts].Load()),
 		LastBlocklistPull: msTime(s.lastPull[Denials].Load()),
@@ -129,42 +145,24 @@ func (p *Propagator) Stats() Stats {
 		WriteErrors:       s.writeErrors.Load(),
 		ReadErrors:        s.readErrors.Load(),
 		MigrateErrors:     s.migrateErrors.Load(),
-		PendingDenials:    pending,
-		Imports:           imports,
 		ImportDrops:       s.importDrops.Load(),
 		WaitingApplied:    s.waitingApplied.Load(),
 		CleanupDeleted:    s.cleanupDeleted.Load(),
-		Role:              roleNames[p.role.Load()],
 		RoleTaken:         s.roleTaken.Load(),
 		RoleLost:          s.roleLost.Load(),
 		LeaseErrors:       s.leaseErrors.Load(),
 		Registered:        s.registered.Load(),
 		DenialsLeft:       s.denialsLeft.Load(),
 		RegionErrors:      s.regionErrors.Load(),
-		RegistryCells:     registry,
 		RegistryDrops:     s.registryDrops.Load(),
 		ImportsSent:       s.importsSent.Load(),
 		CountRowsRead:     s.rowsRead[Counts].Load(),
 		DenialRowsRead:    s.rowsRead[Denials].Load(),
 		OverridesWritten:  s.overridesWritten.Load(),
 		OverrideRowsRead:  s.rowsRead[Overrides].Load(),
-		PendingOverrides:  pendingOv,
 		ChangeReads:       s.changeReads.Load(),
 		WholeReads:        s.wholeReads.Load(),
 		ReplicaLag:        -1,
 		NewestRowAge:      -1,
 	}
-	if p.region != nil {
-		st.NodeID = p.region.NodeID()
-		if h := p.holder.Load(); h != nil {
-			st.Holder = *h
-		}
-	}
-	if p.cfg.ReadDSN != "" && s.replicaLagMs.Load() >= 0 {
-		st.ReplicaLag = time.Duration(s.replicaLagMs.Load()) * time.Millisecond
-	}
-	if newest > 0 {
-		st.NewestRowAge = max(0, p.now().Sub(time.UnixMilli(newest)))
-	}
-	return st
 }

@@ -1,0 +1,76 @@
+package propagation
+
+import (
+	"testing"
+	"time"
+
+	"github.com/edgelimit/caddy-ratelimit/engine"
+)
+
+func TestDenialGossip_OneRowPerRegionAndCell(t *testing.T) {
+	s := newSetup(t)
+	// Two nodes of region a (say, sharing a Redis): each denies the cell
+	// once; the table holds one row for (a, cell) with the larger counts.
+	a1, a2 := s.region("a"), s.region("a")
+	a1.decide("k", 10, 12)
+	a2.decide("k", 10, 11)
+	a1.p.FlushOnce(bg)
+	a2.p.FlushOnce(bg)
+	a1.decide("k", 10, 5) // more denials: no new first denial
+	a1.p.FlushOnce(bg)
+	if n := countRows(t, s.dsn, "ratelimit_blocklist", ""); n != 1 {
+		t.Fatalf("%d rows for one (region, cell), want 1", n)
+	}
+	if st := a1.p.Stats(); st.DenialsEmitted != 1 {
+		t.Fatalf("node emitted %d rows for one cell, want 1", st.DenialsEmitted)
+	}
+}
+
+func TestDenialGossip_FilterHalfLimitAndMinWindow(t *testing.T) {
+	s := newSetup(t)
+	a := s.region("a")
+	// One oversized request on a fresh key: denied, not broadcast.
+	a.eng.Decide(bg, engine.Limit{Key: key("big"), Limit: 10, Cost: 11})
+	// A short window stays regional.
+	short := engine.Key{Namespace: "z", Identifier: "short", Window: time.Second}
+	for i := 0; i < 12; i++ {
+		a.eng.Decide(bg, engine.Limit{Key: short, Limit: 10, Cost: 1})
+	}
+	a.p.FlushOnce(bg)
+	if n := countRows(t, s.dsn, "ratelimit_blocklist", ""); n != 0 {
+		t.Fatalf("%d rows written; want none", n)
+	}
+}
+
+func TestOutage_DenialDroppedAtExpiry(t *testing.T) {
+	s := newSetup(t)
+	eng := engine.New(engine.Config{Now: s.clk.Now, Manual: true})
+	defer eng.Close(bg)
+	// A port nothing listens on: every write fails fast.
+	p, err := New(Config{DSN: "root:@tcp(127.0.0.1:1)/db", Region: "a", Timeout: 100 * time.Millisecond}, eng, Options{Now: s.clk.Now})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Stop(bg)
+	eng.SetGlobal(p)
+	p.ready.Store(true)
+	for i := 0; i < 11; i++ {
+		eng.Decide(bg, engine.Limit{Key: key("k"), Limit: 10, Cost: 1})
+	}
+	p.FlushOnce(bg)
+	if st := p.Stats(); st.PendingDenials != 1 || st.DroppedBatches < 1 {
+		t.Fatalf("after a failed write: %+v", st)
+	}
+	// Published counts were not marked: they are due again.
+	eng.ScanCells(window, func(v *engine.CellView) bool {
+		if v.Published != 0 {
+			t.Errorf("published mark advanced to %d without a successful write", v.Published)
+		}
+		return true
+	})
+	s.clk.Add(2 * window)
+	p.FlushOnce(bg)
+	if st := p.Stats(); st.PendingDenials != 0 || st.DenialsExpired != 1 {
+		t.Fatalf("after expiry: %+v", st)
+	}
+}

@@ -1,0 +1,110 @@
+package propagation
+
+import (
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest/observer"
+
+	"github.com/edgelimit/caddy-ratelimit/engine"
+	"github.com/edgelimit/caddy-ratelimit/internal/mysqltest"
+)
+
+func TestHostileIdentifiers_RoundTripExactly(t *testing.T) {
+	s := newSetup(t)
+	s.limit = 1000
+	ids := []string{
+		"Key", "key", "KEY", "key ", "key  ", " key", "k\xff\xfe", "k\xc3\x28",
+		"a:b", "a}b{", "a'b", `a"b`, "a\\b", "a\x00b", "a\x00", "a%b", "a_b", "';DROP TABLE ratelimit_blocklist;--",
+		strings.Repeat("x", 10_000), strings.Repeat("x", 10_001), strings.Repeat("é", 32),
+	}
+	a, b := s.region("a"), s.region("b")
+	for i, id := range ids {
+		a.decide(id, 1000, 600+i) // pressure ≥ 50 %: pushed on the flush
+	}
+	a.p.FlushOnce(bg)
+	b.p.FlushOnce(bg)
+	if n := countRows(t, s.dsn, "ratelimit_global_counts", ""); n != len(ids) {
+		t.Fatalf("%d rows for %d distinct identifiers: some merged", n, len(ids))
+	}
+	for i, id := range ids {
+		want := int64(600 + i)
+		norm := engine.NormalizeIdentifier(id)
+		var got int64
+		db := mysqltest.Open(t, s.dsn)
+		if err := db.QueryRow(`SELECT count FROM ratelimit_global_counts WHERE identifier = ?`, []byte(norm)).Scan(&got); err != nil || got != want {
+			t.Errorf("identifier #%d: row count %d (%v), want %d", i, got, err, want)
+		}
+		ks, ok := b.eng.Inspect(key(id))
+		if !ok || ks.Cells[0].Global != want {
+			t.Errorf("identifier #%d: B's global %v, want %d", i, ks.Cells, want)
+		}
+	}
+}
+
+func TestNew_ErrorsNeverQuoteThePassword(t *testing.T) {
+	eng := engine.New(engine.Config{Manual: true})
+	defer eng.Close(bg)
+	for i, dsn := range []string{
+		"root:s3cretpw@tcp(127.0.0.1:1)/",                    // no database
+		"root:s3cretpw@tcp(127.0.0.1:1)/db?tls=s3cretpw",     // echoes a value
+		"root:s3cretpw@tcp(127.0.0.1:1/db",                   // malformed
+		"root:s3cretpw@tcp(127.0.0.1:1)/db?timeout=s3cretpw", // echoes a value
+	} {
+		_, err := New(Config{DSN: dsn, Region: "a"}, eng, Options{})
+		if err == nil {
+			t.Fatalf("DSN %d accepted", i)
+		}
+		if strings.Contains(err.Error(), "s3cretpw") {
+			t.Fatalf("error quotes the password: %v", err)
+		}
+	}
+	p, err := New(Config{DSN: "root:s3cretpw@tcp(127.0.0.1:1)/db", Region: "a"}, eng, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st := p.Stats(); strings.Contains(st.Database, "s3cretpw") || st.Database != "tcp(127.0.0.1:1)/db" {
+		t.Fatalf("database shown as %q", st.Database)
+	}
+	p.Stop(bg)
+}
+
+func TestDriverLog_GoesToTheModuleLoggerWithoutThePassword(t *testing.T) {
+	mysqltest.Require(t)
+	srv := mysqltest.Start(t)
+	// The server skips grant tables, so any password is accepted.
+	dsn := strings.Replace(srv.NewDatabase(t), "root:@", "root:drv-s3cretpw@", 1)
+	core, logs := observer.New(zap.DebugLevel)
+	eng := engine.New(engine.Config{Manual: true})
+	defer eng.Close(bg)
+	p, err := New(Config{DSN: dsn, Region: "a", Timeout: 2 * time.Second}, eng, Options{Logger: zap.New(core)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Stop(bg)
+	if err := p.MigrateOnce(bg); err != nil {
+		t.Fatal(err)
+	}
+	// Kill the server under the pool's idle connection and bring it back:
+	// the driver finds the connection dead and says so, through our logger.
+	if err := srv.Restart(); err != nil {
+		t.Fatal(err)
+	}
+	p.FlushOnce(bg)
+	found := false
+	for _, e := range logs.All() {
+		line := e.Message + fmt.Sprint(e.ContextMap())
+		if strings.Contains(line, "drv-s3cretpw") {
+			t.Fatalf("a log line quotes the password: %s", line)
+		}
+		if strings.HasPrefix(e.Message, "mysql driver: ") {
+			found = true
+		}
+	}
+	if !found {
+		t.Fatalf("no driver line reached the logger; lines: %d", logs.Len())
+	}
+}

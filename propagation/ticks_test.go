@@ -1,0 +1,108 @@
+package propagation
+
+import (
+	"testing"
+	"time"
+
+	"github.com/edgelimit/caddy-ratelimit/engine"
+	"github.com/edgelimit/caddy-ratelimit/internal/mysqltest"
+)
+
+func TestCleanup_DeletesExpiredRowsOnly(t *testing.T) {
+	s := newSetup(t)
+	a := s.region("a")
+	db := mysqltest.Open(t, s.dsn)
+	now := s.clk.Now().UnixMilli()
+	for i, exp := range []int64{now - 1, now, now + 1, now + 60_000} {
+		if _, err := db.Exec(`INSERT INTO ratelimit_global_counts (namespace, identifier, window_ms, sequence, region, count, expires_ms)
+			VALUES (?, ?, 60000, 1, 'x', 5, ?)`,
+			[]byte("z"), []byte{byte('a' + i)}, exp); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := db.Exec(`INSERT INTO ratelimit_blocklist (namespace, identifier, window_ms, sequence, origin_region, limit_units, count_cur, count_prev, expires_ms)
+			VALUES (?, ?, 60000, 1, 'x', 10, 5, 0, ?)`,
+			[]byte("z"), []byte{byte('a' + i)}, exp); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n := a.p.CleanupOnce(bg); n != 4 {
+		t.Fatalf("deleted %d rows, want 4 (two expired per table)", n)
+	}
+	for _, tbl := range []string{"ratelimit_global_counts", "ratelimit_blocklist"} {
+		if n := countRows(t, s.dsn, tbl, "WHERE expires_ms > ?", now); n != 2 {
+			t.Fatalf("%s: %d live rows left, want 2", tbl, n)
+		}
+		if n := countRows(t, s.dsn, tbl, ""); n != 2 {
+			t.Fatalf("%s: %d rows left, want the 2 live ones", tbl, n)
+		}
+	}
+}
+
+func TestOutage_StartsDownMigratesLaterAndRetriesDenials(t *testing.T) {
+	mysqltest.Require(t)
+	srv := mysqltest.Start(t)
+	dsn := srv.NewDatabase(t)
+	srv.Stop()
+
+	clk := new(clock)
+	clk.ms.Store(time.Now().UnixMilli())
+	eng := engine.New(engine.Config{Now: clk.Now, Manual: true})
+	defer eng.Close(bg)
+	p, err := New(Config{
+		DSN: dsn, Region: "a", Timeout: 200 * time.Millisecond,
+		Flush: time.Hour, GlobalSync: time.Hour, BlocklistSync: time.Hour,
+	}, eng, Options{Now: clk.Now})
+	if err != nil {
+		t.Fatal(err)
+	}
+	eng.SetGlobal(p)
+	p.Start() // MySQL is down: Start must not fail or block
+	defer p.Stop(bg)
+	if p.Ready() {
+		t.Fatal("ready with MySQL down")
+	}
+	for i := 0; i < 12; i++ {
+		eng.Decide(bg, engine.Limit{Key: key("k"), Limit: 10, Cost: 1})
+	}
+	p.ready.Store(true) // force a write attempt while down
+	p.FlushOnce(bg)
+	if st := p.Stats(); st.DroppedBatches == 0 || st.PendingDenials != 1 {
+		t.Fatalf("stats while down: %+v", st)
+	}
+	p.ready.Store(false)
+	if err := srv.Restart(); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for !p.Ready() {
+		if time.Now().After(deadline) {
+			t.Fatal("schema not migrated within 30 s of MySQL coming back")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	// The breaker may be open from the failures: wait it out with writes.
+	for p.Stats().DenialsEmitted == 0 {
+		if time.Now().After(deadline.Add(30 * time.Second)) {
+			t.Fatalf("denial row not retried after recovery: %+v", p.Stats())
+		}
+		p.FlushOnce(bg)
+		time.Sleep(50 * time.Millisecond)
+	}
+	if n := countRows(t, dsn, "ratelimit_blocklist", ""); n != 1 {
+		t.Fatalf("%d rows after the retry, want 1", n)
+	}
+}
+
+func TestJitter_WithinTwentyPercent(t *testing.T) {
+	lo, hi := time.Hour, time.Duration(0)
+	for i := 0; i < 10_000; i++ {
+		d := jitter(time.Second)
+		lo, hi = min(lo, d), max(hi, d)
+	}
+	if lo < 800*time.Millisecond || hi > 1200*time.Millisecond {
+		t.Fatalf("jitter spread [%s, %s], want within ±20 %%", lo, hi)
+	}
+	if lo > 850*time.Millisecond || hi < 1150*time.Millisecond {
+		t.Fatalf("jitter spread [%s, %s] uses too little of ±20 %%", lo, hi)
+	}
+}
