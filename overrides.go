@@ -27,10 +27,10 @@ import (
 
 // overrideRec is one override, or its removal.
 type overrideRec struct {
-	Zone string `json:"zone"`
+	Zone string `json:"zone,omitempty"`
 	// Identifier is as the handler counts it (an IP masked to its
 	// prefix, a long one hashed), an HMAC under identifier_secret.
-	Identifier string `json:"identifier"`
+	Identifier string `json:"identifier,omitempty"`
 	Limit      int64  `json:"limit"`
 	// ExpiresMs is when it lapses (Unix ms), 0 never; a removal lapses a
 	// day after it was made, once every region had time to read it.
@@ -55,17 +55,23 @@ func (r *overrideRec) live(now int64) bool {
 // zone name (no NUL) cannot blur.
 func (r *overrideRec) field() string { return r.Zone + "\x00" + r.Identifier }
 
+// regionValue is r as the region's hash holds it. Zone and identifier
+// are the field, bytes as they are (JSON would mangle an identifier that
+// is not UTF-8); the value is the rest, in JSON.
 func (r *overrideRec) regionValue() origin.Override {
-	b, _ := json.Marshal(r) // strings and numbers always encode
+	v := *r
+	v.Zone, v.Identifier = "", ""
+	b, _ := json.Marshal(v) // strings and numbers always encode
 	return origin.Override{Field: r.field(), Version: r.Version, Value: string(b)}
 }
 
 func recOfRegion(o origin.Override) (overrideRec, bool) {
 	var r overrideRec
-	if err := json.Unmarshal([]byte(o.Value), &r); err != nil || r.field() != o.Field {
+	zone, id, ok := strings.Cut(o.Field, "\x00")
+	if !ok || json.Unmarshal([]byte(o.Value), &r) != nil || r.Zone != "" || r.Identifier != "" {
 		return r, false
 	}
-	r.Version = o.Version
+	r.Zone, r.Identifier, r.Version = zone, id, o.Version
 	return r, true
 }
 

@@ -1,8 +1,6 @@
 package ratelimit
 
 import (
-	"bytes"
-	"context"
 	"fmt"
 	"net/http"
 	"strings"
@@ -10,7 +8,6 @@ import (
 	"time"
 
 	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
-	"github.com/edgelimit/caddy-ratelimit/origin"
 )
 
 // resetOverrides empties the process's book before and after a test: it
@@ -47,16 +44,6 @@ func overrideConfig(global string) func(admin, port int) string {
 		respond "ok"
 	}`)
 	}
-}
-
-func adminSend(t *testing.T, admin int, method, path, body string) adminReply {
-	t.Helper()
-	req, err := http.NewRequest(method, fmt.Sprintf("http://localhost:%d%s", admin, path), strings.NewReader(body))
-	if err != nil {
-		t.Fatal(err)
-	}
-	status, header, b := roundTrip(t, http.DefaultClient, req)
-	return adminReply{status: status, header: header, body: b}
 }
 
 // admitted sends n requests for key and counts the 200s.
@@ -135,110 +122,4 @@ func portOf(t *testing.T, base string) int {
 		t.Fatal(err)
 	}
 	return p
-}
-
-// TestOverrides_IdentifiersAreMatchedAsTheHandlerCountsThem: an override
-// set for one IPv6 address applies to its whole /64, as the zone counts.
-func TestOverrides_IdentifiersAreMatchedAsTheHandlerCountsThem(t *testing.T) {
-	resetOverrides(t)
-	_, admin, base := startCaddy(t, overrideConfig(""))
-	var doc overrideDoc
-	adminSend(t, admin, http.MethodPut, "/ratelimit/overrides?zone=ov&identifier=2001:db8:1:2::1", `{"limit": 0}`).decode(t, http.StatusOK, &doc)
-	if doc.Identifier != "2001:db8:1:2::/64" {
-		t.Fatalf("stored as %q, want the /64", doc.Identifier)
-	}
-	if n := admitted(t, base, "2001:db8:1:2::99", 2); n != 0 {
-		t.Fatalf("limit 0 on the /64 admitted %d for another address in it", n)
-	}
-	if n := admitted(t, base, "2001:db8:1:3::1", 2); n != 2 {
-		t.Fatalf("another /64 admitted %d, want its 2", n)
-	}
-}
-
-// TestOverrides_BadInputIsRefusedAndStoresNothing: every malformed change
-// is a 400 with a JSON error (an unknown zone a 404), and none is stored.
-func TestOverrides_BadInputIsRefusedAndStoresNothing(t *testing.T) {
-	resetOverrides(t)
-	_, admin, _ := startCaddy(t, overrideConfig(""))
-	past := time.Now().Add(-time.Minute).UTC().Format(time.RFC3339)
-	const path = "/ratelimit/overrides?zone=ov&identifier=k"
-	cases := []struct {
-		name, method, path, body string
-		status                   int
-	}{
-		{"negative limit", http.MethodPut, path, `{"limit": -1}`, 400},
-		{"huge limit", http.MethodPut, path, `{"limit": 9007199254740992}`, 400},
-		{"limit past int64", http.MethodPut, path, `{"limit": 99999999999999999999}`, 400},
-		{"fractional limit", http.MethodPut, path, `{"limit": 1.5}`, 400},
-		{"no limit", http.MethodPut, path, `{"reason": "x"}`, 400},
-		{"malformed JSON", http.MethodPut, path, `{"limit": `, 400},
-		{"two values", http.MethodPut, path, `{"limit": 1} {"limit": 2}`, 400},
-		{"unknown field", http.MethodPut, path, `{"limit": 1, "scope": "global"}`, 400},
-		{"expiry in the past", http.MethodPut, path, `{"limit": 1, "expires": "` + past + `"}`, 400},
-		{"expiry not a time", http.MethodPut, path, `{"limit": 1, "expires": "tomorrow"}`, 400},
-		{"reason too long", http.MethodPut, path, `{"limit": 1, "reason": "` + strings.Repeat("r", 513) + `"}`, 400},
-		{"body over 64 KiB", http.MethodPut, path, `{"limit": 1, "reason": "` + strings.Repeat("r", 70<<10) + `"}`, 400},
-		{"no identifier", http.MethodPut, "/ratelimit/overrides?zone=ov", `{"limit": 1}`, 400},
-		{"empty identifier", http.MethodPut, "/ratelimit/overrides?zone=ov&identifier=", `{"limit": 1}`, 400},
-		{"unknown parameter", http.MethodPut, path + "&scope=global", `{"limit": 1}`, 400},
-		{"no zone", http.MethodPut, "/ratelimit/overrides?identifier=k", `{"limit": 1}`, 400},
-		{"unknown zone", http.MethodPut, "/ratelimit/overrides?zone=nope&identifier=k", `{"limit": 1}`, 404},
-		{"POST", http.MethodPost, path, `{"limit": 1}`, 405},
-		{"DELETE of none", http.MethodDelete, path, "", 404},
-	}
-	for _, c := range cases {
-		r := adminSend(t, admin, c.method, c.path, c.body)
-		if r.status != c.status {
-			t.Errorf("%s: %d %s, want %d", c.name, r.status, bytes.TrimSpace(r.body), c.status)
-			continue
-		}
-		if c.status != 405 && !bytes.HasPrefix(bytes.TrimSpace(r.body), []byte("{")) {
-			t.Errorf("%s: body %q is not a JSON error", c.name, r.body)
-		}
-	}
-	if n := overrides.active(); n != 0 {
-		t.Fatalf("%d overrides stored after bad input", n)
-	}
-}
-
-// TestOverrides_RegionScopeReachesTheOtherNodesThroughRedis: with Redis,
-// a PUT is stored in the region (scope region); a change another node
-// left in the region reaches this one within a few fast ticks, and a
-// process that starts applies the region's overrides from its first
-// decision.
-func TestOverrides_RegionScopeReachesTheOtherNodesThroughRedis(t *testing.T) {
-	resetOverrides(t)
-	srv := redistest.Start(t)
-	global := fmt.Sprintf("\tratelimit {\n\t\tregion ov-test\n\t\tredis %s\n\t\tfast_tick 10ms\n\t}", srv.URL())
-	// Another node's change, in the region before this process starts.
-	other, err := origin.New(origin.Config{Redis: []string{srv.URL()}}, origin.Options{NodeID: "other"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = other.Close() })
-	put := func(id string, limit int64) {
-		t.Helper()
-		rec := overrideRec{Zone: "ov", Identifier: id, Limit: limit, Region: "ov-test", CreatedMs: time.Now().UnixMilli(), Version: time.Now().UnixMicro()}
-		if _, err := other.PutOverrides(context.Background(), []origin.Override{rec.regionValue()}, false); err != nil {
-			t.Fatal(err)
-		}
-	}
-	put("early", 0)
-	_, admin, base := startCaddy(t, overrideConfig(global))
-	if n := admitted(t, base, "early", 1); n != 0 {
-		t.Fatalf("the region's limit-0 override set before start admitted %d on the first request", n)
-	}
-	var doc overrideDoc
-	adminSend(t, admin, http.MethodPut, "/ratelimit/overrides?zone=ov&identifier=mine", `{"limit": 7}`).decode(t, http.StatusOK, &doc)
-	if doc.Scope != scopeRegion {
-		t.Fatalf("scope %q, want region", doc.Scope)
-	}
-	_, all, err := other.Overrides(context.Background())
-	if err != nil || len(all) != 2 {
-		t.Fatalf("the region holds %+v (%v), want early and mine", all, err)
-	}
-	put("late", 0)
-	start := time.Now()
-	redistest.Eventually(t, 5*time.Second, "another node's change applied here", func() bool { return admitted(t, base, "late", 1) == 0 })
-	t.Logf("another node's change applied here within %s", time.Since(start))
 }

@@ -1,0 +1,55 @@
+package ratelimit
+
+import (
+	"testing"
+	"time"
+
+	"github.com/edgelimit/caddy-ratelimit/origin"
+	"github.com/edgelimit/caddy-ratelimit/propagation"
+)
+
+// TestRegionAdapter_OverridesRoundTrip: an override travels from MySQL's
+// row to the region's Redis value and back unchanged, removals and
+// identifiers that are not UTF-8 included, and a value that is not an
+// override (or names a field of its own) is skipped, not guessed at.
+func TestRegionAdapter_OverridesRoundTrip(t *testing.T) {
+	for _, row := range []propagation.OverrideRow{
+		{Namespace: "z", Identifier: "key\x00with\xffbytes", Limit: 7, ExpiresMs: 1_800_000_000_000, Reason: "plan", Region: "eu", Version: 1_700_000_000_000_001},
+		{Namespace: "z", Identifier: "gone", Region: "us", Version: 5, Deleted: true, ExpiresMs: 9},
+	} {
+		rec := recOfRow(&row)
+		back, ok := recOfRegion(rec.regionValue())
+		if !ok {
+			t.Fatalf("%q did not come back", row.Identifier)
+		}
+		if got := back.row(); got != row {
+			t.Fatalf("round trip\n got %+v\nwant %+v", got, row)
+		}
+		if back.CreatedMs != row.Version/1000 {
+			t.Fatalf("created %d from version %d", back.CreatedMs, row.Version)
+		}
+	}
+	good := (&overrideRec{Zone: "z", Identifier: "a", Version: 1}).regionValue()
+	for _, bad := range []origin.Override{
+		{Field: good.Field, Version: 1, Value: "not json"},
+		{Field: "no separator", Version: 1, Value: good.Value},
+		{Field: good.Field, Version: 1, Value: `{"zone": "y", "identifier": "b"}`},
+	} {
+		if _, ok := recOfRegion(bad); ok {
+			t.Fatalf("%+v was taken for an override", bad)
+		}
+	}
+}
+
+// TestRegionAdapter_CellsKeepTheirWindow: a cell named as rows name it
+// becomes the origin's key and sequence and back.
+func TestRegionAdapter_CellsKeepTheirWindow(t *testing.T) {
+	c := propagation.Cell{Namespace: "z", Identifier: "k", WindowMs: 90_000, Sequence: 42}
+	rc := roleCell(c)
+	if rc.Key.Window != 90*time.Second || rc.Sequence != 42 {
+		t.Fatalf("role cell %+v", rc)
+	}
+	if back := layerCell(rc.Key, rc.Sequence); back != c {
+		t.Fatalf("back %+v, want %+v", back, c)
+	}
+}

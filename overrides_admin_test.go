@@ -1,0 +1,84 @@
+package ratelimit
+
+import (
+	"bytes"
+	"fmt"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+)
+
+func adminSend(t *testing.T, admin int, method, path, body string) adminReply {
+	t.Helper()
+	req, err := http.NewRequest(method, fmt.Sprintf("http://localhost:%d%s", admin, path), strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	status, header, b := roundTrip(t, http.DefaultClient, req)
+	return adminReply{status: status, header: header, body: b}
+}
+
+// TestOverrides_IdentifiersAreMatchedAsTheHandlerCountsThem: an override
+// set for one IPv6 address applies to its whole /64, as the zone counts.
+func TestOverrides_IdentifiersAreMatchedAsTheHandlerCountsThem(t *testing.T) {
+	resetOverrides(t)
+	_, admin, base := startCaddy(t, overrideConfig(""))
+	var doc overrideDoc
+	adminSend(t, admin, http.MethodPut, "/ratelimit/overrides?zone=ov&identifier=2001:db8:1:2::1", `{"limit": 0}`).decode(t, http.StatusOK, &doc)
+	if doc.Identifier != "2001:db8:1:2::/64" {
+		t.Fatalf("stored as %q, want the /64", doc.Identifier)
+	}
+	if n := admitted(t, base, "2001:db8:1:2::99", 2); n != 0 {
+		t.Fatalf("limit 0 on the /64 admitted %d for another address in it", n)
+	}
+	if n := admitted(t, base, "2001:db8:1:3::1", 2); n != 2 {
+		t.Fatalf("another /64 admitted %d, want its 2", n)
+	}
+}
+
+// TestOverrides_BadInputIsRefusedAndStoresNothing: every malformed change
+// is a 400 with a JSON error (an unknown zone a 404), and none is stored.
+func TestOverrides_BadInputIsRefusedAndStoresNothing(t *testing.T) {
+	resetOverrides(t)
+	_, admin, _ := startCaddy(t, overrideConfig(""))
+	past := time.Now().Add(-time.Minute).UTC().Format(time.RFC3339)
+	const path = "/ratelimit/overrides?zone=ov&identifier=k"
+	cases := []struct {
+		name, method, path, body string
+		status                   int
+	}{
+		{"negative limit", http.MethodPut, path, `{"limit": -1}`, 400},
+		{"huge limit", http.MethodPut, path, `{"limit": 9007199254740992}`, 400},
+		{"limit past int64", http.MethodPut, path, `{"limit": 99999999999999999999}`, 400},
+		{"fractional limit", http.MethodPut, path, `{"limit": 1.5}`, 400},
+		{"no limit", http.MethodPut, path, `{"reason": "x"}`, 400},
+		{"malformed JSON", http.MethodPut, path, `{"limit": `, 400},
+		{"two values", http.MethodPut, path, `{"limit": 1} {"limit": 2}`, 400},
+		{"unknown field", http.MethodPut, path, `{"limit": 1, "scope": "global"}`, 400},
+		{"expiry in the past", http.MethodPut, path, `{"limit": 1, "expires": "` + past + `"}`, 400},
+		{"expiry not a time", http.MethodPut, path, `{"limit": 1, "expires": "tomorrow"}`, 400},
+		{"reason too long", http.MethodPut, path, `{"limit": 1, "reason": "` + strings.Repeat("r", 513) + `"}`, 400},
+		{"body over 64 KiB", http.MethodPut, path, `{"limit": 1, "reason": "` + strings.Repeat("r", 70<<10) + `"}`, 400},
+		{"no identifier", http.MethodPut, "/ratelimit/overrides?zone=ov", `{"limit": 1}`, 400},
+		{"empty identifier", http.MethodPut, "/ratelimit/overrides?zone=ov&identifier=", `{"limit": 1}`, 400},
+		{"unknown parameter", http.MethodPut, path + "&scope=global", `{"limit": 1}`, 400},
+		{"no zone", http.MethodPut, "/ratelimit/overrides?identifier=k", `{"limit": 1}`, 400},
+		{"unknown zone", http.MethodPut, "/ratelimit/overrides?zone=nope&identifier=k", `{"limit": 1}`, 404},
+		{"POST", http.MethodPost, path, `{"limit": 1}`, 405},
+		{"DELETE of none", http.MethodDelete, path, "", 404},
+	}
+	for _, c := range cases {
+		r := adminSend(t, admin, c.method, c.path, c.body)
+		if r.status != c.status {
+			t.Errorf("%s: %d %s, want %d", c.name, r.status, bytes.TrimSpace(r.body), c.status)
+			continue
+		}
+		if c.status != 405 && !bytes.HasPrefix(bytes.TrimSpace(r.body), []byte("{")) {
+			t.Errorf("%s: body %q is not a JSON error", c.name, r.body)
+		}
+	}
+	if n := overrides.active(); n != 0 {
+		t.Fatalf("%d overrides stored after bad input", n)
+	}
+}
