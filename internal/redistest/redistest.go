@@ -8,7 +8,6 @@ package redistest
 
 import (
 	"bufio"
-	"bytes"
 	"context"
 	"crypto/ecdsa"
 	"crypto/elliptic"
@@ -17,9 +16,7 @@ import (
 	"crypto/x509"
 	"crypto/x509/pkix"
 	"encoding/pem"
-	"errors"
 	"fmt"
-	"io"
 	"math/big"
 	"net"
 	"os"
@@ -28,7 +25,6 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -87,30 +83,6 @@ func WithArgs(args ...string) Option {
 // certificate for 127.0.0.1 (see CAFile and ClientTLS).
 func WithTLS() Option {
 	return func(s *Server) { s.tlsConfig = &tls.Config{MinVersion: tls.VersionTLS12} }
-}
-
-// SentinelMaster is the master name StartSentinel monitors.
-const SentinelMaster = "mymaster"
-
-// StartSentinel starts a Redis Sentinel that monitors master under the name
-// SentinelMaster, and stops it when the test ends.
-func StartSentinel(t testing.TB, master *Server) *Server {
-	t.Helper()
-	return Start(t, func(s *Server) { s.sentinelOf = master })
-}
-
-func (s *Server) writeSentinelConf() error {
-	m := s.sentinelOf
-	conf := fmt.Sprintf("port %d\nbind 127.0.0.1\ndir %s\nlogfile %s\n"+
-		"sentinel monitor %s 127.0.0.1 %d 1\nsentinel down-after-milliseconds %s 5000\n",
-		s.port, s.dir, filepath.Join(s.dir, "redis.log"), SentinelMaster, m.port, SentinelMaster)
-	if m.password != "" {
-		conf += fmt.Sprintf("sentinel auth-pass %s %s\n", SentinelMaster, m.password)
-	}
-	if err := os.WriteFile(filepath.Join(s.dir, "sentinel.conf"), []byte(conf), 0o600); err != nil {
-		return fmt.Errorf("write sentinel.conf: %w", err)
-	}
-	return nil
 }
 
 // writeCert writes a self-signed certificate for 127.0.0.1 and its key to
@@ -433,77 +405,6 @@ func ParseCommandStats(info string) (map[string]int64, error) {
 	return out, sc.Err()
 }
 
-// Cluster is a Redis Cluster of private servers, every node a master.
-type Cluster struct {
-	Nodes []*Server
-}
-
-// Addrs returns the nodes' host:port addresses.
-func (c *Cluster) Addrs() []string {
-	out := make([]string, len(c.Nodes))
-	for i, n := range c.Nodes {
-		out[i] = n.Addr()
-	}
-	return out
-}
-
-// StartCluster starts n cluster-enabled servers with explicit cluster bus
-// ports, joins them with `redis-cli --cluster create` (all masters, slots
-// split evenly) and waits until every node reports cluster_state:ok.
-func StartCluster(t testing.TB, n int) *Cluster {
-	t.Helper()
-	cli, err := exec.LookPath("redis-cli")
-	if err != nil {
-		if os.Getenv("CI") == "true" {
-			t.Fatalf("redis-cli not found on PATH (required when CI=true): %v", err)
-		}
-		t.Skipf("redis-cli not found on PATH: %v", err)
-	}
-	c := &Cluster{}
-	for i := 0; i < n; i++ {
-		// The bus port must be free too: by default it is port + 10000,
-		// which nothing reserves for us.
-		bus, err := FreePort()
-		if err != nil {
-			t.Fatalf("redistest: %v", err)
-		}
-		c.Nodes = append(c.Nodes, Start(t, WithArgs(
-			"--cluster-enabled", "yes",
-			"--cluster-config-file", "nodes.conf",
-			"--cluster-port", strconv.Itoa(bus),
-			"--cluster-node-timeout", "5000",
-		)))
-	}
-	args := append([]string{"--cluster", "create"}, c.Addrs()...)
-	args = append(args, "--cluster-replicas", "0", "--cluster-yes")
-	ctx, cancel := context.WithTimeout(context.Background(), clusterTimeout)
-	defer cancel()
-	var out bytes.Buffer
-	cmd := exec.CommandContext(ctx, cli, args...)
-	cmd.Stdout, cmd.Stderr = &out, &out
-	if err := cmd.Run(); err != nil {
-		t.Fatalf("redistest: redis-cli --cluster create: %v\n%s", err, out.String())
-	}
-	for _, node := range c.Nodes {
-		cl := redis.NewClient(&redis.Options{Addr: node.Addr(), MaxRetries: -1})
-		err := waitFor(ctx, func() error {
-			info, err := cl.ClusterInfo(ctx).Result()
-			if err != nil {
-				return err
-			}
-			if !strings.Contains(info, "cluster_state:ok") {
-				return errors.New("cluster_state is not ok yet")
-			}
-			return nil
-		})
-		cl.Close()
-		if err != nil {
-			t.Fatalf("redistest: cluster node %s: %v", node.Addr(), err)
-		}
-	}
-	return c
-}
-
 // waitFor polls check until it succeeds or ctx ends.
 func waitFor(ctx context.Context, check func() error) error {
 	for {
@@ -531,83 +432,4 @@ func Eventually(t testing.TB, timeout time.Duration, msg string, cond func() boo
 		}
 		time.Sleep(pollInterval)
 	}
-}
-
-// Proxy is a TCP proxy in front of a server that delays every reply: a
-// slow Redis, as a saturated or far-away one looks to its clients.
-type Proxy struct {
-	ln    net.Listener
-	delay atomic.Int64 // nanoseconds
-	wg    sync.WaitGroup
-	mu    sync.Mutex
-	conns []net.Conn
-}
-
-// StartDelayProxy listens on a free loopback port and forwards to upstream
-// (host:port), holding each chunk of the server's replies for delay. It
-// stops at the end of the test.
-func StartDelayProxy(t testing.TB, upstream string, delay time.Duration) *Proxy {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatalf("delay proxy: %v", err)
-	}
-	p := &Proxy{ln: ln}
-	p.delay.Store(int64(delay))
-	p.wg.Add(1)
-	go func() {
-		defer p.wg.Done()
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			u, err := net.Dial("tcp", upstream)
-			if err != nil {
-				c.Close()
-				continue
-			}
-			p.mu.Lock()
-			p.conns = append(p.conns, c, u)
-			p.mu.Unlock()
-			p.wg.Add(2)
-			go func() { defer p.wg.Done(); _, _ = io.Copy(u, c); u.Close() }()
-			go func() { defer p.wg.Done(); p.slowCopy(c, u); c.Close() }()
-		}
-	}()
-	t.Cleanup(p.Close)
-	return p
-}
-
-func (p *Proxy) slowCopy(dst, src net.Conn) {
-	buf := make([]byte, 64<<10)
-	for {
-		n, err := src.Read(buf)
-		if n > 0 {
-			time.Sleep(time.Duration(p.delay.Load()))
-			if _, werr := dst.Write(buf[:n]); werr != nil {
-				return
-			}
-		}
-		if err != nil {
-			return
-		}
-	}
-}
-
-// SetDelay changes the delay of later replies.
-func (p *Proxy) SetDelay(d time.Duration) { p.delay.Store(int64(d)) }
-
-// URL returns a redis:// URL of the proxy.
-func (p *Proxy) URL() string { return "redis://" + p.ln.Addr().String() }
-
-// Close stops the proxy and its connections.
-func (p *Proxy) Close() {
-	p.ln.Close()
-	p.mu.Lock()
-	for _, c := range p.conns {
-		c.Close()
-	}
-	p.mu.Unlock()
-	p.wg.Wait()
 }
