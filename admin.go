@@ -169,33 +169,16 @@ func (a *AdminAPI) handleCounters(w http.ResponseWriter, r *http.Request) error 
 	if err := allowMethods(w, r, http.MethodGet, http.MethodDelete); err != nil {
 		return err
 	}
-	q, err := parseQuery(r, "zone", "identifier", "prefix", "max")
+	kq, err := parseKeyQuery(r, "key")
 	if err != nil {
 		return err
 	}
-	zoneName, ok := q["zone"]
-	if !ok || zoneName == "" {
-		return badRequest("the zone parameter is required")
-	}
-	id, byID := q["identifier"]
-	prefix, byPrefix := q["prefix"]
-	_, hasMax := q["max"]
-	switch {
-	case byID && (byPrefix || hasMax):
-		return badRequest("identifier selects one key: prefix and max apply to listings only")
-	case r.Method == http.MethodDelete && !byID:
+	if r.Method == http.MethodDelete && !kq.byID {
 		return badRequest("DELETE forgets one key: the identifier parameter is required")
 	}
-	max, st, err := listing(q)
-	if err != nil {
-		return err
-	}
-	defs := st.zones.definitions(zoneName, st.apps.view().app)
-	if len(defs) == 0 {
-		return errNoZone(zoneName)
-	}
-	if !byID {
-		return writeJSON(w, listKeys(st, zoneName, prefix, max, defs))
+	zoneName, id, st, defs := kq.zone, kq.id, kq.st, kq.defs
+	if !kq.byID {
+		return writeJSON(w, listKeys(st, zoneName, kq.prefix, kq.max, defs))
 	}
 	// The handler counts an IP address by its prefix; so does the lookup.
 	if id != "" {
@@ -211,6 +194,44 @@ func (a *AdminAPI) handleCounters(w http.ResponseWriter, r *http.Request) error 
 		}
 	}
 	return errNoKey(zoneName)
+}
+
+// keyQuery is the query of a route about a zone's keys: one key
+// (identifier) or a listing (prefix, max), of a zone a loaded config
+// defines.
+type keyQuery struct {
+	zone, id, prefix string
+	byID             bool
+	max              int
+	st               *state
+	defs             []zoneDef
+}
+
+// parseKeyQuery reads a keyQuery; what names the thing an identifier
+// selects, in errors. An unknown zone is a 404.
+func parseKeyQuery(r *http.Request, what string) (keyQuery, error) {
+	var kq keyQuery
+	q, err := parseQuery(r, "zone", "identifier", "prefix", "max")
+	if err != nil {
+		return kq, err
+	}
+	if kq.zone = q["zone"]; kq.zone == "" {
+		return kq, badRequest("the zone parameter is required")
+	}
+	kq.id, kq.byID = q["identifier"]
+	var byPrefix, hasMax bool
+	kq.prefix, byPrefix = q["prefix"]
+	_, hasMax = q["max"]
+	if kq.byID && (byPrefix || hasMax) {
+		return kq, badRequest("identifier selects one " + what + ": prefix and max apply to listings only")
+	}
+	if kq.max, kq.st, err = listing(q); err != nil {
+		return kq, err
+	}
+	if kq.defs = kq.st.zones.definitions(kq.zone, kq.st.apps.view().app); len(kq.defs) == 0 {
+		return kq, errNoZone(kq.zone)
+	}
+	return kq, nil
 }
 
 // regionView is key as this process holds it, with what the region's

@@ -79,35 +79,18 @@ func (a *AdminAPI) handleOverrides(w http.ResponseWriter, r *http.Request) error
 	if err := allowMethods(w, r, http.MethodGet, http.MethodPut, http.MethodDelete); err != nil {
 		return err
 	}
-	q, err := parseQuery(r, "zone", "identifier", "prefix", "max")
+	kq, err := parseKeyQuery(r, "override")
 	if err != nil {
 		return err
 	}
-	zoneName := q["zone"]
-	if zoneName == "" {
-		return badRequest("the zone parameter is required")
-	}
-	id, byID := q["identifier"]
-	_, byPrefix := q["prefix"]
-	_, hasMax := q["max"]
-	switch {
-	case byID && (byPrefix || hasMax):
-		return badRequest("identifier selects one override: prefix and max apply to listings only")
-	case r.Method != http.MethodGet && (!byID || id == ""):
+	if r.Method != http.MethodGet && (!kq.byID || kq.id == "") {
 		return badRequest("a change names one key: the identifier parameter is required and not empty")
 	}
-	max, st, err := listing(q)
-	if err != nil {
-		return err
+	zoneName, st := kq.zone, kq.st
+	if !kq.byID {
+		return writeJSON(w, listOverrides(zoneName, kq.prefix, kq.max))
 	}
-	defs := st.zones.definitions(zoneName, st.apps.view().app)
-	if len(defs) == 0 {
-		return errNoZone(zoneName)
-	}
-	if !byID {
-		return writeJSON(w, listOverrides(zoneName, q["prefix"], max))
-	}
-	stored := storedIdentifier(st, id, defs)
+	stored := storedIdentifier(st, kq.id, kq.defs)
 	switch r.Method {
 	case http.MethodPut:
 		return putOverride(w, r, st, zoneName, stored)
