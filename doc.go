@@ -33,6 +33,9 @@
 //	mysql_status.go      its status section, /ratelimit/blocklist, metrics
 //	mysql_region.go      the region's role through the Redis backend: the
 //	                     origin's role API as propagation.Region
+//	overrides.go         runtime overrides: the process's book, the lookup
+//	overrides_sync.go    where changes are stored and read (Redis, MySQL)
+//	overrides_admin.go   the admin routes of runtime overrides
 //	counters.go          counters declared once: status and Prometheus
 //	                     are made from the same list
 //	zones.go             zone definitions across handlers and configs
