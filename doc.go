@@ -86,6 +86,8 @@
 //     members; a process without Redis is its own region.
 //   - registration: a member's note in the region's Redis that a cell is
 //     worth publishing, which the holder takes.
+//   - runtime override: an operator's limit for one key, set through the
+//     admin API; its scope is where it is stored (node, region, global).
 //   - changes pull: a read of the rows whose updated_ms is past the newest
 //     change seen; a whole read is the safety net that reads every row.
 //   - backend: Redis or MySQL as the app wires them (backend.go).

@@ -19,6 +19,12 @@
 // empty by its run IDs, so that the owner sends every live cell's total
 // again.
 //
+// For the cross-region layer, role.go keeps the region's role in Redis (a
+// lease, the registry of cells to publish, first denials, the holder's
+// imports), and overrides.go the region's runtime overrides (a hash whose
+// fields keep their newest version, a change counter the nodes poll, a
+// queue for the holder).
+//
 // Outside a Cluster, reads and writes go 64 cells to a script call
 // (many.go): the keys in one buffer, the reply as one string.
 //
