@@ -79,6 +79,12 @@ func (r *Redis) overridesKey() string { return r.prefix + ":{overrides}" }
 // set (a change made here, which MySQL has not seen). It returns how many
 // took.
 func (r *Redis) PutOverrides(ctx context.Context, os []Override, queue bool) (int, error) {
+	return r.putVersioned(ctx, r.overridesKey(), os, queue)
+}
+
+// putVersioned is PutOverrides on the versioned hash k (overrides or
+// resets).
+func (r *Redis) putVersioned(ctx context.Context, k string, os []Override, queue bool) (int, error) {
 	if len(os) == 0 {
 		return 0, nil
 	}
@@ -87,11 +93,10 @@ func (r *Redis) PutOverrides(ctx context.Context, os []Override, queue bool) (in
 		args = append(args, o.Field, strconv.FormatInt(o.Version, 10), o.Value)
 	}
 	args = append(args, map[bool]string{true: "1", false: "0"}[queue])
-	k := r.overridesKey()
 	ep := r.roleEndpoint()
 	n, err := overridePutScript.Run(ctx, ep.client, []string{k, k + ":v", k + ":q"}, args...).Int()
 	if err != nil {
-		return 0, fmt.Errorf("redis put overrides %s: %w", ep.address, err)
+		return 0, fmt.Errorf("redis put %s %s: %w", k, ep.address, err)
 	}
 	return n, nil
 }
@@ -99,13 +104,17 @@ func (r *Redis) PutOverrides(ctx context.Context, os []Override, queue bool) (in
 // OverridesVersion returns the region's change counter of overrides: it
 // moves with every change, so a node re-reads them only when it moved.
 func (r *Redis) OverridesVersion(ctx context.Context) (int64, error) {
+	return r.versionOf(ctx, r.overridesKey())
+}
+
+func (r *Redis) versionOf(ctx context.Context, k string) (int64, error) {
 	ep := r.roleEndpoint()
-	v, err := ep.client.Get(ctx, r.overridesKey()+":v").Int64()
+	v, err := ep.client.Get(ctx, k+":v").Int64()
 	if errors.Is(err, redis.Nil) {
 		return 0, nil
 	}
 	if err != nil {
-		return 0, fmt.Errorf("redis overrides version %s: %w", ep.address, err)
+		return 0, fmt.Errorf("redis %s version %s: %w", k, ep.address, err)
 	}
 	return v, nil
 }
@@ -113,13 +122,16 @@ func (r *Redis) OverridesVersion(ctx context.Context) (int64, error) {
 // Overrides returns every override the region holds and the change
 // counter they are as of.
 func (r *Redis) Overrides(ctx context.Context) (int64, []Override, error) {
+	return r.allVersioned(ctx, r.overridesKey())
+}
+
+func (r *Redis) allVersioned(ctx context.Context, k string) (int64, []Override, error) {
 	ep := r.roleEndpoint()
-	k := r.overridesKey()
 	pipe := ep.client.Pipeline()
 	ver := pipe.Get(ctx, k+":v")
 	all := pipe.HGetAll(ctx, k)
 	if _, err := pipe.Exec(ctx); err != nil && !errors.Is(err, redis.Nil) {
-		return 0, nil, fmt.Errorf("redis overrides %s: %w", ep.address, err)
+		return 0, nil, fmt.Errorf("redis %s %s: %w", k, ep.address, err)
 	}
 	v, _ := ver.Int64()
 	out := make([]Override, 0, len(all.Val()))
@@ -159,6 +171,10 @@ func (r *Redis) TakeOverrides(ctx context.Context, all bool) ([]Override, error)
 // version: one that lapsed or a removal old enough to have reached every
 // region. A newer change of the field stays.
 func (r *Redis) DropOverrides(ctx context.Context, os []Override) error {
+	return r.dropVersioned(ctx, r.overridesKey(), os)
+}
+
+func (r *Redis) dropVersioned(ctx context.Context, k string, os []Override) error {
 	if len(os) == 0 {
 		return nil
 	}
@@ -167,8 +183,8 @@ func (r *Redis) DropOverrides(ctx context.Context, os []Override) error {
 		args = append(args, o.Field, strconv.FormatInt(o.Version, 10)+" "+o.Value)
 	}
 	ep := r.roleEndpoint()
-	if err := forgetScript.Run(ctx, ep.client, []string{r.overridesKey()}, args...).Err(); err != nil && !errors.Is(err, redis.Nil) {
-		return fmt.Errorf("redis drop overrides %s: %w", ep.address, err)
+	if err := forgetScript.Run(ctx, ep.client, []string{k}, args...).Err(); err != nil && !errors.Is(err, redis.Nil) {
+		return fmt.Errorf("redis drop %s %s: %w", k, ep.address, err)
 	}
 	return nil
 }

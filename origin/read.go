@@ -242,8 +242,8 @@ func (r *Redis) Peek(ctx context.Context, key engine.Key, seq int64) (engine.Tot
 	ep := r.route(key)
 	cur, prev := cellKeys(r.prefix, key, seq)
 	pipe := ep.client.Pipeline()
-	c := pipe.HMGet(ctx, cur, "t", "g")
-	p := pipe.HMGet(ctx, prev, "t", "g")
+	c := pipe.HMGet(ctx, cur, "t", "g", "r", "rg")
+	p := pipe.HMGet(ctx, prev, "t", "g", "r", "rg")
 	if _, err := pipe.Exec(ctx); err != nil {
 		return engine.Totals{}, fmt.Errorf("redis peek %s (zone %q): %w", ep.address, key.Namespace, err)
 	}
@@ -252,6 +252,8 @@ func (r *Redis) Peek(ctx context.Context, key engine.Key, seq int64) (engine.Tot
 		n, _ := strconv.ParseInt(s, 10, 64)
 		return engine.ClampCount(n)
 	}
+	// What a cell says: its reset marks taken off (scripts.go).
+	says := func(v []any, i int) int64 { return max(num(v, i)-num(v, i+2), 0) }
 	cv, pv := c.Val(), p.Val()
-	return engine.Totals{Cur: num(cv, 0), Global: num(cv, 1), Prev: num(pv, 0), GlobalPrev: num(pv, 1)}, nil
+	return engine.Totals{Cur: says(cv, 0), Global: says(cv, 1), Prev: says(pv, 0), GlobalPrev: says(pv, 1)}, nil
 }

@@ -9,6 +9,10 @@ import "github.com/redis/go-redis/v9"
 //	g                 what other regions counted (the cross-region role's
 //	                  import, role.go)
 //	n                 the number of process records below
+//	r, rg             a reset's marks (reset.go): what t and g were when an
+//	                  operator reset the key; what the cell says is t − r
+//	                  and g − rg, so the units and imports from before the
+//	                  reset never come back, however often they are written
 //	<node>.<inc>      one record per process and incarnation of the cell in
 //	                  it: that incarnation's own total, every unit it added
 //
@@ -32,14 +36,16 @@ import "github.com/redis/go-redis/v9"
 // raiseLua defines raise(h, f, own, at): it raises the record f (node ID
 // and incarnation) of the cell h to own (a decimal string), adds the
 // difference to t (saturated), registers f when it is new (n + 1), sets the
-// expiry at (Unix ms) when the cell is new, and returns t, the record, n
-// and g. Every script over cells begins with it.
+// expiry at (Unix ms) when the cell is new, and returns t, the record, n,
+// g and the reset marks r and rg (t and g are as stored: the cell says
+// t − r and g − rg). prev(p) returns what the previous cell says, reset
+// marks taken off. Every script over cells begins with them.
 const raiseLua = `
 local max = 9007199254740991
 local function num(v) return tonumber(v or '0') end
 local function raise(h, f, own, at)
-  local v = redis.call('HMGET', h, f, 't', 'g', 'n')
-  local mine, t, g, n = num(v[1]), num(v[2]), num(v[3]), num(v[4])
+  local v = redis.call('HMGET', h, f, 't', 'g', 'n', 'r', 'rg')
+  local mine, t, g, n, r, rg = num(v[1]), num(v[2]), num(v[3]), num(v[4]), num(v[5]), num(v[6])
   local o = tonumber(own)
   if o > mine or not v[1] then
     local add = math.max(o - mine, 0)
@@ -50,11 +56,11 @@ local function raise(h, f, own, at)
     redis.call('HSET', h, f, string.format('%d', mine), 't', string.format('%d', t), 'n', string.format('%d', n))
     if not v[2] then redis.call('PEXPIREAT', h, at) end
   end
-  return t, mine, n, g
+  return t, mine, n, g, r, rg
 end
 local function prev(p)
-  local v = redis.call('HMGET', p, 't', 'g')
-  return num(v[1]), num(v[2])
+  local v = redis.call('HMGET', p, 't', 'g', 'r', 'rg')
+  return math.max(num(v[1]) - num(v[3]), 0), math.max(num(v[2]) - num(v[4]), 0)
 end
 `
 
@@ -78,9 +84,9 @@ local node, out, i = ARGV[1] .. '.', {}, 0
 for inc, own, at in string.gmatch(ARGV[2], '(%d+) (%d+) (%d+)') do
   local h, p = KEYS[2*i+1], KEYS[2*i+2]
   local ok, res = pcall(function()
-    local t, mine, n, g = raise(h, node .. inc, own, at)
+    local t, mine, n, g, r, rg = raise(h, node .. inc, own, at)
     local pt, pg = prev(p)
-    return string.format('%d %d %d %d %d %d', t, pt, mine, n, g, pg)
+    return string.format('%d %d %d %d %d %d', math.max(t - r, 0), pt, mine, n, math.max(g - rg, 0), pg)
   end)
   i = i + 1
   out[i] = ok and res or 'e'
@@ -112,16 +118,17 @@ return table.concat(out, ' ')
 //	returns {one verdict per cost as a string of "1" (admitted) and "0",
 //	t, previous t, the record, n, g, previous g}
 const reserveLua = raiseLua + `
-local t, mine, n, g = raise(KEYS[1], ARGV[1], ARGV[2], ARGV[3])
+local t, mine, n, g, rt, rg = raise(KEYS[1], ARGV[1], ARGV[2], ARGV[3])
 local pt, pg = prev(KEYS[2])
 local limit = tonumber(ARGV[5])
 local w, r = tonumber(ARGV[6]), tonumber(ARGV[7])
-local imported = math.max(tonumber(ARGV[8]), g)
+local gv = math.max(g - rg, 0)
+local imported = math.max(tonumber(ARGV[8]), gv)
 local weighed = math.min(pt + math.max(tonumber(ARGV[9]), pg), max)
 local verdicts, charged = {}, 0
 for c in string.gmatch(ARGV[4], '%d+') do
   local cost = tonumber(c)
-  local room = limit - math.min(t + charged + imported, max) - cost
+  local room = limit - math.min(math.max(t - rt, 0) + charged + imported, max) - cost
   if room >= 0 and (weighed == 0 or r >= w or weighed * (w - r) < (room + 1) * w) then
     charged = charged + cost
     verdicts[#verdicts + 1] = '1'
@@ -136,7 +143,7 @@ if charged > 0 then
   mine = math.min(mine + charged, max)
   redis.call('HSET', KEYS[1], ARGV[1], string.format('%d', mine), 't', string.format('%d', t))
 end
-return {table.concat(verdicts), t, pt, mine, n, g, pg}
+return {table.concat(verdicts), math.max(t - rt, 0), pt, mine, n, gv, pg}
 `
 
 var (
