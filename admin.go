@@ -39,7 +39,7 @@ const (
 //	GET    /ratelimit/status
 //	GET    /ratelimit/counters?zone=Z&identifier=I
 //	GET    /ratelimit/counters?zone=Z[&prefix=P][&max=N]
-//	DELETE /ratelimit/counters?zone=Z&identifier=I
+//	DELETE /ratelimit/counters?zone=Z&identifier=I[&scope=node|region] (reset.go)
 //	GET    /ratelimit/strict[?zone=Z][&max=N]
 //	PUT    /ratelimit/overrides?zone=Z&identifier=I    (overrides_admin.go)
 //	GET    /ratelimit/overrides?zone=Z[&identifier=I | &prefix=P&max=N]
@@ -169,12 +169,16 @@ func (a *AdminAPI) handleCounters(w http.ResponseWriter, r *http.Request) error 
 	if err := allowMethods(w, r, http.MethodGet, http.MethodDelete); err != nil {
 		return err
 	}
-	kq, err := parseKeyQuery(r, "key")
+	kq, err := parseKeyQuery(r, "key", "scope")
 	if err != nil {
 		return err
 	}
-	if r.Method == http.MethodDelete && !kq.byID {
+	scope, hasScope := kq.q["scope"]
+	switch {
+	case r.Method == http.MethodDelete && !kq.byID:
 		return badRequest("DELETE forgets one key: the identifier parameter is required")
+	case hasScope && r.Method != http.MethodDelete:
+		return badRequest("scope applies to DELETE only")
 	}
 	zoneName, id, st, defs := kq.zone, kq.id, kq.st, kq.defs
 	if !kq.byID {
@@ -185,7 +189,7 @@ func (a *AdminAPI) handleCounters(w http.ResponseWriter, r *http.Request) error 
 		id = maskIP(id, defs[0].v4, defs[0].v6)
 	}
 	if r.Method == http.MethodDelete {
-		return forgetKey(w, st, zoneName, id, defs)
+		return resetKey(w, r, st, zoneName, id, defs, scope)
 	}
 	ids := st.apps.view().ids
 	for _, window := range defWindows(defs) {
@@ -200,6 +204,7 @@ func (a *AdminAPI) handleCounters(w http.ResponseWriter, r *http.Request) error 
 // (identifier) or a listing (prefix, max), of a zone a loaded config
 // defines.
 type keyQuery struct {
+	q                map[string]string
 	zone, id, prefix string
 	byID             bool
 	max              int
@@ -209,12 +214,13 @@ type keyQuery struct {
 
 // parseKeyQuery reads a keyQuery; what names the thing an identifier
 // selects, in errors. An unknown zone is a 404.
-func parseKeyQuery(r *http.Request, what string) (keyQuery, error) {
+func parseKeyQuery(r *http.Request, what string, extra ...string) (keyQuery, error) {
 	var kq keyQuery
-	q, err := parseQuery(r, "zone", "identifier", "prefix", "max")
+	q, err := parseQuery(r, append([]string{"zone", "identifier", "prefix", "max"}, extra...)...)
 	if err != nil {
 		return kq, err
 	}
+	kq.q = q
 	if kq.zone = q["zone"]; kq.zone == "" {
 		return kq, badRequest("the zone parameter is required")
 	}

@@ -86,6 +86,11 @@ var (
 		Help: "Runtime overrides set or removed through this node's admin API, by change (set, removed) and the scope it reached (node, region, global).",
 	}, []string{"change", "scope"})
 
+	resetsTotal = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: metricName("resets_total"),
+		Help: "Keys reset beyond this node through its admin API, by scope (region, global).",
+	}, []string{"scope"})
+
 	overridesActive = prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 		Name: metricName("overrides_active"),
 		Help: "Runtime overrides this process applies now, from every scope.",
@@ -98,7 +103,7 @@ var (
 // collectors are what every config registers: the handler's and the
 // engine's, then each backend kind's.
 var collectors = func() []prometheus.Collector {
-	cs := []prometheus.Collector{decisionsTotal, decisionSeconds, invalidCostsTotal, clampedCostsTotal, overrideChanges, overridesActive, engineMetrics}
+	cs := []prometheus.Collector{decisionsTotal, decisionSeconds, invalidCostsTotal, clampedCostsTotal, overrideChanges, overridesActive, resetsTotal, engineMetrics}
 	for _, k := range backendKinds {
 		cs = append(cs, k.collectors...)
 	}

@@ -112,22 +112,26 @@ func (r redisRegion) Import(ctx context.Context, ims []propagation.RegionImport)
 // Interface guard.
 var _ propagation.Region = redisRegion{}
 
+// TakeOverrides takes the region's override changes for MySQL; a reset
+// is the region's own (scope region) and stays in it.
 func (r redisRegion) TakeOverrides(ctx context.Context, all bool) ([]propagation.OverrideRow, error) {
 	os, err := r.o.TakeOverrides(ctx, all)
 	out := make([]propagation.OverrideRow, 0, len(os))
 	for _, o := range os {
-		if rec, ok := recOfRegion(o); ok {
+		if rec, ok := recOfRegion(o); ok && !rec.Reset {
 			out = append(out, rec.row())
 		}
 	}
 	return out, err
 }
 
+// ApplyOverrides leaves the changes in the region's hash.
 func (r redisRegion) ApplyOverrides(ctx context.Context, rows []propagation.OverrideRow) error {
-	os := make([]origin.Override, len(rows))
+	os := make([]origin.Override, 0, len(rows))
 	for i := range rows {
-		rec := recOfRow(&rows[i])
-		os[i] = rec.regionValue()
+		if rec := recOfRow(&rows[i]); !rec.Reset {
+			os = append(os, rec.regionValue())
+		}
 	}
 	_, err := r.o.PutOverrides(ctx, os, false)
 	return err

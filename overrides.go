@@ -40,6 +40,31 @@ type overrideRec struct {
 	CreatedMs int64  `json:"created_ms"`
 	Version   int64  `json:"version"`
 	Deleted   bool   `json:"deleted,omitempty"`
+	// Reset makes this record a reset of the key (reset.go), not an
+	// override: it travels the same way, under a name of its own.
+	Reset bool `json:"reset,omitempty"`
+}
+
+// resetMark starts the zone part of a reset's name (in the region's hash
+// and in MySQL): no zone name holds it, so a reset never takes an
+// override's place.
+const resetMark = "\x01"
+
+// bookZone is the zone part of r's name.
+func (r *overrideRec) bookZone() string {
+	if r.Reset {
+		return resetMark + r.Zone
+	}
+	return r.Zone
+}
+
+// fromBookZone splits a name's zone part into the zone and whether it
+// names a reset.
+func fromBookZone(z string) (string, bool) {
+	if rest, ok := strings.CutPrefix(z, resetMark); ok {
+		return rest, true
+	}
+	return z, false
 }
 
 // tombstoneLife is how long a removal is kept, so that every region reads
@@ -53,14 +78,14 @@ func (r *overrideRec) live(now int64) bool {
 
 // field is r's name in the region's hash: zone and identifier, which a
 // zone name (no NUL) cannot blur.
-func (r *overrideRec) field() string { return r.Zone + "\x00" + r.Identifier }
+func (r *overrideRec) field() string { return r.bookZone() + "\x00" + r.Identifier }
 
 // regionValue is r as the region's hash holds it. Zone and identifier
 // are the field, bytes as they are (JSON would mangle an identifier that
 // is not UTF-8); the value is the rest, in JSON.
 func (r *overrideRec) regionValue() origin.Override {
 	v := *r
-	v.Zone, v.Identifier = "", ""
+	v.Zone, v.Identifier, v.Reset = "", "", false
 	b, _ := json.Marshal(v) // strings and numbers always encode
 	return origin.Override{Field: r.field(), Version: r.Version, Value: string(b)}
 }
@@ -68,21 +93,23 @@ func (r *overrideRec) regionValue() origin.Override {
 func recOfRegion(o origin.Override) (overrideRec, bool) {
 	var r overrideRec
 	zone, id, ok := strings.Cut(o.Field, "\x00")
-	if !ok || json.Unmarshal([]byte(o.Value), &r) != nil || r.Zone != "" || r.Identifier != "" {
+	if !ok || json.Unmarshal([]byte(o.Value), &r) != nil || r.Zone != "" || r.Identifier != "" || r.Reset {
 		return r, false
 	}
-	r.Zone, r.Identifier, r.Version = zone, id, o.Version
+	r.Zone, r.Reset = fromBookZone(zone)
+	r.Identifier, r.Version = id, o.Version
 	return r, true
 }
 
 func (r *overrideRec) row() propagation.OverrideRow {
-	return propagation.OverrideRow{Namespace: r.Zone, Identifier: r.Identifier, Limit: r.Limit, ExpiresMs: r.ExpiresMs,
+	return propagation.OverrideRow{Namespace: r.bookZone(), Identifier: r.Identifier, Limit: r.Limit, ExpiresMs: r.ExpiresMs,
 		Reason: r.Reason, Region: r.Region, Version: r.Version, Deleted: r.Deleted}
 }
 
 func recOfRow(o *propagation.OverrideRow) overrideRec {
-	return overrideRec{Zone: o.Namespace, Identifier: o.Identifier, Limit: o.Limit, ExpiresMs: o.ExpiresMs,
-		Reason: o.Reason, Region: o.Region, CreatedMs: o.Version / 1000, Version: o.Version, Deleted: o.Deleted}
+	zone, reset := fromBookZone(o.Namespace)
+	return overrideRec{Zone: zone, Identifier: o.Identifier, Limit: o.Limit, ExpiresMs: o.ExpiresMs,
+		Reason: o.Reason, Region: o.Region, CreatedMs: o.Version / 1000, Version: o.Version, Deleted: o.Deleted, Reset: reset}
 }
 
 // overrideKey names an override in the book.
@@ -147,21 +174,30 @@ var overrides = &overrideBook{recs: map[overrideKey]overrideRec{}}
 
 // merge takes recs that are newer than what the book holds and republishes
 // the set; it returns how many took.
+// Resets that took are handed to onResets (reset.go), after the book is
+// unlocked.
 func (b *overrideBook) merge(recs []overrideRec) int {
 	b.mu.Lock()
-	defer b.mu.Unlock()
 	n := 0
+	var resets []overrideRec
 	for _, r := range recs {
-		k := overrideKey{r.Zone, r.Identifier}
+		k := overrideKey{r.bookZone(), r.Identifier}
 		if old, ok := b.recs[k]; ok && old.Version >= r.Version {
 			continue
 		}
 		b.recs[k] = r
 		n++
+		if r.Reset {
+			resets = append(resets, r)
+		}
 	}
 	if n > 0 {
 		b.changes.Add(int64(n))
 		b.publishLocked()
+	}
+	b.mu.Unlock()
+	if len(resets) > 0 {
+		onResets(resets)
 	}
 	return n
 }
@@ -182,7 +218,7 @@ func (b *overrideBook) live(zone, prefix string) []overrideRec {
 	now := time.Now().UnixMilli()
 	var out []overrideRec
 	for k, r := range b.recs {
-		if k.zone == zone && strings.HasPrefix(k.id, prefix) && r.live(now) {
+		if k.zone == zone && !r.Reset && strings.HasPrefix(k.id, prefix) && r.live(now) {
 			out = append(out, r)
 		}
 	}
@@ -220,7 +256,7 @@ func (b *overrideBook) publishLocked() {
 	now := time.Now().UnixMilli()
 	s := &overrideSet{zones: map[string]map[string]overrideLimit{}, mapID: b.mapID}
 	for k, r := range b.recs {
-		if !r.live(now) {
+		if r.Reset || !r.live(now) {
 			continue
 		}
 		zm := s.zones[k.zone]

@@ -315,6 +315,43 @@ func (e *Engine) Forget(key Key) bool {
 	if !ok {
 		return false
 	}
+	return e.forget(z, id)
+}
+
+// ForgetMatching forgets, as Forget does, every key of the zone namespace
+// with window whose identifier (as the engine holds it: normalized, see
+// NormalizeIdentifier) match accepts, and returns how many. For a key
+// named as it left the process (an HMAC, a hashed long identifier), as a
+// region's reset names it; it scans the zone.
+func (e *Engine) ForgetMatching(namespace string, window time.Duration, match func(id string) bool) int {
+	z, ok := e.lookupZone(Key{Namespace: namespace, Window: window})
+	if !ok {
+		return 0
+	}
+	var ids []string
+	z.entries.Range(func(id string, _ *entry) bool {
+		if match(id) {
+			ids = append(ids, id)
+		}
+		return true
+	})
+	z.strict.Range(func(id string, _ *atomic.Int64) bool {
+		if match(id) {
+			ids = append(ids, id)
+		}
+		return true
+	})
+	n := 0
+	for _, id := range ids {
+		if e.forget(z, id) {
+			n++
+		}
+	}
+	return n
+}
+
+// forget drops the entry and strict deadline of the normalized id.
+func (e *Engine) forget(z *Zone, id string) bool {
 	found := false
 	if o := e.getOrigin(); o != nil {
 		// The units this process has not replayed yet go out first: the

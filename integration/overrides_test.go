@@ -114,3 +114,41 @@ func sendFirst(t *testing.T, n *regionNode, key string) int {
 	})
 	return status
 }
+
+// TestRegions_RegionResetStaysReset: one region of two nodes, a key at its
+// limit on both; a reset with scope=region on one node makes every node of
+// the region admit it again, and it stays reset: after more replays the
+// region's count is the units admitted since.
+func TestRegions_RegionResetStaysReset(t *testing.T) {
+	c := startCluster(t, clusterSpec{regions: 1, nodes: 2, limit: 4, window: pickWindow(2 * time.Minute)})
+	nodes := c.all()
+	key := freshKey("reset")
+	for _, n := range nodes {
+		for i := 0; i < 4; i++ {
+			sendKey(loadClient, n.url("/"), key)
+		}
+	}
+	reachAll(t, nodes, key, http.StatusTooManyRequests, "the key denied on both nodes")
+	if s := nodes[0].adminSend(t, http.MethodDelete, "/ratelimit/counters?zone=global&scope=region&identifier="+urlQueryEscape(key), ""); s != http.StatusOK {
+		t.Fatalf("DELETE scope=region: %d", s)
+	}
+	start := time.Now()
+	// Each node admits one request again (the one that sees the reset).
+	reachAll(t, nodes, key, http.StatusOK, "the reset key admitted on every node")
+	t.Logf("the reset reached both nodes within %s", time.Since(start))
+	// Every unit admitted since the reset counts, and nothing from before
+	// comes back: the region's count is what was admitted after it.
+	since := int64(len(nodes))
+	for i := 0; i < 8; i++ {
+		if sendKey(loadClient, nodes[i%2].url("/"), key) == http.StatusOK {
+			since++
+		}
+	}
+	if since < 4 {
+		t.Fatalf("only %d admitted after the reset, limit 4", since)
+	}
+	redistest.Eventually(t, 5*time.Second, "the region counts the units since the reset", func() bool {
+		kc, ok := nodes[0].counters(key)
+		return ok && kc.Effective == since
+	})
+}

@@ -1,0 +1,128 @@
+package ratelimit
+
+import (
+	"context"
+	"errors"
+	"net/http"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"go.uber.org/zap"
+
+	"github.com/edgelimit/caddy-ratelimit/engine"
+	"github.com/edgelimit/caddy-ratelimit/origin"
+)
+
+// Resets beyond one node: DELETE /ratelimit/counters?…&scope=region makes
+// a key start over from zero in its current window on every node of the
+// region, and stay so. The region's Redis marks the key's cells
+// (origin/reset.go: what they held before never comes back, whatever a
+// node replays later); the reset itself is a record in the region's hash
+// of overrides (overrides.go), which every node polls, and every node that
+// hears of it drops its own state of the key (engine.ForgetMatching). The
+// region's published counts keep its units from before (rows only grow),
+// so other regions still count them: scope global, which would need rows
+// that can start over, is not built.
+
+// resetLife is how long a reset's record is kept: two of the zone's
+// longest windows (the reset window and the one it weighs in), at least a
+// minute.
+func resetLife(defs []zoneDef) time.Duration {
+	return max(2*slicesMax(defWindows(defs)), time.Minute)
+}
+
+func slicesMax(ws []time.Duration) time.Duration {
+	var m time.Duration
+	for _, w := range ws {
+		m = max(m, w)
+	}
+	return m
+}
+
+// resetKey is DELETE /ratelimit/counters: scope node (the default)
+// forgets the key here; region and global reset it everywhere they reach.
+func resetKey(w http.ResponseWriter, r *http.Request, st *state, zoneName, id string, defs []zoneDef, scope string) error {
+	switch scope {
+	case "", scopeNode:
+		return forgetKey(w, st, zoneName, id, defs)
+	case scopeRegion, scopeGlobal:
+	default:
+		return badRequest("scope is node or region")
+	}
+	rb := st.overridesRedis()
+	switch {
+	case scope == scopeGlobal:
+		return badRequest("scope global is not available yet: reset the key in each region with scope=region")
+	case rb == nil:
+		return badRequest("scope region needs the region's Redis: this node counts alone (scope=node forgets the key here)")
+	}
+	view := st.apps.view()
+	now := time.Now()
+	rec := overrideRec{Zone: zoneName, Identifier: storedIdentifier(st, id, defs), Reset: true, Region: view.region,
+		CreatedMs: now.UnixMilli(), Version: now.UnixMicro(), ExpiresMs: now.Add(resetLife(defs)).UnixMilli()}
+	// This node's unreplayed units go out before the cells are marked.
+	forgetHeld(st, rec)
+	ctx, cancel := context.WithTimeout(r.Context(), time.Second)
+	defer cancel()
+	err := resetRegionCells(ctx, rb, st, rec)
+	if err == nil {
+		_, err = rb.PutOverrides(ctx, []origin.Override{rec.regionValue()}, false)
+	}
+	if err != nil {
+		return caddy.APIError{HTTPStatus: http.StatusServiceUnavailable, Err: errors.Join(errOverrideStore, err)}
+	}
+	overrides.merge([]overrideRec{rec})
+	resetsTotal.WithLabelValues(scope).Inc()
+	view.logger.Info("key reset", append([]zap.Field{zap.String("by", r.RemoteAddr), zap.String("zone", zoneName),
+		zap.String("scope", scope)}, shownFields(view.ids, rec.Identifier)...)...)
+	return writeJSON(w, resetDoc{Zone: zoneName, Identifier: view.ids.shown(engine.NormalizeIdentifier(maskIP(id, defs[0].v4, defs[0].v6))),
+		Scope: scope, Reset: true})
+}
+
+// resetDoc is the answer to a reset beyond this node.
+type resetDoc struct {
+	Zone       string `json:"zone"`
+	Identifier string `json:"identifier"`
+	Scope      string `json:"scope"`
+	Reset      bool   `json:"reset"`
+}
+
+// resetRegionCells marks the current cell of the key in every window
+// its zone has here, and the one before it, in the region's Redis.
+func resetRegionCells(ctx context.Context, o *origin.Redis, st *state, rec overrideRec) error {
+	for _, w := range defWindows(st.zones.definitions(rec.Zone, st.apps.view().app)) {
+		key := engine.Key{Namespace: rec.Zone, Identifier: rec.Identifier, Window: w}
+		if err := o.ResetCells(ctx, key, st.engine.Now().UnixMilli()/w.Milliseconds()); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// forgetHeld drops this process's state of the reset key in every window
+// of its zone: the identifier is matched as it left the process.
+func forgetHeld(st *state, rec overrideRec) {
+	mapID := st.apps.view().ids.mapper()
+	match := func(id string) bool { return id == rec.Identifier }
+	if mapID != nil {
+		match = func(id string) bool { return mapID(id) == rec.Identifier }
+	}
+	for _, w := range defWindows(st.zones.definitions(rec.Zone, st.apps.view().app)) {
+		st.engine.ForgetMatching(rec.Zone, w, match)
+	}
+}
+
+// onResets is what the book does with resets it had not heard of: this
+// process forgets the keys (a reset that lapsed already is left alone).
+var onResets = func(recs []overrideRec) {
+	st := lookupState()
+	if st == nil {
+		return
+	}
+	now := time.Now().UnixMilli()
+	for _, rec := range recs {
+		if rec.ExpiresMs > now {
+			forgetHeld(st, rec)
+		}
+	}
+}
