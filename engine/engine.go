@@ -302,6 +302,10 @@ func (lc *located) key() Key { return lc.zone.key(lc.id) }
 // With syncs set (the engine has an origin or a global layer, whose
 // counters only a syncCell holds) the cell is a syncCell: a plain cell made
 // before is upgraded here, before the decision charges it.
+//
+// Nearly every decision finds the entry's current cell to be the cell of
+// now: that is tested with one multiplication, and the sequence of now (a
+// division) is computed only when it is not (see rotate).
 func (e *Engine) locate(lc *located, l *Limit, now int64, syncs bool) {
 	z := l.Zone
 	if z == nil {
@@ -312,50 +316,63 @@ func (e *Engine) locate(lc *located, l *Limit, now int64, syncs bool) {
 		id = NormalizeIdentifier(id)
 	}
 	w := z.w
-	seq := now / w
 	for {
 		en, ok := z.entries.Load(id)
 		if !ok {
-			en = e.insert(z, id, seq, syncs)
+			en = e.insert(z, id, now/w, syncs)
 		}
-		c, gone := en.current(seq, syncs)
-		if gone[0] != nil || gone[1] != nil {
-			e.buryCells(z, id, gone)
-		}
-		if c != nil && c.seq > seq+1 && e.nowMs()/w+1 < c.seq {
-			// More than a window ahead of a clock read just now: the clock
-			// stepped back (a request that read it long ago finds the
-			// clock past seq and keeps the cell).
-			stale := c
-			if c = en.replaceStale(c, seq, syncs); c != nil {
-				e.buryCell(z, id, stale)
-			}
-			if c != nil && e.origin.Load() == nil {
-				c.setBits(stHydrated) // as insert marks a new entry's cell
+		// c.seq ≥ 0 leaves out the tombstone (and the truncated division
+		// of a clock before 1970, which rotate handles as it always did).
+		c := en.cur.Load()
+		if c.seq < 0 || uint64(now-c.seq*w) >= uint64(w) {
+			if c = e.rotate(z, id, en, now, w, syncs); c == nil {
+				continue
 			}
 		}
-		if c != nil && syncs {
-			c = e.synced(z, id, en, &en.cur, c)
-		}
-		if c != nil && syncs {
+		if syncs {
+			if c = e.synced(z, id, en, &en.cur, c); c == nil {
+				continue
+			}
 			// The limit the count is decided against, for the cross-region
 			// layer; written only when it changes.
 			if x := c.sync(); x != nil && x.limit.Load() != l.Limit {
 				x.limit.Store(l.Limit)
 			}
 		}
-		if c != nil {
-			r := now - c.seq*w
-			if r < 0 {
-				r = 0
-			}
-			lc.zone, lc.id, lc.en, lc.cur, lc.w, lc.r = z, id, en, c, w, r
-			return
+		r := now - c.seq*w
+		if r < 0 {
+			r = 0
 		}
-		// Removed by the janitor between the load and the rotation, or
-		// rotated or upgraded by another request meanwhile: look again, a
-		// fresh entry may already stand in its place.
+		lc.zone, lc.id, lc.en, lc.cur, lc.w, lc.r = z, id, en, c, w, r
+		return
 	}
+}
+
+// rotate returns en's cell for now when the current cell is not (the
+// window has moved on, the clock stepped, or the entry was removed): the
+// rotated cell, or a cell ahead of now, or a replacement of a cell more
+// than a window ahead. nil: removed by the janitor between the load and
+// the rotation, or rotated by another request meanwhile; look again, a
+// fresh entry may already stand in its place.
+func (e *Engine) rotate(z *Zone, id string, en *entry, now, w int64, syncs bool) *cell {
+	seq := now / w
+	c, gone := en.current(seq, syncs)
+	if gone[0] != nil || gone[1] != nil {
+		e.buryCells(z, id, gone)
+	}
+	if c != nil && c.seq > seq+1 && e.nowMs()/w+1 < c.seq {
+		// More than a window ahead of a clock read just now: the clock
+		// stepped back (a request that read it long ago finds the clock
+		// past seq and keeps the cell).
+		stale := c
+		if c = en.replaceStale(c, seq, syncs); c != nil {
+			e.buryCell(z, id, stale)
+		}
+		if c != nil && e.origin.Load() == nil {
+			c.setBits(stHydrated) // as insert marks a new entry's cell
+		}
+	}
+	return c
 }
 
 // insert adds a new entry for id, or returns the one that won a race. Its
