@@ -76,6 +76,30 @@ func BenchmarkDecideParallel(b *testing.B) {
 	})
 }
 
+// BenchmarkDecide100kKeys cycles allows through 100,000 warm keys of one
+// zone (the load harness's keys100k row in process): what a large key set
+// adds to a decision is reaching an entry and its cell that are not in
+// the CPU's caches.
+func BenchmarkDecide100kKeys(b *testing.B) {
+	const n = 100_000
+	e, _ := newTestEngine(b, Config{})
+	z := e.Zone("lt_keys", time.Hour)
+	ls := make([]Limit, n)
+	for i := range ls {
+		ls[i] = lim("k"+strconv.Itoa(i), time.Hour, 1_000_000_000, 1)
+		ls[i].Zone = z
+		e.Decide(bg, ls[i])
+	}
+	b.ReportAllocs()
+	i := 0
+	for b.Loop() {
+		e.Decide(bg, ls[i])
+		if i++; i == n {
+			i = 0
+		}
+	}
+}
+
 // BenchmarkMemoryPerEntry inserts a million distinct identifiers into a
 // local-only engine (plain cells, 32 bytes each) and reports the live heap
 // per entry, key included, then checks that the janitor frees them two
