@@ -384,7 +384,7 @@ func (e *Engine) insert(z *Zone, id string, seq int64, syncs bool) *entry {
 		if !hasOrigin {
 			c.setBits(stHydrated)
 		}
-		n := &entry{}
+		n := newEntry(id)
 		n.cur.Store(c)
 		return n, false
 	})

@@ -2,9 +2,11 @@ package engine
 
 import (
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
+	"unsafe"
 )
 
 func newTestEntry() (*entry, bool) { return &entry{}, false }
@@ -202,6 +204,124 @@ func TestEntryMap_OneEntryPerKey(t *testing.T) {
 		for c := 1; c < callers; c++ {
 			if got[c][i] != got[0][i] {
 				t.Fatalf("key %d: callers got different entries", i)
+			}
+		}
+	}
+}
+
+// TestNewEntry_CopiesItsIdentifier checks newEntry's name at the edges of
+// its sizes: the same bytes, in the entry's own memory up to 80 bytes (a
+// request's string is not kept alive by the key), the given string beyond.
+func TestNewEntry_CopiesItsIdentifier(t *testing.T) {
+	for _, n := range []int{0, 1, 15, 16, 17, 32, 33, 48, 49, 64, 65, 80, 81, 300} {
+		id := strings.Repeat("x", n)
+		en := newEntry(id)
+		if en.id != id {
+			t.Fatalf("len %d: id = %q", n, en.id)
+		}
+		copied := unsafe.StringData(en.id) != unsafe.StringData(id)
+		if want := n > 0 && n <= 80; copied != want {
+			t.Fatalf("len %d: copied = %v, want %v", n, copied, want)
+		}
+		// The map keeps the entry's own copy when it stores it.
+		m := newEntryMap()
+		m.Store(id, en)
+		if got, _ := m.Load(id); got != en || unsafe.StringData(got.id) != unsafe.StringData(en.id) {
+			t.Fatalf("len %d: the map renamed the entry", n)
+		}
+	}
+}
+
+// TestSameID compares sameID with == at every length it reads by words
+// and around, with the strings equal and differing in each byte.
+func TestSameID(t *testing.T) {
+	for n := 0; n <= 40; n++ {
+		a := make([]byte, n)
+		for i := range a {
+			a[i] = byte('a' + i%26)
+		}
+		x, y := string(a), strings.Clone(string(a))
+		if !sameID(x, y) {
+			t.Fatalf("len %d: equal strings differ", n)
+		}
+		if n > 0 && sameID(x, y[:n-1]) {
+			t.Fatalf("len %d: a prefix is the same", n)
+		}
+		for i := 0; i < n; i++ {
+			b := []byte(y)
+			b[i] ^= 0x20
+			if sameID(x, string(b)) {
+				t.Fatalf("len %d: strings differing in byte %d are the same", n, i)
+			}
+		}
+	}
+}
+
+// TestIDSeedHash_EveryByteCounts checks that the hash depends on every
+// byte and on the length, and that two seeds hash differently.
+func TestIDSeedHash_EveryByteCounts(t *testing.T) {
+	k, k2 := newIDSeed(), newIDSeed()
+	for n := 0; n <= 200; n++ {
+		b := make([]byte, n)
+		for i := range b {
+			b[i] = byte(i * 7)
+		}
+		h := k.hash(string(b))
+		if n > 0 && k2.hash(string(b)) == h {
+			t.Fatalf("len %d: two seeds, one hash", n)
+		}
+		if n > 0 && k.hash(string(b[:n-1])) == h {
+			t.Fatalf("len %d: a prefix hashes the same", n)
+		}
+		for i := 0; i < n; i++ {
+			b[i] ^= 1
+			if k.hash(string(b)) == h {
+				t.Fatalf("len %d: flipping byte %d leaves the hash", n, i)
+			}
+			b[i] ^= 1
+		}
+	}
+}
+
+// TestIDSeedHash_Spreads hashes identifiers as clients send them (short
+// counters, addresses, long keys) into 16,384 buckets: no bucket may get
+// far more than its share, or probes would grow long.
+func TestIDSeedHash_Spreads(t *testing.T) {
+	k := newIDSeed()
+	for _, form := range []func(i int) string{
+		func(i int) string { return "k" + strconv.Itoa(i) },
+		func(i int) string {
+			return "10." + strconv.Itoa(i>>16) + "." + strconv.Itoa(i>>8&255) + "." + strconv.Itoa(i&255)
+		},
+		func(i int) string { return "sk_live_0123456789abcdef0123456789abcdef" + strconv.Itoa(i) },
+	} {
+		const n, buckets = 100_000, 16_384
+		var count [buckets]int
+		seen := make(map[uint64]bool, n)
+		for i := 0; i < n; i++ {
+			h := k.hash(form(i))
+			seen[h] = true
+			count[h&(buckets-1)]++
+		}
+		if len(seen) != n {
+			t.Fatalf("%q…: %d distinct hashes for %d identifiers", form(0), len(seen), n)
+		}
+		most := 0
+		for _, c := range count {
+			most = max(most, c)
+		}
+		// About 6 a bucket on average; a uniform hash puts more than 30 in one once in millions of runs.
+		if most > 30 {
+			t.Fatalf("%q…: a bucket got %d of %d identifiers", form(0), most, n)
+		}
+		// The tag bits (the top 7) spread too.
+		var tags [128]int
+		for i := 0; i < n; i++ {
+			tags[k.hash(form(i))>>57]++
+		}
+		for tag, c := range tags {
+			if c < n/128/2 || c > n/128*2 {
+				t.Fatalf("%q…: tag %d got %d of %d identifiers", form(0), tag, c, n)
 			}
 		}
 	}
