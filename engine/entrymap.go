@@ -347,6 +347,11 @@ func (k *idSeed) hash(s string) uint64 {
 	case n <= 16:
 		x = binary.LittleEndian.Uint64(b)
 		y = binary.LittleEndian.Uint64(b[n-8:])
+	case n <= 32:
+		// hashLong's loop, once: its first 16 bytes, then its last 16.
+		seed = mix(binary.LittleEndian.Uint64(b)^k[1], binary.LittleEndian.Uint64(b[8:])^seed)
+		x = binary.LittleEndian.Uint64(b[n-16:])
+		y = binary.LittleEndian.Uint64(b[n-8:])
 	default:
 		return k.hashLong(b)
 	}
