@@ -260,52 +260,9 @@ func (c *cell) freshUntil() int64 {
 type entry struct {
 	cur  atomic.Pointer[cell]
 	prev atomic.Pointer[cell]
-	// id is the entry's identifier: a copy within the entry's own
-	// allocation (see newEntry), or set by the zone's map when it stores
+	// id is the entry's identifier, set by the zone's map when it stores
 	// the entry (see entryMap).
 	id string
-}
-
-// newEntry returns an empty entry named id. An identifier of up to 80
-// bytes (a hashed one is 65) is copied into the entry's own allocation,
-// in the smallest of a few sizes that fits it, so that a key is two heap
-// objects (its entry and its cell) and a lookup reads the identifier
-// where it reads the entry; the allocation is the size the entry and a
-// separate identifier took together, or less. A longer identifier is
-// kept as given.
-func newEntry(id string) *entry {
-	switch n := len(id); {
-	case n == 0:
-		return &entry{}
-	case n <= 16:
-		return entryWith[[16]byte](id) // 48 bytes
-	case n <= 32:
-		return entryWith[[32]byte](id) // 64
-	case n <= 48:
-		return entryWith[[48]byte](id) // 80
-	case n <= 64:
-		return entryWith[[64]byte](id) // 96
-	case n <= 80:
-		return entryWith[[80]byte](id) // 112
-	}
-	return &entry{id: id}
-}
-
-// idEntry is an entry with room for its identifier (B is a byte array).
-type idEntry[B any] struct {
-	entry
-	buf B
-}
-
-// entryWith returns an entry whose id is a copy of id in its buf, which
-// holds len(id) bytes or more. The string points into the entry's own
-// object, which it keeps alive, and is never written again.
-func entryWith[B any](id string) *entry {
-	x := new(idEntry[B])
-	buf := unsafe.Slice((*byte)(unsafe.Pointer(&x.buf)), unsafe.Sizeof(x.buf))
-	copy(buf, id)
-	x.id = unsafe.String(&buf[0], len(id))
-	return &x.entry
 }
 
 // previous returns the cell before c, or nil. While a rotation is between

@@ -384,7 +384,7 @@ func (e *Engine) insert(z *Zone, id string, seq int64, syncs bool) *entry {
 		if !hasOrigin {
 			c.setBits(stHydrated)
 		}
-		n := newEntry(id)
+		n := &entry{}
 		n.cur.Store(c)
 		return n, false
 	})

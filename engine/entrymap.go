@@ -12,11 +12,16 @@ import (
 // entryMap is a zone's map of entries by identifier, made for what the
 // engine does with it: a lookup on every decision, an insert per new key,
 // deletions by the janitor. Its slots point at the entries themselves,
-// which hold their identifier (in their own allocation, see newEntry), so
-// a key costs its entry and its cells plus about 14 bytes of table, where
-// a general concurrent map (xsync's, before) added an object per key
-// (identifier and value, 24 bytes) and about 25 bytes of buckets, and the
-// identifier was an object of its own.
+// which hold their identifier, so a key costs its entry, its cells and its
+// identifier plus about 14 bytes of table, where a general concurrent map
+// (xsync's, before) added an object per key (identifier and value, 24
+// bytes) and about 25 bytes of buckets.
+//
+// The identifier is the caller's string, not a copy: copied into the
+// entry's own allocation (one object less per key), the entries moved to
+// a size class that a request's own short-lived objects share, and the
+// heap in use after a collection grew by a fifth, live objects scattered
+// among the freed ones (measured through the handler with 100,000 keys).
 //
 // A lookup takes no lock and writes no memory: it hashes the identifier,
 // reads one bucket's tag word, and compares the identifier of the entries
@@ -220,16 +225,13 @@ func (m *entryMap) DeleteMatching(f func(id string, en *entry) (del, stop bool))
 }
 
 // insert adds en as the entry of id, which the map does not hold; under
-// mu. It names en after id unless en already bears that name (newEntry's
-// copy, which it keeps).
+// mu. It names en after id.
 func (m *entryMap) insert(h uint64, id string, en *entry) {
 	t := m.table.Load()
 	if 8*(m.used+1) > 7*bucketSlots*len(t.buckets) {
 		t = m.rehash(m.live + 1)
 	}
-	if en.id != id {
-		en.id = id
-	}
+	en.id = id
 	if t.place(h, en) {
 		m.used++
 	}
@@ -399,8 +401,11 @@ func sameID(a, b string) bool {
 	if n < 8 || n > 32 {
 		return a == b
 	}
-	x := unsafe.Slice(unsafe.StringData(a), n)
-	y := unsafe.Slice(unsafe.StringData(b), n)
+	pa, pb := unsafe.StringData(a), unsafe.StringData(b)
+	if pa == pb {
+		return true // the string the entry was stored with
+	}
+	x, y := unsafe.Slice(pa, n), unsafe.Slice(pb, n)
 	le := binary.LittleEndian
 	if le.Uint64(x) != le.Uint64(y) || le.Uint64(x[n-8:]) != le.Uint64(y[n-8:]) {
 		return false

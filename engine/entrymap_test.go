@@ -6,7 +6,6 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
-	"unsafe"
 )
 
 func newTestEntry() (*entry, bool) { return &entry{}, false }
@@ -205,29 +204,6 @@ func TestEntryMap_OneEntryPerKey(t *testing.T) {
 			if got[c][i] != got[0][i] {
 				t.Fatalf("key %d: callers got different entries", i)
 			}
-		}
-	}
-}
-
-// TestNewEntry_CopiesItsIdentifier checks newEntry's name at the edges of
-// its sizes: the same bytes, in the entry's own memory up to 80 bytes (a
-// request's string is not kept alive by the key), the given string beyond.
-func TestNewEntry_CopiesItsIdentifier(t *testing.T) {
-	for _, n := range []int{0, 1, 15, 16, 17, 32, 33, 48, 49, 64, 65, 80, 81, 300} {
-		id := strings.Repeat("x", n)
-		en := newEntry(id)
-		if en.id != id {
-			t.Fatalf("len %d: id = %q", n, en.id)
-		}
-		copied := unsafe.StringData(en.id) != unsafe.StringData(id)
-		if want := n > 0 && n <= 80; copied != want {
-			t.Fatalf("len %d: copied = %v, want %v", n, copied, want)
-		}
-		// The map keeps the entry's own copy when it stores it.
-		m := newEntryMap()
-		m.Store(id, en)
-		if got, _ := m.Load(id); got != en || unsafe.StringData(got.id) != unsafe.StringData(en.id) {
-			t.Fatalf("len %d: the map renamed the entry", n)
 		}
 	}
 }
