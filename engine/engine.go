@@ -516,7 +516,7 @@ func (e *Engine) Decide(ctx context.Context, l Limit) (d Decision) {
 			e.stats.readWaitTimeouts.Add(1)
 		}
 	}
-	e.decideAtOrigin(&d, ctx, o, &lc, &l, now, &dl)
+	e.decideAtOrigin(ctx, &d, o, &lc, &l, now, &dl)
 	return d
 }
 

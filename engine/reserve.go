@@ -69,7 +69,7 @@ func (e *Engine) foreignGrowth(lc *located, now int64) int64 {
 
 // decideAtOrigin decides lc with an origin attached: locally, or for a
 // shared cell near its limit at the origin, within the decision's deadline.
-func (e *Engine) decideAtOrigin(d *Decision, ctx context.Context, o Origin, lc *located, l *Limit, now int64, dl *deadline) {
+func (e *Engine) decideAtOrigin(ctx context.Context, d *Decision, o Origin, lc *located, l *Limit, now int64, dl *deadline) {
 	local := l.DryRun || l.Cost == 0 // they charge whatever the origin says, or nothing
 	for {
 		n, cur, prev := lc.snapshot()
