@@ -141,24 +141,25 @@ func (t *entryTable) find(h uint64, id string) *entry {
 
 // LoadOrCompute returns the entry of id, or stores the one make returns
 // (unless it cancels) and returns it; loaded reports whether it was
-// there. make runs under the map's lock, at most once, and must not use
-// the map.
+// there. make runs before the map's lock is taken, so that inserts of
+// new keys hold it only to place an entry: when two callers race for one
+// key, both may run make, and the loser's entry is dropped.
 func (m *entryMap) LoadOrCompute(id string, make func() (*entry, bool)) (en *entry, loaded bool) {
 	h := m.seed.hash(id)
 	if en := m.table.Load().find(h, id); en != nil {
 		return en, true
+	}
+	made, cancel := make()
+	if cancel {
+		return nil, false
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if en := m.table.Load().find(h, id); en != nil {
 		return en, true
 	}
-	en, cancel := make()
-	if cancel {
-		return nil, false
-	}
-	m.insert(h, id, en)
-	return en, false
+	m.insert(h, id, made)
+	return made, false
 }
 
 // Store makes en the entry of id, replacing the one there.
