@@ -100,6 +100,27 @@ func BenchmarkDecide100kKeys(b *testing.B) {
 	}
 }
 
+// BenchmarkDecideNewKeys decides a new key every time, from every
+// processor (a flood of one-off identifiers, such as per-address limits
+// see): what making an entry costs, its insert into the zone's map
+// included. The janitor is left out (keys accumulate).
+func BenchmarkDecideNewKeys(b *testing.B) {
+	e, _ := newTestEngine(b, Config{MaxEntries: 1 << 30, Manual: true})
+	z := e.Zone("ip", time.Minute)
+	var seed atomic.Int64
+	b.ReportAllocs()
+	b.RunParallel(func(pb *testing.PB) {
+		base := seed.Add(1) << 40
+		l := lim("", time.Minute, 100, 1)
+		l.Zone = z
+		var buf [24]byte
+		for i := base; pb.Next(); i++ {
+			l.Identifier = string(strconv.AppendInt(buf[:0], i, 36))
+			e.Decide(bg, l)
+		}
+	})
+}
+
 // BenchmarkMemoryPerEntry inserts a million distinct identifiers into a
 // local-only engine (plain cells, 32 bytes each) and reports the live heap
 // per entry, key included, then checks that the janitor frees them two
