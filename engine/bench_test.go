@@ -101,9 +101,9 @@ func BenchmarkDecide100kKeys(b *testing.B) {
 }
 
 // BenchmarkDecideNewKeys decides a new key every time, from every
-// processor (a flood of one-off identifiers, such as per-address limits
-// see): what making an entry costs, its insert into the zone's map
-// included. The janitor is left out (keys accumulate).
+// processor (a flood of one-off identifiers, as limits per address see):
+// what making an entry costs, its insert into the zone's map included.
+// The janitor is left out (keys accumulate).
 func BenchmarkDecideNewKeys(b *testing.B) {
 	e, _ := newTestEngine(b, Config{MaxEntries: 1 << 30, Manual: true})
 	z := e.Zone("ip", time.Minute)
