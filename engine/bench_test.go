@@ -76,6 +76,51 @@ func BenchmarkDecideParallel(b *testing.B) {
 	})
 }
 
+// BenchmarkDecide100kKeys cycles allows through 100,000 warm keys of one
+// zone (the load harness's keys100k row in process): what a large key set
+// adds to a decision is reaching an entry and its cell that are not in
+// the CPU's caches.
+func BenchmarkDecide100kKeys(b *testing.B) {
+	const n = 100_000
+	e, _ := newTestEngine(b, Config{})
+	z := e.Zone("lt_keys", time.Hour)
+	ls := make([]Limit, n)
+	for i := range ls {
+		ls[i] = lim("k"+strconv.Itoa(i), time.Hour, 1_000_000_000, 1)
+		ls[i].Zone = z
+		e.Decide(bg, ls[i])
+	}
+	b.ReportAllocs()
+	i := 0
+	for b.Loop() {
+		e.Decide(bg, ls[i])
+		if i++; i == n {
+			i = 0
+		}
+	}
+}
+
+// BenchmarkDecideNewKeys decides a new key every time, from every
+// processor (a flood of one-off identifiers, as limits per address see):
+// what making an entry costs, its insert into the zone's map included.
+// The janitor is left out (keys accumulate).
+func BenchmarkDecideNewKeys(b *testing.B) {
+	e, _ := newTestEngine(b, Config{MaxEntries: 1 << 30, Manual: true})
+	z := e.Zone("ip", time.Minute)
+	var seed atomic.Int64
+	b.ReportAllocs()
+	b.RunParallel(func(pb *testing.PB) {
+		base := seed.Add(1) << 40
+		l := lim("", time.Minute, 100, 1)
+		l.Zone = z
+		var buf [24]byte
+		for i := base; pb.Next(); i++ {
+			l.Identifier = string(strconv.AppendInt(buf[:0], i, 36))
+			e.Decide(bg, l)
+		}
+	})
+}
+
 // BenchmarkMemoryPerEntry inserts a million distinct identifiers into a
 // local-only engine (plain cells, 32 bytes each) and reports the live heap
 // per entry, key included, then checks that the janitor frees them two
@@ -150,4 +195,43 @@ func BenchmarkGCWith100kKeys(b *testing.B) {
 	if got := e.Stats().Entries; got != n {
 		b.Fatalf("live entries = %d, want %d", got, n)
 	}
+}
+
+// BenchmarkMemory100kKeys is the load harness's keys100k row in process: a
+// local-only engine, one zone of a one-hour window, 100,000 identifiers
+// ("k0" … "k99999", each its own string, as a request's header value is)
+// decided once each. It reports the heap in use and the heap objects per
+// key after a collection, identifiers included (the engine's map holds
+// them), so the cost of a key can be measured before and after a change.
+// The harness's RSS per key is about twice the heap per key (the
+// collector lets the heap grow to twice what is live).
+func BenchmarkMemory100kKeys(b *testing.B) {
+	const n = 100_000
+	for b.Loop() {
+		e, _ := newTestEngine(b, Config{})
+		z := e.Zone("lt_keys", time.Hour)
+		before := memStats()
+		for j := 0; j < n; j++ {
+			l := lim("k"+strconv.Itoa(j), time.Hour, 1_000_000_000, 1)
+			l.Zone = z
+			e.Decide(bg, l)
+		}
+		after := memStats()
+		if got := e.Stats().Entries; got != n {
+			b.Fatalf("live entries = %d, want %d", got, n)
+		}
+		b.ReportMetric(float64(after.HeapInuse-before.HeapInuse)/n, "heap-inuse-B/key")
+		b.ReportMetric(float64(after.HeapAlloc-before.HeapAlloc)/n, "heap-alloc-B/key")
+		b.ReportMetric(float64(after.HeapObjects-before.HeapObjects)/n, "objects/key")
+		runtime.KeepAlive(e)
+	}
+}
+
+// memStats returns the memory statistics after two full collections.
+func memStats() runtime.MemStats {
+	var m runtime.MemStats
+	runtime.GC()
+	runtime.GC()
+	runtime.ReadMemStats(&m)
+	return m
 }

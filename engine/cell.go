@@ -260,6 +260,9 @@ func (c *cell) freshUntil() int64 {
 type entry struct {
 	cur  atomic.Pointer[cell]
 	prev atomic.Pointer[cell]
+	// id is the entry's identifier, set by the zone's map when it stores
+	// the entry (see entryMap).
+	id string
 }
 
 // previous returns the cell before c, or nil. While a rotation is between

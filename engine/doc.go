@@ -8,7 +8,7 @@
 // A decision's path, and the file that holds each step:
 //
 //	Decide / DecideMany                      engine.go
-//	  locate: one map lookup, rotate cells   engine.go, cell.go, zone.go, keys.go
+//	  locate: one map lookup, rotate cells   engine.go, cell.go, zone.go, entrymap.go, keys.go
 //	  converge: cold or stale cell → read    hydrate.go (single flight, one deadline)
 //	  fits? no  → deny (never waits)         engine.go, window.go, strict.go
 //	        yes → shared and near the limit

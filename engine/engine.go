@@ -302,6 +302,10 @@ func (lc *located) key() Key { return lc.zone.key(lc.id) }
 // With syncs set (the engine has an origin or a global layer, whose
 // counters only a syncCell holds) the cell is a syncCell: a plain cell made
 // before is upgraded here, before the decision charges it.
+//
+// Nearly every decision finds the entry's current cell to be the cell of
+// now: that is tested with one multiplication, and the sequence of now (a
+// division) is computed only when it is not (see rotate).
 func (e *Engine) locate(lc *located, l *Limit, now int64, syncs bool) {
 	z := l.Zone
 	if z == nil {
@@ -312,50 +316,63 @@ func (e *Engine) locate(lc *located, l *Limit, now int64, syncs bool) {
 		id = NormalizeIdentifier(id)
 	}
 	w := z.w
-	seq := now / w
 	for {
 		en, ok := z.entries.Load(id)
 		if !ok {
-			en = e.insert(z, id, seq, syncs)
+			en = e.insert(z, id, now/w, syncs)
 		}
-		c, gone := en.current(seq, syncs)
-		if gone[0] != nil || gone[1] != nil {
-			e.buryCells(z, id, gone)
-		}
-		if c != nil && c.seq > seq+1 && e.nowMs()/w+1 < c.seq {
-			// More than a window ahead of a clock read just now: the clock
-			// stepped back (a request that read it long ago finds the
-			// clock past seq and keeps the cell).
-			stale := c
-			if c = en.replaceStale(c, seq, syncs); c != nil {
-				e.buryCell(z, id, stale)
-			}
-			if c != nil && e.origin.Load() == nil {
-				c.setBits(stHydrated) // as insert marks a new entry's cell
+		// c.seq ≥ 0 leaves out the tombstone (and the truncated division
+		// of a clock before 1970, which rotate handles as it always did).
+		c := en.cur.Load()
+		if c.seq < 0 || uint64(now-c.seq*w) >= uint64(w) {
+			if c = e.rotate(z, id, en, now, w, syncs); c == nil {
+				continue
 			}
 		}
-		if c != nil && syncs {
-			c = e.synced(z, id, en, &en.cur, c)
-		}
-		if c != nil && syncs {
+		if syncs {
+			if c = e.synced(z, id, en, &en.cur, c); c == nil {
+				continue
+			}
 			// The limit the count is decided against, for the cross-region
 			// layer; written only when it changes.
 			if x := c.sync(); x != nil && x.limit.Load() != l.Limit {
 				x.limit.Store(l.Limit)
 			}
 		}
-		if c != nil {
-			r := now - c.seq*w
-			if r < 0 {
-				r = 0
-			}
-			lc.zone, lc.id, lc.en, lc.cur, lc.w, lc.r = z, id, en, c, w, r
-			return
+		r := now - c.seq*w
+		if r < 0 {
+			r = 0
 		}
-		// Removed by the janitor between the load and the rotation, or
-		// rotated or upgraded by another request meanwhile: look again, a
-		// fresh entry may already stand in its place.
+		lc.zone, lc.id, lc.en, lc.cur, lc.w, lc.r = z, id, en, c, w, r
+		return
 	}
+}
+
+// rotate returns en's cell for now when the current cell is not (the
+// window has moved on, the clock stepped, or the entry was removed): the
+// rotated cell, or a cell ahead of now, or a replacement of a cell more
+// than a window ahead. nil: removed by the janitor between the load and
+// the rotation, or rotated by another request meanwhile; look again, a
+// fresh entry may already stand in its place.
+func (e *Engine) rotate(z *Zone, id string, en *entry, now, w int64, syncs bool) *cell {
+	seq := now / w
+	c, gone := en.current(seq, syncs)
+	if gone[0] != nil || gone[1] != nil {
+		e.buryCells(z, id, gone)
+	}
+	if c != nil && c.seq > seq+1 && e.nowMs()/w+1 < c.seq {
+		// More than a window ahead of a clock read just now: the clock
+		// stepped back (a request that read it long ago finds the clock
+		// past seq and keeps the cell).
+		stale := c
+		if c = en.replaceStale(c, seq, syncs); c != nil {
+			e.buryCell(z, id, stale)
+		}
+		if c != nil && e.origin.Load() == nil {
+			c.setBits(stHydrated) // as insert marks a new entry's cell
+		}
+	}
+	return c
 }
 
 // insert adds a new entry for id, or returns the one that won a race. Its
@@ -476,14 +493,20 @@ func charge(c *cell, n, cost int64) bool {
 // never waits. With an origin, a cold or stale cell is read first, and a
 // shared cell near its limit (or in strict mode) is decided at the origin;
 // all of it within one read timeout, after which the decision is local.
-func (e *Engine) Decide(ctx context.Context, l Limit) Decision {
+//
+// The steps below fill d in place rather than return a Decision each: a
+// 40-byte result handed up through three calls was copied at each level,
+// and each copy read back stores just made (a store-forwarding stall),
+// which cost as much as the rest of a local decision.
+func (e *Engine) Decide(ctx context.Context, l Limit) (d Decision) {
 	clampLimit(&l)
 	now := e.nowMs()
 	o := e.getOrigin()
 	var lc located
 	e.locate(&lc, &l, now, o != nil || e.global.Load() != nil)
 	if o == nil {
-		return e.decideLocal(&lc, &l)
+		e.decideLocal(&d, &lc, &l)
+		return d
 	}
 	var dl deadline
 	defer dl.stop()
@@ -493,47 +516,50 @@ func (e *Engine) Decide(ctx context.Context, l Limit) Decision {
 			e.stats.readWaitTimeouts.Add(1)
 		}
 	}
-	return e.decideAtOrigin(ctx, o, &lc, &l, now, &dl)
+	e.decideAtOrigin(ctx, &d, o, &lc, &l, now, &dl)
+	return d
 }
 
-// decideLocal decides lc on local counts alone.
-func (e *Engine) decideLocal(lc *located, l *Limit) Decision {
+// decideLocal decides lc on local counts alone, into d.
+func (e *Engine) decideLocal(d *Decision, lc *located, l *Limit) {
 	for {
 		n, cur, prev := lc.snapshot()
 		ok := fits(cur, prev, l.Cost, l.Limit, lc.w, lc.r)
 		if !ok && !l.DryRun {
-			return e.deny(lc, l, cur, prev)
+			e.deny(d, lc, l, cur, prev)
+			return
 		}
 		if charge(lc.cur, n, l.Cost) {
-			return e.allow(lc, l, ok, cur, prev)
+			e.allow(d, lc, l, ok, cur, prev)
+			return
 		}
 	}
 }
 
-// allow builds the decision of a charged request and queues its units for
-// replay. ok is the limit's verdict, false only for a dry run (charged
-// because the request is served anyway, reported as the denial it would
-// have been, recording nothing a denial records).
-func (e *Engine) allow(lc *located, l *Limit, ok bool, cur, prev int64) Decision {
+// allow builds, into d, the decision of a charged request and queues its
+// units for replay. ok is the limit's verdict, false only for a dry run
+// (charged because the request is served anyway, reported as the denial
+// it would have been, recording nothing a denial records).
+func (e *Engine) allow(d *Decision, lc *located, l *Limit, ok bool, cur, prev int64) {
 	after := SatAdd(cur, l.Cost)
-	e.committed(lc, l.Cost, SatAdd(after, weighted(prev, lc.w, lc.r)), l.Limit)
-	d := lc.passed(l.Limit, after, prev)
+	if l.Cost != 0 && e.origin.Load() != nil {
+		e.committed(lc, l.Cost, SatAdd(after, weighted(prev, lc.w, lc.r)), l.Limit)
+	}
+	lc.passed(d, l.Limit, after, prev)
 	if !ok {
 		d.Allowed = false
 		d.RetryAfter = retryAfter(cur, prev, l.Cost, l.Limit, lc.w, lc.r)
 	}
-	return d
 }
 
-// passed is the decision of a request that passes limit, with the counts
-// (cur, prev) after it.
-func (lc *located) passed(limit, cur, prev int64) Decision {
-	return Decision{
-		Allowed:   true,
-		Limit:     limit,
-		Remaining: remaining(cur, prev, limit, lc.w, lc.r),
-		Reset:     msDuration(lc.w - lc.r),
-	}
+// passed writes to d the decision of a request that passes limit, with the
+// counts (cur, prev) after it.
+func (lc *located) passed(d *Decision, limit, cur, prev int64) {
+	d.Allowed = true
+	d.Limit = limit
+	d.Remaining = remaining(cur, prev, limit, lc.w, lc.r)
+	d.Reset = msDuration(lc.w - lc.r)
+	d.RetryAfter = 0
 }
 
 // retryAfter is the Retry-After of a denial at (cur, prev), or Never.
@@ -547,29 +573,35 @@ func retryAfter(cur, prev, cost, limit, w, r int64) time.Duration {
 	return msDuration(max(ra, 1))
 }
 
-// deny builds a denial and records what a denial records: strict mode and
-// the cell's first denial. It never waits and never calls the origin.
-func (e *Engine) deny(lc *located, l *Limit, cur, prev int64) Decision {
-	d := Decision{
-		Limit:      l.Limit,
-		Remaining:  remaining(cur, prev, l.Limit, lc.w, lc.r),
-		Reset:      msDuration(lc.w - lc.r),
-		RetryAfter: retryAfter(cur, prev, l.Cost, l.Limit, lc.w, lc.r),
-	}
+// deny builds a denial into d and records what a denial records: strict
+// mode and the cell's first denial. It never waits and never calls the
+// origin.
+func (e *Engine) deny(d *Decision, lc *located, l *Limit, cur, prev int64) {
+	d.Allowed = false
+	d.Limit = l.Limit
+	d.Remaining = remaining(cur, prev, l.Limit, lc.w, lc.r)
+	d.Reset = msDuration(lc.w - lc.r)
+	d.RetryAfter = retryAfter(cur, prev, l.Cost, l.Limit, lc.w, lc.r)
 	if e.origin.Load() != nil {
 		e.markStrict(lc.zone, lc.id, lc.cur.seq*lc.w+lc.r+lc.w)
 	}
 	if lc.cur.state.Load()&stBlocked == 0 && lc.cur.setBits(stBlocked) {
-		e.stats.firstDenials.Add(1)
-		if f := e.cfg.OnFirstDenial; f != nil {
-			used := SatAdd(cur, weighted(prev, lc.w, lc.r))
-			lim := *l
-			lim.Key, lim.Zone = lc.key(), lc.zone
-			f(Denial{Limit: lim, Sequence: lc.cur.seq, Used: used})
-		}
-		e.globalDenial(lc, l, cur, prev)
+		e.firstDenial(lc, l, cur, prev)
 	}
-	return d
+}
+
+// firstDenial records the first denial of lc's cell: counted, notified
+// (Config.OnFirstDenial) and handed to the cross-region layer. Out of
+// deny, so that deny, which every denial runs, stays small.
+func (e *Engine) firstDenial(lc *located, l *Limit, cur, prev int64) {
+	e.stats.firstDenials.Add(1)
+	if f := e.cfg.OnFirstDenial; f != nil {
+		used := SatAdd(cur, weighted(prev, lc.w, lc.r))
+		lim := *l
+		lim.Key, lim.Zone = lc.key(), lc.zone
+		f(Denial{Limit: lim, Sequence: lc.cur.seq, Used: used})
+	}
+	e.globalDenial(lc, l, cur, prev)
 }
 
 // committed records cost committed units in the cell for replay; effective
@@ -649,11 +681,11 @@ func (e *Engine) DecideMany(ctx context.Context, ls []Limit, out []Decision) boo
 			_, cur, prev := lc.snapshot()
 			ok := fits(cur, prev, ls[i].Cost, ls[i].Limit, lc.w, lc.r)
 			if !ok && !ls[i].DryRun {
-				out[i] = e.deny(lc, &ls[i], cur, prev)
+				e.deny(&out[i], lc, &ls[i], cur, prev)
 				continue
 			}
 			// A dry-run limit reports its verdict and records nothing.
-			out[i] = lc.passed(ls[i].Limit, cur, prev)
+			lc.passed(&out[i], ls[i].Limit, cur, prev)
 			if !ok {
 				out[i].Allowed = false
 				out[i].RetryAfter = retryAfter(cur, prev, ls[i].Cost, ls[i].Limit, lc.w, lc.r)
@@ -668,7 +700,7 @@ func (e *Engine) DecideMany(ctx context.Context, ls []Limit, out []Decision) boo
 		lc.cur.spec.Add(-ls[i].Cost)
 		_, cur, prev := lc.snapshot()
 		e.committed(lc, ls[i].Cost, SatAdd(cur, weighted(prev, lc.w, lc.r)), ls[i].Limit)
-		out[i] = lc.passed(ls[i].Limit, cur, prev)
+		lc.passed(&out[i], ls[i].Limit, cur, prev)
 		if lc.wouldDeny {
 			out[i].Allowed = false
 			out[i].RetryAfter = lc.dryRetry

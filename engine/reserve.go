@@ -69,17 +69,19 @@ func (e *Engine) foreignGrowth(lc *located, now int64) int64 {
 
 // decideAtOrigin decides lc with an origin attached: locally, or for a
 // shared cell near its limit at the origin, within the decision's deadline.
-func (e *Engine) decideAtOrigin(ctx context.Context, o Origin, lc *located, l *Limit, now int64, dl *deadline) Decision {
+func (e *Engine) decideAtOrigin(ctx context.Context, d *Decision, o Origin, lc *located, l *Limit, now int64, dl *deadline) {
 	local := l.DryRun || l.Cost == 0 // they charge whatever the origin says, or nothing
 	for {
 		n, cur, prev := lc.snapshot()
 		ok := fits(cur, prev, l.Cost, l.Limit, lc.w, lc.r)
 		if !ok && !l.DryRun {
-			return e.deny(lc, l, cur, prev)
+			e.deny(d, lc, l, cur, prev)
+			return
 		}
 		if !local && e.nearLimit(lc, l, cur, prev, now) {
-			if d, decided := e.reserveAtOrigin(ctx, o, lc, l, dl); decided {
-				return d
+			if od, decided := e.reserveAtOrigin(ctx, o, lc, l, dl); decided {
+				*d = od
+				return
 			}
 			// Joined another request's reservation, or the origin failed:
 			// look again, locally once the deadline has passed.
@@ -87,7 +89,8 @@ func (e *Engine) decideAtOrigin(ctx context.Context, o Origin, lc *located, l *L
 			continue
 		}
 		if charge(lc.cur, n, l.Cost) {
-			return e.allow(lc, l, ok, cur, prev)
+			e.allow(d, lc, l, ok, cur, prev)
+			return
 		}
 	}
 }
@@ -331,10 +334,13 @@ func (e *Engine) memberDecision(lc *located, l *Limit, n *group, i int) (Decisio
 		return Decision{}, false
 	}
 	_, cur, prev := lc.snapshot()
+	var d Decision
 	if n.admitted[i] {
-		return lc.passed(l.Limit, cur, prev), true
+		lc.passed(&d, l.Limit, cur, prev)
+		return d, true
 	}
 	cur = max(cur, SatAdd(n.totals.Cur, n.global))
 	prev = max(prev, SatAdd(n.totals.Prev, n.globalPrev))
-	return e.deny(lc, l, cur, prev), true
+	e.deny(&d, lc, l, cur, prev)
+	return d, true
 }

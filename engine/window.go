@@ -127,5 +127,10 @@ func ClampCount(n int64) int64 {
 // SatAdd returns a + b within [0, MaxCount], whatever a and b: each is
 // clamped first, so the sum cannot overflow.
 func SatAdd(a, b int64) int64 {
+	// Counts are nearly always within [0, MaxCount] already: then no bit
+	// at or above bit 53 is set in either, and the sum cannot overflow.
+	if uint64(a|b) <= MaxCount {
+		return min(a+b, MaxCount)
+	}
 	return min(ClampCount(a)+ClampCount(b), MaxCount)
 }

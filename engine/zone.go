@@ -14,8 +14,8 @@ import (
 type Zone struct {
 	name    string
 	window  time.Duration
-	w       int64 // window in milliseconds
-	entries *xsync.Map[string, *entry]
+	w       int64     // window in milliseconds
+	entries *entryMap // see entrymap.go
 	strict  *xsync.Map[string, *atomic.Int64]
 }
 
@@ -48,7 +48,7 @@ func (e *Engine) Zone(namespace string, window time.Duration) *Zone {
 			name:    namespace,
 			window:  time.Duration(w) * time.Millisecond,
 			w:       w,
-			entries: xsync.NewMap[string, *entry](),
+			entries: newEntryMap(),
 			strict:  xsync.NewMap[string, *atomic.Int64](),
 		}, false
 	})

@@ -1,0 +1,308 @@
+package engine
+
+import (
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+)
+
+func newTestEntry() (*entry, bool) { return &entry{}, false }
+
+// TestEntryMap_StoresFindsAndDeletes checks the map against a plain map
+// through inserts, deletions, reinsertions and the rehashes they cause,
+// growing and shrinking.
+func TestEntryMap_StoresFindsAndDeletes(t *testing.T) {
+	m := newEntryMap()
+	want := map[string]*entry{}
+	check := func(stage string) {
+		t.Helper()
+		for id, en := range want {
+			if got, ok := m.Load(id); !ok || got != en || got.id != id {
+				t.Fatalf("%s: Load(%q) = %p, %v; want %p", stage, id, got, ok, en)
+			}
+		}
+		for i := 0; i < 1000; i++ {
+			id := "absent-" + strconv.Itoa(i)
+			if _, ok := m.Load(id); ok {
+				t.Fatalf("%s: Load(%q) found an entry never stored", stage, id)
+			}
+		}
+		seen := map[string]int{}
+		m.Range(func(id string, en *entry) bool {
+			seen[id]++
+			if want[id] != en {
+				t.Fatalf("%s: Range gave %q → %p, want %p", stage, id, en, want[id])
+			}
+			return true
+		})
+		if len(seen) != len(want) {
+			t.Fatalf("%s: Range saw %d entries, want %d", stage, len(seen), len(want))
+		}
+		for id, n := range seen {
+			if n != 1 {
+				t.Fatalf("%s: Range saw %q %d times", stage, id, n)
+			}
+		}
+		if m.live != len(want) {
+			t.Fatalf("%s: live = %d, want %d", stage, m.live, len(want))
+		}
+	}
+	const n = 20_000
+	for i := 0; i < n; i++ {
+		id := "k" + strconv.Itoa(i)
+		en, loaded := m.LoadOrCompute(id, newTestEntry)
+		if loaded {
+			t.Fatalf("LoadOrCompute(%q) loaded an entry never stored", id)
+		}
+		want[id] = en
+		if again, loaded := m.LoadOrCompute(id, newTestEntry); !loaded || again != en {
+			t.Fatalf("second LoadOrCompute(%q) = %p, %v; want %p, true", id, again, loaded, en)
+		}
+	}
+	check("inserted")
+	grown := len(m.table.Load().buckets)
+	for i := 0; i < n; i += 2 {
+		id := "k" + strconv.Itoa(i)
+		if en, ok := m.LoadAndDelete(id); !ok || en != want[id] {
+			t.Fatalf("LoadAndDelete(%q) = %p, %v; want %p", id, en, ok, want[id])
+		}
+		delete(want, id)
+	}
+	if _, ok := m.LoadAndDelete("k0"); ok {
+		t.Fatal("LoadAndDelete of a deleted key found it")
+	}
+	check("half deleted")
+	// Deleted slots are taken again by new keys.
+	for i := 0; i < n; i += 2 {
+		id := "k" + strconv.Itoa(i)
+		en, _ := m.LoadOrCompute(id, newTestEntry)
+		want[id] = en
+	}
+	check("reinserted")
+	if got := len(m.table.Load().buckets); got > grown {
+		t.Fatalf("table grew from %d to %d buckets for as many keys", grown, got)
+	}
+	deleted := m.DeleteMatching(func(id string, en *entry) (bool, bool) {
+		return id != "k1", false
+	})
+	if deleted != n-1 {
+		t.Fatalf("DeleteMatching deleted %d, want %d", deleted, n-1)
+	}
+	want = map[string]*entry{"k1": want["k1"]}
+	check("all but one deleted")
+	if got := len(m.table.Load().buckets); got != minBuckets {
+		t.Fatalf("table of one entry has %d buckets, want %d", got, minBuckets)
+	}
+	replacement := &entry{}
+	m.Store("k1", replacement)
+	want["k1"] = replacement
+	check("replaced")
+}
+
+// TestEntryMap_DeleteMatchingStops checks that DeleteMatching stops where
+// its function says.
+func TestEntryMap_DeleteMatchingStops(t *testing.T) {
+	m := newEntryMap()
+	for i := 0; i < 100; i++ {
+		m.LoadOrCompute(strconv.Itoa(i), newTestEntry)
+	}
+	calls := 0
+	deleted := m.DeleteMatching(func(string, *entry) (bool, bool) {
+		calls++
+		return true, calls == 10
+	})
+	if deleted != 10 || m.live != 90 {
+		t.Fatalf("deleted %d, %d left; want 10 deleted, 90 left", deleted, m.live)
+	}
+}
+
+// TestEntryMap_ReadersNeverMissAStableKey runs lookups of keys that stay
+// in the map throughout while writers insert and delete other keys, which
+// makes the table grow, shrink and reuse deleted slots: no lookup of a
+// stable key may fail, and no lookup may return another key's entry.
+func TestEntryMap_ReadersNeverMissAStableKey(t *testing.T) {
+	m := newEntryMap()
+	stable := make([]string, 200)
+	for i := range stable {
+		stable[i] = "stable-" + strconv.Itoa(i)
+		m.LoadOrCompute(stable[i], newTestEntry)
+	}
+	var stop atomic.Bool
+	var wg sync.WaitGroup
+	for w := 0; w < 2; w++ {
+		wg.Add(1)
+		go func(w int) {
+			defer wg.Done()
+			for round := 0; round < 20; round++ {
+				n := 500 * (round%5 + 1)
+				for i := 0; i < n; i++ {
+					m.LoadOrCompute("churn-"+strconv.Itoa(w)+"-"+strconv.Itoa(i), newTestEntry)
+				}
+				for i := 0; i < n; i++ {
+					m.LoadAndDelete("churn-" + strconv.Itoa(w) + "-" + strconv.Itoa(i))
+				}
+			}
+		}(w)
+	}
+	errs := make(chan string, 4)
+	var readers sync.WaitGroup
+	for r := 0; r < 2; r++ {
+		readers.Add(1)
+		go func(r int) {
+			defer readers.Done()
+			for i := r; !stop.Load(); i++ {
+				id := stable[i%len(stable)]
+				if en, ok := m.Load(id); !ok || en.id != id {
+					errs <- id
+					return
+				}
+				m.Range(func(id string, en *entry) bool { return en.id == id })
+			}
+		}(r)
+	}
+	wg.Wait()
+	stop.Store(true)
+	readers.Wait()
+	close(errs)
+	for id := range errs {
+		t.Fatalf("a lookup of %q, stored all along, failed", id)
+	}
+	if m.live != len(stable) {
+		t.Fatalf("live = %d, want %d", m.live, len(stable))
+	}
+}
+
+// TestEntryMap_OneEntryPerKey races LoadOrCompute calls for the same keys:
+// each key gets one entry, which every caller receives (the entries the
+// losers made are dropped).
+func TestEntryMap_OneEntryPerKey(t *testing.T) {
+	m := newEntryMap()
+	const keys, callers = 2000, 4
+	got := make([][]*entry, callers)
+	var made atomic.Int64
+	var wg sync.WaitGroup
+	for c := 0; c < callers; c++ {
+		got[c] = make([]*entry, keys)
+		wg.Add(1)
+		go func(c int) {
+			defer wg.Done()
+			for i := 0; i < keys; i++ {
+				got[c][i], _ = m.LoadOrCompute(strconv.Itoa(i), func() (*entry, bool) {
+					made.Add(1)
+					return &entry{}, false
+				})
+			}
+		}(c)
+	}
+	wg.Wait()
+	if made.Load() < keys {
+		t.Fatalf("%d entries made for %d keys", made.Load(), keys)
+	}
+	if m.live != keys {
+		t.Fatalf("%d entries stored for %d keys", m.live, keys)
+	}
+	for i := 0; i < keys; i++ {
+		for c := 1; c < callers; c++ {
+			if got[c][i] != got[0][i] {
+				t.Fatalf("key %d: callers got different entries", i)
+			}
+		}
+	}
+}
+
+// TestSameID compares sameID with == at every length it reads by words
+// and around, with the strings equal and differing in each byte.
+func TestSameID(t *testing.T) {
+	for n := 0; n <= 40; n++ {
+		a := make([]byte, n)
+		for i := range a {
+			a[i] = byte('a' + i%26)
+		}
+		x, y := string(a), strings.Clone(string(a))
+		if !sameID(x, y) {
+			t.Fatalf("len %d: equal strings differ", n)
+		}
+		if n > 0 && sameID(x, y[:n-1]) {
+			t.Fatalf("len %d: a prefix is the same", n)
+		}
+		for i := 0; i < n; i++ {
+			b := []byte(y)
+			b[i] ^= 0x20
+			if sameID(x, string(b)) {
+				t.Fatalf("len %d: strings differing in byte %d are the same", n, i)
+			}
+		}
+	}
+}
+
+// TestIDSeedHash_EveryByteCounts checks that the hash depends on every
+// byte and on the length, and that two seeds hash differently.
+func TestIDSeedHash_EveryByteCounts(t *testing.T) {
+	k, k2 := newIDSeed(), newIDSeed()
+	for n := 0; n <= 200; n++ {
+		b := make([]byte, n)
+		for i := range b {
+			b[i] = byte(i * 7)
+		}
+		h := k.hash(string(b))
+		if n > 0 && k2.hash(string(b)) == h {
+			t.Fatalf("len %d: two seeds, one hash", n)
+		}
+		if n > 0 && k.hash(string(b[:n-1])) == h {
+			t.Fatalf("len %d: a prefix hashes the same", n)
+		}
+		for i := 0; i < n; i++ {
+			b[i] ^= 1
+			if k.hash(string(b)) == h {
+				t.Fatalf("len %d: flipping byte %d leaves the hash", n, i)
+			}
+			b[i] ^= 1
+		}
+	}
+}
+
+// TestIDSeedHash_Spreads hashes identifiers as clients send them (short
+// counters, addresses, long keys) into 16,384 buckets: no bucket may get
+// far more than its share, or probes would grow long.
+func TestIDSeedHash_Spreads(t *testing.T) {
+	k := newIDSeed()
+	for _, form := range []func(i int) string{
+		func(i int) string { return "k" + strconv.Itoa(i) },
+		func(i int) string {
+			return "10." + strconv.Itoa(i>>16) + "." + strconv.Itoa(i>>8&255) + "." + strconv.Itoa(i&255)
+		},
+		func(i int) string { return "sk_live_0123456789abcdef0123456789abcdef" + strconv.Itoa(i) },
+	} {
+		const n, buckets = 100_000, 16_384
+		var count [buckets]int
+		seen := make(map[uint64]bool, n)
+		for i := 0; i < n; i++ {
+			h := k.hash(form(i))
+			seen[h] = true
+			count[h&(buckets-1)]++
+		}
+		if len(seen) != n {
+			t.Fatalf("%q…: %d distinct hashes for %d identifiers", form(0), len(seen), n)
+		}
+		most := 0
+		for _, c := range count {
+			most = max(most, c)
+		}
+		// About 6 a bucket on average; a uniform hash puts more than 30 in one once in millions of runs.
+		if most > 30 {
+			t.Fatalf("%q…: a bucket got %d of %d identifiers", form(0), most, n)
+		}
+		// The tag bits (the top 7) spread too.
+		var tags [128]int
+		for i := 0; i < n; i++ {
+			tags[k.hash(form(i))>>57]++
+		}
+		for tag, c := range tags {
+			if c < n/128/2 || c > n/128*2 {
+				t.Fatalf("%q…: tag %d got %d of %d identifiers", form(0), tag, c, n)
+			}
+		}
+	}
+}
