@@ -39,7 +39,7 @@ const (
 //	GET    /ratelimit/status
 //	GET    /ratelimit/counters?zone=Z&identifier=I
 //	GET    /ratelimit/counters?zone=Z[&prefix=P][&max=N]
-//	DELETE /ratelimit/counters?zone=Z&identifier=I[&scope=node|region] (reset.go)
+//	DELETE /ratelimit/counters?zone=Z&identifier=I[&scope=node|region|global] (reset.go)
 //	GET    /ratelimit/strict[?zone=Z][&max=N]
 //	PUT    /ratelimit/overrides?zone=Z&identifier=I    (overrides_admin.go)
 //	GET    /ratelimit/overrides?zone=Z[&identifier=I | &prefix=P&max=N]

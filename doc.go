@@ -36,7 +36,7 @@
 //	overrides.go         runtime overrides: the process's book, the lookup
 //	overrides_sync.go    where changes are stored and read (Redis, MySQL)
 //	overrides_admin.go   the admin routes of runtime overrides
-//	reset.go             a key's reset for the whole region (scope=region)
+//	reset.go             a key's reset for the region or every region
 //	counters.go          counters declared once: status and Prometheus
 //	                     are made from the same list
 //	zones.go             zone definitions across handlers and configs

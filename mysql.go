@@ -263,7 +263,7 @@ func provisionMySQL(a *App) (backend, error) {
 	// (The origin is provisioned first: backendKinds.)
 	a.eachBackend(func(b backend) {
 		if rb, ok := b.(*redisBackend); ok {
-			opts.Region = redisRegion{o: rb.origin}
+			opts.Region = redisRegion{o: rb.origin, st: a.state}
 		}
 	})
 	// Without Redis the process is its own region: runtime overrides come

@@ -14,7 +14,11 @@ import (
 // cross-region layer sees it (propagation.Region): the origin's role API.
 // Identifiers pass as they are: the layer's are the rows', which are the
 // origin's keys' (HMACs under identifier_secret in both).
-type redisRegion struct{ o *origin.Redis }
+type redisRegion struct {
+	o *origin.Redis
+	// st is the process's state: the windows of the zone a reset marks.
+	st *state
+}
 
 func roleKey(c propagation.Cell) engine.Key {
 	return engine.Key{Namespace: c.Namespace, Identifier: c.Identifier, Window: time.Duration(c.WindowMs) * time.Millisecond}
@@ -112,26 +116,41 @@ func (r redisRegion) Import(ctx context.Context, ims []propagation.RegionImport)
 // Interface guard.
 var _ propagation.Region = redisRegion{}
 
-// TakeOverrides takes the region's override changes for MySQL; a reset
-// is the region's own (scope region) and stays in it.
+// TakeOverrides takes the region's override changes for MySQL, and its
+// resets for every region; a reset of the region alone stays in it.
 func (r redisRegion) TakeOverrides(ctx context.Context, all bool) ([]propagation.OverrideRow, error) {
 	os, err := r.o.TakeOverrides(ctx, all)
 	out := make([]propagation.OverrideRow, 0, len(os))
 	for _, o := range os {
-		if rec, ok := recOfRegion(o); ok && !rec.Reset {
+		if rec, ok := recOfRegion(o); ok && (!rec.Reset || rec.Global) {
 			out = append(out, rec.row())
 		}
 	}
 	return out, err
 }
 
-// ApplyOverrides leaves the changes in the region's hash.
+// ApplyOverrides leaves the changes in the region's hash. A reset the
+// region has not heard of first marks the region's cells of the key, so
+// the region's count and what it imported start over here too; the
+// region that made it, or a holder reading it again, finds it held.
 func (r redisRegion) ApplyOverrides(ctx context.Context, rows []propagation.OverrideRow) error {
 	os := make([]origin.Override, 0, len(rows))
 	for i := range rows {
-		if rec := recOfRow(&rows[i]); !rec.Reset {
-			os = append(os, rec.regionValue())
+		rec := recOfRow(&rows[i])
+		if rec.Reset {
+			rec.Global = true
+			if held, ok, err := r.o.OverrideVersion(ctx, rec.field()); err != nil {
+				return err
+			} else if ok && held >= rec.Version {
+				continue
+			}
+			// Marked before it is recorded: a node that hears of it and
+			// drops the key reads marked cells.
+			if err := resetRegionCells(ctx, r.o, r.st, rec); err != nil {
+				return err
+			}
 		}
+		os = append(os, rec.regionValue())
 	}
 	_, err := r.o.PutOverrides(ctx, os, false)
 	return err

@@ -43,6 +43,9 @@ type overrideRec struct {
 	// Reset makes this record a reset of the key (reset.go), not an
 	// override: it travels the same way, under a name of its own.
 	Reset bool `json:"reset,omitempty"`
+	// Global: a reset for every region (scope global), which the role's
+	// holder writes to MySQL; a region's own reset stays in the region.
+	Global bool `json:"global,omitempty"`
 }
 
 // resetMark starts the zone part of a reset's name (in the region's hash

@@ -13,16 +13,19 @@ import (
 	"github.com/edgelimit/caddy-ratelimit/origin"
 )
 
-// Resets beyond one node: DELETE /ratelimit/counters?…&scope=region makes
-// a key start over from zero in its current window on every node of the
-// region, and stay so. The region's Redis marks the key's cells
-// (origin/reset.go: what they held before never comes back, whatever a
-// node replays later); the reset itself is a record in the region's hash
-// of overrides (overrides.go), which every node polls, and every node that
-// hears of it drops its own state of the key (engine.ForgetMatching). The
-// region's published counts keep its units from before (rows only grow),
-// so other regions still count them: scope global, which would need rows
-// that can start over, is not built.
+// Resets beyond one node: DELETE /ratelimit/counters?…&scope=region|global
+// makes a key start over from zero in its current window on every node of
+// the region, or of every region, and stay so. The region's Redis marks
+// the key's cells (origin/reset.go: what they held before, the region's
+// units and what it imported, never comes back, whatever a node replays
+// or a region publishes later); the reset itself is a record in the
+// region's hash of overrides (overrides.go), which every node polls, and
+// every node that hears of it drops its own state of the key
+// (engine.ForgetMatching). A global reset travels like an override: the
+// role's holder writes it to MySQL, every other region's holder marks its
+// own region's cells when it first reads it (mysql_region.go) and leaves
+// it for its nodes. Published rows keep their totals (they only grow):
+// each region's mark takes the old part off what it imported.
 
 // resetLife is how long a reset's record is kept: two of the zone's
 // longest windows (the reset window and the one it weighs in), at least a
@@ -47,18 +50,18 @@ func resetKey(w http.ResponseWriter, r *http.Request, st *state, zoneName, id st
 		return forgetKey(w, st, zoneName, id, defs)
 	case scopeRegion, scopeGlobal:
 	default:
-		return badRequest("scope is node or region")
+		return badRequest("scope is node, region or global")
 	}
 	rb := st.overridesRedis()
 	switch {
-	case scope == scopeGlobal:
-		return badRequest("scope global is not available yet: reset the key in each region with scope=region")
 	case rb == nil:
-		return badRequest("scope region needs the region's Redis: this node counts alone (scope=node forgets the key here)")
+		return badRequest("scope " + scope + " needs the region's Redis: this node counts alone (scope=node forgets the key here)")
+	case scope == scopeGlobal && currentProp.Load() == nil:
+		return badRequest("scope global needs the cross-region layer (a mysql line): scope=region resets the key in this region")
 	}
 	view := st.apps.view()
 	now := time.Now()
-	rec := overrideRec{Zone: zoneName, Identifier: storedIdentifier(st, id, defs), Reset: true, Region: view.region,
+	rec := overrideRec{Zone: zoneName, Identifier: storedIdentifier(st, id, defs), Reset: true, Global: scope == scopeGlobal, Region: view.region,
 		CreatedMs: now.UnixMilli(), Version: now.UnixMicro(), ExpiresMs: now.Add(resetLife(defs)).UnixMilli()}
 	// This node's unreplayed units go out before the cells are marked.
 	forgetHeld(st, rec)
@@ -66,7 +69,7 @@ func resetKey(w http.ResponseWriter, r *http.Request, st *state, zoneName, id st
 	defer cancel()
 	err := resetRegionCells(ctx, rb, st, rec)
 	if err == nil {
-		_, err = rb.PutOverrides(ctx, []origin.Override{rec.regionValue()}, false)
+		_, err = rb.PutOverrides(ctx, []origin.Override{rec.regionValue()}, rec.Global)
 	}
 	if err != nil {
 		return caddy.APIError{HTTPStatus: http.StatusServiceUnavailable, Err: errors.Join(errOverrideStore, err)}

@@ -66,15 +66,15 @@ func TestReset_RegionScopeStaysReset(t *testing.T) {
 }
 
 // TestReset_ScopesNeedTheirBackends: a reset beyond this node needs the
-// region's Redis; global is refused; an unknown scope is a 400; scope on
-// a GET is a 400; nothing is forgotten then.
+// region's Redis (and global the cross-region layer); an unknown scope is
+// a 400; scope on a GET is a 400; nothing is forgotten then.
 func TestReset_ScopesNeedTheirBackends(t *testing.T) {
 	resetOverrides(t)
 	_, admin, base := startCaddy(t, overrideConfig(""))
 	admitted(t, base, "cust", 3)
 	for _, c := range []struct{ method, query string }{
 		{http.MethodDelete, "zone=ov&identifier=cust&scope=region"},
-		{http.MethodDelete, "zone=ov&identifier=cust&scope=global"},
+		{http.MethodDelete, "zone=ov&identifier=cust&scope=global"}, // no Redis, no MySQL
 		{http.MethodDelete, "zone=ov&identifier=cust&scope=everywhere"},
 		{http.MethodGet, "zone=ov&identifier=cust&scope=node"},
 	} {

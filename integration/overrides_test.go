@@ -152,3 +152,47 @@ func TestRegions_RegionResetStaysReset(t *testing.T) {
 		return ok && kc.Effective == since
 	})
 }
+
+// TestRegions_GlobalResetStaysReset: two regions × two nodes, a key at
+// its limit everywhere; a reset with scope=global on a node of region A
+// makes every node of both regions admit it again within 1.2 ×
+// (mysql_flush + global_sync), and it stays reset: once the counts have
+// travelled, every node's view of the key is the units admitted since.
+func TestRegions_GlobalResetStaysReset(t *testing.T) {
+	c := startCluster(t, clusterSpec{regions: 2, nodes: 2, limit: 6, window: pickWindow(2 * time.Minute)})
+	nodes := c.all()
+	key := freshKey("greset")
+	for _, n := range nodes {
+		for i := 0; i < 6; i++ {
+			sendKey(loadClient, n.url("/"), key)
+		}
+	}
+	reachAll(t, nodes, key, http.StatusTooManyRequests, "the key denied everywhere")
+	// Every region knows the others' counts before the reset.
+	redistest.Eventually(t, 10*time.Second, "both regions see the other's units", func() bool {
+		for _, n := range nodes {
+			if kc, ok := n.counters(key); !ok || len(kc.Cells) == 0 || kc.Cells[0].Global == 0 {
+				return false
+			}
+		}
+		return true
+	})
+	if s := c.regions[0][0].adminSend(t, http.MethodDelete, "/ratelimit/counters?zone=global&scope=global&identifier="+urlQueryEscape(key), ""); s != http.StatusOK {
+		t.Fatalf("DELETE scope=global: %d", s)
+	}
+	lat := reachAll(t, nodes, key, http.StatusOK, "the reset key admitted on every node of both regions")
+	bound := time.Duration(1.2 * float64(testFlush+testGlobalSync))
+	t.Logf("the global reset reached every node within %s (bound %s)", lat, bound)
+	if lat > bound {
+		t.Fatalf("the reset took %s to reach every node, bound %s", lat, bound)
+	}
+	since := int64(len(nodes))
+	redistest.Eventually(t, 10*time.Second, "every node sees the units admitted since the reset, and no more", func() bool {
+		for _, n := range nodes {
+			if kc, ok := n.counters(key); !ok || kc.Effective != since {
+				return false
+			}
+		}
+		return true
+	})
+}

@@ -201,3 +201,19 @@ func parseOverride(field, raw string) (Override, bool) {
 	}
 	return Override{Field: field, Version: v, Value: val}, true
 }
+
+// OverrideVersion returns the version the region holds of one field (false
+// when it holds none): a holder checks that a change is new to the region
+// before acting on it.
+func (r *Redis) OverrideVersion(ctx context.Context, field string) (int64, bool, error) {
+	ep := r.roleEndpoint()
+	raw, err := ep.client.HGet(ctx, r.overridesKey(), field).Result()
+	if errors.Is(err, redis.Nil) {
+		return 0, false, nil
+	}
+	if err != nil {
+		return 0, false, fmt.Errorf("redis override version %s: %w", ep.address, err)
+	}
+	o, ok := parseOverride(field, raw)
+	return o.Version, ok, nil
+}

@@ -24,7 +24,8 @@ import (
 //     the pulls that read what changed.
 //   - ratelimit_overrides holds one row per zone and identifier: the
 //     newest change (version) of its runtime override, removals included
-//     until they lapse.
+//     until they lapse; a key's reset for every region is a row of its
+//     own, whose namespace is the zone behind a mark byte (so 80 bytes).
 //
 // The statements are also in the README; keep them in step.
 var schema = []string{
@@ -57,7 +58,7 @@ var schema = []string{
   KEY ratelimit_global_counts_updated (updated_ms)
 ) ENGINE=InnoDB`,
 	`CREATE TABLE IF NOT EXISTS ratelimit_overrides (
-  namespace     VARBINARY(64)  NOT NULL,
+  namespace     VARBINARY(80)  NOT NULL,
   identifier    VARBINARY(128) NOT NULL,
   limit_units   BIGINT         NOT NULL,
   expires_ms    BIGINT         NOT NULL,
