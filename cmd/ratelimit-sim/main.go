@@ -34,7 +34,7 @@ func main() {
 	flag.Int64Var(&c.Limit, "limit", 1000, "every key's limit per window")
 	flag.DurationVar(&c.Window, "window", time.Minute, "the window")
 	flag.Float64Var(&c.Load, "load", 2, "hot keys' offered rate, × the limit's rate")
-	flag.Float64Var(&c.Background, "background", 2000, "background requests a second, all regions")
+	flag.Float64Var(&c.Background, "background", 1000, "background requests a second, all regions")
 	flag.DurationVar(&c.CrossRTT, "cross-rtt", 250*time.Millisecond, "round trip to the primary from the farthest region (the nearest: 0.28 ×)")
 	flag.DurationVar(&c.ReplicaLag, "replica-lag", time.Second, "the replicas' median lag (p99: 3 ×)")
 	flag.BoolVar(&c.NoReplicas, "no-replicas", false, "every region reads from the primary")

@@ -109,7 +109,12 @@ func (s *sim) addNode(r *region, j int) error {
 	c := s.cfg
 	n := &node{index: len(s.nodes), id: fmt.Sprintf("%s-n%02d", r.name, j), region: r}
 	n.slow = int64(n.index/int(slowTickMs/fastTickMs)) % (slowTickMs / fastTickMs)
-	n.eng = engine.New(engine.Config{Now: s.clk.Now, Manual: true})
+	// The read timeout is the engine's one bound on the wall clock: how
+	// long a decision waits for a read's goroutine. Reads here are in
+	// memory and the model fails those slower than the real timeout in
+	// simulated time, so the wait is made long enough that a stalled
+	// machine (a collection of a large heap) never decides differently.
+	n.eng = engine.New(engine.Config{Now: s.clk.Now, Manual: true, ReadTimeout: time.Hour})
 	n.eng.SetOrigin(r.redis.Origin(n.id))
 	n.zone = n.eng.Zone(Namespace, c.Window)
 	def := propagation.Config{}.WithDefaults()

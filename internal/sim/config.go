@@ -29,14 +29,25 @@ const (
 	Cold Scenario = "cold"
 	// Abuse: hot keys at ten times the load, far above their limit.
 	Abuse Scenario = "abuse"
-	// MySQLDown: even traffic; the MySQL primary is down for 60 s.
+	// MySQLDown: skewed traffic; the MySQL primary is down for 60 s.
 	MySQLDown Scenario = "mysql-down"
-	// RedisDown: even traffic; one region's Redis is down for 30 s.
+	// RedisDown: skewed traffic; one region's Redis is down for 30 s.
 	RedisDown Scenario = "redis-down"
-	// Partition: even traffic; one region is cut off from the others (the
-	// primary, and replication to its replica) for 60 s, then rejoins.
+	// Partition: skewed traffic; one region is cut off from the others
+	// (the primary, and replication to its replica) for 60 s, then
+	// rejoins.
 	Partition Scenario = "partition"
 )
+
+// spread is the traffic pattern of s: the failure scenarios run skewed
+// traffic, under which the regions depend on each other's counts.
+func (s Scenario) spread() Scenario {
+	switch s {
+	case MySQLDown, RedisDown, Partition:
+		return Skewed
+	}
+	return s
+}
 
 // Scenarios lists every scenario, in the order tables show them.
 var Scenarios = []Scenario{Even, Skewed, Burst, Moving, Cold, Abuse, MySQLDown, RedisDown, Partition}
@@ -166,7 +177,7 @@ func (c Config) Defaults() Config {
 		c.Load = 2
 	}
 	if c.Background == 0 {
-		c.Background = 2000
+		c.Background = 1000
 	}
 	set(&c.CrossRTT, 250*time.Millisecond)
 	set(&c.LocalRTT, time.Millisecond)

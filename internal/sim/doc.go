@@ -11,9 +11,11 @@
 // One Config and seed give one Result, the same every time: events are
 // ordered by time and then by the order they were scheduled in, every
 // random draw comes from generators seeded by Config.Seed, and nothing
-// reads the wall clock (the engine's read timeout is the one wall-clock
-// bound left; an in-memory read meets it by many orders of magnitude, and
-// Result.ReadWaitTimeouts reports any that did not).
+// that decides reads the wall clock. (The engine waits for its reads'
+// goroutines on the wall clock, up to its read timeout: the simulator
+// sets that to an hour and models the real timeout in simulated time, in
+// the Redis model; Result.ReadWaitTimeouts would report a wait that ran
+// out.)
 //
 // Files: config.go (the knobs and scenarios), cluster.go (regions, nodes
 // and models), traffic.go (request generators), events.go (the event

@@ -306,7 +306,7 @@ func (s *sim) traffic() {
 		return
 	}
 	dur := float64(c.Duration.Milliseconds())
-	sp := newSpread(c.Scenario, c.Regions, dur, c.Keys, stream(1))
+	sp := newSpread(c.Scenario.spread(), c.Regions, dur, c.Keys, stream(1))
 	perMs := float64(c.Limit) / float64(c.Window.Milliseconds())
 	load := c.Load
 	if c.Scenario == Abuse {
