@@ -58,9 +58,9 @@ type Config struct {
 	// Regions and Nodes (per region) size the fleet.
 	Regions, Nodes int
 	// Keys is the number of distinct keys in the traffic: Hot keys at
-	// Load times their limit's rate, and Keys − Hot background keys that
-	// share Background requests a second by a Zipf law (the busiest at
-	// most half its limit's rate).
+	// Load times their limit's rate (zero: 20; negative: none), and
+	// Keys − Hot background keys that share Background requests a second
+	// by a Zipf law (the busiest at most half its limit's rate).
 	Keys, Hot int
 	// Duration is the simulated time.
 	Duration time.Duration
@@ -75,7 +75,7 @@ type Config struct {
 	// Window.
 	Load float64
 	// Background is the background keys' requests a second, all regions
-	// together.
+	// together; negative: none.
 	Background float64
 
 	// CrossRTT is the round trip of a statement from the region farthest
@@ -161,6 +161,7 @@ func (c Config) Defaults() Config {
 	if c.Hot == 0 {
 		c.Hot = 20
 	}
+	c.Hot = max(c.Hot, 0)
 	if c.Keys == 0 {
 		c.Keys = 10_000
 	}
@@ -209,8 +210,8 @@ func (c Config) Validate() error {
 		return fmt.Errorf("duration %s is shorter than a window (%s)", c.Duration, c.Window)
 	case c.Limit < 1 || c.Window < time.Millisecond:
 		return fmt.Errorf("limit %d per %s: want a positive limit and window", c.Limit, c.Window)
-	case c.Load < 0 || c.Background < 0:
-		return fmt.Errorf("load %g, background %g: want no negative rate", c.Load, c.Background)
+	case c.Load < 0:
+		return fmt.Errorf("load %g: want no negative rate", c.Load)
 	}
 	known := false
 	for _, s := range Scenarios {

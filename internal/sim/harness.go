@@ -32,7 +32,7 @@ func harnessNet(c Config) Config {
 	c.Flush, c.GlobalSync, c.BlocklistSync = harnessFlush, harnessSync, harnessSync
 	c.Window = time.Hour // the harness picks windows of an hour or more: one cell
 	c.Limit = harnessLimit
-	c.Keys, c.Hot, c.Background = 1, 0, 0
+	c.Keys, c.Hot, c.Background = 1, -1, -1
 	return c
 }
 
