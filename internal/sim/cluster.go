@@ -82,7 +82,7 @@ func (s *sim) build() error {
 		}
 		r.redis = simmodel.NewRedis(now, c.Seed*1000+uint64(i)+1, link, simmodel.DefaultTimeouts)
 		ri := i
-		r.redis.Watch(func(id simmodel.CellID, cur, prev simmodel.Hash, at int64) { s.m.view(ri, id, cur, prev, at) })
+		r.redis.Watch(func(id simmodel.CellID, cur, _ simmodel.Hash, at int64) { s.m.view(ri, id, cur, at) })
 		views = append(views, v)
 		s.regions = append(s.regions, r)
 	}

@@ -35,14 +35,6 @@ func fits(cur, prev, cost, limit, w, r int64) bool {
 	return prev*(w-r) < (room+1)*w
 }
 
-// weighted is ⌊prev × (w − r) / w⌋.
-func weighted(prev, w, r int64) int64 {
-	if prev == 0 || r >= w {
-		return 0
-	}
-	return prev * (w - r) / w
-}
-
 type winKey struct {
 	key int32
 	seq int64
@@ -55,9 +47,10 @@ type regKey struct {
 }
 
 // armed is a key's window that denied somewhere, waiting for the other
-// regions' views to reach the limit.
+// regions' views to hold what the world had admitted in the window then.
 type armed struct {
 	at      int64
+	target  int64
 	pending []bool
 	left    int
 }
@@ -120,7 +113,8 @@ func (m *measure) count(key int32) {
 }
 
 // record counts one decision of the fleet; arm is called on a hot key's
-// first denial in a window.
+// first denial in a window (the central counter holds the world's count of
+// the window then).
 func (m *measure) record(req request, allowed bool, arm func(k winKey, region int)) {
 	ideal := m.ideal(req.key, req.at)
 	m.decisions++
@@ -142,7 +136,7 @@ func (m *measure) record(req request, allowed bool, arm func(k winKey, region in
 		m.admitted[k]++
 		m.regional[regKey{k.key, k.seq, req.region}]++
 	} else if m.armed[k] == nil {
-		a := &armed{at: req.at, pending: make([]bool, m.regions)}
+		a := &armed{at: req.at, target: m.refs[req.key].cur, pending: make([]bool, m.regions)}
 		for r := range m.regions {
 			if r != int(req.region) {
 				a.pending[r], a.left = true, a.left+1
@@ -154,9 +148,14 @@ func (m *measure) record(req request, allowed bool, arm func(k winKey, region in
 }
 
 // view is told of a change of a region's cell (or looks at it when armed):
-// once the region's view of an armed key reaches the limit, the time since
-// the first denial is one sample.
-func (m *measure) view(region int, id simmodel.CellID, cur, prev simmodel.Hash, at int64) {
+// once the region's view of an armed key's window (its own count and what
+// it imported) holds every unit the world had admitted in the window at
+// the first denial, the time since that denial is one sample. For a key
+// that starts at one region this is the time until the others are at the
+// limit; a key carried over from the window before is at the limit
+// nowhere while the admissions keep pace with the previous window's
+// decay, but its count still has to travel.
+func (m *measure) view(region int, id simmodel.CellID, cur simmodel.Hash, at int64) {
 	k, ok := m.hotIndex[id.Key.Identifier]
 	if !ok {
 		return
@@ -165,8 +164,7 @@ func (m *measure) view(region int, id simmodel.CellID, cur, prev simmodel.Hash, 
 	if a == nil || !a.pending[region] {
 		return
 	}
-	eff := cur.T + cur.G + weighted(prev.T+prev.G, m.w, at-id.Seq*m.w)
-	if eff >= m.limit {
+	if cur.T+cur.G >= a.target {
 		a.pending[region] = false
 		a.left--
 		m.latencies = append(m.latencies, max(at-a.at, 0))

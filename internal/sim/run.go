@@ -167,8 +167,7 @@ func (s *sim) arm(k winKey, first int) {
 			continue
 		}
 		cur, _ := r.redis.Cell(id)
-		prev, _ := r.redis.Cell(simmodel.CellID{Key: id.Key, Seq: k.seq - 1})
-		s.m.view(i, id, cur, prev, now)
+		s.m.view(i, id, cur, now)
 	}
 }
 
