@@ -195,7 +195,7 @@ func (r *Result) Describe() string {
 func (r *Result) Print(w io.Writer) {
 	fmt.Fprintln(w, r.Describe())
 	fmt.Fprintln(w)
-	fmt.Fprintln(w, "| admitted / limit per window: max | median | false allows | false denies | first denial → every region at the limit: p50 / p99 | units uncounted / unpublished |")
+	fmt.Fprintln(w, "| admitted / limit per window: max | median | false allows | false denies | first denial → its count in every region: p50 / p99 | units uncounted / unpublished |")
 	fmt.Fprintln(w, "| ---: | ---: | ---: | ---: | ---: | ---: |")
 	fmt.Fprintf(w, "| %.3f | %.3f | %s | %s | %s | %d / %d |\n\n", r.WindowMax(), r.WindowMedian(),
 		pct(r.FalseAllows, r.Decisions), pct(r.FalseDenies, r.Decisions), r.BurstText(), r.Uncounted, r.Unpublished)

@@ -139,7 +139,7 @@ func TableNames() []string {
 	return out
 }
 
-const tableHeader = "| run | admitted / limit per window: max / median | false allows | false denies | first denial → every region at the limit: p50 / p99 | Redis calls/request | MySQL statements/s: total (busiest region) | rows read/s | rows written/s | units uncounted / unpublished |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n"
+const tableHeader = "| run | requests/s | admitted / limit per window: max / median | false allows | false denies | first denial → its count in every region: p50 / p99 | Redis calls/request | MySQL statements/s: total (busiest region) | rows read/s | rows written/s | units uncounted / unpublished |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n"
 
 // PrintTable runs and prints the table name with seed.
 func PrintTable(w io.Writer, name string, seed uint64) error {
@@ -170,6 +170,7 @@ func (r *Result) Row(label string) string {
 	m := r.Total.MySQL
 	cols := []string{
 		label,
+		fmt.Sprintf("%.0f", r.PerSecond(r.Total.Requests)),
 		fmt.Sprintf("%.3f / %.3f", r.WindowMax(), r.WindowMedian()),
 		pct(r.FalseAllows, r.Decisions),
 		pct(r.FalseDenies, r.Decisions),
