@@ -166,8 +166,12 @@ func (r *Result) BurstText() string {
 func (r *Result) Describe() string {
 	c := r.Config
 	var b strings.Builder
+	load := c.Load
+	if c.Scenario == Abuse {
+		load *= 10
+	}
 	fmt.Fprintf(&b, "scenario %s, %d regions × %d nodes, %d keys (%d hot at %g × the limit's rate; background %g req/s), limit %d per %s, %s simulated, seed %d\n",
-		c.Scenario, c.Regions, c.Nodes, c.Keys, c.Hot, c.Load, c.Background, c.Limit, c.Window, c.Duration, c.Seed)
+		c.Scenario, c.Regions, c.Nodes, c.Keys, max(c.Hot, 0), load, max(c.Background, 0), c.Limit, c.Window, c.Duration, c.Seed)
 	if c.Requests != nil {
 		b.Reset()
 		fmt.Fprintf(&b, "explicit trace of %d requests, %d regions × %d nodes, limit %d per %s, %s simulated, seed %d\n",
