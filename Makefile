@@ -10,11 +10,13 @@
 # make bench-engine-vs REF=<commit>  the engine's decision benchmarks against another
 #                commit's, builds alternated in one sitting, medians (scripts/bench-engine-vs.sh)
 # make property  the multi-node reference test for PROPERTY_DURATION (default 10m) of random seeds
+# make sim       the simulator's tables (cmd/ratelimit-sim): accuracy and cost as regions and nodes
+#                grow, sensitivity, failures, the recommended settings (SIM_SEED; about 40 minutes)
 
 GO       ?= go
 TIMEOUT  ?= 20m
 
-.PHONY: test vet fmt-check servers allocs bench bench-engine-vs compare loadtest soak regions property
+.PHONY: test vet fmt-check servers allocs bench bench-engine-vs compare loadtest soak regions property sim
 
 test: vet fmt-check servers allocs
 	PATH="$$PATH:/usr/sbin:/usr/local/sbin" $(GO) test -race -count=1 -timeout $(TIMEOUT) ./...
@@ -66,3 +68,10 @@ regions: servers
 PROPERTY_DURATION ?= 10m
 property:
 	RATELIMIT_PROPERTY_DURATION=$(PROPERTY_DURATION) $(GO) test -count=1 -timeout 0 -run 'TestProperty_NodesAgreeWithOneCounter' -v ./internal/nodecheck
+
+# The simulator's tables (README, "Simulator"): each is one command,
+# `go run ./cmd/ratelimit-sim -table <name>`; one seed prints one output.
+SIM_SEED ?= 1
+SIM_TABLES ?= regions nodes sensitivity failure recommended bars
+sim:
+	@for t in $(SIM_TABLES); do $(GO) run ./cmd/ratelimit-sim -table $$t -seed $(SIM_SEED) || exit 1; echo; done

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
+	"github.com/edgelimit/caddy-ratelimit/internal/sim"
 )
 
 // The scale harness, run by `make regions`: R regions × N nodes of real
@@ -89,6 +90,36 @@ func redisCommands(t *testing.T, rs *redistest.Server) float64 {
 	return 0
 }
 
+// rates are the cost per second from s0 to s1: MySQL statements and rows
+// read on the primary and on the replica.
+func rates(s0, s1 costs) (stmts, rows, replStmts, replRows float64) {
+	d := s1.at.Sub(s0.at).Seconds()
+	return (s1.stmts - s0.stmts) / d, (s1.rows - s0.rows) / d, (s1.replStmts - s0.replStmts) / d, (s1.replRows - s0.replRows) / d
+}
+
+// The simulator beside the real processes: the same load on the same
+// sizes (internal/sim's HarnessLoad and HarnessSteady), its figures
+// printed next to the measured ones. internal/sim's agreement test keeps
+// the simulator within ± 3 % of the limit and ± 25 % of MySQL's load of
+// what this harness measured.
+const compareHeader = "| regions × nodes | scenario | admitted / limit: real · simulated | MySQL statements/s on the primary: real · simulated | on the replica, per region reading it: real · simulated | MySQL rows read/s, primary + replica: real · simulated |\n| --- | --- | --- | --- | --- | --- |\n"
+
+// compareRow runs the simulator on the harness's load and formats it
+// beside the real figures.
+func compareRow(t *testing.T, size, scenario string, regions, nodes int, shares []int, admitted float64, s0, s1 costs) string {
+	t.Helper()
+	res, err := sim.Run(sim.HarnessLoad(regions, nodes, shares))
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := res.Figures()
+	stmts, rows, replStmts, replRows := rates(s0, s1)
+	readers := float64(max(regions-1, 1))
+	return fmt.Sprintf("| %s | %s | %.2f · %.2f | %.1f · %.1f | %.1f · %.1f | %.0f + %.0f · %.0f + %.0f |\n", size, scenario,
+		admitted, f.Admitted, stmts, f.Statements, replStmts/readers, f.ReplicaStatements,
+		rows, replRows, f.RowsRead, f.ReplicaRowsRead*readers)
+}
+
 // since formats the cost per second from s0 to s1: MySQL statements/s
 // and rows read/s (primary + replica) and each region's Redis commands/s.
 func since(s0, s1 costs) (stmts, rows string, redis string) {
@@ -156,8 +187,9 @@ const scaleHeader = "| regions × nodes | scenario | admitted / limit | burst at
 func TestScale_Regions(t *testing.T) {
 	const limit, rate = 300, 80
 	dur := time.Duration(float64(2*limit)/rate*float64(time.Second)) + 500*time.Millisecond
-	var b strings.Builder
+	var b, cmp strings.Builder
 	b.WriteString(scaleHeader)
+	cmp.WriteString(compareHeader)
 	for _, regions := range scaleSizes("SCALE_REGIONS", []int{2, 3}) {
 		for _, nodes := range scaleSizes("SCALE_NODES", []int{1, 2, 4}) {
 			t.Run(fmt.Sprintf("%dx%d", regions, nodes), func(t *testing.T) {
@@ -180,6 +212,7 @@ func TestScale_Regions(t *testing.T) {
 					ratio := float64(res.ok) / limit
 					fmt.Fprintf(&b, "| %s | %s, %d req/s for %s | %.2f | | %s | %s | %s | %s |\n",
 						size, sc.name, rate, dur, ratio, stmts, rows, redis, holders(t, c))
+					cmp.WriteString(compareRow(t, size, sc.name, regions, nodes, sc.shares, ratio, s0, s1))
 					if res.other != 0 || ratio > 1.10 || ratio < 0.95 {
 						t.Errorf("%s %s: admitted %d of %d (%.2f ×), %d other answers", size, sc.name, res.ok, limit, ratio, res.other)
 					}
@@ -198,6 +231,7 @@ func TestScale_Regions(t *testing.T) {
 	}
 	fmt.Printf("\nscale: limit %d per window, mysql_flush %s, global_sync and blocklist_sync %s; the regions after the first read from the replica\n%s",
 		limit, scaleFlush, scaleSync, b.String())
+	fmt.Printf("\nscale: the real processes beside the simulator on the same loads (go run ./cmd/ratelimit-sim models them; internal/sim's agreement test)\n%s", cmp.String())
 }
 
 // TestScale_SteadyRegion is issue 17's measurement: one region, 400 live
@@ -206,11 +240,16 @@ func TestScale_Regions(t *testing.T) {
 func TestScale_SteadyRegion(t *testing.T) {
 	const keys, d = 400, 10 * time.Second
 	var b strings.Builder
-	b.WriteString("| nodes | statements/s | rows read/s |\n| --- | --- | --- |\n")
+	b.WriteString("| nodes | statements/s: real · simulated | rows read/s: real · simulated |\n| --- | --- | --- |\n")
 	var first float64
 	for _, n := range scaleSizes("SCALE_NODES", []int{1, 2, 4}) {
 		s, r := mysqlLoad(t, n, keys, d)
-		fmt.Fprintf(&b, "| %d | %.1f | %.1f |\n", n, s, r)
+		res, err := sim.Run(sim.HarnessSteady(n))
+		if err != nil {
+			t.Fatal(err)
+		}
+		f := res.Figures()
+		fmt.Fprintf(&b, "| %d | %.1f · %.1f | %.1f · %.1f |\n", n, s, f.Statements, r, f.RowsRead)
 		if first == 0 {
 			first = s
 		}

@@ -112,6 +112,7 @@ type Propagator struct {
 	addr   string
 	now    func() time.Time
 	cb     *gobreaker.CircuitBreaker[struct{}]
+	gate   func(write func() error) error
 
 	ready   atomic.Bool
 	denials chan engine.GlobalDenial
@@ -199,6 +200,12 @@ type Options struct {
 	// process that is its own region (a region's holder hands them to the
 	// region instead).
 	OnOverrides func([]OverrideRow)
+	// WriteGate, if set, stands in for the write breaker: it runs write, or
+	// refuses it with an error, as the breaker would. The simulator's gate
+	// keeps the breaker's rules on its simulated clock (the breaker reads
+	// the wall clock, which would make a simulated outage end at a time
+	// that depends on the machine's speed). Nil: the breaker.
+	WriteGate func(write func() error) error
 }
 
 // New builds a Propagator around eng without any I/O: `caddy validate`
@@ -232,6 +239,7 @@ func New(cfg Config, eng Engine, opts Options) (*Propagator, error) {
 		log:         log,
 		addr:        addr,
 		now:         now,
+		gate:        opts.WriteGate,
 		denials:     make(chan engine.GlobalDenial, denialQueue),
 		pending:     make(map[Cell]*BlocklistRow),
 		taken:       make(map[Cell]BlocklistRow),
@@ -294,8 +302,11 @@ func (p *Propagator) query(ctx context.Context, fn func(ctx context.Context) err
 	return fn(ctx)
 }
 
-// write runs one write through the breaker.
+// write runs one write through the breaker (or Options.WriteGate).
 func (p *Propagator) write(ctx context.Context, fn func(ctx context.Context) error) error {
+	if p.gate != nil {
+		return p.gate(func() error { return p.query(ctx, fn) })
+	}
 	_, err := p.cb.Execute(func() (struct{}, error) {
 		return struct{}{}, p.query(ctx, fn)
 	})

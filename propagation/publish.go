@@ -199,7 +199,11 @@ func (p *Propagator) writeCounts(ctx context.Context, cands []candidate, fix ...
 	if len(cands) == 0 {
 		return nil, false, nil
 	}
-	slices.SortFunc(cands, func(a, b candidate) int { return cmp.Compare(b.pressure, a.pressure) })
+	// Ties go in unique-key order, so the cells a full flush leaves for
+	// the next one do not depend on map order.
+	slices.SortFunc(cands, func(a, b candidate) int {
+		return cmp.Or(cmp.Compare(b.pressure, a.pressure), compareCount(a.row, b.row))
+	})
 	more = len(cands) > p.cfg.Batch
 	if more {
 		cands = cands[:p.cfg.Batch]

@@ -1,0 +1,134 @@
+package sim
+
+import (
+	"time"
+
+	"github.com/edgelimit/caddy-ratelimit/internal/simmodel"
+)
+
+// The scale harness's configurations (integration/scale_test.go, `make
+// regions`), request for request, on this machine's network: every server
+// on loopback, a replica that applies within milliseconds. Their figures
+// are what the simulator must agree with.
+
+// Harness settings (integration/scale_test.go).
+const (
+	harnessLimit = 300
+	harnessRate  = 80 // requests a second
+	harnessFlush = 200 * time.Millisecond
+	harnessSync  = time.Second
+	// harnessStart leaves the fleet time to take its roles and read the
+	// tables whole before the load, as the harness's cluster has before
+	// its first scenario.
+	harnessStart = 10 * time.Second
+)
+
+// harnessNet is loopback: sub-millisecond round trips everywhere.
+func harnessNet(c Config) Config {
+	c.CrossRTT = 300 * time.Microsecond
+	c.LocalRTT = 200 * time.Microsecond
+	c.RedisRTT = simmodel.Dist{Median: 0.1, P99: 0.5}
+	c.ReplicaLag = 5 * time.Millisecond
+	c.Flush, c.GlobalSync, c.BlocklistSync = harnessFlush, harnessSync, harnessSync
+	c.Window = time.Hour // the harness picks windows of an hour or more: one cell
+	c.Limit = harnessLimit
+	c.Keys, c.Hot, c.Background = 1, -1, -1
+	return c
+}
+
+// HarnessLoad is the scale harness's load of one scenario: 80 requests a
+// second for 2 × 300 / 80 + 0.5 s, round robin over the nodes weighted by
+// shares (region r gets shares[r] parts, spread evenly over its nodes),
+// on regions × nodes with a replica for the regions after the first.
+// Costs are measured over the load.
+func HarnessLoad(regions, nodes int, shares []int) Config {
+	c := harnessNet(Config{Regions: regions, Nodes: nodes, Seed: 1})
+	d := time.Duration(float64(2*harnessLimit)/harnessRate*float64(time.Second)) + 500*time.Millisecond
+	total := int(harnessRate * d.Seconds())
+	type place struct{ region, node int }
+	var order []place
+	for turn := range nodes {
+		for r, share := range shares {
+			for range share {
+				order = append(order, place{r, turn})
+			}
+		}
+	}
+	interval := time.Second / harnessRate
+	for i := range total {
+		p := order[i%len(order)]
+		c.Requests = append(c.Requests, Request{At: harnessStart + time.Duration(i)*interval, Key: "scale", Region: p.region, Node: p.node})
+	}
+	c.Measure = simmodel.Span{From: harnessStart.Milliseconds(), To: (harnessStart + d).Milliseconds()}
+	c.Duration = harnessStart + d + time.Second
+	return c
+}
+
+// HarnessSteady is the harness's steady region (issue 17): one region of
+// nodes, 400 keys at 60 % of a limit of 10 (six requests each, request i
+// of key k at node (k + i) mod nodes), then no traffic; MySQL's load is
+// measured over 10 s once the region stopped changing.
+func HarnessSteady(nodes int) Config {
+	c := harnessNet(Config{Regions: 1, Nodes: nodes, Seed: 1})
+	c.Limit = 10
+	const keys = 400
+	for k := range keys {
+		for i := range 6 {
+			at := time.Second + time.Duration(k*6+i)*time.Second/(keys*6)
+			c.Requests = append(c.Requests, Request{At: at, Key: "load-" + itoa(k), Region: 0, Node: (k + i) % nodes})
+		}
+	}
+	c.Measure = simmodel.Span{From: 15_000, To: 25_000}
+	c.Duration = 26 * time.Second
+	return c
+}
+
+// HarnessFigures are a run's figures as the harness prints them.
+type HarnessFigures struct {
+	// Admitted is admitted / limit.
+	Admitted float64
+	// Statements and RowsRead are per second on the primary;
+	// ReplicaStatements and ReplicaRowsRead per second on the replica,
+	// per region that reads from it.
+	Statements, RowsRead, ReplicaStatements, ReplicaRowsRead float64
+	// Redis is the Redis commands a second (total_commands_processed) of
+	// each region.
+	Redis []float64
+}
+
+// Figures returns r's figures as the harness prints them.
+func (r *Result) Figures() HarnessFigures {
+	var f HarnessFigures
+	if len(r.Windows) > 0 {
+		f.Admitted = float64(r.Admitted) / float64(r.Config.Limit)
+	}
+	replicas := 0
+	for i, rr := range r.Regions {
+		f.Statements += r.PerSecond(rr.MySQL.Statements)
+		f.RowsRead += r.PerSecond(rr.MySQL.RowsRead)
+		if i > 0 && !r.Config.NoReplicas {
+			replicas++
+			f.ReplicaStatements += r.PerSecond(rr.MySQL.ReplicaStatements)
+			f.ReplicaRowsRead += r.PerSecond(rr.MySQL.ReplicaRowsRead)
+		}
+		f.Redis = append(f.Redis, r.PerSecond(rr.Redis.Processed))
+	}
+	if replicas > 0 {
+		f.ReplicaStatements /= float64(replicas)
+		f.ReplicaRowsRead /= float64(replicas)
+	}
+	return f
+}
+
+func itoa(n int) string {
+	if n == 0 {
+		return "0"
+	}
+	var b [20]byte
+	i := len(b)
+	for ; n > 0; n /= 10 {
+		i--
+		b[i] = byte('0' + n%10)
+	}
+	return string(b[i:])
+}

@@ -1,0 +1,116 @@
+package simmodel
+
+import (
+	"errors"
+	"math"
+	"math/rand/v2"
+)
+
+// The errors a model returns for a call that did not get through.
+var (
+	// ErrDown: the server cannot be reached (an outage, a partition).
+	ErrDown = errors.New("simmodel: server unreachable")
+	// ErrLost: the call or its answer was lost on the way.
+	ErrLost = errors.New("simmodel: call lost")
+	// ErrTimeout: the answer came after the caller's timeout.
+	ErrTimeout = errors.New("simmodel: timeout")
+)
+
+// Dist is a latency distribution in milliseconds: log-normal with the given
+// median and 99th percentile. P99 at or below Median is a constant.
+type Dist struct {
+	Median, P99 float64
+}
+
+// z99 is the standard normal's 99th percentile.
+const z99 = 2.326
+
+// Sample draws one latency from d with rng.
+func (d Dist) Sample(rng *rand.Rand) float64 {
+	if d.P99 <= d.Median || d.Median <= 0 {
+		return max(d.Median, 0)
+	}
+	sigma := math.Log(d.P99/d.Median) / z99
+	return d.Median * math.Exp(sigma*rng.NormFloat64())
+}
+
+// Scaled returns d with both figures multiplied by f.
+func (d Dist) Scaled(f float64) Dist { return Dist{d.Median * f, d.P99 * f} }
+
+// Span is a stretch of simulated time, [From, To) in milliseconds.
+type Span struct {
+	From, To int64
+}
+
+// Has reports whether at lies in s.
+func (s Span) Has(at int64) bool { return at >= s.From && at < s.To }
+
+// Link is the path between clients and a server: each call's round trip,
+// the share of calls lost, and the spans during which the server cannot be
+// reached.
+type Link struct {
+	Latency Dist
+	Loss    float64
+	Outages []Span
+}
+
+// Down reports whether the server is unreachable at at.
+func (l *Link) Down(at int64) bool {
+	for _, s := range l.Outages {
+		if s.Has(at) {
+			return true
+		}
+	}
+	return false
+}
+
+// call draws the fate of one call at at with a caller's timeout (ms):
+// its latency, and an error when it did not get through. applied reports
+// whether the server ran it (a late answer was still run there).
+func (l *Link) call(rng *rand.Rand, at int64, timeout float64) (lat float64, applied bool, err error) {
+	if l.Down(at) {
+		return timeout, false, ErrDown
+	}
+	if l.Loss > 0 && rng.Float64() < l.Loss {
+		return timeout, false, ErrLost
+	}
+	lat = l.Latency.Sample(rng)
+	if timeout > 0 && lat > timeout {
+		return timeout, true, ErrTimeout
+	}
+	return lat, true, nil
+}
+
+// Tick is the simulated time that one iteration of a node's loop has used:
+// each call it makes adds its latency, and what a call changes at a server
+// takes effect when the call would have arrived there. The simulator
+// begins a Tick before it calls one of the propagation layer's tick
+// methods and reads how long it took after.
+type Tick struct {
+	// Start is when the iteration began (ms); Elapsed the latency of its
+	// calls so far (ms).
+	Start   int64
+	Elapsed float64
+}
+
+// Begin starts an iteration at now.
+func (t *Tick) Begin(now int64) { t.Start, t.Elapsed = now, 0 }
+
+// At is the simulated time the iteration has reached.
+func (t *Tick) At() int64 { return t.Start + int64(math.Ceil(t.Elapsed)) }
+
+// add records a call's latency and returns when its effect lands: half
+// its round trip after the iteration's time before it.
+func (t *Tick) add(lat float64) int64 {
+	if t == nil {
+		return 0
+	}
+	land := t.Start + int64(math.Ceil(t.Elapsed+lat/2))
+	t.Elapsed += lat
+	return land
+}
+
+// newRand returns the seeded generator of a model.
+func newRand(seed uint64, stream uint64) *rand.Rand {
+	return rand.New(rand.NewPCG(seed, stream^0x9e3779b97f4a7c15))
+}

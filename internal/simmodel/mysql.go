@@ -1,0 +1,408 @@
+package simmodel
+
+import (
+	"context"
+	"math/rand/v2"
+	"sort"
+	"sync"
+	"time"
+
+	"github.com/edgelimit/caddy-ratelimit/propagation"
+)
+
+// MySQL is the database between regions: one primary that every write
+// goes to, and a replica in each region that asks for one, which applies
+// the primary's changes late by a lag it draws (never going back in
+// time). Each region reaches the primary over its own link (the round
+// trip across continents, partitions of the region) and its replica over
+// a local one. The tables keep the real schema's semantics: counts only
+// rise, a rise stamps updated_ms with the primary's clock (the simulated
+// time a statement arrives there), reads page in the real orders, and
+// expired rows stay until a cleanup deletes them. It is safe for
+// concurrent use.
+type MySQL struct {
+	mu      sync.Mutex
+	now     func() int64
+	rng     *rand.Rand
+	timeout float64
+	tables  [2]*table
+	regions []*MySQLRegion
+	// Down are the primary's outages: its statements are refused.
+	down     []Span
+	inflight []inflight
+	seq      int64
+	applied  int64 // writes applied, for compaction
+}
+
+// MySQLRegion is one region's view of the database: its link to the
+// primary, its replica, and what it cost.
+type MySQLRegion struct {
+	// ToPrimary is the link to the primary: its latency is the round trip
+	// of a statement, its outages the region's partitions.
+	ToPrimary Link
+	// Replica: the region reads from a replica of its own (mysql_read),
+	// over Local, lagging by Lag.
+	Replica bool
+	Local   Link
+	Lag     Dist
+	// Cost is what the region's statements cost.
+	Cost MySQLCost
+
+	replicaAt int64 // the replica has applied the primary's changes up to here
+}
+
+// MySQLCost is what a region's statements cost the servers.
+type MySQLCost struct {
+	// Statements and RowsRead ran on the primary; ReplicaStatements and
+	// ReplicaRowsRead on the region's replica. RowsRead counts the rows a
+	// server read (MariaDB's Rows_read): those returned and those an index
+	// range or scan passed over.
+	Statements, RowsRead               int64
+	ReplicaStatements, ReplicaRowsRead int64
+	// RowsWritten are the rows upserted and deleted.
+	RowsWritten int64
+	// Errors are the statements that failed.
+	Errors int64
+}
+
+// Add adds o to c.
+func (c *MySQLCost) Add(o MySQLCost) {
+	c.Statements += o.Statements
+	c.RowsRead += o.RowsRead
+	c.ReplicaStatements += o.ReplicaStatements
+	c.ReplicaRowsRead += o.ReplicaRowsRead
+	c.RowsWritten += o.RowsWritten
+	c.Errors += o.Errors
+}
+
+// NewMySQL returns empty tables on the clock now (Unix ms), with the
+// regions' views and the statements' timeout (mysql_timeout, ms).
+func NewMySQL(now func() int64, seed uint64, timeout float64, regions []*MySQLRegion) *MySQL {
+	m := &MySQL{now: now, rng: newRand(seed, 2), timeout: timeout, regions: regions}
+	for i := range m.tables {
+		m.tables[i] = &table{rows: map[rowKey]*row{}}
+	}
+	t := now()
+	for _, r := range regions {
+		r.replicaAt = t
+	}
+	return m
+}
+
+// SetPrimaryDown adds an outage of the primary.
+func (m *MySQL) SetPrimaryDown(s Span) {
+	m.mu.Lock()
+	m.down = append(m.down, s)
+	m.mu.Unlock()
+}
+
+// Cost returns region i's cost.
+func (m *MySQL) Cost(i int) MySQLCost {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.regions[i].Cost
+}
+
+// Count returns region's published count of a cell on the primary (0
+// when it has none).
+func (m *MySQL) Count(c propagation.Cell, region string) int64 {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.arrive(m.now())
+	k := rowKey{c.Namespace, c.Identifier, c.WindowMs, c.Sequence, region}
+	if r := m.tables[propagation.Counts].rows[k]; r != nil {
+		return r.last.count
+	}
+	return 0
+}
+
+// Rows is the number of live rows of t on the primary.
+func (m *MySQL) Rows(t propagation.Table) int {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return len(m.tables[t].rows)
+}
+
+// Client returns region i's store, as the propagation layer of one of its
+// processes uses it; each statement adds its latency to tick.
+func (m *MySQL) Client(i int, tick *Tick) propagation.Store {
+	return &mysqlClient{m: m, r: m.regions[i], tick: tick}
+}
+
+// inflight is a write on its way to the primary.
+type inflight struct {
+	at, seq int64
+	apply   func(at int64)
+}
+
+// arrive applies the writes that reached the primary by now (m.mu held).
+func (m *MySQL) arrive(now int64) {
+	i := 0
+	for ; i < len(m.inflight) && m.inflight[i].at <= now; i++ {
+		m.inflight[i].apply(m.inflight[i].at)
+		m.applied++
+	}
+	if i > 0 {
+		m.inflight = append(m.inflight[:0], m.inflight[i:]...)
+		if m.applied > 4096 {
+			m.applied = 0
+			m.compact()
+		}
+	}
+}
+
+// send queues a write to land at at (m.mu held).
+func (m *MySQL) send(at int64, apply func(at int64)) {
+	m.seq++
+	w := inflight{at: at, seq: m.seq, apply: apply}
+	i := sort.Search(len(m.inflight), func(i int) bool { return m.inflight[i].at > at })
+	m.inflight = append(m.inflight, inflight{})
+	copy(m.inflight[i+1:], m.inflight[i:])
+	m.inflight[i] = w
+}
+
+// primaryDown reports whether the primary is down at at.
+func (m *MySQL) primaryDown(at int64) bool {
+	for _, s := range m.down {
+		if s.Has(at) {
+			return true
+		}
+	}
+	return false
+}
+
+// oldestView is the oldest time any replica may still read as of.
+func (m *MySQL) oldestView(now int64) int64 {
+	t := now
+	for _, r := range m.regions {
+		if r.Replica {
+			t = min(t, r.replicaAt)
+		}
+	}
+	return t
+}
+
+// replicaView moves region r's replica on and returns the time it has
+// applied the primary's changes up to (m.mu held).
+func (m *MySQL) replicaView(r *MySQLRegion, now int64) int64 {
+	if r.ToPrimary.Down(now) {
+		return r.replicaAt // cut off: the replica applies nothing
+	}
+	at := max(r.replicaAt, now-int64(r.Lag.Sample(m.rng)))
+	r.replicaAt = min(at, now)
+	return r.replicaAt
+}
+
+// mysqlClient is one process's store.
+type mysqlClient struct {
+	m    *MySQL
+	r    *MySQLRegion
+	tick *Tick
+}
+
+var _ propagation.Store = (*mysqlClient)(nil)
+
+// toPrimary draws a statement to the primary: when it arrives there, or
+// an error. The caller holds m.mu.
+func (c *mysqlClient) toPrimary(now int64) (at int64, applied bool, err error) {
+	m := c.m
+	lat, applied, err := c.r.ToPrimary.call(m.rng, now, m.timeout)
+	if err == nil && m.primaryDown(now) {
+		// Refused at once: a round trip, nothing run.
+		lat, applied, err = min(lat, m.timeout), false, ErrDown
+	}
+	at = c.tick.add(lat)
+	if at == 0 {
+		at = now
+	}
+	return at, applied, err
+}
+
+func (c *mysqlClient) Migrate(context.Context) error { return nil }
+
+func (c *mysqlClient) Close() error { return nil }
+
+func (c *mysqlClient) UpsertDenials(_ context.Context, rows []*propagation.BlocklistRow) error {
+	m := c.m
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	now := m.now()
+	m.arrive(now)
+	at, applied, err := c.toPrimary(now)
+	c.counted(applied, err)
+	if !applied {
+		return err
+	}
+	batch := make([]propagation.BlocklistRow, len(rows))
+	for i, r := range rows {
+		batch[i] = *r
+	}
+	sort.Slice(batch, func(i, j int) bool { return keyOf(&batch[i]).less(keyOf(&batch[j])) })
+	c.r.Cost.RowsWritten += int64(len(batch))
+	m.send(at, func(at int64) {
+		for i := range batch {
+			m.tables[propagation.Denials].upsertDenial(&batch[i], at)
+		}
+	})
+	return err
+}
+
+func (c *mysqlClient) UpsertCounts(_ context.Context, rows []*propagation.CountRow) error {
+	m := c.m
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	now := m.now()
+	m.arrive(now)
+	at, applied, err := c.toPrimary(now)
+	c.counted(applied, err)
+	if !applied {
+		return err
+	}
+	batch := make([]propagation.CountRow, len(rows))
+	for i, r := range rows {
+		batch[i] = *r
+	}
+	sort.Slice(batch, func(i, j int) bool { return countKey(&batch[i]).less(countKey(&batch[j])) })
+	c.r.Cost.RowsWritten += int64(len(batch))
+	m.send(at, func(at int64) {
+		for i := range batch {
+			m.tables[propagation.Counts].upsertCount(&batch[i], at)
+		}
+	})
+	return err
+}
+
+// counted counts a statement sent to the primary.
+func (c *mysqlClient) counted(applied bool, err error) {
+	if applied {
+		c.r.Cost.Statements++
+	}
+	if err != nil {
+		c.r.Cost.Errors++
+	}
+}
+
+// readAt draws a read: the view it reads as of, and where the statement
+// is counted. The caller holds m.mu.
+func (c *mysqlClient) readAt(now int64) (asOf int64, replica bool, err error) {
+	m := c.m
+	if c.r.Replica {
+		lat, applied, err := c.r.Local.call(m.rng, now, m.timeout)
+		c.tick.add(lat)
+		if !applied {
+			c.r.Cost.Errors++
+			return 0, true, err
+		}
+		c.r.Cost.ReplicaStatements++
+		return m.replicaView(c.r, now), true, err
+	}
+	_, applied, err := c.toPrimary(now)
+	c.counted(applied, err)
+	if !applied {
+		return 0, false, err
+	}
+	return now, false, err
+}
+
+func (c *mysqlClient) ReadCounts(_ context.Context, r propagation.Read) ([]propagation.CountRow, error) {
+	vs, err := c.read(propagation.Counts, r)
+	out := make([]propagation.CountRow, len(vs))
+	for i, v := range vs {
+		k := v.row.key
+		out[i] = propagation.CountRow{Namespace: k.ns, Identifier: k.id, WindowMs: k.w, Sequence: k.seq, Region: k.region,
+			Count: v.count, ExpiresMs: v.expires, UpdatedMs: v.updated}
+	}
+	return out, err
+}
+
+func (c *mysqlClient) ReadDenials(_ context.Context, r propagation.Read) ([]propagation.BlocklistRow, error) {
+	vs, err := c.read(propagation.Denials, r)
+	out := make([]propagation.BlocklistRow, len(vs))
+	for i, v := range vs {
+		k := v.row.key
+		out[i] = propagation.BlocklistRow{Namespace: k.ns, Identifier: k.id, WindowMs: k.w, Sequence: k.seq, Region: k.region,
+			Limit: v.limit, CountCur: v.cur, CountPrev: v.prev, ExpiresMs: v.expires, UpdatedMs: v.updated}
+	}
+	return out, err
+}
+
+// read runs one page of a pull on the region's replica or the primary.
+func (c *mysqlClient) read(t propagation.Table, r propagation.Read) ([]*version, error) {
+	m := c.m
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	now := m.now()
+	m.arrive(now)
+	asOf, replica, err := c.readAt(now)
+	if asOf == 0 {
+		return nil, err
+	}
+	var out []*version
+	var examined int64
+	if r.Changed {
+		out, examined = m.tables[t].changes(r, asOf)
+	} else {
+		out, examined = m.tables[t].whole(r, asOf, m.oldestView(now))
+	}
+	if replica {
+		c.r.Cost.ReplicaRowsRead += examined
+	} else {
+		c.r.Cost.RowsRead += examined
+	}
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *mysqlClient) DeleteExpired(_ context.Context, t propagation.Table, now int64, chunk int) (int64, error) {
+	m := c.m
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	at := m.now()
+	m.arrive(at)
+	_, applied, err := c.toPrimary(at)
+	c.counted(applied, err)
+	if !applied {
+		return 0, err
+	}
+	n := m.tables[t].deleteExpired(now, chunk, at)
+	c.r.Cost.RowsWritten += n
+	c.r.Cost.RowsRead += n
+	if err != nil {
+		return 0, err
+	}
+	return n, nil
+}
+
+func (c *mysqlClient) ReplicaLag(context.Context) (time.Duration, bool, error) {
+	if !c.r.Replica {
+		return 0, false, nil
+	}
+	m := c.m
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	now := m.now()
+	lat, applied, err := c.r.Local.call(m.rng, now, m.timeout)
+	c.tick.add(lat)
+	if !applied {
+		c.r.Cost.Errors++
+		return 0, false, err
+	}
+	c.r.Cost.ReplicaStatements++
+	if c.r.ToPrimary.Down(now) {
+		return 0, false, err // the replica's I/O thread is cut off: NULL
+	}
+	at := m.replicaView(c.r, now)
+	return time.Duration((now-at)/1000) * time.Second, true, err
+}
+
+// Sub subtracts o from c.
+func (c *MySQLCost) Sub(o MySQLCost) {
+	c.Statements -= o.Statements
+	c.RowsRead -= o.RowsRead
+	c.ReplicaStatements -= o.ReplicaStatements
+	c.ReplicaRowsRead -= o.ReplicaRowsRead
+	c.RowsWritten -= o.RowsWritten
+	c.Errors -= o.Errors
+}

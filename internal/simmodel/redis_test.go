@@ -1,0 +1,119 @@
+package simmodel
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/edgelimit/caddy-ratelimit/engine"
+	"github.com/edgelimit/caddy-ratelimit/propagation"
+)
+
+var bg = context.Background()
+
+// clock is a settable simulated clock.
+type clock struct{ ms int64 }
+
+func (c *clock) now() int64 { return c.ms }
+
+var key = engine.Key{Namespace: "z", Identifier: "k", Window: time.Minute}
+
+func TestRedis_WritesRaiseAbsoluteTotals(t *testing.T) {
+	clk := &clock{ms: 60_000}
+	r := NewRedis(clk.now, 1, Link{}, DefaultTimeouts)
+	a, b := r.Origin("a"), r.Origin("b")
+	flush := func(o engine.Origin, own int64) engine.Totals {
+		d := []engine.Delta{{Key: key, Sequence: 1, Incarnation: 1, Own: own}}
+		if err := o.Flush(bg, d); err != nil || !d[0].Done {
+			t.Fatalf("flush: %v, done %v", err, d[0].Done)
+		}
+		return d[0].Totals
+	}
+	flush(a, 5)
+	flush(a, 5) // a replay of the same total is a no-op
+	got := flush(b, 3)
+	if got.Cur != 8 || got.Mine != 3 || !got.Shared {
+		t.Fatalf("totals %+v, want cur 8, mine 3, shared", got)
+	}
+	if c := r.Cost(); c.Calls != 3 || c.Flushes != 3 {
+		t.Fatalf("cost %+v, want 3 calls", c)
+	}
+}
+
+func TestRedis_ReserveWeighsImportedCounts(t *testing.T) {
+	clk := &clock{ms: 60_000}
+	r := NewRedis(clk.now, 1, Link{}, DefaultTimeouts)
+	o := r.Origin("a")
+	if err := o.Flush(bg, []engine.Delta{{Key: key, Sequence: 1, Incarnation: 1, Own: 6}}); err != nil {
+		t.Fatal(err)
+	}
+	tick := &Tick{}
+	tick.Begin(clk.ms)
+	if err := r.Region("a", tick).Import(bg, []propagation.RegionImport{{Cell: propagation.Cell{Namespace: "z", Identifier: "k", WindowMs: 60_000, Sequence: 1}, Count: 3}}); err != nil {
+		t.Fatal(err)
+	}
+	res := &engine.Reservation{Key: key, Sequence: 1, Incarnation: 1, Own: 6, Cost: 1, Joined: []int64{1}, Limit: 10, Elapsed: 1000}
+	if err := o.Reserve(bg, res); err != nil {
+		t.Fatal(err)
+	}
+	if !res.Admitted || res.JoinedAdmitted[0] || res.Totals.Cur != 7 || res.Totals.Global != 3 {
+		t.Fatalf("reservation %+v: want the first admitted (6 + 3 + 1 = 10), the second not, cur 7, global 3", res)
+	}
+}
+
+func TestRedis_DownFailsEveryCall(t *testing.T) {
+	clk := &clock{ms: 60_000}
+	r := NewRedis(clk.now, 1, Link{Outages: []Span{{From: 60_000, To: 61_000}}}, DefaultTimeouts)
+	o := r.Origin("a")
+	if _, err := o.Read(bg, key, 1, 1); !errors.Is(err, ErrDown) {
+		t.Fatalf("read during an outage: %v", err)
+	}
+	clk.ms = 61_000
+	if _, err := o.Read(bg, key, 1, 1); err != nil {
+		t.Fatalf("read after the outage: %v", err)
+	}
+	if c := r.Cost(); c.Calls != 1 {
+		t.Fatalf("%d calls counted, want the one that reached Redis", c.Calls)
+	}
+}
+
+func TestRegion_LeasePassesWhenItLapses(t *testing.T) {
+	clk := &clock{ms: 60_000}
+	r := NewRedis(clk.now, 1, Link{}, DefaultTimeouts)
+	a, b := r.Region("a", nil), r.Region("b", nil)
+	if h, _ := a.Lease(bg, time.Second); h != "a" {
+		t.Fatalf("a took %q", h)
+	}
+	if h, _ := b.Lease(bg, time.Second); h != "a" {
+		t.Fatalf("b sees %q, want a", h)
+	}
+	clk.ms += 1000
+	if h, _ := b.Lease(bg, time.Second); h != "b" {
+		t.Fatalf("after the lease lapsed b sees %q, want b", h)
+	}
+}
+
+func TestRegion_ImportLandsWhenTheCallArrives(t *testing.T) {
+	clk := &clock{ms: 60_000}
+	r := NewRedis(clk.now, 1, Link{Latency: Dist{Median: 40}}, DefaultTimeouts)
+	tick := &Tick{}
+	tick.Begin(clk.ms)
+	tick.Elapsed = 100 // the iteration's earlier calls
+	cell := propagation.Cell{Namespace: "z", Identifier: "k", WindowMs: 60_000, Sequence: 1}
+	if err := r.Region("a", tick).Import(bg, []propagation.RegionImport{{Cell: cell, Count: 4}}); err != nil {
+		t.Fatal(err)
+	}
+	id := CellID{key, 1}
+	clk.ms = 60_119
+	if h, _ := r.Cell(id); h.G != 0 {
+		t.Fatalf("imported %d before the call arrived", h.G)
+	}
+	clk.ms = 60_120
+	if h, _ := r.Cell(id); h.G != 4 {
+		t.Fatalf("imported %d when the call arrived, want 4", h.G)
+	}
+	if tick.At() != 60_140 {
+		t.Fatalf("the iteration reached %d, want 60140", tick.At())
+	}
+}

@@ -1,0 +1,364 @@
+package simmodel
+
+import (
+	"context"
+	"hash/fnv"
+	"slices"
+	"strconv"
+	"time"
+
+	"github.com/edgelimit/caddy-ratelimit/propagation"
+)
+
+// The cross-region role's keys in a model Redis (origin/role.go): the
+// lease, the registry of cells to publish with its queue of new
+// registrations, and the denial rows left for the holder, spread over
+// roleShards keys as the real ones are, so that the commands counted are
+// those the real role sends.
+
+// roleShards is the number of registry and denial keys (origin/role.go).
+const roleShards = 16
+
+// roleQueueBatch is the most queued registrations one LPOP takes.
+const roleQueueBatch = 1000
+
+type roleState struct {
+	holder  string
+	until   int64
+	reg     map[propagation.Cell]propagation.RegionCell
+	queued  [roleShards][]propagation.Cell
+	denials map[propagation.Cell]propagation.BlocklistRow
+}
+
+func newRoleState() roleState {
+	return roleState{reg: map[propagation.Cell]propagation.RegionCell{}, denials: map[propagation.Cell]propagation.BlocklistRow{}}
+}
+
+// shardOf spreads cells over the shards as the real keys' hash does.
+func shardOf(c propagation.Cell) int {
+	h := fnv.New64a()
+	_, _ = h.Write([]byte(c.Namespace))
+	_, _ = h.Write([]byte{0})
+	_, _ = h.Write([]byte(c.Identifier))
+	_, _ = h.Write([]byte(strconv.FormatInt(c.WindowMs, 10) + ":" + strconv.FormatInt(c.Sequence, 10)))
+	return int(h.Sum64() % roleShards)
+}
+
+// Region returns node's handle on the region's shared state in r: what one
+// process's propagation layer uses. Each call adds its latency to tick
+// (nil: none is kept), and an import lands in the cell when the call
+// arrives.
+func (r *Redis) Region(node string, tick *Tick) propagation.Region {
+	return &regionConn{r: r, node: node, tick: tick}
+}
+
+// regionConn is one process's handle on the role's keys.
+type regionConn struct {
+	r    *Redis
+	node string
+	tick *Tick
+}
+
+var _ propagation.Region = (*regionConn)(nil)
+
+// begin locks r and draws the fate of one call of the role; on success
+// it returns when the call arrives. The caller unlocks.
+func (c *regionConn) begin() (int64, error) {
+	r := c.r
+	r.mu.Lock()
+	now := r.now()
+	if r.down {
+		c.tick.add(r.timeouts.Role)
+		return 0, ErrDown
+	}
+	lat, applied, err := r.link.call(r.rng, now, r.timeouts.Role)
+	at := c.tick.add(lat)
+	if at == 0 {
+		at = now
+	}
+	if !applied {
+		return 0, err
+	}
+	r.land(now)
+	return max(now, at), err
+}
+
+func (c *regionConn) count(calls, processed int64) {
+	c.r.cost.Calls += calls
+	c.r.cost.Role += calls
+	c.r.cost.Processed += processed
+}
+
+func (c *regionConn) NodeID() string { return c.node }
+
+func (c *regionConn) Lease(_ context.Context, ttl time.Duration) (string, error) {
+	at, err := c.begin()
+	defer c.r.mu.Unlock()
+	if at == 0 {
+		return "", err
+	}
+	s := &c.r.role
+	now := c.r.now()
+	processed := int64(2)
+	switch {
+	case s.holder == c.node && s.until > now:
+		s.until = now + ttl.Milliseconds()
+		processed++
+	case s.holder == "" || s.until <= now:
+		s.holder, s.until = c.node, now+ttl.Milliseconds()
+		processed++
+	}
+	c.count(1, processed)
+	if err != nil {
+		return "", err
+	}
+	return s.holder, nil
+}
+
+func (c *regionConn) ReleaseLease(context.Context) error {
+	at, err := c.begin()
+	defer c.r.mu.Unlock()
+	if at == 0 {
+		return err
+	}
+	s := &c.r.role
+	processed := int64(2)
+	if s.holder == c.node && s.until > c.r.now() {
+		s.holder, s.until = "", 0
+		processed++
+	}
+	c.count(1, processed)
+	return err
+}
+
+func (c *regionConn) Register(_ context.Context, cells []propagation.RegionCell) error {
+	at, err := c.begin()
+	defer c.r.mu.Unlock()
+	if at == 0 {
+		return err
+	}
+	s := &c.r.role
+	var used [roleShards]bool
+	var calls, processed int64
+	for _, rc := range cells {
+		sh := shardOf(rc.Cell)
+		if !used[sh] {
+			used[sh] = true
+			calls++
+		}
+		processed++ // HGET
+		if old, ok := s.reg[rc.Cell]; !ok || old != rc {
+			s.reg[rc.Cell] = rc
+			s.queued[sh] = append(s.queued[sh], rc.Cell)
+			processed += 2 // HSET, RPUSH
+		}
+	}
+	c.count(calls, calls+processed)
+	return err
+}
+
+func (c *regionConn) TakeRegistered(_ context.Context, all bool, now int64) ([]propagation.RegionCell, error) {
+	at, err := c.begin()
+	defer c.r.mu.Unlock()
+	if at == 0 {
+		return nil, err
+	}
+	s := &c.r.role
+	var out []propagation.RegionCell
+	var calls int64
+	if all {
+		calls = 2 * roleShards // DEL of the queue, HGETALL
+		var expired [roleShards]bool
+		for cell, rc := range s.reg {
+			if rc.Expires <= now {
+				delete(s.reg, cell)
+				expired[shardOf(cell)] = true
+				continue
+			}
+			out = append(out, rc)
+		}
+		for sh := range s.queued {
+			s.queued[sh] = nil
+			if expired[sh] {
+				calls++ // HDEL
+			}
+		}
+	} else {
+		seen := map[propagation.Cell]bool{}
+		for sh := range s.queued {
+			q := s.queued[sh]
+			calls += 1 + int64(len(q)/roleQueueBatch) // LPOP until short
+			if len(q) > 0 {
+				calls += int64((len(q) + roleQueueBatch - 1) / roleQueueBatch) // HMGET
+			}
+			for _, cell := range q {
+				rc, ok := s.reg[cell]
+				if ok && !seen[cell] && rc.Expires > now {
+					seen[cell] = true
+					out = append(out, rc)
+				}
+			}
+			s.queued[sh] = nil
+		}
+	}
+	c.count(calls, calls)
+	slices.SortFunc(out, func(a, b propagation.RegionCell) int { return compareCells(a.Cell, b.Cell) })
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *regionConn) PutDenials(_ context.Context, rows []propagation.BlocklistRow) error {
+	at, err := c.begin()
+	defer c.r.mu.Unlock()
+	if at == 0 {
+		return err
+	}
+	for _, row := range rows {
+		c.r.role.denials[rowCell(row)] = row
+	}
+	c.count(int64(len(rows)), int64(len(rows)))
+	return err
+}
+
+func (c *regionConn) TakeDenials(context.Context) ([]propagation.BlocklistRow, error) {
+	at, err := c.begin()
+	defer c.r.mu.Unlock()
+	if at == 0 {
+		return nil, err
+	}
+	out := make([]propagation.BlocklistRow, 0, len(c.r.role.denials))
+	for _, row := range c.r.role.denials {
+		out = append(out, row)
+	}
+	slices.SortFunc(out, func(a, b propagation.BlocklistRow) int { return compareCells(rowCell(a), rowCell(b)) })
+	c.count(roleShards, roleShards)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *regionConn) DenialsWritten(_ context.Context, rows []propagation.BlocklistRow) error {
+	at, err := c.begin()
+	defer c.r.mu.Unlock()
+	if at == 0 {
+		return err
+	}
+	var used [roleShards]bool
+	var calls, processed int64
+	for _, row := range rows {
+		cell := rowCell(row)
+		if sh := shardOf(cell); !used[sh] {
+			used[sh] = true
+			calls++
+		}
+		processed++ // HGET
+		if cur, ok := c.r.role.denials[cell]; ok && cur == row {
+			delete(c.r.role.denials, cell)
+			processed++ // HDEL
+		}
+	}
+	c.count(calls, calls+processed)
+	return err
+}
+
+func (c *regionConn) Totals(_ context.Context, cells []propagation.Cell) ([]int64, error) {
+	at, err := c.begin()
+	defer c.r.mu.Unlock()
+	if at == 0 {
+		return nil, err
+	}
+	out := make([]int64, len(cells))
+	for i, cell := range cells {
+		if h := c.r.cells[cellOf(cell)]; h != nil {
+			out[i] = h.T
+		}
+	}
+	c.count(int64(len(cells)), int64(len(cells)))
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *regionConn) Import(_ context.Context, ims []propagation.RegionImport) error {
+	at, err := c.begin()
+	defer c.r.mu.Unlock()
+	if at == 0 {
+		return err
+	}
+	calls := int64((len(ims) + manyChunk - 1) / manyChunk)
+	processed := calls
+	for _, im := range ims {
+		id := cellOf(im.Cell)
+		processed++ // HMGET
+		if h := c.r.cells[id]; h == nil || h.G < im.Count {
+			processed++ // HSET
+			if h == nil {
+				processed++ // PEXPIREAT
+			}
+		}
+		c.r.sendImport(at, id, im.Count)
+	}
+	c.count(calls, processed)
+	c.r.land(c.r.now())
+	return err
+}
+
+// Registered reports whether the region's registry holds cell.
+func (r *Redis) Registered(cell propagation.Cell) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	_, ok := r.role.reg[cell]
+	return ok
+}
+
+// Holder returns the node holding the role at now, "" when none.
+func (r *Redis) Holder() string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.role.until <= r.now() {
+		return ""
+	}
+	return r.role.holder
+}
+
+func rowCell(r propagation.BlocklistRow) propagation.Cell {
+	return propagation.Cell{Namespace: r.Namespace, Identifier: r.Identifier, WindowMs: r.WindowMs, Sequence: r.Sequence}
+}
+
+func compareCells(a, b propagation.Cell) int {
+	switch {
+	case a.Namespace != b.Namespace:
+		return cmpString(a.Namespace, b.Namespace)
+	case a.Identifier != b.Identifier:
+		return cmpString(a.Identifier, b.Identifier)
+	case a.WindowMs != b.WindowMs:
+		return cmpInt(a.WindowMs, b.WindowMs)
+	}
+	return cmpInt(a.Sequence, b.Sequence)
+}
+
+func cmpString(a, b string) int {
+	switch {
+	case a < b:
+		return -1
+	case a > b:
+		return 1
+	}
+	return 0
+}
+
+func cmpInt(a, b int64) int {
+	switch {
+	case a < b:
+		return -1
+	case a > b:
+		return 1
+	}
+	return 0
+}
+
+func msDuration(ms int64) time.Duration { return time.Duration(ms) * time.Millisecond }
