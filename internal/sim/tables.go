@@ -97,7 +97,7 @@ var tables = map[string]table{
 				c := base()
 				c.Regions, c.Scenario = r, sc
 				Recommended(&c)
-				out = append(out, row{fmt.Sprintf("%d × 10, %s, publish_floor %g, mysql_flush %s, global_sync %s", r, sc, c.PublishFloor, c.Flush, c.GlobalSync), c})
+				out = append(out, row{fmt.Sprintf("%d × 10, %s, publish_floor %g, global_sync %s", r, sc, c.PublishFloor, c.GlobalSync), c})
 			}
 		}
 		return out
