@@ -187,9 +187,16 @@ func TestRegions_GlobalResetStaysReset(t *testing.T) {
 		t.Fatalf("the reset took %s to reach every node, bound %s", lat, bound)
 	}
 	since := int64(len(nodes))
+	var last string
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("the last view that differed: %s", last)
+		}
+	})
 	redistest.Eventually(t, 10*time.Second, "every node sees the units admitted since the reset, and no more", func() bool {
-		for _, n := range nodes {
+		for i, n := range nodes {
 			if kc, ok := n.counters(key); !ok || kc.Effective != since {
+				last = fmt.Sprintf("node %d: %+v (%v)", i, kc, ok)
 				return false
 			}
 		}

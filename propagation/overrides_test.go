@@ -1,6 +1,7 @@
 package propagation
 
 import (
+	"context"
 	"sync"
 	"testing"
 )
@@ -89,5 +90,70 @@ func TestOverrides_CleanupKeepsOverridesWithoutExpiry(t *testing.T) {
 	all, err := a.p.LoadOverrides(bg)
 	if err != nil || len(all) != 2 {
 		t.Fatalf("left %+v (%v), want forever and later", all, err)
+	}
+}
+
+// resetRegion is a memRegion that carries overrides; afterTake runs once,
+// after the holder took the region's changes: an operator's reset that
+// lands in the middle of a flush.
+type resetRegion struct {
+	memNode
+	pending   []OverrideRow
+	afterTake func()
+}
+
+func (r *resetRegion) TakeOverrides(_ context.Context, all bool) ([]OverrideRow, error) {
+	r.mu.Lock()
+	out := r.pending
+	r.pending = nil
+	r.mu.Unlock()
+	if f := r.afterTake; f != nil {
+		r.afterTake = nil
+		f()
+	}
+	return out, nil
+}
+
+func (r *resetRegion) ApplyOverrides(context.Context, []OverrideRow) error { return nil }
+
+// TestOverrides_AResetReachesMySQLBeforeTheCountsAfterIt: a global reset
+// lands in the region while the holder flushes, and the region counts
+// units after it. Another region marks its view of the key when it reads
+// the reset, taking off what it imported by then: a count holding units
+// from after the reset must not reach MySQL before the reset does, or
+// those units are taken off with the old ones and never count there.
+func TestOverrides_AResetReachesMySQLBeforeTheCountsAfterIt(t *testing.T) {
+	s := newSetup(t)
+	mem := newMemRegion(s.clk)
+	reg := &resetRegion{}
+	n1 := s.regionNodeOn("a", mem, reg)
+	n1.decide("k", 100, 60)
+	mem.setTotal("k", 60)
+	n1.p.FlushOnce(bg)
+	n1.p.GlobalSyncOnce(bg)
+	n1.p.FlushOnce(bg)
+	if n := countRows(t, s.dsn, "ratelimit_global_counts", "WHERE identifier = 'k' AND count = 60"); n != 1 {
+		t.Fatal("the region's count before the reset was not published")
+	}
+	reg.afterTake = func() {
+		reg.mu.Lock()
+		reg.pending = append(reg.pending, OverrideRow{Namespace: "\x01z", Identifier: "k", Region: "a", Version: 5000,
+			ExpiresMs: s.clk.Now().UnixMilli() + 120_000})
+		reg.mu.Unlock()
+		mem.setTotal("k", 62) // two units admitted after the reset
+	}
+	n1.p.GlobalSyncOnce(bg)
+	n1.p.FlushOnce(bg)
+	counted := countRows(t, s.dsn, "ratelimit_global_counts", "WHERE identifier = 'k' AND count = 62")
+	resets := countRows(t, s.dsn, "ratelimit_overrides", "WHERE identifier = 'k'")
+	if counted == 1 && resets == 0 {
+		t.Fatal("the count with the units after the reset reached MySQL before the reset")
+	}
+	n1.p.GlobalSyncOnce(bg)
+	n1.p.FlushOnce(bg)
+	counted = countRows(t, s.dsn, "ratelimit_global_counts", "WHERE identifier = 'k' AND count = 62")
+	resets = countRows(t, s.dsn, "ratelimit_overrides", "WHERE identifier = 'k'")
+	if counted != 1 || resets != 1 {
+		t.Fatalf("after the next flush: %d rows of the new count, %d of the reset; want both", counted, resets)
 	}
 }

@@ -33,15 +33,6 @@ type candidate struct {
 	at engineCell
 }
 
-// publish publishes the grown counts that are due.
-func (p *Propagator) publish(ctx context.Context) {
-	if p.region == nil {
-		p.publishScanned(ctx)
-		return
-	}
-	p.publishRegistered(ctx)
-}
-
 // takeRegistrations adds the cells the region's nodes registered to those
 // the holder publishes: the new ones on every flush, every live one when
 // it takes the role and at each whole read.
@@ -78,25 +69,40 @@ func (p *Propagator) takeRegistrations(ctx context.Context) {
 	}
 }
 
-// publishRegistered reads the region's totals of the registered cells due
-// (the hot ones of the last two windows, or all at a global sync) and
-// publishes those that grew.
-func (p *Propagator) publishRegistered(ctx context.Context) {
+// regionRead is what a holder's flush publishes: the registered cells
+// due and the region's totals of them.
+type regionRead struct {
+	due    []Cell
+	totals []int64
+	// full: a global sync's push, which ends once it all was read and
+	// written.
+	full, ok bool
+}
+
+// readRegistered reads the region's totals of the registered cells due
+// (the hot ones of the last two windows, or all at a global sync).
+func (p *Propagator) readRegistered(ctx context.Context) *regionRead {
 	now := p.now().UnixMilli()
+	rd := new(regionRead)
 	p.mu.Lock()
-	full := p.fullPush
-	var due []Cell
+	rd.full = p.fullPush
 	for c, r := range p.reg {
 		if r.expires <= now {
 			delete(p.reg, c)
 			continue
 		}
-		if full || (r.hot && c.Sequence >= now/c.WindowMs-1) {
-			due = append(due, c)
+		if rd.full || (r.hot && c.Sequence >= now/c.WindowMs-1) {
+			rd.due = append(rd.due, c)
 		}
 	}
 	p.mu.Unlock()
-	totals, ok := p.regionTotals(ctx, due)
+	rd.totals, rd.ok = p.regionTotals(ctx, rd.due)
+	return rd
+}
+
+// publishRegistered publishes the cells of rd that grew.
+func (p *Propagator) publishRegistered(ctx context.Context, rd *regionRead) {
+	due, totals := rd.due, rd.totals
 	var cands []candidate
 	p.mu.Lock()
 	for i, c := range due {
@@ -122,7 +128,7 @@ func (p *Propagator) publishRegistered(ctx context.Context) {
 			r.published = max(r.published, c.row.Count)
 		}
 	}
-	if full && ok && !more {
+	if rd.full && rd.ok && !more {
 		p.fullPush = false
 	}
 	p.mu.Unlock()

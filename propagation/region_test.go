@@ -188,6 +188,19 @@ func (s *countingStore) ReadCounts(ctx context.Context, r Read) ([]CountRow, err
 	return s.Store.ReadCounts(ctx, r)
 }
 
+func (s *countingStore) UpsertOverrides(ctx context.Context, rows []*OverrideRow) error {
+	s.statements.Add(1)
+	if s.failWrites.Load() {
+		return errDown
+	}
+	return s.Store.(OverrideStore).UpsertOverrides(ctx, rows)
+}
+
+func (s *countingStore) ReadOverrides(ctx context.Context, r Read) ([]OverrideRow, error) {
+	s.statements.Add(1)
+	return s.Store.(OverrideStore).ReadOverrides(ctx, r)
+}
+
 func (s *countingStore) DeleteExpired(ctx context.Context, t Table, now int64, chunk int) (int64, error) {
 	s.statements.Add(1)
 	return s.Store.DeleteExpired(ctx, t, now, chunk)
@@ -201,6 +214,19 @@ type regionNode struct {
 
 func (s *setup) regionNode(name, id string, mem *memRegion) *regionNode {
 	s.t.Helper()
+	return s.regionNodeWith(name, memNode{mem, id})
+}
+
+// regionNodeOn is a node n1 of mem whose handle carries overrides too.
+func (s *setup) regionNodeOn(name string, mem *memRegion, reg *resetRegion) *regionNode {
+	s.t.Helper()
+	reg.memNode = memNode{mem, "n1"}
+	return s.regionNodeWith(name, reg)
+}
+
+// regionNodeWith is a node of a region reached through reg.
+func (s *setup) regionNodeWith(name string, reg Region) *regionNode {
+	s.t.Helper()
 	eng := engine.New(engine.Config{Now: s.clk.Now, Manual: true})
 	eng.Zone("z", window)
 	cfg := Config{DSN: s.dsn, Region: name, Batch: 100, Timeout: 5 * time.Second}.WithDefaults()
@@ -209,7 +235,7 @@ func (s *setup) regionNode(name, id string, mem *memRegion) *regionNode {
 		s.t.Fatal(err)
 	}
 	store := &countingStore{Store: sql}
-	p, err := New(cfg, eng, Options{Now: s.clk.Now, Region: memNode{mem, id}, Store: store})
+	p, err := New(cfg, eng, Options{Now: s.clk.Now, Region: reg, Store: store})
 	if err != nil {
 		s.t.Fatal(err)
 	}

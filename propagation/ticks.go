@@ -30,14 +30,24 @@ func (p *Propagator) FlushOnce(ctx context.Context) {
 	if taken {
 		p.takeRole()
 	}
+	var due *regionRead
 	if p.region != nil {
 		p.takeRegistrations(ctx)
 		p.takeDenials(ctx)
+		// The totals are read before the overrides are taken: a count
+		// holding units admitted after a reset then reaches MySQL after
+		// the reset does, never before (other regions take off what they
+		// imported when they read the reset).
+		due = p.readRegistered(ctx)
 		p.takeOverrides(ctx, taken)
 	}
 	p.writeDenials(ctx)
 	p.writeOverrides(ctx)
-	p.publish(ctx)
+	if due != nil {
+		p.publishRegistered(ctx, due)
+	} else {
+		p.publishScanned(ctx)
+	}
 	p.pull(ctx, Counts)
 	if !p.cfg.NoDenialGossip {
 		p.pull(ctx, Denials)
