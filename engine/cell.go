@@ -14,7 +14,7 @@ import (
 // replay and of the cross-region layer (cellSync) exist only in cells made
 // while the engine has an origin or a global layer: such a cell is
 // allocated as a syncCell and carries stSync. A local-only engine, which
-// never uses them, pays 32 bytes a cell instead of 88. Read those counters
+// never uses them, pays 32 bytes a cell instead of 96. Read those counters
 // through sync(): a plain cell has none, and reads them as 0. A plain cell
 // made before an origin or a global layer was attached is replaced by a
 // syncCell copy when next touched (see Engine.upgrade).
@@ -51,10 +51,13 @@ type cellSync struct {
 	// own is every unit of this process handed to the origin so far: the
 	// absolute total its idempotent writes raise the origin's record to.
 	own atomic.Int64
-	// step is the growth of other processes' units in the cell between the
-	// last two origin answers: their admissions in about one replay
-	// interval.
+	// step is the growth of other processes' units in the cell per fast
+	// tick, as the origin's answers show it (see measure).
 	step atomic.Int64
+	// mark is where the step's measurement started: the other processes'
+	// units at the origin (low 32 bits) and when (high 32 bits: Unix ms,
+	// modulo 2^32); 0 before the cell's first answer.
+	mark atomic.Uint64
 	// fresh is, once the cell is hydrated, the Unix millisecond until which
 	// its origin view counts as fresh; before that, the earliest time to
 	// retry the hydration.
@@ -68,7 +71,7 @@ type cellSync struct {
 	limit atomic.Int64
 }
 
-// syncCell is a cell with its sync counters, in one allocation of 88 bytes
+// syncCell is a cell with its sync counters, in one allocation of 96 bytes
 // (no pointer either). Everything holds it as a *cell, its first field.
 type syncCell struct {
 	cell
@@ -199,22 +202,20 @@ func (c *cell) mergeOrigin(total int64) {
 	}
 }
 
-// observe records what an origin answer says about other processes: units
-// beyond this process's own contribution make the cell shared.
-//
-// It runs before the answer is merged, so the other processes' units in the
-// local view are the count less this process's own (replayed, pending and
-// speculative): the step is what the answer adds to them. No field keeps
-// the others' units, so a cell stays small. Answers are merged only into
-// syncCells (decisions with an origin upgrade theirs, see upgrade), but a
-// plain cell would only lose the step, an estimate.
-func (c *cell) observe(t Totals) {
+// observe records what an origin answer, received at now (Unix ms), says
+// about other processes: units beyond this process's own contribution make
+// the cell shared, and their growth is the step (see measure). tick is the
+// fast tick in ms. Answers are merged only into syncCells (decisions with
+// an origin upgrade theirs, see upgrade), but a plain cell would only lose
+// the step, an estimate.
+func (c *cell) observe(t Totals, now, tick int64) {
 	if f := t.Cur - t.Mine; f > 0 {
 		if x := c.sync(); x != nil {
+			// It runs before the answer is merged, so the other processes'
+			// units in the local view are the count less this process's
+			// own (replayed, pending and speculative).
 			seen := c.count.Load() - x.own.Load() - x.pending.Load() - c.spec.Load()
-			if d := f - max(seen, 0); d > 0 {
-				x.step.Store(d)
-			}
+			x.measure(f, f-max(seen, 0), now, tick)
 		}
 	} else if !t.Shared {
 		return
@@ -222,6 +223,47 @@ func (c *cell) observe(t Totals) {
 	if c.state.Load()&stShared == 0 {
 		c.setBits(stShared)
 	}
+}
+
+// markMax is the largest count a mark holds; beyond it the step is what
+// each answer adds, unscaled.
+const markMax = 1<<32 - 1
+
+// measure updates the step from an answer at now that shows f units of
+// other processes, d more than the local view held. The first answer's
+// step is d: everything the others counted before, as if within a tick
+// (the safe side for a key first seen near its limit). After that, the
+// growth since the mark becomes the step once at least half a tick has
+// passed, scaled to a tick when less than one has: answers close together
+// (a reservation per request, 500 µs apart) would otherwise show the
+// others' pace as a unit a tick, and both processes would decide locally
+// near the limit, each admitting what the other did within a tick. Over a
+// tick or more the growth is taken whole, as per tick: the safe side.
+func (x *cellSync) measure(f, d, now, tick int64) {
+	m := x.mark.Load()
+	next := uint64(uint32(now))<<32 | uint64(min(f, markMax))
+	if m == 0 || f >= markMax {
+		if d > 0 {
+			x.step.Store(d)
+		}
+		x.mark.CompareAndSwap(m, next)
+		return
+	}
+	elapsed := int64(uint32(now) - uint32(m>>32))
+	if elapsed < max(tick/2, 1) {
+		return
+	}
+	if !x.mark.CompareAndSwap(m, next) {
+		return // another answer measured meanwhile
+	}
+	grown := f - int64(m&markMax)
+	if grown <= 0 {
+		return // no growth (or the origin lost units): the step stands
+	}
+	if elapsed < tick {
+		grown = grown * tick / elapsed // grown < 2^32: no overflow
+	}
+	x.step.Store(grown)
 }
 
 // importGlobal raises the cell's imported count to n: what other regions

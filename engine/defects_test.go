@@ -268,6 +268,50 @@ func TestForget_RecreatedKeyStillReachesTheOrigin(t *testing.T) {
 	}
 }
 
+// TestForget_ReadmitAtFullSpeedStaysExact is the same run at the pace of
+// two Caddy nodes on loopback: a request every 250 µs, replays on the
+// fast tick (10 ms). It admitted 106–120 of 100 through the built Caddy:
+// after the forget both nodes decide at the origin, and each answer's
+// step (the others' growth since the answer before) was taken as growth
+// per tick, though the answers came 500 µs apart. The others' pace
+// looked like a unit a tick, both nodes went back to deciding locally
+// short of 90 %, and each admitted what the other had admitted within a
+// tick. A step is now measured over half a tick at least and scaled to
+// a tick.
+func TestForget_ReadmitAtFullSpeedStaysExact(t *testing.T) {
+	for _, forget := range []bool{true, false} {
+		a, b, clk, _ := twoNodes(t)
+		l := lim("k", 20*time.Second, 100, 1)
+		admitted := 0
+		nextTick := clk.Now().Add(DefaultFastTick)
+		decide := func(e *Engine) {
+			if e.Decide(bg, l).Allowed {
+				admitted++
+			}
+			clk.Advance(250 * time.Microsecond)
+			if !clk.Now().Before(nextTick) {
+				nextTick = nextTick.Add(DefaultFastTick)
+				replayAll(t, a, b)
+			}
+		}
+		for i := 0; i < 50; i++ {
+			decide(a)
+		}
+		if forget {
+			a.Forget(l.Key)
+		}
+		for i := 0; i < 300; i++ {
+			if i == 150 && forget {
+				a.Forget(l.Key)
+			}
+			decide([]*Engine{a, b}[i%2])
+		}
+		if admitted != 100 {
+			t.Errorf("forget %v: admitted %d, want the limit of 100", forget, admitted)
+		}
+	}
+}
+
 // TestClock_StepForwardAndBackFreezesNoKey is the review's unit repro: the
 // wall clock steps an hour forward (an NTP step, a resumed VM) and back,
 // and a key touched meanwhile kept counting in its cell from the future,

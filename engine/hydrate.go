@@ -272,7 +272,7 @@ func (e *Engine) readCell(o Origin, key Key, en *entry, c *cell) {
 // hydrated and fresh from sent, the time the call that returned t was
 // sent.
 func (e *Engine) merge(en *entry, c *cell, t Totals, sent int64) {
-	c.observe(t)
+	c.observe(t, e.nowMs(), e.fastTickMs())
 	c.mergeOrigin(t.Cur)
 	c.importGlobal(t.Global)
 	if t.Prev > 0 || t.GlobalPrev > 0 {

@@ -182,7 +182,7 @@ func (e *Engine) flush(ctx context.Context, o Origin, batch []Delta) error {
 			if en, ok := d.zone.entries.Load(d.Key.Identifier); ok {
 				e.merge(en, d.cell, d.Totals, sent)
 			} else {
-				d.cell.observe(d.Totals)
+				d.cell.observe(d.Totals, now, e.fastTickMs())
 				d.cell.mergeOrigin(d.Totals.Cur)
 				d.cell.setBits(stHydrated)
 				d.cell.extendFresh(sent + e.freshnessMs())
