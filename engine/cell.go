@@ -130,6 +130,13 @@ const (
 	stShared
 	// stSync: the cell is a syncCell (see sync). Set at allocation only.
 	stSync
+	// stUnsure: pending may hold units the origin already has, moved back
+	// from own by Resend or by a write whose answer was lost. A total that
+	// does not say what the origin holds of this process (the previous
+	// cell's, in an answer about the current one) is then not merged: it
+	// would count those units twice (see mergeOrigin). Cleared when the
+	// replay takes pending, whose write carries them all.
+	stUnsure
 )
 
 // setBits sets bits in the state and reports whether this call set any of
@@ -179,20 +186,45 @@ func (c *cell) pending() int64 {
 	return 0
 }
 
-// mergeOrigin merges an origin total into the cell: count rises to at least
-// total plus what the origin has not seen (this process's pending units and
+// mergeOrigin merges an origin total, which does not say what the origin
+// holds of this process, into the cell: count rises to at least total plus
+// what the origin has not seen (this process's pending units and
 // speculative reservations). Counts only ever grow by merges, so a late or
-// repeated merge can never undo units counted since.
+// repeated merge can never undo units counted since. While pending may
+// hold units the origin has (stUnsure), such a total is not merged: the
+// cell's own answer, at its next replay, says exactly (mergeAnswer).
+func (c *cell) mergeOrigin(total int64) {
+	if c.state.Load()&stUnsure != 0 && c.pending() > 0 {
+		return
+	}
+	c.raiseCount(ClampCount(total))
+}
+
+// mergeAnswer merges an answer about the cell itself: the others' units
+// (the total less this process's record, mine) plus every unit of this
+// process (own, pending and speculative), each once, whether or not the
+// origin has them: a unit moved back to pending after a lost answer is in
+// mine and in pending, and counted once.
+func (c *cell) mergeAnswer(total, mine int64) {
+	others := max(ClampCount(total)-ClampCount(mine), 0)
+	if x := c.sync(); x != nil {
+		others = SatAdd(others, x.own.Load())
+	}
+	c.raiseCount(others)
+}
+
+// raiseCount raises count to at least base plus the cell's pending units
+// and speculative reservations.
 //
 // The speculative count is read on both sides of the count, and the merge
 // retries when a batch rolled back in between: a rollback lowers spec, then
 // count, and a merge that saw the old spec with the new count would add the
 // rolled-back units back for good.
-func (c *cell) mergeOrigin(total int64) {
+func (c *cell) raiseCount(base int64) {
 	for {
 		s := c.spec.Load()
 		old := c.count.Load()
-		v := SatAdd(SatAdd(ClampCount(total), c.pending()), s)
+		v := SatAdd(SatAdd(base, c.pending()), s)
 		if c.spec.Load() != s {
 			continue
 		}

@@ -312,6 +312,44 @@ func TestForget_ReadmitAtFullSpeedStaysExact(t *testing.T) {
 	}
 }
 
+// TestResend_UnitsTheOriginKeptCountOnce is what the reference test found
+// on seed 1795593710044218115 (a denial one unit under the limit): units
+// the origin already holds go back to pending (Resend after a restart
+// the origin recovered from, or a write whose answer was lost), and an
+// answer about the next window carries the previous cell's total with
+// them in it. Merged with pending on top, they counted twice in the
+// previous cell, for good. Before the fix: 2 for 1.
+func TestResend_UnitsTheOriginKeptCountOnce(t *testing.T) {
+	e, clk := newTestEngine(t, manual(Config{}))
+	o := newMemOrigin()
+	e.SetOrigin(o)
+	l := lim("k", time.Second, 5, 1)
+	e.Decide(bg, l)
+	replayAll(t, e) // the origin holds the unit
+	if n := e.Resend(); n != 1 {
+		t.Fatalf("Resend queued %d cells, want 1", n)
+	}
+	clk.Advance(time.Second) // the next window: the cell is the previous one
+	e.Decide(bg, l)          // its read answers the previous total too
+	ks, _ := e.Inspect(l.Key)
+	if len(ks.Cells) != 2 || ks.Cells[1].Regional != 1 {
+		t.Fatalf("cells %+v: want the previous cell's one unit counted once", ks.Cells)
+	}
+	replayAll(t, e)
+	if ks, _ = e.Inspect(l.Key); ks.Cells[1].Regional != 1 || o.total(l.Key, ks.Cells[1].Sequence) != 1 {
+		t.Fatalf("after the replay: cells %+v, origin %d; want 1 and 1", ks.Cells, o.total(l.Key, ks.Cells[1].Sequence))
+	}
+	// The same in the cell's own window: after Resend the next decision
+	// reads first (the others' totals are suspect), and the answer's
+	// record says what the origin holds of this process.
+	replayAll(t, e)
+	e.Resend()
+	e.Decide(bg, l)
+	if ks, _ = e.Inspect(l.Key); ks.Cells[0].Regional != 2 {
+		t.Fatalf("cells %+v: want the current cell's two units counted once", ks.Cells)
+	}
+}
+
 // TestClock_StepForwardAndBackFreezesNoKey is the review's unit repro: the
 // wall clock steps an hour forward (an NTP step, a resumed VM) and back,
 // and a key touched meanwhile kept counting in its cell from the future,

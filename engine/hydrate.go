@@ -273,7 +273,7 @@ func (e *Engine) readCell(o Origin, key Key, en *entry, c *cell) {
 // sent.
 func (e *Engine) merge(en *entry, c *cell, t Totals, sent int64) {
 	c.observe(t, e.nowMs(), e.fastTickMs())
-	c.mergeOrigin(t.Cur)
+	c.mergeAnswer(t.Cur, t.Mine)
 	c.importGlobal(t.Global)
 	if t.Prev > 0 || t.GlobalPrev > 0 {
 		p := en.previous(c)

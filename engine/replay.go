@@ -155,6 +155,9 @@ func (e *Engine) take(out []Delta, z *Zone, id string, c *cell, fast bool) []Del
 	if !c.setBits(stFlushing) {
 		return out
 	}
+	// The write carries every unit pending holds: none is unsure any more
+	// (cleared first: a Resend meanwhile sets it again).
+	c.clearBits(stUnsure)
 	d := x.pending.Swap(0)
 	if d == 0 {
 		c.clearBits(stFlushing)
@@ -183,13 +186,14 @@ func (e *Engine) flush(ctx context.Context, o Origin, batch []Delta) error {
 				e.merge(en, d.cell, d.Totals, sent)
 			} else {
 				d.cell.observe(d.Totals, now, e.fastTickMs())
-				d.cell.mergeOrigin(d.Totals.Cur)
+				d.cell.mergeAnswer(d.Totals.Cur, d.Totals.Mine)
 				d.cell.setBits(stHydrated)
 				d.cell.extendFresh(sent + e.freshnessMs())
 			}
 		} else {
 			failed = true
 			x := d.cell.sync()
+			d.cell.setBits(stUnsure) // the origin may have applied it
 			x.own.Add(-d.Delta)
 			x.pending.Add(d.Delta)
 		}
@@ -375,6 +379,7 @@ func (e *Engine) Resend() int {
 			return
 		}
 		if o := x.own.Load(); o > 0 {
+			c.setBits(stUnsure) // first: the origin may still hold them
 			x.own.Add(-o)
 			x.pending.Add(o)
 			e.markDirty(z, id, c, true)
