@@ -414,8 +414,10 @@ func (en *entry) current(seq int64, sync bool) (c *cell, dropped [2]*cell) {
 // nothing meanwhile. The new cell is a new incarnation (see
 // Delta.Incarnation) that hydrates like a first touch, so it reads what
 // the origin holds for seq; the old cell's pending units still replay from
-// the replay queue, which holds the cell itself.
-func (en *entry) replaceStale(c *cell, seq int64, sync bool) *cell {
+// the replay queue, which holds the cell itself. dropped is the previous
+// cell it let go (the one before the stale cell), for the engine to
+// remember as it remembers the stale one.
+func (en *entry) replaceStale(c *cell, seq int64, sync bool) (_, dropped *cell) {
 	n := newCell(seq, sync)
 	n.state.Store(n.state.Load() | c.state.Load()&stShared)
 	p := en.prev.Load()
@@ -424,12 +426,15 @@ func (en *entry) replaceStale(c *cell, seq int64, sync bool) *cell {
 		np = p
 	}
 	if p != np && !en.prev.CompareAndSwap(p, np) {
-		return nil
+		return nil, nil
+	}
+	if p != np {
+		dropped = p
 	}
 	if en.cur.CompareAndSwap(c, n) {
-		return n
+		return n, dropped
 	}
-	return nil
+	return nil, dropped
 }
 
 // addSat adds n ≥ 0 to a, saturating at MaxCount.

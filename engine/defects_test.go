@@ -350,6 +350,42 @@ func TestResend_UnitsTheOriginKeptCountOnce(t *testing.T) {
 	}
 }
 
+// TestClock_StepBackKeepsThePreviousCellForResend is what the reference
+// test found on seed 1795593053020452457 (an over-admission after compound
+// faults): a clock an hour ahead counts a key in two windows; stepped back,
+// the key's cell from the future is replaced, and the one before it was
+// dropped without being remembered. The origin restarted empty then, and
+// Resend sent the stale cell's units but not its predecessor's: 35 units
+// never came back. Before the fix: the origin held 0 of the 5.
+func TestClock_StepBackKeepsThePreviousCellForResend(t *testing.T) {
+	e, clk := newTestEngine(t, manual(Config{}))
+	o := newMemOrigin()
+	e.SetOrigin(o)
+	l := lim("k", time.Second, 100, 1)
+	start := clk.Now()
+	clk.Set(start.Add(time.Hour))
+	for range 5 {
+		e.Decide(bg, l)
+	}
+	ahead := clk.Now().UnixMilli() / 1000
+	clk.Advance(time.Second)
+	for range 3 {
+		e.Decide(bg, l)
+	}
+	replayAll(t, e)
+	clk.Set(start) // back: both cells lie an hour ahead
+	e.Decide(bg, l)
+	o.restart()
+	e.Resend()
+	replayAll(t, e)
+	if got := o.total(l.Key, ahead); got != 5 {
+		t.Fatalf("the origin holds %d of the 5 units counted in the earlier window ahead", got)
+	}
+	if got := o.total(l.Key, ahead+1); got != 3 {
+		t.Fatalf("the origin holds %d of the 3 units counted in the later window ahead", got)
+	}
+}
+
 // TestClock_StepForwardAndBackFreezesNoKey is the review's unit repro: the
 // wall clock steps an hour forward (an NTP step, a resumed VM) and back,
 // and a key touched meanwhile kept counting in its cell from the future,

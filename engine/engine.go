@@ -365,8 +365,15 @@ func (e *Engine) rotate(z *Zone, id string, en *entry, now, w int64, syncs bool)
 		// stepped back (a request that read it long ago finds the clock
 		// past seq and keeps the cell).
 		stale := c
-		if c = en.replaceStale(c, seq, syncs); c != nil {
+		var dropped *cell
+		c, dropped = en.replaceStale(c, seq, syncs)
+		if c != nil {
 			e.buryCell(z, id, stale)
+		}
+		if dropped != nil {
+			// Its units, replayed or not, must come back should the
+			// origin restart empty (see Resend).
+			e.buryCell(z, id, dropped)
 		}
 		if c != nil && e.origin.Load() == nil {
 			c.setBits(stHydrated) // as insert marks a new entry's cell

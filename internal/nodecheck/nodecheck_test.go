@@ -74,7 +74,7 @@ func TestProperty_NodesAgreeWithOneCounter(t *testing.T) {
 		case time.Since(start) < budget:
 			seed = uint64(time.Now().UnixNano())
 		default:
-			if decisions < 10_000 {
+			if decisions < 10_000 && *propertySeed == 0 { // a rerun of one seed checks what it checks
 				t.Fatalf("only %d runs and %d decisions checked", runs, decisions)
 			}
 			t.Logf("%d runs, %d decisions checked against the central counter; largest over-admission %d units (its slack %d)",

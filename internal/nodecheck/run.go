@@ -172,7 +172,14 @@ func (r *runner) check(op, i int, k Key, cost int64, allowed bool) error {
 		r.res.Over, r.res.OverSlack = eff+cost-k.Limit, slack
 	}
 	if r.trace != nil {
-		r.trace("op %d t=%d node %d %s cost %d allowed=%v central=%d slack=%d quiet=%v", op, r.now, i, k.ID, cost, allowed, eff, slack, quiet)
+		var views []any
+		for j := range r.n {
+			ks, _ := r.c.Engine(j).Inspect(engine.Key{Namespace: Zone, Identifier: k.ID, Window: k.Window})
+			views = append(views, ks.Cells)
+		}
+		w := k.Window.Milliseconds()
+		seq := (r.base.UnixMilli() + at) / w
+		r.trace("op %d t=%d node %d %s cost %d allowed=%v central=%d (%d %d) slack=%d quiet=%v views=%+v", op, r.now, i, k.ID, cost, allowed, eff, r.central[cellID{k.ID, w, seq}], r.central[cellID{k.ID, w, seq - 1}], slack, quiet, views)
 	}
 	switch {
 	case quiet:
