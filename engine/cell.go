@@ -374,12 +374,19 @@ func (en *entry) current(seq int64, sync bool) (c *cell, dropped [2]*cell) {
 		}
 		p := en.prev.Load()
 		n := newCell(seq, sync)
-		// A rotated cell of a key that was hydrated counts as hydrated but
-		// stale: the tiers decide whether it is read now or in the
-		// background. Only a first touch hydrates synchronously.
-		// A key that several processes use stays shared across windows,
-		// and the others' pace carries over as the first estimate.
-		n.state.Store(n.state.Load() | c.state.Load()&(stHydrated|stShared))
+		// A cell rotated from the window just before, of a key that was
+		// hydrated, counts as hydrated but stale: the tiers decide whether
+		// it is read now or in the background. A key idle for a window or
+		// more (or whose clock jumped) knows nothing of the new window:
+		// others may have counted it near its limit meanwhile, so it
+		// hydrates synchronously, as a first touch does. A key that
+		// several processes use stays shared across windows, and the
+		// others' pace carries over as the first estimate.
+		inherit := stShared
+		if c.seq == seq-1 {
+			inherit |= stHydrated
+		}
+		n.state.Store(n.state.Load() | c.state.Load()&inherit)
 		if x, cx := n.sync(), c.sync(); x != nil && cx != nil {
 			x.step.Store(cx.step.Load())
 		}

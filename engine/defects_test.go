@@ -386,6 +386,27 @@ func TestClock_StepBackKeepsThePreviousCellForResend(t *testing.T) {
 	}
 }
 
+// TestRotation_AKeyIdleForAWindowReadsFirst is what the reference test
+// found on seed 1795597378052014898: a key this process last touched
+// windows ago (or before its clock jumped) rotated into a cell that
+// counted as read, so its first request decided on local counts alone,
+// far from the limit in its own view, while another process had counted
+// the new window to 4 of 5. Before the fix: cost 2 admitted, 6 of 5.
+func TestRotation_AKeyIdleForAWindowReadsFirst(t *testing.T) {
+	a, b, clk, _ := twoNodes(t)
+	l := lim("k", time.Second, 5, 1)
+	a.Decide(bg, Limit{Key: l.Key, Limit: 5}) // a reads the key (cost 0)
+	clk.Advance(2 * time.Second)
+	for range 4 {
+		b.Decide(bg, l)
+	}
+	replayAll(t, a, b)
+	l.Cost = 2
+	if a.Decide(bg, l).Allowed {
+		t.Fatal("a admitted cost 2 of a key the other process counted to 4 of 5 in this window")
+	}
+}
+
 // TestClock_StepForwardAndBackFreezesNoKey is the review's unit repro: the
 // wall clock steps an hour forward (an NTP step, a resumed VM) and back,
 // and a key touched meanwhile kept counting in its cell from the future,

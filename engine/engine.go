@@ -360,6 +360,9 @@ func (e *Engine) rotate(z *Zone, id string, en *entry, now, w int64, syncs bool)
 	if gone[0] != nil || gone[1] != nil {
 		e.buryCells(z, id, gone)
 	}
+	if c != nil && c.state.Load()&stHydrated == 0 && e.origin.Load() == nil {
+		c.setBits(stHydrated) // nothing to read: as insert marks a new entry's cell
+	}
 	if c != nil && c.seq > seq+1 && e.nowMs()/w+1 < c.seq {
 		// More than a window ahead of a clock read just now: the clock
 		// stepped back (a request that read it long ago finds the clock
