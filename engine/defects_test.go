@@ -407,6 +407,31 @@ func TestRotation_AKeyIdleForAWindowReadsFirst(t *testing.T) {
 	}
 }
 
+// TestRead_AFailedColdReadRetriesOnceTheOriginAnswers is what the
+// reference test found on seed 1795597556737899827: a key first touched
+// while the origin was down decided locally for the 250 ms a failed read
+// waits before it retries, though the origin answered again meanwhile and
+// another process had used the key's limit: admitted 2 of 1 (the bound
+// holds again within one flush period of a fault, 210 ms there). A failed
+// read now waits a slow tick at most (100 ms), and none once a call of the
+// process succeeds. Before the fix: admitted.
+func TestRead_AFailedColdReadRetriesOnceTheOriginAnswers(t *testing.T) {
+	a, b, clk, o := twoNodes(t)
+	l := lim("k", time.Minute, 1, 1)
+	o.down.Store(true)
+	a.Decide(bg, Limit{Key: l.Key, Limit: 1, Cost: 2}) // denied, its read failed
+	o.down.Store(false)
+	clk.Advance(60 * time.Millisecond)
+	if !b.Decide(bg, l).Allowed {
+		t.Fatal("b denied the key's first unit")
+	}
+	replayAll(t, a, b)
+	clk.Advance(60 * time.Millisecond)
+	if a.Decide(bg, l).Allowed {
+		t.Fatal("a admitted a unit of a key b used whole, 120 ms after the origin came back")
+	}
+}
+
 // TestClock_StepForwardAndBackFreezesNoKey is the review's unit repro: the
 // wall clock steps an hour forward (an NTP step, a resumed VM) and back,
 // and a key touched meanwhile kept counting in its cell from the future,

@@ -67,9 +67,17 @@ func (e *Engine) suspect(now, fresh int64) bool {
 }
 
 // hydrateRetry is how long a cell whose hydration failed decides locally
-// before it reads again: long enough that a dead origin costs no request a
-// read each, short enough that a recovered origin is used within a blink.
-const hydrateRetry = 250 * time.Millisecond
+// before it reads again, while the origin keeps failing: long enough that a
+// dead origin costs no request a read each, short enough that a recovered
+// origin is used within a flush period (two slow ticks and a fast one),
+// which is how long the accuracy bound allows after a fault. At most a
+// slow tick; once any call of the process succeeds again, the next
+// decision reads at once.
+func (e *Engine) hydrateRetry() int64 {
+	return min(maxHydrateRetry, time.Duration(e.slowTick.Load())).Milliseconds()
+}
+
+const maxHydrateRetry = 250 * time.Millisecond
 
 // maxBackgroundReads bounds background refreshes in flight, so a burst of
 // stale keys cannot start unbounded goroutines.
@@ -133,7 +141,7 @@ func (e *Engine) converge(o Origin, lc *located, l *Limit, now int64) *flight {
 	st := c.state.Load()
 	fresh := c.freshUntil()
 	if st&stHydrated == 0 {
-		if now < fresh {
+		if now < fresh && e.failing.Load() {
 			return nil // a failed hydration waits before it retries
 		}
 		return e.syncRead(o, lc)
@@ -254,7 +262,7 @@ func (e *Engine) readCell(o Origin, key Key, en *entry, c *cell) {
 		e.stats.readErrors.Add(1)
 		e.originFailed()
 		if x := c.sync(); x != nil && c.state.Load()&stHydrated == 0 {
-			x.fresh.Store(now + hydrateRetry.Milliseconds())
+			x.fresh.Store(now + e.hydrateRetry())
 		}
 		return
 	}

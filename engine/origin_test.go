@@ -96,7 +96,7 @@ func TestHydration_FailedHydrationIsRetried(t *testing.T) {
 		t.Fatalf("a read was retried before the back-off (reads=%d)", o.reads.Load())
 	}
 	o.failReads(nil)
-	clk.Advance(hydrateRetry)
+	clk.Advance(time.Duration(e.hydrateRetry()) * time.Millisecond)
 	if d := e.Decide(bg, l); d.Allowed {
 		t.Fatalf("after the retry the origin's 9 + local 2 should deny: %+v", d)
 	}
