@@ -432,6 +432,24 @@ func TestRead_AFailedColdReadRetriesOnceTheOriginAnswers(t *testing.T) {
 	}
 }
 
+// TestInspect_ARotatedKeyWasViewedWhenItsPreviousCellWas: a key's view
+// of the origin is its last read or replay, of either cell; a cell just
+// rotated to has none of its own. The reference test weighs a decision
+// against what the others admitted since that view (seed
+// 1795598073465871912 judged a rotated key as never viewed).
+func TestInspect_ARotatedKeyWasViewedWhenItsPreviousCellWas(t *testing.T) {
+	e, clk, _ := withOrigin(t, Config{})
+	l := lim("k", time.Second, 20, 1)
+	e.Decide(bg, l) // the cold read: the key's view
+	viewed := clk.Now()
+	clk.Advance(time.Second)
+	e.Decide(bg, l)
+	ks, _ := e.Inspect(l.Key)
+	if len(ks.Cells) != 2 || !ks.ViewedAt.Equal(viewed) {
+		t.Fatalf("ViewedAt %v with cells %+v, want %v: the previous cell's read", ks.ViewedAt, ks.Cells, viewed)
+	}
+}
+
 // TestClock_StepForwardAndBackFreezesNoKey is the review's unit repro: the
 // wall clock steps an hour forward (an NTP step, a resumed VM) and back,
 // and a key touched meanwhile kept counting in its cell from the future,

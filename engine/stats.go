@@ -134,8 +134,9 @@ type KeyState struct {
 	// StrictUntil and FreshUntil are the strict-mode and freshness deadlines;
 	// zero when unset or passed.
 	StrictUntil, FreshUntil time.Time
-	// ViewedAt is when the origin's view of the current cell was last taken
-	// (a read or a replay sent then); zero when it never was.
+	// ViewedAt is when the origin's view of the key was last taken (a read
+	// or a replay of its current cell, or of the previous one, sent then);
+	// zero when it never was.
 	ViewedAt time.Time
 	// Cells holds the current cell first, then the previous one, if any.
 	Cells []CellState
@@ -189,6 +190,14 @@ func (e *Engine) inspect(z *Zone, id string, en *entry, now int64) (KeyState, bo
 	if prev != nil {
 		prevN = prev.total()
 		ks.Cells = append(ks.Cells, cellState(prev))
+		// A cell just rotated to has no view of its own yet: the key's
+		// last look at the origin is the previous cell's (a read answers
+		// both).
+		if f := prev.freshUntil(); prev.state.Load()&stHydrated != 0 && f > 0 {
+			if at := time.UnixMilli(f - e.freshnessMs()); at.After(ks.ViewedAt) {
+				ks.ViewedAt = at
+			}
+		}
 	}
 	ks.Effective = curN + weighted(prevN, w, r)
 	if s := strictUntil(z, id); s > now {
