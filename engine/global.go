@@ -52,10 +52,10 @@ func (e *Engine) SetGlobal(g Global) {
 	e.global.Store(&globalBox{g})
 }
 
-// SwapGlobal replaces the cross-region layer with new only if it is old,
+// swapGlobal replaces the cross-region layer with new only if it is old,
 // and reports whether it did, so that a config detaching its layer on stop
 // never undoes a newer config's.
-func (e *Engine) SwapGlobal(old, new Global) bool {
+func (e *Engine) swapGlobal(old, new Global) bool {
 	for {
 		cur := e.global.Load()
 		if (cur == nil && old != nil) || (cur != nil && cur.g != old) {

@@ -206,14 +206,14 @@ func TestGlobal_SwapOnlyReplacesItsOwn(t *testing.T) {
 	e, _ := newTestEngine(t, Config{})
 	a, b := new(fakeGlobal), new(fakeGlobal)
 	e.SetGlobal(a)
-	if !e.SwapGlobal(a, b) || e.SwapGlobal(a, nil) {
+	if !e.swapGlobal(a, b) || e.swapGlobal(a, nil) {
 		t.Fatal("swap semantics wrong")
 	}
 	e.Decide(bg, lim("k", time.Minute, 10, 1))
 	if len(a.entries) != 0 || len(b.entries) != 1 {
 		t.Fatalf("entries told to a %d, b %d; want 0 and 1", len(a.entries), len(b.entries))
 	}
-	if !e.SwapGlobal(b, nil) {
+	if !e.swapGlobal(b, nil) {
 		t.Fatal("detaching the current layer failed")
 	}
 }
