@@ -32,10 +32,10 @@ func TestCell_SizesAndNoPointers(t *testing.T) {
 	if s := unsafe.Sizeof(cell{}); s != 32 {
 		t.Errorf("a plain cell is %d bytes, want 32", s)
 	}
-	if s := unsafe.Sizeof(syncCell{}); s != 96 {
-		t.Errorf("a syncCell is %d bytes, want 96 (a size class of its own)", s)
+	if s := unsafe.Sizeof(linkedCell{}); s != 96 {
+		t.Errorf("a linked cell is %d bytes, want 96 (a size class of its own)", s)
 	}
-	for _, typ := range []reflect.Type{reflect.TypeFor[cell](), reflect.TypeFor[syncCell]()} {
+	for _, typ := range []reflect.Type{reflect.TypeFor[cell](), reflect.TypeFor[linkedCell]()} {
 		if hasPointers(typ) {
 			t.Errorf("%v holds a pointer: the garbage collector would scan every cell", typ)
 		}
@@ -56,7 +56,7 @@ func TestCell_PlainOnlyWhenTheEngineSyncsWithNothing(t *testing.T) {
 	for _, tc := range []struct {
 		name   string
 		attach func(e *Engine)
-		synced bool
+		linked bool
 	}{
 		{"local-only", func(*Engine) {}, false},
 		{"origin", func(e *Engine) { e.SetOrigin(newMemOrigin()) }, true},
@@ -74,8 +74,8 @@ func TestCell_PlainOnlyWhenTheEngineSyncsWithNothing(t *testing.T) {
 				if c == nil {
 					t.Fatalf("no %s cell", name)
 				}
-				if got := c.sync() != nil; got != tc.synced {
-					t.Errorf("%s cell: syncCell = %v, want %v", name, got, tc.synced)
+				if got := c.links() != nil; got != tc.linked {
+					t.Errorf("%s cell: linked = %v, want %v", name, got, tc.linked)
 				}
 			}
 		})
@@ -105,8 +105,8 @@ func TestCell_UpgradeOnSetOriginReplaysEveryUnit(t *testing.T) {
 			}
 			en := entryOf(t, e, l.Key)
 			plain := en.cur.Load()
-			if plain.sync() != nil {
-				t.Fatal("a local-only engine made a syncCell")
+			if plain.links() != nil {
+				t.Fatal("a local-only engine made a linked cell")
 			}
 			o := newMemOrigin()
 			e.SetOrigin(o)
@@ -114,7 +114,7 @@ func TestCell_UpgradeOnSetOriginReplaysEveryUnit(t *testing.T) {
 				e.Decide(bg, l)
 			}
 			c := en.cur.Load()
-			if c == plain || c.sync() == nil {
+			if c == plain || c.links() == nil {
 				t.Fatal("the first decision with an origin did not upgrade the cell")
 			}
 			if c.seq != seq || c.count.Load() != tc.want {
@@ -173,8 +173,8 @@ func TestCell_ImportAndPublishUpgradeAPlainCell(t *testing.T) {
 	clk.Advance(time.Minute)
 	e.Decide(bg, l)
 	en := entryOf(t, e, l.Key)
-	if en.prev.Load().sync() != nil || en.cur.Load().sync() != nil {
-		t.Fatal("a local-only engine made a syncCell")
+	if en.prev.Load().links() != nil || en.cur.Load().links() != nil {
+		t.Fatal("a local-only engine made a linked cell")
 	}
 	e.SetGlobal(nopGlobal{})
 	if !e.ImportGlobal(l.Key, seq, 4, false) {
@@ -184,12 +184,12 @@ func TestCell_ImportAndPublishUpgradeAPlainCell(t *testing.T) {
 		t.Fatal("publication of the current cell not recorded")
 	}
 	p, c := en.prev.Load(), en.cur.Load()
-	if p.sync() == nil || c.sync() == nil {
+	if p.links() == nil || c.links() == nil {
 		t.Fatal("a plain cell took a global count or a publication mark")
 	}
-	if p.count.Load() != 3 || p.sync().global.Load() != 4 || c.count.Load() != 1 || c.sync().published.Load() != 1 {
+	if p.count.Load() != 3 || p.links().global.Load() != 4 || c.count.Load() != 1 || c.links().published.Load() != 1 {
 		t.Fatalf("prev count %d global %d, cur count %d published %d; want 3, 4, 1, 1",
-			p.count.Load(), p.sync().global.Load(), c.count.Load(), c.sync().published.Load())
+			p.count.Load(), p.links().global.Load(), c.count.Load(), c.links().published.Load())
 	}
 	if p.pending() != 0 || c.pending() != 0 {
 		t.Fatal("units pending in an engine without origin")

@@ -143,7 +143,7 @@ func TestDecideMany_HungOriginCostsOneReadTimeoutForAllZones(t *testing.T) {
 func TestDecideMany_RollbackRacingAMergeLeavesNoUnits(t *testing.T) {
 	e, clk, o := withOrigin(t, Config{})
 	a, b := lim("a", time.Minute, 10, 3), lim("b", time.Minute, 1, 2)
-	e.Decide(bg, lim("a", time.Minute, 10, 0)) // hydrate both
+	e.Decide(bg, lim("a", time.Minute, 10, 0)) // read both
 	e.Decide(bg, lim("b", time.Minute, 10, 0))
 	seq := clk.UnixMilli() / time.Minute.Milliseconds()
 	// A merge lands between the two steps of a's rollback (b denies).

@@ -9,7 +9,7 @@
 //
 //	Decide / DecideMany                      engine.go
 //	  locate: one map lookup, rotate cells   engine.go, cell.go, zone.go, entrymap.go, keys.go
-//	  converge: cold or stale cell → read    hydrate.go (single flight, one deadline)
+//	  converge: cold or stale cell → read    read.go    (single flight, one deadline)
 //	  fits? no  → deny (never waits)         engine.go, window.go, strict.go
 //	        yes → shared and near the limit
 //	              → decide at the origin     reserve.go (one call per cell in flight;

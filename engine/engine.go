@@ -144,7 +144,7 @@ type Engine struct {
 	// graves are recently dropped cells, for Resend (janitor.go).
 	graves graveyard
 	// failing is set by a failed origin call, cleared by the next success;
-	// untrusted ends the suspect period that starts then (hydrate.go).
+	// untrusted ends the suspect period that starts then (read.go).
 	failing   atomic.Bool
 	untrusted atomic.Int64
 
@@ -299,14 +299,14 @@ type located struct {
 func (lc *located) key() Key { return lc.zone.key(lc.id) }
 
 // locate finds (or creates) the entry of l and its current cell at now.
-// With syncs set (the engine has an origin or a global layer, whose
-// counters only a syncCell holds) the cell is a syncCell: a plain cell made
-// before is upgraded here, before the decision charges it.
+// With linked set (the engine has an origin or a global layer, whose
+// counters only a linked cell holds) the cell is a linked cell: a plain
+// cell made before is upgraded here, before the decision charges it.
 //
 // Nearly every decision finds the entry's current cell to be the cell of
 // now: that is tested with one multiplication, and the sequence of now (a
 // division) is computed only when it is not (see rotate).
-func (e *Engine) locate(lc *located, l *Limit, now int64, syncs bool) {
+func (e *Engine) locate(lc *located, l *Limit, now int64, linked bool) {
 	z := l.Zone
 	if z == nil {
 		z = e.Zone(l.Namespace, l.Window)
@@ -319,23 +319,23 @@ func (e *Engine) locate(lc *located, l *Limit, now int64, syncs bool) {
 	for {
 		en, ok := z.entries.Load(id)
 		if !ok {
-			en = e.insert(z, id, now/w, syncs)
+			en = e.insert(z, id, now/w, linked)
 		}
 		// c.seq ≥ 0 leaves out the tombstone (and the truncated division
 		// of a clock before 1970, which rotate handles as it always did).
 		c := en.cur.Load()
 		if c.seq < 0 || uint64(now-c.seq*w) >= uint64(w) {
-			if c = e.rotate(z, id, en, now, w, syncs); c == nil {
+			if c = e.rotate(z, id, en, now, w, linked); c == nil {
 				continue
 			}
 		}
-		if syncs {
-			if c = e.synced(z, id, en, &en.cur, c); c == nil {
+		if linked {
+			if c = e.link(z, id, en, &en.cur, c); c == nil {
 				continue
 			}
 			// The limit the count is decided against, for the cross-region
 			// layer; written only when it changes.
-			if x := c.sync(); x != nil && x.limit.Load() != l.Limit {
+			if x := c.links(); x != nil && x.limit.Load() != l.Limit {
 				x.limit.Store(l.Limit)
 			}
 		}
@@ -354,14 +354,14 @@ func (e *Engine) locate(lc *located, l *Limit, now int64, syncs bool) {
 // than a window ahead. nil: removed by the janitor between the load and
 // the rotation, or rotated by another request meanwhile; look again, a
 // fresh entry may already stand in its place.
-func (e *Engine) rotate(z *Zone, id string, en *entry, now, w int64, syncs bool) *cell {
+func (e *Engine) rotate(z *Zone, id string, en *entry, now, w int64, linked bool) *cell {
 	seq := now / w
-	c, gone := en.current(seq, syncs)
+	c, gone := en.current(seq, linked)
 	if gone[0] != nil || gone[1] != nil {
 		e.buryCells(z, id, gone)
 	}
-	if c != nil && c.state.Load()&stHydrated == 0 && e.origin.Load() == nil {
-		c.setBits(stHydrated) // nothing to read: as insert marks a new entry's cell
+	if c != nil && c.state.Load()&stRead == 0 && e.origin.Load() == nil {
+		c.setBits(stRead) // nothing to read: as insert marks a new entry's cell
 	}
 	if c != nil && c.seq > seq+1 && e.nowMs()/w+1 < c.seq {
 		// More than a window ahead of a clock read just now: the clock
@@ -369,7 +369,7 @@ func (e *Engine) rotate(z *Zone, id string, en *entry, now, w int64, syncs bool)
 		// past seq and keeps the cell).
 		stale := c
 		var dropped *cell
-		c, dropped = en.replaceStale(c, seq, syncs)
+		c, dropped = en.replaceStale(c, seq, linked)
 		if c != nil {
 			e.buryCell(z, id, stale)
 		}
@@ -379,20 +379,20 @@ func (e *Engine) rotate(z *Zone, id string, en *entry, now, w int64, syncs bool)
 			e.buryCell(z, id, dropped)
 		}
 		if c != nil && e.origin.Load() == nil {
-			c.setBits(stHydrated) // as insert marks a new entry's cell
+			c.setBits(stRead) // as insert marks a new entry's cell
 		}
 	}
 	return c
 }
 
 // insert adds a new entry for id, or returns the one that won a race. Its
-// cell is a syncCell when syncs is set.
-func (e *Engine) insert(z *Zone, id string, seq int64, syncs bool) *entry {
+// cell is a linked cell when linked is set.
+func (e *Engine) insert(z *Zone, id string, seq int64, linked bool) *entry {
 	hasOrigin := e.origin.Load() != nil
 	en, loaded := z.entries.LoadOrCompute(id, func() (*entry, bool) {
-		c := newCell(seq, syncs)
+		c := newCell(seq, linked)
 		if !hasOrigin {
-			c.setBits(stHydrated)
+			c.setBits(stRead)
 		}
 		n := &entry{}
 		n.cur.Store(c)
@@ -410,17 +410,17 @@ func (e *Engine) insert(z *Zone, id string, seq int64, syncs bool) *entry {
 	return en
 }
 
-// synced returns c, which slot (en.cur or en.prev) holds, as a syncCell:
+// link returns c, which slot (en.cur or en.prev) holds, as a linked cell:
 // c itself when it is one, else its upgrade (nil: look again).
-func (e *Engine) synced(z *Zone, id string, en *entry, slot *atomic.Pointer[cell], c *cell) *cell {
-	if c.state.Load()&stSync != 0 {
+func (e *Engine) link(z *Zone, id string, en *entry, slot *atomic.Pointer[cell], c *cell) *cell {
+	if c.state.Load()&stLinked != 0 {
 		return c
 	}
 	return e.upgrade(z, id, en, slot, c)
 }
 
 // upgrade replaces c, a plain cell that slot (en.cur or en.prev) holds,
-// with a syncCell copy and returns the copy; nil when slot no longer holds
+// with a linked copy and returns the copy; nil when slot no longer holds
 // c (rotated, removed, or upgraded by another caller: look again).
 //
 // The copy is installed by compare-and-swap, then what was charged into c
@@ -443,7 +443,7 @@ func (e *Engine) upgrade(z *Zone, id string, en *entry, slot *atomic.Pointer[cel
 	count, spec := c.count.Load(), c.spec.Load()
 	n.count.Store(count)
 	n.spec.Store(spec)
-	n.state.Store(c.state.Load() | stSync)
+	n.state.Store(c.state.Load() | stLinked)
 	if testHookUpgrade != nil {
 		testHookUpgrade(c)
 	}
@@ -460,7 +460,7 @@ func (e *Engine) upgrade(z *Zone, id string, en *entry, slot *atomic.Pointer[cel
 	n.setBits(c.state.Load() & stBlocked) // a first denial meanwhile
 	if slot == &en.cur && e.origin.Load() != nil {
 		if u := count2 - spec2; u > 0 {
-			n.sync().pending.Add(u)
+			n.links().pending.Add(u)
 			e.markDirty(z, id, n, true) // first units: the fast tick, as in committed
 		}
 	}
@@ -620,7 +620,7 @@ func (e *Engine) committed(lc *located, cost, effective, limit int64) {
 	if cost == 0 || e.origin.Load() == nil {
 		return
 	}
-	x := lc.cur.sync()
+	x := lc.cur.links()
 	if x == nil {
 		// Located before the origin was set: the units are in the count,
 		// which an upgrade hands over (see upgrade).
@@ -659,10 +659,10 @@ func (e *Engine) DecideMany(ctx context.Context, ls []Limit, out []Decision) boo
 	lcs = lcs[:len(ls)]
 	now := e.nowMs()
 	o := e.getOrigin()
-	syncs := o != nil || e.global.Load() != nil
+	linked := o != nil || e.global.Load() != nil
 	for i := range ls {
 		clampLimit(&ls[i])
-		e.locate(&lcs[i], &ls[i], now, syncs)
+		e.locate(&lcs[i], &ls[i], now, linked)
 	}
 	if o != nil {
 		e.convergeAll(ctx, o, lcs, ls, now)

@@ -143,7 +143,7 @@ func copyKey(t *testing.T, e *Engine, key Key, id string) {
 	src := en.cur.Load()
 	c := &cell{seq: src.seq}
 	c.count.Store(src.count.Load())
-	c.state.Store(stHydrated)
+	c.state.Store(stRead)
 	n := &entry{}
 	if p := en.previous(src); p != nil {
 		pc := &cell{seq: p.seq}

@@ -96,7 +96,7 @@ func TestHydration_FailedHydrationIsRetried(t *testing.T) {
 		t.Fatalf("a read was retried before the back-off (reads=%d)", o.reads.Load())
 	}
 	o.failReads(nil)
-	clk.Advance(hydrateRetry)
+	clk.Advance(coldReadRetry)
 	if d := e.Decide(bg, l); d.Allowed {
 		t.Fatalf("after the retry the origin's 9 + local 2 should deny: %+v", d)
 	}
@@ -123,7 +123,7 @@ func TestTiers_HotKeyBelowHalfMakesNoSynchronousRead(t *testing.T) {
 	}
 	s := e.Stats()
 	if s.SyncReads != 1 {
-		t.Fatalf("synchronous reads = %d, want only the cold hydration", s.SyncReads)
+		t.Fatalf("synchronous reads = %d, want only the cold read", s.SyncReads)
 	}
 	if got := o.total(l.Key, clk.UnixMilli()/time.Hour.Milliseconds()); got < 4900 {
 		t.Fatalf("origin total = %d, replay is not reaching the origin", got)
@@ -341,7 +341,7 @@ func TestReplay_FailedFlushKeepsUnitsForLater(t *testing.T) {
 		t.Fatalf("origin total = %d, want all 8 units exactly once", got)
 	}
 	en, _ := e.Zone("zone", time.Hour).entries.Load("k")
-	if own := en.cur.Load().sync().own.Load(); own != 8 {
+	if own := en.cur.Load().links().own.Load(); own != 8 {
 		t.Fatalf("own contribution = %d, want 8", own)
 	}
 }

@@ -145,9 +145,9 @@ func (e *Engine) drain(t Tier, max int, out []Delta) []Delta {
 // first, so a commit that lands after the swap queues the cell again. A
 // cell with a flush in flight is skipped: that flush queues it again when
 // it ends (see settle). A plain cell has nothing to replay; every cell that
-// goes into a Delta is a syncCell.
+// goes into a Delta is a linked cell.
 func (e *Engine) take(out []Delta, z *Zone, id string, c *cell, fast bool) []Delta {
-	x := c.sync()
+	x := c.links()
 	if x == nil {
 		return out
 	}
@@ -187,12 +187,12 @@ func (e *Engine) flush(ctx context.Context, o Origin, batch []Delta) error {
 			} else {
 				d.cell.observe(d.Totals, now, e.fastTickMs())
 				d.cell.mergeAnswer(d.Totals.Cur, d.Totals.Mine)
-				d.cell.setBits(stHydrated)
+				d.cell.setBits(stRead)
 				d.cell.extendFresh(sent + e.freshnessMs())
 			}
 		} else {
 			failed = true
-			x := d.cell.sync()
+			x := d.cell.links()
 			d.cell.setBits(stUnsure) // the origin may have applied it
 			x.own.Add(-d.Delta)
 			x.pending.Add(d.Delta)
@@ -303,7 +303,7 @@ func (e *Engine) settle(d *Delta) {
 func (e *Engine) giveBack(batch []Delta) {
 	for i := range batch {
 		d := &batch[i]
-		x := d.cell.sync()
+		x := d.cell.links()
 		x.own.Add(-d.Delta)
 		x.pending.Add(d.Delta)
 		d.cell.clearBits(stFlushing)
@@ -374,7 +374,7 @@ func (e *Engine) Resend() int {
 		if c == nil || c == tombstone {
 			return
 		}
-		x := c.sync()
+		x := c.links()
 		if x == nil {
 			return
 		}
@@ -438,7 +438,7 @@ func (e *Engine) DropUnsent() int64 {
 		if c == nil || c == tombstone {
 			return
 		}
-		if x := c.sync(); x != nil {
+		if x := c.links(); x != nil {
 			lost = SatAdd(lost, x.pending.Swap(0))
 		}
 	}

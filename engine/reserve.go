@@ -48,7 +48,7 @@ func (e *Engine) nearLimit(lc *located, l *Limit, cur, prev, now int64) bool {
 // the view in fast ticks, plus two ticks: the others' next replay, and a
 // replay of theirs that a busy machine runs late.
 func (e *Engine) foreignGrowth(lc *located, now int64) int64 {
-	x := lc.cur.sync()
+	x := lc.cur.links()
 	if x == nil {
 		return 0
 	}
@@ -240,7 +240,7 @@ func (e *Engine) anyFits(lc *located, n *group) bool {
 // closed.
 func (e *Engine) sendGroup(ctx context.Context, o Origin, lc *located, l *Limit, n *group, dl *deadline) (Decision, bool) {
 	c := lc.cur
-	x := c.sync() // a syncCell: with an origin, locate upgrades the cell
+	x := c.links() // a linked cell: with an origin, locate upgrades the cell
 	defer e.finishGroup(c, n)
 	var sum int64
 	for _, cost := range n.costs {

@@ -179,7 +179,7 @@ func (e *Engine) inspect(z *Zone, id string, en *entry, now int64) (KeyState, bo
 	if cur != nil {
 		curN = cur.total()
 		ks.Cells = append(ks.Cells, cellState(cur))
-		if f := cur.freshUntil(); cur.state.Load()&stHydrated != 0 && f > 0 {
+		if f := cur.freshUntil(); cur.state.Load()&stRead != 0 && f > 0 {
 			if f > now {
 				ks.FreshUntil = time.UnixMilli(f)
 			}
@@ -308,7 +308,7 @@ func (h *keyHeap) Pop() any {
 }
 
 // Forget drops key's entry and strict deadline on this process. With an
-// origin the next request hydrates the key again from it. It reports whether
+// origin the next request reads the key again from it. It reports whether
 // there was anything to forget.
 func (e *Engine) Forget(key Key) bool {
 	z, id, ok := e.findKey(key)
