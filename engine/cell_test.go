@@ -69,3 +69,58 @@ func TestCell_PlainOnlyWhenTheEngineSyncsWithNothing(t *testing.T) {
 		})
 	}
 }
+
+// TestCell_StepIsMeasuredOverHalfATickAtLeast drives measure with answers
+// at chosen times (tick 10 ms): the first answer's growth is the step;
+// later ones count only half a tick or more after the mark, scaled to a
+// tick below one, whole above.
+func TestCell_StepIsMeasuredOverHalfATickAtLeast(t *testing.T) {
+	const tick = 10
+	var x cellLinks
+	for _, tc := range []struct {
+		name      string
+		f, d, now int64
+		step      int64
+	}{
+		{"first answer: what the others counted before", 5, 5, 1000, 5},
+		{"2 ms later: too soon to measure", 8, 3, 1002, 5},
+		{"half a tick: 3 units scaled to a tick", 8, 0, 1005, 6},
+		{"two ticks: 12 units taken whole", 20, 12, 1025, 12},
+		{"no growth: the step stands", 20, 0, 1040, 12},
+	} {
+		x.measure(tc.f, tc.d, tc.now, tick)
+		if got := x.step.Load(); got != tc.step {
+			t.Fatalf("%s: step %d, want %d", tc.name, got, tc.step)
+		}
+	}
+}
+
+// TestCell_MergesOnlyRaise: a merge raises the count to the origin's view
+// plus what the origin has not seen, never lowers it, and a total that may
+// hold units pending again (stUnsure) is not merged at all.
+func TestCell_MergesOnlyRaise(t *testing.T) {
+	c := newCell(1, true)
+	x := c.links()
+	c.count.Store(5)
+	x.own.Store(3)
+	x.pending.Store(2)
+	c.mergeOrigin(10)
+	if got := c.count.Load(); got != 12 {
+		t.Fatalf("count %d after a total of 10, want 10 + 2 pending", got)
+	}
+	c.mergeOrigin(4)
+	if got := c.count.Load(); got != 12 {
+		t.Fatalf("count %d after a smaller total, want 12 kept", got)
+	}
+	// The others hold 15 − 3 (this incarnation's record): with own and
+	// pending, 17.
+	c.mergeAnswer(15, 3)
+	if got := c.count.Load(); got != 17 {
+		t.Fatalf("count %d after an answer of 15 (mine 3), want 12 others + 3 own + 2 pending", got)
+	}
+	c.setBits(stUnsure)
+	c.mergeOrigin(100)
+	if got := c.count.Load(); got != 17 {
+		t.Fatalf("count %d: a total merged while pending units may be in it", got)
+	}
+}

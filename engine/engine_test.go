@@ -40,3 +40,22 @@ func TestClose_FlushesPendingUnits(t *testing.T) {
 		t.Fatalf("origin total after Close = %d, want 42", got)
 	}
 }
+
+// TestEngine_SetTimingChangesOnlyWhatItIsGiven: New fills every zero
+// setting with its default, and a reload's SetTiming changes the values it
+// is given and keeps the others.
+func TestEngine_SetTimingChangesOnlyWhatItIsGiven(t *testing.T) {
+	e, _ := newTestEngine(t, Config{ReadTimeout: -1, Manual: true})
+	want := Timing{ReadTimeout: DefaultReadTimeout, Freshness: DefaultFreshness, SlowTick: DefaultSlowTick, FastTick: DefaultFastTick}
+	if got := e.Timing(); got != want {
+		t.Fatalf("a new engine's timing = %+v, want the defaults %+v", got, want)
+	}
+	e.SetTiming(Timing{Freshness: 3 * time.Second, FastTick: 5 * time.Millisecond, SlowTick: -time.Second})
+	want.Freshness, want.FastTick = 3*time.Second, 5*time.Millisecond
+	if got := e.Timing(); got != want {
+		t.Fatalf("timing after SetTiming = %+v, want %+v", got, want)
+	}
+	if e.freshnessMs() != 3000 || e.fastTickMs() != 5 {
+		t.Fatalf("the decisions see freshness %d ms and fast tick %d ms, want 3000 and 5", e.freshnessMs(), e.fastTickMs())
+	}
+}

@@ -53,3 +53,53 @@ func TestReplay_FailedFlushKeepsUnitsForLater(t *testing.T) {
 		t.Fatalf("own contribution = %d, want 8", own)
 	}
 }
+
+// TestFlush_DropUnsentGivesUpOnlyWhatNoOriginHas: the units the origin
+// took stay counted as sent, the rest are reported lost, and the cell
+// keeps counting both.
+func TestFlush_DropUnsentGivesUpOnlyWhatNoOriginHas(t *testing.T) {
+	e, _, _ := withOrigin(t, Config{})
+	l := lim("k", time.Hour, 100, 1)
+	for range 3 {
+		e.Decide(bg, l)
+	}
+	if _, err := replayBoth(e); err != nil {
+		t.Fatal(err)
+	}
+	for range 2 {
+		e.Decide(bg, l)
+	}
+	if lost := e.DropUnsent(); lost != 2 {
+		t.Fatalf("DropUnsent = %d, want the 2 units not replayed", lost)
+	}
+	if s := e.Stats(); s.LostUnits != 2 || s.PendingCells != 0 {
+		t.Fatalf("stats %+v, want 2 lost units and no cell queued", s)
+	}
+	if ks, _ := e.Inspect(l.Key); ks.Cells[0].Regional != 5 || ks.Cells[0].Pending != 0 {
+		t.Fatalf("cell %+v, want all 5 units counted and none pending", ks.Cells[0])
+	}
+	if n, _ := replayBoth(e); n != 0 {
+		t.Fatalf("replayed %d cells after their units were given up", n)
+	}
+}
+
+// TestFlush_FlushToWritesToTheOriginGiven: a config's origin that is let go
+// gets the pending units, whatever origin the engine uses.
+func TestFlush_FlushToWritesToTheOriginGiven(t *testing.T) {
+	e, clk, current := withOrigin(t, Config{})
+	l := lim("k", time.Hour, 100, 1)
+	seq := clk.UnixMilli() / time.Hour.Milliseconds()
+	for range 4 {
+		e.Decide(bg, l)
+	}
+	old := newMemOrigin()
+	if err := e.FlushTo(bg, old); err != nil {
+		t.Fatal(err)
+	}
+	if got := old.total(l.Key, seq); got != 4 || current.total(l.Key, seq) != 0 {
+		t.Fatalf("origin given %d, origin in use %d; want 4 and 0", got, current.total(l.Key, seq))
+	}
+	if err := e.FlushTo(bg, nil); err != nil {
+		t.Fatalf("FlushTo(nil) = %v, want a no-op", err)
+	}
+}

@@ -32,3 +32,27 @@ func TestForgetMatching_FindsKeysByTheirHeldIdentifier(t *testing.T) {
 		t.Fatal("the short key went too")
 	}
 }
+
+// TestForget_SendsUnreplayedUnitsFirst: the origin has a forgotten key's
+// units before Forget returns, so the key's next request, which reads the
+// origin, counts them.
+func TestForget_SendsUnreplayedUnitsFirst(t *testing.T) {
+	e, clk, o := withOrigin(t, Config{})
+	l := lim("k", time.Hour, 5, 1)
+	seq := clk.UnixMilli() / time.Hour.Milliseconds()
+	for range 4 {
+		e.Decide(bg, l)
+	}
+	if !e.Forget(l.Key) {
+		t.Fatal("Forget found nothing to forget")
+	}
+	if got := o.total(l.Key, seq); got != 4 {
+		t.Fatalf("origin total %d after Forget, want the 4 units not replayed yet", got)
+	}
+	if e.HasEntry(l.Key) || e.Forget(l.Key) {
+		t.Fatal("the key is still held")
+	}
+	if !e.Decide(bg, l).Allowed || e.Decide(bg, l).Allowed {
+		t.Fatal("after Forget the key did not count what the origin holds")
+	}
+}

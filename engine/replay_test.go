@@ -29,3 +29,26 @@ func TestReplay_FullFastQueueFallsBackToTheSlowOne(t *testing.T) {
 		}
 	}
 }
+
+func TestQueue_HoldsWhatItsCapacityAllowsInOrder(t *testing.T) {
+	q := newQueue(2)
+	z := &Zone{}
+	a, b := newCell(1, true), newCell(2, true)
+	if !q.push(z, "a", a) || !q.push(z, "b", b) {
+		t.Fatal("a queue of 2 refused a cell")
+	}
+	if q.push(z, "c", newCell(3, true)) {
+		t.Fatal("a full queue took a third cell")
+	}
+	if q.len() != 2 {
+		t.Fatalf("len %d, want 2", q.len())
+	}
+	for _, want := range []*cell{a, b} {
+		if d, ok := q.pop(); !ok || d.cell != want {
+			t.Fatalf("pop = %v, %v; want the cells in the order pushed", d, ok)
+		}
+	}
+	if _, ok := q.pop(); ok || q.len() != 0 {
+		t.Fatal("an empty queue popped a cell")
+	}
+}
