@@ -55,9 +55,7 @@ func TestDelta_OwnIsTheWholeTotalAndEachIncarnationHasItsOwn(t *testing.T) {
 	l := lim("k", time.Hour, 100, 1)
 	seq := clk.UnixMilli() / time.Hour.Milliseconds()
 	for _, n := range []int{3, 2} {
-		for range n {
-			e.Decide(bg, l)
-		}
+		decideN(e, l, n)
 		if _, err := replayBoth(e); err != nil {
 			t.Fatal(err)
 		}

@@ -58,28 +58,20 @@ func TestReplay_FailedFlushKeepsUnitsForLater(t *testing.T) {
 // took stay counted as sent, the rest are reported lost, and the cell
 // keeps counting both.
 func TestFlush_DropUnsentGivesUpOnlyWhatNoOriginHas(t *testing.T) {
-	e, _, _ := withOrigin(t, Config{})
+	e, clk, o := withOrigin(t, Config{})
 	l := lim("k", time.Hour, 100, 1)
-	for range 3 {
-		e.Decide(bg, l)
-	}
-	if _, err := replayBoth(e); err != nil {
-		t.Fatal(err)
-	}
-	for range 2 {
-		e.Decide(bg, l)
-	}
+	seq := clk.UnixMilli() / time.Hour.Milliseconds()
+	decideN(e, l, 3)
+	replayAll(t, e)
+	decideN(e, l, 2)
 	if lost := e.DropUnsent(); lost != 2 {
 		t.Fatalf("DropUnsent = %d, want the 2 units not replayed", lost)
 	}
-	if s := e.Stats(); s.LostUnits != 2 || s.PendingCells != 0 {
-		t.Fatalf("stats %+v, want 2 lost units and no cell queued", s)
-	}
-	if ks, _ := e.Inspect(l.Key); ks.Cells[0].Regional != 5 || ks.Cells[0].Pending != 0 {
-		t.Fatalf("cell %+v, want all 5 units counted and none pending", ks.Cells[0])
-	}
-	if n, _ := replayBoth(e); n != 0 {
-		t.Fatalf("replayed %d cells after their units were given up", n)
+	replayAll(t, e)
+	ks, _ := e.Inspect(l.Key)
+	if s := e.Stats(); s.LostUnits != 2 || ks.Cells[0].Regional != 5 || o.total(l.Key, seq) != 3 {
+		t.Fatalf("lost %d, cell %+v, origin %d; want 2 lost, all 5 counted here and the 3 sent at the origin",
+			s.LostUnits, ks.Cells[0], o.total(l.Key, seq))
 	}
 }
 
@@ -89,9 +81,7 @@ func TestFlush_FlushToWritesToTheOriginGiven(t *testing.T) {
 	e, clk, current := withOrigin(t, Config{})
 	l := lim("k", time.Hour, 100, 1)
 	seq := clk.UnixMilli() / time.Hour.Milliseconds()
-	for range 4 {
-		e.Decide(bg, l)
-	}
+	decideN(e, l, 4)
 	old := newMemOrigin()
 	if err := e.FlushTo(bg, old); err != nil {
 		t.Fatal(err)

@@ -40,9 +40,7 @@ func TestForget_SendsUnreplayedUnitsFirst(t *testing.T) {
 	e, clk, o := withOrigin(t, Config{})
 	l := lim("k", time.Hour, 5, 1)
 	seq := clk.UnixMilli() / time.Hour.Milliseconds()
-	for range 4 {
-		e.Decide(bg, l)
-	}
+	decideN(e, l, 4)
 	if !e.Forget(l.Key) {
 		t.Fatal("Forget found nothing to forget")
 	}

@@ -121,3 +121,10 @@ func localUnits(t *testing.T, window time.Duration, limit int64) (*Engine, *test
 	}
 	return e, clk, l, seq
 }
+
+// decideN decides l n times, whatever the verdicts.
+func decideN(e *Engine, l Limit, n int) {
+	for range n {
+		e.Decide(bg, l)
+	}
+}

@@ -34,9 +34,7 @@ func TestOverlay_RaisesTheKeyToTheRegionsTotals(t *testing.T) {
 	e, clk := newTestEngine(t, manual(Config{}))
 	l := lim("k", time.Minute, 100, 1)
 	seq := clk.UnixMilli() / time.Minute.Milliseconds()
-	for range 3 {
-		e.Decide(bg, l)
-	}
+	decideN(e, l, 3)
 	clk.Advance(15 * time.Second) // the previous cell weighs three quarters
 	ks, ok := e.Overlay(l.Key, Totals{Cur: 10, Prev: 8, Global: 2})
 	if !ok || len(ks.Cells) != 2 {

@@ -12,12 +12,8 @@ func TestResend_GivesAnOriginRestartedEmptyEveryUnitBack(t *testing.T) {
 	e, clk, o := withOrigin(t, Config{})
 	live, gone := lim("live", time.Hour, 100, 1), lim("gone", time.Hour, 100, 1)
 	seq := clk.UnixMilli() / time.Hour.Milliseconds()
-	for range 5 {
-		e.Decide(bg, live)
-	}
-	for range 3 {
-		e.Decide(bg, gone)
-	}
+	decideN(e, live, 5)
+	decideN(e, gone, 3)
 	replayAll(t, e)
 	e.Forget(gone.Key)
 	o.restart()

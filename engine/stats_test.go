@@ -36,9 +36,7 @@ func TestStats_CountWhatTheEngineDidAndWhenTheOriginLastAnswered(t *testing.T) {
 	if s = e.Stats(); s.FlushErrors != 1 || s.Flushes != 1 || !s.LastFlush.Equal(flushed) {
 		t.Fatalf("after a failed replay: %+v, want 1 error and the last flush still at %v", s, flushed)
 	}
-	for range 3 {
-		e.Decide(bg, l)
-	}
+	decideN(e, l, 3)
 	if s = e.Stats(); s.FirstDenials != 1 || s.StrictKeys != 1 || s.Entries != 1 {
 		t.Fatalf("after three denials: %+v, want one first denial and one key in strict mode", s)
 	}
