@@ -10,14 +10,15 @@ import (
 // path never takes a lock. A cell holds no pointer, so the garbage collector
 // never scans it: with many keys, cells are most of the engine's heap.
 //
-// A cell holds what every decision needs, in 32 bytes. The counters of
-// replay and of the cross-region layer (cellSync) exist only in cells made
-// while the engine has an origin or a global layer: such a cell is
-// allocated as a syncCell and carries stSync. A local-only engine, which
-// never uses them, pays 32 bytes a cell instead of 96. Read those counters
-// through sync(): a plain cell has none, and reads them as 0. A plain cell
-// made before an origin or a global layer was attached is replaced by a
-// syncCell copy when next touched (see Engine.upgrade).
+// A plain cell holds what every decision needs, in 32 bytes. The counters
+// of replay and of the cross-region layer (cellLinks) exist only in linked
+// cells, the cells made while the engine has an origin or a global layer:
+// such a cell is allocated as a linkedCell and carries stLinked. A
+// local-only engine, which never uses them, pays 32 bytes a cell instead of
+// 96. Read those counters through links(): a plain cell has none, and reads
+// them as 0. A plain cell made before an origin or a global layer was
+// attached is replaced by a linked copy when next touched (see
+// Engine.upgrade).
 type cell struct {
 	// seq never changes after the cell is created.
 	seq int64
@@ -31,18 +32,19 @@ type cell struct {
 	// state holds the st* bits.
 	state atomic.Uint32
 	// inc is the cell's incarnation (Delta.Incarnation), set at allocation
-	// for a syncCell; a plain cell never writes to an origin.
+	// for a linked cell; a plain cell never writes to an origin.
 	inc uint32
 }
 
-// incarnations numbers the syncCells of the process, so that no two cells
+// incarnations numbers the linked cells of the process, so that no two cells
 // of one key and sequence share an origin record. It wraps after 2^32
 // cells, far beyond the cells of one key in one window.
 var incarnations atomic.Uint32
 
-// cellSync is the part of a cell that only an engine with an origin or a
-// global layer uses.
-type cellSync struct {
+// cellLinks is the part of a linked cell that a plain one lacks: the
+// counters the backends use (replay, own total, imported count, published
+// count), which only an engine with an origin or a global layer needs.
+type cellLinks struct {
 	// global is the count imported from other regions, kept apart from count
 	// so that it is never replayed or published again.
 	global atomic.Int64
@@ -58,9 +60,9 @@ type cellSync struct {
 	// units at the origin (low 32 bits) and when (high 32 bits: Unix ms,
 	// modulo 2^32); 0 before the cell's first answer.
 	mark atomic.Uint64
-	// fresh is, once the cell is hydrated, the Unix millisecond until which
-	// its origin view counts as fresh; before that, the earliest time to
-	// retry the hydration.
+	// fresh is, once the cell has been read, the Unix millisecond until
+	// which its origin view counts as fresh; before that, the earliest time
+	// to retry the cold read.
 	fresh atomic.Int64
 	// published is the regional count last published to other regions
 	// (see global.go); it only grows, after a successful write.
@@ -71,48 +73,49 @@ type cellSync struct {
 	limit atomic.Int64
 }
 
-// syncCell is a cell with its sync counters, in one allocation of 96 bytes
-// (no pointer either). Everything holds it as a *cell, its first field.
-type syncCell struct {
+// linkedCell is a linked cell: a cell with its links, in one allocation of
+// 96 bytes (no pointer either). Everything holds it as a *cell, its first
+// field.
+type linkedCell struct {
 	cell
-	x cellSync
+	x cellLinks
 }
 
-// newCell returns an empty cell for seq, a syncCell when sync is set.
-func newCell(seq int64, sync bool) *cell {
-	if !sync {
+// newCell returns an empty cell for seq, a linked cell when linked is set.
+func newCell(seq int64, linked bool) *cell {
+	if !linked {
 		return &cell{seq: seq}
 	}
-	n := &syncCell{}
+	n := &linkedCell{}
 	n.seq = seq
 	n.inc = incarnations.Add(1)
-	n.state.Store(stSync)
+	n.state.Store(stLinked)
 	return &n.cell
 }
 
-// syncOrNil is sync for a cell that may be nil.
-func (c *cell) syncOrNil() *cellSync {
+// linksOrNil is links for a cell that may be nil.
+func (c *cell) linksOrNil() *cellLinks {
 	if c == nil {
 		return nil
 	}
-	return c.sync()
+	return c.links()
 }
 
-// sync returns the cell's sync counters, or nil for a plain cell. stSync is
-// set only by newCell, on a cell allocated as a syncCell, and never
-// cleared, so the conversion stays within the object it points into (what
+// links returns the counters of a linked cell, or nil for a plain cell.
+// stLinked is set only by newCell, on a cell allocated as a linkedCell, and
+// never cleared, so the conversion stays within the object it points into (what
 // the race detector's checkptr verifies).
-func (c *cell) sync() *cellSync {
-	if c.state.Load()&stSync == 0 {
+func (c *cell) links() *cellLinks {
+	if c.state.Load()&stLinked == 0 {
 		return nil
 	}
-	return &(*syncCell)(unsafe.Pointer(c)).x
+	return &(*linkedCell)(unsafe.Pointer(c)).x
 }
 
 const (
-	// stHydrated: the cell has been read from the origin, or descends from a
+	// stRead: the cell has been read from the origin, or descends from a
 	// cell that was, or the engine runs without origin.
-	stHydrated uint32 = 1 << iota
+	stRead uint32 = 1 << iota
 	// stDirty: the cell sits in a replay queue.
 	stDirty
 	// stFast: the cell sits in the fast replay queue.
@@ -128,8 +131,9 @@ const (
 	// or in the cell it rotated from. A shared cell replays on the fast tick
 	// and decides its last tenth at the origin.
 	stShared
-	// stSync: the cell is a syncCell (see sync). Set at allocation only.
-	stSync
+	// stLinked: the cell is a linked cell (see links). Set at allocation
+	// only.
+	stLinked
 	// stUnsure: pending may hold units the origin already has, moved back
 	// from own by Resend or by a write whose answer was lost. A total that
 	// does not say what the origin holds of this process (the previous
@@ -172,7 +176,7 @@ func (c *cell) total() int64 { return SatAdd(c.count.Load(), c.globalCount()) }
 
 // globalCount returns the count the cell imported from other regions.
 func (c *cell) globalCount() int64 {
-	if x := c.sync(); x != nil {
+	if x := c.links(); x != nil {
 		return x.global.Load()
 	}
 	return 0
@@ -180,7 +184,7 @@ func (c *cell) globalCount() int64 {
 
 // pending returns the cell's committed units not yet handed to the origin.
 func (c *cell) pending() int64 {
-	if x := c.sync(); x != nil {
+	if x := c.links(); x != nil {
 		return x.pending.Load()
 	}
 	return 0
@@ -207,7 +211,7 @@ func (c *cell) mergeOrigin(total int64) {
 // mine and in pending, and counted once.
 func (c *cell) mergeAnswer(total, mine int64) {
 	others := max(ClampCount(total)-ClampCount(mine), 0)
-	if x := c.sync(); x != nil {
+	if x := c.links(); x != nil {
 		others = SatAdd(others, x.own.Load())
 	}
 	c.raiseCount(others)
@@ -237,12 +241,12 @@ func (c *cell) raiseCount(base int64) {
 // observe records what an origin answer, received at now (Unix ms), says
 // about other processes: units beyond this process's own contribution make
 // the cell shared, and their growth is the step (see measure). tick is the
-// fast tick in ms. Answers are merged only into syncCells (decisions with
+// fast tick in ms. Answers are merged only into linked cells (decisions with
 // an origin upgrade theirs, see upgrade), but a plain cell would only lose
 // the step, an estimate.
 func (c *cell) observe(t Totals, now, tick int64) {
 	if f := t.Cur - t.Mine; f > 0 {
-		if x := c.sync(); x != nil {
+		if x := c.links(); x != nil {
 			// It runs before the answer is merged, so the other processes'
 			// units in the local view are the count less this process's
 			// own (replayed, pending and speculative).
@@ -271,7 +275,7 @@ const markMax = 1<<32 - 1
 // others' pace as a unit a tick, and both processes would decide locally
 // near the limit, each admitting what the other did within a tick. Over a
 // tick or more the growth is taken whole, as per tick: the safe side.
-func (x *cellSync) measure(f, d, now, tick int64) {
+func (x *cellLinks) measure(f, d, now, tick int64) {
 	m := x.mark.Load()
 	next := uint64(uint32(now))<<32 | uint64(min(f, markMax))
 	if m == 0 || f >= markMax {
@@ -305,7 +309,7 @@ func (c *cell) importGlobal(n int64) {
 	if n <= 0 {
 		return
 	}
-	if x := c.sync(); x != nil {
+	if x := c.links(); x != nil {
 		raise(&x.global, ClampCount(n))
 	}
 }
@@ -313,135 +317,20 @@ func (c *cell) importGlobal(n int64) {
 // extendFresh moves the freshness deadline forward to until (never back).
 // A plain cell has no deadline: it is never fresh.
 func (c *cell) extendFresh(until int64) {
-	x := c.sync()
+	x := c.links()
 	if x == nil {
 		return
 	}
 	raise(&x.fresh, until)
 }
 
-// freshUntil returns the cell's freshness deadline (see cellSync.fresh), 0
+// freshUntil returns the cell's freshness deadline (see cellLinks.fresh), 0
 // for a plain cell.
 func (c *cell) freshUntil() int64 {
-	if x := c.sync(); x != nil {
+	if x := c.links(); x != nil {
 		return x.fresh.Load()
 	}
 	return 0
-}
-
-// entry is one (namespace, identifier, window): its current cell and the
-// cell before it. Rotation moves cur to prev, then swaps cur.
-type entry struct {
-	cur  atomic.Pointer[cell]
-	prev atomic.Pointer[cell]
-	// id is the entry's identifier, set by the zone's map when it stores
-	// the entry (see entryMap).
-	id string
-}
-
-// previous returns the cell before c, or nil. While a rotation is between
-// its two steps prev may already be c itself; a decision in that instant
-// weighs no previous cell, and it can only be one that reads the clock at
-// the very end of the window, where the previous cell weighs nothing.
-func (en *entry) previous(c *cell) *cell {
-	if p := en.prev.Load(); p != nil && p.seq == c.seq-1 {
-		return p
-	}
-	return nil
-}
-
-// tombstone marks an entry removed from the map: a request that still holds
-// the entry looks it up again instead of counting into a forgotten cell.
-var tombstone = &cell{seq: -1}
-
-// current returns the entry's cell for seq, rotating when seq has advanced,
-// or nil when the entry has been removed. It never moves a key back to an
-// older cell: a request that read the clock a moment ago, or a node whose
-// clock is a little behind, counts in the newer cell. A cell far ahead of
-// the clock is replaced by the engine (see replaceStale). A cell made here
-// is a syncCell when sync is set (the engine has an origin or a global
-// layer). dropped are the cells a rotation let go (neither current nor
-// previous any more), for the engine to remember (see bury): they weigh
-// nothing now, unless the clock has jumped.
-func (en *entry) current(seq int64, sync bool) (c *cell, dropped [2]*cell) {
-	for {
-		c := en.cur.Load()
-		if c == tombstone {
-			return nil, dropped
-		}
-		if c.seq >= seq {
-			return c, dropped
-		}
-		p := en.prev.Load()
-		n := newCell(seq, sync)
-		// A cell rotated from the window just before, of a key that was
-		// hydrated, counts as hydrated but stale: the tiers decide whether
-		// it is read now or in the background. A key idle for a window or
-		// more (or whose clock jumped) knows nothing of the new window:
-		// others may have counted it near its limit meanwhile, so it
-		// hydrates synchronously, as a first touch does. A key that
-		// several processes use stays shared across windows, and the
-		// others' pace carries over as the first estimate.
-		inherit := stShared
-		if c.seq == seq-1 {
-			inherit |= stHydrated
-		}
-		n.state.Store(n.state.Load() | c.state.Load()&inherit)
-		if x, cx := n.sync(), c.sync(); x != nil && cx != nil {
-			x.step.Store(cx.step.Load())
-		}
-		var np *cell
-		if c.seq == seq-1 {
-			np = c
-		} else {
-			dropped[0] = c
-		}
-		// prev first, by compare-and-swap against what was read with c, so
-		// a rotation that stalled cannot put back a cell that a newer one
-		// has already moved past.
-		if p != np && !en.prev.CompareAndSwap(p, np) {
-			dropped[0] = nil
-			continue
-		}
-		if en.cur.CompareAndSwap(c, n) {
-			if p != np {
-				dropped[1] = p
-			}
-			return n, dropped
-		}
-		dropped[0] = nil
-	}
-}
-
-// replaceStale replaces c, the entry's current cell, which lies more than
-// a window ahead of seq, by a new cell for seq, and returns it; nil when c
-// is no longer current (look again). The wall clock stepped forward (an
-// NTP step, a resumed VM) and back: kept, the cell from the future would
-// hold the key's count until real time reached it, admitting next to
-// nothing meanwhile. The new cell is a new incarnation (see
-// Delta.Incarnation) that hydrates like a first touch, so it reads what
-// the origin holds for seq; the old cell's pending units still replay from
-// the replay queue, which holds the cell itself. dropped is the previous
-// cell it let go (the one before the stale cell), for the engine to
-// remember as it remembers the stale one.
-func (en *entry) replaceStale(c *cell, seq int64, sync bool) (_, dropped *cell) {
-	n := newCell(seq, sync)
-	n.state.Store(n.state.Load() | c.state.Load()&stShared)
-	p := en.prev.Load()
-	var np *cell
-	if p != nil && p.seq == seq-1 {
-		np = p
-	}
-	if p != np && !en.prev.CompareAndSwap(p, np) {
-		return nil, nil
-	}
-	if p != np {
-		dropped = p
-	}
-	if en.cur.CompareAndSwap(c, n) {
-		return n, dropped
-	}
-	return nil, dropped
 }
 
 // addSat adds n ≥ 0 to a, saturating at MaxCount.

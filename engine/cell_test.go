@@ -5,8 +5,6 @@ import (
 	"testing"
 	"time"
 	"unsafe"
-
-	"github.com/edgelimit/caddy-ratelimit/internal/testclock"
 )
 
 // hasPointers reports whether a value of type t holds anything the garbage
@@ -32,31 +30,21 @@ func TestCell_SizesAndNoPointers(t *testing.T) {
 	if s := unsafe.Sizeof(cell{}); s != 32 {
 		t.Errorf("a plain cell is %d bytes, want 32", s)
 	}
-	if s := unsafe.Sizeof(syncCell{}); s != 96 {
-		t.Errorf("a syncCell is %d bytes, want 96 (a size class of its own)", s)
+	if s := unsafe.Sizeof(linkedCell{}); s != 96 {
+		t.Errorf("a linked cell is %d bytes, want 96 (a size class of its own)", s)
 	}
-	for _, typ := range []reflect.Type{reflect.TypeFor[cell](), reflect.TypeFor[syncCell]()} {
+	for _, typ := range []reflect.Type{reflect.TypeFor[cell](), reflect.TypeFor[linkedCell]()} {
 		if hasPointers(typ) {
 			t.Errorf("%v holds a pointer: the garbage collector would scan every cell", typ)
 		}
 	}
 }
 
-// entryOf returns the entry of key, failing the test if there is none.
-func entryOf(t *testing.T, e *Engine, key Key) *entry {
-	t.Helper()
-	en, ok := e.Zone(key.Namespace, key.Window).entries.Load(key.Identifier)
-	if !ok {
-		t.Fatalf("no entry for %v", key)
-	}
-	return en
-}
-
 func TestCell_PlainOnlyWhenTheEngineSyncsWithNothing(t *testing.T) {
 	for _, tc := range []struct {
 		name   string
 		attach func(e *Engine)
-		synced bool
+		linked bool
 	}{
 		{"local-only", func(*Engine) {}, false},
 		{"origin", func(e *Engine) { e.SetOrigin(newMemOrigin()) }, true},
@@ -74,130 +62,65 @@ func TestCell_PlainOnlyWhenTheEngineSyncsWithNothing(t *testing.T) {
 				if c == nil {
 					t.Fatalf("no %s cell", name)
 				}
-				if got := c.sync() != nil; got != tc.synced {
-					t.Errorf("%s cell: syncCell = %v, want %v", name, got, tc.synced)
+				if got := c.links() != nil; got != tc.linked {
+					t.Errorf("%s cell: linked = %v, want %v", name, got, tc.linked)
 				}
 			}
 		})
 	}
 }
 
-func TestCell_UpgradeOnSetOriginReplaysEveryUnit(t *testing.T) {
+// TestCell_StepIsMeasuredOverHalfATickAtLeast drives measure with answers
+// at chosen times (tick 10 ms): the first answer's growth is the step;
+// later ones count only half a tick or more after the mark, scaled to a
+// tick below one, whole above.
+func TestCell_StepIsMeasuredOverHalfATickAtLeast(t *testing.T) {
+	const tick = 10
+	var x cellLinks
 	for _, tc := range []struct {
-		name          string
-		limit         int64
-		before, after int
-		want          int64
+		name      string
+		f, d, now int64
+		step      int64
 	}{
-		// The units before the origin reach it with the first ones after.
-		{"allowed after", 1000, 3, 2, 5},
-		// A denial charges nothing, but the upgrade queues the cell.
-		{"denied after", 3, 3, 1, 3},
+		{"first answer: what the others counted before", 5, 5, 1000, 5},
+		{"2 ms later: too soon to measure", 8, 3, 1002, 5},
+		{"half a tick: 3 units scaled to a tick", 8, 0, 1005, 6},
+		{"two ticks: 12 units taken whole", 20, 12, 1025, 12},
+		{"no growth: the step stands", 20, 0, 1040, 12},
 	} {
-		t.Run(tc.name, func(t *testing.T) {
-			e, clk := newTestEngine(t, manual(Config{}))
-			l := lim("k", time.Hour, tc.limit, 1)
-			seq := clk.UnixMilli() / time.Hour.Milliseconds()
-			for i := 0; i < tc.before; i++ {
-				if !e.Decide(bg, l).Allowed {
-					t.Fatal("denied below the limit")
-				}
-			}
-			en := entryOf(t, e, l.Key)
-			plain := en.cur.Load()
-			if plain.sync() != nil {
-				t.Fatal("a local-only engine made a syncCell")
-			}
-			o := newMemOrigin()
-			e.SetOrigin(o)
-			for i := 0; i < tc.after; i++ {
-				e.Decide(bg, l)
-			}
-			c := en.cur.Load()
-			if c == plain || c.sync() == nil {
-				t.Fatal("the first decision with an origin did not upgrade the cell")
-			}
-			if c.seq != seq || c.count.Load() != tc.want {
-				t.Fatalf("upgraded cell: seq %d count %d, want seq %d count %d", c.seq, c.count.Load(), seq, tc.want)
-			}
-			if _, err := replayBoth(e); err != nil {
-				t.Fatal(err)
-			}
-			if got := o.total(l.Key, seq); got != tc.want {
-				t.Fatalf("origin total = %d, want every unit (%d) once", got, tc.want)
-			}
-			if ks, _ := e.Inspect(l.Key); ks.Cells[0].Regional != tc.want || ks.Cells[0].Pending != 0 {
-				t.Fatalf("cell = %+v, want regional %d and nothing pending", ks.Cells[0], tc.want)
-			}
-		})
+		x.measure(tc.f, tc.d, tc.now, tick)
+		if got := x.step.Load(); got != tc.step {
+			t.Fatalf("%s: step %d, want %d", tc.name, got, tc.step)
+		}
 	}
 }
 
-// localUnits returns a local-only engine whose key k, with the given
-// window and limit, holds 3 units in plain cells, and the key's sequence.
-func localUnits(t *testing.T, window time.Duration, limit int64) (*Engine, *testclock.Clock, Limit, int64) {
-	t.Helper()
-	e, clk := newTestEngine(t, manual(Config{}))
-	l := lim("k", window, limit, 1)
-	seq := clk.UnixMilli() / window.Milliseconds()
-	for i := 0; i < 3; i++ {
-		e.Decide(bg, l)
+// TestCell_MergesOnlyRaise: a merge raises the count to the origin's view
+// plus what the origin has not seen, never lowers it, and a total that may
+// hold units pending again (stUnsure) is not merged at all.
+func TestCell_MergesOnlyRaise(t *testing.T) {
+	c := newCell(1, true)
+	x := c.links()
+	c.count.Store(5)
+	x.own.Store(3)
+	x.pending.Store(2)
+	c.mergeOrigin(10)
+	if got := c.count.Load(); got != 12 {
+		t.Fatalf("count %d after a total of 10, want 10 + 2 pending", got)
 	}
-	return e, clk, l, seq
-}
-
-func TestCell_UpgradeKeepsUnitsChargedDuringTheCopy(t *testing.T) {
-	e, _, l, seq := localUnits(t, time.Hour, 1000)
-	o := newMemOrigin()
-	e.SetOrigin(o)
-	// A request that located the plain cell before the origin was set
-	// charges it between the copy and the swap.
-	testHookUpgrade = func(c *cell) { c.count.Add(2) }
-	defer func() { testHookUpgrade = nil }()
-	e.Decide(bg, l)
-	testHookUpgrade = nil
-	c := entryOf(t, e, l.Key).cur.Load()
-	if got := c.count.Load(); got != 6 {
-		t.Fatalf("count = %d, want 3 copied + 2 charged during the copy + 1", got)
+	c.mergeOrigin(4)
+	if got := c.count.Load(); got != 12 {
+		t.Fatalf("count %d after a smaller total, want 12 kept", got)
 	}
-	if _, err := replayBoth(e); err != nil {
-		t.Fatal(err)
+	// The others hold 15 − 3 (this incarnation's record): with own and
+	// pending, 17.
+	c.mergeAnswer(15, 3)
+	if got := c.count.Load(); got != 17 {
+		t.Fatalf("count %d after an answer of 15 (mine 3), want 12 others + 3 own + 2 pending", got)
 	}
-	if got := o.total(l.Key, seq); got != 6 {
-		t.Fatalf("origin total = %d, want 6", got)
-	}
-}
-
-func TestCell_ImportAndPublishUpgradeAPlainCell(t *testing.T) {
-	e, clk, l, seq := localUnits(t, time.Minute, 100)
-	clk.Advance(time.Minute)
-	e.Decide(bg, l)
-	en := entryOf(t, e, l.Key)
-	if en.prev.Load().sync() != nil || en.cur.Load().sync() != nil {
-		t.Fatal("a local-only engine made a syncCell")
-	}
-	e.SetGlobal(nopGlobal{})
-	if !e.ImportGlobal(l.Key, seq, 4, false) {
-		t.Fatal("import into the previous cell not applied")
-	}
-	if !e.MarkPublished(l.Key, seq+1, 1) {
-		t.Fatal("publication of the current cell not recorded")
-	}
-	p, c := en.prev.Load(), en.cur.Load()
-	if p.sync() == nil || c.sync() == nil {
-		t.Fatal("a plain cell took a global count or a publication mark")
-	}
-	if p.count.Load() != 3 || p.sync().global.Load() != 4 || c.count.Load() != 1 || c.sync().published.Load() != 1 {
-		t.Fatalf("prev count %d global %d, cur count %d published %d; want 3, 4, 1, 1",
-			p.count.Load(), p.sync().global.Load(), c.count.Load(), c.sync().published.Load())
-	}
-	if p.pending() != 0 || c.pending() != 0 {
-		t.Fatal("units pending in an engine without origin")
-	}
-	// The import weighs: 1 + 4 + 3 (weighted in full at the window's start)
-	// + 1 fits a limit of 9, the next does not.
-	l.Limit = 9
-	if !e.Decide(bg, l).Allowed || e.Decide(bg, l).Allowed {
-		t.Fatal("the imported count was not weighed")
+	c.setBits(stUnsure)
+	c.mergeOrigin(100)
+	if got := c.count.Load(); got != 17 {
+		t.Fatalf("count %d: a total merged while pending units may be in it", got)
 	}
 }

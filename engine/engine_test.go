@@ -2,342 +2,60 @@ package engine
 
 import (
 	"context"
-	"fmt"
-	"math/rand/v2"
-	"sync"
-	"sync/atomic"
+	"runtime"
+	"strings"
 	"testing"
 	"time"
 )
 
-var bg = context.Background()
-
-func TestDecide_WindowBorders(t *testing.T) {
-	const w = time.Minute
-	cases := []struct {
-		name     string
-		at       int64 // ms into the second window
-		limit    int64
-		prev     int64 // requests admitted in the first window
-		cost     int64
-		wantPass int64 // requests of cost admitted in the second window
-	}{
-		{"start: previous weighs fully", 0, 10, 10, 1, 0},
-		{"middle: previous weighs half", 30_000, 10, 10, 1, 5},
-		{"last millisecond: previous weighs ⌊10/60000⌋ = 0", 59_999, 10, 10, 1, 10},
-		{"previous weighs ⌊10 × 6001/60000⌋ = 1", 53_999, 10, 10, 1, 9},
-		{"cost 2 in the middle", 30_000, 10, 4, 2, 4},
-		{"empty previous window", 30_000, 10, 0, 3, 3},
+func TestEngine_LocalOnlyRunsNoReplayLoop(t *testing.T) {
+	e := New(Config{})
+	defer func() { _ = e.Close(context.Background()) }()
+	e.Decide(bg, lim("k", time.Minute, 10, 1))
+	buf := make([]byte, 1<<20)
+	if stacks := string(buf[:runtime.Stack(buf, true)]); strings.Contains(stacks, "replayLoop") {
+		t.Fatal("a local-only engine runs the replay loop")
 	}
-	for _, tc := range cases {
-		t.Run(tc.name, func(t *testing.T) {
-			e, clk := newTestEngine(t, Config{})
-			for i := int64(0); i < tc.prev; i++ {
-				if d := e.Decide(bg, lim("k", w, tc.limit, 1)); !d.Allowed {
-					t.Fatalf("first window request %d denied", i)
-				}
-			}
-			clk.Set(time.UnixMilli(epoch + w.Milliseconds() + tc.at))
-			var passed int64
-			for i := 0; i < 100; i++ {
-				if e.Decide(bg, lim("k", w, tc.limit, tc.cost)).Allowed {
-					passed++
-				}
-			}
-			if passed != tc.wantPass {
-				t.Fatalf("admitted %d, want %d", passed, tc.wantPass)
-			}
-		})
+	e.SetOrigin(newMemOrigin())
+	waitFor(t, "the first origin to start the replay loop", func() bool {
+		buf = buf[:cap(buf)]
+		return strings.Contains(string(buf[:runtime.Stack(buf, true)]), "replayLoop")
+	})
+}
+
+func TestClose_FlushesPendingUnits(t *testing.T) {
+	e, clk := newTestEngine(t, manual(Config{}))
+	o := newMemOrigin()
+	e.SetOrigin(o)
+	l := lim("k", time.Hour, 1000, 1)
+	for i := 0; i < 42; i++ {
+		e.Decide(bg, l)
+	}
+	ctx, cancel := context.WithTimeout(bg, 5*time.Second)
+	defer cancel()
+	if err := e.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if got := o.total(l.Key, clk.UnixMilli()/time.Hour.Milliseconds()); got != 42 {
+		t.Fatalf("origin total after Close = %d, want 42", got)
 	}
 }
 
-func TestDecide_HeadersValues(t *testing.T) {
-	e, clk := newTestEngine(t, Config{})
-	clk.Set(time.UnixMilli(epoch + 15_000))
-	d := e.Decide(bg, lim("k", time.Minute, 5, 2))
-	if !d.Allowed || d.Limit != 5 || d.Remaining != 3 || d.Reset != 45*time.Second || d.RetryAfter != 0 {
-		t.Fatalf("first decision = %+v", d)
+// TestEngine_SetTimingChangesOnlyWhatItIsGiven: New fills every zero
+// setting with its default, and a reload's SetTiming changes the values it
+// is given and keeps the others.
+func TestEngine_SetTimingChangesOnlyWhatItIsGiven(t *testing.T) {
+	e, _ := newTestEngine(t, Config{ReadTimeout: -1, Manual: true})
+	want := Timing{ReadTimeout: DefaultReadTimeout, Freshness: DefaultFreshness, SlowTick: DefaultSlowTick, FastTick: DefaultFastTick}
+	if got := e.Timing(); got != want {
+		t.Fatalf("a new engine's timing = %+v, want the defaults %+v", got, want)
 	}
-	e.Decide(bg, lim("k", time.Minute, 5, 2))
-	d = e.Decide(bg, lim("k", time.Minute, 5, 2))
-	if d.Allowed || d.Remaining != 1 || d.RetryAfter != 45*time.Second+time.Millisecond {
-		t.Fatalf("denial = %+v, want remaining 1 and retry 1 ms into the next window (⌊4 × 59999/60000⌋ + 2 = 5)", d)
+	e.SetTiming(Timing{Freshness: 3 * time.Second, FastTick: 5 * time.Millisecond, SlowTick: -time.Second})
+	want.Freshness, want.FastTick = 3*time.Second, 5*time.Millisecond
+	if got := e.Timing(); got != want {
+		t.Fatalf("timing after SetTiming = %+v, want %+v", got, want)
 	}
-}
-
-func TestDecide_CostAboveLimitCanNeverPass(t *testing.T) {
-	e, _ := newTestEngine(t, Config{})
-	d := e.Decide(bg, lim("k", time.Minute, 5, 6))
-	if d.Allowed || d.RetryAfter != Never || d.Remaining != 5 {
-		t.Fatalf("decision = %+v, want denied with RetryAfter Never and nothing charged", d)
-	}
-	if d := e.Decide(bg, lim("k", time.Minute, 5, 5)); !d.Allowed {
-		t.Fatalf("the oversized request charged the key: %+v", d)
-	}
-}
-
-// TestDecide_RetryAfterIsExact replays a denied request one millisecond
-// before its Retry-After (denied) and at it (allowed), and does the same at
-// the second granularity a client sees in the header.
-func TestDecide_RetryAfterIsExact(t *testing.T) {
-	rng := rand.New(rand.NewPCG(7, 8))
-	e, clk := newTestEngine(t, Config{})
-	denials := 0
-	for i := 0; i < 300; i++ {
-		w := time.Duration(1+rng.IntN(120)) * time.Second
-		limit := int64(1 + rng.IntN(20))
-		clk.Set(time.UnixMilli(epoch + rng.Int64N(w.Milliseconds())))
-		id := fmt.Sprint("k", i)
-		// Load the key over two windows with random traffic.
-		for j := 0; j < 40; j++ {
-			e.Decide(bg, lim(id, w, limit, int64(rng.IntN(3))))
-			clk.Advance(time.Duration(rng.Int64N(w.Milliseconds()/10+1)) * time.Millisecond)
-		}
-		cost := int64(1 + rng.IntN(int(limit)))
-		d := e.Decide(bg, lim(id, w, limit, cost))
-		if d.Allowed {
-			continue
-		}
-		denials++
-		if d.RetryAfter <= 0 {
-			t.Fatalf("denied with RetryAfter %v", d.RetryAfter)
-		}
-		// Probe on copies of the key's state: a decision that allows charges.
-		probes := 0
-		probe := func(after time.Duration) bool {
-			probes++
-			pid := fmt.Sprint(id, "-probe-", probes)
-			copyKey(t, e, Key{Namespace: "zone", Identifier: id, Window: w}, pid)
-			now := clk.UnixMilli()
-			defer clk.Set(time.UnixMilli(now))
-			clk.Advance(after)
-			return e.Decide(bg, lim(pid, w, limit, cost)).Allowed
-		}
-		if probe(d.RetryAfter - time.Millisecond) {
-			t.Fatalf("case %d: allowed 1ms before RetryAfter %v", i, d.RetryAfter)
-		}
-		if !probe(d.RetryAfter) {
-			t.Fatalf("case %d: denied at RetryAfter %v", i, d.RetryAfter)
-		}
-		secs := (d.RetryAfter + time.Second - 1) / time.Second * time.Second
-		if probe(secs - time.Second) {
-			t.Fatalf("case %d: header Retry-After %v is not the first passing second", i, secs)
-		}
-		if !probe(secs) {
-			t.Fatalf("case %d: denied at header Retry-After %v", i, secs)
-		}
-	}
-	if denials < 50 {
-		t.Fatalf("only %d denials replayed", denials)
-	}
-}
-
-// copyKey copies one key's cells to another identifier in the same engine.
-func copyKey(t *testing.T, e *Engine, key Key, id string) {
-	t.Helper()
-	z := e.Zone(key.Namespace, key.Window)
-	en, ok := z.entries.Load(key.Identifier)
-	if !ok {
-		t.Fatal("key not in engine")
-	}
-	src := en.cur.Load()
-	c := &cell{seq: src.seq}
-	c.count.Store(src.count.Load())
-	c.state.Store(stHydrated)
-	n := &entry{}
-	if p := en.previous(src); p != nil {
-		pc := &cell{seq: p.seq}
-		pc.count.Store(p.count.Load())
-		n.prev.Store(pc)
-	}
-	n.cur.Store(c)
-	z.entries.Store(id, n)
-	e.live.Add(1)
-}
-
-func TestDecideMany_DenialChargesNoOtherLimit(t *testing.T) {
-	e, _ := newTestEngine(t, Config{})
-	ls := []Limit{
-		{Key: Key{"per_key", "a", time.Minute}, Limit: 100, Cost: 1},
-		{Key: Key{"per_ip", "1.2.3.4", time.Minute}, Limit: 2, Cost: 1},
-	}
-	out := make([]Decision, 2)
-	for i := 0; i < 2; i++ {
-		if !e.DecideMany(bg, ls, out) {
-			t.Fatalf("request %d denied: %+v", i, out)
-		}
-	}
-	for i := 0; i < 5; i++ {
-		if e.DecideMany(bg, ls, out) {
-			t.Fatal("third request passed a limit of 2")
-		}
-		if !out[0].Allowed || out[1].Allowed {
-			t.Fatalf("verdicts = %+v, want per_key allowing and per_ip denying", out)
-		}
-		if out[0].Remaining != 98 {
-			t.Fatalf("per_key remaining = %d after denials, want 98 (denials charge nothing)", out[0].Remaining)
-		}
-	}
-	ks, _ := e.Inspect(ls[0].Key)
-	if ks.Cells[0].Regional != 2 || ks.Cells[0].Speculative != 0 {
-		t.Fatalf("per_key cell = %+v, want 2 committed and nothing speculative", ks.Cells[0])
-	}
-}
-
-func TestDecide_ConcurrentNeverExceedsLimit(t *testing.T) {
-	e, _ := newTestEngine(t, Config{})
-	const limit = 1000
-	var admitted atomic.Int64
-	var wg sync.WaitGroup
-	for g := 0; g < 64; g++ {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for i := 0; i < 100; i++ {
-				if e.Decide(bg, lim("hot", time.Hour, limit, 1)).Allowed {
-					admitted.Add(1)
-				}
-			}
-		}()
-	}
-	wg.Wait()
-	if admitted.Load() != limit {
-		t.Fatalf("admitted %d of 6400 requests, want exactly %d", admitted.Load(), limit)
-	}
-}
-
-func TestDecideMany_ConcurrentBatchesNeverExceedAnyLimit(t *testing.T) {
-	e, _ := newTestEngine(t, Config{})
-	a := Limit{Key: Key{"a", "x", time.Hour}, Limit: 500, Cost: 1}
-	b := Limit{Key: Key{"b", "x", time.Hour}, Limit: 300, Cost: 2}
-	var both atomic.Int64
-	var wg sync.WaitGroup
-	for g := 0; g < 64; g++ {
-		wg.Add(1)
-		go func(g int) {
-			defer wg.Done()
-			out := make([]Decision, 2)
-			for i := 0; i < 50; i++ {
-				if g%2 == 0 {
-					if e.DecideMany(bg, []Limit{a, b}, out) {
-						both.Add(1)
-					}
-				} else {
-					e.Decide(bg, a)
-				}
-			}
-		}(g)
-	}
-	wg.Wait()
-	ka, _ := e.Inspect(a.Key)
-	kb, _ := e.Inspect(b.Key)
-	if kb.Cells[0].Regional != 2*both.Load() {
-		t.Fatalf("b counted %d, want 2 × %d committed batches", kb.Cells[0].Regional, both.Load())
-	}
-	if ka.Cells[0].Regional > a.Limit || kb.Cells[0].Regional > b.Limit {
-		t.Fatalf("counts a=%d b=%d exceed limits", ka.Cells[0].Regional, kb.Cells[0].Regional)
-	}
-	if ka.Cells[0].Speculative != 0 || kb.Cells[0].Speculative != 0 {
-		t.Fatal("speculative units left after every batch finished")
-	}
-}
-
-func TestDecide_ClockSteppingBackNeverMovesAKeyBack(t *testing.T) {
-	e, clk := newTestEngine(t, Config{})
-	clk.Set(time.UnixMilli(epoch + 61_000))
-	for i := 0; i < 3; i++ {
-		e.Decide(bg, lim("k", time.Minute, 3, 1))
-	}
-	clk.Set(time.UnixMilli(epoch + 59_000)) // one window back
-	if d := e.Decide(bg, lim("k", time.Minute, 3, 1)); d.Allowed {
-		t.Fatalf("a step back in time reopened the key: %+v", d)
-	}
-}
-
-func TestDecide_LongIdentifiersAreHashedAndDistinct(t *testing.T) {
-	e, _ := newTestEngine(t, Config{})
-	long1 := string(make([]byte, 70000))
-	long2 := long1[:69999] + "x"
-	e.Decide(bg, lim(long1, time.Minute, 1, 1))
-	if d := e.Decide(bg, lim(long2, time.Minute, 1, 1)); !d.Allowed {
-		t.Fatal("two different long identifiers share a count")
-	}
-	if d := e.Decide(bg, lim(long1, time.Minute, 1, 1)); d.Allowed {
-		t.Fatal("the same long identifier got a fresh count")
-	}
-	h := NormalizeIdentifier(long1)
-	if len(h) != MaxIdentifierLen+1 {
-		t.Fatalf("hashed identifier is %d bytes, want %d", len(h), MaxIdentifierLen+1)
-	}
-	if d := e.Decide(bg, lim(h, time.Minute, 1, 1)); d.Allowed == false {
-		// h itself is longer than the bound, so it is hashed again and
-		// cannot land on long1's entry.
-		t.Fatal("the hash of an identifier, sent as an identifier, collided with it")
-	}
-}
-
-func TestDecide_DryRunChargesAndReportsTheVerdictWithoutSideEffects(t *testing.T) {
-	var notified atomic.Int64
-	e, _, o := withOrigin(t, Config{OnFirstDenial: func(Denial) { notified.Add(1) }})
-	l := lim("k", time.Hour, 3, 1)
-	l.DryRun = true
-	for i := 0; i < 5; i++ {
-		d := e.Decide(bg, l)
-		if want := i < 3; d.Allowed != want {
-			t.Fatalf("request %d: Allowed = %v, want %v", i, d.Allowed, want)
-		}
-		if i >= 3 && d.RetryAfter <= 0 {
-			t.Fatalf("would-be denial without Retry-After: %+v", d)
-		}
-	}
-	ks, _ := e.Inspect(l.Key)
-	if ks.Cells[0].Regional != 5 {
-		t.Fatalf("dry run counted %d, want every served request (5)", ks.Cells[0].Regional)
-	}
-	if notified.Load() != 0 || len(e.StrictKeys()) != 0 || ks.Cells[0].Blocked {
-		t.Fatal("a dry-run denial recorded a denial")
-	}
-	_ = o
-
-	// In a batch a dry-run limit never fails the batch.
-	ls := []Limit{l, lim("other", time.Hour, 100, 1)}
-	out := make([]Decision, 2)
-	if !e.DecideMany(bg, ls, out) {
-		t.Fatal("a dry-run limit failed the batch")
-	}
-	if out[0].Allowed || !out[1].Allowed {
-		t.Fatalf("verdicts = %+v, want the dry-run limit to report its would-be denial", out)
-	}
-	if ks, _ := e.Inspect(l.Key); ks.Cells[0].Regional != 6 {
-		t.Fatalf("count = %d after the batch, want 6", ks.Cells[0].Regional)
-	}
-}
-
-// TestDecide_WarmDecisionsDoNotAllocate pins the hot path at zero
-// allocations: allow, deny and a two-limit batch on warm keys. `make test`
-// runs it without the race detector, which changes what allocates.
-func TestDecide_WarmDecisionsDoNotAllocate(t *testing.T) {
-	if raceEnabled {
-		t.Skip("the race detector changes allocations; make test runs this without it")
-	}
-	e, _ := newTestEngine(t, Config{})
-	allow := lim("allow", time.Hour, 1<<50, 1)
-	allow.Zone = e.Zone(allow.Namespace, allow.Window)
-	deny := lim("deny", time.Hour, 1, 1)
-	deny.Zone = allow.Zone
-	batch := []Limit{allow, {Key: Key{"other", "x", time.Minute}, Limit: 1 << 50, Cost: 1}}
-	batch[1].Zone = e.Zone("other", time.Minute)
-	out := make([]Decision, 2)
-	e.Decide(bg, allow)
-	e.Decide(bg, deny)
-	e.DecideMany(bg, batch, out)
-	for name, f := range map[string]func(){
-		"allow": func() { e.Decide(bg, allow) },
-		"deny":  func() { e.Decide(bg, deny) },
-		"batch": func() { e.DecideMany(bg, batch, out) },
-	} {
-		if n := testing.AllocsPerRun(1000, f); n != 0 {
-			t.Errorf("%s: %.1f allocations per decision, want 0", name, n)
-		}
+	if e.freshnessMs() != 3000 || e.fastTickMs() != 5 {
+		t.Fatalf("the decisions see freshness %d ms and fast tick %d ms, want 3000 and 5", e.freshnessMs(), e.fastTickMs())
 	}
 }

@@ -52,10 +52,10 @@ func (e *Engine) SetGlobal(g Global) {
 	e.global.Store(&globalBox{g})
 }
 
-// SwapGlobal replaces the cross-region layer with new only if it is old,
+// swapGlobal replaces the cross-region layer with new only if it is old,
 // and reports whether it did, so that a config detaching its layer on stop
 // never undoes a newer config's.
-func (e *Engine) SwapGlobal(old, new Global) bool {
+func (e *Engine) swapGlobal(old, new Global) bool {
 	for {
 		cur := e.global.Load()
 		if (cur == nil && old != nil) || (cur != nil && cur.g != old) {
@@ -150,7 +150,7 @@ func (e *Engine) ScanCells(minWindow time.Duration, f func(v *CellView) bool) {
 			}
 			var eff, limit int64
 			for _, x := range [2]*cell{cur, prev} {
-				if xs := x.syncOrNil(); xs != nil && limit == 0 {
+				if xs := x.linksOrNil(); xs != nil && limit == 0 {
 					limit = xs.limit.Load()
 				}
 			}
@@ -172,7 +172,7 @@ func (e *Engine) ScanCells(minWindow time.Duration, f func(v *CellView) bool) {
 					Effective: eff,
 					Limit:     limit,
 				}
-				if xs := x.sync(); xs != nil {
+				if xs := x.links(); xs != nil {
 					v.Global, v.Published = xs.global.Load(), xs.published.Load()
 				}
 				if more = f(&v); !more {
@@ -197,9 +197,9 @@ func (e *Engine) findNormalized(key Key) (*Zone, string, bool) {
 	return z, id, ok
 }
 
-// syncCellAt returns the cell (key, seq) if this process holds it, as a
-// syncCell: a plain cell is upgraded first (see upgrade).
-func (e *Engine) syncCellAt(key Key, seq int64) *cell {
+// linkedCellAt returns the cell (key, seq) if this process holds it, as a
+// linked cell: a plain cell is upgraded first (see upgrade).
+func (e *Engine) linkedCellAt(key Key, seq int64) *cell {
 	z, id, ok := e.findNormalized(key)
 	if !ok {
 		return nil
@@ -216,7 +216,7 @@ func (e *Engine) syncCellAt(key Key, seq int64) *cell {
 		if c == nil || c == tombstone || c.seq != seq {
 			return nil
 		}
-		if c = e.synced(z, id, en, slot, c); c != nil {
+		if c = e.link(z, id, en, slot, c); c != nil {
 			return c
 		}
 	}
@@ -225,11 +225,11 @@ func (e *Engine) syncCellAt(key Key, seq int64) *cell {
 // MarkPublished records that the cell's regional count n has been
 // published; the mark only grows. It reports whether the cell is held.
 func (e *Engine) MarkPublished(key Key, seq, n int64) bool {
-	c := e.syncCellAt(key, seq)
+	c := e.linkedCellAt(key, seq)
 	if c == nil {
 		return false
 	}
-	raise(&c.sync().published, n)
+	raise(&c.links().published, n)
 	return true
 }
 
@@ -239,7 +239,7 @@ func (e *Engine) MarkPublished(key Key, seq, n int64) bool {
 // is upgraded first, so that a plain cell keeps holding only this
 // process's own units (see upgrade).
 func (e *Engine) RaiseRegional(key Key, seq, n int64) bool {
-	c := e.syncCellAt(key, seq)
+	c := e.linkedCellAt(key, seq)
 	if c == nil {
 		return false
 	}
@@ -283,8 +283,8 @@ func (e *Engine) ImportGlobal(key Key, seq, total int64, create bool) bool {
 	if seq > now || seq < now-1 {
 		return false
 	}
-	// The cells made here are syncCells whatever the engine's layers: they
-	// are made to hold a global count.
+	// The cells made here are linked cells whatever the engine's layers:
+	// they are made to hold a global count.
 	for {
 		en, ok := z.entries.Load(id)
 		if !ok {
@@ -311,10 +311,10 @@ func (e *Engine) ImportGlobal(key Key, seq, total int64, create bool) bool {
 		if c == nil {
 			return false
 		}
-		if c = e.synced(z, id, en, slot, c); c == nil {
+		if c = e.link(z, id, en, slot, c); c == nil {
 			continue // rotated or upgraded meanwhile: look again
 		}
-		raise(&c.sync().global, ClampCount(total))
+		raise(&c.links().global, ClampCount(total))
 		return true
 	}
 }
@@ -331,7 +331,7 @@ func (e *Engine) previousFor(en *entry, cur *cell) *cell {
 		return en.previous(cur)
 	}
 	n := newCell(cur.seq-1, true)
-	n.setBits(stHydrated)
+	n.setBits(stRead)
 	if en.cur.Load() == cur && en.prev.CompareAndSwap(old, n) {
 		return n
 	}

@@ -206,15 +206,49 @@ func TestGlobal_SwapOnlyReplacesItsOwn(t *testing.T) {
 	e, _ := newTestEngine(t, Config{})
 	a, b := new(fakeGlobal), new(fakeGlobal)
 	e.SetGlobal(a)
-	if !e.SwapGlobal(a, b) || e.SwapGlobal(a, nil) {
+	if !e.swapGlobal(a, b) || e.swapGlobal(a, nil) {
 		t.Fatal("swap semantics wrong")
 	}
 	e.Decide(bg, lim("k", time.Minute, 10, 1))
 	if len(a.entries) != 0 || len(b.entries) != 1 {
 		t.Fatalf("entries told to a %d, b %d; want 0 and 1", len(a.entries), len(b.entries))
 	}
-	if !e.SwapGlobal(b, nil) {
+	if !e.swapGlobal(b, nil) {
 		t.Fatal("detaching the current layer failed")
+	}
+}
+
+func TestCell_ImportAndPublishUpgradeAPlainCell(t *testing.T) {
+	e, clk, l, seq := localUnits(t, time.Minute, 100)
+	clk.Advance(time.Minute)
+	e.Decide(bg, l)
+	en := entryOf(t, e, l.Key)
+	if en.prev.Load().links() != nil || en.cur.Load().links() != nil {
+		t.Fatal("a local-only engine made a linked cell")
+	}
+	e.SetGlobal(nopGlobal{})
+	if !e.ImportGlobal(l.Key, seq, 4, false) {
+		t.Fatal("import into the previous cell not applied")
+	}
+	if !e.MarkPublished(l.Key, seq+1, 1) {
+		t.Fatal("publication of the current cell not recorded")
+	}
+	p, c := en.prev.Load(), en.cur.Load()
+	if p.links() == nil || c.links() == nil {
+		t.Fatal("a plain cell took a global count or a publication mark")
+	}
+	if p.count.Load() != 3 || p.links().global.Load() != 4 || c.count.Load() != 1 || c.links().published.Load() != 1 {
+		t.Fatalf("prev count %d global %d, cur count %d published %d; want 3, 4, 1, 1",
+			p.count.Load(), p.links().global.Load(), c.count.Load(), c.links().published.Load())
+	}
+	if p.pending() != 0 || c.pending() != 0 {
+		t.Fatal("units pending in an engine without origin")
+	}
+	// The import weighs: 1 + 4 + 3 (weighted in full at the window's start)
+	// + 1 fits a limit of 9, the next does not.
+	l.Limit = 9
+	if !e.Decide(bg, l).Allowed || e.Decide(bg, l).Allowed {
+		t.Fatal("the imported count was not weighed")
 	}
 }
 

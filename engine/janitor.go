@@ -56,7 +56,7 @@ func (e *Engine) buryCell(z *Zone, id string, c *cell) {
 	if c == tombstone || e.origin.Load() == nil {
 		return
 	}
-	if x := c.sync(); x == nil || x.own.Load()+x.pending.Load() == 0 {
+	if x := c.links(); x == nil || x.own.Load()+x.pending.Load() == 0 {
 		return
 	}
 	g := &e.graves

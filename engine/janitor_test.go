@@ -88,3 +88,34 @@ func TestEvict_InsertSignalsTheJanitor(t *testing.T) {
 		t.Fatalf("live entries = %d after eviction", n)
 	}
 }
+
+func TestSweep_KeepsAnEntryWhoseUnitsNoQueueTook(t *testing.T) {
+	e, clk := newTestEngine(t, manual(Config{}))
+	e.queueLen = 1
+	o := newMemOrigin()
+	e.SetOrigin(o)
+	seq := clk.UnixMilli() / time.Minute.Milliseconds()
+	for _, id := range []string{"a", "b", "c", "d"} {
+		e.Decide(bg, lim(id, time.Minute, 100, 1))
+	}
+	// Two windows later every entry is idle, and both queues (one slot
+	// each) are full: the sweep must not forget the units of the rest.
+	clk.Advance(2 * time.Minute)
+	e.Sweep()
+	for i := 0; i < 4; i++ {
+		for _, tier := range []Tier{Fast, Slow} {
+			if _, err := e.ReplayOnce(bg, tier); err != nil {
+				t.Fatal(err)
+			}
+		}
+		e.Sweep()
+	}
+	for _, id := range []string{"a", "b", "c", "d"} {
+		if got := o.total(Key{"zone", id, time.Minute}, seq); got != 1 {
+			t.Fatalf("origin total of %s = %d, want 1", id, got)
+		}
+	}
+	if n := e.Stats().Entries; n != 0 {
+		t.Fatalf("%d entries left after their units reached the origin", n)
+	}
+}

@@ -110,7 +110,7 @@ func TestRace_StrictAndBatchesWithOrigin(t *testing.T) {
 				if c == nil || c == tombstone {
 					continue
 				}
-				x := c.sync()
+				x := c.links()
 				if x == nil {
 					t.Errorf("%s/%s cell %d is plain in an engine with an origin", z.name, id, c.seq)
 					continue
@@ -163,12 +163,12 @@ func TestRace_OriginAttachedUnderLoad(t *testing.T) {
 	for _, id := range []string{"0", "1", "2", "3", "all"} {
 		key := Key{"zone", id, time.Hour}
 		c := entryOf(t, e, key).cur.Load()
-		if c.sync() == nil {
+		if c.links() == nil {
 			t.Fatalf("%s: still a plain cell after decisions with an origin", id)
 		}
 		// Every unit the cell holds reached the origin exactly once.
-		if got, n := o.total(key, seq), c.committed(); got != n || c.sync().own.Load() != n {
-			t.Errorf("%s: origin %d, own %d, count %d", id, got, c.sync().own.Load(), n)
+		if got, n := o.total(key, seq), c.committed(); got != n || c.links().own.Load() != n {
+			t.Errorf("%s: origin %d, own %d, count %d", id, got, c.links().own.Load(), n)
 		}
 		counted += c.committed()
 	}

@@ -48,7 +48,7 @@ func (e *Engine) nearLimit(lc *located, l *Limit, cur, prev, now int64) bool {
 // the view in fast ticks, plus two ticks: the others' next replay, and a
 // replay of theirs that a busy machine runs late.
 func (e *Engine) foreignGrowth(lc *located, now int64) int64 {
-	x := lc.cur.sync()
+	x := lc.cur.links()
 	if x == nil {
 		return 0
 	}
@@ -240,7 +240,7 @@ func (e *Engine) anyFits(lc *located, n *group) bool {
 // closed.
 func (e *Engine) sendGroup(ctx context.Context, o Origin, lc *located, l *Limit, n *group, dl *deadline) (Decision, bool) {
 	c := lc.cur
-	x := c.sync() // a syncCell: with an origin, locate upgrades the cell
+	x := c.links() // a linked cell: with an origin, locate upgrades the cell
 	defer e.finishGroup(c, n)
 	var sum int64
 	for _, cost := range n.costs {
@@ -275,16 +275,7 @@ func (e *Engine) sendGroup(ctx context.Context, o Origin, lc *located, l *Limit,
 		err = errors.New("the origin returned no verdict for the joined requests")
 	}
 	if err != nil {
-		// Give everything back: the pending units replay as usual (a write
-		// the origin did apply makes that replay a no-op), and the
-		// requests are decided again, locally.
-		e.stats.reservationErrors.Add(int64(len(n.costs)))
-		e.originFailed()
-		x.own.Add(-(d + sum))
-		if d > 0 {
-			x.pending.Add(d)
-			e.markDirty(lc.zone, lc.id, c, true)
-		}
+		e.reservationFailed(lc, n, d, sum)
 		dl.expired = true
 		return Decision{}, false
 	}
@@ -292,6 +283,32 @@ func (e *Engine) sendGroup(ctx context.Context, o Origin, lc *located, l *Limit,
 		dl.expired = true
 	}
 	e.originAnswered(e.nowMs())
+	e.admit(c, n, &r)
+	e.merge(lc.en, c, r.Totals, sent)
+	n.totals, n.global, n.globalPrev = r.Totals, r.Global, r.GlobalPrev
+	n.decided = true
+	return e.memberDecision(lc, l, n, 0)
+}
+
+// reservationFailed gives back what a failed reservation of n handed the
+// origin, pending units and the costs (sum): the pending units replay as
+// usual (a write the origin did apply makes that replay a no-op), and the
+// requests are decided again, locally.
+func (e *Engine) reservationFailed(lc *located, n *group, pending, sum int64) {
+	e.stats.reservationErrors.Add(int64(len(n.costs)))
+	e.originFailed()
+	x := lc.cur.links()
+	x.own.Add(-(pending + sum))
+	if pending > 0 {
+		x.pending.Add(pending)
+		e.markDirty(lc.zone, lc.id, lc.cur, true)
+	}
+}
+
+// admit records the origin's verdicts r on the members of n: an admitted
+// cost joins the cell's count, and a refused one leaves this process's own
+// total, which the reservation raised by every cost.
+func (e *Engine) admit(c *cell, n *group, r *Reservation) {
 	n.admitted = append(make([]bool, 0, len(n.costs)), r.Admitted)
 	n.admitted = append(n.admitted, r.JoinedAdmitted...)
 	var refused int64
@@ -304,11 +321,7 @@ func (e *Engine) sendGroup(ctx context.Context, o Origin, lc *located, l *Limit,
 			refused = SatAdd(refused, n.costs[i])
 		}
 	}
-	x.own.Add(-refused)
-	e.merge(lc.en, c, r.Totals, sent)
-	n.totals, n.global, n.globalPrev = r.Totals, r.Global, r.GlobalPrev
-	n.decided = true
-	return e.memberDecision(lc, l, n, 0)
+	c.links().own.Add(-refused)
 }
 
 // finishGroup takes n out of flight, puts the group behind it in flight,

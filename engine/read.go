@@ -66,18 +66,18 @@ func (e *Engine) suspect(now, fresh int64) bool {
 	return now < u+f && fresh-f < u
 }
 
-// hydrateRetry is how long a cell whose hydration failed decides locally
+// coldReadRetry is how long a cell whose cold read failed decides locally
 // before it reads again, while the origin keeps failing: long enough that a
 // dead origin costs no request a read each, short enough that a recovered
 // origin is used within a flush period (two slow ticks and a fast one),
 // which is how long the accuracy bound allows after a fault. At most a
 // slow tick; once any call of the process succeeds again, the next
 // decision reads at once.
-func (e *Engine) hydrateRetry() int64 {
-	return min(maxHydrateRetry, time.Duration(e.slowTick.Load())).Milliseconds()
+func (e *Engine) coldReadRetry() int64 {
+	return min(maxColdReadRetry, time.Duration(e.slowTick.Load())).Milliseconds()
 }
 
-const maxHydrateRetry = 250 * time.Millisecond
+const maxColdReadRetry = 250 * time.Millisecond
 
 // maxBackgroundReads bounds background refreshes in flight, so a burst of
 // stale keys cannot start unbounded goroutines.
@@ -140,9 +140,9 @@ func (e *Engine) converge(o Origin, lc *located, l *Limit, now int64) *flight {
 	c := lc.cur
 	st := c.state.Load()
 	fresh := c.freshUntil()
-	if st&stHydrated == 0 {
+	if st&stRead == 0 {
 		if now < fresh && e.failing.Load() {
-			return nil // a failed hydration waits before it retries
+			return nil // a failed cold read waits before it retries
 		}
 		return e.syncRead(o, lc)
 	}
@@ -261,8 +261,8 @@ func (e *Engine) readCell(o Origin, key Key, en *entry, c *cell) {
 	if err != nil {
 		e.stats.readErrors.Add(1)
 		e.originFailed()
-		if x := c.sync(); x != nil && c.state.Load()&stHydrated == 0 {
-			x.fresh.Store(now + e.hydrateRetry())
+		if x := c.links(); x != nil && c.state.Load()&stRead == 0 {
+			x.fresh.Store(now + e.coldReadRetry())
 		}
 		return
 	}
@@ -277,8 +277,7 @@ func (e *Engine) readCell(o Origin, key Key, en *entry, c *cell) {
 // merge brings the origin's totals t of c (and of the cell before it) into
 // the entry, the counts other regions counted there (the region's
 // cross-region role leaves them at the origin) included, and marks c
-// hydrated and fresh from sent, the time the call that returned t was
-// sent.
+// read and fresh from sent, the time the call that returned t was sent.
 func (e *Engine) merge(en *entry, c *cell, t Totals, sent int64) {
 	c.observe(t, e.nowMs(), e.fastTickMs())
 	c.mergeAnswer(t.Cur, t.Mine)
@@ -289,7 +288,7 @@ func (e *Engine) merge(en *entry, c *cell, t Totals, sent int64) {
 			// The origin knows a previous cell this process never saw.
 			old := en.prev.Load()
 			n := newCell(c.seq-1, true)
-			n.setBits(stHydrated)
+			n.setBits(stRead)
 			if (old == nil || old.seq < n.seq) && en.prev.CompareAndSwap(old, n) {
 				p = n
 			} else {
@@ -301,6 +300,6 @@ func (e *Engine) merge(en *entry, c *cell, t Totals, sent int64) {
 			p.importGlobal(t.GlobalPrev)
 		}
 	}
-	c.setBits(stHydrated)
+	c.setBits(stRead)
 	c.extendFresh(sent + e.freshnessMs())
 }

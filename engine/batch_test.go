@@ -1,0 +1,139 @@
+package engine
+
+import (
+	"context"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"testing/synctest"
+	"time"
+)
+
+func TestDecideMany_DenialChargesNoOtherLimit(t *testing.T) {
+	e, _ := newTestEngine(t, Config{})
+	ls := []Limit{
+		{Key: Key{"per_key", "a", time.Minute}, Limit: 100, Cost: 1},
+		{Key: Key{"per_ip", "1.2.3.4", time.Minute}, Limit: 2, Cost: 1},
+	}
+	out := make([]Decision, 2)
+	for i := 0; i < 2; i++ {
+		if !e.DecideMany(bg, ls, out) {
+			t.Fatalf("request %d denied: %+v", i, out)
+		}
+	}
+	for i := 0; i < 5; i++ {
+		if e.DecideMany(bg, ls, out) {
+			t.Fatal("third request passed a limit of 2")
+		}
+		if !out[0].Allowed || out[1].Allowed {
+			t.Fatalf("verdicts = %+v, want per_key allowing and per_ip denying", out)
+		}
+		if out[0].Remaining != 98 {
+			t.Fatalf("per_key remaining = %d after denials, want 98 (denials charge nothing)", out[0].Remaining)
+		}
+	}
+	ks, _ := e.Inspect(ls[0].Key)
+	if ks.Cells[0].Regional != 2 || ks.Cells[0].Speculative != 0 {
+		t.Fatalf("per_key cell = %+v, want 2 committed and nothing speculative", ks.Cells[0])
+	}
+}
+
+func TestDecideMany_ConcurrentBatchesNeverExceedAnyLimit(t *testing.T) {
+	e, _ := newTestEngine(t, Config{})
+	a := Limit{Key: Key{"a", "x", time.Hour}, Limit: 500, Cost: 1}
+	b := Limit{Key: Key{"b", "x", time.Hour}, Limit: 300, Cost: 2}
+	var both atomic.Int64
+	var wg sync.WaitGroup
+	for g := 0; g < 64; g++ {
+		wg.Add(1)
+		go func(g int) {
+			defer wg.Done()
+			out := make([]Decision, 2)
+			for i := 0; i < 50; i++ {
+				if g%2 == 0 {
+					if e.DecideMany(bg, []Limit{a, b}, out) {
+						both.Add(1)
+					}
+				} else {
+					e.Decide(bg, a)
+				}
+			}
+		}(g)
+	}
+	wg.Wait()
+	ka, _ := e.Inspect(a.Key)
+	kb, _ := e.Inspect(b.Key)
+	if kb.Cells[0].Regional != 2*both.Load() {
+		t.Fatalf("b counted %d, want 2 × %d committed batches", kb.Cells[0].Regional, both.Load())
+	}
+	if ka.Cells[0].Regional > a.Limit || kb.Cells[0].Regional > b.Limit {
+		t.Fatalf("counts a=%d b=%d exceed limits", ka.Cells[0].Regional, kb.Cells[0].Regional)
+	}
+	if ka.Cells[0].Speculative != 0 || kb.Cells[0].Speculative != 0 {
+		t.Fatal("speculative units left after every batch finished")
+	}
+}
+
+func TestDecideMany_RolledBackUnitsAreNeverReplayed(t *testing.T) {
+	e, clk, o := withOrigin(t, Config{})
+	a := Limit{Key: Key{"a", "x", time.Hour}, Limit: 100, Cost: 5}
+	b := Limit{Key: Key{"b", "x", time.Hour}, Limit: 1, Cost: 1}
+	out := make([]Decision, 2)
+	if !e.DecideMany(bg, []Limit{a, b}, out) {
+		t.Fatal("first batch denied")
+	}
+	for i := 0; i < 3; i++ {
+		if e.DecideMany(bg, []Limit{a, b}, out) {
+			t.Fatal("batch passed a full limit")
+		}
+	}
+	replayBoth(e)
+	e.ReplayOnce(bg, Fast)
+	seq := clk.UnixMilli() / time.Hour.Milliseconds()
+	if got := o.total(a.Key, seq); got != 5 {
+		t.Fatalf("origin has %d for a, want only the committed 5", got)
+	}
+}
+
+func TestDecideMany_HungOriginCostsOneReadTimeoutForAllZones(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		const timeout = 30 * time.Millisecond
+		e := New(Config{ReadTimeout: timeout, Manual: true})
+		o := newMemOrigin()
+		gate := make(chan struct{})
+		o.gate.Store(&gate)
+		e.SetOrigin(o)
+		ls := make([]Limit, 4)
+		for i := range ls {
+			ls[i] = lim(string(rune('a'+i)), time.Minute, 10, 1)
+			ls[i].Namespace = ls[i].Identifier
+		}
+		start := time.Now()
+		if !e.DecideMany(bg, ls, make([]Decision, len(ls))) {
+			t.Fatal("denied locally below every limit")
+		}
+		if took := time.Since(start); took != timeout {
+			t.Fatalf("a 4-zone decision on a hung origin took %v, want one read timeout (%v)", took, timeout)
+		}
+		close(gate)
+		_ = e.Close(context.Background())
+	})
+}
+
+func TestDecideMany_RollbackRacingAMergeLeavesNoUnits(t *testing.T) {
+	e, clk, o := withOrigin(t, Config{})
+	a, b := lim("a", time.Minute, 10, 3), lim("b", time.Minute, 1, 2)
+	e.Decide(bg, lim("a", time.Minute, 10, 0)) // read both
+	e.Decide(bg, lim("b", time.Minute, 10, 0))
+	seq := clk.UnixMilli() / time.Minute.Milliseconds()
+	// A merge lands between the two steps of a's rollback (b denies).
+	testHookRollback = func(c *cell) { c.mergeOrigin(o.total(a.Key, seq)) }
+	defer func() { testHookRollback = nil }()
+	if e.DecideMany(bg, []Limit{a, b}, make([]Decision, 2)) {
+		t.Fatal("b should deny")
+	}
+	ks, _ := e.Inspect(a.Key)
+	if got := ks.Cells[0].Regional; got != 0 {
+		t.Fatalf("a counts %d after a rolled-back batch, want 0", got)
+	}
+}

@@ -1,0 +1,171 @@
+package engine
+
+import (
+	"context"
+	"time"
+)
+
+// Denial describes the first denial of a cell.
+type Denial struct {
+	Limit
+	// Sequence is the denying cell's sequence.
+	Sequence int64
+	// Used is the effective count before the request's cost.
+	Used int64
+}
+
+// clampLimit bounds a limit's units to [0, MaxCount], so that no cost or
+// limit, however hostile, can overflow the arithmetic or refund units.
+func clampLimit(l *Limit) {
+	if uint64(l.Cost) > MaxCount {
+		l.Cost = ClampCount(l.Cost)
+	}
+	if uint64(l.Limit) > MaxCount {
+		l.Limit = ClampCount(l.Limit)
+	}
+}
+
+// charge adds cost to the cell's count if it still holds n, the count the
+// verdict was computed from, and reports whether it did. A concurrent
+// allow changes the count and forces a recomputation; global and previous
+// counts are not part of the swap: they only grow, and a change there can
+// only have made the verdict a little early, never admit past the count.
+func charge(c *cell, n, cost int64) bool {
+	return cost == 0 || c.count.CompareAndSwap(n, SatAdd(n, cost))
+}
+
+// Decide decides one limit and, when it allows, charges its cost. A denial
+// never waits. With an origin, a cold or stale cell is read first, and a
+// shared cell near its limit (or in strict mode) is decided at the origin;
+// all of it within one read timeout, after which the decision is local.
+//
+// The steps below fill d in place rather than return a Decision each: a
+// 40-byte result handed up through three calls was copied at each level,
+// and each copy read back stores just made (a store-forwarding stall),
+// which cost as much as the rest of a local decision.
+func (e *Engine) Decide(ctx context.Context, l Limit) (d Decision) {
+	clampLimit(&l)
+	now := e.nowMs()
+	o := e.getOrigin()
+	var lc located
+	e.locate(&lc, &l, now, o != nil || e.global.Load() != nil)
+	if o == nil {
+		e.decideLocal(&d, &lc, &l)
+		return d
+	}
+	var dl deadline
+	defer dl.stop()
+	if f := e.converge(o, &lc, &l, now); f != nil {
+		e.stats.syncReads.Add(1)
+		if !dl.wait(ctx, e, f.done) {
+			e.stats.readWaitTimeouts.Add(1)
+		}
+	}
+	e.decideAtOrigin(ctx, &d, o, &lc, &l, now, &dl)
+	return d
+}
+
+// decideLocal decides lc on local counts alone, into d.
+func (e *Engine) decideLocal(d *Decision, lc *located, l *Limit) {
+	for {
+		n, cur, prev := lc.snapshot()
+		ok := fits(cur, prev, l.Cost, l.Limit, lc.w, lc.r)
+		if !ok && !l.DryRun {
+			e.deny(d, lc, l, cur, prev)
+			return
+		}
+		if charge(lc.cur, n, l.Cost) {
+			e.allow(d, lc, l, ok, cur, prev)
+			return
+		}
+	}
+}
+
+// allow builds, into d, the decision of a charged request and queues its
+// units for replay. ok is the limit's verdict, false only for a dry run
+// (charged because the request is served anyway, reported as the denial
+// it would have been, recording nothing a denial records).
+func (e *Engine) allow(d *Decision, lc *located, l *Limit, ok bool, cur, prev int64) {
+	after := SatAdd(cur, l.Cost)
+	if l.Cost != 0 && e.origin.Load() != nil {
+		e.committed(lc, l.Cost, SatAdd(after, weighted(prev, lc.w, lc.r)), l.Limit)
+	}
+	lc.passed(d, l.Limit, after, prev)
+	if !ok {
+		d.Allowed = false
+		d.RetryAfter = retryAfter(cur, prev, l.Cost, l.Limit, lc.w, lc.r)
+	}
+}
+
+// passed writes to d the decision of a request that passes limit, with the
+// counts (cur, prev) after it.
+func (lc *located) passed(d *Decision, limit, cur, prev int64) {
+	d.Allowed = true
+	d.Limit = limit
+	d.Remaining = remaining(cur, prev, limit, lc.w, lc.r)
+	d.Reset = msDuration(lc.w - lc.r)
+	d.RetryAfter = 0
+}
+
+// retryAfter is the Retry-After of a denial at (cur, prev), or Never.
+func retryAfter(cur, prev, cost, limit, w, r int64) time.Duration {
+	ra := retryAfterMs(cur, prev, cost, limit, w, r)
+	if ra < 0 {
+		return Never
+	}
+	// At least a millisecond even where the origin denied what the local
+	// counts would pass (it weighs counts this process never saw).
+	return msDuration(max(ra, 1))
+}
+
+// deny builds a denial into d and records what a denial records: strict
+// mode and the cell's first denial. It never waits and never calls the
+// origin.
+func (e *Engine) deny(d *Decision, lc *located, l *Limit, cur, prev int64) {
+	d.Allowed = false
+	d.Limit = l.Limit
+	d.Remaining = remaining(cur, prev, l.Limit, lc.w, lc.r)
+	d.Reset = msDuration(lc.w - lc.r)
+	d.RetryAfter = retryAfter(cur, prev, l.Cost, l.Limit, lc.w, lc.r)
+	if e.origin.Load() != nil {
+		e.markStrict(lc.zone, lc.id, lc.cur.seq*lc.w+lc.r+lc.w)
+	}
+	if lc.cur.state.Load()&stBlocked == 0 && lc.cur.setBits(stBlocked) {
+		e.firstDenial(lc, l, cur, prev)
+	}
+}
+
+// firstDenial records the first denial of lc's cell: counted, notified
+// (Config.OnFirstDenial) and handed to the cross-region layer. Out of
+// deny, so that deny, which every denial runs, stays small.
+func (e *Engine) firstDenial(lc *located, l *Limit, cur, prev int64) {
+	e.stats.firstDenials.Add(1)
+	if f := e.cfg.OnFirstDenial; f != nil {
+		used := SatAdd(cur, weighted(prev, lc.w, lc.r))
+		lim := *l
+		lim.Key, lim.Zone = lc.key(), lc.zone
+		f(Denial{Limit: lim, Sequence: lc.cur.seq, Used: used})
+	}
+	e.globalDenial(lc, l, cur, prev)
+}
+
+// committed records cost committed units in the cell for replay; effective
+// is the key's effective count with them, which picks the replay tier.
+func (e *Engine) committed(lc *located, cost, effective, limit int64) {
+	if cost == 0 || e.origin.Load() == nil {
+		return
+	}
+	x := lc.cur.links()
+	if x == nil {
+		// Located before the origin was set: the units are in the count,
+		// which an upgrade hands over (see upgrade).
+		return
+	}
+	x.pending.Add(cost)
+	// The first units of a cell replay on the fast tick: a key that starts
+	// on several processes at once is known to be shared within a tick.
+	fast := lc.cur.state.Load()&stShared != 0 || x.own.Load() == 0 || pressureAtLeast(effective, limit, 1, 2)
+	e.markDirty(lc.zone, lc.id, lc.cur, fast)
+}
+
+func msDuration(ms int64) time.Duration { return time.Duration(ms) * time.Millisecond }

@@ -1,0 +1,118 @@
+package engine
+
+import "sync/atomic"
+
+// entry is one (namespace, identifier, window): its current cell and the
+// cell before it. Rotation moves cur to prev, then swaps cur.
+type entry struct {
+	cur  atomic.Pointer[cell]
+	prev atomic.Pointer[cell]
+	// id is the entry's identifier, set by the zone's map when it stores
+	// the entry (see entryMap).
+	id string
+}
+
+// previous returns the cell before c, or nil. While a rotation is between
+// its two steps prev may already be c itself; a decision in that instant
+// weighs no previous cell, and it can only be one that reads the clock at
+// the very end of the window, where the previous cell weighs nothing.
+func (en *entry) previous(c *cell) *cell {
+	if p := en.prev.Load(); p != nil && p.seq == c.seq-1 {
+		return p
+	}
+	return nil
+}
+
+// tombstone marks an entry removed from the map: a request that still holds
+// the entry looks it up again instead of counting into a forgotten cell.
+var tombstone = &cell{seq: -1}
+
+// current returns the entry's cell for seq, rotating when seq has advanced,
+// or nil when the entry has been removed. It never moves a key back to an
+// older cell: a request that read the clock a moment ago, or a node whose
+// clock is a little behind, counts in the newer cell. A cell far ahead of
+// the clock is replaced by the engine (see replaceStale). A cell made here
+// is a linked cell when linked is set (the engine has an origin or a
+// global layer). dropped are the cells a rotation let go (neither current nor
+// previous any more), for the engine to remember (see bury): they weigh
+// nothing now, unless the clock has jumped.
+func (en *entry) current(seq int64, linked bool) (c *cell, dropped [2]*cell) {
+	for {
+		c := en.cur.Load()
+		if c == tombstone {
+			return nil, dropped
+		}
+		if c.seq >= seq {
+			return c, dropped
+		}
+		p := en.prev.Load()
+		n := newCell(seq, linked)
+		// A cell rotated from the window just before, of a key that was
+		// read, counts as read but stale: the tiers decide whether it is
+		// read again now or in the background. A key idle for a window or
+		// more (or whose clock jumped) knows nothing of the new window:
+		// others may have counted it near its limit meanwhile, so it waits
+		// for a cold read, as a first touch does. A key that
+		// several processes use stays shared across windows, and the
+		// others' pace carries over as the first estimate.
+		inherit := stShared
+		if c.seq == seq-1 {
+			inherit |= stRead
+		}
+		n.state.Store(n.state.Load() | c.state.Load()&inherit)
+		if x, cx := n.links(), c.links(); x != nil && cx != nil {
+			x.step.Store(cx.step.Load())
+		}
+		var np *cell
+		if c.seq == seq-1 {
+			np = c
+		} else {
+			dropped[0] = c
+		}
+		// prev first, by compare-and-swap against what was read with c, so
+		// a rotation that stalled cannot put back a cell that a newer one
+		// has already moved past.
+		if p != np && !en.prev.CompareAndSwap(p, np) {
+			dropped[0] = nil
+			continue
+		}
+		if en.cur.CompareAndSwap(c, n) {
+			if p != np {
+				dropped[1] = p
+			}
+			return n, dropped
+		}
+		dropped[0] = nil
+	}
+}
+
+// replaceStale replaces c, the entry's current cell, which lies more than
+// a window ahead of seq, by a new cell for seq, and returns it; nil when c
+// is no longer current (look again). The wall clock stepped forward (an
+// NTP step, a resumed VM) and back: kept, the cell from the future would
+// hold the key's count until real time reached it, admitting next to
+// nothing meanwhile. The new cell is a new incarnation (see
+// Delta.Incarnation) that waits for a cold read like a first touch, so it
+// reads what the origin holds for seq; the old cell's pending units still replay from
+// the replay queue, which holds the cell itself. dropped is the previous
+// cell it let go (the one before the stale cell), for the engine to
+// remember as it remembers the stale one.
+func (en *entry) replaceStale(c *cell, seq int64, linked bool) (_, dropped *cell) {
+	n := newCell(seq, linked)
+	n.state.Store(n.state.Load() | c.state.Load()&stShared)
+	p := en.prev.Load()
+	var np *cell
+	if p != nil && p.seq == seq-1 {
+		np = p
+	}
+	if p != np && !en.prev.CompareAndSwap(p, np) {
+		return nil, nil
+	}
+	if p != np {
+		dropped = p
+	}
+	if en.cur.CompareAndSwap(c, n) {
+		return n, dropped
+	}
+	return nil, dropped
+}

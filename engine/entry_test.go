@@ -1,0 +1,94 @@
+package engine
+
+import (
+	"testing"
+	"time"
+)
+
+func TestDecide_ClockSteppingBackNeverMovesAKeyBack(t *testing.T) {
+	e, clk := newTestEngine(t, Config{})
+	clk.Set(time.UnixMilli(epoch + 61_000))
+	for i := 0; i < 3; i++ {
+		e.Decide(bg, lim("k", time.Minute, 3, 1))
+	}
+	clk.Set(time.UnixMilli(epoch + 59_000)) // one window back
+	if d := e.Decide(bg, lim("k", time.Minute, 3, 1)); d.Allowed {
+		t.Fatalf("a step back in time reopened the key: %+v", d)
+	}
+}
+
+// TestClock_CellOneWindowAheadIsKept: a clock that steps back by less than
+// a window (or a node a little behind the others) keeps counting in the
+// newer cell, never moving a key back to an older one.
+func TestClock_CellOneWindowAheadIsKept(t *testing.T) {
+	e, clk := newTestEngine(t, manual(Config{}))
+	l := lim("k", time.Minute, 10, 1)
+	clk.Set(clk.Now().Add(time.Minute + time.Second))
+	for range 4 {
+		e.Decide(bg, l)
+	}
+	clk.Set(clk.Now().Add(-2 * time.Second)) // back into the window before
+	ks, _ := e.Inspect(l.Key)
+	if len(ks.Cells) == 0 || ks.Cells[0].Regional != 4 {
+		t.Fatalf("cells %+v, want the newer cell with 4", ks.Cells)
+	}
+	admitted := 0
+	for range 20 {
+		if e.Decide(bg, l).Allowed {
+			admitted++
+		}
+	}
+	if admitted != 6 {
+		t.Fatalf("admitted %d after a step back within the window, want the 6 left in the newer cell", admitted)
+	}
+}
+
+// TestRotation_AKeyIdleForAWindowReadsFirst is what the reference test
+// found on seed 1795597378052014898: a key this process last touched
+// windows ago (or before its clock jumped) rotated into a cell that
+// counted as read, so its first request decided on local counts alone,
+// far from the limit in its own view, while another process had counted
+// the new window to 4 of 5. Before the fix: cost 2 admitted, 6 of 5.
+func TestRotation_AKeyIdleForAWindowReadsFirst(t *testing.T) {
+	a, b, clk, _ := twoNodes(t)
+	l := lim("k", time.Second, 5, 1)
+	a.Decide(bg, Limit{Key: l.Key, Limit: 5}) // a reads the key (cost 0)
+	clk.Advance(2 * time.Second)
+	for range 4 {
+		b.Decide(bg, l)
+	}
+	replayAll(t, a, b)
+	l.Cost = 2
+	if a.Decide(bg, l).Allowed {
+		t.Fatal("a admitted cost 2 of a key the other process counted to 4 of 5 in this window")
+	}
+}
+
+// TestEntry_RotationLetsGoOfCellsThatWeighNothing: a rotation by one window
+// keeps the cell it rotates from as the previous one and lets go of the
+// one before; a rotation over an idle gap lets go of both, for the engine
+// to remember (see buryCells).
+func TestEntry_RotationLetsGoOfCellsThatWeighNothing(t *testing.T) {
+	en := &entry{}
+	c9, c10 := newCell(9, true), newCell(10, true)
+	en.prev.Store(c9)
+	en.cur.Store(c10)
+	c, dropped := en.current(11, true)
+	if c.seq != 11 || en.cur.Load() != c || en.prev.Load() != c10 || dropped != [2]*cell{nil, c9} {
+		t.Fatalf("one window on: cur %d, prev %v, dropped %v; want 11, the cell of 10, and 9 dropped", c.seq, en.prev.Load(), dropped)
+	}
+	if c.links() == nil {
+		t.Fatal("a rotation asked for a linked cell made a plain one")
+	}
+	c14, dropped := en.current(14, true)
+	if c14.seq != 14 || en.prev.Load() != nil || dropped != [2]*cell{c, c10} {
+		t.Fatalf("over a gap: cur %d, prev %v, dropped %v; want 14, none, and 11 and 10 dropped", c14.seq, en.prev.Load(), dropped)
+	}
+	if got, dropped := en.current(13, true); got != c14 || dropped != [2]*cell{} {
+		t.Fatal("a sequence behind the current cell moved the key back")
+	}
+	en.cur.Store(tombstone)
+	if got, _ := en.current(15, true); got != nil {
+		t.Fatal("a removed entry rotated")
+	}
+}

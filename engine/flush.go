@@ -1,0 +1,260 @@
+package engine
+
+import (
+	"context"
+	"time"
+)
+
+const (
+	// replayBatch is the number of cells per Flush: one pipeline each.
+	replayBatch = 256
+	// flushTimeout bounds one Flush. It is off the request path, so it may
+	// be longer than a read, but a hung origin must not stall replay.
+	flushTimeout = time.Second
+)
+
+// Flush replays every pending delta to the current origin now, within
+// ctx's deadline; a no-op without origin.
+func (e *Engine) Flush(ctx context.Context) error {
+	if o := e.getOrigin(); o != nil {
+		return e.flushAll(ctx, o)
+	}
+	return nil
+}
+
+// FlushTo replays every pending delta to o now, within ctx's deadline,
+// whatever origin the engine uses: for a config whose origin is being let
+// go (a reload without it) while it can still take the units.
+func (e *Engine) FlushTo(ctx context.Context, o Origin) error {
+	if o == nil {
+		return nil
+	}
+	return e.flushAll(ctx, o)
+}
+
+// flush sends one batch to the origin and merges the results. Items the
+// origin did not apply go back to their cells, to be replayed later.
+func (e *Engine) flush(ctx context.Context, o Origin, batch []Delta) error {
+	if len(batch) == 0 {
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(ctx, flushTimeout)
+	defer cancel()
+	sent := e.nowMs()
+	err := o.Flush(ctx, batch)
+	now := e.nowMs()
+	failed := false
+	for i := range batch {
+		d := &batch[i]
+		if d.Done {
+			// A replay refreshes what a read would: both cells.
+			if en, ok := d.zone.entries.Load(d.Key.Identifier); ok {
+				e.merge(en, d.cell, d.Totals, sent)
+			} else {
+				d.cell.observe(d.Totals, now, e.fastTickMs())
+				d.cell.mergeAnswer(d.Totals.Cur, d.Totals.Mine)
+				d.cell.setBits(stRead)
+				d.cell.extendFresh(sent + e.freshnessMs())
+			}
+		} else {
+			failed = true
+			x := d.cell.links()
+			d.cell.setBits(stUnsure) // the origin may have applied it
+			x.own.Add(-d.Delta)
+			x.pending.Add(d.Delta)
+		}
+		e.settle(d)
+	}
+	if failed || err != nil {
+		e.stats.flushErrors.Add(1)
+		e.originFailed()
+	} else {
+		e.stats.flushes.Add(1)
+		e.stats.lastFlush.Store(now)
+		e.originAnswered(now)
+	}
+	return err
+}
+
+// ReplayOnce drains the tier's queue and flushes it on the calling
+// goroutine: one iteration of the replay loop, for tests and shutdown. It
+// returns the number of cells flushed and the first error.
+func (e *Engine) ReplayOnce(ctx context.Context, t Tier) (int, error) {
+	o := e.getOrigin()
+	if o == nil {
+		return 0, nil
+	}
+	var first error
+	n := 0
+	for budget := e.queue(t).len(); budget > 0; budget -= replayBatch {
+		batch := e.drain(t, replayBatch, make([]Delta, 0, replayBatch))
+		if len(batch) == 0 && e.queue(t).len() == 0 {
+			break
+		}
+		if err := e.flush(ctx, o, batch); err != nil && first == nil {
+			first = err
+		}
+		n += len(batch)
+	}
+	return n, first
+}
+
+// replayLoop runs the ticks and the workers until Close.
+func (e *Engine) replayLoop() {
+	defer e.wg.Done()
+	work := make(chan []Delta)
+	done := make(chan struct{})
+	for i := 0; i < e.cfg.ReplayWorkers; i++ {
+		go func() {
+			defer func() { done <- struct{}{} }()
+			for batch := range work {
+				if o := e.getOrigin(); o != nil {
+					_ = e.flush(context.Background(), o, batch)
+				}
+			}
+		}()
+	}
+	slow := time.NewTimer(time.Duration(e.slowTick.Load()))
+	fast := time.NewTimer(time.Duration(e.fastTick.Load()))
+	defer func() {
+		slow.Stop()
+		fast.Stop()
+		close(work)
+		for i := 0; i < e.cfg.ReplayWorkers; i++ {
+			<-done
+		}
+	}()
+	for {
+		var t Tier
+		select {
+		case <-e.stop:
+			return
+		case <-slow.C:
+			t = Slow
+			slow.Reset(time.Duration(e.slowTick.Load()))
+		case <-fast.C:
+			t = Fast
+			fast.Reset(time.Duration(e.fastTick.Load()))
+		}
+		if e.getOrigin() == nil {
+			continue
+		}
+		for budget := e.queue(t).len(); budget > 0; budget -= replayBatch {
+			batch := e.drain(t, replayBatch, make([]Delta, 0, min(budget, replayBatch)))
+			if len(batch) == 0 {
+				continue
+			}
+			select {
+			case work <- batch:
+			case <-e.stop:
+				e.giveBack(batch)
+				return
+			}
+		}
+	}
+}
+
+// settle ends a cell's flush and queues the cell again if units arrived
+// (or came back) meanwhile, on the fast tick if it came from there: a cell
+// near its limit whose flush failed goes out at the first fast tick after
+// the origin returns.
+func (e *Engine) settle(d *Delta) {
+	d.cell.clearBits(stFlushing)
+	if d.cell.pending() > 0 {
+		e.markDirty(d.zone, d.Key.Identifier, d.cell, d.fast || d.cell.state.Load()&stShared != 0)
+	}
+}
+
+// giveBack returns drained deltas to their cells unflushed.
+func (e *Engine) giveBack(batch []Delta) {
+	for i := range batch {
+		d := &batch[i]
+		x := d.cell.links()
+		x.own.Add(-d.Delta)
+		x.pending.Add(d.Delta)
+		d.cell.clearBits(stFlushing)
+	}
+}
+
+// flushAll replays every pending delta of every cell, for shutdown.
+func (e *Engine) flushAll(ctx context.Context, o Origin) error {
+	batch := make([]Delta, 0, replayBatch)
+	var first error
+	send := func() {
+		if err := e.flush(ctx, o, batch); err != nil && first == nil {
+			first = err
+		}
+		batch = batch[:0]
+	}
+	// Queued cells first: an evicted or long rotated cell is only there.
+	for _, q := range []*queue{e.queue(Fast), e.queue(Slow)} {
+		for {
+			d, ok := q.pop()
+			if !ok {
+				break
+			}
+			if batch = e.take(batch, d.zone, d.id, d.cell, false); len(batch) >= replayBatch {
+				send()
+			}
+		}
+	}
+	e.rangeZones(func(z *Zone) bool {
+		z.entries.Range(func(id string, en *entry) bool {
+			c := en.cur.Load()
+			if c == tombstone {
+				return true
+			}
+			if p := en.prev.Load(); p != nil {
+				batch = e.take(batch, z, id, p, false)
+			}
+			batch = e.take(batch, z, id, c, false)
+			if len(batch) >= replayBatch {
+				send()
+			}
+			return ctx.Err() == nil
+		})
+		return ctx.Err() == nil
+	})
+	send()
+	if first == nil {
+		first = ctx.Err()
+	}
+	return first
+}
+
+// DropUnsent gives up the committed units no origin has received yet, when
+// the origin goes away for good (a reload without Redis after its last
+// flush, or shutdown): it returns their number, which the caller reports
+// as lost, and counts it in Stats.LostUnits. Cells keep their counts; only
+// the replay of the units is given up.
+func (e *Engine) DropUnsent() int64 {
+	var lost int64
+	drop := func(c *cell) {
+		if c == nil || c == tombstone {
+			return
+		}
+		if x := c.links(); x != nil {
+			lost = SatAdd(lost, x.pending.Swap(0))
+		}
+	}
+	for _, q := range []*queue{e.queue(Fast), e.queue(Slow)} {
+		for {
+			d, ok := q.pop()
+			if !ok {
+				break
+			}
+			d.cell.clearBits(stDirty | stFast)
+			drop(d.cell)
+		}
+	}
+	e.rangeZones(func(z *Zone) bool {
+		z.entries.Range(func(_ string, en *entry) bool {
+			drop(en.cur.Load())
+			drop(en.prev.Load())
+			return true
+		})
+		return true
+	})
+	e.stats.lostUnits.Add(lost)
+	return lost
+}

@@ -1,0 +1,56 @@
+package engine
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+)
+
+// TestForgetMatching_FindsKeysByTheirHeldIdentifier: a key named as the
+// engine holds it (a long identifier's hash) is forgotten by a match on
+// that name, where Forget, which normalizes what it is given, cannot.
+func TestForgetMatching_FindsKeysByTheirHeldIdentifier(t *testing.T) {
+	e := New(Config{Manual: true})
+	defer e.Close(context.Background())
+	e.Zone("z", time.Minute)
+	long := strings.Repeat("k", 100)
+	for _, id := range []string{long, "short"} {
+		e.Decide(context.Background(), Limit{Key: Key{Namespace: "z", Identifier: id, Window: time.Minute}, Limit: 10, Cost: 1})
+	}
+	held := NormalizeIdentifier(long)
+	if e.Forget(Key{Namespace: "z", Identifier: held, Window: time.Minute}) {
+		t.Fatal("Forget found a key by its hash: it would hash the hash")
+	}
+	if n := e.ForgetMatching("z", time.Minute, func(id string) bool { return id == held }); n != 1 {
+		t.Fatalf("ForgetMatching forgot %d keys, want the long one", n)
+	}
+	if _, ok := e.Inspect(Key{Namespace: "z", Identifier: long, Window: time.Minute}); ok {
+		t.Fatal("the long key is still held")
+	}
+	if _, ok := e.Inspect(Key{Namespace: "z", Identifier: "short", Window: time.Minute}); !ok {
+		t.Fatal("the short key went too")
+	}
+}
+
+// TestForget_SendsUnreplayedUnitsFirst: the origin has a forgotten key's
+// units before Forget returns, so the key's next request, which reads the
+// origin, counts them.
+func TestForget_SendsUnreplayedUnitsFirst(t *testing.T) {
+	e, clk, o := withOrigin(t, Config{})
+	l := lim("k", time.Hour, 5, 1)
+	seq := clk.UnixMilli() / time.Hour.Milliseconds()
+	decideN(e, l, 4)
+	if !e.Forget(l.Key) {
+		t.Fatal("Forget found nothing to forget")
+	}
+	if got := o.total(l.Key, seq); got != 4 {
+		t.Fatalf("origin total %d after Forget, want the 4 units not replayed yet", got)
+	}
+	if e.HasEntry(l.Key) || e.Forget(l.Key) {
+		t.Fatal("the key is still held")
+	}
+	if !e.Decide(bg, l).Allowed || e.Decide(bg, l).Allowed {
+		t.Fatal("after Forget the key did not count what the origin holds")
+	}
+}

@@ -1,0 +1,52 @@
+package engine
+
+import (
+	"testing"
+	"time"
+)
+
+// TestResend_GivesAnOriginRestartedEmptyEveryUnitBack: the units of a
+// live key and of a key forgotten in its window reach an origin that lost
+// them, once each.
+func TestResend_GivesAnOriginRestartedEmptyEveryUnitBack(t *testing.T) {
+	e, clk, o := withOrigin(t, Config{})
+	live, gone := lim("live", time.Hour, 100, 1), lim("gone", time.Hour, 100, 1)
+	seq := clk.UnixMilli() / time.Hour.Milliseconds()
+	decideN(e, live, 5)
+	decideN(e, gone, 3)
+	replayAll(t, e)
+	e.Forget(gone.Key)
+	o.restart()
+	if n := e.Resend(); n != 2 {
+		t.Fatalf("Resend queued %d cells, want the live key's and the forgotten one's", n)
+	}
+	replayAll(t, e)
+	if got, want := [2]int64{o.total(live.Key, seq), o.total(gone.Key, seq)}, [2]int64{5, 3}; got != want {
+		t.Fatalf("origin totals %v after Resend, want %v", got, want)
+	}
+	// Sent again, the same totals change nothing: writes are idempotent.
+	e.Resend()
+	replayAll(t, e)
+	if got := o.total(live.Key, seq); got != 5 {
+		t.Fatalf("origin total %d after a second Resend, want 5", got)
+	}
+	if s := e.Stats(); s.Resends != 4 {
+		t.Fatalf("Stats().Resends = %d, want 4 cells over two resends", s.Resends)
+	}
+}
+
+// TestResend_WithoutOriginSendsNothing: cells that hold units an origin
+// had stay as they are once the engine has no origin to send them to.
+func TestResend_WithoutOriginSendsNothing(t *testing.T) {
+	e, _, _ := withOrigin(t, Config{})
+	l := lim("k", time.Hour, 100, 1)
+	e.Decide(bg, l)
+	replayAll(t, e)
+	e.SetOrigin(nil)
+	if n := e.Resend(); n != 0 {
+		t.Fatalf("Resend without origin queued %d cells", n)
+	}
+	if ks, _ := e.Inspect(l.Key); ks.Cells[0].Pending != 0 {
+		t.Fatalf("cell %+v: units moved back to pending with no origin to take them", ks.Cells[0])
+	}
+}

@@ -1,0 +1,193 @@
+package engine
+
+import (
+	"sync"
+	"sync/atomic"
+	"testing"
+	"testing/synctest"
+	"time"
+
+	"github.com/edgelimit/caddy-ratelimit/internal/testclock"
+)
+
+// sharedAt87 brings a key with a limit of 100 an hour to 87 units: one of
+// another node, which the cold read shows (so the cell is shared), and 86
+// of this engine. The next request, with the other node's expected growth
+// (one unit a replay interval, over two), makes 90 %.
+func sharedAt87(t *testing.T, e *Engine, clk *testclock.Clock, o *memOrigin) (Limit, int64) {
+	t.Helper()
+	l := lim("k", time.Hour, 100, 1)
+	seq := clk.UnixMilli() / time.Hour.Milliseconds()
+	o.add(l.Key, seq, 1)
+	for i := 0; i < 86; i++ {
+		if !e.Decide(bg, l).Allowed {
+			t.Fatal("denied below the limit")
+		}
+	}
+	return l, seq
+}
+
+func TestReserve_SharedCellNearItsLimitIsDecidedAtTheOrigin(t *testing.T) {
+	e, clk, o := withOrigin(t, Config{})
+	l, seq := sharedAt87(t, e, clk, o)
+	if n := o.reserves.Load(); n != 0 {
+		t.Fatalf("%d reservations below 90 %%", n)
+	}
+	// Another node took the rest; this node's view is fresh and does not
+	// show it.
+	o.add(l.Key, seq, 13)
+	d := e.Decide(bg, l)
+	if d.Allowed {
+		t.Fatalf("allowed at the limit without asking the origin: %+v", d)
+	}
+	if o.reserves.Load() != 1 {
+		t.Fatalf("reservations = %d, want 1", o.reserves.Load())
+	}
+	if d.RetryAfter <= 0 {
+		t.Fatalf("an origin denial has no Retry-After: %+v", d)
+	}
+	// The origin has every unit this process admitted: they rode with the
+	// reservation.
+	if got := o.total(l.Key, seq); got != 100 {
+		t.Fatalf("origin total = %d, want 100", got)
+	}
+}
+
+func TestReserve_LoneProcessNearItsLimitMakesNoRoundTrip(t *testing.T) {
+	e, clk, o := withOrigin(t, Config{})
+	l := lim("k", time.Hour, 100, 1)
+	for i := 0; i < 100; i++ {
+		if !e.Decide(bg, l).Allowed {
+			t.Fatalf("request %d denied below the limit", i)
+		}
+		clk.Advance(time.Duration(20) * time.Millisecond) // slower than a fast tick: every view is "old"
+		if i%10 == 0 {
+			for _, tier := range []Tier{Slow, Fast} {
+				if _, err := e.ReplayOnce(bg, tier); err != nil {
+					t.Fatal(err)
+				}
+			}
+		}
+	}
+	if e.Decide(bg, l).Allowed {
+		t.Fatal("allowed past the limit")
+	}
+	if n := o.reserves.Load(); n != 0 {
+		t.Fatalf("a lone process made %d reservations", n)
+	}
+	if n := o.reads.Load(); n != 1 {
+		t.Fatalf("a lone process made %d reads, want the cold one", n)
+	}
+}
+
+// TestReserve_RequestsThatArriveMeanwhileShareTheNextRoundTrip: while one
+// reservation of a cell is in flight, the requests that arrive form the
+// next one, and a single round trip decides them all, admitting exactly
+// what the region's count leaves.
+func TestReserve_RequestsThatArriveMeanwhileShareTheNextRoundTrip(t *testing.T) {
+	// The other node takes 5 more: the region holds 92, and 8 are left.
+	joinedReservation(t, 5, 8, 2)
+}
+
+// TestReserve_NoRoomLeftDeniesTheNextGroupWithoutARoundTrip: when the
+// reservation in flight brings back a full count, the requests that joined
+// behind it are denied without another round trip.
+func TestReserve_NoRoomLeftDeniesTheNextGroupWithoutARoundTrip(t *testing.T) {
+	// The other node takes 12 more: the region holds 99, and 1 is left,
+	// which the leader takes.
+	joinedReservation(t, 12, 1, 1)
+}
+
+// joinedReservation runs a leader's reservation, hung until 20 requests
+// have joined behind it, on a cell where another node adds foreign units
+// near the limit of 100; it checks what was admitted and how many round
+// trips it took.
+func joinedReservation(t *testing.T, foreign, wantAdmitted, wantTrips int64) {
+	synctest.Test(t, func(t *testing.T) {
+		e, clk, o := withOrigin(t, Config{ReadTimeout: time.Second})
+		l, seq := sharedAt87(t, e, clk, o)
+		o.add(l.Key, seq, foreign)
+		gate := make(chan struct{})
+		o.gate.Store(&gate)
+		const joiners = 20
+		var admitted atomic.Int64
+		var wg sync.WaitGroup
+		decide := func() {
+			defer wg.Done()
+			if e.Decide(bg, l).Allowed {
+				admitted.Add(1)
+			}
+		}
+		wg.Add(1)
+		go decide() // the leader: its reservation hangs at the gate
+		synctest.Wait()
+		if n := o.reserves.Load(); n != 1 {
+			t.Fatalf("%d reservations in flight, want the leader's", n)
+		}
+		wg.Add(joiners)
+		for range joiners {
+			go decide()
+		}
+		synctest.Wait()
+		if n := e.Stats().ReservationWaits; n != joiners {
+			t.Fatalf("%d requests joined, want %d", n, joiners)
+		}
+		close(gate)
+		wg.Wait()
+		st := e.Stats()
+		if n := o.reserves.Load(); n != wantTrips {
+			t.Fatalf("%d reservations for 1 + %d requests, want %d round trips", n, joiners, wantTrips)
+		}
+		if got := admitted.Load(); got != wantAdmitted || st.ReservationsAdmitted != wantAdmitted {
+			t.Fatalf("admitted %d (stats %+v), want the %d the region had left", got, st, wantAdmitted)
+		}
+		if got := o.total(l.Key, seq); got != 100 {
+			t.Fatalf("origin total = %d, want 100", got)
+		}
+		if e.Decide(bg, l).Allowed {
+			t.Fatal("allowed past the limit")
+		}
+	})
+}
+
+// TestReserve_ConcurrentRequestsAtTheLimitAdmitExactlyWhatIsLeft: many
+// goroutines deciding a shared key in its last tenth, with reservations
+// that take a while, admit exactly what the region has left, in fewer
+// round trips than requests (the race detector checks the groups).
+func TestReserve_ConcurrentRequestsAtTheLimitAdmitExactlyWhatIsLeft(t *testing.T) {
+	e, clk, o := withOrigin(t, Config{ReadTimeout: 5 * time.Second})
+	l := lim("k", time.Hour, 100, 1)
+	seq := clk.UnixMilli() / time.Hour.Milliseconds()
+	o.add(l.Key, seq, 80) // other nodes hold 80: the cold read makes the key shared
+	for i := 0; i < 10; i++ {
+		if !e.Decide(bg, l).Allowed {
+			t.Fatal("denied below the limit")
+		}
+	}
+	o.reserveDelay.Store(int64(200 * time.Microsecond))
+	var admitted atomic.Int64
+	var wg sync.WaitGroup
+	for range 16 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for range 20 {
+				if e.Decide(bg, l).Allowed {
+					admitted.Add(1)
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	st := e.Stats()
+	if got := admitted.Load(); got != 10 {
+		t.Fatalf("admitted %d of 320 with 10 left (stats %+v)", got, st)
+	}
+	if got := o.total(l.Key, seq); got != 100 {
+		t.Fatalf("origin total = %d, want 100", got)
+	}
+	if st.ReservationErrors != 0 || st.Reservations >= st.ReservationsAdmitted+st.ReservationsDenied {
+		t.Fatalf("%d round trips decided %d requests (errors %d): no request shared one", st.Reservations,
+			st.ReservationsAdmitted+st.ReservationsDenied, st.ReservationErrors)
+	}
+}

@@ -1,0 +1,69 @@
+package engine
+
+import (
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestStrict_DenialMakesNoOriginCallAndRolloverReserves(t *testing.T) {
+	e, clk, o := withOrigin(t, Config{})
+	l := lim("k", time.Minute, 10, 1)
+	o.add(l.Key, clk.UnixMilli()/60_000, 1) // shared from the first read
+	for i := 0; i < 9; i++ {
+		if !e.Decide(bg, l).Allowed {
+			t.Fatal("denied below the limit")
+		}
+	}
+	clk.Set(time.UnixMilli(epoch + 50_000))
+	reads, reserves := o.reads.Load(), o.reserves.Load()
+	for i := 0; i < 100; i++ {
+		if e.Decide(bg, l).Allowed {
+			t.Fatal("allowed over the limit")
+		}
+	}
+	if o.reads.Load() != reads || o.reserves.Load() != reserves || o.flushes.Load() != 0 {
+		t.Fatalf("denials called the origin: reads %d→%d, reserves %d→%d, flushes %d",
+			reads, o.reads.Load(), reserves, o.reserves.Load(), o.flushes.Load())
+	}
+	ks, _ := e.Inspect(l.Key)
+	wantUntil := time.UnixMilli(epoch + 110_000)
+	if !ks.StrictUntil.Equal(wantUntil) {
+		t.Fatalf("strict until %v, want one window after the last denial, %v", ks.StrictUntil, wantUntil)
+	}
+	// Next window, three quarters in: the previous cell weighs ⌊2.5⌋, so a
+	// request would pass locally; strict mode sends it to the origin.
+	clk.Set(time.UnixMilli(epoch + 60_000 + 45_000))
+	if _, err := e.ReplayOnce(bg, Fast); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := replayBoth(e); err != nil {
+		t.Fatal(err)
+	}
+	// A look at the key (cost 0) reads the stale shared cell; another
+	// node's traffic reaches the origin after that read.
+	peek := l
+	peek.Cost = 0
+	e.Decide(bg, peek)
+	o.add(l.Key, clk.UnixMilli()/60_000, 8)
+	reserves = o.reserves.Load()
+	if d := e.Decide(bg, l); d.Allowed {
+		t.Fatalf("strict mode did not ask the origin: %+v", d)
+	}
+	if o.reserves.Load() != reserves+1 {
+		t.Fatalf("reservations = %d, want one", o.reserves.Load()-reserves)
+	}
+}
+
+func TestStrict_DeadlinesAreBoundedByMaxEntries(t *testing.T) {
+	e, _, _ := withOrigin(t, Config{MaxEntries: 10})
+	for i := 0; i < 100; i++ {
+		l := lim(strings.Repeat("x", i+1), time.Minute, 0, 1)
+		if e.Decide(bg, l).Allowed {
+			t.Fatal("a zero limit admitted")
+		}
+	}
+	if n := len(e.StrictKeys()); n > 10 {
+		t.Fatalf("%d strict deadlines, want at most MaxEntries = 10", n)
+	}
+}
