@@ -300,7 +300,8 @@ func (b *mysqlBackend) start() {
 	processRegion.Unlock()
 	b.prop.Start()
 	if !b.prop.HasRegion() {
-		go b.loadMySQLOverrides()
+		// Its own pointer: close may clear b.prop while it loads.
+		go b.loadMySQLOverrides(b.prop)
 	}
 }
 

@@ -146,14 +146,14 @@ func mysqlOverrideHooks(opts *propagation.Options) {
 // loadMySQLOverrides is the first load of a process that is its own
 // region: every override MySQL holds, before its first decision.
 // It tries again until loadTimeout while the schema is being made.
-func (b *mysqlBackend) loadMySQLOverrides() {
+func (b *mysqlBackend) loadMySQLOverrides(p *propagation.Propagator) {
 	defer overrides.endLoad()
 	ctx, cancel := context.WithTimeout(context.Background(), loadTimeout)
 	defer cancel()
 	var rows []propagation.OverrideRow
 	var err error
 	for {
-		if rows, err = b.prop.LoadOverrides(ctx); err == nil || ctx.Err() != nil {
+		if rows, err = p.LoadOverrides(ctx); err == nil || ctx.Err() != nil {
 			break
 		}
 		select {
