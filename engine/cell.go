@@ -314,14 +314,25 @@ func (c *cell) importGlobal(n int64) {
 	}
 }
 
-// extendFresh moves the freshness deadline forward to until (never back).
-// A plain cell has no deadline: it is never fresh.
-func (c *cell) extendFresh(until int64) {
+// extendFresh moves the freshness deadline forward to until (never back),
+// but for a deadline later than until + span: set by a clock that has since
+// stepped back (an hour ahead, say), it would keep a stale view fresh for
+// that long, and is replaced by until. A plain cell has no deadline: it is
+// never fresh.
+func (c *cell) extendFresh(until, span int64) {
 	x := c.links()
 	if x == nil {
 		return
 	}
-	raise(&x.fresh, until)
+	for {
+		old := x.fresh.Load()
+		if old >= until && old <= until+span {
+			return
+		}
+		if x.fresh.CompareAndSwap(old, until) {
+			return
+		}
+	}
 }
 
 // freshUntil returns the cell's freshness deadline (see cellLinks.fresh), 0

@@ -54,7 +54,7 @@ func (e *Engine) flush(ctx context.Context, o Origin, batch []Delta) error {
 				d.cell.observe(d.Totals, now, e.fastTickMs())
 				d.cell.mergeAnswer(d.Totals.Cur, d.Totals.Mine)
 				d.cell.setBits(stRead)
-				d.cell.extendFresh(sent + e.freshnessMs())
+				d.cell.extendFresh(sent+e.freshnessMs(), e.freshnessMs())
 			}
 		} else {
 			failed = true

@@ -82,7 +82,9 @@ func (e *Engine) inspect(z *Zone, id string, en *entry, now int64) (KeyState, bo
 			if f > now {
 				ks.FreshUntil = time.UnixMilli(f)
 			}
-			ks.ViewedAt = time.UnixMilli(f - e.freshnessMs())
+			if at := f - e.freshnessMs(); at <= now { // else a clock stepped back since
+				ks.ViewedAt = time.UnixMilli(at)
+			}
 		}
 	}
 	if prev != nil {
@@ -91,7 +93,7 @@ func (e *Engine) inspect(z *Zone, id string, en *entry, now int64) (KeyState, bo
 		// A cell just rotated to has no view of its own yet: the key's
 		// last look at the origin is the previous cell's (a read answers
 		// both).
-		if f := prev.freshUntil(); prev.state.Load()&stRead != 0 && f > 0 {
+		if f := prev.freshUntil(); prev.state.Load()&stRead != 0 && f > 0 && f-e.freshnessMs() <= now {
 			if at := time.UnixMilli(f - e.freshnessMs()); at.After(ks.ViewedAt) {
 				ks.ViewedAt = at
 			}

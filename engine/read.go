@@ -140,6 +140,9 @@ func (e *Engine) converge(o Origin, lc *located, l *Limit, now int64) *flight {
 	c := lc.cur
 	st := c.state.Load()
 	fresh := c.freshUntil()
+	if fresh > now+max(e.freshnessMs(), maxColdReadRetry.Milliseconds()) {
+		fresh = 0 // set by a clock that has since stepped back: not fresh
+	}
 	if st&stRead == 0 {
 		if now < fresh && e.failing.Load() {
 			return nil // a failed cold read waits before it retries
@@ -301,5 +304,5 @@ func (e *Engine) merge(en *entry, c *cell, t Totals, sent int64) {
 		}
 	}
 	c.setBits(stRead)
-	c.extendFresh(sent + e.freshnessMs())
+	c.extendFresh(sent+e.freshnessMs(), e.freshnessMs())
 }

@@ -218,3 +218,30 @@ func TestRead_AFailedColdReadRetriesOnceTheOriginAnswers(t *testing.T) {
 		t.Fatal("a admitted a unit of a key b used whole, 120 ms after the origin came back")
 	}
 }
+
+// TestRead_AViewFromAClockAheadIsNotFresh is what the reference test found
+// on seed 1795598186842465738: a replay answered while this process's
+// clock was an hour ahead made its view of the key fresh until an hour
+// later; stepped back, it trusted that view for the hour, and admitted on
+// counts another process had long since passed. Before the fix: admitted
+// at 18 + 3 of 20.
+func TestRead_AViewFromAClockAheadIsNotFresh(t *testing.T) {
+	a, b, clk, _ := twoNodes(t)
+	l := lim("k", time.Hour, 20, 3)
+	start := clk.Now()
+	for range 3 {
+		a.Decide(bg, l) // a's cold read, then 9 units
+	}
+	clk.Set(start.Add(time.Hour))
+	replayAll(t, a) // answered an hour ahead: fresh until then
+	clk.Set(start.Add(10 * time.Millisecond))
+	for range 3 {
+		b.Decide(bg, l)
+	}
+	replayAll(t, b) // the origin holds 18
+	// At half its limit in its own view, a reads before it decides, unless
+	// it takes its view for fresh.
+	if a.Decide(bg, l).Allowed {
+		t.Fatal("a admitted 3 at a count of 18 of 20: it trusted a view from a clock an hour ahead")
+	}
+}
