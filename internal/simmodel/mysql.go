@@ -223,31 +223,52 @@ func (c *mysqlClient) Migrate(context.Context) error { return nil }
 func (c *mysqlClient) Close() error { return nil }
 
 func (c *mysqlClient) UpsertDenials(_ context.Context, rows []*propagation.BlocklistRow) error {
-	m := c.m
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	now := m.now()
-	m.arrive(now)
-	at, applied, err := c.toPrimary(now)
-	c.counted(applied, err)
-	if !applied {
-		return err
-	}
-	batch := make([]propagation.BlocklistRow, len(rows))
-	for i, r := range rows {
-		batch[i] = *r
-	}
-	sort.Slice(batch, func(i, j int) bool { return keyOf(&batch[i]).less(keyOf(&batch[j])) })
-	c.r.Cost.RowsWritten += int64(len(batch))
-	m.send(at, func(at int64) {
+	batch := sortedCopy(rows, keyOf)
+	return c.write(len(batch), func(at int64) {
 		for i := range batch {
-			m.tables[propagation.Denials].upsertDenial(&batch[i], at)
+			c.m.tables[propagation.Denials].upsertDenial(&batch[i], at)
 		}
 	})
-	return err
 }
 
 func (c *mysqlClient) UpsertCounts(_ context.Context, rows []*propagation.CountRow) error {
+	batch := sortedCopy(rows, countKey)
+	return c.write(len(batch), func(at int64) {
+		for i := range batch {
+			c.m.tables[propagation.Counts].upsertCount(&batch[i], at)
+		}
+	})
+}
+
+// sortedCopy copies a statement's rows, which land after the call returns
+// and its caller may reuse them, in unique-key order, the order the real
+// store sends a batch in (propagation/store.go) and so the order its
+// versions take in the change log.
+func sortedCopy[R any](rows []*R, key func(*R) rowKey) []R {
+	batch := make([]R, len(rows))
+	for i, r := range rows {
+		batch[i] = *r
+	}
+	sort.Slice(batch, func(i, j int) bool { return key(&batch[i]).less(key(&batch[j])) })
+	return batch
+}
+
+// write sends an upsert of n rows to the primary; apply runs when it
+// arrives there. The rows count as written once the primary ran the
+// statement, even when its answer came too late for the caller.
+func (c *mysqlClient) write(n int, apply func(at int64)) error {
+	return c.onPrimary(func(_, at int64) {
+		c.r.Cost.RowsWritten += int64(n)
+		c.m.send(at, apply)
+	})
+}
+
+// onPrimary runs one statement on the primary: it applies the writes that
+// arrived by now, draws the statement's fate, and when the primary ran it
+// calls run with now and the time the statement arrives. It returns the
+// statement's error for the caller, which a statement that ran may still
+// have (a late answer).
+func (c *mysqlClient) onPrimary(run func(now, at int64)) error {
 	m := c.m
 	m.mu.Lock()
 	defer m.mu.Unlock()
@@ -255,20 +276,9 @@ func (c *mysqlClient) UpsertCounts(_ context.Context, rows []*propagation.CountR
 	m.arrive(now)
 	at, applied, err := c.toPrimary(now)
 	c.counted(applied, err)
-	if !applied {
-		return err
+	if applied {
+		run(now, at)
 	}
-	batch := make([]propagation.CountRow, len(rows))
-	for i, r := range rows {
-		batch[i] = *r
-	}
-	sort.Slice(batch, func(i, j int) bool { return countKey(&batch[i]).less(countKey(&batch[j])) })
-	c.r.Cost.RowsWritten += int64(len(batch))
-	m.send(at, func(at int64) {
-		for i := range batch {
-			m.tables[propagation.Counts].upsertCount(&batch[i], at)
-		}
-	})
 	return err
 }
 
@@ -282,19 +292,28 @@ func (c *mysqlClient) counted(applied bool, err error) {
 	}
 }
 
+// toReplica draws a statement to the region's replica and counts it: a
+// statement the replica ran, or else an error. The caller holds m.mu.
+func (c *mysqlClient) toReplica(now int64) (applied bool, err error) {
+	lat, applied, err := c.r.Local.call(c.m.rng, now, c.m.timeout)
+	c.tick.add(lat)
+	if !applied {
+		c.r.Cost.Errors++
+		return false, err
+	}
+	c.r.Cost.ReplicaStatements++
+	return true, err
+}
+
 // readAt draws a read: the view it reads as of, and where the statement
 // is counted. The caller holds m.mu.
 func (c *mysqlClient) readAt(now int64) (asOf int64, replica bool, err error) {
-	m := c.m
 	if c.r.Replica {
-		lat, applied, err := c.r.Local.call(m.rng, now, m.timeout)
-		c.tick.add(lat)
+		applied, err := c.toReplica(now)
 		if !applied {
-			c.r.Cost.Errors++
 			return 0, true, err
 		}
-		c.r.Cost.ReplicaStatements++
-		return m.replicaView(c.r, now), true, err
+		return c.m.replicaView(c.r, now), true, err
 	}
 	_, applied, err := c.toPrimary(now)
 	c.counted(applied, err)
@@ -356,19 +375,12 @@ func (c *mysqlClient) read(t propagation.Table, r propagation.Read) ([]*version,
 }
 
 func (c *mysqlClient) DeleteExpired(_ context.Context, t propagation.Table, now int64, chunk int) (int64, error) {
-	m := c.m
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	at := m.now()
-	m.arrive(at)
-	_, applied, err := c.toPrimary(at)
-	c.counted(applied, err)
-	if !applied {
-		return 0, err
-	}
-	n := m.tables[t].deleteExpired(now, chunk, at)
-	c.r.Cost.RowsWritten += n
-	c.r.Cost.RowsRead += n
+	var n int64
+	err := c.onPrimary(func(sent, _ int64) {
+		n = c.m.tables[t].deleteExpired(now, chunk, sent)
+		c.r.Cost.RowsWritten += n
+		c.r.Cost.RowsRead += n
+	})
 	if err != nil {
 		return 0, err
 	}
@@ -383,13 +395,10 @@ func (c *mysqlClient) ReplicaLag(context.Context) (time.Duration, bool, error) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	now := m.now()
-	lat, applied, err := c.r.Local.call(m.rng, now, m.timeout)
-	c.tick.add(lat)
+	applied, err := c.toReplica(now)
 	if !applied {
-		c.r.Cost.Errors++
 		return 0, false, err
 	}
-	c.r.Cost.ReplicaStatements++
 	if c.r.ToPrimary.Down(now) {
 		return 0, false, err // the replica's I/O thread is cut off: NULL
 	}
