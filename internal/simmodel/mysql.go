@@ -106,9 +106,8 @@ func (m *MySQL) Cost(i int) MySQLCost {
 // Count returns region's published count of a cell on the primary (0
 // when it has none).
 func (m *MySQL) Count(c propagation.Cell, region string) int64 {
-	m.mu.Lock()
+	m.begin()
 	defer m.mu.Unlock()
-	m.arrive(m.now())
 	k := rowKey{c.Namespace, c.Identifier, c.WindowMs, c.Sequence, region}
 	if r := m.tables[propagation.Counts].rows[k]; r != nil {
 		return r.last.count
@@ -149,6 +148,16 @@ func (m *MySQL) arrive(now int64) {
 			m.compact()
 		}
 	}
+}
+
+// begin locks m and applies the writes that reached the primary by now,
+// which it returns: every statement and look at the tables starts so. The
+// caller unlocks.
+func (m *MySQL) begin() (now int64) {
+	m.mu.Lock()
+	now = m.now()
+	m.arrive(now)
+	return now
 }
 
 // send queues a write to land at at (m.mu held).
@@ -269,11 +278,8 @@ func (c *mysqlClient) write(n int, apply func(at int64)) error {
 // statement's error for the caller, which a statement that ran may still
 // have (a late answer).
 func (c *mysqlClient) onPrimary(run func(now, at int64)) error {
-	m := c.m
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	now := m.now()
-	m.arrive(now)
+	now := c.m.begin()
+	defer c.m.mu.Unlock()
 	at, applied, err := c.toPrimary(now)
 	c.counted(applied, err)
 	if applied {
@@ -324,23 +330,26 @@ func (c *mysqlClient) readAt(now int64) (asOf int64, replica bool, err error) {
 }
 
 func (c *mysqlClient) ReadCounts(_ context.Context, r propagation.Read) ([]propagation.CountRow, error) {
-	vs, err := c.read(propagation.Counts, r)
-	out := make([]propagation.CountRow, len(vs))
-	for i, v := range vs {
-		k := v.row.key
-		out[i] = propagation.CountRow{Namespace: k.ns, Identifier: k.id, WindowMs: k.w, Sequence: k.seq, Region: k.region,
+	return readRows(c, propagation.Counts, r, func(k rowKey, v *version) propagation.CountRow {
+		return propagation.CountRow{Namespace: k.ns, Identifier: k.id, WindowMs: k.w, Sequence: k.seq, Region: k.region,
 			Count: v.count, ExpiresMs: v.expires, UpdatedMs: v.updated}
-	}
-	return out, err
+	})
 }
 
 func (c *mysqlClient) ReadDenials(_ context.Context, r propagation.Read) ([]propagation.BlocklistRow, error) {
-	vs, err := c.read(propagation.Denials, r)
-	out := make([]propagation.BlocklistRow, len(vs))
-	for i, v := range vs {
-		k := v.row.key
-		out[i] = propagation.BlocklistRow{Namespace: k.ns, Identifier: k.id, WindowMs: k.w, Sequence: k.seq, Region: k.region,
+	return readRows(c, propagation.Denials, r, func(k rowKey, v *version) propagation.BlocklistRow {
+		return propagation.BlocklistRow{Namespace: k.ns, Identifier: k.id, WindowMs: k.w, Sequence: k.seq, Region: k.region,
 			Limit: v.limit, CountCur: v.cur, CountPrev: v.prev, ExpiresMs: v.expires, UpdatedMs: v.updated}
+	})
+}
+
+// readRows runs one page of a pull of table t and returns its versions as
+// the store's rows, made by row.
+func readRows[R any](c *mysqlClient, t propagation.Table, r propagation.Read, row func(rowKey, *version) R) ([]R, error) {
+	vs, err := c.read(t, r)
+	out := make([]R, len(vs))
+	for i, v := range vs {
+		out[i] = row(v.row.key, v)
 	}
 	return out, err
 }
@@ -348,10 +357,8 @@ func (c *mysqlClient) ReadDenials(_ context.Context, r propagation.Read) ([]prop
 // read runs one page of a pull on the region's replica or the primary.
 func (c *mysqlClient) read(t propagation.Table, r propagation.Read) ([]*version, error) {
 	m := c.m
-	m.mu.Lock()
+	now := m.begin()
 	defer m.mu.Unlock()
-	now := m.now()
-	m.arrive(now)
 	asOf, replica, err := c.readAt(now)
 	if asOf == 0 {
 		return nil, err
