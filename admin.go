@@ -1,46 +1,31 @@
 package ratelimit
 
 import (
-	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"net/http"
 	"net/url"
 	"slices"
-	"strconv"
 	"strings"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
-
-	"github.com/edgelimit/caddy-ratelimit/engine"
 )
 
 func init() {
 	caddy.RegisterModule(new(AdminAPI))
 }
 
-// Bounds of the key listings.
-const (
-	// defaultListMax is how many keys a listing returns unless told: a
-	// screenful, cheap to produce on a busy node.
-	defaultListMax = 100
-	// maxListMax caps a listing: the engine is scanned on the admin
-	// goroutine, and a million-key answer would be a denial of service of
-	// the admin endpoint by itself.
-	maxListMax = 10_000
-)
-
 // AdminAPI is the admin API extension `admin.api.ratelimit`: the state of
 // the process's rate limiter, one key's counters, the keys in strict mode,
 // and forgetting a key. Routes:
 //
 //	GET    /ratelimit/status
-//	GET    /ratelimit/counters?zone=Z&identifier=I
+//	GET    /ratelimit/counters?zone=Z&identifier=I     (admin_keys.go)
 //	GET    /ratelimit/counters?zone=Z[&prefix=P][&max=N]
 //	DELETE /ratelimit/counters?zone=Z&identifier=I[&scope=node|region|global] (reset.go)
-//	GET    /ratelimit/strict[?zone=Z][&max=N]
+//	GET    /ratelimit/strict[?zone=Z][&max=N]          (admin_keys.go)
 //	PUT    /ratelimit/overrides?zone=Z&identifier=I    (overrides_admin.go)
 //	GET    /ratelimit/overrides?zone=Z[&identifier=I | &prefix=P&max=N]
 //	DELETE /ratelimit/overrides?zone=Z&identifier=I
@@ -69,68 +54,11 @@ func (a *AdminAPI) Routes() []caddy.AdminRoute {
 	}
 }
 
+// zoneStatus is one zone of GET /ratelimit/status.
 type zoneStatus struct {
 	Name     string `json:"name"`
 	Key      string `json:"key"`
 	WindowMs int64  `json:"window_ms"`
-}
-
-// keyDoc is one key of GET /ratelimit/counters.
-type keyDoc struct {
-	Zone       string `json:"zone"`
-	Identifier string `json:"identifier"`
-	WindowMs   int64  `json:"window_ms"`
-	// Limit is the zone's limit for this identifier (an override's when one
-	// matches) in the newest config's first handler that defines the zone.
-	Limit       int64      `json:"limit"`
-	Effective   int64      `json:"effective"`
-	Remaining   int64      `json:"remaining"`
-	StrictUntil *time.Time `json:"strict_until"`
-	FreshUntil  *time.Time `json:"fresh_until"`
-	Cells       []cellDoc  `json:"cells"`
-}
-
-type cellDoc struct {
-	Sequence    int64 `json:"sequence"`
-	Regional    int64 `json:"regional"`
-	Speculative int64 `json:"speculative"`
-	Global      int64 `json:"global"`
-	Pending     int64 `json:"pending"`
-	Blocked     bool  `json:"blocked"`
-	// GlobalByRegion is what each foreign region counted in the cell, as
-	// imported by the cross-region layer; omitted without it.
-	GlobalByRegion map[string]int64 `json:"global_by_region,omitempty"`
-}
-
-// keyListDoc is a listing of GET /ratelimit/counters.
-type keyListDoc struct {
-	Zone   string `json:"zone"`
-	Prefix string `json:"prefix"`
-	Max    int    `json:"max"`
-	// Truncated reports that more keys matched than Max.
-	Truncated bool     `json:"truncated"`
-	Keys      []keyDoc `json:"keys"`
-}
-
-// forgetDoc is DELETE /ratelimit/counters.
-type forgetDoc struct {
-	Zone       string `json:"zone"`
-	Identifier string `json:"identifier"`
-	Forgotten  bool   `json:"forgotten"`
-}
-
-// strictDoc is GET /ratelimit/strict.
-type strictDoc struct {
-	Total     int            `json:"total"`
-	Truncated bool           `json:"truncated"`
-	Keys      []strictKeyDoc `json:"keys"`
-}
-
-type strictKeyDoc struct {
-	Zone       string    `json:"zone"`
-	Identifier string    `json:"identifier"`
-	WindowMs   int64     `json:"window_ms"`
-	Until      time.Time `json:"until"`
 }
 
 // handleStatus is GET /ratelimit/status: the region, how identifiers are
@@ -161,220 +89,6 @@ func (a *AdminAPI) handleStatus(w http.ResponseWriter, r *http.Request) error {
 	doc.set("engine", engineStats.section(&s))
 	for _, k := range backendKinds {
 		doc.set(k.name, k.status(st))
-	}
-	return writeJSON(w, doc)
-}
-
-func (a *AdminAPI) handleCounters(w http.ResponseWriter, r *http.Request) error {
-	if err := allowMethods(w, r, http.MethodGet, http.MethodDelete); err != nil {
-		return err
-	}
-	kq, err := parseKeyQuery(r, "key", "scope")
-	if err != nil {
-		return err
-	}
-	scope, hasScope := kq.q["scope"]
-	switch {
-	case r.Method == http.MethodDelete && !kq.byID:
-		return badRequest("DELETE forgets one key: the identifier parameter is required")
-	case hasScope && r.Method != http.MethodDelete:
-		return badRequest("scope applies to DELETE only")
-	}
-	zoneName, id, st, defs := kq.zone, kq.id, kq.st, kq.defs
-	if !kq.byID {
-		return writeJSON(w, listKeys(st, zoneName, kq.prefix, kq.max, defs))
-	}
-	// The handler counts an IP address by its prefix; so does the lookup.
-	if id != "" {
-		id = maskIP(id, defs[0].v4, defs[0].v6)
-	}
-	if r.Method == http.MethodDelete {
-		return resetKey(w, r, st, zoneName, id, defs, scope)
-	}
-	ids := st.apps.view().ids
-	for _, window := range defWindows(defs) {
-		if ks, ok := regionView(r.Context(), st, engine.Key{Namespace: zoneName, Identifier: id, Window: window}); ok {
-			return writeJSON(w, keyDocOf(ks, defs, ids))
-		}
-	}
-	return errNoKey(zoneName)
-}
-
-// keyQuery is the query of a route about a zone's keys: one key
-// (identifier) or a listing (prefix, max), of a zone a loaded config
-// defines.
-type keyQuery struct {
-	q                map[string]string
-	zone, id, prefix string
-	byID             bool
-	max              int
-	st               *state
-	defs             []zoneDef
-}
-
-// parseKeyQuery reads a keyQuery; what names the thing an identifier
-// selects, in errors. An unknown zone is a 404.
-func parseKeyQuery(r *http.Request, what string, extra ...string) (keyQuery, error) {
-	var kq keyQuery
-	q, err := parseQuery(r, append([]string{"zone", "identifier", "prefix", "max"}, extra...)...)
-	if err != nil {
-		return kq, err
-	}
-	kq.q = q
-	if kq.zone = q["zone"]; kq.zone == "" {
-		return kq, badRequest("the zone parameter is required")
-	}
-	kq.id, kq.byID = q["identifier"]
-	var byPrefix, hasMax bool
-	kq.prefix, byPrefix = q["prefix"]
-	_, hasMax = q["max"]
-	if kq.byID && (byPrefix || hasMax) {
-		return kq, badRequest("identifier selects one " + what + ": prefix and max apply to listings only")
-	}
-	if kq.max, kq.st, err = listing(q); err != nil {
-		return kq, err
-	}
-	if kq.defs = kq.st.zones.definitions(kq.zone, kq.st.apps.view().app); len(kq.defs) == 0 {
-		return kq, errNoZone(kq.zone)
-	}
-	return kq, nil
-}
-
-// regionView is key as this process holds it, with what the region's
-// Redis holds of it raised in (a peek, which registers nothing): the
-// other nodes' units and the other regions' counts the role's holder left
-// there, also for a key this process has not seen. Without Redis, or when
-// it does not answer within the read timeout, it is this process's view.
-func regionView(ctx context.Context, st *state, key engine.Key) (engine.KeyState, bool) {
-	o := st.currentOrigin()
-	if o == nil {
-		return st.engine.Inspect(key)
-	}
-	ctx, cancel := context.WithTimeout(ctx, st.engine.Timing().ReadTimeout)
-	defer cancel()
-	peek := key
-	peek.Identifier = engine.NormalizeIdentifier(key.Identifier)
-	if m := st.apps.view().ids.mapper(); m != nil {
-		peek.Identifier = m(peek.Identifier)
-	}
-	t, err := o.Peek(ctx, peek, st.engine.Now().UnixMilli()/key.Window.Milliseconds())
-	if err != nil {
-		return st.engine.Inspect(key)
-	}
-	return st.engine.Overlay(key, t)
-}
-
-// listKeys lists up to max keys of the zone whose identifier starts with
-// prefix.
-func listKeys(st *state, zoneName, prefix string, max int, defs []zoneDef) keyListDoc {
-	ids := st.apps.view().ids
-	doc := keyListDoc{Zone: zoneName, Prefix: prefix, Max: max, Keys: []keyDoc{}}
-	windows := defWindows(defs)
-	found := st.engine.Scan(zoneName, prefix, max+1)
-	doc.Truncated = len(found) > max
-	for _, ks := range found[:min(len(found), max)] {
-		// Keys of a window no loaded config uses any more linger until the
-		// janitor drops them; they are not the zone's.
-		if slices.Contains(windows, ks.Key.Window) {
-			doc.Keys = append(doc.Keys, keyDocOf(ks, defs, ids))
-		}
-	}
-	return doc
-}
-
-// forgetKey forgets the key in every window the zone is defined with.
-func forgetKey(w http.ResponseWriter, st *state, zoneName, id string, defs []zoneDef) error {
-	forgotten := false
-	for _, window := range defWindows(defs) {
-		if st.engine.Forget(engine.Key{Namespace: zoneName, Identifier: id, Window: window}) {
-			forgotten = true
-		}
-	}
-	if !forgotten {
-		return errNoKey(zoneName)
-	}
-	ids := st.apps.view().ids
-	return writeJSON(w, forgetDoc{Zone: zoneName, Identifier: ids.shown(engine.NormalizeIdentifier(id)), Forgotten: true})
-}
-
-// errNoZone is the 404 for a zone no loaded config defines.
-func errNoZone(zone string) error {
-	return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("zone %q is not defined by any loaded config", zone)}
-}
-
-// errNoKey never names the identifier: Caddy logs admin errors.
-func errNoKey(zone string) error {
-	return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("no counters for this identifier in zone %q on this node", zone)}
-}
-
-// keyDocOf renders a key with the limit that the first of defs with its
-// window applies to it.
-func keyDocOf(ks engine.KeyState, defs []zoneDef, ids identities) keyDoc {
-	var limit int64
-	for _, d := range defs {
-		if d.window == ks.Key.Window {
-			limit = d.limitFor(ks.Key.Namespace, ks.Key.Identifier)
-			break
-		}
-	}
-	doc := keyDoc{
-		Zone:        ks.Key.Namespace,
-		Identifier:  ids.shown(ks.Key.Identifier),
-		WindowMs:    ks.Key.Window.Milliseconds(),
-		Limit:       limit,
-		Effective:   ks.Effective,
-		Remaining:   max(0, limit-ks.Effective),
-		StrictUntil: timeOrNull(ks.StrictUntil),
-		FreshUntil:  timeOrNull(ks.FreshUntil),
-		Cells:       make([]cellDoc, len(ks.Cells)),
-	}
-	for i, c := range ks.Cells {
-		doc.Cells[i] = cellDoc{
-			Sequence:    c.Sequence,
-			Regional:    c.Regional,
-			Speculative: c.Speculative,
-			Global:      c.Global,
-			Pending:     c.Pending,
-			Blocked:     c.Blocked,
-		}
-		doc.Cells[i].GlobalByRegion = foreignCounts(ks.Key, c.Sequence) // mysql_status.go
-	}
-	return doc
-}
-
-func (a *AdminAPI) handleStrict(w http.ResponseWriter, r *http.Request) error {
-	if err := allowMethods(w, r, http.MethodGet); err != nil {
-		return err
-	}
-	q, err := parseQuery(r, "zone", "max")
-	if err != nil {
-		return err
-	}
-	max, st, err := listing(q)
-	if err != nil {
-		return err
-	}
-	zoneName, byZone := q["zone"]
-	if byZone && len(st.zones.definitions(zoneName, nil)) == 0 {
-		return errNoZone(zoneName)
-	}
-	ids := st.apps.view().ids
-	doc := strictDoc{Keys: []strictKeyDoc{}}
-	for _, sk := range st.engine.StrictKeys() {
-		if byZone && sk.Key.Namespace != zoneName {
-			continue
-		}
-		doc.Total++
-		if len(doc.Keys) == max {
-			doc.Truncated = true
-			continue
-		}
-		doc.Keys = append(doc.Keys, strictKeyDoc{
-			Zone:       sk.Key.Namespace,
-			Identifier: ids.shown(sk.Key.Identifier),
-			WindowMs:   sk.Key.Window.Milliseconds(),
-			Until:      sk.Until.UTC(),
-		})
 	}
 	return writeJSON(w, doc)
 }
@@ -415,30 +129,6 @@ func parseQuery(r *http.Request, known ...string) (map[string]string, error) {
 	return q, nil
 }
 
-// listing is what a listing route needs after its parameters: the max
-// parameter and the running state.
-func listing(q map[string]string) (int, *state, error) {
-	max, err := listMax(q)
-	if err != nil {
-		return 0, nil, err
-	}
-	st, err := runningState()
-	return max, st, err
-}
-
-// listMax is the max parameter: default defaultListMax, 1 to maxListMax.
-func listMax(q map[string]string) (int, error) {
-	s, ok := q["max"]
-	if !ok {
-		return defaultListMax, nil
-	}
-	n, err := strconv.Atoi(s)
-	if err != nil || n < 1 || n > maxListMax {
-		return 0, badRequest(fmt.Sprintf("max must be an integer from 1 to %d", maxListMax))
-	}
-	return n, nil
-}
-
 func badRequest(msg string) error {
 	return caddy.APIError{HTTPStatus: http.StatusBadRequest, Err: errors.New(msg)}
 }
@@ -461,10 +151,10 @@ func timeOrNull(t time.Time) *time.Time {
 	return &u
 }
 
-// Interface guards.
-var _ caddy.AdminRouter = (*AdminAPI)(nil)
-
 // errString is an error of a constant message.
 type errString string
 
 func (e errString) Error() string { return string(e) }
+
+// Interface guards.
+var _ caddy.AdminRouter = (*AdminAPI)(nil)

@@ -40,7 +40,9 @@
 //	counters.go          counters declared once: status and Prometheus
 //	                     are made from the same list
 //	zones.go             zone definitions across handlers and configs
-//	admin.go             admin API: status, counters, strict keys
+//	admin.go             admin API: the module, its routes, status, the
+//	                     query and answer helpers every route uses
+//	admin_keys.go        its counters and strict-keys routes
 //	metrics.go           the handler's metrics and the engine's collector
 //	logs.go              log lines of the engine and origin hooks
 //

@@ -20,5 +20,7 @@
 // Files: config.go (the knobs and scenarios), cluster.go (regions, nodes
 // and models), traffic.go (request generators), events.go (the event
 // queue), run.go (the loop), measure.go (the central counter and what is
-// measured), report.go (tables), tables.go (the README's tables).
+// measured), report.go (tables), tables.go (the README's tables),
+// harness.go (the scale harness's loads, which the simulator must agree
+// with).
 package sim

@@ -106,9 +106,8 @@ func (m *MySQL) Cost(i int) MySQLCost {
 // Count returns region's published count of a cell on the primary (0
 // when it has none).
 func (m *MySQL) Count(c propagation.Cell, region string) int64 {
-	m.mu.Lock()
+	m.begin()
 	defer m.mu.Unlock()
-	m.arrive(m.now())
 	k := rowKey{c.Namespace, c.Identifier, c.WindowMs, c.Sequence, region}
 	if r := m.tables[propagation.Counts].rows[k]; r != nil {
 		return r.last.count
@@ -149,6 +148,16 @@ func (m *MySQL) arrive(now int64) {
 			m.compact()
 		}
 	}
+}
+
+// begin locks m and applies the writes that reached the primary by now,
+// which it returns: every statement and look at the tables starts so. The
+// caller unlocks.
+func (m *MySQL) begin() (now int64) {
+	m.mu.Lock()
+	now = m.now()
+	m.arrive(now)
+	return now
 }
 
 // send queues a write to land at at (m.mu held).
@@ -223,52 +232,59 @@ func (c *mysqlClient) Migrate(context.Context) error { return nil }
 func (c *mysqlClient) Close() error { return nil }
 
 func (c *mysqlClient) UpsertDenials(_ context.Context, rows []*propagation.BlocklistRow) error {
-	m := c.m
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	now := m.now()
-	m.arrive(now)
-	at, applied, err := c.toPrimary(now)
-	c.counted(applied, err)
-	if !applied {
-		return err
-	}
-	batch := make([]propagation.BlocklistRow, len(rows))
-	for i, r := range rows {
-		batch[i] = *r
-	}
-	sort.Slice(batch, func(i, j int) bool { return keyOf(&batch[i]).less(keyOf(&batch[j])) })
-	c.r.Cost.RowsWritten += int64(len(batch))
-	m.send(at, func(at int64) {
+	batch := sortedCopy(rows, keyOf)
+	return c.write(len(batch), func(at int64) {
 		for i := range batch {
-			m.tables[propagation.Denials].upsertDenial(&batch[i], at)
+			c.m.tables[propagation.Denials].upsertDenial(&batch[i], at)
 		}
 	})
-	return err
 }
 
 func (c *mysqlClient) UpsertCounts(_ context.Context, rows []*propagation.CountRow) error {
-	m := c.m
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	now := m.now()
-	m.arrive(now)
-	at, applied, err := c.toPrimary(now)
-	c.counted(applied, err)
-	if !applied {
-		return err
-	}
-	batch := make([]propagation.CountRow, len(rows))
+	batch := sortedCopy(rows, countKey)
+	return c.write(len(batch), func(at int64) {
+		for i := range batch {
+			c.m.tables[propagation.Counts].upsertCount(&batch[i], at)
+		}
+	})
+}
+
+// sortedCopy copies a statement's rows, which land after the call returns
+// and its caller may reuse them, in unique-key order, the order the real
+// store sends a batch in (propagation/store.go) and so the order its
+// versions take in the change log.
+func sortedCopy[R any](rows []*R, key func(*R) rowKey) []R {
+	batch := make([]R, len(rows))
 	for i, r := range rows {
 		batch[i] = *r
 	}
-	sort.Slice(batch, func(i, j int) bool { return countKey(&batch[i]).less(countKey(&batch[j])) })
-	c.r.Cost.RowsWritten += int64(len(batch))
-	m.send(at, func(at int64) {
-		for i := range batch {
-			m.tables[propagation.Counts].upsertCount(&batch[i], at)
-		}
+	sort.Slice(batch, func(i, j int) bool { return key(&batch[i]).less(key(&batch[j])) })
+	return batch
+}
+
+// write sends an upsert of n rows to the primary; apply runs when it
+// arrives there. The rows count as written once the primary ran the
+// statement, even when its answer came too late for the caller.
+func (c *mysqlClient) write(n int, apply func(at int64)) error {
+	return c.onPrimary(func(_, at int64) {
+		c.r.Cost.RowsWritten += int64(n)
+		c.m.send(at, apply)
 	})
+}
+
+// onPrimary runs one statement on the primary: it applies the writes that
+// arrived by now, draws the statement's fate, and when the primary ran it
+// calls run with now and the time the statement arrives. It returns the
+// statement's error for the caller, which a statement that ran may still
+// have (a late answer).
+func (c *mysqlClient) onPrimary(run func(now, at int64)) error {
+	now := c.m.begin()
+	defer c.m.mu.Unlock()
+	at, applied, err := c.toPrimary(now)
+	c.counted(applied, err)
+	if applied {
+		run(now, at)
+	}
 	return err
 }
 
@@ -282,19 +298,28 @@ func (c *mysqlClient) counted(applied bool, err error) {
 	}
 }
 
+// toReplica draws a statement to the region's replica and counts it: a
+// statement the replica ran, or else an error. The caller holds m.mu.
+func (c *mysqlClient) toReplica(now int64) (applied bool, err error) {
+	lat, applied, err := c.r.Local.call(c.m.rng, now, c.m.timeout)
+	c.tick.add(lat)
+	if !applied {
+		c.r.Cost.Errors++
+		return false, err
+	}
+	c.r.Cost.ReplicaStatements++
+	return true, err
+}
+
 // readAt draws a read: the view it reads as of, and where the statement
 // is counted. The caller holds m.mu.
 func (c *mysqlClient) readAt(now int64) (asOf int64, replica bool, err error) {
-	m := c.m
 	if c.r.Replica {
-		lat, applied, err := c.r.Local.call(m.rng, now, m.timeout)
-		c.tick.add(lat)
+		applied, err := c.toReplica(now)
 		if !applied {
-			c.r.Cost.Errors++
 			return 0, true, err
 		}
-		c.r.Cost.ReplicaStatements++
-		return m.replicaView(c.r, now), true, err
+		return c.m.replicaView(c.r, now), true, err
 	}
 	_, applied, err := c.toPrimary(now)
 	c.counted(applied, err)
@@ -305,23 +330,26 @@ func (c *mysqlClient) readAt(now int64) (asOf int64, replica bool, err error) {
 }
 
 func (c *mysqlClient) ReadCounts(_ context.Context, r propagation.Read) ([]propagation.CountRow, error) {
-	vs, err := c.read(propagation.Counts, r)
-	out := make([]propagation.CountRow, len(vs))
-	for i, v := range vs {
-		k := v.row.key
-		out[i] = propagation.CountRow{Namespace: k.ns, Identifier: k.id, WindowMs: k.w, Sequence: k.seq, Region: k.region,
+	return readRows(c, propagation.Counts, r, func(k rowKey, v *version) propagation.CountRow {
+		return propagation.CountRow{Namespace: k.ns, Identifier: k.id, WindowMs: k.w, Sequence: k.seq, Region: k.region,
 			Count: v.count, ExpiresMs: v.expires, UpdatedMs: v.updated}
-	}
-	return out, err
+	})
 }
 
 func (c *mysqlClient) ReadDenials(_ context.Context, r propagation.Read) ([]propagation.BlocklistRow, error) {
-	vs, err := c.read(propagation.Denials, r)
-	out := make([]propagation.BlocklistRow, len(vs))
-	for i, v := range vs {
-		k := v.row.key
-		out[i] = propagation.BlocklistRow{Namespace: k.ns, Identifier: k.id, WindowMs: k.w, Sequence: k.seq, Region: k.region,
+	return readRows(c, propagation.Denials, r, func(k rowKey, v *version) propagation.BlocklistRow {
+		return propagation.BlocklistRow{Namespace: k.ns, Identifier: k.id, WindowMs: k.w, Sequence: k.seq, Region: k.region,
 			Limit: v.limit, CountCur: v.cur, CountPrev: v.prev, ExpiresMs: v.expires, UpdatedMs: v.updated}
+	})
+}
+
+// readRows runs one page of a pull of table t and returns its versions as
+// the store's rows, made by row.
+func readRows[R any](c *mysqlClient, t propagation.Table, r propagation.Read, row func(rowKey, *version) R) ([]R, error) {
+	vs, err := c.read(t, r)
+	out := make([]R, len(vs))
+	for i, v := range vs {
+		out[i] = row(v.row.key, v)
 	}
 	return out, err
 }
@@ -329,10 +357,8 @@ func (c *mysqlClient) ReadDenials(_ context.Context, r propagation.Read) ([]prop
 // read runs one page of a pull on the region's replica or the primary.
 func (c *mysqlClient) read(t propagation.Table, r propagation.Read) ([]*version, error) {
 	m := c.m
-	m.mu.Lock()
+	now := m.begin()
 	defer m.mu.Unlock()
-	now := m.now()
-	m.arrive(now)
 	asOf, replica, err := c.readAt(now)
 	if asOf == 0 {
 		return nil, err
@@ -356,19 +382,12 @@ func (c *mysqlClient) read(t propagation.Table, r propagation.Read) ([]*version,
 }
 
 func (c *mysqlClient) DeleteExpired(_ context.Context, t propagation.Table, now int64, chunk int) (int64, error) {
-	m := c.m
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	at := m.now()
-	m.arrive(at)
-	_, applied, err := c.toPrimary(at)
-	c.counted(applied, err)
-	if !applied {
-		return 0, err
-	}
-	n := m.tables[t].deleteExpired(now, chunk, at)
-	c.r.Cost.RowsWritten += n
-	c.r.Cost.RowsRead += n
+	var n int64
+	err := c.onPrimary(func(sent, _ int64) {
+		n = c.m.tables[t].deleteExpired(now, chunk, sent)
+		c.r.Cost.RowsWritten += n
+		c.r.Cost.RowsRead += n
+	})
 	if err != nil {
 		return 0, err
 	}
@@ -383,13 +402,10 @@ func (c *mysqlClient) ReplicaLag(context.Context) (time.Duration, bool, error) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	now := m.now()
-	lat, applied, err := c.r.Local.call(m.rng, now, m.timeout)
-	c.tick.add(lat)
+	applied, err := c.toReplica(now)
 	if !applied {
-		c.r.Cost.Errors++
 		return 0, false, err
 	}
-	c.r.Cost.ReplicaStatements++
 	if c.r.ToPrimary.Down(now) {
 		return 0, false, err // the replica's I/O thread is cut off: NULL
 	}

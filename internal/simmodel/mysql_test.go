@@ -37,46 +37,6 @@ func TestMySQL_CountsOnlyRiseAndStampTheirChange(t *testing.T) {
 	}
 }
 
-func TestMySQL_ChangesPageInChangeOrder(t *testing.T) {
-	clk := &clock{ms: 1000}
-	m := newTestMySQL(clk, 0)
-	s := m.Client(0, nil)
-	_ = s.UpsertCounts(bg, []*propagation.CountRow{countRow("c", 1, 1), countRow("a", 1, 1)})
-	clk.ms = 2000
-	_ = s.UpsertCounts(bg, []*propagation.CountRow{countRow("b", 1, 1), countRow("c", 1, 2)})
-	clk.ms = 3000
-	var got []string
-	r := propagation.Read{Changed: true, Since: 500, Limit: 2}
-	for {
-		rows, err := s.ReadCounts(bg, r)
-		if err != nil {
-			t.Fatal(err)
-		}
-		for _, row := range rows {
-			got = append(got, row.Identifier)
-		}
-		if len(rows) < r.Limit {
-			break
-		}
-		last := rows[len(rows)-1]
-		r.After = &propagation.RowKey{Namespace: last.Namespace, Identifier: last.Identifier, WindowMs: last.WindowMs, Sequence: last.Sequence, Region: last.Region, UpdatedMs: last.UpdatedMs}
-	}
-	if want := "a b c"; join(got) != want {
-		t.Fatalf("pages read %v, want %s (c's change at 2000 moved it after a)", got, want)
-	}
-}
-
-func join(s []string) string {
-	out := ""
-	for i, x := range s {
-		if i > 0 {
-			out += " "
-		}
-		out += x
-	}
-	return out
-}
-
 func TestMySQL_ReplicaReadsLateAndWritesArriveHalfARoundTripLater(t *testing.T) {
 	clk := &clock{ms: 1000}
 	m := newTestMySQL(clk, 500)
@@ -122,43 +82,5 @@ func TestMySQL_PrimaryDownRefusesWrites(t *testing.T) {
 	clk.ms = 2000
 	if err := m.Client(0, nil).UpsertCounts(bg, []*propagation.CountRow{countRow("a", 1, 1)}); err != nil {
 		t.Fatalf("write after the outage: %v", err)
-	}
-}
-
-func TestMySQL_CleanupDeletesInExpiryOrder(t *testing.T) {
-	clk := &clock{ms: 1000}
-	m := newTestMySQL(clk, 0)
-	s := m.Client(0, nil)
-	rows := []*propagation.CountRow{countRow("a", 1, 1), countRow("b", 1, 1), countRow("c", 1, 1)}
-	rows[0].ExpiresMs, rows[1].ExpiresMs, rows[2].ExpiresMs = 300, 100, 5000
-	_ = s.UpsertCounts(bg, rows)
-	clk.ms = 1010
-	n, err := s.DeleteExpired(bg, propagation.Counts, 1000, 1)
-	if err != nil || n != 1 || m.Count(propagation.Cell{Namespace: "z", Identifier: "b", WindowMs: 60_000, Sequence: 1}, "r1") != 0 {
-		t.Fatalf("deleted %d (%v): want b first", n, err)
-	}
-	if m.Rows(propagation.Counts) != 2 {
-		t.Fatalf("%d rows left, want 2", m.Rows(propagation.Counts))
-	}
-}
-
-func TestGate_OpensOnFailuresAndProbesAfterItsTimeout(t *testing.T) {
-	clk := &clock{ms: 0}
-	g := NewGate(clk.now, 30_000_000_000, 5_000_000_000, 5, 0.5)
-	fail := errors.New("down")
-	for range 5 {
-		_ = g.Do(func() error { return fail })
-		clk.ms += 100
-	}
-	if err := g.Do(func() error { return nil }); !errors.Is(err, ErrGateOpen) {
-		t.Fatalf("after five failures: %v, want the gate open", err)
-	}
-	clk.ms += 5000
-	ran := false
-	if err := g.Do(func() error { ran = true; return nil }); err != nil || !ran {
-		t.Fatalf("the probe after the timeout: %v, ran %v", err, ran)
-	}
-	if g.Tripped != 1 || g.Refused != 1 {
-		t.Fatalf("tripped %d, refused %d", g.Tripped, g.Refused)
 	}
 }

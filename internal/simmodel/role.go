@@ -1,6 +1,7 @@
 package simmodel
 
 import (
+	"cmp"
 	"context"
 	"hash/fnv"
 	"slices"
@@ -89,222 +90,220 @@ func (c *regionConn) count(calls, processed int64) {
 	c.r.cost.Processed += processed
 }
 
+// roleCall runs one call of the role: when it reached Redis, run does its
+// work at the time it arrives and returns its answer, the commands the
+// client sent and those Redis ran. What a call that reached Redis did
+// stands and is counted even when its answer came too late for the
+// caller, who then gets only the error.
+func roleCall[T any](c *regionConn, run func(at int64) (out T, calls, processed int64)) (T, error) {
+	var none T
+	at, err := c.begin()
+	defer c.r.mu.Unlock()
+	if at == 0 {
+		return none, err
+	}
+	out, calls, processed := run(at)
+	c.count(calls, processed)
+	if err != nil {
+		return none, err
+	}
+	return out, nil
+}
+
+// do is roleCall for a call without an answer.
+func (c *regionConn) do(run func(at int64) (calls, processed int64)) error {
+	_, err := roleCall(c, func(at int64) (struct{}, int64, int64) {
+		calls, processed := run(at)
+		return struct{}{}, calls, processed
+	})
+	return err
+}
+
 func (c *regionConn) NodeID() string { return c.node }
 
 func (c *regionConn) Lease(_ context.Context, ttl time.Duration) (string, error) {
-	at, err := c.begin()
-	defer c.r.mu.Unlock()
-	if at == 0 {
-		return "", err
-	}
-	s := &c.r.role
-	now := c.r.now()
-	processed := int64(2)
-	switch {
-	case s.holder == c.node && s.until > now:
-		s.until = now + ttl.Milliseconds()
-		processed++
-	case s.holder == "" || s.until <= now:
-		s.holder, s.until = c.node, now+ttl.Milliseconds()
-		processed++
-	}
-	c.count(1, processed)
-	if err != nil {
-		return "", err
-	}
-	return s.holder, nil
+	return roleCall(c, func(int64) (string, int64, int64) {
+		s := &c.r.role
+		now := c.r.now()
+		processed := int64(2)
+		switch {
+		case s.holder == c.node && s.until > now:
+			s.until = now + ttl.Milliseconds()
+			processed++
+		case s.holder == "" || s.until <= now:
+			s.holder, s.until = c.node, now+ttl.Milliseconds()
+			processed++
+		}
+		return s.holder, 1, processed
+	})
 }
 
 func (c *regionConn) ReleaseLease(context.Context) error {
-	at, err := c.begin()
-	defer c.r.mu.Unlock()
-	if at == 0 {
-		return err
-	}
-	s := &c.r.role
-	processed := int64(2)
-	if s.holder == c.node && s.until > c.r.now() {
-		s.holder, s.until = "", 0
-		processed++
-	}
-	c.count(1, processed)
-	return err
+	return c.do(func(int64) (int64, int64) {
+		s := &c.r.role
+		processed := int64(2)
+		if s.holder == c.node && s.until > c.r.now() {
+			s.holder, s.until = "", 0
+			processed++
+		}
+		return 1, processed
+	})
 }
 
 func (c *regionConn) Register(_ context.Context, cells []propagation.RegionCell) error {
-	at, err := c.begin()
-	defer c.r.mu.Unlock()
-	if at == 0 {
-		return err
-	}
-	s := &c.r.role
-	var used [roleShards]bool
-	var calls, processed int64
-	for _, rc := range cells {
-		sh := shardOf(rc.Cell)
-		if !used[sh] {
-			used[sh] = true
-			calls++
+	return c.do(func(int64) (int64, int64) {
+		s := &c.r.role
+		var used [roleShards]bool
+		var calls, processed int64
+		for _, rc := range cells {
+			sh := shardOf(rc.Cell)
+			if !used[sh] {
+				used[sh] = true
+				calls++
+			}
+			processed++ // HGET
+			if old, ok := s.reg[rc.Cell]; !ok || old != rc {
+				s.reg[rc.Cell] = rc
+				s.queued[sh] = append(s.queued[sh], rc.Cell)
+				processed += 2 // HSET, RPUSH
+			}
 		}
-		processed++ // HGET
-		if old, ok := s.reg[rc.Cell]; !ok || old != rc {
-			s.reg[rc.Cell] = rc
-			s.queued[sh] = append(s.queued[sh], rc.Cell)
-			processed += 2 // HSET, RPUSH
-		}
-	}
-	c.count(calls, calls+processed)
-	return err
+		return calls, calls + processed
+	})
 }
 
 func (c *regionConn) TakeRegistered(_ context.Context, all bool, now int64) ([]propagation.RegionCell, error) {
-	at, err := c.begin()
-	defer c.r.mu.Unlock()
-	if at == 0 {
-		return nil, err
+	return roleCall(c, func(int64) ([]propagation.RegionCell, int64, int64) {
+		var out []propagation.RegionCell
+		var calls int64
+		if all {
+			out, calls = c.r.role.takeAll(now)
+		} else {
+			out, calls = c.r.role.takeQueued(now)
+		}
+		slices.SortFunc(out, func(a, b propagation.RegionCell) int { return compareCells(a.Cell, b.Cell) })
+		return out, calls, calls
+	})
+}
+
+// takeAll takes every registration that has not expired at now (a whole
+// read of the registry), deleting those that have, and empties the
+// queues; it returns the commands it took.
+func (s *roleState) takeAll(now int64) ([]propagation.RegionCell, int64) {
+	var out []propagation.RegionCell
+	calls := int64(2 * roleShards) // DEL of the queue, HGETALL
+	var expired [roleShards]bool
+	for cell, rc := range s.reg {
+		if rc.Expires <= now {
+			delete(s.reg, cell)
+			expired[shardOf(cell)] = true
+			continue
+		}
+		out = append(out, rc)
 	}
-	s := &c.r.role
+	for sh := range s.queued {
+		s.queued[sh] = nil
+		if expired[sh] {
+			calls++ // HDEL
+		}
+	}
+	return out, calls
+}
+
+// takeQueued takes the registrations queued since the last take, each
+// once, that have not expired at now; it returns the commands it took.
+func (s *roleState) takeQueued(now int64) ([]propagation.RegionCell, int64) {
 	var out []propagation.RegionCell
 	var calls int64
-	if all {
-		calls = 2 * roleShards // DEL of the queue, HGETALL
-		var expired [roleShards]bool
-		for cell, rc := range s.reg {
-			if rc.Expires <= now {
-				delete(s.reg, cell)
-				expired[shardOf(cell)] = true
-				continue
-			}
-			out = append(out, rc)
+	seen := map[propagation.Cell]bool{}
+	for sh := range s.queued {
+		q := s.queued[sh]
+		calls += 1 + int64(len(q)/roleQueueBatch) // LPOP until short
+		if len(q) > 0 {
+			calls += int64((len(q) + roleQueueBatch - 1) / roleQueueBatch) // HMGET
 		}
-		for sh := range s.queued {
-			s.queued[sh] = nil
-			if expired[sh] {
-				calls++ // HDEL
+		for _, cell := range q {
+			rc, ok := s.reg[cell]
+			if ok && !seen[cell] && rc.Expires > now {
+				seen[cell] = true
+				out = append(out, rc)
 			}
 		}
-	} else {
-		seen := map[propagation.Cell]bool{}
-		for sh := range s.queued {
-			q := s.queued[sh]
-			calls += 1 + int64(len(q)/roleQueueBatch) // LPOP until short
-			if len(q) > 0 {
-				calls += int64((len(q) + roleQueueBatch - 1) / roleQueueBatch) // HMGET
-			}
-			for _, cell := range q {
-				rc, ok := s.reg[cell]
-				if ok && !seen[cell] && rc.Expires > now {
-					seen[cell] = true
-					out = append(out, rc)
-				}
-			}
-			s.queued[sh] = nil
-		}
+		s.queued[sh] = nil
 	}
-	c.count(calls, calls)
-	slices.SortFunc(out, func(a, b propagation.RegionCell) int { return compareCells(a.Cell, b.Cell) })
-	if err != nil {
-		return nil, err
-	}
-	return out, nil
+	return out, calls
 }
 
 func (c *regionConn) PutDenials(_ context.Context, rows []propagation.BlocklistRow) error {
-	at, err := c.begin()
-	defer c.r.mu.Unlock()
-	if at == 0 {
-		return err
-	}
-	for _, row := range rows {
-		c.r.role.denials[rowCell(row)] = row
-	}
-	c.count(int64(len(rows)), int64(len(rows)))
-	return err
+	return c.do(func(int64) (int64, int64) {
+		for _, row := range rows {
+			c.r.role.denials[rowCell(row)] = row
+		}
+		return int64(len(rows)), int64(len(rows))
+	})
 }
 
 func (c *regionConn) TakeDenials(context.Context) ([]propagation.BlocklistRow, error) {
-	at, err := c.begin()
-	defer c.r.mu.Unlock()
-	if at == 0 {
-		return nil, err
-	}
-	out := make([]propagation.BlocklistRow, 0, len(c.r.role.denials))
-	for _, row := range c.r.role.denials {
-		out = append(out, row)
-	}
-	slices.SortFunc(out, func(a, b propagation.BlocklistRow) int { return compareCells(rowCell(a), rowCell(b)) })
-	c.count(roleShards, roleShards)
-	if err != nil {
-		return nil, err
-	}
-	return out, nil
+	return roleCall(c, func(int64) ([]propagation.BlocklistRow, int64, int64) {
+		out := make([]propagation.BlocklistRow, 0, len(c.r.role.denials))
+		for _, row := range c.r.role.denials {
+			out = append(out, row)
+		}
+		slices.SortFunc(out, func(a, b propagation.BlocklistRow) int { return compareCells(rowCell(a), rowCell(b)) })
+		return out, roleShards, roleShards
+	})
 }
 
 func (c *regionConn) DenialsWritten(_ context.Context, rows []propagation.BlocklistRow) error {
-	at, err := c.begin()
-	defer c.r.mu.Unlock()
-	if at == 0 {
-		return err
-	}
-	var used [roleShards]bool
-	var calls, processed int64
-	for _, row := range rows {
-		cell := rowCell(row)
-		if sh := shardOf(cell); !used[sh] {
-			used[sh] = true
-			calls++
+	return c.do(func(int64) (int64, int64) {
+		var used [roleShards]bool
+		var calls, processed int64
+		for _, row := range rows {
+			cell := rowCell(row)
+			if sh := shardOf(cell); !used[sh] {
+				used[sh] = true
+				calls++
+			}
+			processed++ // HGET
+			if cur, ok := c.r.role.denials[cell]; ok && cur == row {
+				delete(c.r.role.denials, cell)
+				processed++ // HDEL
+			}
 		}
-		processed++ // HGET
-		if cur, ok := c.r.role.denials[cell]; ok && cur == row {
-			delete(c.r.role.denials, cell)
-			processed++ // HDEL
-		}
-	}
-	c.count(calls, calls+processed)
-	return err
+		return calls, calls + processed
+	})
 }
 
 func (c *regionConn) Totals(_ context.Context, cells []propagation.Cell) ([]int64, error) {
-	at, err := c.begin()
-	defer c.r.mu.Unlock()
-	if at == 0 {
-		return nil, err
-	}
-	out := make([]int64, len(cells))
-	for i, cell := range cells {
-		if h := c.r.cells[cellOf(cell)]; h != nil {
-			out[i] = h.T
+	return roleCall(c, func(int64) ([]int64, int64, int64) {
+		out := make([]int64, len(cells))
+		for i, cell := range cells {
+			if h := c.r.cells[cellOf(cell)]; h != nil {
+				out[i] = h.T
+			}
 		}
-	}
-	c.count(int64(len(cells)), int64(len(cells)))
-	if err != nil {
-		return nil, err
-	}
-	return out, nil
+		return out, int64(len(cells)), int64(len(cells))
+	})
 }
 
 func (c *regionConn) Import(_ context.Context, ims []propagation.RegionImport) error {
-	at, err := c.begin()
-	defer c.r.mu.Unlock()
-	if at == 0 {
-		return err
-	}
-	calls := int64((len(ims) + manyChunk - 1) / manyChunk)
-	processed := calls
-	for _, im := range ims {
-		id := cellOf(im.Cell)
-		processed++ // HMGET
-		if h := c.r.cells[id]; h == nil || h.G < im.Count {
-			processed++ // HSET
-			if h == nil {
-				processed++ // PEXPIREAT
+	return c.do(func(at int64) (int64, int64) {
+		calls := int64((len(ims) + manyChunk - 1) / manyChunk)
+		processed := calls
+		for _, im := range ims {
+			id := cellOf(im.Cell)
+			processed++ // HMGET
+			if h := c.r.cells[id]; h == nil || h.G < im.Count {
+				processed++ // HSET
+				if h == nil {
+					processed++ // PEXPIREAT
+				}
 			}
+			c.r.sendImport(at, id, im.Count)
 		}
-		c.r.sendImport(at, id, im.Count)
-	}
-	c.count(calls, processed)
-	c.r.land(c.r.now())
-	return err
+		c.r.land(c.r.now())
+		return calls, processed
+	})
 }
 
 // Registered reports whether the region's registry holds cell.
@@ -332,33 +331,13 @@ func rowCell(r propagation.BlocklistRow) propagation.Cell {
 func compareCells(a, b propagation.Cell) int {
 	switch {
 	case a.Namespace != b.Namespace:
-		return cmpString(a.Namespace, b.Namespace)
+		return cmp.Compare(a.Namespace, b.Namespace)
 	case a.Identifier != b.Identifier:
-		return cmpString(a.Identifier, b.Identifier)
+		return cmp.Compare(a.Identifier, b.Identifier)
 	case a.WindowMs != b.WindowMs:
-		return cmpInt(a.WindowMs, b.WindowMs)
+		return cmp.Compare(a.WindowMs, b.WindowMs)
 	}
-	return cmpInt(a.Sequence, b.Sequence)
-}
-
-func cmpString(a, b string) int {
-	switch {
-	case a < b:
-		return -1
-	case a > b:
-		return 1
-	}
-	return 0
-}
-
-func cmpInt(a, b int64) int {
-	switch {
-	case a < b:
-		return -1
-	case a > b:
-		return 1
-	}
-	return 0
+	return cmp.Compare(a.Sequence, b.Sequence)
 }
 
 func msDuration(ms int64) time.Duration { return time.Duration(ms) * time.Millisecond }

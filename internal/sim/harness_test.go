@@ -3,9 +3,10 @@ package sim
 import (
 	"fmt"
 	"math"
-	"strings"
 	"testing"
 	"time"
+
+	"github.com/edgelimit/caddy-ratelimit/internal/simmodel"
 )
 
 // What the scale harness measured with real processes (`make regions`,
@@ -87,22 +88,51 @@ func TestAgreement_SteadyRegion(t *testing.T) {
 	}
 }
 
-// TestRun_SameSeedSameTable runs a small fleet twice and compares the
-// printed tables byte for byte.
-func TestRun_SameSeedSameTable(t *testing.T) {
-	cfg := Config{Regions: 3, Nodes: 2, Keys: 2000, Hot: 4, Background: 100, Duration: 2 * time.Minute, Scenario: Skewed, Seed: 7}
-	var out [2]string
-	for i := range out {
-		res, err := Run(cfg)
-		if err != nil {
-			t.Fatal(err)
+// TestHarnessLoad_RoundRobinByShares: the harness's load is 80 requests a
+// second for twice the limit's worth and half a second, each region
+// getting its share, spread evenly over its nodes, and the costs measured
+// over the load.
+func TestHarnessLoad_RoundRobinByShares(t *testing.T) {
+	c := HarnessLoad(2, 2, []int{7, 3})
+	if err := c.Defaults().Validate(); err != nil {
+		t.Fatal(err)
+	}
+	if n := len(c.Requests); n != 640 {
+		t.Fatalf("%d requests, want 80 a second for 8 s", n)
+	}
+	per := map[[2]int]int{}
+	for i, r := range c.Requests {
+		if want := harnessStart + time.Duration(i)*12500*time.Microsecond; r.At != want || r.Key != "scale" {
+			t.Fatalf("request %d: %+v, want key scale at %s", i, r, want)
 		}
-		var b strings.Builder
-		res.Print(&b)
-		out[i] = b.String()
+		per[[2]int{r.Region, r.Node}]++
 	}
-	if out[0] != out[1] {
-		t.Fatalf("one seed, two tables:\n%s\n---\n%s", out[0], out[1])
+	// 640 requests in rounds of 20: 32 rounds of 7 + 7 and 3 + 3.
+	if want := map[[2]int]int{{0, 0}: 224, {0, 1}: 224, {1, 0}: 96, {1, 1}: 96}; fmt.Sprint(per) != fmt.Sprint(want) {
+		t.Fatalf("requests by region and node %v, want %v", per, want)
 	}
-	t.Log("\n" + out[0])
+	last := c.Requests[len(c.Requests)-1].At
+	if c.Measure.From != harnessStart.Milliseconds() || c.Measure.To <= last.Milliseconds() || c.Duration <= time.Duration(c.Measure.To)*time.Millisecond {
+		t.Fatalf("measured %+v, run %s: want the load measured whole, within the run", c.Measure, c.Duration)
+	}
+}
+
+// TestFigures_PerSecondAndPerReplicaRegion: the harness's figures are per
+// second of the measured span; replica figures per region that reads from
+// a replica (every region after the first).
+func TestFigures_PerSecondAndPerReplicaRegion(t *testing.T) {
+	r := &Result{Config: Config{Limit: 300}, Seconds: 10, Admitted: 312, Windows: []float64{1.04},
+		Regions: []RegionResult{
+			{MySQL: simmodel.MySQLCost{Statements: 100, RowsRead: 40}, Redis: simmodel.RedisCost{Processed: 500}},
+			{MySQL: simmodel.MySQLCost{Statements: 30, ReplicaStatements: 100}, Redis: simmodel.RedisCost{Processed: 300}},
+			{MySQL: simmodel.MySQLCost{Statements: 0, ReplicaStatements: 120, ReplicaRowsRead: 10}},
+		}}
+	f := r.Figures()
+	if f.Admitted != 1.04 || f.Statements != 13 || f.RowsRead != 4 || f.ReplicaStatements != 11 || f.ReplicaRowsRead != 0.5 ||
+		fmt.Sprint(f.Redis) != "[50 30 0]" {
+		t.Fatalf("figures %+v", f)
+	}
+	if s := itoa(0) + " " + itoa(7) + " " + itoa(1234567); s != "0 7 1234567" {
+		t.Fatalf("itoa: %q", s)
+	}
 }

@@ -1,0 +1,89 @@
+package ratelimit
+
+import (
+	"errors"
+	"net/http"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+
+	"github.com/edgelimit/caddy-ratelimit/engine"
+)
+
+// TestKeyDoc_LimitOfTheDefinitionWithTheKeysWindow: a zone defined with
+// two windows shows each key the limit of the definition with the key's
+// window (an override's where one matches), and the room left never below
+// zero; deadlines that are not set show as null.
+func TestKeyDoc_LimitOfTheDefinitionWithTheKeysWindow(t *testing.T) {
+	minute := &Handler{zones: []zone{{name: "kd", limit: 10, window: time.Minute, overrides: map[string]int64{"vip": 50}}}}
+	hour := &Handler{zones: []zone{{name: "kd", limit: 100, window: time.Hour}}}
+	defs := []zoneDef{{handler: hour, window: time.Hour}, {handler: minute, window: time.Minute}}
+	strict := time.UnixMilli(1_800_000_060_123).Add(456 * time.Microsecond)
+	for _, tc := range []struct {
+		id                       string
+		window                   time.Duration
+		effective                int64
+		wantLimit, wantRemaining int64
+	}{
+		{"a", time.Minute, 12, 10, 0},
+		{"vip", time.Minute, 12, 50, 38},
+		{"a", time.Hour, 30, 100, 70},
+	} {
+		ks := engine.KeyState{
+			Key:         engine.Key{Namespace: "kd", Identifier: tc.id, Window: tc.window},
+			Effective:   tc.effective,
+			StrictUntil: strict,
+			Cells:       []engine.CellState{{Sequence: 7, Regional: tc.effective, Pending: 2, Blocked: true}},
+		}
+		doc := keyDocOf(ks, defs, identities{})
+		if doc.Limit != tc.wantLimit || doc.Remaining != tc.wantRemaining || doc.WindowMs != tc.window.Milliseconds() {
+			t.Errorf("%s per %s: limit %d remaining %d window %d ms, want %d, %d, %d",
+				tc.id, tc.window, doc.Limit, doc.Remaining, doc.WindowMs, tc.wantLimit, tc.wantRemaining, tc.window.Milliseconds())
+		}
+		if doc.FreshUntil != nil || doc.StrictUntil == nil || !doc.StrictUntil.Equal(strict.Truncate(time.Millisecond)) {
+			t.Errorf("%s: fresh %v, strict %v: want null and %s to the millisecond", tc.id, doc.FreshUntil, doc.StrictUntil, strict)
+		}
+		if len(doc.Cells) != 1 || doc.Cells[0].Sequence != 7 || doc.Cells[0].Pending != 2 || !doc.Cells[0].Blocked {
+			t.Errorf("%s: cells %+v", tc.id, doc.Cells)
+		}
+	}
+}
+
+// TestKeyDoc_ShowsTheIdentifiersHMAC: under identifier_secret the counters
+// route never shows an identifier whole.
+func TestKeyDoc_ShowsTheIdentifiersHMAC(t *testing.T) {
+	ids := identities{secret: []byte("s3cret")}
+	ks := engine.KeyState{Key: engine.Key{Namespace: "kd", Identifier: "alice", Window: time.Minute}}
+	doc := keyDocOf(ks, nil, ids)
+	if doc.Identifier != ids.shown("alice") || doc.Identifier == "alice" || doc.Limit != 0 {
+		t.Fatalf("identifier %q limit %d: want the HMAC and no limit without a definition", doc.Identifier, doc.Limit)
+	}
+}
+
+// TestListMax_DefaultAndBounds: a listing returns defaultListMax keys
+// unless told, and refuses a max outside 1 to maxListMax with a 400.
+func TestListMax_DefaultAndBounds(t *testing.T) {
+	for _, tc := range []struct {
+		q    map[string]string
+		want int
+		bad  bool
+	}{
+		{q: map[string]string{}, want: defaultListMax},
+		{q: map[string]string{"max": "1"}, want: 1},
+		{q: map[string]string{"max": "10000"}, want: maxListMax},
+		{q: map[string]string{"max": "0"}, bad: true},
+		{q: map[string]string{"max": "10001"}, bad: true},
+		{q: map[string]string{"max": "-1"}, bad: true},
+		{q: map[string]string{"max": "ten"}, bad: true},
+	} {
+		n, err := listMax(tc.q)
+		var apiErr caddy.APIError
+		switch {
+		case tc.bad && (!errors.As(err, &apiErr) || apiErr.HTTPStatus != http.StatusBadRequest):
+			t.Errorf("max %q: %d, %v; want a 400", tc.q["max"], n, err)
+		case !tc.bad && (err != nil || n != tc.want):
+			t.Errorf("max %q: %d, %v; want %d", tc.q["max"], n, err, tc.want)
+		}
+	}
+}
