@@ -157,33 +157,26 @@ type Engine struct {
 // originBox lets an interface sit in an atomic.Pointer.
 type originBox struct{ o Origin }
 
+// orDefault sets *v to d when it is unset (zero or less).
+func orDefault[T int | time.Duration](v *T, d T) {
+	if *v <= 0 {
+		*v = d
+	}
+}
+
 // New returns an engine and starts its janitor; the replay loop starts with
 // the first origin. Close stops them.
 func New(cfg Config) *Engine {
 	if cfg.Now == nil {
 		cfg.Now = time.Now
 	}
-	if cfg.MaxEntries <= 0 {
-		cfg.MaxEntries = DefaultMaxEntries
-	}
-	if cfg.ReadTimeout <= 0 {
-		cfg.ReadTimeout = DefaultReadTimeout
-	}
-	if cfg.Freshness <= 0 {
-		cfg.Freshness = DefaultFreshness
-	}
-	if cfg.SlowTick <= 0 {
-		cfg.SlowTick = DefaultSlowTick
-	}
-	if cfg.FastTick <= 0 {
-		cfg.FastTick = DefaultFastTick
-	}
-	if cfg.ReplayWorkers <= 0 {
-		cfg.ReplayWorkers = DefaultReplayWorkers
-	}
-	if cfg.JanitorInterval <= 0 {
-		cfg.JanitorInterval = DefaultJanitorInterval
-	}
+	orDefault(&cfg.MaxEntries, DefaultMaxEntries)
+	orDefault(&cfg.ReadTimeout, DefaultReadTimeout)
+	orDefault(&cfg.Freshness, DefaultFreshness)
+	orDefault(&cfg.SlowTick, DefaultSlowTick)
+	orDefault(&cfg.FastTick, DefaultFastTick)
+	orDefault(&cfg.ReplayWorkers, DefaultReplayWorkers)
+	orDefault(&cfg.JanitorInterval, DefaultJanitorInterval)
 	e := &Engine{
 		cfg:          cfg,
 		now:          cfg.Now,
