@@ -139,8 +139,12 @@ type Delta struct {
 	// included: the absolute total the origin raises this process's
 	// contribution to.
 	Own int64
+	// NoPrev tells the origin that the process has the previous cell's
+	// final totals: the answer may leave them out (Totals.Prev and
+	// GlobalPrev 0), which a merge ignores.
+	NoPrev bool
 	// Totals is set by Flush: the cell's totals after the write, with the
-	// previous cell's, as a read returns them.
+	// previous cell's (unless NoPrev), as a read returns them.
 	Totals Totals
 	// Done is set by Flush for each item the origin applied.
 	Done bool

@@ -141,6 +141,12 @@ const (
 	// would count those units twice (see mergeOrigin). Cleared when the
 	// replay takes pending, whose write carries them all.
 	stUnsure
+	// stPrevSettled: an answer read the previous cell once nothing more
+	// could reach it (a flush period into this cell's window, after any
+	// suspect period, without a cross-region layer, whose imports arrive
+	// later): the replays of this cell leave it out (Delta.NoPrev), a
+	// command less each in Redis. Reads and reservations still bring it.
+	stPrevSettled
 )
 
 // setBits sets bits in the state and reports whether this call set any of

@@ -49,7 +49,7 @@ func (e *Engine) flush(ctx context.Context, o Origin, batch []Delta) error {
 		if d.Done {
 			// A replay refreshes what a read would: both cells.
 			if en, ok := d.zone.entries.Load(d.Key.Identifier); ok {
-				e.merge(en, d.cell, d.Totals, sent)
+				e.merge(en, d.cell, d.Totals, sent, d.Key.Window.Milliseconds(), !d.NoPrev)
 			} else {
 				d.cell.observe(d.Totals, now, e.fastTickMs())
 				d.cell.mergeAnswer(d.Totals.Cur, d.Totals.Mine)

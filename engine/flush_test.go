@@ -93,3 +93,36 @@ func TestFlush_FlushToWritesToTheOriginGiven(t *testing.T) {
 		t.Fatalf("FlushTo(nil) = %v, want a no-op", err)
 	}
 }
+
+// TestFlush_LeavesThePreviousCellOutOnceItIsFinal: a replay reads the
+// previous cell (a command in Redis) only until the process has its final
+// totals, a flush period into the window after an answer that held them;
+// never with a cross-region layer, whose imports of it come later.
+func TestFlush_LeavesThePreviousCellOutOnceItIsFinal(t *testing.T) {
+	e, clk, o := withOrigin(t, Config{})
+	l := lim("k", time.Minute, 1000, 1)
+	e.Decide(bg, l) // the cold read, at the window's start
+	replayAll(t, e)
+	if n := o.noPrev.Load(); n != 0 {
+		t.Fatalf("%d writes left the previous cell out at the window's start", n)
+	}
+	clk.Advance(time.Second) // well past a flush period (210 ms)
+	e.Decide(bg, l)
+	replayAll(t, e) // its answer holds the previous cell's final totals
+	e.Decide(bg, l)
+	replayAll(t, e)
+	if n := o.noPrev.Load(); n != 1 {
+		t.Fatalf("%d writes left the previous cell out, want the last one", n)
+	}
+
+	g, gclk, go2 := withOrigin(t, Config{})
+	g.SetGlobal(nopGlobal{})
+	for range 3 {
+		g.Decide(bg, l)
+		gclk.Advance(time.Second)
+		replayAll(t, g)
+	}
+	if n := go2.noPrev.Load(); n != 0 {
+		t.Fatalf("with a cross-region layer %d writes left the previous cell out", n)
+	}
+}

@@ -19,6 +19,8 @@ type memOrigin struct {
 	node string
 
 	reads, flushes, reserves atomic.Int64
+	// noPrev counts the writes that asked for no previous cell.
+	noPrev atomic.Int64
 	// readErr, flushErr and reserveErr, when set, fail the next calls.
 	readErr, flushErr, reserveErr atomic.Pointer[error]
 	// gate, when set, blocks reads and reservations until it is closed,
@@ -130,6 +132,10 @@ func (m *memOrigin) Flush(ctx context.Context, batch []Delta) error {
 		id := cellID{batch[i].Key, batch[i].Sequence}
 		m.raise(id, batch[i].Incarnation, batch[i].Own)
 		batch[i].Totals = m.totalsLocked(id, batch[i].Incarnation)
+		if batch[i].NoPrev { // the origin leaves the previous cell out
+			batch[i].Totals.Prev, batch[i].Totals.GlobalPrev = 0, 0
+			m.noPrev.Add(1)
+		}
 		batch[i].Done = true
 	}
 	return nil

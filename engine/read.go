@@ -274,14 +274,16 @@ func (e *Engine) readCell(o Origin, key Key, en *entry, c *cell) {
 	e.originAnswered(now)
 	// Freshness counts from when the read was sent: the origin's answer is
 	// at least that recent.
-	e.merge(en, c, t, start)
+	e.merge(en, c, t, start, key.Window.Milliseconds(), true)
 }
 
 // merge brings the origin's totals t of c (and of the cell before it) into
 // the entry, the counts other regions counted there (the region's
 // cross-region role leaves them at the origin) included, and marks c
 // read and fresh from sent, the time the call that returned t was sent.
-func (e *Engine) merge(en *entry, c *cell, t Totals, sent int64) {
+// w is the window in ms; withPrev tells that t holds the previous cell's
+// totals, which settle it (see stPrevSettled) once they are final.
+func (e *Engine) merge(en *entry, c *cell, t Totals, sent, w int64, withPrev bool) {
 	c.observe(t, e.nowMs(), e.fastTickMs())
 	c.mergeAnswer(t.Cur, t.Mine)
 	c.importGlobal(t.Global)
@@ -303,6 +305,20 @@ func (e *Engine) merge(en *entry, c *cell, t Totals, sent int64) {
 			p.importGlobal(t.GlobalPrev)
 		}
 	}
+	if withPrev && c.state.Load()&stPrevSettled == 0 && e.prevFinal(c, sent, w) {
+		c.setBits(stPrevSettled)
+	}
 	c.setBits(stRead)
 	c.extendFresh(sent+e.freshnessMs(), e.freshnessMs())
+}
+
+// prevFinal reports whether an answer sent at sent holds the final totals
+// of c's previous cell: every process replays its units of a cell within a
+// flush period (two slow ticks and a fast one) of the cell's end, so an
+// answer sent that long into c's window, and after any suspect period
+// (whose late replays may still come), has them all. With a cross-region
+// layer the previous cell's imported count keeps growing for longer.
+func (e *Engine) prevFinal(c *cell, sent, w int64) bool {
+	settle := time.Duration(2*e.slowTick.Load() + e.fastTick.Load()).Milliseconds()
+	return e.getGlobal() == nil && sent >= c.seq*w+settle && sent >= e.untrusted.Load()
 }

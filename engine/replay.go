@@ -157,5 +157,6 @@ func (e *Engine) take(out []Delta, z *Zone, id string, c *cell, fast bool) []Del
 		c.clearBits(stFlushing)
 		return out
 	}
-	return append(out, Delta{Key: z.key(id), Sequence: c.seq, Incarnation: c.inc, Delta: d, Own: x.own.Add(d), zone: z, cell: c, fast: fast})
+	return append(out, Delta{Key: z.key(id), Sequence: c.seq, Incarnation: c.inc, Delta: d, Own: x.own.Add(d),
+		NoPrev: c.state.Load()&stPrevSettled != 0, zone: z, cell: c, fast: fast})
 }

@@ -181,7 +181,11 @@ func (ep *endpoint) write(ctx context.Context, todo []int, item func(int) *engin
 			b = append(b, ' ')
 			b = strconv.AppendInt(b, d.Own, 10)
 			b = append(b, ' ')
-			return strconv.AppendInt(b, expireAt(d.Key, d.Sequence).UnixMilli(), 10)
+			b = strconv.AppendInt(b, expireAt(d.Key, d.Sequence).UnixMilli(), 10)
+			if d.NoPrev {
+				return append(b, " 0"...)
+			}
+			return append(b, " 1"...)
 		})...))
 	}
 	ep.roundTrips.Add(1)

@@ -281,3 +281,41 @@ func (pipelineHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook { retu
 func (h pipelineHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
 	return h(next)
 }
+
+// TestFlush_NoPrevLeavesThePreviousCellOut: a write that says it has the
+// previous cell's final totals (engine.Delta.NoPrev) gets none back, and
+// Redis runs one command less for it; one without reads it as before.
+func TestFlush_NoPrevLeavesThePreviousCellOut(t *testing.T) {
+	srv := redistest.Start(t)
+	o := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "p"})
+	k, seq := key("fern"), nowSeq()
+	if err := o.Flush(ctxT(t), []engine.Delta{{Key: k, Sequence: seq - 1, Delta: 9, Own: 9}}); err != nil {
+		t.Fatal(err)
+	}
+	commands := func() int64 {
+		info, err := srv.Client().Info(ctxT(t), "stats").Result()
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, rest, _ := strings.Cut(info, "total_commands_processed:")
+		n, _ := strconv.ParseInt(strings.TrimSpace(strings.SplitN(rest, "\n", 2)[0]), 10, 64)
+		return n
+	}
+	if err := o.Flush(ctxT(t), []engine.Delta{{Key: k, Sequence: seq, Delta: 1, Own: 1}}); err != nil {
+		t.Fatal(err) // the cell exists: the writes below are warm
+	}
+	with := []engine.Delta{{Key: k, Sequence: seq, Delta: 1, Own: 2}}
+	before := commands()
+	if err := o.Flush(ctxT(t), with); err != nil || with[0].Totals.Prev != 9 {
+		t.Fatalf("a write with the previous cell: totals %+v, err %v; want its 9", with[0].Totals, err)
+	}
+	withCost := commands() - before
+	without := []engine.Delta{{Key: k, Sequence: seq, Delta: 1, Own: 3, NoPrev: true}}
+	before = commands()
+	if err := o.Flush(ctxT(t), without); err != nil || without[0].Totals.Prev != 0 || without[0].Totals.Cur != 3 {
+		t.Fatalf("a write without: totals %+v, err %v; want the cell's 3 and no previous cell", without[0].Totals, err)
+	}
+	if got := commands() - before; got != withCost-1 {
+		t.Fatalf("a write without the previous cell cost %d commands, with it %d: want one less", got, withCost)
+	}
+}

@@ -210,7 +210,8 @@ func (ep *endpoint) sendReads(ctx context.Context, pipe redis.Pipeliner, part []
 	}, func(b []byte, i int) []byte {
 		b = strconv.AppendUint(b, uint64(part[i].incarnation), 10)
 		b = append(b, " 0 "...) // a read registers the record, with no units
-		return strconv.AppendInt(b, expireAt(part[i].key, part[i].seq).UnixMilli(), 10)
+		b = strconv.AppendInt(b, expireAt(part[i].key, part[i].seq).UnixMilli(), 10)
+		return append(b, " 1"...) // and reads the previous cell
 	})...)
 }
 

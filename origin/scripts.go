@@ -24,10 +24,11 @@ import "github.com/redis/go-redis/v9"
 // process forgets, evicts or replaces and makes again in the same window is
 // a new incarnation (engine.Delta.Incarnation): its units add to the old
 // record's instead of hiding below it, so what a process has added never
-// shrinks. A warm write costs Redis three commands: HMGET of the cell, HSET
-// of the record and the total, HMGET of the previous cell; the cell's
-// expiry is set by the script that makes it, so a cell never exists without
-// one.
+// shrinks. A warm write costs Redis two commands, HMGET of the cell and
+// HSET of the record and the total, and a third, HMGET of the previous
+// cell, until the process has that cell's final totals (a flush period into
+// the window); the cell's expiry is set by the script that makes it, so a
+// cell never exists without one.
 //
 // Counts saturate at 2^53 − 1 (engine.MaxCount): Lua numbers are doubles.
 // Numbers go back to Redis through string.format('%d'), never as Lua
@@ -69,23 +70,25 @@ end
 // with each cell's previous cell, for reads (own 0: the read registers the
 // process, so two processes that start on one key at once see each other
 // at their first round trip, before either has replayed a unit) and writes
-// alike: a replay refreshes everything a decision weighs, as a read would.
-// A cell whose commands Redis refuses (a key holding another type) fails
-// alone.
+// alike: a replay refreshes everything a decision weighs, as a read would,
+// but the previous cell when the process has its final totals
+// (engine.Delta.NoPrev: flag 0), which saves a command a write. A cell
+// whose commands Redis refuses (a key holding another type) fails alone.
 //
 //	KEYS[2i+1] cell i, KEYS[2i+2] the cell before it (i from 0)
-//	ARGV[1] node ID, ARGV[2] "<incarnation> <Own> <expiry> …", one triple
-//	per cell, decimal
+//	ARGV[1] node ID, ARGV[2] "<incarnation> <Own> <expiry> <flag> …",
+//	four numbers per cell, decimal; flag 1 reads the previous cell
 //	returns one string, per cell in order either "<t> <previous t> <the
 //	record> <n> <g> <previous g>" or "e", separated by spaces: one bulk
 //	reply the client reads without a value per number
 const cellsLua = raiseLua + `
 local node, out, i = ARGV[1] .. '.', {}, 0
-for inc, own, at in string.gmatch(ARGV[2], '(%d+) (%d+) (%d+)') do
+for inc, own, at, wp in string.gmatch(ARGV[2], '(%d+) (%d+) (%d+) (%d)') do
   local h, p = KEYS[2*i+1], KEYS[2*i+2]
   local ok, res = pcall(function()
     local t, mine, n, g, r, rg = raise(h, node .. inc, own, at)
-    local pt, pg = prev(p)
+    local pt, pg = 0, 0
+    if wp == '1' then pt, pg = prev(p) end
     return string.format('%d %d %d %d %d %d', math.max(t - r, 0), pt, mine, n, math.max(g - rg, 0), pg)
   end)
   i = i + 1

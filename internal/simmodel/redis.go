@@ -325,9 +325,15 @@ func (o *originConn) Flush(_ context.Context, batch []engine.Delta) error {
 		d := &batch[i]
 		id := CellID{d.Key, d.Sequence}
 		_, cmds := r.raise(id, o.node, d.Incarnation, d.Own)
-		r.cost.Processed += cmds + 1
+		r.cost.Processed += cmds
+		if !d.NoPrev {
+			r.cost.Processed++ // HMGET of the previous cell
+		}
 		if err == nil {
 			d.Totals, d.Done = r.totals(id, o.node, d.Incarnation), true
+			if d.NoPrev {
+				d.Totals.Prev, d.Totals.GlobalPrev = 0, 0
+			}
 		}
 	}
 	return err
