@@ -2,7 +2,6 @@ package engine
 
 import (
 	"context"
-	"sync"
 	"time"
 )
 
@@ -117,7 +116,7 @@ func (d *deadline) wait(ctx context.Context, e *Engine, done <-chan struct{}) bo
 	}
 	d.start(e)
 	if d.t == nil {
-		d.t = takeTimer(time.Until(d.at))
+		d.t = time.NewTimer(time.Until(d.at))
 	}
 	select {
 	case <-done:
@@ -132,24 +131,7 @@ func (d *deadline) wait(ctx context.Context, e *Engine, done <-chan struct{}) bo
 func (d *deadline) stop() {
 	if d.t != nil {
 		d.t.Stop()
-		timers.Put(d.t)
-		d.t = nil
 	}
-}
-
-// timers keeps the timers of decisions that waited: a cold key's first
-// decision waits for its read, and a new timer each time was two
-// allocations of the two dozen a cold decision made. Since Go 1.23 a
-// stopped timer, reset, never delivers a stale tick.
-var timers sync.Pool
-
-// takeTimer returns a timer that fires after d.
-func takeTimer(d time.Duration) *time.Timer {
-	if t, ok := timers.Get().(*time.Timer); ok {
-		t.Reset(d)
-		return t
-	}
-	return time.NewTimer(d)
 }
 
 // converge brings lc's cell as close to the origin as its tier asks for. It
