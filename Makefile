@@ -11,7 +11,7 @@
 #                commit's, builds alternated in one sitting, medians (scripts/bench-engine-vs.sh)
 # make property  the multi-node reference test for PROPERTY_DURATION (default 10m) of random seeds
 # make sim       the simulator's tables (cmd/ratelimit-sim): accuracy and cost as regions and nodes
-#                grow, sensitivity, failures, the recommended settings (SIM_SEED; about 40 minutes)
+#                grow, sensitivity, failures, the recommended settings (SIM_SEED; about an hour, up to 12 GB)
 
 GO       ?= go
 TIMEOUT  ?= 20m
