@@ -51,7 +51,7 @@ func TestOverrides_TravelBetweenRegionsNewestFirst(t *testing.T) {
 	// A change older than the one held is not written over it.
 	b.p.PutOverride(OverrideRow{Namespace: "z", Identifier: "cust", Limit: 1, Region: "b", Version: 1000})
 	b.p.FlushOnce(bg)
-	b.p.ReadWholeNext()
+	b.p.readWholeNext()
 	b.p.FlushOnce(bg)
 	if o, _ := seen.get("cust"); o.Limit != 500 {
 		t.Fatalf("an older change replaced the newer one: %+v", o)

@@ -347,7 +347,7 @@ func TestRole_ARegionsOwnRowsNeverComeBackAsForeign(t *testing.T) {
 	for range 3 {
 		n1.p.FlushOnce(bg)
 	}
-	n1.p.ReadWholeNext()
+	n1.p.readWholeNext()
 	n1.p.FlushOnce(bg)
 	if got := mem.importedOf("k"); got != 0 {
 		t.Fatalf("the region imported %d of its own units", got)

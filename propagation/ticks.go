@@ -95,9 +95,9 @@ func (p *Propagator) BlocklistSyncOnce(context.Context) {
 	p.mu.Unlock()
 }
 
-// ReadWholeNext makes the next flush read every table whole, as at start:
-// for tests and tools.
-func (p *Propagator) ReadWholeNext() {
+// readWholeNext makes the next flush read every table whole, as at start
+// (the package's tests call it; the loops set the same flags).
+func (p *Propagator) readWholeNext() {
 	p.mu.Lock()
 	p.fullPull = [tables]bool{true, true, true}
 	p.mu.Unlock()
