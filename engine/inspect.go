@@ -78,13 +78,11 @@ func (e *Engine) inspect(z *Zone, id string, en *entry, now int64) (KeyState, bo
 	if cur != nil {
 		curN = cur.total()
 		ks.Cells = append(ks.Cells, cellState(cur))
-		if f := cur.freshUntil(); cur.state.Load()&stRead != 0 && f > 0 {
-			if f > now {
-				ks.FreshUntil = time.UnixMilli(f)
-			}
-			if at := f - e.freshnessMs(); at <= now { // else a clock stepped back since
-				ks.ViewedAt = time.UnixMilli(at)
-			}
+		if f := cur.freshUntil(); cur.state.Load()&stRead != 0 && f > now {
+			ks.FreshUntil = time.UnixMilli(f)
+		}
+		if at, ok := e.viewedAt(cur, now); ok {
+			ks.ViewedAt = at
 		}
 	}
 	if prev != nil {
@@ -93,10 +91,8 @@ func (e *Engine) inspect(z *Zone, id string, en *entry, now int64) (KeyState, bo
 		// A cell just rotated to has no view of its own yet: the key's
 		// last look at the origin is the previous cell's (a read answers
 		// both).
-		if f := prev.freshUntil(); prev.state.Load()&stRead != 0 && f > 0 && f-e.freshnessMs() <= now {
-			if at := time.UnixMilli(f - e.freshnessMs()); at.After(ks.ViewedAt) {
-				ks.ViewedAt = at
-			}
+		if at, ok := e.viewedAt(prev, now); ok && at.After(ks.ViewedAt) {
+			ks.ViewedAt = at
 		}
 	}
 	ks.Effective = curN + weighted(prevN, w, r)
@@ -247,4 +243,16 @@ func (e *Engine) StrictKeys() []StrictKey {
 		return a.Window < b.Window
 	})
 	return out
+}
+
+// viewedAt is when c's view of the origin was taken: its freshness deadline
+// less the freshness. None for a cell never read, nor for one whose view
+// lies ahead of now (taken while the clock was ahead, which has since
+// stepped back).
+func (e *Engine) viewedAt(c *cell, now int64) (time.Time, bool) {
+	f := c.freshUntil()
+	if c.state.Load()&stRead == 0 || f <= 0 || f-e.freshnessMs() > now {
+		return time.Time{}, false
+	}
+	return time.UnixMilli(f - e.freshnessMs()), true
 }

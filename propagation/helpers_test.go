@@ -75,7 +75,14 @@ func (s *setup) regionOn(clk *clock, name string, mod ...func(*Config)) *region 
 	for _, m := range mod {
 		m(&cfg)
 	}
-	p, err := New(cfg, eng, Options{Now: clk.Now, Logger: zap.NewNop()})
+	return &region{eng: eng, p: s.start(eng, cfg, Options{Now: clk.Now, Logger: zap.NewNop()})}
+}
+
+// start makes the propagator of eng, migrates, attaches it, and stops both
+// when the test ends.
+func (s *setup) start(eng *engine.Engine, cfg Config, opts Options) *Propagator {
+	s.t.Helper()
+	p, err := New(cfg, eng, opts)
 	if err != nil {
 		s.t.Fatal(err)
 	}
@@ -87,7 +94,7 @@ func (s *setup) regionOn(clk *clock, name string, mod ...func(*Config)) *region 
 		p.Stop(bg)
 		_ = eng.Close(bg)
 	})
-	return &region{eng: eng, p: p}
+	return p
 }
 
 func (r *region) decide(id string, limit int64, n int) (admitted int) {

@@ -235,18 +235,7 @@ func (s *setup) regionNodeWith(name string, reg Region) *regionNode {
 		s.t.Fatal(err)
 	}
 	store := &countingStore{Store: sql}
-	p, err := New(cfg, eng, Options{Now: s.clk.Now, Region: reg, Store: store})
-	if err != nil {
-		s.t.Fatal(err)
-	}
-	if err := p.MigrateOnce(bg); err != nil {
-		s.t.Fatal(err)
-	}
-	eng.SetGlobal(p)
-	s.t.Cleanup(func() {
-		p.Stop(bg)
-		_ = eng.Close(bg)
-	})
+	p := s.start(eng, cfg, Options{Now: s.clk.Now, Region: reg, Store: store})
 	store.statements.Store(0)
 	return &regionNode{region: &region{eng: eng, p: p}, store: store}
 }
