@@ -47,8 +47,24 @@ func (e *Engine) Decide(ctx context.Context, l Limit) (d Decision) {
 	clampLimit(&l)
 	now := e.nowMs()
 	o := e.getOrigin()
+	linked := o != nil || e.global.Load() != nil
 	var lc located
-	e.locate(&lc, &l, now, o != nil || e.global.Load() != nil)
+	if z, id := l.Zone, l.Identifier; !linked && z != nil && len(id) <= MaxIdentifierLen {
+		// The path nearly every decision of a local engine takes, the
+		// key's entry and its cell of now found, written out here rather
+		// than through locate: lc is this frame's, so its fields are
+		// stored without write barriers, and there is no call. c.seq ≥ 0
+		// leaves out a removed entry's tombstone, as in locate.
+		if en, ok := z.entries.Load(id); ok {
+			c, w := en.cur.Load(), z.w
+			if r := now - c.seq*w; c.seq >= 0 && uint64(r) < uint64(w) {
+				lc.zone, lc.id, lc.en, lc.cur, lc.w, lc.r = z, id, en, c, w, r
+				e.decideLocal(&d, &lc, &l)
+				return d
+			}
+		}
+	}
+	e.locate(&lc, &l, now, linked)
 	if o == nil {
 		e.decideLocal(&d, &lc, &l)
 		return d

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -283,5 +284,49 @@ func TestDecide_CountsSaturateAtMaxCount(t *testing.T) {
 	l.Cost = 1
 	if d := e.Decide(bg, l); d.Allowed || d.Limit != MaxCount {
 		t.Fatalf("a saturated cell admitted, or the limit was not clamped: %+v", d)
+	}
+}
+
+// TestDecide_ANamedZoneDecidesAsALookedUpOne: a limit that names its zone
+// (as the handler's do) takes Decide's warm path; one that does not goes
+// through locate. Two engines on one clock, one of each, must agree on
+// every decision through what the warm path must leave to locate: new
+// keys, windows that roll over, a clock stepped back and forward, forgotten
+// keys and identifiers too long to be kept as they are.
+func TestDecide_ANamedZoneDecidesAsALookedUpOne(t *testing.T) {
+	named, clk := newTestEngine(t, manual(Config{}))
+	looked := New(manual(Config{Now: clk.Now}))
+	t.Cleanup(func() { _ = looked.Close(bg) })
+	const w = time.Second
+	ids := []string{"a", "b", strings.Repeat("x", MaxIdentifierLen+1), strings.Repeat("x", MaxIdentifierLen+2)}
+	rng := rand.New(rand.NewPCG(1, 2))
+	warm := 0
+	for i := range 20000 {
+		id := ids[rng.IntN(len(ids))]
+		l := lim(id, w, 7, rng.Int64N(3))
+		switch rng.IntN(40) {
+		case 0:
+			clk.Advance(time.Duration(rng.IntN(1500)) * time.Millisecond)
+		case 1:
+			clk.Advance(-3 * w) // a step back, then time runs on
+		case 2:
+			k := Key{Namespace: l.Namespace, Identifier: id, Window: w}
+			if named.Forget(k) != looked.Forget(k) {
+				t.Fatalf("decision %d: the engines disagree on forgetting %q", i, id)
+			}
+		}
+		clk.Advance(time.Duration(rng.IntN(20)) * time.Millisecond)
+		nl := l
+		nl.Zone = named.Zone(l.Namespace, l.Window)
+		if en, ok := nl.Zone.entries.Load(id); ok && en.cur.Load().seq == clk.UnixMilli()/w.Milliseconds() {
+			warm++
+		}
+		got, want := named.Decide(bg, nl), looked.Decide(bg, l)
+		if got != want {
+			t.Fatalf("decision %d (%q, cost %d): named zone %+v, looked up %+v", i, id, l.Cost, got, want)
+		}
+	}
+	if warm < 5000 {
+		t.Fatalf("only %d of 20000 decisions found their key's cell of now: the warm path was hardly tried", warm)
 	}
 }
