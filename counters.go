@@ -242,6 +242,8 @@ var engineStats = statSet[engineSnapshot]{stats: []stat[engineSnapshot]{
 		help: "Decisions that waited for an origin read (a cold key, or a stale one at half its limit or more): request-path round trips."},
 	{json: "background_reads", metric: "background_reads_total", value: func(s *engineSnapshot) any { return s.BackgroundReads },
 		help: "Origin reads started in the background, without holding up a request."},
+	{json: "unread_decisions", metric: "unread_decisions_total", value: func(s *engineSnapshot) any { return s.UnreadDecisions },
+		help: "Decisions on a key this process had not read yet, made without waiting for a read: a limit at least 1024 times the request's cost, while this process's count stays within 1/1024 of it (its first replay reads the key)."},
 	// Reservations are the round trips that decide requests at the origin
 	// (shared keys near their limit, or in strict mode); the next three
 	// count those requests by verdict.

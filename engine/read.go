@@ -8,7 +8,10 @@ import (
 // Reads from the origin on the request path, by pressure tier
 // (effective / limit, cost included):
 //
-//	cold cell (first touch)        read synchronously, once (single flight)
+//	cold cell (first touch)        read synchronously, once (single flight);
+//	                               with a limit far above the cost, no read
+//	                               until this process admits 1/1024 of it:
+//	                               its first replay reads (see unread)
 //	fresh cell                     no read
 //	stale, < 50 %, not shared      no read when the request charges units:
 //	                               their replay (within a tick) returns
@@ -147,6 +150,10 @@ func (e *Engine) converge(o Origin, lc *located, l *Limit, now int64) *flight {
 		if now < fresh && e.failing.Load() {
 			return nil // a failed cold read waits before it retries
 		}
+		if e.unread(lc, l, now) {
+			e.stats.unreadDecisions.Add(1)
+			return nil
+		}
 		return e.syncRead(o, lc)
 	}
 	suspect := e.suspect(now, fresh)
@@ -174,6 +181,36 @@ func (e *Engine) converge(o Origin, lc *located, l *Limit, now int64) *flight {
 		e.stats.backgroundReads.Add(1)
 	}
 	return nil
+}
+
+// unreadShare bounds what a process admits in a cold cell before it has
+// read it, when the limit is far above one request: 1/unreadShare of the
+// limit. See unread.
+const unreadShare = 1024
+
+// unread reports whether l may be decided in lc's cold cell without
+// reading the cell first. A key whose limit is at least unreadShare times
+// the request's cost, in whose cell this process has admitted at most
+// 1/unreadShare of the limit, decides on its own count: the units charged
+// go on the fast tick (a cell's first units always do), and that replay's
+// answer brings the cell and the one before it back as a read would,
+// within a fast tick and a round trip. Until then the cell stays cold, and
+// a request that would take this process past the share reads first, as
+// every cold cell did before. The price, stated in the README: a process
+// that meets a key the others have already taken to its limit admits up
+// to 1/unreadShare of the limit (plus one request) too many, only before
+// its first answer; a first pass over many one-off keys (a fresh process
+// after a deploy, per-address limits) pays no round trip and no wait per
+// key, and Redis half the work (no read beside the write). A request
+// without cost charges nothing to replay, and a key in strict mode reads
+// first whatever its limit; so does every limit below unreadShare units a
+// request, which covers the small limits where one request matters.
+func (e *Engine) unread(lc *located, l *Limit, now int64) bool {
+	share := l.Limit / unreadShare
+	if l.Cost <= 0 || l.Cost > share || SatAdd(lc.cur.count.Load(), l.Cost) > share {
+		return false
+	}
+	return strictUntil(lc.zone, lc.id) <= now
 }
 
 // convergeAll converges every limit of a batch, reads in parallel, and

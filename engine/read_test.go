@@ -77,9 +77,11 @@ func TestTiers_HotKeyBelowHalfMakesNoSynchronousRead(t *testing.T) {
 			}
 		}
 	}
+	// A limit a million times the cost: the first decision does not even
+	// wait for the cold read; the replay right after it reads the key.
 	s := e.Stats()
-	if s.SyncReads != 1 {
-		t.Fatalf("synchronous reads = %d, want only the cold read", s.SyncReads)
+	if s.SyncReads != 0 || s.UnreadDecisions != 1 {
+		t.Fatalf("synchronous reads = %d, unread decisions = %d, want 0 and the first decision", s.SyncReads, s.UnreadDecisions)
 	}
 	if got := o.total(l.Key, clk.UnixMilli()/time.Hour.Milliseconds()); got < 4900 {
 		t.Fatalf("origin total = %d, replay is not reaching the origin", got)
@@ -243,5 +245,88 @@ func TestRead_AViewFromAClockAheadIsNotFresh(t *testing.T) {
 	// it takes its view for fresh.
 	if a.Decide(bg, l).Allowed {
 		t.Fatal("a admitted 3 at a count of 18 of 20: it trusted a view from a clock an hour ahead")
+	}
+}
+
+// TestUnread_AFarLimitAdmitsItsShareBeforeReading: a key another process
+// has taken to its limit of 10,240, new to this one. Its limit is far above
+// the cost, so this process decides without reading first, but only up to
+// 1/1024 of the limit (10 units): the request after those reads the key
+// and is denied. Without the share's bound it would admit on and on.
+func TestUnread_AFarLimitAdmitsItsShareBeforeReading(t *testing.T) {
+	a, b, _, _ := twoNodes(t)
+	const limit = 10240
+	if d := a.Decide(bg, lim("k", time.Hour, limit, limit)); !d.Allowed {
+		t.Fatalf("a could not take the key to its limit: %+v", d)
+	}
+	replayAll(t, a)
+	admitted := 0
+	for range 50 {
+		if b.Decide(bg, lim("k", time.Hour, limit, 1)).Allowed {
+			admitted++
+		}
+	}
+	if admitted != limit/unreadShare {
+		t.Fatalf("b admitted %d at a key the region holds at its limit, want its unread share %d", admitted, limit/unreadShare)
+	}
+	if s := b.Stats(); s.UnreadDecisions != limit/unreadShare || s.SyncReads != 1 || s.Reads != 1 {
+		t.Fatalf("unread decisions %d, synchronous reads %d, reads %d: want %d, then one read past the share", s.UnreadDecisions, s.SyncReads, s.Reads, limit/unreadShare)
+	}
+}
+
+// TestUnread_TheFirstReplayReadsTheKey: the unread decisions' units go on
+// the fast tick, whose answer brings the region's count as a read would:
+// after it, b denies without a read of its own.
+func TestUnread_TheFirstReplayReadsTheKey(t *testing.T) {
+	a, b, _, _ := twoNodes(t)
+	const limit = 10240
+	a.Decide(bg, lim("k", time.Hour, limit, limit-5))
+	replayAll(t, a)
+	for range 3 {
+		if d := b.Decide(bg, lim("k", time.Hour, limit, 1)); !d.Allowed {
+			t.Fatalf("b denied an unread request 5 units under the limit: %+v", d)
+		}
+	}
+	if n, err := b.ReplayOnce(bg, Fast); err != nil || n != 1 {
+		t.Fatalf("fast replay: %d cells, %v; want the key's first units", n, err)
+	}
+	got := 0
+	for range 5 {
+		if b.Decide(bg, lim("k", time.Hour, limit, 1)).Allowed {
+			got++
+		}
+	}
+	if s := b.Stats(); got != 2 || s.Reads != 0 {
+		t.Fatalf("after the replay b admitted %d with %d reads, want the 2 left and no read", got, s.Reads)
+	}
+}
+
+// TestUnread_WhatStillReadsFirst: a cold key reads before its first
+// decision when one request matters: a limit under 1024 times the cost, a
+// cost of 0 (nothing to replay), and a key in strict mode.
+func TestUnread_WhatStillReadsFirst(t *testing.T) {
+	cases := []struct {
+		name string
+		l    Limit
+		prep func(e *Engine, l Limit)
+	}{
+		{"limit 1023 × the cost", lim("k", time.Hour, 1023, 1), nil},
+		{"limit 10,240, cost 11", lim("k", time.Hour, 10240, 11), nil},
+		{"cost 0", lim("k", time.Hour, 1<<40, 0), nil},
+		{"strict mode", lim("k", time.Hour, 1<<40, 1), func(e *Engine, l Limit) {
+			e.markStrict(e.Zone(l.Namespace, l.Window), l.Identifier, epoch+time.Hour.Milliseconds())
+		}},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			e, _, o := withOrigin(t, Config{})
+			if tc.prep != nil {
+				tc.prep(e, tc.l)
+			}
+			e.Decide(bg, tc.l)
+			if s := e.Stats(); s.SyncReads != 1 || s.UnreadDecisions != 0 || o.reads.Load() != 1 {
+				t.Fatalf("synchronous reads %d, unread decisions %d, origin reads %d: want the cold read first", s.SyncReads, s.UnreadDecisions, o.reads.Load())
+			}
+		})
 	}
 }

@@ -8,7 +8,7 @@ import (
 // counters are the engine's own monotonic counters.
 type counters struct {
 	reads, readErrors, readWaitTimeouts, sharedReads atomic.Int64
-	syncReads, backgroundReads                       atomic.Int64
+	syncReads, backgroundReads, unreadDecisions      atomic.Int64
 	reservations, reservationsAdmitted               atomic.Int64
 	reservationsDenied, reservationErrors            atomic.Int64
 	reservationWaits                                 atomic.Int64
@@ -38,6 +38,9 @@ type Stats struct {
 	// stale at half the limit, or near the limit); BackgroundReads the
 	// refreshes started without waiting.
 	SyncReads, BackgroundReads int64
+	// UnreadDecisions counts decisions made in a cold cell without reading
+	// it first: a limit far above the request's cost (see unread).
+	UnreadDecisions int64
 	// Reservations counts the request-path round trips that decide
 	// requests at the origin (shared cells near their limit or in strict
 	// mode); each decides its leader and the requests that joined it.
@@ -74,6 +77,7 @@ func (e *Engine) Stats() Stats {
 		SharedReads:      s.sharedReads.Load(),
 		SyncReads:        s.syncReads.Load(),
 		BackgroundReads:  s.backgroundReads.Load(),
+		UnreadDecisions:  s.unreadDecisions.Load(),
 
 		Reservations:         s.reservations.Load(),
 		ReservationsAdmitted: s.reservationsAdmitted.Load(),

@@ -86,16 +86,30 @@ func TestRead_ColdHerdAtRolloverDoesNotTripTheBreaker(t *testing.T) {
 		t.Fatalf("%d reads took %d round trips; concurrent reads must share them", herd, st.RoundTrips)
 	}
 	t.Logf("%d of %d reads answered within %s in %d round trips", ok.Load(), herd, engine.DefaultReadTimeout, st.RoundTrips)
-	if ok.Load() == 0 {
-		t.Fatal("no read of the herd succeeded")
+	// How many of the herd answered in time depends on how fast 5,000
+	// goroutines get a core (under the race detector on 2 busy cores, at
+	// times none); what must hold is that the herd left the endpoint
+	// answering: the next read succeeds.
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if _, err := o.Read(ctx, key("after-the-herd"), seq, 0); err != nil {
+		t.Fatalf("a read after the herd: %v", err)
 	}
 }
 
 // BenchmarkColdDecide is the first decision of keys this process has never
 // seen, through an engine on a real Redis, from 64 concurrent callers (the
-// load harness's connections): each reads Redis before it decides. cpu-ns/op
-// is this process's CPU per decision, the engine and the origin together.
-func BenchmarkColdDecide(b *testing.B) {
+// load harness's connections): each reads Redis before it decides (a limit
+// under 1024 requests). cpu-ns/op is this process's CPU per decision, the
+// engine and the origin together.
+func BenchmarkColdDecide(b *testing.B) { benchColdDecide(b, 1000) }
+
+// BenchmarkColdDecideFarLimit is the same with a limit far above one
+// request: the decision does not wait for a read, and the key's first
+// replay reads it (engine.unread).
+func BenchmarkColdDecideFarLimit(b *testing.B) { benchColdDecide(b, 1<<40) }
+
+func benchColdDecide(b *testing.B, limit int64) {
 	srv := redistest.Start(b)
 	o := newOrigin(b, Config{Redis: []string{srv.URL()}}, Options{NodeID: "bench"})
 	e := engine.New(engine.Config{})
@@ -109,7 +123,7 @@ func BenchmarkColdDecide(b *testing.B) {
 		ctx := context.Background()
 		for pb.Next() {
 			id := "k" + strconv.FormatInt(next.Add(1), 10)
-			d := e.Decide(ctx, engine.Limit{Key: engine.Key{Namespace: "api", Identifier: id, Window: time.Hour}, Limit: 1 << 40, Cost: 1})
+			d := e.Decide(ctx, engine.Limit{Key: engine.Key{Namespace: "api", Identifier: id, Window: time.Hour}, Limit: limit, Cost: 1})
 			if !d.Allowed {
 				b.Fatal("denied")
 			}
@@ -117,7 +131,8 @@ func BenchmarkColdDecide(b *testing.B) {
 	})
 	b.ReportMetric(float64((cpuTime(b)-cpu0).Nanoseconds())/float64(b.N), "cpu-ns/op")
 	b.ReportMetric(float64(o.Stats().Endpoints[0].RoundTrips)/float64(b.N), "roundtrips/op")
-	if st := e.Stats(); st.SyncReads < int64(b.N)/2 {
-		b.Fatalf("%d synchronous reads for %d cold keys", st.SyncReads, b.N)
+	st := e.Stats()
+	if reads := st.SyncReads + st.UnreadDecisions; reads < int64(b.N)/2 {
+		b.Fatalf("%d synchronous reads and %d unread decisions for %d cold keys", st.SyncReads, st.UnreadDecisions, b.N)
 	}
 }
