@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"context"
 	"runtime"
 	"strconv"
 	"sync/atomic"
@@ -234,4 +235,51 @@ func memStats() runtime.MemStats {
 	runtime.GC()
 	runtime.ReadMemStats(&m)
 	return m
+}
+
+// emptyOrigin answers every call with empty totals and keeps nothing, so
+// that a benchmark's heap is the engine's alone.
+type emptyOrigin struct{}
+
+func (emptyOrigin) Read(context.Context, Key, int64, uint32) (Totals, error) { return Totals{}, nil }
+func (emptyOrigin) Flush(_ context.Context, batch []Delta) error {
+	for i := range batch {
+		batch[i].Totals = Totals{Cur: batch[i].Own, Mine: batch[i].Own}
+		batch[i].Done = true
+	}
+	return nil
+}
+func (emptyOrigin) Reserve(context.Context, *Reservation) error { return nil }
+
+// BenchmarkMemory100kKeysLinked is BenchmarkMemory100kKeys with an origin
+// (the redis_keys100k row): linked cells, each key's units replayed once.
+func BenchmarkMemory100kKeysLinked(b *testing.B) {
+	const n = 100_000
+	for b.Loop() {
+		e, _ := newTestEngine(b, manual(Config{}))
+		e.SetOrigin(emptyOrigin{})
+		z := e.Zone("lt_keys", time.Hour)
+		before := memStats()
+		for j := 0; j < n; j++ {
+			l := lim("k"+strconv.Itoa(j), time.Hour, 1_000_000_000, 1)
+			l.Zone = z
+			e.Decide(bg, l)
+			if j%4096 == 4095 || j == n-1 { // within the replay queue's room
+				if _, err := e.ReplayOnce(bg, Fast); err != nil {
+					b.Fatal(err)
+				}
+			}
+		}
+		after := memStats()
+		if got := e.Stats().Entries; got != n {
+			b.Fatalf("live entries = %d, want %d", got, n)
+		}
+		if p := e.Stats().PendingCells; p != 0 {
+			b.Fatalf("%d cells still pending", p)
+		}
+		b.ReportMetric(float64(after.HeapInuse-before.HeapInuse)/n, "heap-inuse-B/key")
+		b.ReportMetric(float64(after.HeapAlloc-before.HeapAlloc)/n, "heap-alloc-B/key")
+		b.ReportMetric(float64(after.HeapObjects-before.HeapObjects)/n, "objects/key")
+		runtime.KeepAlive(e)
+	}
 }
