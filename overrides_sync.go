@@ -3,6 +3,7 @@ package ratelimit
 import (
 	"context"
 	"errors"
+	"sync/atomic"
 	"time"
 
 	"go.uber.org/zap"
@@ -11,8 +12,9 @@ import (
 	"github.com/edgelimit/caddy-ratelimit/propagation"
 )
 
-// Where overrides come from and go to: the region's Redis (polled each
-// fast tick), MySQL through the cross-region layer, or this process only.
+// Where overrides come from and go to: the region's Redis (each change
+// announced to the region's nodes), MySQL through the cross-region layer,
+// or this process only.
 
 // Scopes an override change reaches, as the admin API says them.
 const (
@@ -94,8 +96,13 @@ func loadRegionOverrides(ctx context.Context, o *origin.Redis) (int64, error) {
 
 // watchOverrides keeps the book up to date with the region's Redis: it
 // loads every override at once (decisions wait for the process's first
-// load), then reads the region's change counter each fast tick and every
-// override when it moved, until stop closes.
+// load), then reads the region's change counter, and every override when
+// it moved, on each notice of a change (origin.WatchOverrides) and on a
+// timer, until stop closes. The timer is the slow tick while the
+// subscription to the notices is live (a check that bounds what a lost
+// notice costs) and the fast tick while it is not: an idle node sends ten
+// commands a second rather than a hundred, and a change arrives within a
+// round trip rather than within a fast tick.
 func (b *redisBackend) watchOverrides(stop <-chan struct{}) {
 	log := b.a.logger
 	load := func(ctx context.Context) (int64, error) {
@@ -103,19 +110,36 @@ func (b *redisBackend) watchOverrides(stop <-chan struct{}) {
 		defer cancel()
 		return loadRegionOverrides(ctx, b.origin)
 	}
-	seen, err := load(context.Background())
+	var live atomic.Bool
+	wake := make(chan struct{}, 1)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go b.origin.WatchOverrides(ctx, func(ok bool) {
+		live.Store(ok)
+		select {
+		case wake <- struct{}{}:
+		default:
+		}
+	})
+	seen, err := load(ctx)
 	overrides.endLoad()
 	if err != nil {
 		seen = -1
 		log.Warn("loading the region's runtime overrides: retried each fast tick", zap.Error(err))
 	}
-	tick := time.NewTicker(b.timing.FastTick)
-	defer tick.Stop()
+	timer := time.NewTimer(b.timing.FastTick)
+	defer timer.Stop()
 	for {
 		select {
 		case <-stop:
 			return
-		case <-tick.C:
+		case <-timer.C:
+		case <-wake:
+		}
+		if live.Load() {
+			timer.Reset(b.timing.SlowTick)
+		} else {
+			timer.Reset(b.timing.FastTick)
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), b.timing.ReadTimeout)
 		v, err := b.origin.OverridesVersion(ctx)

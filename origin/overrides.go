@@ -6,13 +6,14 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/redis/go-redis/v9"
 )
 
 // Runtime overrides of the region, in its Redis: operators change a key's
 // limit through any node's admin API, and every node of the region reads
-// the change within a fast tick. The values are opaque here; each carries
+// the change as soon as the notice of it arrives (WatchOverrides). The values are opaque here; each carries
 // a version (the change's time, in microseconds), and a write replaces a
 // field only with a newer version, so two nodes that apply the same
 // changes in different orders agree.
@@ -21,7 +22,9 @@ import (
 // together):
 //
 //	<prefix>:{overrides}     field → "<version> <value>"
-//	<prefix>:{overrides}:v   bumped by every change that took
+//	<prefix>:{overrides}:v   bumped by every change that took, which
+//	                         publishes its new value on the channel of
+//	                         the same name
 //	<prefix>:{overrides}:q   fields changed here, for the role's holder to
 //	                         write to MySQL
 
@@ -54,7 +57,9 @@ for i = 1, #ARGV - 1, 3 do
     changed = changed + 1
   end
 end
-if changed > 0 then redis.call('INCR', KEYS[2]) end
+if changed > 0 then
+  redis.call('PUBLISH', KEYS[2], redis.call('INCR', KEYS[2]))
+end
 return changed
 `)
 	// overrideTakeScript pops up to ARGV[1] queued fields of KEYS[2] and
@@ -105,6 +110,60 @@ func (r *Redis) putVersioned(ctx context.Context, k string, os []Override, queue
 // moves with every change, so a node re-reads them only when it moved.
 func (r *Redis) OverridesVersion(ctx context.Context) (int64, error) {
 	return r.versionOf(ctx, r.overridesKey())
+}
+
+// noticeRetry is the first pause before a broken subscription to the
+// notices of changes subscribes again; each failure doubles it, up to
+// maxNoticeRetry.
+const (
+	noticeRetry    = 10 * time.Millisecond
+	maxNoticeRetry = time.Second
+)
+
+// WatchOverrides subscribes to the region's notices of override changes
+// (each change publishes the new change counter) until ctx ends or the
+// origin closes. It calls notice(true) once subscribed, and again on each
+// notice, and notice(false) when the subscription broke, after which it
+// subscribes again. Changes made while no subscription was live are not
+// announced: a caller that hears notice(true) after notice(false) reads
+// the change counter.
+func (r *Redis) WatchOverrides(ctx context.Context, notice func(live bool)) {
+	ps := r.roleEndpoint().client.Subscribe(ctx, r.overridesKey()+":v")
+	stop := make(chan struct{})
+	defer close(stop)
+	go func() {
+		select {
+		case <-ctx.Done():
+		case <-r.done:
+		case <-stop:
+		}
+		_ = ps.Close() // ends a Receive that waits
+	}()
+	pause := noticeRetry
+	for {
+		msg, err := ps.Receive(context.Background())
+		if ctx.Err() != nil || r.closed.Load() {
+			return
+		}
+		if err != nil {
+			// The next Receive dials again and subscribes anew.
+			notice(false)
+			select {
+			case <-time.After(pause):
+			case <-ctx.Done():
+				return
+			case <-r.done:
+				return
+			}
+			pause = min(2*pause, maxNoticeRetry)
+			continue
+		}
+		switch msg.(type) {
+		case *redis.Subscription, *redis.Message:
+			pause = noticeRetry
+			notice(true)
+		}
+	}
 }
 
 func (r *Redis) versionOf(ctx context.Context, k string) (int64, error) {

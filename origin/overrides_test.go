@@ -1,8 +1,12 @@
 package origin
 
 import (
+	"context"
 	"slices"
 	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
 
 	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
 )
@@ -81,5 +85,78 @@ func TestOverrides_HolderTakesQueuedChangesOnce(t *testing.T) {
 	}
 	if _, all, _ := a.Overrides(ctx); len(all) != 2 {
 		t.Fatalf("after dropping: %+v, want z one (newer) and z pulled", all)
+	}
+}
+
+// TestOverrides_EveryChangeIsAnnouncedAndASubscriptionComesBack: a node
+// watching the notices hears that it is subscribed, then each change
+// another node makes; when Redis drops the subscription it hears that it
+// is not, subscribes again by itself and hears the next change; it stops
+// with its context, and with the origin.
+func TestOverrides_EveryChangeIsAnnouncedAndASubscriptionComesBack(t *testing.T) {
+	srv := redistest.Start(t)
+	a := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "a"})
+	b := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "b"})
+	ctx := ctxT(t)
+	notices := make(chan bool, 100)
+	wctx, stop := context.WithCancel(ctx)
+	ended := make(chan struct{})
+	go func() {
+		defer close(ended)
+		b.WatchOverrides(wctx, func(live bool) { notices <- live })
+	}()
+	next := func(want bool, what string) {
+		t.Helper()
+		select {
+		case live := <-notices:
+			if live != want {
+				t.Fatalf("%s: notice(%v), want notice(%v)", what, live, want)
+			}
+		case <-time.After(5 * time.Second):
+			t.Fatalf("%s: no notice within 5 s", what)
+		}
+	}
+	put := func(ver int64) {
+		t.Helper()
+		if _, err := a.PutOverrides(ctx, []Override{{Field: "z k", Version: ver, Value: "v"}}, false); err != nil {
+			t.Fatal(err)
+		}
+	}
+	next(true, "subscribing")
+	put(10)
+	next(true, "a change")
+	put(5) // older: no change, no notice; the next change is heard next
+	put(11)
+	next(true, "the change after a stale write")
+	if len(notices) != 0 {
+		t.Fatalf("%d notices more than the changes", len(notices))
+	}
+
+	admin := redis.NewClient(&redis.Options{Addr: srv.Addr()})
+	defer admin.Close()
+	if err := admin.Do(ctx, "CLIENT", "KILL", "TYPE", "pubsub").Err(); err != nil {
+		t.Fatal(err)
+	}
+	next(false, "the subscription dropped")
+	next(true, "subscribing again")
+	put(12)
+	next(true, "a change after subscribing again")
+
+	stop()
+	select {
+	case <-ended:
+	case <-time.After(5 * time.Second):
+		t.Fatal("WatchOverrides did not end with its context")
+	}
+	ended = make(chan struct{})
+	go func() {
+		defer close(ended)
+		b.WatchOverrides(ctx, func(bool) {})
+	}()
+	_ = b.Close()
+	select {
+	case <-ended:
+	case <-time.After(5 * time.Second):
+		t.Fatal("WatchOverrides did not end with the origin")
 	}
 }
