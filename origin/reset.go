@@ -19,9 +19,9 @@ import (
 // reset count as usual, those from before never come back. The previous
 // cell is marked too, so the key's previous window weighs nothing.
 //
-// The region's resets are kept like its overrides (overrides.go): a hash
-// of field → "<version> <value>" at <prefix>:{resets}, with a change
-// counter the nodes poll, so that each drops its own state of the key.
+// Which keys were reset reaches the region's nodes as an override record
+// (the root's, opaque here: overrides.go), so that each drops its own
+// state of the key.
 
 // resetScript marks each existing cell KEYS[i]: r := t, rg := g.
 var resetScript = redis.NewScript(`
@@ -32,8 +32,6 @@ end
 return 0
 `)
 
-func (r *Redis) resetsKey() string { return r.prefix + ":{resets}" }
-
 // ResetCells marks the key's cell seq and the one before it as reset.
 func (r *Redis) ResetCells(ctx context.Context, key engine.Key, seq int64) error {
 	ep := r.route(key)
@@ -42,27 +40,4 @@ func (r *Redis) ResetCells(ctx context.Context, key engine.Key, seq int64) error
 		return fmt.Errorf("redis reset %s (zone %q): %w", ep.address, key.Namespace, err)
 	}
 	return nil
-}
-
-// PutResets records resets for the region's nodes (newest version wins);
-// it returns how many took.
-func (r *Redis) PutResets(ctx context.Context, rs []Override) (int, error) {
-	return r.putVersioned(ctx, r.resetsKey(), rs, false)
-}
-
-// ResetsVersion is the region's change counter of resets.
-func (r *Redis) ResetsVersion(ctx context.Context) (int64, error) {
-	return r.versionOf(ctx, r.resetsKey())
-}
-
-// Resets returns every reset the region holds and the change counter they
-// are as of.
-func (r *Redis) Resets(ctx context.Context) (int64, []Override, error) {
-	return r.allVersioned(ctx, r.resetsKey())
-}
-
-// DropResets removes resets at the versions given (those of a window
-// that ended).
-func (r *Redis) DropResets(ctx context.Context, rs []Override) error {
-	return r.dropVersioned(ctx, r.resetsKey(), rs)
 }
