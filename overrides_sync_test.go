@@ -25,18 +25,7 @@ func TestOverrides_RegionScopeReachesTheOtherNodesThroughRedis(t *testing.T) {
 	srv := redistest.Start(t)
 	global := fmt.Sprintf("\tratelimit {\n\t\tregion ov-test\n\t\tredis %s\n\t\tfast_tick 10ms\n\t}", srv.URL())
 	// Another node's change, in the region before this process starts.
-	other, err := origin.New(origin.Config{Redis: []string{srv.URL()}}, origin.Options{NodeID: "other"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = other.Close() })
-	put := func(id string, limit int64) {
-		t.Helper()
-		rec := overrideRec{Zone: "ov", Identifier: id, Limit: limit, Region: "ov-test", CreatedMs: time.Now().UnixMilli(), Version: time.Now().UnixMicro()}
-		if _, err := other.PutOverrides(context.Background(), []origin.Override{rec.regionValue()}, false); err != nil {
-			t.Fatal(err)
-		}
-	}
+	other, put := otherNode(t, srv)
 	put("early", 0)
 	_, admin, base := startCaddy(t, overrideConfig(global))
 	if n := admitted(t, base, "early", 1); n != 0 {
@@ -67,11 +56,8 @@ func TestOverrides_AChangeArrivesOnItsNoticeAndAnIdleNodeRarelyAsks(t *testing.T
 	resetOverrides(t)
 	srv := redistest.Start(t)
 	global := fmt.Sprintf("\tratelimit {\n\t\tregion ov-test\n\t\tredis %s\n\t\tfast_tick 10ms\n\t\tslow_tick 1m\n\t}", srv.URL())
-	other, err := origin.New(origin.Config{Redis: []string{srv.URL()}}, origin.Options{NodeID: "other"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = other.Close() })
+	_, putLimit := otherNode(t, srv)
+	put := func(id string) { t.Helper(); putLimit(id, 0) }
 	_, _, base := startCaddy(t, overrideConfig(global))
 	admin := redis.NewClient(&redis.Options{Addr: srv.Addr()})
 	t.Cleanup(func() { _ = admin.Close() })
@@ -94,13 +80,6 @@ func TestOverrides_AChangeArrivesOnItsNoticeAndAnIdleNodeRarelyAsks(t *testing.T
 		}
 		return 0
 	}
-	put := func(id string) {
-		t.Helper()
-		rec := overrideRec{Zone: "ov", Identifier: id, Limit: 0, Region: "ov-test", CreatedMs: time.Now().UnixMilli(), Version: time.Now().UnixMicro()}
-		if _, err := other.PutOverrides(ctx, []origin.Override{rec.regionValue()}, false); err != nil {
-			t.Fatal(err)
-		}
-	}
 	redistest.Eventually(t, 5*time.Second, "the node subscribed to the notices", subscribed)
 	// A rate over a second of idling, not a synchronisation: a node that
 	// polled each fast tick would send about 100 GETs here.
@@ -121,4 +100,21 @@ func TestOverrides_AChangeArrivesOnItsNoticeAndAnIdleNodeRarelyAsks(t *testing.T
 	redistest.Eventually(t, 5*time.Second, "the node subscribed again", subscribed)
 	put("after")
 	redistest.Eventually(t, 5*time.Second, "a change after the subscription came back", func() bool { return admitted(t, base, "after", 1) == 0 })
+}
+
+// otherNode is another node of region ov-test on srv, and a function that
+// stores, as that node, an override of zone ov's identifier id.
+func otherNode(t *testing.T, srv *redistest.Server) (*origin.Redis, func(id string, limit int64)) {
+	other, err := origin.New(origin.Config{Redis: []string{srv.URL()}}, origin.Options{NodeID: "other"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = other.Close() })
+	return other, func(id string, limit int64) {
+		t.Helper()
+		rec := overrideRec{Zone: "ov", Identifier: id, Limit: limit, Region: "ov-test", CreatedMs: time.Now().UnixMilli(), Version: time.Now().UnixMicro()}
+		if _, err := other.PutOverrides(context.Background(), []origin.Override{rec.regionValue()}, false); err != nil {
+			t.Fatal(err)
+		}
+	}
 }

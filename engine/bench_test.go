@@ -206,20 +206,36 @@ func BenchmarkGCWith100kKeys(b *testing.B) {
 // them), so the cost of a key can be measured before and after a change.
 // The harness's RSS per key is about twice the heap per key (the
 // collector lets the heap grow to twice what is live).
-func BenchmarkMemory100kKeys(b *testing.B) {
+func BenchmarkMemory100kKeys(b *testing.B) { benchMemory100kKeys(b, false) }
+
+// benchMemory100kKeys decides 100,000 new keys in one zone and reports
+// their heap per key; linked, through an origin that keeps nothing, with
+// every key's units replayed once.
+func benchMemory100kKeys(b *testing.B, linked bool) {
 	const n = 100_000
 	for b.Loop() {
-		e, _ := newTestEngine(b, Config{})
+		e, _ := newTestEngine(b, manual(Config{}))
+		if linked {
+			e.SetOrigin(emptyOrigin{})
+		}
 		z := e.Zone("lt_keys", time.Hour)
 		before := memStats()
 		for j := 0; j < n; j++ {
 			l := lim("k"+strconv.Itoa(j), time.Hour, 1_000_000_000, 1)
 			l.Zone = z
 			e.Decide(bg, l)
+			if linked && (j%4096 == 4095 || j == n-1) { // within the replay queue's room
+				if _, err := e.ReplayOnce(bg, Fast); err != nil {
+					b.Fatal(err)
+				}
+			}
 		}
 		after := memStats()
 		if got := e.Stats().Entries; got != n {
 			b.Fatalf("live entries = %d, want %d", got, n)
+		}
+		if p := e.Stats().PendingCells; p != 0 {
+			b.Fatalf("%d cells still pending", p)
 		}
 		b.ReportMetric(float64(after.HeapInuse-before.HeapInuse)/n, "heap-inuse-B/key")
 		b.ReportMetric(float64(after.HeapAlloc-before.HeapAlloc)/n, "heap-alloc-B/key")
@@ -253,33 +269,4 @@ func (emptyOrigin) Reserve(context.Context, *Reservation) error { return nil }
 
 // BenchmarkMemory100kKeysLinked is BenchmarkMemory100kKeys with an origin
 // (the redis_keys100k row): linked cells, each key's units replayed once.
-func BenchmarkMemory100kKeysLinked(b *testing.B) {
-	const n = 100_000
-	for b.Loop() {
-		e, _ := newTestEngine(b, manual(Config{}))
-		e.SetOrigin(emptyOrigin{})
-		z := e.Zone("lt_keys", time.Hour)
-		before := memStats()
-		for j := 0; j < n; j++ {
-			l := lim("k"+strconv.Itoa(j), time.Hour, 1_000_000_000, 1)
-			l.Zone = z
-			e.Decide(bg, l)
-			if j%4096 == 4095 || j == n-1 { // within the replay queue's room
-				if _, err := e.ReplayOnce(bg, Fast); err != nil {
-					b.Fatal(err)
-				}
-			}
-		}
-		after := memStats()
-		if got := e.Stats().Entries; got != n {
-			b.Fatalf("live entries = %d, want %d", got, n)
-		}
-		if p := e.Stats().PendingCells; p != 0 {
-			b.Fatalf("%d cells still pending", p)
-		}
-		b.ReportMetric(float64(after.HeapInuse-before.HeapInuse)/n, "heap-inuse-B/key")
-		b.ReportMetric(float64(after.HeapAlloc-before.HeapAlloc)/n, "heap-alloc-B/key")
-		b.ReportMetric(float64(after.HeapObjects-before.HeapObjects)/n, "objects/key")
-		runtime.KeepAlive(e)
-	}
-}
+func BenchmarkMemory100kKeysLinked(b *testing.B) { benchMemory100kKeys(b, true) }
