@@ -160,3 +160,31 @@ func TestOverrides_EveryChangeIsAnnouncedAndASubscriptionComesBack(t *testing.T)
 		t.Fatal("WatchOverrides did not end with the origin")
 	}
 }
+
+// TestOverrides_ANoticeCrossesACluster: through a Redis Cluster client,
+// the change's script publishes on the node of the overrides' slot and
+// the subscription is the cluster client's; the notice reaches it.
+func TestOverrides_ANoticeCrossesACluster(t *testing.T) {
+	cl := redistest.StartCluster(t, 3)
+	cfg := Config{Cluster: &ClusterConfig{Addrs: cl.Addrs()}}
+	a := newOrigin(t, cfg, Options{NodeID: "a"})
+	b := newOrigin(t, cfg, Options{NodeID: "b"})
+	ctx := ctxT(t)
+	notices := make(chan bool, 10)
+	go b.WatchOverrides(ctx, func(live bool) { notices <- live })
+	for i, what := range []string{"subscribing", "a change"} {
+		if i == 1 {
+			if _, err := a.PutOverrides(ctx, []Override{{Field: "z k", Version: 1, Value: "v"}}, false); err != nil {
+				t.Fatal(err)
+			}
+		}
+		select {
+		case live := <-notices:
+			if !live {
+				t.Fatalf("%s: notice(false)", what)
+			}
+		case <-time.After(5 * time.Second):
+			t.Fatalf("%s: no notice within 5 s", what)
+		}
+	}
+}
