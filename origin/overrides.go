@@ -43,7 +43,8 @@ var (
 	// overridePutScript sets each field ARGV[3i+1] of KEYS[1] to
 	// "ARGV[3i+2] ARGV[3i+3]" when its version ARGV[3i+2] is newer than the
 	// one held, queues it in KEYS[3] when ARGV[#ARGV] is "1", and bumps
-	// KEYS[2] once if any changed; returns how many changed.
+	// KEYS[2] once if any changed, publishing its new value on the channel
+	// KEYS[2] where the user may; returns how many changed.
 	overridePutScript = redis.NewScript(`
 local changed = 0
 local queue = ARGV[#ARGV] == '1'
@@ -58,7 +59,9 @@ for i = 1, #ARGV - 1, 3 do
   end
 end
 if changed > 0 then
-  redis.call('PUBLISH', KEYS[2], redis.call('INCR', KEYS[2]))
+  -- pcall: a user without pub/sub channels (Redis 7's default for a new
+  -- ACL user) still changes overrides; its nodes read the counter instead.
+  redis.pcall('PUBLISH', KEYS[2], redis.call('INCR', KEYS[2]))
 end
 return changed
 `)

@@ -188,3 +188,37 @@ func TestOverrides_ANoticeCrossesACluster(t *testing.T) {
 		}
 	}
 }
+
+// TestOverrides_AUserWithoutChannelsStillChangesOverrides: Redis 7 gives a
+// new ACL user no pub/sub channels unless told; such a user's change is
+// stored and reported as stored (its notice is left out), and a node of
+// that user hears that it has no subscription, so it keeps reading the
+// change counter each fast tick.
+func TestOverrides_AUserWithoutChannelsStillChangesOverrides(t *testing.T) {
+	srv := redistest.Start(t)
+	ctx := ctxT(t)
+	admin := redis.NewClient(&redis.Options{Addr: srv.Addr()})
+	defer admin.Close()
+	if err := admin.Do(ctx, "ACL", "SETUSER", "app", "on", ">app-pw", "~*", "+@all", "resetchannels").Err(); err != nil {
+		t.Fatal(err)
+	}
+	url := "redis://app:app-pw@" + srv.Addr()
+	a := newOrigin(t, Config{Redis: []string{url}}, Options{NodeID: "a"})
+	b := newOrigin(t, Config{Redis: []string{url}}, Options{NodeID: "b"})
+	notices := make(chan bool, 10)
+	go b.WatchOverrides(ctx, func(live bool) { notices <- live })
+	select {
+	case live := <-notices:
+		if live {
+			t.Fatal("a user without channels was told it is subscribed")
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("no notice within 5 s")
+	}
+	if n, err := a.PutOverrides(ctx, []Override{{Field: "z k", Version: 1, Value: "v"}}, false); n != 1 || err != nil {
+		t.Fatalf("PutOverrides = %d, %v: the change must be stored and reported stored", n, err)
+	}
+	if v, err := b.OverridesVersion(ctx); v != 1 || err != nil {
+		t.Fatalf("change counter %d, %v, want 1", v, err)
+	}
+}
