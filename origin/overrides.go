@@ -115,22 +115,47 @@ func (r *Redis) OverridesVersion(ctx context.Context) (int64, error) {
 	return r.versionOf(ctx, r.overridesKey())
 }
 
-// noticeRetry is the first pause before a broken subscription to the
-// notices of changes subscribes again; each failure doubles it, up to
-// maxNoticeRetry.
+// noticeRetry is the first pause before a subscription to the notices of
+// changes that failed or broke is made again; each failure in a row
+// doubles it, up to maxNoticeRetry (a user whom Redis refuses the channel
+// tries again twice a minute, in case it was granted).
 const (
 	noticeRetry    = 10 * time.Millisecond
-	maxNoticeRetry = time.Second
+	maxNoticeRetry = 30 * time.Second
 )
 
 // WatchOverrides subscribes to the region's notices of override changes
 // (each change publishes the new change counter) until ctx ends or the
 // origin closes. It calls notice(true) once subscribed, and again on each
-// notice, and notice(false) when the subscription broke, after which it
-// subscribes again. Changes made while no subscription was live are not
-// announced: a caller that hears notice(true) after notice(false) reads
-// the change counter.
+// notice, and notice(false) when the subscription failed or broke, after
+// which it subscribes again. Changes made while no subscription was live
+// are not announced: a caller that hears notice(true) after notice(false)
+// reads the change counter.
 func (r *Redis) WatchOverrides(ctx context.Context, notice func(live bool)) {
+	pause := noticeRetry
+	for {
+		if r.subscribe(ctx, notice) {
+			pause = noticeRetry
+		}
+		if ctx.Err() != nil || r.closed.Load() {
+			return
+		}
+		notice(false)
+		select {
+		case <-time.After(pause):
+		case <-ctx.Done():
+			return
+		case <-r.done:
+			return
+		}
+		pause = min(2*pause, maxNoticeRetry)
+	}
+}
+
+// subscribe is one subscription of WatchOverrides, from SUBSCRIBE until
+// it fails, breaks, or ctx ends or the origin closes; it reports whether
+// it was live at some point.
+func (r *Redis) subscribe(ctx context.Context, notice func(live bool)) (live bool) {
 	ps := r.roleEndpoint().client.Subscribe(ctx, r.overridesKey()+":v")
 	stop := make(chan struct{})
 	defer close(stop)
@@ -142,28 +167,14 @@ func (r *Redis) WatchOverrides(ctx context.Context, notice func(live bool)) {
 		}
 		_ = ps.Close() // ends a Receive that waits
 	}()
-	pause := noticeRetry
 	for {
 		msg, err := ps.Receive(context.Background())
-		if ctx.Err() != nil || r.closed.Load() {
-			return
-		}
-		if err != nil {
-			// The next Receive dials again and subscribes anew.
-			notice(false)
-			select {
-			case <-time.After(pause):
-			case <-ctx.Done():
-				return
-			case <-r.done:
-				return
-			}
-			pause = min(2*pause, maxNoticeRetry)
-			continue
+		if err != nil || ctx.Err() != nil || r.closed.Load() {
+			return live
 		}
 		switch msg.(type) {
 		case *redis.Subscription, *redis.Message:
-			pause = noticeRetry
+			live = true
 			notice(true)
 		}
 	}

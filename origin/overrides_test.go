@@ -193,7 +193,8 @@ func TestOverrides_ANoticeCrossesACluster(t *testing.T) {
 // new ACL user no pub/sub channels unless told; such a user's change is
 // stored and reported as stored (its notice is left out), and a node of
 // that user hears that it has no subscription, so it keeps reading the
-// change counter each fast tick.
+// change counter each fast tick. Once the user is granted the channels,
+// the node subscribes by itself and hears the next change.
 func TestOverrides_AUserWithoutChannelsStillChangesOverrides(t *testing.T) {
 	srv := redistest.Start(t)
 	ctx := ctxT(t)
@@ -221,4 +222,27 @@ func TestOverrides_AUserWithoutChannelsStillChangesOverrides(t *testing.T) {
 	if v, err := b.OverridesVersion(ctx); v != 1 || err != nil {
 		t.Fatalf("change counter %d, %v, want 1", v, err)
 	}
+
+	if err := admin.Do(ctx, "ACL", "SETUSER", "app", "allchannels").Err(); err != nil {
+		t.Fatal(err)
+	}
+	await := func(what string) {
+		t.Helper()
+		deadline := time.After(10 * time.Second)
+		for {
+			select {
+			case live := <-notices:
+				if live {
+					return
+				}
+			case <-deadline:
+				t.Fatalf("%s: no notice(true) within 10 s", what)
+			}
+		}
+	}
+	await("subscribing once granted the channels")
+	if _, err := a.PutOverrides(ctx, []Override{{Field: "z k", Version: 2, Value: "v"}}, false); err != nil {
+		t.Fatal(err)
+	}
+	await("a change once granted the channels")
 }
