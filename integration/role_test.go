@@ -88,7 +88,7 @@ func TestRegions_HolderKilledHandsTheRoleOn(t *testing.T) {
 	}
 	kill(t, second)
 	last := holderOf(t, without(a, first, second), 10*time.Second)
-	lat := denyLatencyAt(t, last, c.regions[1][0], c.spec.limit, freshKey("after-kills"), true)
+	lat := denyLatencyAt(t, last, c.regions[1][0], c.spec.limit, freshKey("after-kills"))
 	burstBound := time.Duration(1.2*float64(testFlush+testBlocklistSync)) + 250*time.Millisecond
 	t.Logf("with two of three nodes killed, region B saw A's burst %s after A's first denial (bound %s)", lat, burstBound)
 	if lat > burstBound {

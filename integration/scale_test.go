@@ -218,7 +218,7 @@ func TestScale_Regions(t *testing.T) {
 					}
 				}
 				s0 := c.costs(t)
-				lat := denyLatencyAt(t, c.regions[0][0], c.regions[1][0], limit, freshKey("scale-burst"), true)
+				lat := denyLatencyAt(t, c.regions[0][0], c.regions[1][0], limit, freshKey("scale-burst"))
 				s1 := c.costs(t)
 				stmts, rows, redis := since(s0, s1)
 				fmt.Fprintf(&b, "| %s | burst at A | | %s | %s | %s | %s | %s |\n",
