@@ -58,7 +58,7 @@ func TestOverrides_AChangeArrivesOnItsNoticeAndAnIdleNodeRarelyAsks(t *testing.T
 	global := fmt.Sprintf("\tratelimit {\n\t\tregion ov-test\n\t\tredis %s\n\t\tfast_tick 10ms\n\t\tslow_tick 1m\n\t}", srv.URL())
 	_, putLimit := otherNode(t, srv)
 	put := func(id string) { t.Helper(); putLimit(id, 0) }
-	_, _, base := startCaddy(t, overrideConfig(global))
+	_, adminPort, base := startCaddy(t, overrideConfig(global))
 	admin := redis.NewClient(&redis.Options{Addr: srv.Addr()})
 	t.Cleanup(func() { _ = admin.Close() })
 	ctx := context.Background()
@@ -81,6 +81,15 @@ func TestOverrides_AChangeArrivesOnItsNoticeAndAnIdleNodeRarelyAsks(t *testing.T
 		return 0
 	}
 	redistest.Eventually(t, 5*time.Second, "the node subscribed to the notices", subscribed)
+	var status struct {
+		Origin struct {
+			OverrideNotices bool `json:"override_notices"`
+		} `json:"origin"`
+	}
+	redistest.Eventually(t, 5*time.Second, "the status says subscribed", func() bool {
+		adminSend(t, adminPort, http.MethodGet, "/ratelimit/status", "").decode(t, http.StatusOK, &status)
+		return status.Origin.OverrideNotices
+	})
 	// A rate over a second of idling, not a synchronisation: a node that
 	// polled each fast tick would send about 100 GETs here.
 	before := gets()

@@ -31,6 +31,8 @@ var endpointStats = statSet[origin.EndpointStats]{labels: []string{"endpoint"}, 
 var originStats = statSet[origin.Stats]{stats: []stat[origin.Stats]{
 	{json: "restarts", metric: "origin_restarts_total", value: func(s *origin.Stats) any { return s.Restarts },
 		help: "Redis servers seen restarted (their run ID changed), after each of which every live key's count is sent again."},
+	{json: "override_notices", metric: "origin_override_notices", gauge: true, value: func(s *origin.Stats) any { return s.OverrideNotices },
+		help: "1 while this node is subscribed to the region's notices of runtime override changes (it checks the region's change counter each slow_tick), 0 while not (each fast_tick)."},
 }}
 
 // redisStatus is the status's origin section: null when local-only.

@@ -25,7 +25,7 @@ func TestRedisStatus_SectionIsNullLocalOnlyAndListsEndpoints(t *testing.T) {
 		t.Fatal(err)
 	}
 	want := `{"endpoints":[{"address":"redis://127.0.0.1:6379/0","kind":"standalone","breaker":"closed","replay_breaker":"open",` +
-		`"calls":{"flush":{"ok":3}},"round_trips":4,"slow_calls":1,"last_read":null,"last_flush":"2023-11-14T22:13:20Z"}],"restarts":2}`
+		`"calls":{"flush":{"ok":3}},"round_trips":4,"slow_calls":1,"last_read":null,"last_flush":"2023-11-14T22:13:20Z"}],"restarts":2,"override_notices":false}`
 	if string(b) != want {
 		t.Fatalf("section\n%s\nwant\n%s", b, want)
 	}

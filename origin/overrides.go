@@ -132,6 +132,8 @@ const (
 // are not announced: a caller that hears notice(true) after notice(false)
 // reads the change counter.
 func (r *Redis) WatchOverrides(ctx context.Context, notice func(live bool)) {
+	notice = r.recordNotices(notice)
+	defer r.notices.Store(false)
 	pause := noticeRetry
 	for {
 		if r.subscribe(ctx, notice) {
@@ -149,6 +151,15 @@ func (r *Redis) WatchOverrides(ctx context.Context, notice func(live bool)) {
 			return
 		}
 		pause = min(2*pause, maxNoticeRetry)
+	}
+}
+
+// recordNotices wraps notice so that the origin's stats say whether the
+// subscription is live.
+func (r *Redis) recordNotices(notice func(live bool)) func(live bool) {
+	return func(live bool) {
+		r.notices.Store(live)
+		notice(live)
 	}
 }
 

@@ -123,6 +123,9 @@ func TestOverrides_EveryChangeIsAnnouncedAndASubscriptionComesBack(t *testing.T)
 		}
 	}
 	next(true, "subscribing")
+	if !b.Stats().OverrideNotices {
+		t.Fatal("subscribed, and the stats say not")
+	}
 	put(10)
 	next(true, "a change")
 	put(5) // older: no change, no notice; the next change is heard next
@@ -147,6 +150,9 @@ func TestOverrides_EveryChangeIsAnnouncedAndASubscriptionComesBack(t *testing.T)
 	case <-ended:
 	case <-time.After(5 * time.Second):
 		t.Fatal("WatchOverrides did not end with its context")
+	}
+	if b.Stats().OverrideNotices {
+		t.Fatal("the watch ended, and the stats say subscribed")
 	}
 	ended = make(chan struct{})
 	go func() {

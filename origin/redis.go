@@ -26,6 +26,8 @@ type Redis struct {
 	events   chan stateEvent // breaker transitions for OnStateChange (breaker.go)
 	dropped  atomic.Uint64
 	restarts atomic.Uint64 // run ID changes seen (restart.go)
+	// notices is whether WatchOverrides is subscribed (overrides.go).
+	notices atomic.Bool
 	// runIDChecks counts the watch's checks, for tests to await one.
 	runIDChecks atomic.Uint64
 	closed      atomic.Bool

@@ -115,6 +115,9 @@ type Stats struct {
 	// see WatchRestarts), after each of which every live cell's total was
 	// sent again.
 	Restarts uint64 `json:"restarts"`
+	// OverrideNotices tells whether this process is subscribed to the
+	// region's notices of override changes (see WatchOverrides).
+	OverrideNotices bool `json:"override_notices"`
 }
 
 // EndpointStats is a snapshot of one endpoint.
@@ -145,7 +148,7 @@ type EndpointStats struct {
 
 // Stats returns a snapshot for operators.
 func (r *Redis) Stats() Stats {
-	st := Stats{Endpoints: make([]EndpointStats, len(r.endpoints)), Restarts: r.restarts.Load()}
+	st := Stats{Endpoints: make([]EndpointStats, len(r.endpoints)), Restarts: r.restarts.Load(), OverrideNotices: r.notices.Load()}
 	for i, ep := range r.endpoints {
 		st.Endpoints[i] = ep.stats()
 	}
