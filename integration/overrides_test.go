@@ -129,6 +129,11 @@ func TestRegions_RegionResetStaysReset(t *testing.T) {
 		}
 	}
 	reachAll(t, nodes, key, http.StatusTooManyRequests, "the key denied on both nodes")
+	// Units another node admitted before the reset and replays after it
+	// count after it (README, "Resets"): the test resets once both nodes
+	// have replayed theirs, as CI's load once delayed a replay past the
+	// reset (only 3 admitted after it).
+	replayed(t, nodes)
 	if s := nodes[0].adminSend(t, http.MethodDelete, "/ratelimit/counters?zone=global&scope=region&identifier="+urlQueryEscape(key), ""); s != http.StatusOK {
 		t.Fatalf("DELETE scope=region: %d", s)
 	}
@@ -202,4 +207,19 @@ func TestRegions_GlobalResetStaysReset(t *testing.T) {
 		}
 		return true
 	})
+}
+
+// replayed waits until no node has a cell queued for replay.
+func replayed(t *testing.T, nodes []*regionNode) {
+	t.Helper()
+	for _, n := range nodes {
+		redistest.Eventually(t, 5*time.Second, "the node replayed its units", func() bool {
+			var st struct {
+				Engine struct {
+					PendingCells *int64 `json:"pending_cells"`
+				} `json:"engine"`
+			}
+			return n.adminGet("/ratelimit/status", &st) == nil && st.Engine.PendingCells != nil && *st.Engine.PendingCells == 0
+		})
+	}
 }
