@@ -13,10 +13,10 @@ import (
 
 // Runtime overrides of the region, in its Redis: operators change a key's
 // limit through any node's admin API, and every node of the region reads
-// the change as soon as the notice of it arrives (WatchOverrides). The values are opaque here; each carries
-// a version (the change's time, in microseconds), and a write replaces a
-// field only with a newer version, so two nodes that apply the same
-// changes in different orders agree.
+// the change as soon as the notice of it arrives (WatchOverrides). The
+// values are opaque here; each carries a version (the change's time, in
+// microseconds), and a write replaces a field only with a newer version,
+// so two nodes that apply the same changes in different orders agree.
 //
 // Keys, on the endpoint of the role (one hash tag, so a Cluster keeps them
 // together):
