@@ -20,10 +20,11 @@ import (
 // The process keeps one book of them (it outlives reloads). Where a
 // change is stored follows the backends: with MySQL, every region
 // (ratelimit_overrides, carried by the region's role holder like the
-// counts); with Redis only, the region (a hash in its Redis, which every
-// node polls each fast tick); local-only, this process. Every change has a
-// version (its time in µs), and every copy keeps the newest, so nodes
-// that hear changes in different orders end the same.
+// counts); with Redis only, the region (a hash in its Redis, whose every
+// change is announced to the region's nodes: overrides_sync.go);
+// local-only, this process. Every change has a version (its time in µs),
+// and every copy keeps the newest, so nodes that hear changes in
+// different orders end the same.
 
 // overrideRec is one override, or its removal.
 type overrideRec struct {
