@@ -19,9 +19,8 @@ import (
 // the key's cells (origin/reset.go: what they held before, the region's
 // units and what it imported, never comes back, whatever a node replays
 // or a region publishes later); the reset itself is a record in the
-// region's hash of overrides (overrides.go), which every node hears of, and
-// every node that hears of it drops its own state of the key
-// (engine.ForgetMatching). A global reset travels like an override: the
+// region's hash of overrides (overrides.go), and every node that hears of
+// it drops its own state of the key (engine.ForgetMatching). A global reset travels like an override: the
 // role's holder writes it to MySQL, every other region's holder marks its
 // own region's cells when it first reads it (mysql_region.go) and leaves
 // it for its nodes. Published rows keep their totals (they only grow):
