@@ -167,32 +167,25 @@ func TestOverrides_EveryChangeIsAnnouncedAndASubscriptionComesBack(t *testing.T)
 	}
 }
 
+// TestOverrides_ANoticeComesThroughSentinel: a client of Sentinels
+// subscribes on the master it found, where the change's script publishes.
+func TestOverrides_ANoticeComesThroughSentinel(t *testing.T) {
+	master := redistest.Start(t, redistest.WithPassword("master-pw"))
+	sentinel := redistest.StartSentinel(t, master)
+	cfg := Config{Sentinel: &SentinelConfig{
+		Master: redistest.SentinelMaster,
+		Addrs:  []string{"redis://:master-pw@" + sentinel.Addr()},
+	}}
+	hearsAChange(t, cfg)
+}
+
 // TestOverrides_ANoticeCrossesACluster: through a Redis Cluster client,
 // the change's script publishes on the node of the overrides' slot and
 // the subscription is the cluster client's; the notice reaches it.
 func TestOverrides_ANoticeCrossesACluster(t *testing.T) {
 	cl := redistest.StartCluster(t, 3)
 	cfg := Config{Cluster: &ClusterConfig{Addrs: cl.Addrs()}}
-	a := newOrigin(t, cfg, Options{NodeID: "a"})
-	b := newOrigin(t, cfg, Options{NodeID: "b"})
-	ctx := ctxT(t)
-	notices := make(chan bool, 10)
-	go b.WatchOverrides(ctx, func(live bool) { notices <- live })
-	for i, what := range []string{"subscribing", "a change"} {
-		if i == 1 {
-			if _, err := a.PutOverrides(ctx, []Override{{Field: "z k", Version: 1, Value: "v"}}, false); err != nil {
-				t.Fatal(err)
-			}
-		}
-		select {
-		case live := <-notices:
-			if !live {
-				t.Fatalf("%s: notice(false)", what)
-			}
-		case <-time.After(5 * time.Second):
-			t.Fatalf("%s: no notice within 5 s", what)
-		}
-	}
+	hearsAChange(t, cfg)
 }
 
 // TestOverrides_AUserWithoutChannelsStillChangesOverrides: Redis 7 gives a
@@ -251,4 +244,30 @@ func TestOverrides_AUserWithoutChannelsStillChangesOverrides(t *testing.T) {
 		t.Fatal(err)
 	}
 	await("a change once granted the channels")
+}
+
+// hearsAChange checks that a node of cfg subscribes to the notices and
+// hears a change another node of cfg makes.
+func hearsAChange(t *testing.T, cfg Config) {
+	t.Helper()
+	a := newOrigin(t, cfg, Options{NodeID: "a"})
+	b := newOrigin(t, cfg, Options{NodeID: "b"})
+	ctx := ctxT(t)
+	notices := make(chan bool, 10)
+	go b.WatchOverrides(ctx, func(live bool) { notices <- live })
+	for i, what := range []string{"subscribing", "a change"} {
+		if i == 1 {
+			if _, err := a.PutOverrides(ctx, []Override{{Field: "z k", Version: 1, Value: "v"}}, false); err != nil {
+				t.Fatal(err)
+			}
+		}
+		select {
+		case live := <-notices:
+			if !live {
+				t.Fatalf("%s: notice(false)", what)
+			}
+		case <-time.After(5 * time.Second):
+			t.Fatalf("%s: no notice within 5 s", what)
+		}
+	}
 }
