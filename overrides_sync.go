@@ -3,7 +3,6 @@ package ratelimit
 import (
 	"context"
 	"errors"
-	"sync/atomic"
 	"time"
 
 	"go.uber.org/zap"
@@ -110,12 +109,10 @@ func (b *redisBackend) watchOverrides(stop <-chan struct{}) {
 		defer cancel()
 		return loadRegionOverrides(ctx, b.origin)
 	}
-	var live atomic.Bool
 	wake := make(chan struct{}, 1)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	go b.origin.WatchOverrides(ctx, func(ok bool) {
-		live.Store(ok)
+	go b.origin.WatchOverrides(ctx, func(bool) {
 		select {
 		case wake <- struct{}{}:
 		default:
@@ -136,7 +133,7 @@ func (b *redisBackend) watchOverrides(stop <-chan struct{}) {
 		case <-timer.C:
 		case <-wake:
 		}
-		if live.Load() {
+		if b.origin.OverrideNotices() {
 			timer.Reset(b.timing.SlowTick)
 		} else {
 			timer.Reset(b.timing.FastTick)

@@ -87,12 +87,6 @@ func (r *Redis) overridesKey() string { return r.prefix + ":{overrides}" }
 // set (a change made here, which MySQL has not seen). It returns how many
 // took.
 func (r *Redis) PutOverrides(ctx context.Context, os []Override, queue bool) (int, error) {
-	return r.putVersioned(ctx, r.overridesKey(), os, queue)
-}
-
-// putVersioned is PutOverrides on the versioned hash k (overrides or
-// resets).
-func (r *Redis) putVersioned(ctx context.Context, k string, os []Override, queue bool) (int, error) {
 	if len(os) == 0 {
 		return 0, nil
 	}
@@ -101,7 +95,7 @@ func (r *Redis) putVersioned(ctx context.Context, k string, os []Override, queue
 		args = append(args, o.Field, strconv.FormatInt(o.Version, 10), o.Value)
 	}
 	args = append(args, map[bool]string{true: "1", false: "0"}[queue])
-	ep := r.roleEndpoint()
+	ep, k := r.roleEndpoint(), r.overridesKey()
 	n, err := overridePutScript.Run(ctx, ep.client, []string{k, k + ":v", k + ":q"}, args...).Int()
 	if err != nil {
 		return 0, fmt.Errorf("redis put %s %s: %w", k, ep.address, err)
@@ -112,7 +106,15 @@ func (r *Redis) putVersioned(ctx context.Context, k string, os []Override, queue
 // OverridesVersion returns the region's change counter of overrides: it
 // moves with every change, so a node re-reads them only when it moved.
 func (r *Redis) OverridesVersion(ctx context.Context) (int64, error) {
-	return r.versionOf(ctx, r.overridesKey())
+	ep, k := r.roleEndpoint(), r.overridesKey()
+	v, err := ep.client.Get(ctx, k+":v").Int64()
+	if errors.Is(err, redis.Nil) {
+		return 0, nil
+	}
+	if err != nil {
+		return 0, fmt.Errorf("redis %s version %s: %w", k, ep.address, err)
+	}
+	return v, nil
 }
 
 // noticeRetry is the first pause before a subscription to the notices of
@@ -132,7 +134,11 @@ const (
 // are not announced: a caller that hears notice(true) after notice(false)
 // reads the change counter.
 func (r *Redis) WatchOverrides(ctx context.Context, notice func(live bool)) {
-	notice = r.recordNotices(notice)
+	tell := notice
+	notice = func(live bool) {
+		r.notices.Store(live)
+		tell(live)
+	}
 	defer r.notices.Store(false)
 	pause := noticeRetry
 	for {
@@ -154,14 +160,8 @@ func (r *Redis) WatchOverrides(ctx context.Context, notice func(live bool)) {
 	}
 }
 
-// recordNotices wraps notice so that the origin's stats say whether the
-// subscription is live.
-func (r *Redis) recordNotices(notice func(live bool)) func(live bool) {
-	return func(live bool) {
-		r.notices.Store(live)
-		notice(live)
-	}
-}
+// OverrideNotices tells whether WatchOverrides is subscribed now.
+func (r *Redis) OverrideNotices() bool { return r.notices.Load() }
 
 // subscribe is one subscription of WatchOverrides, from SUBSCRIBE until
 // it fails, breaks, or ctx ends or the origin closes; it reports whether
@@ -191,26 +191,10 @@ func (r *Redis) subscribe(ctx context.Context, notice func(live bool)) (live boo
 	}
 }
 
-func (r *Redis) versionOf(ctx context.Context, k string) (int64, error) {
-	ep := r.roleEndpoint()
-	v, err := ep.client.Get(ctx, k+":v").Int64()
-	if errors.Is(err, redis.Nil) {
-		return 0, nil
-	}
-	if err != nil {
-		return 0, fmt.Errorf("redis %s version %s: %w", k, ep.address, err)
-	}
-	return v, nil
-}
-
 // Overrides returns every override the region holds and the change
 // counter they are as of.
 func (r *Redis) Overrides(ctx context.Context) (int64, []Override, error) {
-	return r.allVersioned(ctx, r.overridesKey())
-}
-
-func (r *Redis) allVersioned(ctx context.Context, k string) (int64, []Override, error) {
-	ep := r.roleEndpoint()
+	ep, k := r.roleEndpoint(), r.overridesKey()
 	pipe := ep.client.Pipeline()
 	ver := pipe.Get(ctx, k+":v")
 	all := pipe.HGetAll(ctx, k)
@@ -255,10 +239,6 @@ func (r *Redis) TakeOverrides(ctx context.Context, all bool) ([]Override, error)
 // version: one that lapsed or a removal old enough to have reached every
 // region. A newer change of the field stays.
 func (r *Redis) DropOverrides(ctx context.Context, os []Override) error {
-	return r.dropVersioned(ctx, r.overridesKey(), os)
-}
-
-func (r *Redis) dropVersioned(ctx context.Context, k string, os []Override) error {
 	if len(os) == 0 {
 		return nil
 	}
@@ -266,7 +246,7 @@ func (r *Redis) dropVersioned(ctx context.Context, k string, os []Override) erro
 	for _, o := range os {
 		args = append(args, o.Field, strconv.FormatInt(o.Version, 10)+" "+o.Value)
 	}
-	ep := r.roleEndpoint()
+	ep, k := r.roleEndpoint(), r.overridesKey()
 	if err := forgetScript.Run(ctx, ep.client, []string{k}, args...).Err(); err != nil && !errors.Is(err, redis.Nil) {
 		return fmt.Errorf("redis drop %s %s: %w", k, ep.address, err)
 	}

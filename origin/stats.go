@@ -148,7 +148,7 @@ type EndpointStats struct {
 
 // Stats returns a snapshot for operators.
 func (r *Redis) Stats() Stats {
-	st := Stats{Endpoints: make([]EndpointStats, len(r.endpoints)), Restarts: r.restarts.Load(), OverrideNotices: r.notices.Load()}
+	st := Stats{Endpoints: make([]EndpointStats, len(r.endpoints)), Restarts: r.restarts.Load(), OverrideNotices: r.OverrideNotices()}
 	for i, ep := range r.endpoints {
 		st.Endpoints[i] = ep.stats()
 	}
