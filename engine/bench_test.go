@@ -123,7 +123,7 @@ func BenchmarkDecideNewKeys(b *testing.B) {
 }
 
 // BenchmarkMemoryPerEntry inserts a million distinct identifiers into a
-// local-only engine (plain cells, 32 bytes each) and reports the live heap
+// local-only engine (plain cells, 24 bytes each) and reports the live heap
 // per entry, key included, then checks that the janitor frees them two
 // windows after the traffic stops.
 func BenchmarkMemoryPerEntry(b *testing.B) {

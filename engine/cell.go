@@ -10,18 +10,16 @@ import (
 // path never takes a lock. A cell holds no pointer, so the garbage collector
 // never scans it: with many keys, cells are most of the engine's heap.
 //
-// A plain cell holds what every decision needs, in 32 bytes. The counters
+// A plain cell holds what every decision needs, in 24 bytes. The counters
 // of replay and of the cross-region layer (cellLinks) exist only in linked
 // cells, the cells made while the engine has an origin or a global layer:
 // such a cell is allocated as a linkedCell and carries stLinked. A
-// local-only engine, which never uses them, pays 32 bytes a cell instead of
+// local-only engine, which never uses them, pays 24 bytes a cell instead of
 // 96. Read those counters through links(): a plain cell has none, and reads
 // them as 0. A plain cell made before an origin or a global layer was
 // attached is replaced by a linked copy when next touched (see
 // Engine.upgrade).
 type cell struct {
-	// seq never changes after the cell is created.
-	seq int64
 	// count is every unit this process knows of in the cell: units committed
 	// here, units merged from the origin, and units reserved speculatively by
 	// a batch in flight. Decisions compare-and-swap it.
@@ -29,12 +27,23 @@ type cell struct {
 	// spec is the part of count reserved by batches that have not committed
 	// yet; it is never replayed.
 	spec atomic.Int64
-	// state holds the st* bits.
-	state atomic.Uint32
-	// inc is the cell's incarnation (Delta.Incarnation), set at allocation
-	// for a linked cell; a plain cell never writes to an origin.
-	inc uint32
+	// word holds the cell's sequence in its high bits (seqShift on), which
+	// never change after the cell is created, and the st* bits below: one
+	// word, so that a plain cell takes 24 bytes. Read them with seq and
+	// state.
+	word atomic.Uint64
 }
+
+// seqShift is where a cell's sequence starts in its word: below it, the
+// st* bits. The sequence keeps 52 bits with its sign, ±2^51 windows: at a
+// window of one millisecond, seventy thousand years either side of 1970.
+const seqShift = 12
+
+// seq returns the cell's sequence (window number).
+func (c *cell) seq() int64 { return int64(c.word.Load()) >> seqShift }
+
+// state returns the cell's st* bits.
+func (c *cell) state() uint32 { return uint32(c.word.Load() & (1<<seqShift - 1)) }
 
 // incarnations numbers the linked cells of the process, so that no two cells
 // of one key and sequence share an origin record. It wraps after 2^32
@@ -71,6 +80,9 @@ type cellLinks struct {
 	// cross-region layer weighs its count against, since one zone may
 	// carry different limits in different sites or overrides.
 	limit atomic.Int64
+	// inc is the cell's incarnation (Delta.Incarnation), set at allocation;
+	// a plain cell never writes to an origin.
+	inc uint32
 }
 
 // linkedCell is a linked cell: a cell with its links, in one allocation of
@@ -84,14 +96,27 @@ type linkedCell struct {
 // newCell returns an empty cell for seq, a linked cell when linked is set.
 func newCell(seq int64, linked bool) *cell {
 	if !linked {
-		return &cell{seq: seq}
+		c := &cell{}
+		c.word.Store(uint64(seq) << seqShift)
+		return c
 	}
 	n := &linkedCell{}
-	n.seq = seq
-	n.inc = incarnations.Add(1)
-	n.state.Store(stLinked)
+	n.word.Store(uint64(seq)<<seqShift | uint64(stLinked))
+	n.x.inc = incarnations.Add(1)
 	return &n.cell
 }
+
+// incarnation returns the cell's incarnation, 0 for a plain cell.
+func (c *cell) incarnation() uint32 {
+	if x := c.links(); x != nil {
+		return x.inc
+	}
+	return 0
+}
+
+// orState sets bits in the state of a cell that no other goroutine sees
+// yet (one being made).
+func (c *cell) orState(bits uint32) { c.word.Store(c.word.Load() | uint64(bits)) }
 
 // linksOrNil is links for a cell that may be nil.
 func (c *cell) linksOrNil() *cellLinks {
@@ -106,7 +131,7 @@ func (c *cell) linksOrNil() *cellLinks {
 // never cleared, so the conversion stays within the object it points into (what
 // the race detector's checkptr verifies).
 func (c *cell) links() *cellLinks {
-	if c.state.Load()&stLinked == 0 {
+	if c.state()&stLinked == 0 {
 		return nil
 	}
 	return &(*linkedCell)(unsafe.Pointer(c)).x
@@ -149,15 +174,19 @@ const (
 	stPrevSettled
 )
 
+// The st* bits fit below a cell's sequence (a negative constant would not
+// compile).
+const _ uint32 = 1<<seqShift - 2*stPrevSettled
+
 // setBits sets bits in the state and reports whether this call set any of
 // them (false when all were already set).
 func (c *cell) setBits(bits uint32) bool {
 	for {
-		old := c.state.Load()
-		if old&bits == bits {
+		old := c.word.Load()
+		if uint32(old)&bits == bits {
 			return false
 		}
-		if c.state.CompareAndSwap(old, old|bits) {
+		if c.word.CompareAndSwap(old, old|uint64(bits)) {
 			return true
 		}
 	}
@@ -166,8 +195,8 @@ func (c *cell) setBits(bits uint32) bool {
 // clearBits clears bits in the state.
 func (c *cell) clearBits(bits uint32) {
 	for {
-		old := c.state.Load()
-		if old&bits == 0 || c.state.CompareAndSwap(old, old&^bits) {
+		old := c.word.Load()
+		if uint32(old)&bits == 0 || c.word.CompareAndSwap(old, old&^uint64(bits)) {
 			return
 		}
 	}
@@ -204,7 +233,7 @@ func (c *cell) pending() int64 {
 // hold units the origin has (stUnsure), such a total is not merged: the
 // cell's own answer, at its next replay, says exactly (mergeAnswer).
 func (c *cell) mergeOrigin(total int64) {
-	if c.state.Load()&stUnsure != 0 && c.pending() > 0 {
+	if c.state()&stUnsure != 0 && c.pending() > 0 {
 		return
 	}
 	c.raiseCount(ClampCount(total))
@@ -262,7 +291,7 @@ func (c *cell) observe(t Totals, now, tick int64) {
 	} else if !t.Shared {
 		return
 	}
-	if c.state.Load()&stShared == 0 {
+	if c.state()&stShared == 0 {
 		c.setBits(stShared)
 	}
 }

@@ -27,8 +27,8 @@ func hasPointers(t reflect.Type) bool {
 }
 
 func TestCell_SizesAndNoPointers(t *testing.T) {
-	if s := unsafe.Sizeof(cell{}); s != 32 {
-		t.Errorf("a plain cell is %d bytes, want 32", s)
+	if s := unsafe.Sizeof(cell{}); s != 24 {
+		t.Errorf("a plain cell is %d bytes, want 24", s)
 	}
 	if s := unsafe.Sizeof(linkedCell{}); s != 96 {
 		t.Errorf("a linked cell is %d bytes, want 96 (a size class of its own)", s)
@@ -122,5 +122,31 @@ func TestCell_MergesOnlyRaise(t *testing.T) {
 	c.mergeOrigin(100)
 	if got := c.count.Load(); got != 17 {
 		t.Fatalf("count %d: a total merged while pending units may be in it", got)
+	}
+}
+
+// A cell's sequence and its state share a word: setting and clearing
+// every state bit leaves the sequence as it was, at both ends of its range
+// and for the tombstone's -1, and the sequence leaves the bits alone.
+func TestCell_StateBitsLeaveTheSequence(t *testing.T) {
+	const every = (stPrevSettled<<1 - 1) &^ stLinked // stLinked is set at allocation only
+	for _, seq := range []int64{-1 << 51, -1, 0, 1, 1_790_000_000_000, 1<<51 - 1} {
+		for _, linked := range []bool{false, true} {
+			c := newCell(seq, linked)
+			base := uint32(0)
+			if linked {
+				base = stLinked
+			}
+			if c.seq() != seq || c.state() != base {
+				t.Fatalf("new cell %d (linked %v): seq %d state %#x", seq, linked, c.seq(), c.state())
+			}
+			if !c.setBits(every) || c.seq() != seq || c.state() != base|every {
+				t.Fatalf("cell %d with every bit: seq %d state %#x, want %#x", seq, c.seq(), c.state(), base|every)
+			}
+			c.clearBits(every)
+			if c.seq() != seq || c.state() != base {
+				t.Fatalf("cell %d cleared: seq %d state %#x, want %#x", seq, c.seq(), c.state(), base)
+			}
+		}
 	}
 }

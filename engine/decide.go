@@ -53,11 +53,11 @@ func (e *Engine) Decide(ctx context.Context, l Limit) (d Decision) {
 		// The path nearly every decision of a local engine takes, the
 		// key's entry and its cell of now found, written out here rather
 		// than through locate: lc is this frame's, so its fields are
-		// stored without write barriers, and there is no call. c.seq ≥ 0
+		// stored without write barriers, and there is no call. c.seq() ≥ 0
 		// leaves out a removed entry's tombstone, as in locate.
 		if en, ok := z.entries.Load(id); ok {
 			c, w := en.cur.Load(), z.w
-			if r := now - c.seq*w; c.seq >= 0 && uint64(r) < uint64(w) {
+			if r := now - c.seq()*w; c.seq() >= 0 && uint64(r) < uint64(w) {
 				lc.zone, lc.id, lc.en, lc.cur, lc.w, lc.r = z, id, en, c, w, r
 				e.decideLocal(&d, &lc, &l)
 				return d
@@ -144,9 +144,9 @@ func (e *Engine) deny(d *Decision, lc *located, l *Limit, cur, prev int64) {
 	d.Reset = msDuration(lc.w - lc.r)
 	d.RetryAfter = retryAfter(cur, prev, l.Cost, l.Limit, lc.w, lc.r)
 	if e.origin.Load() != nil {
-		e.markStrict(lc.zone, lc.id, lc.cur.seq*lc.w+lc.r+lc.w)
+		e.markStrict(lc.zone, lc.id, lc.cur.seq()*lc.w+lc.r+lc.w)
 	}
-	if lc.cur.state.Load()&stBlocked == 0 && lc.cur.setBits(stBlocked) {
+	if lc.cur.state()&stBlocked == 0 && lc.cur.setBits(stBlocked) {
 		e.firstDenial(lc, l, cur, prev)
 	}
 }
@@ -160,7 +160,7 @@ func (e *Engine) firstDenial(lc *located, l *Limit, cur, prev int64) {
 		used := SatAdd(cur, weighted(prev, lc.w, lc.r))
 		lim := *l
 		lim.Key, lim.Zone = lc.key(), lc.zone
-		f(Denial{Limit: lim, Sequence: lc.cur.seq, Used: used})
+		f(Denial{Limit: lim, Sequence: lc.cur.seq(), Used: used})
 	}
 	e.globalDenial(lc, l, cur, prev)
 }
@@ -180,7 +180,7 @@ func (e *Engine) committed(lc *located, cost, effective, limit int64) {
 	x.pending.Add(cost)
 	// The first units of a cell replay on the fast tick: a key that starts
 	// on several processes at once is known to be shared within a tick.
-	fast := lc.cur.state.Load()&stShared != 0 || x.own.Load() == 0 || pressureAtLeast(effective, limit, 1, 2)
+	fast := lc.cur.state()&stShared != 0 || x.own.Load() == 0 || pressureAtLeast(effective, limit, 1, 2)
 	e.markDirty(lc.zone, lc.id, lc.cur, fast)
 }
 

@@ -140,12 +140,12 @@ func copyKey(t *testing.T, e *Engine, key Key, id string) {
 		t.Fatal("key not in engine")
 	}
 	src := en.cur.Load()
-	c := &cell{seq: src.seq}
+	c := newCell(src.seq(), false)
 	c.count.Store(src.count.Load())
-	c.state.Store(stRead)
+	c.orState(stRead)
 	n := &entry{}
 	if p := en.previous(src); p != nil {
-		pc := &cell{seq: p.seq}
+		pc := newCell(p.seq(), false)
 		pc.count.Store(p.count.Load())
 		n.prev.Store(pc)
 	}
@@ -318,7 +318,7 @@ func TestDecide_ANamedZoneDecidesAsALookedUpOne(t *testing.T) {
 		clk.Advance(time.Duration(rng.IntN(20)) * time.Millisecond)
 		nl := l
 		nl.Zone = named.Zone(l.Namespace, l.Window)
-		if en, ok := nl.Zone.entries.Load(id); ok && en.cur.Load().seq == clk.UnixMilli()/w.Milliseconds() {
+		if en, ok := nl.Zone.entries.Load(id); ok && en.cur.Load().seq() == clk.UnixMilli()/w.Milliseconds() {
 			warm++
 		}
 		got, want := named.Decide(bg, nl), looked.Decide(bg, l)

@@ -17,7 +17,7 @@ type entry struct {
 // weighs no previous cell, and it can only be one that reads the clock at
 // the very end of the window, where the previous cell weighs nothing.
 func (en *entry) previous(c *cell) *cell {
-	if p := en.prev.Load(); p != nil && p.seq == c.seq-1 {
+	if p := en.prev.Load(); p != nil && p.seq() == c.seq()-1 {
 		return p
 	}
 	return nil
@@ -25,7 +25,7 @@ func (en *entry) previous(c *cell) *cell {
 
 // tombstone marks an entry removed from the map: a request that still holds
 // the entry looks it up again instead of counting into a forgotten cell.
-var tombstone = &cell{seq: -1}
+var tombstone = newCell(-1, false)
 
 // current returns the entry's cell for seq, rotating when seq has advanced,
 // or nil when the entry has been removed. It never moves a key back to an
@@ -42,7 +42,7 @@ func (en *entry) current(seq int64, linked bool) (c *cell, dropped [2]*cell) {
 		if c == tombstone {
 			return nil, dropped
 		}
-		if c.seq >= seq {
+		if c.seq() >= seq {
 			return c, dropped
 		}
 		p := en.prev.Load()
@@ -56,15 +56,15 @@ func (en *entry) current(seq int64, linked bool) (c *cell, dropped [2]*cell) {
 		// several processes use stays shared across windows, and the
 		// others' pace carries over as the first estimate.
 		inherit := stShared
-		if c.seq == seq-1 {
+		if c.seq() == seq-1 {
 			inherit |= stRead
 		}
-		n.state.Store(n.state.Load() | c.state.Load()&inherit)
+		n.orState(c.state() & inherit)
 		if x, cx := n.links(), c.links(); x != nil && cx != nil {
 			x.step.Store(cx.step.Load())
 		}
 		var np *cell
-		if c.seq == seq-1 {
+		if c.seq() == seq-1 {
 			np = c
 		} else {
 			dropped[0] = c
@@ -99,10 +99,10 @@ func (en *entry) current(seq int64, linked bool) (c *cell, dropped [2]*cell) {
 // remember as it remembers the stale one.
 func (en *entry) replaceStale(c *cell, seq int64, linked bool) (_, dropped *cell) {
 	n := newCell(seq, linked)
-	n.state.Store(n.state.Load() | c.state.Load()&stShared)
+	n.orState(c.state() & stShared)
 	p := en.prev.Load()
 	var np *cell
-	if p != nil && p.seq == seq-1 {
+	if p != nil && p.seq() == seq-1 {
 		np = p
 	}
 	if p != np && !en.prev.CompareAndSwap(p, np) {

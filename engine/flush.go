@@ -161,7 +161,7 @@ func (e *Engine) replayLoop() {
 func (e *Engine) settle(d *Delta) {
 	d.cell.clearBits(stFlushing)
 	if d.cell.pending() > 0 {
-		e.markDirty(d.zone, d.Key.Identifier, d.cell, d.fast || d.cell.state.Load()&stShared != 0)
+		e.markDirty(d.zone, d.Key.Identifier, d.cell, d.fast || d.cell.state()&stShared != 0)
 	}
 }
 

@@ -59,7 +59,7 @@ func (e *Engine) forget(z *Zone, id string) bool {
 		if en, ok := z.entries.Load(id); ok {
 			batch := make([]Delta, 0, 2)
 			for _, c := range [2]*cell{en.cur.Load(), en.prev.Load()} {
-				if c != nil && c != tombstone && c.state.Load()&stFlushing == 0 {
+				if c != nil && c != tombstone && c.state()&stFlushing == 0 {
 					batch = e.take(batch, z, id, c, true)
 				}
 			}

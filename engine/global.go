@@ -95,7 +95,7 @@ func (e *Engine) globalDenial(lc *located, l *Limit, cur, prev int64) {
 	var d GlobalDenial
 	d.Limit = *l
 	d.Key, d.Zone = lc.key(), lc.zone
-	d.Sequence = lc.cur.seq
+	d.Sequence = lc.cur.seq()
 	d.Used = SatAdd(cur, weighted(prev, lc.w, lc.r))
 	d.Cur = lc.cur.committed()
 	if p := lc.en.previous(lc.cur); p != nil {
@@ -139,11 +139,11 @@ func (e *Engine) ScanCells(minWindow time.Duration, f func(v *CellView) bool) {
 		more := true
 		z.entries.Range(func(id string, en *entry) bool {
 			c := en.cur.Load()
-			if c == tombstone || c.seq < seq-1 {
+			if c == tombstone || c.seq() < seq-1 {
 				return true
 			}
 			var cur, prev *cell
-			if c.seq >= seq {
+			if c.seq() >= seq {
 				cur, prev = c, en.previous(c)
 			} else {
 				prev = c
@@ -167,7 +167,7 @@ func (e *Engine) ScanCells(minWindow time.Duration, f func(v *CellView) bool) {
 				spec := x.spec.Load()
 				v = CellView{
 					Key:       z.key(id),
-					Sequence:  x.seq,
+					Sequence:  x.seq(),
 					Regional:  x.count.Load() - spec,
 					Effective: eff,
 					Limit:     limit,
@@ -210,10 +210,10 @@ func (e *Engine) linkedCellAt(key Key, seq int64) *cell {
 	}
 	for {
 		c, slot := en.cur.Load(), &en.cur
-		if c != tombstone && c.seq != seq {
+		if c != tombstone && c.seq() != seq {
 			c, slot = en.previous(c), &en.prev
 		}
-		if c == nil || c == tombstone || c.seq != seq {
+		if c == nil || c == tombstone || c.seq() != seq {
 			return nil
 		}
 		if c = e.link(z, id, en, slot, c); c != nil {
@@ -303,9 +303,9 @@ func (e *Engine) ImportGlobal(key Key, seq, total int64, create bool) bool {
 		var c *cell
 		slot := &en.cur
 		switch {
-		case cur.seq == seq:
+		case cur.seq() == seq:
 			c = cur
-		case cur.seq == seq+1:
+		case cur.seq() == seq+1:
 			c, slot = e.previousFor(en, cur), &en.prev
 		}
 		if c == nil {
@@ -327,10 +327,10 @@ func (e *Engine) previousFor(en *entry, cur *cell) *cell {
 		return p
 	}
 	old := en.prev.Load()
-	if old != nil && old.seq >= cur.seq-1 {
+	if old != nil && old.seq() >= cur.seq()-1 {
 		return en.previous(cur)
 	}
-	n := newCell(cur.seq-1, true)
+	n := newCell(cur.seq()-1, true)
 	n.setBits(stRead)
 	if en.cur.Load() == cur && en.prev.CompareAndSwap(old, n) {
 		return n

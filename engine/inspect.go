@@ -65,20 +65,20 @@ func (e *Engine) inspect(z *Zone, id string, en *entry, now int64) (KeyState, bo
 	// Weigh the cells as a decision now would, without rotating anything.
 	var cur, prev *cell
 	switch {
-	case c.seq >= seq:
+	case c.seq() >= seq:
 		cur, prev = c, en.previous(c)
-	case c.seq == seq-1:
+	case c.seq() == seq-1:
 		prev = c
 	}
 	r := now - seq*w
-	if cur != nil && cur.seq > seq {
+	if cur != nil && cur.seq() > seq {
 		r = 0
 	}
 	var curN, prevN int64
 	if cur != nil {
 		curN = cur.total()
 		ks.Cells = append(ks.Cells, cellState(cur))
-		if f := cur.freshUntil(); cur.state.Load()&stRead != 0 && f > now {
+		if f := cur.freshUntil(); cur.state()&stRead != 0 && f > now {
 			ks.FreshUntil = time.UnixMilli(f)
 		}
 		if at, ok := e.viewedAt(cur, now); ok {
@@ -143,12 +143,12 @@ func (e *Engine) Overlay(key Key, t Totals) (ks KeyState, ok bool) {
 func cellState(c *cell) CellState {
 	spec := c.spec.Load()
 	return CellState{
-		Sequence:    c.seq,
+		Sequence:    c.seq(),
 		Regional:    c.count.Load() - spec,
 		Speculative: spec,
 		Global:      c.globalCount(),
 		Pending:     c.pending(),
-		Blocked:     c.state.Load()&stBlocked != 0,
+		Blocked:     c.state()&stBlocked != 0,
 	}
 }
 
@@ -251,7 +251,7 @@ func (e *Engine) StrictKeys() []StrictKey {
 // stepped back).
 func (e *Engine) viewedAt(c *cell, now int64) (time.Time, bool) {
 	f := c.freshUntil()
-	if c.state.Load()&stRead == 0 || f <= 0 || f-e.freshnessMs() > now {
+	if c.state()&stRead == 0 || f <= 0 || f-e.freshnessMs() > now {
 		return time.Time{}, false
 	}
 	return time.UnixMilli(f - e.freshnessMs()), true

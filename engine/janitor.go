@@ -105,7 +105,7 @@ func (e *Engine) Sweep() int {
 			if c == tombstone {
 				return true, false
 			}
-			if c.seq >= oldest {
+			if c.seq() >= oldest {
 				if hasOrigin {
 					e.requeue(z, id, en)
 				}
@@ -134,11 +134,11 @@ func (e *Engine) Sweep() int {
 func (e *Engine) requeue(z *Zone, id string, en *entry) bool {
 	all := true
 	for _, x := range [2]*cell{en.cur.Load(), en.prev.Load()} {
-		if x == nil || x == tombstone || x.pending() == 0 || x.state.Load()&(stDirty|stFlushing) != 0 {
+		if x == nil || x == tombstone || x.pending() == 0 || x.state()&(stDirty|stFlushing) != 0 {
 			continue
 		}
-		e.markDirty(z, id, x, x.state.Load()&stShared != 0)
-		if x.state.Load()&(stDirty|stFlushing) == 0 && x.pending() > 0 {
+		e.markDirty(z, id, x, x.state()&stShared != 0)
+		if x.state()&(stDirty|stFlushing) == 0 && x.pending() > 0 {
 			all = false
 		}
 	}
@@ -216,7 +216,7 @@ const (
 
 // evictClass orders entries for eviction: lower classes go first.
 func evictClass(z *Zone, en *entry, c *cell, now int64) int {
-	age := now/z.w - c.seq
+	age := now/z.w - c.seq()
 	if age < 0 {
 		age = 0
 	}

@@ -43,10 +43,10 @@ func (e *Engine) locate(lc *located, l *Limit, now int64, linked bool) {
 		if !ok {
 			en = e.insert(z, id, now/w, linked)
 		}
-		// c.seq ≥ 0 leaves out the tombstone (and the truncated division
+		// c.seq() ≥ 0 leaves out the tombstone (and the truncated division
 		// of a clock before 1970, which rotate handles as it always did).
 		c := en.cur.Load()
-		if c.seq < 0 || uint64(now-c.seq*w) >= uint64(w) {
+		if c.seq() < 0 || uint64(now-c.seq()*w) >= uint64(w) {
 			if c = e.rotate(z, id, en, now, w, linked); c == nil {
 				continue
 			}
@@ -61,7 +61,7 @@ func (e *Engine) locate(lc *located, l *Limit, now int64, linked bool) {
 				x.limit.Store(l.Limit)
 			}
 		}
-		r := now - c.seq*w
+		r := now - c.seq()*w
 		if r < 0 {
 			r = 0
 		}
@@ -82,10 +82,10 @@ func (e *Engine) rotate(z *Zone, id string, en *entry, now, w int64, linked bool
 	if gone[0] != nil || gone[1] != nil {
 		e.buryCells(z, id, gone)
 	}
-	if c != nil && c.state.Load()&stRead == 0 && e.origin.Load() == nil {
+	if c != nil && c.state()&stRead == 0 && e.origin.Load() == nil {
 		c.setBits(stRead) // nothing to read: as insert marks a new entry's cell
 	}
-	if c != nil && c.seq > seq+1 && e.nowMs()/w+1 < c.seq {
+	if c != nil && c.seq() > seq+1 && e.nowMs()/w+1 < c.seq() {
 		// More than a window ahead of a clock read just now: the clock
 		// stepped back (a request that read it long ago finds the clock
 		// past seq and keeps the cell).
@@ -135,7 +135,7 @@ func (e *Engine) insert(z *Zone, id string, seq int64, linked bool) *entry {
 // link returns c, which slot (en.cur or en.prev) holds, as a linked cell:
 // c itself when it is one, else its upgrade (nil: look again).
 func (e *Engine) link(z *Zone, id string, en *entry, slot *atomic.Pointer[cell], c *cell) *cell {
-	if c.state.Load()&stLinked != 0 {
+	if c.state()&stLinked != 0 {
 		return c
 	}
 	return e.upgrade(z, id, en, slot, c)
@@ -161,11 +161,11 @@ func (e *Engine) link(z *Zone, id string, en *entry, slot *atomic.Pointer[cell],
 // none is counted twice. A previous cell is not handed over: the origin's
 // totals may have been merged into it, and it weighs less every moment.
 func (e *Engine) upgrade(z *Zone, id string, en *entry, slot *atomic.Pointer[cell], c *cell) *cell {
-	n := newCell(c.seq, true)
+	n := newCell(c.seq(), true)
 	count, spec := c.count.Load(), c.spec.Load()
 	n.count.Store(count)
 	n.spec.Store(spec)
-	n.state.Store(c.state.Load() | stLinked)
+	n.orState(c.state()) // n is linked already
 	if testHookUpgrade != nil {
 		testHookUpgrade(c)
 	}
@@ -179,7 +179,7 @@ func (e *Engine) upgrade(z *Zone, id string, en *entry, slot *atomic.Pointer[cel
 		n.count.Add(d) // a batch rolled back
 	}
 	n.spec.Add(spec2 - spec)
-	n.setBits(c.state.Load() & stBlocked) // a first denial meanwhile
+	n.setBits(c.state() & stBlocked) // a first denial meanwhile
 	if slot == &en.cur && e.origin.Load() != nil {
 		if u := count2 - spec2; u > 0 {
 			n.links().pending.Add(u)

@@ -62,8 +62,8 @@ func TestCell_UpgradeOnSetOriginReplaysEveryUnit(t *testing.T) {
 			if c == plain || c.links() == nil {
 				t.Fatal("the first decision with an origin did not upgrade the cell")
 			}
-			if c.seq != seq || c.count.Load() != tc.want {
-				t.Fatalf("upgraded cell: seq %d count %d, want seq %d count %d", c.seq, c.count.Load(), seq, tc.want)
+			if c.seq() != seq || c.count.Load() != tc.want {
+				t.Fatalf("upgraded cell: seq %d count %d, want seq %d count %d", c.seq(), c.count.Load(), seq, tc.want)
 			}
 			if _, err := replayBoth(e); err != nil {
 				t.Fatal(err)

@@ -38,7 +38,7 @@ func TestRace_RotationNeverAdmitsMoreThanTheLimitPerCell(t *testing.T) {
 	c := en.cur.Load()
 	for _, x := range []*cell{c, en.previous(c)} {
 		if x != nil && x.committed() > limit {
-			t.Fatalf("cell %d committed %d over the limit %d", x.seq, x.committed(), limit)
+			t.Fatalf("cell %d committed %d over the limit %d", x.seq(), x.committed(), limit)
 		}
 	}
 }
@@ -112,14 +112,14 @@ func TestRace_StrictAndBatchesWithOrigin(t *testing.T) {
 				}
 				x := c.links()
 				if x == nil {
-					t.Errorf("%s/%s cell %d is plain in an engine with an origin", z.name, id, c.seq)
+					t.Errorf("%s/%s cell %d is plain in an engine with an origin", z.name, id, c.seq())
 					continue
 				}
 				if c.spec.Load() != 0 || x.pending.Load() != 0 {
-					t.Errorf("%s/%s cell %d: spec %d pending %d left", z.name, id, c.seq, c.spec.Load(), x.pending.Load())
+					t.Errorf("%s/%s cell %d: spec %d pending %d left", z.name, id, c.seq(), c.spec.Load(), x.pending.Load())
 				}
-				if got := o.total(z.key(id), c.seq); got != x.own.Load() {
-					t.Errorf("%s/%s cell %d: origin %d, own %d", z.name, id, c.seq, got, x.own.Load())
+				if got := o.total(z.key(id), c.seq()); got != x.own.Load() {
+					t.Errorf("%s/%s cell %d: origin %d, own %d", z.name, id, c.seq(), got, x.own.Load())
 				}
 			}
 			return true

@@ -141,7 +141,7 @@ func (d *deadline) stop() {
 // returns the read to wait for before deciding, or nil.
 func (e *Engine) converge(o Origin, lc *located, l *Limit, now int64) *flight {
 	c := lc.cur
-	st := c.state.Load()
+	st := c.state()
 	fresh := c.freshUntil()
 	if fresh > now+max(e.freshnessMs(), maxColdReadRetry.Milliseconds()) {
 		fresh = 0 // set by a clock that has since stepped back: not fresh
@@ -296,12 +296,12 @@ func (e *Engine) readCell(o Origin, key Key, en *entry, c *cell) {
 	ctx, cancel := context.WithTimeout(context.Background(), e.readTimeoutD())
 	defer cancel()
 	start := e.nowMs()
-	t, err := o.Read(ctx, key, c.seq, c.inc)
+	t, err := o.Read(ctx, key, c.seq(), c.incarnation())
 	now := e.nowMs()
 	if err != nil {
 		e.stats.readErrors.Add(1)
 		e.originFailed()
-		if x := c.links(); x != nil && c.state.Load()&stRead == 0 {
+		if x := c.links(); x != nil && c.state()&stRead == 0 {
 			x.fresh.Store(now + e.coldReadRetry())
 		}
 		return
@@ -329,9 +329,9 @@ func (e *Engine) merge(en *entry, c *cell, t Totals, sent, w int64, withPrev boo
 		if p == nil && en.cur.Load() == c {
 			// The origin knows a previous cell this process never saw.
 			old := en.prev.Load()
-			n := newCell(c.seq-1, true)
+			n := newCell(c.seq()-1, true)
 			n.setBits(stRead)
-			if (old == nil || old.seq < n.seq) && en.prev.CompareAndSwap(old, n) {
+			if (old == nil || old.seq() < n.seq()) && en.prev.CompareAndSwap(old, n) {
 				p = n
 			} else {
 				p = en.previous(c)
@@ -342,7 +342,7 @@ func (e *Engine) merge(en *entry, c *cell, t Totals, sent, w int64, withPrev boo
 			p.importGlobal(t.GlobalPrev)
 		}
 	}
-	if withPrev && c.state.Load()&stPrevSettled == 0 && e.prevFinal(c, sent, w) {
+	if withPrev && c.state()&stPrevSettled == 0 && e.prevFinal(c, sent, w) {
 		c.setBits(stPrevSettled)
 	}
 	c.setBits(stRead)
@@ -357,5 +357,5 @@ func (e *Engine) merge(en *entry, c *cell, t Totals, sent, w int64, withPrev boo
 // layer the previous cell's imported count keeps growing for longer.
 func (e *Engine) prevFinal(c *cell, sent, w int64) bool {
 	settle := time.Duration(2*e.slowTick.Load() + e.fastTick.Load()).Milliseconds()
-	return e.getGlobal() == nil && sent >= c.seq*w+settle && sent >= e.untrusted.Load()
+	return e.getGlobal() == nil && sent >= c.seq()*w+settle && sent >= e.untrusted.Load()
 }

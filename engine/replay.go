@@ -95,7 +95,7 @@ var emptyQueue = newQueue(1)
 // the queues hold, a cell with pending units ends up in a queue or, when
 // both are full, with no dirty bit, so that the janitor queues it again.
 func (e *Engine) markDirty(z *Zone, id string, c *cell, fast bool) {
-	st := c.state.Load()
+	st := c.state()
 	if fast {
 		if st&stFast != 0 || !c.setBits(stDirty|stFast) {
 			return
@@ -157,6 +157,6 @@ func (e *Engine) take(out []Delta, z *Zone, id string, c *cell, fast bool) []Del
 		c.clearBits(stFlushing)
 		return out
 	}
-	return append(out, Delta{Key: z.key(id), Sequence: c.seq, Incarnation: c.inc, Delta: d, Own: x.own.Add(d),
-		NoPrev: c.state.Load()&stPrevSettled != 0, zone: z, cell: c, fast: fast})
+	return append(out, Delta{Key: z.key(id), Sequence: c.seq(), Incarnation: c.incarnation(), Delta: d, Own: x.own.Add(d),
+		NoPrev: c.state()&stPrevSettled != 0, zone: z, cell: c, fast: fast})
 }

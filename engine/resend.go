@@ -61,7 +61,7 @@ func (e *Engine) Resend() int {
 // more than the queues hold at once. A manual engine does not wait (its
 // janitor's Sweep queues the cell again), nor does a closed one.
 func (e *Engine) awaitQueued(z *Zone, id string, c *cell) {
-	for !e.cfg.Manual && c.state.Load()&(stDirty|stFlushing) == 0 && c.pending() > 0 {
+	for !e.cfg.Manual && c.state()&(stDirty|stFlushing) == 0 && c.pending() > 0 {
 		t := time.NewTimer(time.Duration(e.fastTick.Load()))
 		select {
 		case <-e.stop:

@@ -31,7 +31,7 @@ import (
 // reaches 90 % of the limit.
 func (e *Engine) nearLimit(lc *located, l *Limit, cur, prev, now int64) bool {
 	c := lc.cur
-	if c.state.Load()&stShared == 0 {
+	if c.state()&stShared == 0 {
 		return false
 	}
 	if strictUntil(lc.zone, lc.id) > now {
@@ -253,8 +253,8 @@ func (e *Engine) sendGroup(ctx context.Context, o Origin, lc *located, l *Limit,
 	own := x.own.Add(d + sum)
 	r := Reservation{
 		Key:         lc.key(),
-		Sequence:    c.seq,
-		Incarnation: c.inc,
+		Sequence:    c.seq(),
+		Incarnation: c.incarnation(),
 		Own:         own - sum,
 		Cost:        n.costs[0],
 		Joined:      n.costs[1:],
