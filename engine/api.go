@@ -150,6 +150,7 @@ type Delta struct {
 	Done bool
 
 	zone *Zone
+	en   *entry // the entry the cell was queued from (see Engine.flush)
 	cell *cell
 	fast bool // drained from the fast queue
 }

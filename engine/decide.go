@@ -181,7 +181,7 @@ func (e *Engine) committed(lc *located, cost, effective, limit int64) {
 	// The first units of a cell replay on the fast tick: a key that starts
 	// on several processes at once is known to be shared within a tick.
 	fast := lc.cur.state()&stShared != 0 || x.own.Load() == 0 || pressureAtLeast(effective, limit, 1, 2)
-	e.markDirty(lc.zone, lc.id, lc.cur, fast)
+	e.markDirty(lc.zone, lc.en, lc.cur, fast)
 }
 
 func msDuration(ms int64) time.Duration { return time.Duration(ms) * time.Millisecond }

@@ -47,8 +47,14 @@ func (e *Engine) flush(ctx context.Context, o Origin, batch []Delta) error {
 	for i := range batch {
 		d := &batch[i]
 		if d.Done {
-			// A replay refreshes what a read would: both cells.
-			if en, ok := d.zone.entries.Load(d.Key.Identifier); ok {
+			// A replay refreshes what a read would: both cells. The entry
+			// the cell was queued from is the key's, unless it was removed
+			// since: then the key's entry, if it has one again.
+			en := d.en
+			if en == nil || en.cur.Load() == tombstone {
+				en, _ = d.zone.entries.Load(d.Key.Identifier)
+			}
+			if en != nil {
 				e.merge(en, d.cell, d.Totals, sent, d.Key.Window.Milliseconds(), !d.NoPrev)
 			} else {
 				d.cell.observe(d.Totals, now, e.fastTickMs())
@@ -161,7 +167,7 @@ func (e *Engine) replayLoop() {
 func (e *Engine) settle(d *Delta) {
 	d.cell.clearBits(stFlushing)
 	if d.cell.pending() > 0 {
-		e.markDirty(d.zone, d.Key.Identifier, d.cell, d.fast || d.cell.state()&stShared != 0)
+		e.markDirty(d.zone, d.en, d.cell, d.fast || d.cell.state()&stShared != 0)
 	}
 }
 
@@ -193,7 +199,7 @@ func (e *Engine) flushAll(ctx context.Context, o Origin) error {
 			if !ok {
 				break
 			}
-			if batch = e.take(batch, d.zone, d.id, d.cell, false); len(batch) >= replayBatch {
+			if batch = e.take(batch, d.zone, d.en, d.cell, false); len(batch) >= replayBatch {
 				send()
 			}
 		}
@@ -205,9 +211,9 @@ func (e *Engine) flushAll(ctx context.Context, o Origin) error {
 				return true
 			}
 			if p := en.prev.Load(); p != nil {
-				batch = e.take(batch, z, id, p, false)
+				batch = e.take(batch, z, en, p, false)
 			}
-			batch = e.take(batch, z, id, c, false)
+			batch = e.take(batch, z, en, c, false)
 			if len(batch) >= replayBatch {
 				send()
 			}

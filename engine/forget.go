@@ -60,7 +60,7 @@ func (e *Engine) forget(z *Zone, id string) bool {
 			batch := make([]Delta, 0, 2)
 			for _, c := range [2]*cell{en.cur.Load(), en.prev.Load()} {
 				if c != nil && c != tombstone && c.state()&stFlushing == 0 {
-					batch = e.take(batch, z, id, c, true)
+					batch = e.take(batch, z, en, c, true)
 				}
 			}
 			_ = e.flush(context.Background(), o, batch)
@@ -69,8 +69,8 @@ func (e *Engine) forget(z *Zone, id string) bool {
 	if en, ok := z.entries.LoadAndDelete(id); ok {
 		found = true
 		if e.origin.Load() != nil {
-			e.requeue(z, id, en) // pending units still reach the origin
-			e.bury(z, id, en)
+			e.requeue(z, en) // pending units still reach the origin
+			e.bury(z, en)
 		}
 		if c := en.cur.Swap(tombstone); c != tombstone {
 			e.live.Add(-1)

@@ -295,7 +295,7 @@ func (e *Engine) ImportGlobal(key Key, seq, total int64, create bool) bool {
 		}
 		cur, gone := en.current(seq, true)
 		if gone[0] != nil || gone[1] != nil {
-			e.buryCells(z, id, gone)
+			e.buryCells(z, en, gone)
 		}
 		if cur == nil {
 			continue // dropped by the janitor meanwhile: look again

@@ -17,8 +17,8 @@ import (
 // graveCells is how many dropped cells (forgotten or evicted while their
 // window still weighs) a process remembers for Resend: an origin restarted
 // empty gets their units back too, though no entry holds them any more.
-// About 130 bytes each with their identifiers; past it the oldest are let
-// go, and a restart in the same window would lose their units.
+// Each holds its entry (with the identifier) alive; past it the oldest are
+// let go, and a restart in the same window would lose their units.
 const graveCells = 4096
 
 // graveyard remembers recently dropped cells for Resend.
@@ -31,19 +31,19 @@ type graveyard struct {
 // bury remembers the cells of en, forgotten or evicted from z, whose units
 // the origin holds (or will). Their age is not judged by this process's
 // clock, which may be the one that is off.
-func (e *Engine) bury(z *Zone, id string, en *entry) {
+func (e *Engine) bury(z *Zone, en *entry) {
 	for _, c := range [2]*cell{en.cur.Load(), en.prev.Load()} {
 		if c != nil {
-			e.buryCell(z, id, c)
+			e.buryCell(z, en, c)
 		}
 	}
 }
 
 // buryCells buries the cells a rotation let go.
-func (e *Engine) buryCells(z *Zone, id string, cs [2]*cell) {
+func (e *Engine) buryCells(z *Zone, en *entry, cs [2]*cell) {
 	for _, c := range cs {
 		if c != nil {
-			e.buryCell(z, id, c)
+			e.buryCell(z, en, c)
 		}
 	}
 }
@@ -52,7 +52,7 @@ func (e *Engine) buryCells(z *Zone, id string, cs [2]*cell) {
 // of this process that an origin has or will have. A cell that a rotation
 // over an idle gap let go is remembered too: it weighs nothing now, but a
 // clock that jumped forward and comes back finds its window live again.
-func (e *Engine) buryCell(z *Zone, id string, c *cell) {
+func (e *Engine) buryCell(z *Zone, en *entry, c *cell) {
 	if c == tombstone || e.origin.Load() == nil {
 		return
 	}
@@ -62,9 +62,9 @@ func (e *Engine) buryCell(z *Zone, id string, c *cell) {
 	g := &e.graves
 	g.mu.Lock()
 	if len(g.cells) < graveCells {
-		g.cells = append(g.cells, dirtyCell{z, id, c})
+		g.cells = append(g.cells, dirtyCell{z, en, c})
 	} else {
-		g.cells[g.next] = dirtyCell{z, id, c}
+		g.cells[g.next] = dirtyCell{z, en, c}
 		g.next = (g.next + 1) % graveCells
 	}
 	g.mu.Unlock()
@@ -107,11 +107,11 @@ func (e *Engine) Sweep() int {
 			}
 			if c.seq() >= oldest {
 				if hasOrigin {
-					e.requeue(z, id, en)
+					e.requeue(z, en)
 				}
 				return false, false
 			}
-			if hasOrigin && !e.requeue(z, id, en) {
+			if hasOrigin && !e.requeue(z, en) {
 				return false, false // units no queue could take: keep them
 			}
 			// A request that still holds the entry sees the tombstone and
@@ -131,13 +131,13 @@ func (e *Engine) Sweep() int {
 // requeue queues the entry's cells that hold pending units but sit in no
 // queue, and reports whether every such cell is now queued (or with the
 // replay): false when a full queue refused one.
-func (e *Engine) requeue(z *Zone, id string, en *entry) bool {
+func (e *Engine) requeue(z *Zone, en *entry) bool {
 	all := true
 	for _, x := range [2]*cell{en.cur.Load(), en.prev.Load()} {
 		if x == nil || x == tombstone || x.pending() == 0 || x.state()&(stDirty|stFlushing) != 0 {
 			continue
 		}
-		e.markDirty(z, id, x, x.state()&stShared != 0)
+		e.markDirty(z, en, x, x.state()&stShared != 0)
 		if x.state()&(stDirty|stFlushing) == 0 && x.pending() > 0 {
 			all = false
 		}
@@ -186,10 +186,10 @@ func (e *Engine) Evict() int {
 			if class > threshold || (class == threshold && atThreshold <= 0) {
 				return false, false
 			}
-			if hasOrigin && !e.requeue(z, id, en) {
+			if hasOrigin && !e.requeue(z, en) {
 				return false, false // units no queue could take: keep them
 			}
-			e.bury(z, id, en)
+			e.bury(z, en)
 			if !en.cur.CompareAndSwap(c, tombstone) {
 				return false, false
 			}

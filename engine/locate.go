@@ -80,7 +80,7 @@ func (e *Engine) rotate(z *Zone, id string, en *entry, now, w int64, linked bool
 	seq := now / w
 	c, gone := en.current(seq, linked)
 	if gone[0] != nil || gone[1] != nil {
-		e.buryCells(z, id, gone)
+		e.buryCells(z, en, gone)
 	}
 	if c != nil && c.state()&stRead == 0 && e.origin.Load() == nil {
 		c.setBits(stRead) // nothing to read: as insert marks a new entry's cell
@@ -93,12 +93,12 @@ func (e *Engine) rotate(z *Zone, id string, en *entry, now, w int64, linked bool
 		var dropped *cell
 		c, dropped = en.replaceStale(c, seq, linked)
 		if c != nil {
-			e.buryCell(z, id, stale)
+			e.buryCell(z, en, stale)
 		}
 		if dropped != nil {
 			// Its units, replayed or not, must come back should the
 			// origin restart empty (see Resend).
-			e.buryCell(z, id, dropped)
+			e.buryCell(z, en, dropped)
 		}
 		if c != nil && e.origin.Load() == nil {
 			c.setBits(stRead) // as insert marks a new entry's cell
@@ -183,7 +183,7 @@ func (e *Engine) upgrade(z *Zone, id string, en *entry, slot *atomic.Pointer[cel
 	if slot == &en.cur && e.origin.Load() != nil {
 		if u := count2 - spec2; u > 0 {
 			n.links().pending.Add(u)
-			e.markDirty(z, id, n, true) // first units: the fast tick, as in committed
+			e.markDirty(z, en, n, true) // first units: the fast tick, as in committed
 		}
 	}
 	return n

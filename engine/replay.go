@@ -19,7 +19,8 @@ import (
 // flush itself; resend.go what an origin that lost its units gets back.
 
 // replayQueueLen is the capacity of each replay queue: more cells than a
-// node commits to in a fast tick, at 56 bytes a slot.
+// node commits to in a fast tick, at 88 bytes a slot (xsync pads each
+// slot's item to a cache line of its own).
 const replayQueueLen = 1 << 14
 
 // Tier names a replay queue.
@@ -34,10 +35,12 @@ const (
 	Fast
 )
 
-// dirtyCell is a cell waiting in a replay queue, with what names it.
+// dirtyCell is a cell waiting in a replay queue, with what names it: the
+// entry it was queued from holds the identifier, and spares the flush a
+// lookup of the key (see Engine.flush).
 type dirtyCell struct {
 	zone *Zone
-	id   string
+	en   *entry
 	cell *cell
 }
 
@@ -51,8 +54,8 @@ type queue struct {
 func newQueue(n int) *queue { return &queue{q: xsync.NewMPMCQueue[dirtyCell](n)} }
 
 // push enqueues c and reports false when the queue is full.
-func (q *queue) push(z *Zone, id string, c *cell) bool {
-	if !q.q.TryEnqueue(dirtyCell{z, id, c}) {
+func (q *queue) push(z *Zone, en *entry, c *cell) bool {
+	if !q.q.TryEnqueue(dirtyCell{z, en, c}) {
 		return false
 	}
 	q.n.Add(1)
@@ -94,13 +97,13 @@ var emptyQueue = newQueue(1)
 // for. A cell already queued in that tier is not queued again. Whatever
 // the queues hold, a cell with pending units ends up in a queue or, when
 // both are full, with no dirty bit, so that the janitor queues it again.
-func (e *Engine) markDirty(z *Zone, id string, c *cell, fast bool) {
+func (e *Engine) markDirty(z *Zone, en *entry, c *cell, fast bool) {
 	st := c.state()
 	if fast {
 		if st&stFast != 0 || !c.setBits(stDirty|stFast) {
 			return
 		}
-		if e.queue(Fast).push(z, id, c) {
+		if e.queue(Fast).push(z, en, c) {
 			return
 		}
 		e.stats.replayDrops.Add(1)
@@ -116,7 +119,7 @@ func (e *Engine) markDirty(z *Zone, id string, c *cell, fast bool) {
 	if !c.setBits(stDirty) {
 		return
 	}
-	if !e.queue(Slow).push(z, id, c) {
+	if !e.queue(Slow).push(z, en, c) {
 		c.clearBits(stDirty)
 		e.stats.replayDrops.Add(1)
 	}
@@ -130,7 +133,7 @@ func (e *Engine) drain(t Tier, max int, out []Delta) []Delta {
 		if !ok {
 			break
 		}
-		out = e.take(out, d.zone, d.id, d.cell, t == Fast)
+		out = e.take(out, d.zone, d.en, d.cell, t == Fast)
 	}
 	return out
 }
@@ -140,7 +143,7 @@ func (e *Engine) drain(t Tier, max int, out []Delta) []Delta {
 // cell with a flush in flight is skipped: that flush queues it again when
 // it ends (see settle). A plain cell has nothing to replay; every cell that
 // goes into a Delta is a linked cell.
-func (e *Engine) take(out []Delta, z *Zone, id string, c *cell, fast bool) []Delta {
+func (e *Engine) take(out []Delta, z *Zone, en *entry, c *cell, fast bool) []Delta {
 	x := c.links()
 	if x == nil {
 		return out
@@ -157,6 +160,6 @@ func (e *Engine) take(out []Delta, z *Zone, id string, c *cell, fast bool) []Del
 		c.clearBits(stFlushing)
 		return out
 	}
-	return append(out, Delta{Key: z.key(id), Sequence: c.seq(), Incarnation: c.incarnation(), Delta: d, Own: x.own.Add(d),
-		NoPrev: c.state()&stPrevSettled != 0, zone: z, cell: c, fast: fast})
+	return append(out, Delta{Key: z.key(en.id), Sequence: c.seq(), Incarnation: c.incarnation(), Delta: d, Own: x.own.Add(d),
+		NoPrev: c.state()&stPrevSettled != 0, zone: z, en: en, cell: c, fast: fast})
 }

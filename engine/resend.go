@@ -16,7 +16,7 @@ func (e *Engine) Resend() int {
 		return 0
 	}
 	n := 0
-	resend := func(z *Zone, id string, c *cell) {
+	resend := func(z *Zone, en *entry, c *cell) {
 		if c == nil || c == tombstone {
 			return
 		}
@@ -28,15 +28,15 @@ func (e *Engine) Resend() int {
 			c.setBits(stUnsure) // first: the origin may still hold them
 			x.own.Add(-o)
 			x.pending.Add(o)
-			e.markDirty(z, id, c, true)
+			e.markDirty(z, en, c, true)
 			n++
-			e.awaitQueued(z, id, c)
+			e.awaitQueued(z, en, c)
 		}
 	}
 	e.rangeZones(func(z *Zone) bool {
 		z.entries.Range(func(id string, en *entry) bool {
-			resend(z, id, en.cur.Load())
-			resend(z, id, en.prev.Load())
+			resend(z, en, en.cur.Load())
+			resend(z, en, en.prev.Load())
 			return true
 		})
 		return true
@@ -49,7 +49,7 @@ func (e *Engine) Resend() int {
 	graves := append([]dirtyCell(nil), g.cells...)
 	g.mu.Unlock()
 	for _, d := range graves {
-		resend(d.zone, d.id, d.cell)
+		resend(d.zone, d.en, d.cell)
 	}
 	e.stats.resends.Add(int64(n))
 	e.distrust(e.nowMs()) // the others' totals come back within a flush period
@@ -60,7 +60,7 @@ func (e *Engine) Resend() int {
 // (or with it), when both queues were full: Resend sends every live cell,
 // more than the queues hold at once. A manual engine does not wait (its
 // janitor's Sweep queues the cell again), nor does a closed one.
-func (e *Engine) awaitQueued(z *Zone, id string, c *cell) {
+func (e *Engine) awaitQueued(z *Zone, en *entry, c *cell) {
 	for !e.cfg.Manual && c.state()&(stDirty|stFlushing) == 0 && c.pending() > 0 {
 		t := time.NewTimer(time.Duration(e.fastTick.Load()))
 		select {
@@ -69,6 +69,6 @@ func (e *Engine) awaitQueued(z *Zone, id string, c *cell) {
 			return
 		case <-t.C:
 		}
-		e.markDirty(z, id, c, true)
+		e.markDirty(z, en, c, true)
 	}
 }

@@ -301,7 +301,7 @@ func (e *Engine) reservationFailed(lc *located, n *group, pending, sum int64) {
 	x.own.Add(-(pending + sum))
 	if pending > 0 {
 		x.pending.Add(pending)
-		e.markDirty(lc.zone, lc.id, lc.cur, true)
+		e.markDirty(lc.zone, lc.en, lc.cur, true)
 	}
 }
 
