@@ -57,7 +57,8 @@ func (e *Engine) Decide(ctx context.Context, l Limit) (d Decision) {
 		// leaves out a removed entry's tombstone, as in locate.
 		if en, ok := z.entries.Load(id); ok {
 			c, w := en.cur.Load(), z.w
-			if r := now - c.seq()*w; c.seq() >= 0 && uint64(r) < uint64(w) {
+			if s := c.seq(); s >= 0 && uint64(now-s*w) < uint64(w) {
+				r := now - s*w
 				lc.zone, lc.id, lc.en, lc.cur, lc.w, lc.r = z, id, en, c, w, r
 				e.decideLocal(&d, &lc, &l)
 				return d
