@@ -33,6 +33,9 @@ func TestCell_SizesAndNoPointers(t *testing.T) {
 	if s := unsafe.Sizeof(linkedCell{}); s != 96 {
 		t.Errorf("a linked cell is %d bytes, want 96 (a size class of its own)", s)
 	}
+	if s := unsafe.Sizeof(entry{}); s != 24 {
+		t.Errorf("an entry is %d bytes, want 24", s)
+	}
 	for _, typ := range []reflect.Type{reflect.TypeFor[cell](), reflect.TypeFor[linkedCell]()} {
 		if hasPointers(typ) {
 			t.Errorf("%v holds a pointer: the garbage collector would scan every cell", typ)

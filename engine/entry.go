@@ -1,15 +1,43 @@
 package engine
 
-import "sync/atomic"
+import (
+	"sync/atomic"
+	"unsafe"
+)
 
 // entry is one (namespace, identifier, window): its current cell and the
 // cell before it. Rotation moves cur to prev, then swaps cur.
 type entry struct {
 	cur  atomic.Pointer[cell]
 	prev atomic.Pointer[cell]
-	// id is the entry's identifier, set by the zone's map when it stores
-	// the entry (see entryMap).
-	id string
+	// name is the entry's identifier (see id), set by the zone's map when
+	// it stores the entry (see entryMap): a copy of its bytes after one
+	// byte of length, so that the entry holds one word for it instead of a
+	// string's two, and takes 24 bytes.
+	name *byte
+}
+
+// A stored identifier is normalized (NormalizeIdentifier): at most 65
+// bytes, whose length one byte holds (this does not compile otherwise).
+const _ = uint8(len(hashedPrefix) + 2*32)
+
+// nameOf copies a normalized identifier after its length, as entry.name
+// holds it.
+func nameOf(id string) *byte {
+	b := make([]byte, max(1+len(id), 2)) // p+1 lies within it, even for ""
+	b[0] = byte(len(id))
+	copy(b[1:], id)
+	return &b[0]
+}
+
+// id returns the entry's identifier: its bytes are the entry's name's,
+// never written again.
+func (en *entry) id() string {
+	p := en.name
+	if p == nil || *p == 0 {
+		return ""
+	}
+	return unsafe.String((*byte)(unsafe.Add(unsafe.Pointer(p), 1)), int(*p))
 }
 
 // previous returns the cell before c, or nil. While a rotation is between

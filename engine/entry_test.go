@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"strings"
 	"testing"
 	"time"
 )
@@ -90,5 +91,26 @@ func TestEntry_RotationLetsGoOfCellsThatWeighNothing(t *testing.T) {
 	en.cur.Store(tombstone)
 	if got, _ := en.current(15, true); got != nil {
 		t.Fatal("a removed entry rotated")
+	}
+}
+
+// An entry's identifier comes back byte for byte from its name, for every
+// length a stored identifier can have (a hashed one is the longest), with
+// any bytes in it.
+func TestEntry_NameHoldsTheIdentifier(t *testing.T) {
+	long := NormalizeIdentifier(strings.Repeat("x", MaxIdentifierLen+1))
+	for n := 0; n <= len(long); n++ {
+		b := make([]byte, n)
+		for i := range b {
+			b[i] = byte(i*37) ^ ':' // separators, zero bytes, non-UTF-8
+		}
+		id := string(b)
+		en := &entry{name: nameOf(id)}
+		if got := en.id(); got != id {
+			t.Fatalf("length %d: id %q, want %q", n, got, id)
+		}
+	}
+	if got := (&entry{name: nameOf(long)}).id(); got != long {
+		t.Fatalf("hashed identifier: %q, want %q", got, long)
 	}
 }

@@ -19,7 +19,7 @@ func TestEntryMap_StoresFindsAndDeletes(t *testing.T) {
 	check := func(stage string) {
 		t.Helper()
 		for id, en := range want {
-			if got, ok := m.Load(id); !ok || got != en || got.id != id {
+			if got, ok := m.Load(id); !ok || got != en || got.id() != id {
 				t.Fatalf("%s: Load(%q) = %p, %v; want %p", stage, id, got, ok, en)
 			}
 		}
@@ -154,11 +154,11 @@ func TestEntryMap_ReadersNeverMissAStableKey(t *testing.T) {
 			defer readers.Done()
 			for i := r; !stop.Load(); i++ {
 				id := stable[i%len(stable)]
-				if en, ok := m.Load(id); !ok || en.id != id {
+				if en, ok := m.Load(id); !ok || en.id() != id {
 					errs <- id
 					return
 				}
-				m.Range(func(id string, en *entry) bool { return en.id == id })
+				m.Range(func(id string, en *entry) bool { return en.id() == id })
 			}
 		}(r)
 	}
@@ -212,25 +212,25 @@ func TestEntryMap_OneEntryPerKey(t *testing.T) {
 	}
 }
 
-// TestSameID compares sameID with == at every length it reads by words
-// and around, with the strings equal and differing in each byte.
-func TestSameID(t *testing.T) {
+// TestEntryNamed compares named with == at every length it reads by
+// words and around, with the identifiers equal and differing in each byte.
+func TestEntryNamed(t *testing.T) {
 	for n := 0; n <= 40; n++ {
 		a := make([]byte, n)
 		for i := range a {
 			a[i] = byte('a' + i%26)
 		}
-		x, y := string(a), strings.Clone(string(a))
-		if !sameID(x, y) {
+		x, y := &entry{name: nameOf(string(a))}, strings.Clone(string(a))
+		if !x.named(y) {
 			t.Fatalf("len %d: equal strings differ", n)
 		}
-		if n > 0 && sameID(x, y[:n-1]) {
+		if n > 0 && x.named(y[:n-1]) {
 			t.Fatalf("len %d: a prefix is the same", n)
 		}
 		for i := 0; i < n; i++ {
 			b := []byte(y)
 			b[i] ^= 0x20
-			if sameID(x, string(b)) {
+			if x.named(string(b)) {
 				t.Fatalf("len %d: strings differing in byte %d are the same", n, i)
 			}
 		}
