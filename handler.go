@@ -152,7 +152,27 @@ func (h *Handler) Cleanup() error {
 
 // ServeHTTP decides the request against every zone and either passes it on
 // or returns a 429 error.
+//
+// The decision runs in serve, whose frame (the zones' limits and decisions,
+// about 1.2 KB) is gone before the rest of the route runs: the response is
+// written, and a proxied request's deep path runs, with a few words of this
+// handler beneath them. A connection's goroutine whose stack a collection
+// has shrunk outgrows it again on its next request when the route runs
+// near the stack's size; a loaded Caddy with this handler spends about 2 %
+// of its CPU copying stacks, under the next handler's response write.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
+	if pass, err := h.serve(w, r); !pass {
+		return err
+	}
+	return next.ServeHTTP(w, r)
+}
+
+// serve decides the request and reports whether it passes on to the rest
+// of the route; when it does not, err is what ServeHTTP returns (the 429,
+// or nil once the response is written).
+//
+//go:noinline
+func (h *Handler) serve(w http.ResponseWriter, r *http.Request) (pass bool, err error) {
 	var (
 		limArr  [stackZones]engine.Limit
 		decArr  [stackZones]engine.Decision
@@ -168,10 +188,10 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	switch {
 	case missing >= 0:
 		h.setMissing(r, missing)
-		return deny(w, r, h.zones[missing].missing)
+		return false, deny(w, r, h.zones[missing].missing)
 	case len(lims) == 0:
 		h.setOutcome(r, decisionSkipped, nil, nil, nil, -1)
-		return next.ServeHTTP(w, r)
+		return true, nil
 	}
 	decs = decs[:len(lims)]
 	allowed := h.decide(r, lims, decs)
@@ -186,13 +206,13 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 			decision = decisionDryRunDenied
 		}
 		h.setOutcome(r, decision, lims, decs, zi, spokenZone(decs, all))
-		return next.ServeHTTP(w, r)
+		return true, nil
 	case allowed:
 		h.setOutcome(r, decisionAllowed, lims, decs, zi, spokenZone(decs, true))
-		return next.ServeHTTP(w, r)
+		return true, nil
 	}
 	h.setOutcome(r, decisionDenied, lims, decs, zi, spokenZone(decs, false))
-	return h.denied(w, r, hdr, decs, zi)
+	return false, h.denied(w, r, hdr, decs, zi)
 }
 
 // allAllowed reports whether every limit allowed.
