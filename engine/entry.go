@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"encoding/binary"
 	"sync/atomic"
 	"unsafe"
 )
@@ -30,14 +31,46 @@ func nameOf(id string) *byte {
 	return &b[0]
 }
 
-// id returns the entry's identifier: its bytes are the entry's name's,
-// never written again.
-func (en *entry) id() string {
+// idBytes returns the bytes of the entry's identifier, in its name, never
+// written again. A stored entry always has a name.
+func (en *entry) idBytes() []byte {
 	p := en.name
-	if p == nil || *p == 0 {
-		return ""
+	return unsafe.Slice((*byte)(unsafe.Add(unsafe.Pointer(p), 1)), int(*p))
+}
+
+// id returns the entry's identifier.
+func (en *entry) id() string {
+	b := en.idBytes()
+	return unsafe.String(unsafe.SliceData(b), len(b))
+}
+
+// named reports whether the entry's identifier is id: its length byte
+// first, then its bytes, identifiers of 8 to 32 bytes (the common API keys
+// and addresses) read as words instead of through the runtime's
+// comparison.
+func (en *entry) named(id string) bool {
+	n := len(id)
+	if int(*en.name) != n {
+		return false
 	}
-	return unsafe.String((*byte)(unsafe.Add(unsafe.Pointer(p), 1)), int(*p))
+	x := en.idBytes()
+	if n < 8 || n > 32 {
+		return string(x) == id
+	}
+	y := unsafe.Slice(unsafe.StringData(id), n)
+	le := binary.LittleEndian
+	if le.Uint64(x) != le.Uint64(y) || le.Uint64(x[n-8:]) != le.Uint64(y[n-8:]) {
+		return false
+	}
+	if n > 16 {
+		if le.Uint64(x[8:]) != le.Uint64(y[8:]) {
+			return false
+		}
+		if n > 24 && le.Uint64(x[16:]) != le.Uint64(y[16:]) {
+			return false
+		}
+	}
+	return true
 }
 
 // previous returns the cell before c, or nil. While a rotation is between

@@ -396,33 +396,3 @@ func mix(a, b uint64) uint64 {
 	hi, lo := bits.Mul64(a, b)
 	return hi ^ lo
 }
-
-// named reports whether the entry's identifier is id: its length byte
-// first, then its bytes, identifiers of 8 to 32 bytes (the common API keys
-// and addresses) read as words instead of through the runtime's
-// comparison. A stored entry always has a name.
-func (en *entry) named(id string) bool {
-	p := en.name
-	n := len(id)
-	if int(*p) != n {
-		return false
-	}
-	x := unsafe.Slice((*byte)(unsafe.Add(unsafe.Pointer(p), 1)), n)
-	if n < 8 || n > 32 {
-		return string(x) == id
-	}
-	y := unsafe.Slice(unsafe.StringData(id), n)
-	le := binary.LittleEndian
-	if le.Uint64(x) != le.Uint64(y) || le.Uint64(x[n-8:]) != le.Uint64(y[n-8:]) {
-		return false
-	}
-	if n > 16 {
-		if le.Uint64(x[8:]) != le.Uint64(y[8:]) {
-			return false
-		}
-		if n > 24 && le.Uint64(x[16:]) != le.Uint64(y[16:]) {
-			return false
-		}
-	}
-	return true
-}

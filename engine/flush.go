@@ -51,7 +51,7 @@ func (e *Engine) flush(ctx context.Context, o Origin, batch []Delta) error {
 			// the cell was queued from is the key's, unless it was removed
 			// since: then the key's entry, if it has one again.
 			en := d.en
-			if en == nil || en.cur.Load() == tombstone {
+			if en.cur.Load() == tombstone {
 				en, _ = d.zone.entries.Load(d.Key.Identifier)
 			}
 			if en != nil {
