@@ -3,6 +3,8 @@ package engine
 import (
 	"testing"
 	"time"
+
+	"github.com/edgelimit/caddy-ratelimit/internal/testclock"
 )
 
 // Defects a review found, each pinned by a test that failed before its fix.
@@ -214,5 +216,71 @@ func TestClock_StepForwardAndBackFreezesNoKey(t *testing.T) {
 				t.Fatalf("origin holds %d for the window an hour ahead, want its 5", got)
 			}
 		}
+	}
+}
+
+// TestNearLimit_PaceMeasuredWhileReservingIsNotTheLocalPace is what the
+// built Caddy still showed about one run in eight under load (104–111 of
+// 100 in TestTwoCaddyProcesses_ForgetThenReadmit): two processes meet a
+// key at half its limit at once (a forget on one while the other is new
+// to the key; a deploy that restarts both). The first answer's step is
+// everything already counted, so both decide at the origin, a round trip
+// a request. Half a tick later each measures the other's pace, the pace
+// of requests that wait for a round trip, goes back to deciding locally
+// with that small step, and each admits at local speed (4 × faster) what
+// the other admitted within the tick. Here a reservation takes 1 ms and
+// a local decision 250 µs. Before the fix: 105–107.
+func TestNearLimit_PaceMeasuredWhileReservingIsNotTheLocalPace(t *testing.T) {
+	for _, how := range []string{"forget", "restart"} {
+		t.Run(how, func(t *testing.T) {
+			clk := testclock.New(time.UnixMilli(epoch))
+			node := func(name string, o *memOrigin) (*Engine, *memOrigin) {
+				e, _ := newTestEngine(t, manual(Config{Now: clk.Now}))
+				p := o.peer(name)
+				e.SetOrigin(p)
+				return e, p
+			}
+			o := newMemOrigin()
+			a, oa := node("a", o)
+			b, ob := node("b", o)
+			l := lim("k", 20*time.Second, 100, 1)
+			admitted := 0
+			nextTick := clk.Now().Add(DefaultFastTick)
+			decide := func(e *Engine, o *memOrigin) {
+				before := o.reserves.Load()
+				if e.Decide(bg, l).Allowed {
+					admitted++
+				}
+				if o.reserves.Load() > before {
+					clk.Advance(time.Millisecond)
+				} else {
+					clk.Advance(250 * time.Microsecond)
+				}
+				if !clk.Now().Before(nextTick) {
+					nextTick = nextTick.Add(DefaultFastTick)
+					replayAll(t, a, b)
+				}
+			}
+			for range 50 {
+				decide(a, oa)
+			}
+			replayAll(t, a, b)
+			if how == "forget" {
+				a.Forget(l.Key)
+			} else {
+				a, oa = node("a2", o)
+				b, ob = node("b2", o)
+			}
+			for i := range 200 {
+				if i%2 == 0 {
+					decide(a, oa)
+				} else {
+					decide(b, ob)
+				}
+			}
+			if admitted != 100 {
+				t.Errorf("admitted %d, want the limit of 100", admitted)
+			}
+		})
 	}
 }

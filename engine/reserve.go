@@ -27,8 +27,9 @@ import (
 
 // nearLimit reports whether a would-allow decision of a shared cell at
 // (cur, prev) must be made at the origin: in strict mode, or when the
-// effective count with the cost plus the other processes' expected growth
-// reaches 90 % of the limit.
+// effective count with the cost, plus the other processes' expected growth,
+// plus this process's units not yet handed over once more, reaches 90 % of
+// the limit.
 func (e *Engine) nearLimit(lc *located, l *Limit, cur, prev, now int64) bool {
 	c := lc.cur
 	if c.state()&stShared == 0 {
@@ -38,7 +39,16 @@ func (e *Engine) nearLimit(lc *located, l *Limit, cur, prev, now int64) bool {
 		return true
 	}
 	effective := SatAdd(SatAdd(cur, weighted(prev, lc.w, lc.r)), l.Cost)
-	return pressureAtLeast(SatAdd(effective, e.foreignGrowth(lc, now)), l.Limit, 9, 10)
+	// The units this process has admitted since it last handed them over
+	// (pending and the cost) count twice: the others have not seen them,
+	// and what the others admitted meanwhile is not in this count. The
+	// growth measures that from their past pace, which is too low when
+	// they, like this process, have just come back from deciding each
+	// request at the origin, a round trip apiece. Counted twice, two
+	// processes that go back to local decisions at once keep what they
+	// admit unseen to half the room each, whatever pace they measured.
+	unseen := SatAdd(l.Cost, lc.cur.pending())
+	return pressureAtLeast(SatAdd(SatAdd(effective, unseen), e.foreignGrowth(lc, now)), l.Limit, 9, 10)
 }
 
 // foreignGrowth estimates the units other processes admit to lc's cell

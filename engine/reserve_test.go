@@ -10,18 +10,22 @@ import (
 	"github.com/edgelimit/caddy-ratelimit/internal/testclock"
 )
 
-// sharedAt87 brings a key with a limit of 100 an hour to 87 units: one of
-// another node, which the cold read shows (so the cell is shared), and 86
-// of this engine. The next request, with the other node's expected growth
-// (one unit a replay interval, over two), makes 90 %.
-func sharedAt87(t *testing.T, e *Engine, clk *testclock.Clock, o *memOrigin) (Limit, int64) {
+// sharedAt86 brings a key with a limit of 100 an hour to 86 units: one of
+// another node, which the cold read shows (so the cell is shared), and 85
+// of this engine, each replayed before the next. The next request, with
+// the other node's expected growth (one unit a replay interval, over two)
+// and itself counted once more (not yet replayed), makes 90 %.
+func sharedAt86(t *testing.T, e *Engine, clk *testclock.Clock, o *memOrigin) (Limit, int64) {
 	t.Helper()
 	l := lim("k", time.Hour, 100, 1)
 	seq := clk.UnixMilli() / time.Hour.Milliseconds()
 	o.add(l.Key, seq, 1)
-	for i := 0; i < 86; i++ {
+	for i := 0; i < 85; i++ {
 		if !e.Decide(bg, l).Allowed {
 			t.Fatal("denied below the limit")
+		}
+		if _, err := replayBoth(e); err != nil {
+			t.Fatal(err)
 		}
 	}
 	return l, seq
@@ -29,13 +33,13 @@ func sharedAt87(t *testing.T, e *Engine, clk *testclock.Clock, o *memOrigin) (Li
 
 func TestReserve_SharedCellNearItsLimitIsDecidedAtTheOrigin(t *testing.T) {
 	e, clk, o := withOrigin(t, Config{})
-	l, seq := sharedAt87(t, e, clk, o)
+	l, seq := sharedAt86(t, e, clk, o)
 	if n := o.reserves.Load(); n != 0 {
 		t.Fatalf("%d reservations below 90 %%", n)
 	}
 	// Another node took the rest; this node's view is fresh and does not
 	// show it.
-	o.add(l.Key, seq, 13)
+	o.add(l.Key, seq, 14)
 	d := e.Decide(bg, l)
 	if d.Allowed {
 		t.Fatalf("allowed at the limit without asking the origin: %+v", d)
@@ -85,17 +89,17 @@ func TestReserve_LoneProcessNearItsLimitMakesNoRoundTrip(t *testing.T) {
 // next one, and a single round trip decides them all, admitting exactly
 // what the region's count leaves.
 func TestReserve_RequestsThatArriveMeanwhileShareTheNextRoundTrip(t *testing.T) {
-	// The other node takes 5 more: the region holds 92, and 8 are left.
-	joinedReservation(t, 5, 8, 2)
+	// The other node takes 6 more: the region holds 92, and 8 are left.
+	joinedReservation(t, 6, 8, 2)
 }
 
 // TestReserve_NoRoomLeftDeniesTheNextGroupWithoutARoundTrip: when the
 // reservation in flight brings back a full count, the requests that joined
 // behind it are denied without another round trip.
 func TestReserve_NoRoomLeftDeniesTheNextGroupWithoutARoundTrip(t *testing.T) {
-	// The other node takes 12 more: the region holds 99, and 1 is left,
+	// The other node takes 13 more: the region holds 99, and 1 is left,
 	// which the leader takes.
-	joinedReservation(t, 12, 1, 1)
+	joinedReservation(t, 13, 1, 1)
 }
 
 // joinedReservation runs a leader's reservation, hung until 20 requests
@@ -105,7 +109,7 @@ func TestReserve_NoRoomLeftDeniesTheNextGroupWithoutARoundTrip(t *testing.T) {
 func joinedReservation(t *testing.T, foreign, wantAdmitted, wantTrips int64) {
 	synctest.Test(t, func(t *testing.T) {
 		e, clk, o := withOrigin(t, Config{ReadTimeout: time.Second})
-		l, seq := sharedAt87(t, e, clk, o)
+		l, seq := sharedAt86(t, e, clk, o)
 		o.add(l.Key, seq, foreign)
 		gate := make(chan struct{})
 		o.gate.Store(&gate)
