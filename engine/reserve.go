@@ -12,9 +12,11 @@ import (
 // A shared cell cannot: the other processes' admissions of the last replay
 // interval are not in this process's count yet, and two busy processes near
 // a small limit would each admit what the other already had. So when a
-// shared cell's effective count plus the others' expected growth until
-// their units reach this process reaches 90 % of the limit (or the key is
-// in strict mode), a request that would pass asks the origin, which admits
+// shared cell's effective count, plus the others' expected growth until
+// their units reach this process, plus this process's own units that have
+// not reached the origin yet once more (see nearLimit), reaches 90 % of
+// the limit (or the key is in strict mode), a request that would pass
+// asks the origin, which admits
 // it only if the region's count allows, and charges it in the same atomic
 // step.
 //
