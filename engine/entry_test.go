@@ -4,6 +4,7 @@ import (
 	"strings"
 	"testing"
 	"time"
+	"unsafe"
 )
 
 func TestDecide_ClockSteppingBackNeverMovesAKeyBack(t *testing.T) {
@@ -112,5 +113,69 @@ func TestEntry_NameHoldsTheIdentifier(t *testing.T) {
 	}
 	if got := (&entry{name: nameOf(long)}).id(); got != long {
 		t.Fatalf("hashed identifier: %q, want %q", got, long)
+	}
+}
+
+// together reports whether an entry made for an identifier of n bytes
+// holds the bytes in its own allocation (see newEntry): where one object
+// costs no more than two.
+func together(n int) bool {
+	switch m := 1 + n; {
+	case m <= 8, m > 16 && m <= 24, m > 32 && m <= 40, m > 48 && m <= 56, m > 64 && m <= 72:
+		return true
+	}
+	return false
+}
+
+// An entry made for an identifier of any length a stored one can have
+// holds it byte for byte and is named by nothing else; where its bytes
+// share the entry's allocation they lie right after the entry, and
+// elsewhere they are a copy of their own.
+func TestEntry_NewEntryHoldsItsName(t *testing.T) {
+	long := NormalizeIdentifier(strings.Repeat("x", MaxIdentifierLen+1))
+	for n := 0; n <= len(long); n++ {
+		b := make([]byte, n)
+		for i := range b {
+			b[i] = byte(i*37) ^ ':' // separators, zero bytes, non-UTF-8
+		}
+		id := string(b)
+		en := newEntry(id)
+		if got := en.id(); got != id || !en.named(id) {
+			t.Fatalf("length %d: id %q, want %q", n, got, id)
+		}
+		if en.named(id + "\x00") {
+			t.Fatalf("length %d: named by the identifier one byte longer", n)
+		}
+		if n > 0 {
+			other := []byte(id)
+			other[n-1] ^= 1
+			if en.named(id[:n-1]) || en.named(string(other)) {
+				t.Fatalf("length %d: named by a shorter identifier or one whose last byte differs", n)
+			}
+		}
+		after := uintptr(unsafe.Pointer(en.name)) == uintptr(unsafe.Pointer(en))+unsafe.Sizeof(entry{})
+		if after != together(n) {
+			t.Fatalf("length %d: bytes after the entry %v, want %v", n, after, together(n))
+		}
+	}
+}
+
+var entrySink *entry
+
+// An entry and its identifier are one allocation where they share it, two
+// elsewhere: never a third.
+func TestEntry_NewEntryAllocatesItsNameOnce(t *testing.T) {
+	if raceEnabled {
+		t.Skip("the race detector changes what allocates; make allocs runs this without it")
+	}
+	for n := 0; n <= 65; n++ {
+		id := strings.Repeat("k", n)
+		want := 2.0
+		if together(n) {
+			want = 1
+		}
+		if got := testing.AllocsPerRun(100, func() { entrySink = newEntry(id) }); got != want {
+			t.Fatalf("length %d: %v allocations, want %v", n, got, want)
+		}
 	}
 }

@@ -238,7 +238,9 @@ func (m *entryMap) insert(h uint64, id string, en *entry) {
 	if 8*(m.used+1) > 7*bucketSlots*len(t.buckets) {
 		t = m.rehash(m.live + 1)
 	}
-	en.name = nameOf(id)
+	if en.name == nil {
+		en.name = nameOf(id)
+	}
 	if t.place(h, en) {
 		m.used++
 	}

@@ -116,7 +116,7 @@ func (e *Engine) insert(z *Zone, id string, seq int64, linked bool) *entry {
 		if !hasOrigin {
 			c.setBits(stRead)
 		}
-		n := &entry{}
+		n := newEntry(id)
 		n.cur.Store(c)
 		return n, false
 	})
