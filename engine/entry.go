@@ -48,35 +48,15 @@ func newEntry(id string) *entry {
 	var tail []byte
 	switch n := 1 + len(id); {
 	case n <= 8:
-		x := new(struct {
-			entry
-			b [8]byte
-		})
-		en, tail = &x.entry, x.b[:]
+		en, tail = entryWithTail[[8]byte]()
 	case n > 16 && n <= 24:
-		x := new(struct {
-			entry
-			b [24]byte
-		})
-		en, tail = &x.entry, x.b[:]
+		en, tail = entryWithTail[[24]byte]()
 	case n > 32 && n <= 40:
-		x := new(struct {
-			entry
-			b [40]byte
-		})
-		en, tail = &x.entry, x.b[:]
+		en, tail = entryWithTail[[40]byte]()
 	case n > 48 && n <= 56:
-		x := new(struct {
-			entry
-			b [56]byte
-		})
-		en, tail = &x.entry, x.b[:]
+		en, tail = entryWithTail[[56]byte]()
 	case n > 64 && n <= 72: // a normalized identifier is at most 65 bytes
-		x := new(struct {
-			entry
-			b [72]byte
-		})
-		en, tail = &x.entry, x.b[:]
+		en, tail = entryWithTail[[72]byte]()
 	default:
 		return &entry{name: nameOf(id)}
 	}
@@ -84,6 +64,16 @@ func newEntry(id string) *entry {
 	copy(tail[1:], id)
 	en.name = &tail[0]
 	return en
+}
+
+// entryWithTail allocates an entry followed by the bytes of B, a byte
+// array, in one object, and returns both.
+func entryWithTail[B any]() (*entry, []byte) {
+	x := new(struct {
+		entry
+		b B
+	})
+	return &x.entry, unsafe.Slice((*byte)(unsafe.Pointer(&x.b)), unsafe.Sizeof(x.b))
 }
 
 // idBytes returns the bytes of the entry's identifier, in its name, never

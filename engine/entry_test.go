@@ -101,11 +101,7 @@ func TestEntry_RotationLetsGoOfCellsThatWeighNothing(t *testing.T) {
 func TestEntry_NameHoldsTheIdentifier(t *testing.T) {
 	long := NormalizeIdentifier(strings.Repeat("x", MaxIdentifierLen+1))
 	for n := 0; n <= len(long); n++ {
-		b := make([]byte, n)
-		for i := range b {
-			b[i] = byte(i*37) ^ ':' // separators, zero bytes, non-UTF-8
-		}
-		id := string(b)
+		id := hostileID(n)
 		en := &entry{name: nameOf(id)}
 		if got := en.id(); got != id {
 			t.Fatalf("length %d: id %q, want %q", n, got, id)
@@ -134,11 +130,7 @@ func together(n int) bool {
 func TestEntry_NewEntryHoldsItsName(t *testing.T) {
 	long := NormalizeIdentifier(strings.Repeat("x", MaxIdentifierLen+1))
 	for n := 0; n <= len(long); n++ {
-		b := make([]byte, n)
-		for i := range b {
-			b[i] = byte(i*37) ^ ':' // separators, zero bytes, non-UTF-8
-		}
-		id := string(b)
+		id := hostileID(n)
 		en := newEntry(id)
 		if got := en.id(); got != id || !en.named(id) {
 			t.Fatalf("length %d: id %q, want %q", n, got, id)
@@ -178,4 +170,14 @@ func TestEntry_NewEntryAllocatesItsNameOnce(t *testing.T) {
 			t.Fatalf("length %d: %v allocations, want %v", n, got, want)
 		}
 	}
+}
+
+// hostileID returns an identifier of n bytes with separators, zero bytes
+// and bytes that are not UTF-8 in it.
+func hostileID(n int) string {
+	b := make([]byte, n)
+	for i := range b {
+		b[i] = byte(i*37) ^ ':'
+	}
+	return string(b)
 }
