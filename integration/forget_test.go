@@ -20,27 +20,7 @@ func TestTwoCaddyProcesses_ForgetThenReadmit(t *testing.T) {
 	if testing.Short() {
 		t.Skip("builds Caddy and runs two processes")
 	}
-	requireBinary(t, "redis-server")
-	srv := redistest.Start(t)
-	if _, err := caddyBinary(); err != nil {
-		t.Fatal(err)
-	}
-	// A window length whose current window leaves room for both starts and
-	// the 350 requests (a few seconds), so all of them fall in one window.
-	window, fits := testclock.FreshWindow(time.Now(), 80*time.Second, 200*time.Second, 2*nodeStartTimeout+15*time.Second)
-	if !fits {
-		t.Fatal("no window length in [80s, 200s] leaves room for the test")
-	}
-	site := fmt.Sprintf(`	ratelimit {
-		zone z {
-			key    {http.request.header.X-Key}
-			limit  100
-			window %ds
-		}
-		headers off
-	}
-	respond "ok"`, int64(window/time.Second))
-	global := "\t\tredis " + srv.URL()
+	site, global := keyOnTwoNodes(t, 2)
 	a, b := startNode(t, global, site), startNode(t, global, site)
 	client := &http.Client{Timeout: 5 * time.Second}
 	forget := func() {
@@ -55,15 +35,7 @@ func TestTwoCaddyProcesses_ForgetThenReadmit(t *testing.T) {
 		}
 	}
 	admitted := 0
-	send := func(n *node) {
-		switch code := sendKey(client, n.url("/"), "k"); code {
-		case http.StatusOK:
-			admitted++
-		case http.StatusTooManyRequests:
-		default:
-			t.Fatalf("status %d", code)
-		}
-	}
+	send := sender(t, client, &admitted)
 	for i := 0; i < 50; i++ {
 		send(a)
 	}
@@ -80,5 +52,86 @@ func TestTwoCaddyProcesses_ForgetThenReadmit(t *testing.T) {
 	}
 	if admitted < 100 {
 		t.Fatalf("admitted %d, fewer than the limit of 100", admitted)
+	}
+}
+
+// TestTwoCaddyProcesses_RestartBothAtHalfTheLimit is a deploy mid-window:
+// two nodes on one Redis take a key to 50 of its 100, both stop (their
+// units replayed on the way out), and two new processes take over,
+// alternating requests as fast as a client sends them. Both meet the key
+// at half its limit at once, which the engine's
+// TestNearLimit_PaceMeasuredWhileReservingIsNotTheLocalPace pins on a
+// fake clock (109 of 100 before a key's own unreplayed units counted
+// twice near the limit); this is the same with real processes and time.
+func TestTwoCaddyProcesses_RestartBothAtHalfTheLimit(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds Caddy and runs four processes")
+	}
+	site, global := keyOnTwoNodes(t, 4)
+	a, b := startNode(t, global, site), startNode(t, global, site)
+	client := &http.Client{Timeout: 5 * time.Second}
+	admitted := 0
+	send := sender(t, client, &admitted)
+	for i := 0; i < 50; i++ {
+		send([]*node{a, b}[i%2])
+	}
+	a.stop()
+	b.stop()
+	if admitted != 50 {
+		t.Fatalf("admitted %d of the first 50, below the limit of 100", admitted)
+	}
+	a, b = startNode(t, global, site), startNode(t, global, site)
+	for i := 0; i < 150; i++ {
+		send([]*node{a, b}[i%2])
+	}
+	t.Logf("admitted %d of 200 for a limit of 100, around a restart of both nodes", admitted)
+	if admitted > 103 {
+		t.Fatalf("admitted %d for a limit of 100 around a restart of both nodes", admitted)
+	}
+	if admitted < 100 {
+		t.Fatalf("admitted %d, fewer than the limit of 100", admitted)
+	}
+}
+
+// keyOnTwoNodes starts a private Redis and returns the site of a zone z
+// (key X-Key, limit 100) and the global options that put nodes on that
+// Redis, with a window length whose current window leaves room for starts
+// node starts and the requests, so all of them fall in one window.
+func keyOnTwoNodes(t *testing.T, starts int) (site, global string) {
+	t.Helper()
+	requireBinary(t, "redis-server")
+	srv := redistest.Start(t)
+	if _, err := caddyBinary(); err != nil {
+		t.Fatal(err)
+	}
+	need := time.Duration(starts)*nodeStartTimeout + 15*time.Second
+	window, fits := testclock.FreshWindow(time.Now(), need+10*time.Second, need+120*time.Second, need)
+	if !fits {
+		t.Fatalf("no window length in [%v, %v] leaves room for the test", need+10*time.Second, need+120*time.Second)
+	}
+	site = fmt.Sprintf(`	ratelimit {
+		zone z {
+			key    {http.request.header.X-Key}
+			limit  100
+			window %ds
+		}
+		headers off
+	}
+	respond "ok"`, int64(window/time.Second))
+	return site, "\t\tredis " + srv.URL()
+}
+
+// sender returns a function that sends one request for key k to a node
+// and counts the admitted ones in admitted; any status but 200 and 429
+// fails the test.
+func sender(t *testing.T, client *http.Client, admitted *int) func(*node) {
+	return func(n *node) {
+		switch code := sendKey(client, n.url("/"), "k"); code {
+		case http.StatusOK:
+			*admitted++
+		case http.StatusTooManyRequests:
+		default:
+			t.Fatalf("status %d", code)
+		}
 	}
 }
