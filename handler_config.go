@@ -28,8 +28,10 @@ const (
 	maxZoneName = 64
 	// stackZones is how many zones a request decides without a heap
 	// allocation for its limits and decisions; handlers with more zones
-	// allocate per request.
+	// allocate per request. Handlers of at most fewZones zones, most of
+	// them, decide on a frame for that many (see Handler.ServeHTTP).
 	stackZones = 8
+	fewZones   = 2
 	// maxZones bounds the zones of one handler: the engine marks the
 	// would-be denials of a dry-run batch in a 64-bit mask, which a 65th
 	// zone would overflow.

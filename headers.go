@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"strconv"
 	"time"
+	"unsafe"
 
 	"github.com/edgelimit/caddy-ratelimit/engine"
 )
@@ -60,15 +61,15 @@ var (
 )
 
 // writeHeaders sets the configured rate limit headers for the decided zones.
-// Every dynamic value is appended to one buffer and turned into one string,
-// whose substrings become the header values: two allocations per response
-// (that string and the value slices) whatever the number of zones.
+// Every dynamic value is appended to one buffer, made as large as they can
+// be, whose bytes become one string; its substrings are the header values:
+// two allocations per response (those bytes and the value slices) whatever
+// the number of zones, and no buffer on the stack (see Handler.ServeHTTP).
 func (h *Handler) writeHeaders(hdr http.Header, lims []engine.Limit, decs []engine.Decision, zi []int, ownLimits bool) {
 	if !h.draft && !h.legacy {
 		return
 	}
-	var arr [512]byte
-	buf := arr[:0]
+	buf := make([]byte, 0, h.headerRoom(zi, ownLimits))
 	// Offsets into buf: draft policy (only when a limit was overridden or a
 	// zone skipped), draft RateLimit, then the three legacy values.
 	var policyEnd, rateEnd int
@@ -84,7 +85,8 @@ func (h *Handler) writeHeaders(hdr http.Header, lims []engine.Limit, decs []engi
 	if h.legacy {
 		buf, legacyEnds = appendLegacy(buf, lims, decs)
 	}
-	s := string(buf)
+	// buf is never written again: its bytes are the string's.
+	s := unsafe.String(unsafe.SliceData(buf), len(buf))
 
 	vals := make([]string, 0, 5)
 	set := func(key, v string) {
@@ -104,6 +106,27 @@ func (h *Handler) writeHeaders(hdr http.Header, lims []engine.Limit, decs []engi
 		set(hdrLegacyRemain, s[legacyEnds[0]:legacyEnds[1]])
 		set(hdrLegacyReset, s[legacyEnds[1]:legacyEnds[2]])
 	}
+}
+
+// maxIntLen is the longest decimal int64, with its sign.
+const maxIntLen = len("-9223372036854775808")
+
+// headerRoom is the most bytes writeHeaders can format for the zones zi.
+func (h *Handler) headerRoom(zi []int, ownLimits bool) int {
+	n := 0
+	for _, i := range zi {
+		z := &h.zones[i]
+		if h.draft {
+			n += len(", ") + len(z.remainingR) + len(";t=") + 2*maxIntLen
+			if !ownLimits {
+				n += len(", ") + max(len(z.policy), len(z.policyQ)+maxIntLen+len(z.policyW))
+			}
+		}
+	}
+	if h.legacy {
+		n += 3 * maxIntLen
+	}
+	return n
 }
 
 // appendPolicy appends the draft RateLimit-Policy value of a request whose

@@ -11,6 +11,8 @@
 # BENCH    benchmark regexp (default the single decisions: allow, deny, and
 #          both with the real clock)
 # BENCHTIME  per run (default 1s)
+# PKG      the package whose benchmarks run (default ./engine; . for the
+#          handler's)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${REF:?set REF to the commit to compare with, e.g. REF=228773b}"
@@ -18,6 +20,7 @@ ROUNDS=${ROUNDS:-7}
 BENCH=${BENCH:-'^BenchmarkDecide(Allow|Deny)(RealClock)?$'}
 BENCHTIME=${BENCHTIME:-1s}
 GO=${GO:-go}
+PKG=${PKG:-./engine}
 
 tmp=$(mktemp -d)
 cleanup() {
@@ -27,10 +30,10 @@ cleanup() {
 trap cleanup EXIT
 
 git worktree add --detach "$tmp/ref" "$REF" >/dev/null 2>&1
-(cd "$tmp/ref" && "$GO" test -c -o "$tmp/ref.test" ./engine)
-"$GO" test -c -o "$tmp/head.test" ./engine
+(cd "$tmp/ref" && "$GO" test -c -o "$tmp/ref.test" "$PKG")
+"$GO" test -c -o "$tmp/head.test" "$PKG"
 ref_name=$(git rev-parse --short "$REF")
-head_name=$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- engine || echo "+changes")
+head_name=$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- "$PKG" || echo "+changes")
 
 for i in $(seq "$ROUNDS"); do
 	for side in ref head; do
