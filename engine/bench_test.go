@@ -2,6 +2,7 @@ package engine
 
 import (
 	"context"
+	"math/rand/v2"
 	"runtime"
 	"strconv"
 	"sync/atomic"
@@ -81,7 +82,15 @@ func BenchmarkDecideParallel(b *testing.B) {
 // zone (the load harness's keys100k row in process): what a large key set
 // adds to a decision is reaching an entry and its cell that are not in
 // the CPU's caches.
-func BenchmarkDecide100kKeys(b *testing.B) {
+func BenchmarkDecide100kKeys(b *testing.B) { benchDecide100kKeys(b, false) }
+
+// BenchmarkDecide100kKeysShuffled decides the same keys in an order
+// unrelated to the one they were made in, as a gateway's traffic meets
+// them: each decision's memory is wherever its key was allocated, not next
+// to the last one's, and the processor's prefetching cannot hide its misses.
+func BenchmarkDecide100kKeysShuffled(b *testing.B) { benchDecide100kKeys(b, true) }
+
+func benchDecide100kKeys(b *testing.B, shuffled bool) {
 	const n = 100_000
 	e, _ := newTestEngine(b, Config{})
 	z := e.Zone("lt_keys", time.Hour)
@@ -90,6 +99,10 @@ func BenchmarkDecide100kKeys(b *testing.B) {
 		ls[i] = lim("k"+strconv.Itoa(i), time.Hour, 1_000_000_000, 1)
 		ls[i].Zone = z
 		e.Decide(bg, ls[i])
+	}
+	if shuffled {
+		r := rand.New(rand.NewPCG(1, 2))
+		r.Shuffle(n, func(i, j int) { ls[i], ls[j] = ls[j], ls[i] })
 	}
 	b.ReportAllocs()
 	i := 0
