@@ -97,13 +97,23 @@ type linkedCell struct {
 func newCell(seq int64, linked bool) *cell {
 	if !linked {
 		c := &cell{}
-		c.word.Store(uint64(seq) << seqShift)
+		c.init(seq)
 		return c
 	}
 	n := &linkedCell{}
+	n.init(seq)
+	return &n.cell
+}
+
+// init makes c, which no other goroutine sees yet, an empty plain cell for
+// seq.
+func (c *cell) init(seq int64) { c.word.Store(uint64(seq) << seqShift) }
+
+// init makes n, which no other goroutine sees yet, an empty linked cell
+// for seq with an incarnation of its own.
+func (n *linkedCell) init(seq int64) {
 	n.word.Store(uint64(seq)<<seqShift | uint64(stLinked))
 	n.x.inc = incarnations.Add(1)
-	return &n.cell
 }
 
 // incarnation returns the cell's incarnation, 0 for a plain cell.

@@ -33,8 +33,11 @@ func TestCell_SizesAndNoPointers(t *testing.T) {
 	if s := unsafe.Sizeof(linkedCell{}); s != 96 {
 		t.Errorf("a linked cell is %d bytes, want 96 (a size class of its own)", s)
 	}
-	if s := unsafe.Sizeof(entry{}); s != 24 {
-		t.Errorf("an entry is %d bytes, want 24", s)
+	if s := unsafe.Sizeof(entry{}); s != 16 {
+		t.Errorf("an entry is %d bytes, want 16 (its name and first cell follow it)", s)
+	}
+	if s := entryBytes(7, false); s != 48 {
+		t.Errorf("a local key of 7 bytes is %d bytes, want 48 (a size class of its own)", s)
 	}
 	for _, typ := range []reflect.Type{reflect.TypeFor[cell](), reflect.TypeFor[linkedCell]()} {
 		if hasPointers(typ) {

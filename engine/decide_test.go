@@ -140,16 +140,15 @@ func copyKey(t *testing.T, e *Engine, key Key, id string) {
 		t.Fatal("key not in engine")
 	}
 	src := en.cur.Load()
-	c := newCell(src.seq(), false)
+	n := newEntry(id, src.seq(), false)
+	c := n.cur.Load()
 	c.count.Store(src.count.Load())
 	c.orState(stRead)
-	n := &entry{}
 	if p := en.previous(src); p != nil {
 		pc := newCell(p.seq(), false)
 		pc.count.Store(p.count.Load())
 		n.prev.Store(pc)
 	}
-	n.cur.Store(c)
 	z.entries.Store(id, n)
 	e.live.Add(1)
 }

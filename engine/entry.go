@@ -8,78 +8,84 @@ import (
 
 // entry is one (namespace, identifier, window): its current cell and the
 // cell before it. Rotation moves cur to prev, then swaps cur.
+//
+// An entry is always made by newEntry, in one allocation with its
+// identifier and its first cell: the 16 bytes here, then the identifier's
+// length and bytes (see idBytes), padded to a word, then the cell. A key
+// is one heap object, which the collector marks once (the cell holds no
+// pointer, and cur points back into the object), and a decision on a key
+// whose first cell is current reads one or two cache lines for both. The
+// first cell stays with the entry when a rotation or an upgrade replaces
+// it: 24 bytes (96 linked) that an entry past its first window carries
+// until it is forgotten.
 type entry struct {
 	cur  atomic.Pointer[cell]
 	prev atomic.Pointer[cell]
-	// name is the entry's identifier (see id): a copy of its bytes after
-	// one byte of length, so that the entry holds one word for it instead
-	// of a string's two, and takes 24 bytes. newEntry places the copy
-	// right after the entry; the zone's map names an entry made otherwise
-	// when it stores it (see entryMap).
-	name *byte
 }
 
 // A stored identifier is normalized (NormalizeIdentifier): at most 65
 // bytes, whose length one byte holds (this does not compile otherwise).
 const _ = uint8(len(hashedPrefix) + 2*32)
 
-// nameOf copies a normalized identifier after its length, as entry.name
-// holds it.
-func nameOf(id string) *byte {
-	b := make([]byte, max(1+len(id), 2)) // p+1 lies within it, even for ""
-	b[0] = byte(len(id))
-	copy(b[1:], id)
-	return &b[0]
+// newEntry returns an entry named id whose current cell is a new one for
+// seq (a linked cell when linked is set), in one allocation (see entry):
+// 48 bytes for a local key of up to 7 bytes, 64 for an IPv4 address, 80
+// for an identifier of 32 bytes, 128 for a linked key of up to 15.
+func newEntry(id string, seq int64, linked bool) *entry {
+	switch (1 + len(id) + 7) / 8 { // words for the length and the bytes
+	case 1:
+		return entryIn[[8]byte](id, seq, linked)
+	case 2:
+		return entryIn[[16]byte](id, seq, linked)
+	case 3:
+		return entryIn[[24]byte](id, seq, linked)
+	case 4:
+		return entryIn[[32]byte](id, seq, linked)
+	case 5:
+		return entryIn[[40]byte](id, seq, linked)
+	case 6:
+		return entryIn[[48]byte](id, seq, linked)
+	case 7:
+		return entryIn[[56]byte](id, seq, linked)
+	case 8:
+		return entryIn[[64]byte](id, seq, linked)
+	}
+	return entryIn[[72]byte](id, seq, linked) // a normalized identifier is at most 65 bytes
 }
 
-// newEntry returns an entry named id (see name), with the identifier's
-// bytes in the same allocation right after the entry's own 24 bytes when
-// that costs no more than two allocations would: one heap object per
-// entry instead of two for the collector to mark and sweep, and the bytes
-// a lookup compares on the entry's cache line or the next rather than
-// wherever the allocator put them. Go has no 40-byte size class, so an
-// identifier of 8 to 15 bytes (an IPv4 address) is cheaper apart (24 + 16
-// bytes against 48 together), and likewise at 24-31, 40-47 and 56-63
-// bytes; together, identifiers of up to 7 bytes and of 16-23 cost the
-// same, and of 32-39, 48-55 and 64-65 bytes (API keys, UUIDs, hashed
-// identifiers) 8 bytes less.
-func newEntry(id string) *entry {
+// entryIn allocates an entry, its name in B (a byte array large enough)
+// and its first cell as one object.
+func entryIn[B any](id string, seq int64, linked bool) *entry {
 	var en *entry
-	var tail []byte
-	switch n := 1 + len(id); {
-	case n <= 8:
-		en, tail = entryWithTail[[8]byte]()
-	case n > 16 && n <= 24:
-		en, tail = entryWithTail[[24]byte]()
-	case n > 32 && n <= 40:
-		en, tail = entryWithTail[[40]byte]()
-	case n > 48 && n <= 56:
-		en, tail = entryWithTail[[56]byte]()
-	case n > 64 && n <= 72: // a normalized identifier is at most 65 bytes
-		en, tail = entryWithTail[[72]byte]()
-	default:
-		return &entry{name: nameOf(id)}
+	var name []byte
+	if linked {
+		x := new(struct {
+			entry
+			b B
+			c linkedCell
+		})
+		x.c.init(seq)
+		en, name = &x.entry, unsafe.Slice((*byte)(unsafe.Pointer(&x.b)), unsafe.Sizeof(x.b))
+		en.cur.Store(&x.c.cell)
+	} else {
+		x := new(struct {
+			entry
+			b B
+			c cell
+		})
+		x.c.init(seq)
+		en, name = &x.entry, unsafe.Slice((*byte)(unsafe.Pointer(&x.b)), unsafe.Sizeof(x.b))
+		en.cur.Store(&x.c)
 	}
-	tail[0] = byte(len(id))
-	copy(tail[1:], id)
-	en.name = &tail[0]
+	name[0] = byte(len(id))
+	copy(name[1:], id)
 	return en
 }
 
-// entryWithTail allocates an entry followed by the bytes of B, a byte
-// array, in one object, and returns both.
-func entryWithTail[B any]() (*entry, []byte) {
-	x := new(struct {
-		entry
-		b B
-	})
-	return &x.entry, unsafe.Slice((*byte)(unsafe.Pointer(&x.b)), unsafe.Sizeof(x.b))
-}
-
-// idBytes returns the bytes of the entry's identifier, in its name, never
-// written again. A stored entry always has a name.
+// idBytes returns the bytes of the entry's identifier, which follow its
+// length right after the entry, never written again.
 func (en *entry) idBytes() []byte {
-	p := en.name
+	p := (*byte)(unsafe.Add(unsafe.Pointer(en), unsafe.Sizeof(entry{})))
 	return unsafe.Slice((*byte)(unsafe.Add(unsafe.Pointer(p), 1)), int(*p))
 }
 
@@ -95,7 +101,7 @@ func (en *entry) id() string {
 // comparison.
 func (en *entry) named(id string) bool {
 	n := len(id)
-	if int(*en.name) != n {
+	if int(*(*byte)(unsafe.Add(unsafe.Pointer(en), unsafe.Sizeof(entry{})))) != n {
 		return false
 	}
 	x := en.idBytes()

@@ -71,7 +71,7 @@ func TestRotation_AKeyIdleForAWindowReadsFirst(t *testing.T) {
 // one before; a rotation over an idle gap lets go of both, for the engine
 // to remember (see buryCells).
 func TestEntry_RotationLetsGoOfCellsThatWeighNothing(t *testing.T) {
-	en := &entry{}
+	en := newEntry("k", 0, true)
 	c9, c10 := newCell(9, true), newCell(10, true)
 	en.prev.Store(c9)
 	en.cur.Store(c10)
@@ -95,79 +95,71 @@ func TestEntry_RotationLetsGoOfCellsThatWeighNothing(t *testing.T) {
 	}
 }
 
-// An entry's identifier comes back byte for byte from its name, for every
-// length a stored identifier can have (a hashed one is the longest), with
-// any bytes in it.
-func TestEntry_NameHoldsTheIdentifier(t *testing.T) {
-	long := NormalizeIdentifier(strings.Repeat("x", MaxIdentifierLen+1))
-	for n := 0; n <= len(long); n++ {
-		id := hostileID(n)
-		en := &entry{name: nameOf(id)}
-		if got := en.id(); got != id {
-			t.Fatalf("length %d: id %q, want %q", n, got, id)
-		}
+// entryBytes is the size of the object newEntry makes for an identifier
+// of n bytes (before the allocator rounds it up to a size class).
+func entryBytes(n int, linked bool) uintptr {
+	c := unsafe.Sizeof(cell{})
+	if linked {
+		c = unsafe.Sizeof(linkedCell{})
 	}
-	if got := (&entry{name: nameOf(long)}).id(); got != long {
-		t.Fatalf("hashed identifier: %q, want %q", got, long)
-	}
-}
-
-// together reports whether an entry made for an identifier of n bytes
-// holds the bytes in its own allocation (see newEntry): where one object
-// costs no more than two.
-func together(n int) bool {
-	switch m := 1 + n; {
-	case m <= 8, m > 16 && m <= 24, m > 32 && m <= 40, m > 48 && m <= 56, m > 64 && m <= 72:
-		return true
-	}
-	return false
+	return unsafe.Sizeof(entry{}) + uintptr(1+n+7)/8*8 + c
 }
 
 // An entry made for an identifier of any length a stored one can have
-// holds it byte for byte and is named by nothing else; where its bytes
-// share the entry's allocation they lie right after the entry, and
-// elsewhere they are a copy of their own.
-func TestEntry_NewEntryHoldsItsName(t *testing.T) {
+// (a hashed one is the longest) holds it byte for byte, right after the
+// entry, and is named by nothing else; its first cell, current, for the
+// sequence asked, lies in the same allocation after the name.
+func TestEntry_NewEntryHoldsItsNameAndFirstCell(t *testing.T) {
 	long := NormalizeIdentifier(strings.Repeat("x", MaxIdentifierLen+1))
 	for n := 0; n <= len(long); n++ {
 		id := hostileID(n)
-		en := newEntry(id)
-		if got := en.id(); got != id || !en.named(id) {
-			t.Fatalf("length %d: id %q, want %q", n, got, id)
+		if n == len(long) {
+			id = long
 		}
-		if en.named(id + "\x00") {
-			t.Fatalf("length %d: named by the identifier one byte longer", n)
-		}
-		if n > 0 {
-			other := []byte(id)
-			other[n-1] ^= 1
-			if en.named(id[:n-1]) || en.named(string(other)) {
-				t.Fatalf("length %d: named by a shorter identifier or one whose last byte differs", n)
+		for _, linked := range []bool{false, true} {
+			en := newEntry(id, 7, linked)
+			if got := en.id(); got != id || !en.named(id) {
+				t.Fatalf("length %d: id %q, want %q", n, got, id)
 			}
-		}
-		after := uintptr(unsafe.Pointer(en.name)) == uintptr(unsafe.Pointer(en))+unsafe.Sizeof(entry{})
-		if after != together(n) {
-			t.Fatalf("length %d: bytes after the entry %v, want %v", n, after, together(n))
+			if en.named(id + "\x00") {
+				t.Fatalf("length %d: named by the identifier one byte longer", n)
+			}
+			if n > 0 {
+				other := []byte(id)
+				other[n-1] ^= 1
+				if en.named(id[:n-1]) || en.named(string(other)) {
+					t.Fatalf("length %d: named by a shorter identifier or one whose last byte differs", n)
+				}
+			}
+			c := en.cur.Load()
+			if c.seq() != 7 || (c.links() != nil) != linked || c.count.Load() != 0 || en.prev.Load() != nil {
+				t.Fatalf("length %d, linked %v: first cell of %d, linked %v, count %d", n, linked, c.seq(), c.links() != nil, c.count.Load())
+			}
+			base, cp := uintptr(unsafe.Pointer(en)), uintptr(unsafe.Pointer(c))
+			cellSize := unsafe.Sizeof(cell{})
+			if linked {
+				cellSize = unsafe.Sizeof(linkedCell{})
+			}
+			if cp < base+unsafe.Sizeof(entry{})+uintptr(1+n) || cp+cellSize != base+entryBytes(n, linked) {
+				t.Fatalf("length %d, linked %v: cell at entry+%d, want it after the name, ending the %d-byte object", n, linked, cp-base, entryBytes(n, linked))
+			}
 		}
 	}
 }
 
 var entrySink *entry
 
-// An entry and its identifier are one allocation where they share it, two
-// elsewhere: never a third.
-func TestEntry_NewEntryAllocatesItsNameOnce(t *testing.T) {
+// An entry, its identifier and its first cell are one allocation.
+func TestEntry_NewEntryAllocatesOnce(t *testing.T) {
 	if raceEnabled {
 		t.Skip("the race detector changes what allocates; make allocs runs this without it")
 	}
 	for n := 0; n <= 65; n++ {
 		id := strings.Repeat("k", n)
-		want := 2.0
-		if together(n) {
-			want = 1
-		}
-		if got := testing.AllocsPerRun(100, func() { entrySink = newEntry(id) }); got != want {
-			t.Fatalf("length %d: %v allocations, want %v", n, got, want)
+		for _, linked := range []bool{false, true} {
+			if got := testing.AllocsPerRun(100, func() { entrySink = newEntry(id, 1, linked) }); got != 1 {
+				t.Fatalf("length %d, linked %v: %v allocations, want 1", n, linked, got)
+			}
 		}
 	}
 }

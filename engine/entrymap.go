@@ -17,17 +17,16 @@ import (
 // map (xsync's, before) added an object per key (identifier and value, 24
 // bytes) and about 25 bytes of buckets.
 //
-// An entry holds a copy of its identifier after a byte of its length
-// (entry.name), one word in the entry, which takes 24 bytes, not 32. The
-// engine makes its entries with newEntry, which puts the copy in the
-// entry's own allocation wherever one object costs no more than two; the
-// map copies the identifier of an entry stored without a name. An earlier
-// layout that copied the identifier into the entry (a 24-byte entry with
-// a string header then) raised the heap in use after a collection by a
-// fifth through the handler with 100,000 keys, live entries scattered
-// among a request's freed objects of the same size class; newEntry's did
-// not (the load test's keys100k row: 71 B of heap per key after a forced
-// collection, against 76-79 B in the runs before it).
+// An entry holds its identifier, after a byte of its length, and its first
+// cell in its own allocation (see entry): the slot's pointer leads to the
+// bytes a lookup compares and to the cell a decision counts in, one heap
+// object per key. Before, the identifier lay apart or after the entry and
+// the cell was an object of its own (two or three objects per key, and a
+// cache line more per decision). An earlier layout still, which copied
+// the identifier into a string of its own, raised the heap in use after a
+// collection by a fifth through the handler with 100,000 keys, live
+// entries scattered among a request's freed objects of the same size
+// class.
 //
 // A lookup takes no lock and writes no memory: it hashes the identifier,
 // reads one bucket's tag word, and compares the identifier of the entries
@@ -164,7 +163,7 @@ func (m *entryMap) LoadOrCompute(id string, make func() (*entry, bool)) (en *ent
 	if en := m.table.Load().find(h, id); en != nil {
 		return en, true
 	}
-	m.insert(h, id, made)
+	m.insert(h, made)
 	return made, false
 }
 
@@ -174,7 +173,7 @@ func (m *entryMap) Store(id string, en *entry) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	m.remove(h, id)
-	m.insert(h, id, en)
+	m.insert(h, en)
 }
 
 // LoadAndDelete deletes the entry of id and returns it.
@@ -231,15 +230,12 @@ func (m *entryMap) DeleteMatching(f func(id string, en *entry) (del, stop bool))
 	return n
 }
 
-// insert adds en as the entry of id, which the map does not hold; under
-// mu. It names en after id.
-func (m *entryMap) insert(h uint64, id string, en *entry) {
+// insert adds en, whose hash is h and which the map does not hold; under
+// mu.
+func (m *entryMap) insert(h uint64, en *entry) {
 	t := m.table.Load()
 	if 8*(m.used+1) > 7*bucketSlots*len(t.buckets) {
 		t = m.rehash(m.live + 1)
-	}
-	if en.name == nil {
-		en.name = nameOf(id)
 	}
 	if t.place(h, en) {
 		m.used++

@@ -8,7 +8,10 @@ import (
 	"testing"
 )
 
-func newTestEntry() (*entry, bool) { return &entry{}, false }
+// testEntry returns the make of LoadOrCompute for id: an entry named id.
+func testEntry(id string) func() (*entry, bool) {
+	return func() (*entry, bool) { return newEntry(id, 0, false), false }
+}
 
 // TestEntryMap_StoresFindsAndDeletes checks the map against a plain map
 // through inserts, deletions, reinsertions and the rehashes they cause,
@@ -52,12 +55,12 @@ func TestEntryMap_StoresFindsAndDeletes(t *testing.T) {
 	const n = 20_000
 	for i := 0; i < n; i++ {
 		id := "k" + strconv.Itoa(i)
-		en, loaded := m.LoadOrCompute(id, newTestEntry)
+		en, loaded := m.LoadOrCompute(id, testEntry(id))
 		if loaded {
 			t.Fatalf("LoadOrCompute(%q) loaded an entry never stored", id)
 		}
 		want[id] = en
-		if again, loaded := m.LoadOrCompute(id, newTestEntry); !loaded || again != en {
+		if again, loaded := m.LoadOrCompute(id, testEntry(id)); !loaded || again != en {
 			t.Fatalf("second LoadOrCompute(%q) = %p, %v; want %p, true", id, again, loaded, en)
 		}
 	}
@@ -77,7 +80,7 @@ func TestEntryMap_StoresFindsAndDeletes(t *testing.T) {
 	// Deleted slots are taken again by new keys.
 	for i := 0; i < n; i += 2 {
 		id := "k" + strconv.Itoa(i)
-		en, _ := m.LoadOrCompute(id, newTestEntry)
+		en, _ := m.LoadOrCompute(id, testEntry(id))
 		want[id] = en
 	}
 	check("reinserted")
@@ -95,7 +98,7 @@ func TestEntryMap_StoresFindsAndDeletes(t *testing.T) {
 	if got := len(m.table.Load().buckets); got != minBuckets {
 		t.Fatalf("table of one entry has %d buckets, want %d", got, minBuckets)
 	}
-	replacement := &entry{}
+	replacement := newEntry("k1", 0, false)
 	m.Store("k1", replacement)
 	want["k1"] = replacement
 	check("replaced")
@@ -106,7 +109,7 @@ func TestEntryMap_StoresFindsAndDeletes(t *testing.T) {
 func TestEntryMap_DeleteMatchingStops(t *testing.T) {
 	m := newEntryMap()
 	for i := 0; i < 100; i++ {
-		m.LoadOrCompute(strconv.Itoa(i), newTestEntry)
+		m.LoadOrCompute(strconv.Itoa(i), testEntry(strconv.Itoa(i)))
 	}
 	calls := 0
 	deleted := m.DeleteMatching(func(string, *entry) (bool, bool) {
@@ -127,7 +130,7 @@ func TestEntryMap_ReadersNeverMissAStableKey(t *testing.T) {
 	stable := make([]string, 200)
 	for i := range stable {
 		stable[i] = "stable-" + strconv.Itoa(i)
-		m.LoadOrCompute(stable[i], newTestEntry)
+		m.LoadOrCompute(stable[i], testEntry(stable[i]))
 	}
 	var stop atomic.Bool
 	var wg sync.WaitGroup
@@ -138,7 +141,8 @@ func TestEntryMap_ReadersNeverMissAStableKey(t *testing.T) {
 			for round := 0; round < 20; round++ {
 				n := 500 * (round%5 + 1)
 				for i := 0; i < n; i++ {
-					m.LoadOrCompute("churn-"+strconv.Itoa(w)+"-"+strconv.Itoa(i), newTestEntry)
+					id := "churn-" + strconv.Itoa(w) + "-" + strconv.Itoa(i)
+					m.LoadOrCompute(id, testEntry(id))
 				}
 				for i := 0; i < n; i++ {
 					m.LoadAndDelete("churn-" + strconv.Itoa(w) + "-" + strconv.Itoa(i))
@@ -189,9 +193,10 @@ func TestEntryMap_OneEntryPerKey(t *testing.T) {
 		go func(c int) {
 			defer wg.Done()
 			for i := 0; i < keys; i++ {
-				got[c][i], _ = m.LoadOrCompute(strconv.Itoa(i), func() (*entry, bool) {
+				id := strconv.Itoa(i)
+				got[c][i], _ = m.LoadOrCompute(id, func() (*entry, bool) {
 					made.Add(1)
-					return &entry{}, false
+					return newEntry(id, 0, false), false
 				})
 			}
 		}(c)
@@ -220,7 +225,7 @@ func TestEntryNamed(t *testing.T) {
 		for i := range a {
 			a[i] = byte('a' + i%26)
 		}
-		x, y := &entry{name: nameOf(string(a))}, strings.Clone(string(a))
+		x, y := newEntry(string(a), 0, false), strings.Clone(string(a))
 		if !x.named(y) {
 			t.Fatalf("len %d: equal strings differ", n)
 		}

@@ -112,12 +112,10 @@ func (e *Engine) rotate(z *Zone, id string, en *entry, now, w int64, linked bool
 func (e *Engine) insert(z *Zone, id string, seq int64, linked bool) *entry {
 	hasOrigin := e.origin.Load() != nil
 	en, loaded := z.entries.LoadOrCompute(id, func() (*entry, bool) {
-		c := newCell(seq, linked)
+		n := newEntry(id, seq, linked)
 		if !hasOrigin {
-			c.setBits(stRead)
+			n.cur.Load().setBits(stRead)
 		}
-		n := newEntry(id)
-		n.cur.Store(c)
 		return n, false
 	})
 	if !loaded {

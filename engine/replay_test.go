@@ -34,10 +34,10 @@ func TestQueue_HoldsWhatItsCapacityAllowsInOrder(t *testing.T) {
 	q := newQueue(2)
 	z := &Zone{}
 	a, b := newCell(1, true), newCell(2, true)
-	if !q.push(z, &entry{name: nameOf("a")}, a) || !q.push(z, &entry{name: nameOf("b")}, b) {
+	if !q.push(z, newEntry("a", 0, true), a) || !q.push(z, newEntry("b", 0, true), b) {
 		t.Fatal("a queue of 2 refused a cell")
 	}
-	if q.push(z, &entry{name: nameOf("c")}, newCell(3, true)) {
+	if q.push(z, newEntry("c", 0, true), newCell(3, true)) {
 		t.Fatal("a full queue took a third cell")
 	}
 	if q.len() != 2 {
