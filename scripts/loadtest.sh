@@ -59,6 +59,13 @@
 #   SCENARIOS="…"           rows to run (default all)
 #   PEER=1                  0: do not build or run the peer
 #   PEER_VERSION=v0.1.0     the peer's release (the module proxy serves tags only)
+#   BASE=<commit>           also run each of this module's rows on a build of
+#                           that commit (a git worktree; this tree's
+#                           Caddyfiles; Redis database 1 and MySQL database
+#                           lt_base), right after the row in every round:
+#                           a change's effect side by side, interleaved. The
+#                           table gives it as "this module at <commit>",
+#                           without a bar
 #   MAX_SECONDS=1800        no new round starts once the run is this old
 #   RESULTS=loadtest/results   where compare.md, compare.tsv and compare.svg go
 #   PROFILE="<variant> …"   after the rounds, one more run of each with a CPU
@@ -87,6 +94,7 @@ PEER_VERSION=${PEER_VERSION:-v0.1.0}
 MAX_SECONDS=${MAX_SECONDS:-1800}
 RESULTS=${RESULTS:-loadtest/results}
 PROFILE=${PROFILE:-}
+BASE=${BASE:-}
 GO=${GO:-go}
 KEYS=100000 # distinct keys of the keyed rows
 
@@ -146,6 +154,7 @@ cleanup() {
 		for _ in $(seq 50); do kill -0 "$p" 2>/dev/null || break; sleep 0.1; done
 		kill -KILL "$p" 2>/dev/null || true
 	done
+	[ -z "$BASE" ] || git worktree remove --force "$TMP/base" >/dev/null 2>&1 || true
 	rm -rf "$TMP"
 }
 trap cleanup EXIT
@@ -237,7 +246,8 @@ span() { printf '%s\n' "$@" | sort -g | awk 'NR == 1 { lo = $1 } { hi = $1 } END
 # --- variants ------------------------------------------------------------
 
 is_peer() { [[ $1 == peer_* ]]; }
-row_of() { echo "${1#peer_}"; }
+is_base() { [[ $1 == base_* ]]; }
+row_of() { local r=${1#peer_}; echo "${r#base_}"; }
 is_keyed() { [[ $1 == plainkeys || $1 == *keys100k ]]; }
 nodes_of() { if [[ $1 == *2nodes ]]; then echo 2; else echo 1; fi; }
 base_of() { if is_keyed "$1"; then echo plainkeys; else echo plain; fi; }
@@ -254,6 +264,14 @@ git diff --quiet HEAD -- . 2>/dev/null || commit+=" (with uncommitted changes)"
 echo "loadtest: building cmd/caddy"
 BIN=$TMP/caddy
 "$GO" build -o "$BIN" ./cmd/caddy || die "go build ./cmd/caddy failed"
+BBIN="" BASE_NAME=""
+if [ -n "$BASE" ]; then
+	BASE_NAME=$(git rev-parse --short "$BASE^{commit}") || die "BASE=$BASE is not a commit"
+	echo "loadtest: building cmd/caddy at $BASE_NAME (BASE)"
+	git worktree add --detach "$TMP/base" "$BASE_NAME" >/dev/null 2>&1 || die "git worktree add $BASE_NAME failed"
+	BBIN=$TMP/caddy-base
+	(cd "$TMP/base" && "$GO" build -o "$BBIN" ./cmd/caddy) || die "go build ./cmd/caddy at $BASE_NAME failed"
+fi
 CADDY_VERSION=$(awk '$1 == "github.com/caddyserver/caddy/v2" { print $2; exit }' go.mod)
 GO_VERSION=$(awk '$1 == "go" { print $2; exit }' go.mod)
 
@@ -325,6 +343,7 @@ order=(plain)
 for s in "${rows[@]}"; do
 	is_keyed "$s" && [[ " ${order[*]} " != *" plainkeys "* ]] && order+=(plainkeys)
 	order+=("$s")
+	[ -n "$BASE" ] && order+=("base_$s")
 	((PEER)) && has_peer "$s" && order+=("peer_$s")
 done
 
@@ -369,7 +388,7 @@ start_mariadb() {
 		--port="$port" --bind-address=127.0.0.1 --skip-grant-tables >"$TMP/mariadb.log" 2>&1 &
 	SERVER_PIDS+=" $!"
 	wait_port "$port" $! 60 || { tail -n 20 "$TMP/mariadb.log" >&2; die "mariadbd did not start"; }
-	mariadb --no-defaults --socket="$d/sock" -uroot -e 'CREATE DATABASE lt' ||
+	mariadb --no-defaults --socket="$d/sock" -uroot -e 'CREATE DATABASE lt; CREATE DATABASE lt_base' ||
 		die "CREATE DATABASE failed"
 	MYSQL_DSN="root:@tcp(127.0.0.1:$port)/lt"
 }
@@ -378,6 +397,11 @@ start_mariadb() {
 start_caddy() {
 	local v=$1 bin=$BIN n i port admin pid cf=loadtest/Caddyfile.$1
 	is_peer "$v" && bin=$PBIN
+	local redis_port=$REDIS_PORT mysql_dsn=$MYSQL_DSN
+	# A BASE build keeps its counts apart (Redis database 1, its own MySQL
+	# database): sharing keys with this build's variant would make every
+	# key a shared one for both.
+	is_base "$v" && bin=$BBIN cf=loadtest/Caddyfile.$(row_of "$v") redis_port=$REDIS_PORT/1 mysql_dsn=${MYSQL_DSN%/lt}/lt_base
 	[[ $v == plainkeys ]] && cf=loadtest/Caddyfile.plainkeys
 	n=$(nodes_of "$v")
 	PIDS[$v]="" PORTS[$v]="" ADMINS[$v]=""
@@ -389,8 +413,8 @@ start_caddy() {
 		# Data and config directories private to the run; the peer's
 		# storage directory is shared by the nodes of one variant only.
 		XDG_DATA_HOME=$TMP/data-$v-$i XDG_CONFIG_HOME=$TMP/config \
-			LT_ADMIN_PORT=$admin LT_PORT=$port LT_REDIS_PORT=$REDIS_PORT \
-			LT_STORAGE=$TMP/storage-$v LT_MYSQL_DSN=$MYSQL_DSN \
+			LT_ADMIN_PORT=$admin LT_PORT=$port LT_REDIS_PORT=$redis_port \
+			LT_STORAGE=$TMP/storage-$v LT_MYSQL_DSN=$mysql_dsn \
 			taskset -c "$CADDY_CPU" "$bin" run --adapter caddyfile \
 			--config "$cf" >"$TMP/$v.$i.log" 2>&1 &
 		pid=$!
@@ -411,11 +435,12 @@ first() { echo "${1%% *}"; }
 # check_headers <variant>: one request proves the variant's Caddy does what
 # its Caddyfile says.
 check_headers() {
-	local v=$1 h code
+	local v=$1 h code c=$1
+	is_base "$v" && c=$(row_of "$v")
 	h=$(curl -s -D - -o /dev/null --max-time 5 -H "X-Key: header-check" "http://127.0.0.1:$(first "${PORTS[$v]}")/") ||
 		fail "$v" "request failed"
 	code=$(echo "$h" | awk 'NR == 1 { print $2 }')
-	case $v in
+	case $c in
 	plain | plainkeys | allow_off | peer_allow | peer_keys100k | peer_redis | peer_redis_keys100k)
 		[ "$code" = 200 ] || fail "$v" "status $code, want 200"
 		! echo "$h" | grep -qi '^ratelimit:' || fail "$v" "RateLimit header where none is expected"
@@ -483,8 +508,8 @@ load() {
 	((R_REQ > 0)) || fail "$v" "no request completed"
 	((R_SOCK == 0)) || fail "$v" "$R_SOCK socket errors"
 	((other == 0)) || fail "$v" "$other responses neither 2xx nor 429 (status counts: $codes)"
-	case $v in
-	deny | peer_deny) ((R_2XX <= 1)) || fail "$v" "$R_2XX of $R_REQ requests passed a limit of 1 per hour" ;;
+	case $(row_of "$v") in
+	deny) ((R_2XX <= 1)) || fail "$v" "$R_2XX of $R_REQ requests passed a limit of 1 per hour" ;;
 	*2nodes) ;;
 	*) ((R_429 == 0)) || fail "$v" "$R_429 requests denied (status counts: $codes)" ;;
 	esac
@@ -607,7 +632,7 @@ fmt() { awk -v x="$1" -v f="$2" 'BEGIN { printf f, x }'; }
 	echo "# caddy-ratelimit: side-by-side load test"
 	echo
 	echo "- date: $started; commit $commit; $rounds_done interleaved rounds x ${DURATION} s"
-	echo "- command: \`ROUNDS=$ROUNDS DURATION=$DURATION make compare\`$([ "$SCENARIOS" = "$ALL_ROWS" ] || echo " with SCENARIOS=\"$SCENARIOS\"")"
+	echo "- command: \`ROUNDS=$ROUNDS DURATION=$DURATION make compare\`$([ "$SCENARIOS" = "$ALL_ROWS" ] || echo " with SCENARIOS=\"$SCENARIOS\"")$([ -z "$BASE" ] || echo " and BASE=$BASE_NAME")"
 	echo "- machine: $ncpu cores, $(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo 2>/dev/null | head -n 1), $(awk '$1 == "MemTotal:" { printf "%.0f GiB", $2 / 1048576 }' /proc/meminfo); load average before $load_before, after $(cut -d' ' -f1-3 /proc/loadavg)"
 	echo "- Caddy $CADDY_VERSION on core $CADDY_CPU (GOMAXPROCS 1), \`wrk -t1 -c$CONNS\` on core $WRK_CPU, loopback, \`respond \"ok\" 200\`; peer: $PEER_MODULE $PEER_VERSION$( ((PEER)) || echo ' (not run: PEER=0)')"
 	echo
@@ -627,6 +652,7 @@ for v in "${order[@]}"; do
 	cmed=$(median "${cx[@]}") tmed=$(median "${tx[@]}") pmed=$(median "${px[@]}")
 	mod="this module"
 	is_peer "$v" && mod="peer"
+	is_base "$v" && mod="this module at $BASE_NAME (BASE)"
 	[[ $v == plain* ]] && mod="plain Caddy"
 	label=$row
 	case $v in
@@ -660,7 +686,7 @@ for v in "${order[@]}"; do
 	bar="–" verdict="baseline"
 	if [[ $v != plain* ]]; then
 		verdict="–"
-		if ! is_peer "$v"; then
+		if ! is_peer "$v" && ! is_base "$v"; then
 			bar=${BAR[$row]}
 			miss=()
 			if [ "$bar" != - ]; then
@@ -687,7 +713,7 @@ for v in "${order[@]}"; do
 				MISSES+=("$row: $(IFS=';'; echo "${miss[*]}")")
 			fi
 		fi
-		printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$row" "$(is_peer "$v" && echo peer || echo ours)" \
+		is_base "$v" || printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$row" "$(is_peer "$v" && echo peer || echo ours)" \
 			"$cmed" "$(printf '%s\n' "${cx[@]}" | sort -g | head -n 1)" "$(printf '%s\n' "${cx[@]}" | sort -g | tail -n 1)" \
 			"$tmed" "$(printf '%s\n' "${tx[@]}" | sort -g | head -n 1)" "$(printf '%s\n' "${tx[@]}" | sort -g | tail -n 1)" \
 			"$(is_peer "$v" || [ "${BAR[$row]}" = - ] && echo - || echo "${BAR[$row]}")" >>"$TSV"
@@ -743,6 +769,7 @@ for p in $PROFILE; do
 	secs=$((DURATION > 2 ? DURATION - 1 : 1))
 	bin=$BIN
 	is_peer "$p" && bin=$PBIN
+	is_base "$p" && bin=$BBIN
 	echo
 	echo "loadtest: profiling $p for ${secs}s under load (not part of the table)"
 	resume "$p"
