@@ -143,3 +143,49 @@ func TestHandler_RetryJitterOnlyAdds(t *testing.T) {
 		t.Fatalf("jitter produced only %v", seen)
 	}
 }
+
+// A handler decides every zone on whichever frame its zone count takes
+// (two or fewer, up to eight, more on the heap): the headers carry every
+// zone, at the longest zone names, and a denial by the last zone charges
+// none of the others.
+func TestHandler_EveryZoneCountDecidesEveryZone(t *testing.T) {
+	useClock(t, 10*time.Second)
+	for _, n := range []int{1, fewZones, fewZones + 1, stackZones, stackZones + 1, 20} {
+		var zs []*Zone
+		id := map[string]string{}
+		for i := range n {
+			// Zones are global to the process by name: each handler's
+			// are its own.
+			name := fmt.Sprintf("%02d-%02d", n, i) + strings.Repeat("z", maxZoneName-5)
+			limit := int64(1000 + i)
+			if i == n-1 {
+				limit = 1
+			}
+			zs = append(zs, zoneOf(name, limit, time.Hour))
+			id[name] = "k"
+		}
+		h := provisionTest(t, nil, &Handler{Zones: zs, Headers: "both"})
+		rateLimit := func(lastRemaining int64) string {
+			var members []string
+			for i, z := range zs {
+				r := z.Limit - 1
+				if i == n-1 {
+					r = lastRemaining
+				}
+				members = append(members, fmt.Sprintf(`%q;r=%d;t=3590`, z.Name, r))
+			}
+			return strings.Join(members, ", ")
+		}
+		r := serve(h, id)
+		wantStatus(t, r, http.StatusOK)
+		wantHeader(t, r, "RateLimit", rateLimit(0))
+		wantHeader(t, r, "X-RateLimit-Limit", "1")
+		wantHeader(t, r, "X-RateLimit-Remaining", "0")
+		if got := strings.Count(r.get("RateLimit-Policy"), ";q="); got != n {
+			t.Fatalf("%d zones: RateLimit-Policy has %d members: %q", n, got, r.get("RateLimit-Policy"))
+		}
+		r = serve(h, id)
+		wantStatus(t, r, http.StatusTooManyRequests)
+		wantHeader(t, r, "RateLimit", rateLimit(0)) // the other zones kept their count: nothing charged
+	}
+}
