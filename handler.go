@@ -214,13 +214,16 @@ func (h *Handler) serveMany(w http.ResponseWriter, r *http.Request) (bool, error
 // or nil once the response is written). lims and zi are empty with room
 // for every zone, decs as long as the zones.
 func (h *Handler) serve(w http.ResponseWriter, r *http.Request, lims []engine.Limit, decs []engine.Decision, zi []int) (pass bool, err error) {
-	lims, zi, ownLimits, missing := h.limits(r, lims, zi)
+	// The request's replacer, looked up once: Caddy's request context is
+	// many values deep.
+	repl, _ := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+	lims, zi, ownLimits, missing := h.limits(r, repl, lims, zi)
 	switch {
 	case missing >= 0:
-		h.setMissing(r, missing)
+		h.setMissing(repl, missing)
 		return false, deny(w, r, h.zones[missing].missing)
 	case len(lims) == 0:
-		h.setOutcome(r, decisionSkipped, nil, nil, nil, -1)
+		h.setOutcome(repl, decisionSkipped, nil, nil, nil, -1)
 		return true, nil
 	}
 	decs = decs[:len(lims)]
@@ -235,13 +238,13 @@ func (h *Handler) serve(w http.ResponseWriter, r *http.Request, lims []engine.Li
 		if !all {
 			decision = decisionDryRunDenied
 		}
-		h.setOutcome(r, decision, lims, decs, zi, spokenZone(decs, all))
+		h.setOutcome(repl, decision, lims, decs, zi, spokenZone(decs, all))
 		return true, nil
 	case allowed:
-		h.setOutcome(r, decisionAllowed, lims, decs, zi, spokenZone(decs, true))
+		h.setOutcome(repl, decisionAllowed, lims, decs, zi, spokenZone(decs, true))
 		return true, nil
 	}
-	h.setOutcome(r, decisionDenied, lims, decs, zi, spokenZone(decs, false))
+	h.setOutcome(repl, decisionDenied, lims, decs, zi, spokenZone(decs, false))
 	return false, h.denied(w, r, hdr, decs, zi)
 }
 
@@ -260,9 +263,8 @@ func allAllowed(decs []engine.Decision) bool {
 // the zone's override line, then its limit. ownLimits is false when an
 // override changed a zone's limit. missing is the index of a zone whose
 // key is empty under on_missing_key deny (the request is denied at once),
-// -1 when none.
-func (h *Handler) limits(r *http.Request, lims []engine.Limit, zi []int) (_ []engine.Limit, _ []int, ownLimits bool, missing int) {
-	repl, _ := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+// -1 when none. repl is the request's replacer (nil without one).
+func (h *Handler) limits(r *http.Request, repl *caddy.Replacer, lims []engine.Limit, zi []int) (_ []engine.Limit, _ []int, ownLimits bool, missing int) {
 	ownLimits = true
 	for i := range h.zones {
 		z := &h.zones[i]

@@ -1,7 +1,6 @@
 package ratelimit
 
 import (
-	"net/http"
 	"strconv"
 	"strings"
 	"time"
@@ -97,11 +96,10 @@ func (o outcome) identifier() string {
 	return truncateIdentifier(o.id)
 }
 
-// setOutcome makes the decision of r readable as placeholders: k is the
-// index (in lims and decs) of the zone the placeholders speak of, -1 when
-// every zone was skipped.
-func (h *Handler) setOutcome(r *http.Request, decision string, lims []engine.Limit, decs []engine.Decision, zi []int, k int) {
-	repl, _ := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+// setOutcome makes the decision of a request readable as placeholders of
+// its replacer repl (none without one): k is the index (in lims and decs)
+// of the zone the placeholders speak of, -1 when every zone was skipped.
+func (h *Handler) setOutcome(repl *caddy.Replacer, decision string, lims []engine.Limit, decs []engine.Decision, zi []int, k int) {
 	if repl == nil {
 		return
 	}
@@ -124,8 +122,7 @@ func (h *Handler) outcome(decision string, lims []engine.Limit, decs []engine.De
 
 // setMissing makes a denial for a missing key readable as placeholders:
 // the zone whose key was empty, no identifier, no count.
-func (h *Handler) setMissing(r *http.Request, zone int) {
-	repl, _ := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+func (h *Handler) setMissing(repl *caddy.Replacer, zone int) {
 	if repl == nil {
 		return
 	}
