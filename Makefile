@@ -8,7 +8,8 @@
 #                each, a MariaDB primary and replica; prints admitted/limit and what it cost
 #                MySQL and Redis (SCALE_REGIONS, SCALE_NODES: comma lists)
 # make bench-engine-vs REF=<commit>  the engine's decision benchmarks against another
-#                commit's, builds alternated in one sitting, medians (scripts/bench-engine-vs.sh)
+#                commit's, builds alternated in one sitting, medians (scripts/bench-engine-vs.sh;
+#                BENCH=<regexp> and PKG=<package> pick other benchmarks)
 # make property  the multi-node reference test for PROPERTY_DURATION (default 10m) of random seeds
 # make sim       the simulator's tables (cmd/ratelimit-sim): accuracy and cost as regions and nodes
 #                grow, sensitivity, failures, the recommended settings (SIM_SEED; about an hour, up to 12 GB)
