@@ -62,14 +62,25 @@ var (
 
 // writeHeaders sets the configured rate limit headers for the decided zones.
 // Every dynamic value is appended to one buffer, made as large as they can
-// be, whose bytes become one string; its substrings are the header values:
-// two allocations per response (those bytes and the value slices) whatever
-// the number of zones, and no buffer on the stack (see Handler.ServeHTTP).
+// be, whose bytes become one string; its substrings are the header values.
+// The buffer and the value slices are one allocation per response when the
+// values fit in 256 bytes (one or two zones with either kind of headers,
+// three with draft ones), two otherwise; no buffer on the stack (see
+// Handler.ServeHTTP).
 func (h *Handler) writeHeaders(hdr http.Header, lims []engine.Limit, decs []engine.Decision, zi []int, ownLimits bool) {
 	if !h.draft && !h.legacy {
 		return
 	}
-	buf := make([]byte, 0, h.headerRoom(zi, ownLimits))
+	var vals []string
+	var buf []byte
+	switch room := h.headerRoom(zi, ownLimits); {
+	case room <= 64:
+		vals, buf = headerBlock[[64]byte]()
+	case room <= 256:
+		vals, buf = headerBlock[[256]byte]()
+	default:
+		vals, buf = make([]string, 0, headerValues), make([]byte, 0, room)
+	}
 	// Offsets into buf: draft policy (only when a limit was overridden or a
 	// zone skipped), draft RateLimit, then the three legacy values.
 	var policyEnd, rateEnd int
@@ -88,7 +99,6 @@ func (h *Handler) writeHeaders(hdr http.Header, lims []engine.Limit, decs []engi
 	// buf is never written again: its bytes are the string's.
 	s := unsafe.String(unsafe.SliceData(buf), len(buf))
 
-	vals := make([]string, 0, 5)
 	set := func(key, v string) {
 		vals = append(vals, v)
 		hdr[key] = vals[len(vals)-1 : len(vals) : len(vals)]
@@ -106,6 +116,22 @@ func (h *Handler) writeHeaders(hdr http.Header, lims []engine.Limit, decs []engi
 		set(hdrLegacyRemain, s[legacyEnds[0]:legacyEnds[1]])
 		set(hdrLegacyReset, s[legacyEnds[1]:legacyEnds[2]])
 	}
+}
+
+// headerValues is how many header values writeHeaders sets at most: the
+// draft policy and RateLimit, and the three legacy values.
+const headerValues = 5
+
+// headerBlock allocates room for the header values and for B's bytes, a
+// byte array, as one object, and returns both empty. The values' strings
+// point into the bytes: the object lives as long as the response's header
+// map holds any of them.
+func headerBlock[B any]() (vals []string, buf []byte) {
+	x := new(struct {
+		vals [headerValues]string
+		b    B
+	})
+	return x.vals[:0], unsafe.Slice((*byte)(unsafe.Pointer(&x.b)), unsafe.Sizeof(x.b))[:0]
 }
 
 // maxIntLen is the longest decimal int64, with its sign.
