@@ -129,6 +129,22 @@ func tail(s string, n int) string {
 	return s[len(s)-n:]
 }
 
+// redisAndCaddy is the set-up of a test that runs Caddy processes on one
+// Redis: it skips in short mode (why says what the test runs), starts a
+// private Redis (a missing redis-server fails under CI) and builds Caddy.
+func redisAndCaddy(t *testing.T, why string) *redistest.Server {
+	t.Helper()
+	if testing.Short() {
+		t.Skip(why)
+	}
+	requireBinary(t, "redis-server")
+	srv := redistest.Start(t)
+	if _, err := caddyBinary(); err != nil {
+		t.Fatal(err)
+	}
+	return srv
+}
+
 // requireBinary fails under CI and skips elsewhere when a binary is
 // missing.
 func requireBinary(t *testing.T, name string) {

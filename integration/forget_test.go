@@ -6,7 +6,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
 	"github.com/edgelimit/caddy-ratelimit/internal/testclock"
 )
 
@@ -82,14 +81,7 @@ func TestTwoCaddyProcesses_RestartBothAtHalfTheLimit(t *testing.T) {
 // skips the test in short mode.
 func keyOnTwoNodes(t *testing.T, starts int) (site, global string) {
 	t.Helper()
-	if testing.Short() {
-		t.Skip("builds Caddy and runs Caddy processes")
-	}
-	requireBinary(t, "redis-server")
-	srv := redistest.Start(t)
-	if _, err := caddyBinary(); err != nil {
-		t.Fatal(err)
-	}
+	srv := redisAndCaddy(t, "builds Caddy and runs Caddy processes")
 	need := time.Duration(starts)*nodeStartTimeout + 15*time.Second
 	window, fits := testclock.FreshWindow(time.Now(), need+10*time.Second, need+120*time.Second, need)
 	if !fits {

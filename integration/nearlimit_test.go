@@ -12,7 +12,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
 	"github.com/edgelimit/caddy-ratelimit/internal/testclock"
 )
 
@@ -57,14 +56,7 @@ func (n *node) metric(t *testing.T, name string, match ...string) float64 {
 // /metrics, are the cold read of each node plus the admissions decided at
 // Redis.
 func TestTwoCaddyProcesses_ExactNearASmallLimit(t *testing.T) {
-	if testing.Short() {
-		t.Skip("builds Caddy and runs two processes")
-	}
-	requireBinary(t, "redis-server")
-	srv := redistest.Start(t)
-	if _, err := caddyBinary(); err != nil {
-		t.Fatal(err)
-	}
+	srv := redisAndCaddy(t, "builds Caddy and runs two processes")
 	// The runs take a few seconds: a window that begins now holds them all.
 	window, fits := testclock.FreshWindow(time.Now(), 20*time.Second, 120*time.Second, 2*nodeStartTimeout+15*time.Second)
 	if !fits {
