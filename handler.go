@@ -153,15 +153,15 @@ func (h *Handler) Cleanup() error {
 // ServeHTTP decides the request against every zone and either passes it on
 // or returns a 429 error.
 //
-// The decision runs in serveFew or serveSome, whose frame holds the zones'
-// limits and decisions, sized for the handler's zones, and is gone before the rest of the route runs: the response is
-// written, and a proxied request's deep path runs, with a few words of
-// this handler beneath them. The decision's own path stays shallow too: a
-// connection's goroutine whose stack a collection has shrunk grows it
-// again, copying it whole, when a request runs past its size, and with
-// every handler's 1.2 KB of zones for eight (as before) a loaded Caddy
-// spent 1 to 2 % of its CPU copying stacks under this handler's header
-// formatting, which plain Caddy never does.
+// The decision runs in serveFew, serveSome or serveMany, whose frame holds
+// the zones' limits and decisions, sized for the handler's zones, and is
+// gone before the rest of the route runs: the response is written, and a
+// proxied request's deep path runs, with a few words of this handler
+// beneath them. The decision's own path stays shallow too: a connection's
+// goroutine whose stack a collection has shrunk grows it again, copying
+// it, when a request runs past its size; with 1.2 KB of zones for eight on
+// every handler's frame, a loaded Caddy spent 1 to 2 % of its CPU copying
+// stacks under this handler's header formatting.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
 	var pass bool
 	var err error

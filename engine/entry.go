@@ -64,13 +64,13 @@ func newEntry(id string, seq int64, linked bool) *entry {
 // is an object of its own.
 func entryIn[B any](id string, seq int64, linked bool) *entry {
 	var en *entry
-	var name []byte
+	var b *B
 	if linked {
 		x := new(struct {
 			entry
 			b B
 		})
-		en, name = &x.entry, unsafe.Slice((*byte)(unsafe.Pointer(&x.b)), unsafe.Sizeof(x.b))
+		en, b = &x.entry, &x.b
 		en.cur.Store(newCell(seq, true))
 	} else {
 		x := new(struct {
@@ -79,18 +79,25 @@ func entryIn[B any](id string, seq int64, linked bool) *entry {
 			c cell
 		})
 		x.c.init(seq)
-		en, name = &x.entry, unsafe.Slice((*byte)(unsafe.Pointer(&x.b)), unsafe.Sizeof(x.b))
+		en, b = &x.entry, &x.b
 		en.cur.Store(&x.c)
 	}
+	name := unsafe.Slice((*byte)(unsafe.Pointer(b)), unsafe.Sizeof(*b))
 	name[0] = byte(len(id))
 	copy(name[1:], id)
 	return en
 }
 
+// length returns the byte of the identifier's length, right after the
+// entry (see entry).
+func (en *entry) length() *byte {
+	return (*byte)(unsafe.Add(unsafe.Pointer(en), unsafe.Sizeof(entry{})))
+}
+
 // idBytes returns the bytes of the entry's identifier, which follow its
 // length right after the entry, never written again.
 func (en *entry) idBytes() []byte {
-	p := (*byte)(unsafe.Add(unsafe.Pointer(en), unsafe.Sizeof(entry{})))
+	p := en.length()
 	return unsafe.Slice((*byte)(unsafe.Add(unsafe.Pointer(p), 1)), int(*p))
 }
 
@@ -106,7 +113,7 @@ func (en *entry) id() string {
 // comparison.
 func (en *entry) named(id string) bool {
 	n := len(id)
-	if int(*(*byte)(unsafe.Add(unsafe.Pointer(en), unsafe.Sizeof(entry{})))) != n {
+	if int(*en.length()) != n {
 		return false
 	}
 	x := en.idBytes()
