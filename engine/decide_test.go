@@ -140,16 +140,16 @@ func copyKey(t *testing.T, e *Engine, key Key, id string) {
 		t.Fatal("key not in engine")
 	}
 	src := en.cur.Load()
-	n := newEntry(id, src.seq(), false)
-	c := n.cur.Load()
-	c.count.Store(src.count.Load())
-	c.orState(stRead)
+	n, loaded := z.entries.LoadOrCreate(id, src.seq(), false, true)
+	if loaded {
+		t.Fatalf("key %q already in engine", id)
+	}
+	n.cur.Load().count.Store(src.count.Load())
 	if p := en.previous(src); p != nil {
 		pc := newCell(p.seq(), false)
 		pc.count.Store(p.count.Load())
 		n.prev.Store(pc)
 	}
-	z.entries.Store(id, n)
 	e.live.Add(1)
 }
 

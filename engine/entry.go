@@ -33,51 +33,49 @@ type entry struct {
 const _ = uint8(len(hashedPrefix) + 2*32)
 
 // newEntry returns an entry named id whose current cell is a new one for
-// seq (a linked cell when linked is set), in one allocation (see entry):
-// 48 bytes for a local key of up to 7 bytes, 64 for an IPv4 address, 80
-// for an identifier of 32 bytes; a linked key is that entry without its
-// cell (24 bytes for up to 7) and a 96-byte cell.
-func newEntry(id string, seq int64, linked bool) *entry {
-	switch (1 + len(id) + 7) / 8 { // words for the length and the bytes
+// seq (a linked cell when linked is set), as an object of its own: what a
+// map's slab holds in a slot (see slotIn), for tests of the entry alone.
+func newEntry(id string, seq int64, linked bool) *entry { return newEntryIn(nil, id, seq, linked) }
+
+// newEntryIn returns an entry named id whose current cell is a new one for
+// seq (a linked cell when linked is set), in a slot of m's slabs (see
+// slab.go): 48 bytes for a local key of up to 7 bytes, 64 for an IPv4
+// address, 80 for an identifier of 32 bytes; 72 more for a linked one.
+// Under m.mu.
+func newEntryIn(m *entryMap, id string, seq int64, linked bool) *entry {
+	words := (1 + len(id) + 7) / 8 // for the length and the bytes
+	switch words {
 	case 1:
-		return entryIn[[8]byte](id, seq, linked)
+		return entryIn[[8]byte](m, words, id, seq, linked)
 	case 2:
-		return entryIn[[16]byte](id, seq, linked)
+		return entryIn[[16]byte](m, words, id, seq, linked)
 	case 3:
-		return entryIn[[24]byte](id, seq, linked)
+		return entryIn[[24]byte](m, words, id, seq, linked)
 	case 4:
-		return entryIn[[32]byte](id, seq, linked)
+		return entryIn[[32]byte](m, words, id, seq, linked)
 	case 5:
-		return entryIn[[40]byte](id, seq, linked)
+		return entryIn[[40]byte](m, words, id, seq, linked)
 	case 6:
-		return entryIn[[48]byte](id, seq, linked)
+		return entryIn[[48]byte](m, words, id, seq, linked)
 	case 7:
-		return entryIn[[56]byte](id, seq, linked)
+		return entryIn[[56]byte](m, words, id, seq, linked)
 	case 8:
-		return entryIn[[64]byte](id, seq, linked)
+		return entryIn[[64]byte](m, words, id, seq, linked)
 	}
-	return entryIn[[72]byte](id, seq, linked) // a normalized identifier is at most 65 bytes
+	return entryIn[[72]byte](m, 9, id, seq, linked) // a normalized identifier is at most 65 bytes
 }
 
-// entryIn allocates an entry, its name in B (a byte array large enough)
-// and, unless linked, its first cell as one object; a linked first cell
-// is an object of its own.
-func entryIn[B any](id string, seq int64, linked bool) *entry {
+// entryIn makes an entry, its name in B (a byte array of words words) and
+// its first cell in one slot (see slotIn).
+func entryIn[B any](m *entryMap, words int, id string, seq int64, linked bool) *entry {
 	var en *entry
 	var b *B
 	if linked {
-		x := new(struct {
-			entry
-			b B
-		})
+		x := slotIn[linkedSlot[B]](m, 9+words-1)
 		en, b = &x.entry, &x.b
 		en.cur.Store(newCell(seq, true))
 	} else {
-		x := new(struct {
-			entry
-			b B
-			c cell
-		})
+		x := slotIn[localSlot[B]](m, words-1)
 		x.c.init(seq)
 		en, b = &x.entry, &x.b
 		en.cur.Store(&x.c)

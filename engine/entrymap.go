@@ -55,6 +55,12 @@ type entryMap struct {
 	// used counts the slots holding an entry or tagDeleted, live the
 	// entries; both under mu.
 	used, live int
+	// The entries' slabs (see slab.go), under mu: the one being filled of
+	// each kind, and the full ones. removed counts the entries removed
+	// since the last sweep.
+	open    [slabKinds]slab
+	slabs   *slabSet
+	removed int
 }
 
 const (
@@ -71,9 +77,13 @@ const (
 	sevens    = 0x7f7f7f7f7f7f7f7f
 )
 
+// entryTable is a table of the map. Its buckets are memory the collector
+// does not scan (see newEntryTable): what keeps the entries its slots
+// point at alive is keep, the slabs they lie in.
 type entryTable struct {
 	mask    uint64 // len(buckets) − 1
 	buckets []entryBucket
+	keep    atomic.Pointer[slabSet]
 }
 
 type entryBucket struct {
@@ -81,14 +91,32 @@ type entryBucket struct {
 	slots [bucketSlots]atomic.Pointer[entry]
 }
 
+// rawBucket is an entryBucket as the collector sees it: words that hold
+// no pointer.
+type rawBucket [1 + bucketSlots]uint64
+
+// An entryBucket and a rawBucket are the same 64 bytes.
+const _ = uint(unsafe.Sizeof(entryBucket{})-unsafe.Sizeof(rawBucket{})) +
+	uint(unsafe.Sizeof(rawBucket{})-unsafe.Sizeof(entryBucket{}))
+
 func newEntryMap() *entryMap {
-	m := &entryMap{seed: newIDSeed()}
-	m.table.Store(newEntryTable(minBuckets))
+	m := &entryMap{seed: newIDSeed(), slabs: new(slabSet)}
+	m.table.Store(newEntryTable(minBuckets, m.slabs))
 	return m
 }
 
-func newEntryTable(buckets int) *entryTable {
-	return &entryTable{mask: uint64(buckets - 1), buckets: make([]entryBucket, buckets)}
+// newEntryTable returns an empty table of buckets buckets that keeps the
+// slabs of keep. Its buckets are allocated as rawBuckets, so the collector
+// never scans them: each slot's pointer would otherwise be one more
+// object to mark per key, on every cycle.
+func newEntryTable(buckets int, keep *slabSet) *entryTable {
+	raw := make([]rawBucket, buckets)
+	t := &entryTable{
+		mask:    uint64(buckets - 1),
+		buckets: unsafe.Slice((*entryBucket)(unsafe.Pointer(unsafe.SliceData(raw))), buckets),
+	}
+	t.keep.Store(keep)
+	return t
 }
 
 // tagOf is the tag byte of hash h: its top 7 bits (the bucket takes the
@@ -144,36 +172,26 @@ func (t *entryTable) find(h uint64, id string) *entry {
 	}
 }
 
-// LoadOrCompute returns the entry of id, or stores the one make returns
-// (unless it cancels) and returns it; loaded reports whether it was
-// there. make runs before the map's lock is taken, so that inserts of
-// new keys hold it only to place an entry: when two callers race for one
-// key, both may run make, and the loser's entry is dropped.
-func (m *entryMap) LoadOrCompute(id string, make func() (*entry, bool)) (en *entry, loaded bool) {
+// LoadOrCreate returns the entry of id, or makes one in the map's slabs
+// whose current cell is an empty cell for seq (a linked cell when linked
+// is set, marked read when read is) and returns it; loaded reports
+// whether it was there.
+func (m *entryMap) LoadOrCreate(id string, seq int64, linked, read bool) (en *entry, loaded bool) {
 	h := m.seed.hash(id)
 	if en := m.table.Load().find(h, id); en != nil {
 		return en, true
-	}
-	made, cancel := make()
-	if cancel {
-		return nil, false
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if en := m.table.Load().find(h, id); en != nil {
 		return en, true
 	}
-	m.insert(h, made)
-	return made, false
-}
-
-// Store makes en the entry of id, replacing the one there.
-func (m *entryMap) Store(id string, en *entry) {
-	h := m.seed.hash(id)
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	m.remove(h, id)
+	en = newEntryIn(m, id, seq, linked)
+	if read {
+		en.cur.Load().setBits(stRead)
+	}
 	m.insert(h, en)
+	return en, false
 }
 
 // LoadAndDelete deletes the entry of id and returns it.
@@ -207,6 +225,7 @@ func (m *entryMap) Range(f func(id string, en *entry) bool) {
 func (m *entryMap) DeleteMatching(f func(id string, en *entry) (del, stop bool)) int {
 	m.mu.Lock()
 	defer m.mu.Unlock()
+	defer m.sweep()
 	defer m.shrink()
 	t := m.table.Load()
 	n := 0
@@ -230,8 +249,8 @@ func (m *entryMap) DeleteMatching(f func(id string, en *entry) (del, stop bool))
 	return n
 }
 
-// insert adds en, whose hash is h and which the map does not hold; under
-// mu.
+// insert adds en, whose hash is h, made in the map's slabs, and which the
+// map does not hold; under mu.
 func (m *entryMap) insert(h uint64, en *entry) {
 	t := m.table.Load()
 	if 8*(m.used+1) > 7*bucketSlots*len(t.buckets) {
@@ -291,6 +310,32 @@ func (m *entryMap) clear(bk *entryBucket, j int) {
 	bk.meta.Store(meta&^(0xff<<(8*j)) | tagDeleted<<(8*j))
 	bk.slots[j].Store(nil)
 	m.live--
+	m.removed++
+}
+
+// sweep lets go of the full slabs whose entries have all been removed
+// (see slab.go), once the entries removed since the last sweep are twice
+// the full slabs (each sweep reads every full slot, so a removal costs at
+// most eight reads); under mu. The set is copied, not changed: a table
+// replaced earlier keeps the set it had, and with it every slab its slots
+// may point into, for as long as a reader is on it.
+func (m *entryMap) sweep() {
+	full := m.slabs.full
+	if m.removed < 2*len(full) || len(full) == 0 {
+		return
+	}
+	m.removed = 0
+	live := make([]slab, 0, len(full))
+	for i := range full {
+		if !full[i].dead() {
+			live = append(live, full[i])
+		}
+	}
+	if len(live) == len(full) {
+		return
+	}
+	m.slabs = &slabSet{full: live}
+	m.table.Load().keep.Store(m.slabs)
 }
 
 // shrink rebuilds a table that deletions left less than a sixteenth
@@ -311,7 +356,7 @@ func (m *entryMap) rehash(n int) *entryTable {
 		buckets *= 2
 	}
 	old := m.table.Load()
-	t := newEntryTable(buckets)
+	t := newEntryTable(buckets, m.slabs)
 	live := 0
 	for b := range old.buckets {
 		bk := &old.buckets[b]

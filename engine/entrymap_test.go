@@ -8,11 +8,6 @@ import (
 	"testing"
 )
 
-// testEntry returns the make of LoadOrCompute for id: an entry named id.
-func testEntry(id string) func() (*entry, bool) {
-	return func() (*entry, bool) { return newEntry(id, 0, false), false }
-}
-
 // TestEntryMap_StoresFindsAndDeletes checks the map against a plain map
 // through inserts, deletions, reinsertions and the rehashes they cause,
 // growing and shrinking.
@@ -55,13 +50,13 @@ func TestEntryMap_StoresFindsAndDeletes(t *testing.T) {
 	const n = 20_000
 	for i := 0; i < n; i++ {
 		id := "k" + strconv.Itoa(i)
-		en, loaded := m.LoadOrCompute(id, testEntry(id))
+		en, loaded := m.LoadOrCreate(id, 0, false, false)
 		if loaded {
-			t.Fatalf("LoadOrCompute(%q) loaded an entry never stored", id)
+			t.Fatalf("LoadOrCreate(%q) loaded an entry never stored", id)
 		}
 		want[id] = en
-		if again, loaded := m.LoadOrCompute(id, testEntry(id)); !loaded || again != en {
-			t.Fatalf("second LoadOrCompute(%q) = %p, %v; want %p, true", id, again, loaded, en)
+		if again, loaded := m.LoadOrCreate(id, 0, false, false); !loaded || again != en {
+			t.Fatalf("second LoadOrCreate(%q) = %p, %v; want %p, true", id, again, loaded, en)
 		}
 	}
 	check("inserted")
@@ -80,7 +75,7 @@ func TestEntryMap_StoresFindsAndDeletes(t *testing.T) {
 	// Deleted slots are taken again by new keys.
 	for i := 0; i < n; i += 2 {
 		id := "k" + strconv.Itoa(i)
-		en, _ := m.LoadOrCompute(id, testEntry(id))
+		en, _ := m.LoadOrCreate(id, 0, false, false)
 		want[id] = en
 	}
 	check("reinserted")
@@ -98,8 +93,11 @@ func TestEntryMap_StoresFindsAndDeletes(t *testing.T) {
 	if got := len(m.table.Load().buckets); got != minBuckets {
 		t.Fatalf("table of one entry has %d buckets, want %d", got, minBuckets)
 	}
-	replacement := newEntry("k1", 0, false)
-	m.Store("k1", replacement)
+	m.LoadAndDelete("k1")
+	replacement, loaded := m.LoadOrCreate("k1", 0, false, false)
+	if loaded || replacement == want["k1"] {
+		t.Fatal("a key deleted and made again has its old entry")
+	}
 	want["k1"] = replacement
 	check("replaced")
 }
@@ -109,7 +107,7 @@ func TestEntryMap_StoresFindsAndDeletes(t *testing.T) {
 func TestEntryMap_DeleteMatchingStops(t *testing.T) {
 	m := newEntryMap()
 	for i := 0; i < 100; i++ {
-		m.LoadOrCompute(strconv.Itoa(i), testEntry(strconv.Itoa(i)))
+		m.LoadOrCreate(strconv.Itoa(i), 0, false, false)
 	}
 	calls := 0
 	deleted := m.DeleteMatching(func(string, *entry) (bool, bool) {
@@ -130,7 +128,7 @@ func TestEntryMap_ReadersNeverMissAStableKey(t *testing.T) {
 	stable := make([]string, 200)
 	for i := range stable {
 		stable[i] = "stable-" + strconv.Itoa(i)
-		m.LoadOrCompute(stable[i], testEntry(stable[i]))
+		m.LoadOrCreate(stable[i], 0, false, false)
 	}
 	var stop atomic.Bool
 	var wg sync.WaitGroup
@@ -142,7 +140,7 @@ func TestEntryMap_ReadersNeverMissAStableKey(t *testing.T) {
 				n := 500 * (round%5 + 1)
 				for i := 0; i < n; i++ {
 					id := "churn-" + strconv.Itoa(w) + "-" + strconv.Itoa(i)
-					m.LoadOrCompute(id, testEntry(id))
+					m.LoadOrCreate(id, 0, false, false)
 				}
 				for i := 0; i < n; i++ {
 					m.LoadAndDelete("churn-" + strconv.Itoa(w) + "-" + strconv.Itoa(i))
@@ -178,14 +176,12 @@ func TestEntryMap_ReadersNeverMissAStableKey(t *testing.T) {
 	}
 }
 
-// TestEntryMap_OneEntryPerKey races LoadOrCompute calls for the same keys:
-// each key gets one entry, which every caller receives (the entries the
-// losers made are dropped).
+// TestEntryMap_OneEntryPerKey races LoadOrCreate calls for the same keys:
+// each key gets one entry, which every caller receives.
 func TestEntryMap_OneEntryPerKey(t *testing.T) {
 	m := newEntryMap()
 	const keys, callers = 2000, 4
 	got := make([][]*entry, callers)
-	var made atomic.Int64
 	var wg sync.WaitGroup
 	for c := 0; c < callers; c++ {
 		got[c] = make([]*entry, keys)
@@ -194,17 +190,11 @@ func TestEntryMap_OneEntryPerKey(t *testing.T) {
 			defer wg.Done()
 			for i := 0; i < keys; i++ {
 				id := strconv.Itoa(i)
-				got[c][i], _ = m.LoadOrCompute(id, func() (*entry, bool) {
-					made.Add(1)
-					return newEntry(id, 0, false), false
-				})
+				got[c][i], _ = m.LoadOrCreate(id, 0, false, false)
 			}
 		}(c)
 	}
 	wg.Wait()
-	if made.Load() < keys {
-		t.Fatalf("%d entries made for %d keys", made.Load(), keys)
-	}
 	if m.live != keys {
 		t.Fatalf("%d entries stored for %d keys", m.live, keys)
 	}

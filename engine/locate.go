@@ -110,14 +110,7 @@ func (e *Engine) rotate(z *Zone, id string, en *entry, now, w int64, linked bool
 // insert adds a new entry for id, or returns the one that won a race. Its
 // cell is a linked cell when linked is set.
 func (e *Engine) insert(z *Zone, id string, seq int64, linked bool) *entry {
-	hasOrigin := e.origin.Load() != nil
-	en, loaded := z.entries.LoadOrCompute(id, func() (*entry, bool) {
-		n := newEntry(id, seq, linked)
-		if !hasOrigin {
-			n.cur.Load().setBits(stRead)
-		}
-		return n, false
-	})
+	en, loaded := z.entries.LoadOrCreate(id, seq, linked, e.origin.Load() == nil)
 	if !loaded {
 		e.entryCreated(z, id, seq)
 		if e.live.Add(1) > int64(e.cfg.MaxEntries) {

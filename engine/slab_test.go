@@ -1,0 +1,166 @@
+package engine
+
+import (
+	"runtime"
+	"strconv"
+	"testing"
+)
+
+// slabTestID returns the i-th identifier of n bytes (i < 256 when n is 1),
+// unlike any other of its length.
+func slabTestID(n, i int) string {
+	b := make([]byte, n)
+	for j := range b {
+		b[j] = byte(i >> (8 * (j % 3)) * (j/3 + 1))
+	}
+	if n > 0 {
+		b[0] = byte(i)
+	}
+	if n > 1 {
+		b[1] = byte(i >> 8)
+	}
+	return string(b)
+}
+
+// garbage allocates and drops objects of every small size, so that memory
+// the collector freed by mistake is soon written over.
+func garbage() {
+	var sink [][]byte
+	for size := 8; size <= 2048; size += 8 {
+		for range 16 {
+			sink = append(sink, make([]byte, size))
+		}
+	}
+	runtime.KeepAlive(sink)
+}
+
+// TestSlab_EveryLayoutKeepsItsEntries makes entries of every identifier
+// length, local and linked, several slabs of each, and checks each after
+// collections that would have freed any slab nothing kept: its name, its
+// cell's sequence and kind, and that the map finds it.
+func TestSlab_EveryLayoutKeepsItsEntries(t *testing.T) {
+	m := newEntryMap()
+	type made struct {
+		id     string
+		seq    int64
+		linked bool
+		en     *entry
+	}
+	var all []made
+	for n := 0; n <= 65; n++ {
+		for _, linked := range []bool{false, true} {
+			count := 25
+			if n == 0 {
+				count = 1
+			}
+			for i := range count {
+				id := slabTestID(n, i)
+				if linked {
+					id = slabTestID(n, i+count) // a name of its own
+				}
+				seq := int64(n*1000 + i)
+				en, loaded := m.LoadOrCreate(id, seq, linked, false)
+				if loaded {
+					if n == 0 {
+						continue // the one empty identifier, made local
+					}
+					t.Fatalf("length %d, %d: %q made twice", n, i, id)
+				}
+				all = append(all, made{id, seq, linked, en})
+			}
+		}
+	}
+	for range 3 {
+		runtime.GC()
+		garbage()
+	}
+	for _, x := range all {
+		en, ok := m.Load(x.id)
+		if !ok || en != x.en {
+			t.Fatalf("%q: not found after collections", x.id)
+		}
+		c := en.cur.Load()
+		if en.id() != x.id || c.seq() != x.seq || (c.state()&stLinked != 0) != x.linked {
+			t.Fatalf("%q (seq %d, linked %v): holds %q, seq %d, state %#x", x.id, x.seq, x.linked, en.id(), c.seq(), c.state())
+		}
+	}
+}
+
+// removeAll removes every entry of m as the janitor does: the tombstone,
+// then the deletion.
+func removeAll(m *entryMap, keep func(id string) bool) int {
+	return m.DeleteMatching(func(id string, en *entry) (bool, bool) {
+		if keep(id) {
+			return false, false
+		}
+		return en.cur.CompareAndSwap(en.cur.Load(), tombstone), false
+	})
+}
+
+// TestSlab_DeadSlabsAreLetGo removes most keys of a map: the full slabs
+// whose entries were all removed leave the map's set, the ones with a key
+// left stay, an entry a request still holds stays readable after
+// collections, and so does every entry a table replaced meanwhile points
+// at, for a reader still on it.
+func TestSlab_DeadSlabsAreLetGo(t *testing.T) {
+	m := newEntryMap()
+	const n = 10_000
+	for i := range n {
+		m.LoadOrCreate("k"+strconv.Itoa(i), 0, false, false)
+	}
+	if full := len(m.slabs.full); full < n/maxSlabSlots-1 {
+		t.Fatalf("%d full slabs for %d keys", full, n)
+	}
+	held, _ := m.Load("k5") // a request holds it
+	old := m.table.Load()   // a reader is on the table of the first keys
+	for i := n; i < 2*n; i++ {
+		m.LoadOrCreate("k"+strconv.Itoa(i), 0, false, false)
+	}
+	if m.table.Load() == old {
+		t.Fatal("the table was not replaced")
+	}
+	frozen := readAll(t, old)
+	if frozen < n {
+		t.Fatalf("the replaced table holds %d entries, want at least %d", frozen, n)
+	}
+	kept := func(id string) bool { return id == "k4000" || id == "k4001" }
+	if got := removeAll(m, kept); got != 2*n-2 {
+		t.Fatalf("removed %d, want %d", got, 2*n-2)
+	}
+	if got := len(m.slabs.full); got > 2 {
+		t.Fatalf("%d full slabs left for 2 keys, want at most 2", got)
+	}
+	for range 3 {
+		runtime.GC()
+		garbage()
+	}
+	if held.id() != "k5" || held.cur.Load() != tombstone {
+		t.Fatalf("a held entry reads %q", held.id())
+	}
+	if got := readAll(t, old); got != frozen {
+		t.Fatalf("the replaced table holds %d entries, want %d", got, frozen)
+	}
+	for _, id := range []string{"k4000", "k4001"} {
+		if en, ok := m.Load(id); !ok || en.id() != id {
+			t.Fatalf("%s lost", id)
+		}
+	}
+}
+
+// readAll reads the identifier of every entry of t, which must be one the
+// test made, and returns how many there are.
+func readAll(t *testing.T, tb *entryTable) int {
+	t.Helper()
+	seen := 0
+	for b := range tb.buckets {
+		for j := range tb.buckets[b].slots {
+			if en := tb.buckets[b].slots[j].Load(); en != nil {
+				if id := en.id(); len(id) < 2 || id[0] != 'k' {
+					t.Fatalf("an entry of the table reads %q", id)
+				}
+				seen++
+			}
+		}
+	}
+	return seen
+}
