@@ -9,20 +9,20 @@ import (
 // entry is one (namespace, identifier, window): its current cell and the
 // cell before it. Rotation moves cur to prev, then swaps cur.
 //
-// An entry is always made by newEntry, in one allocation with its
-// identifier and, in a local-only engine, its first cell: the 16 bytes
-// here, then the identifier's length and bytes (see idBytes), padded to a
-// word, then the cell. A local key is one heap object, which the collector
-// marks once (the cell holds no pointer, and cur points back into the
-// object), and a decision on a key whose first cell is current reads one
-// or two cache lines for both. The first cell stays with the entry when a
-// rotation or an upgrade replaces it: 24 bytes that an entry past its
-// first window carries until it is forgotten. A linked first cell (96
-// bytes) is an object of its own: with it inside (128-byte objects the
-// collector scans, against 96-byte ones it need not), the load test's
-// redis_keys100k row held 12 to 20 B more heap per key and its p99 was
-// 1.68, 1.62 and 1.40 × plain Caddy's against 1.33, 1.39 and 1.32 apart,
-// in three runs alternating the two builds, at the same CPU.
+// An entry is made by newEntryIn, in one slot of its zone's slabs (see
+// slab.go) with its identifier and its first cell: the 16 bytes here, then
+// the identifier's length and bytes (see idBytes), padded to a word, then
+// the cell, plain or linked. A decision on a key whose first cell is
+// current reads one or two cache lines for both, and the collector finds
+// cur pointing back into the slab it already marked. The first cell stays
+// with the entry when a rotation or an upgrade replaces it: 24 bytes (96
+// linked) that an entry past its first window carries until it is
+// forgotten. A linked first cell was an object of its own while each
+// entry was one (128-byte objects the collector scans, against 96-byte
+// ones it need not, raised redis_keys100k's p99); in slabs, which the
+// collector scans anyway, it is inside, and in one run alternating the
+// two builds redis_keys100k cost 1.350 × plain Caddy's CPU with it inside
+// and 1.381 × apart.
 type entry struct {
 	cur  atomic.Pointer[cell]
 	prev atomic.Pointer[cell]
@@ -39,9 +39,9 @@ func newEntry(id string, seq int64, linked bool) *entry { return newEntryIn(nil,
 
 // newEntryIn returns an entry named id whose current cell is a new one for
 // seq (a linked cell when linked is set), in a slot of m's slabs (see
-// slab.go): 48 bytes for a local key of up to 7 bytes, 64 for an IPv4
-// address, 80 for an identifier of 32 bytes; 72 more for a linked one.
-// Under m.mu.
+// slab.go), or with m nil an object of its own: 48 bytes for a local key
+// of up to 7 bytes, 64 for an IPv4 address, 80 for an identifier of 32
+// bytes; 72 more for a linked one. Under m.mu (see slotIn).
 func newEntryIn(m *entryMap, id string, seq int64, linked bool) *entry {
 	words := (1 + len(id) + 7) / 8 // for the length and the bytes
 	switch words {
@@ -72,8 +72,9 @@ func entryIn[B any](m *entryMap, words int, id string, seq int64, linked bool) *
 	var b *B
 	if linked {
 		x := slotIn[linkedSlot[B]](m, 9+words-1)
+		x.c.init(seq)
 		en, b = &x.entry, &x.b
-		en.cur.Store(newCell(seq, true))
+		en.cur.Store(&x.c.cell)
 	} else {
 		x := slotIn[localSlot[B]](m, words-1)
 		x.c.init(seq)

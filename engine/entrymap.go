@@ -17,16 +17,16 @@ import (
 // map (xsync's, before) added an object per key (identifier and value, 24
 // bytes) and about 25 bytes of buckets.
 //
-// An entry holds its identifier, after a byte of its length, and its first
-// cell in its own allocation (see entry): the slot's pointer leads to the
-// bytes a lookup compares and to the cell a decision counts in, one heap
-// object per key. Before, the identifier lay apart or after the entry and
-// the cell was an object of its own (two or three objects per key, and a
-// cache line more per decision). An earlier layout still, which copied
-// the identifier into a string of its own, raised the heap in use after a
-// collection by a fifth through the handler with 100,000 keys, live
-// entries scattered among a request's freed objects of the same size
-// class.
+// The map makes its entries, in slabs of its own (see slab.go): an entry,
+// its identifier and its first cell in one slot, up to ten slots an
+// object. Its table is memory the collector does not scan; the slabs keep
+// the entries alive. Before, each entry was an object of its own that the
+// table pointed at, and the collector followed 100,000 pointers to
+// 100,000 places on every cycle with keys100k's keys. An earlier layout
+// still, which copied the identifier into a string of its own, raised
+// the heap in use after a collection by a fifth through the handler with
+// 100,000 keys, live entries scattered among a request's freed objects of
+// the same size class.
 //
 // A lookup takes no lock and writes no memory: it hashes the identifier,
 // reads one bucket's tag word, and compares the identifier of the entries
@@ -55,12 +55,13 @@ type entryMap struct {
 	// used counts the slots holding an entry or tagDeleted, live the
 	// entries; both under mu.
 	used, live int
-	// The entries' slabs (see slab.go), under mu: the one being filled of
-	// each kind, and the full ones. removed counts the entries removed
-	// since the last sweep.
-	open    [slabKinds]slab
-	slabs   *slabSet
+	// removed counts the entries removed since the last sweep.
 	removed int
+	// The entries' slabs (see slab.go): the one being filled of each kind,
+	// and the set of full ones. relocked is set when slotIn let mu go.
+	open     [slabKinds]slab
+	slabs    *slabSet
+	relocked bool
 }
 
 const (
@@ -79,7 +80,14 @@ const (
 
 // entryTable is a table of the map. Its buckets are memory the collector
 // does not scan (see newEntryTable): what keeps the entries its slots
-// point at alive is keep, the slabs they lie in.
+// point at alive is keep, the slabs they lie in, and the map's open
+// slabs. That holds because a slab leaves the set only when every entry
+// in it has been removed from the current table (see entryMap.sweep); a
+// table replaced by a rehash keeps the set it had, for a reader still on
+// it; a reader that has loaded an entry holds it on its stack, where the
+// collector sees it; and a deletion stores nil through the write barrier,
+// which marks the entry it overwrites during a collection, as it does for
+// any pointer store.
 type entryTable struct {
 	mask    uint64 // len(buckets) − 1
 	buckets []entryBucket
@@ -186,12 +194,22 @@ func (m *entryMap) LoadOrCreate(id string, seq int64, linked, read bool) (en *en
 	if en := m.table.Load().find(h, id); en != nil {
 		return en, true
 	}
-	en = newEntryIn(m, id, seq, linked)
-	if read {
-		en.cur.Load().setBits(stRead)
+	m.relocked = false
+	made := newEntryIn(m, id, seq, linked)
+	if m.relocked {
+		// The lock was let go for a new slab: another caller may have
+		// made the key meanwhile. The slot made here is removed at once
+		// (its tombstone, see slab.dead).
+		if en := m.table.Load().find(h, id); en != nil {
+			made.cur.Store(tombstone)
+			return en, true
+		}
 	}
-	m.insert(h, en)
-	return en, false
+	if read {
+		made.cur.Load().setBits(stRead)
+	}
+	m.insert(h, made)
+	return made, false
 }
 
 // LoadAndDelete deletes the entry of id and returns it.
@@ -316,7 +334,7 @@ func (m *entryMap) clear(bk *entryBucket, j int) {
 // sweep lets go of the full slabs whose entries have all been removed
 // (see slab.go), once the entries removed since the last sweep are twice
 // the full slabs (each sweep reads every full slot, so a removal costs at
-// most eight reads); under mu. The set is copied, not changed: a table
+// most five reads); under mu. The set is copied, not changed: a table
 // replaced earlier keeps the set it had, and with it every slab its slots
 // may point into, for as long as a reader is on it.
 func (m *entryMap) sweep() {

@@ -43,11 +43,11 @@ type localSlot[B any] struct {
 	c cell
 }
 
-// linkedSlot is the slot of an entry whose first cell is a linked cell,
-// an object of its own.
+// linkedSlot is the slot of an entry whose first cell is a linked cell.
 type linkedSlot[B any] struct {
 	entry
 	b B
+	c linkedCell
 }
 
 // slab is a run of slots of one layout: its first slot, the size of one
@@ -114,19 +114,28 @@ func newSlots[S any](n int) unsafe.Pointer {
 
 // slotIn returns a new slot of layout S, kind k: from m's open slab of
 // that kind (a new one of slabBytes when it is full, and the full one
-// joins the set), or, with m nil, an object of its own. Under m.mu.
+// joins the set), or, with m nil, an object of its own. Under m.mu, which
+// it lets go while it allocates a new slab, so that an allocation that
+// helps the collector does not hold up other new keys; it then sets
+// m.relocked.
 func slotIn[S any](m *entryMap, k int) *S {
 	if m == nil {
 		return new(S)
 	}
 	s := &m.open[k]
 	if s.n == s.cap {
-		if s.cap > 0 {
-			m.slabs.full = append(m.slabs.full, *s)
-		}
 		size := unsafe.Sizeof(*new(S))
 		n := min(slabBytes/size, maxSlabSlots)
-		*s = slab{base: newSlots[S](int(n)), size: uint32(size), cap: uint16(n)}
+		m.mu.Unlock()
+		fresh := newSlots[S](int(n))
+		m.mu.Lock()
+		m.relocked = true
+		if s.n == s.cap { // else another new key's slab came first
+			if s.cap > 0 {
+				m.slabs.full = append(m.slabs.full, *s)
+			}
+			*s = slab{base: fresh, size: uint32(size), cap: uint16(n)}
+		}
 	}
 	p := (*S)(unsafe.Add(s.base, uintptr(s.n)*uintptr(s.size)))
 	s.n++
