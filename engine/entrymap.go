@@ -80,18 +80,29 @@ const (
 
 // entryTable is a table of the map. Its buckets are memory the collector
 // does not scan (see newEntryTable): what keeps the entries its slots
-// point at alive is keep, the slabs they lie in, and the map's open
-// slabs. That holds because a slab leaves the set only when every entry
-// in it has been removed from the current table (see entryMap.sweep); a
-// table replaced by a rehash keeps the set it had, for a reader still on
-// it; a reader that has loaded an entry holds it on its stack, where the
-// collector sees it; and a deletion stores nil through the write barrier,
-// which marks the entry it overwrites during a collection, as it does for
-// any pointer store.
+// point at alive is the slabs they lie in. The current table keeps its
+// map, whose open slabs and set of full ones hold every entry the table
+// holds: a slab leaves the set only when every entry in it has been
+// removed from the current table (see entryMap.sweep). A table that a
+// rehash replaces is written no more, and keeps frozen, the slabs of the
+// map as they were then (the set, and the open slabs, which may later
+// join a set it does not keep), for a reader still on it. A reader that
+// has loaded an entry holds it on its stack, where the collector sees it;
+// and a deletion stores nil through the write barrier, which marks the
+// entry it overwrites during a collection, as it does for any pointer
+// store.
 type entryTable struct {
 	mask    uint64 // len(buckets) − 1
 	buckets []entryBucket
-	keep    atomic.Pointer[slabSet]
+	owner   *entryMap
+	frozen  atomic.Pointer[slabsThen]
+}
+
+// slabsThen is a map's slabs at one moment: its set of full ones and its
+// open ones.
+type slabsThen struct {
+	set  *slabSet
+	open [slabKinds]slab
 }
 
 type entryBucket struct {
@@ -109,22 +120,21 @@ const _ = uint(unsafe.Sizeof(entryBucket{})-unsafe.Sizeof(rawBucket{})) +
 
 func newEntryMap() *entryMap {
 	m := &entryMap{seed: newIDSeed(), slabs: new(slabSet)}
-	m.table.Store(newEntryTable(minBuckets, m.slabs))
+	m.table.Store(newEntryTable(minBuckets, m))
 	return m
 }
 
-// newEntryTable returns an empty table of buckets buckets that keeps the
-// slabs of keep. Its buckets are allocated as rawBuckets, so the collector
-// never scans them: each slot's pointer would otherwise be one more
-// object to mark per key, on every cycle.
-func newEntryTable(buckets int, keep *slabSet) *entryTable {
+// newEntryTable returns an empty table of m of buckets buckets. Its
+// buckets are allocated as rawBuckets, so the collector never scans them:
+// each slot's pointer would otherwise be one more object to mark per
+// key, on every cycle.
+func newEntryTable(buckets int, m *entryMap) *entryTable {
 	raw := make([]rawBucket, buckets)
-	t := &entryTable{
+	return &entryTable{
 		mask:    uint64(buckets - 1),
 		buckets: unsafe.Slice((*entryBucket)(unsafe.Pointer(unsafe.SliceData(raw))), buckets),
+		owner:   m,
 	}
-	t.keep.Store(keep)
-	return t
 }
 
 // tagOf is the tag byte of hash h: its top 7 bits (the bucket takes the
@@ -335,8 +345,7 @@ func (m *entryMap) clear(bk *entryBucket, j int) {
 // (see slab.go), once the entries removed since the last sweep are twice
 // the full slabs (each sweep reads every full slot, so a removal costs at
 // most five reads); under mu. The set is copied, not changed: a table
-// replaced earlier keeps the set it had, and with it every slab its slots
-// may point into, for as long as a reader is on it.
+// replaced earlier keeps the set it had (see entryTable).
 func (m *entryMap) sweep() {
 	full := m.slabs.full
 	if m.removed < 2*len(full) || len(full) == 0 {
@@ -353,7 +362,6 @@ func (m *entryMap) sweep() {
 		return
 	}
 	m.slabs = &slabSet{full: live}
-	m.table.Load().keep.Store(m.slabs)
 }
 
 // shrink rebuilds a table that deletions left less than a sixteenth
@@ -374,7 +382,8 @@ func (m *entryMap) rehash(n int) *entryTable {
 		buckets *= 2
 	}
 	old := m.table.Load()
-	t := newEntryTable(buckets, m.slabs)
+	old.frozen.Store(&slabsThen{set: m.slabs, open: m.open})
+	t := newEntryTable(buckets, m)
 	live := 0
 	for b := range old.buckets {
 		bk := &old.buckets[b]

@@ -77,10 +77,10 @@ func (s *slab) dead() bool {
 	return true
 }
 
-// slabSet is the list of a map's full slabs. A table holds the set that
-// was current while it was (see entryTable.keep): the collector keeps
-// alive every slab the table's slots may point into, for as long as a
-// reader may still be on the table.
+// slabSet is the list of a map's full slabs. A replaced table holds the
+// set that was current when it was replaced (see entryTable): the
+// collector keeps alive every slab the table's slots may point into, for
+// as long as a reader may still be on the table.
 type slabSet struct {
 	full []slab
 }

@@ -3,7 +3,9 @@ package engine
 import (
 	"runtime"
 	"strconv"
+	"strings"
 	"testing"
+	"weak"
 )
 
 // slabTestID returns the i-th identifier of n bytes (i < 256 when n is 1),
@@ -163,4 +165,58 @@ func readAll(t *testing.T, tb *entryTable) int {
 		}
 	}
 	return seen
+}
+
+// TestSlab_ReplacedTableKeepsItsOpenSlabs replaces a table while a slab
+// is open, lets the map's set change, then fills that slab, removes its
+// entries and lets the set change again: the replaced table, which still
+// points into the slab, must keep it, though no set the table kept ever
+// held it.
+func TestSlab_ReplacedTableKeepsItsOpenSlabs(t *testing.T) {
+	m := newEntryMap()
+	create := func(id string) {
+		if _, loaded := m.LoadOrCreate(id, 0, false, false); loaded {
+			t.Fatalf("%q made twice", id)
+		}
+	}
+	for i := range 100 {
+		create("ka" + strconv.Itoa(i)) // ten full slabs of short keys
+	}
+	kb0, _ := m.LoadOrCreate("kb0", 0, false, false) // the first of an open slab
+	w := weak.Make(kb0)
+	kb0 = nil
+	for i := 1; i < 5; i++ {
+		create("kb" + strconv.Itoa(i)) // half of it
+	}
+	old := m.table.Load()
+	long := func(i int) string { return "k" + strings.Repeat("x", 29) + strconv.Itoa(i) }
+	for i := 0; m.table.Load() == old; i++ {
+		create(long(i)) // slabs of another kind, until the table is replaced
+	}
+	frozen := readAll(t, old)
+	isA := func(id string) bool { return strings.HasPrefix(id, "ka") }
+	if removeAll(m, func(id string) bool { return !isA(id) }) != 100 {
+		t.Fatal("the short keys were not all removed")
+	}
+	set := m.slabs
+	for i := 5; i < 30; i++ {
+		create("kb" + strconv.Itoa(i)) // fills the open slab, which joins the new set
+	}
+	if m.slabs != set {
+		t.Fatal("the set changed while the open slab filled")
+	}
+	removeAll(m, func(string) bool { return false })
+	if m.slabs == set || len(m.slabs.full) != 0 {
+		t.Fatalf("%d full slabs left of an empty map", len(m.slabs.full))
+	}
+	for range 3 {
+		runtime.GC()
+		garbage()
+	}
+	if w.Value() == nil {
+		t.Fatal("the slab of entries a replaced table holds was freed")
+	}
+	if got := readAll(t, old); got != frozen {
+		t.Fatalf("the replaced table holds %d entries, want %d", got, frozen)
+	}
 }
