@@ -5,6 +5,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 	"weak"
 )
 
@@ -218,5 +219,36 @@ func TestSlab_ReplacedTableKeepsItsOpenSlabs(t *testing.T) {
 	}
 	if got := readAll(t, old); got != frozen {
 		t.Fatalf("the replaced table holds %d entries, want %d", got, frozen)
+	}
+}
+
+// TestSlab_ForgottenAndIdleKeysGiveTheirSlabsBack forgets half of a zone's
+// keys through the admin path (Forget, which leaves the tombstone after
+// the deletion) and lets the other half go idle: the janitor's passes
+// leave no full slab behind.
+func TestSlab_ForgottenAndIdleKeysGiveTheirSlabsBack(t *testing.T) {
+	e, clk := newTestEngine(t, manual(Config{}))
+	z := e.Zone("zone", time.Minute)
+	const n = 2000
+	for i := range n {
+		l := lim("k"+strconv.Itoa(i), time.Minute, 100, 1)
+		l.Zone = z
+		e.Decide(bg, l)
+	}
+	if full := len(z.entries.slabs.full); full < n/maxSlabSlots-1 {
+		t.Fatalf("%d full slabs for %d keys", full, n)
+	}
+	for i := 0; i < n; i += 2 {
+		if !e.Forget(Key{Namespace: "zone", Identifier: "k" + strconv.Itoa(i), Window: time.Minute}) {
+			t.Fatalf("k%d not forgotten", i)
+		}
+	}
+	e.Sweep() // the forgotten keys' slabs still hold the others
+	clk.Advance(3 * time.Minute)
+	if got := e.Sweep(); got != n/2 {
+		t.Fatalf("the janitor dropped %d idle keys, want %d", got, n/2)
+	}
+	if full := len(z.entries.slabs.full); full != 0 {
+		t.Fatalf("%d full slabs left with no key", full)
 	}
 }
