@@ -176,6 +176,45 @@ func BenchmarkMemoryPerEntry(b *testing.B) {
 	}
 }
 
+// BenchmarkMemoryAfterFlood is the slabs' trade-off (see slab.go): a
+// flood of 100,000 one-off keys with one key in a hundred that stays busy,
+// then the janitor drops the one-off keys. A slot is never used again, so
+// each key that stays keeps its slab: it reports the heap that the keys
+// left behind hold, per key that stays, against the heap per key of the
+// flood.
+func BenchmarkMemoryAfterFlood(b *testing.B) {
+	const n, every = 100_000, 100
+	for b.Loop() {
+		e, clk := newTestEngine(b, manual(Config{MaxEntries: 2 * n}))
+		z := e.Zone("ip", time.Minute)
+		decide := func(j int) {
+			l := lim("10.0."+strconv.Itoa(j>>8)+"."+strconv.Itoa(j&255), time.Minute, 1<<40, 1)
+			l.Zone = z
+			e.Decide(bg, l)
+		}
+		before := liveHeap()
+		for j := range n {
+			decide(j)
+		}
+		flood := liveHeap()
+		// The keys that stay are busy in every window; the others never
+		// come back.
+		for range 3 {
+			clk.Advance(time.Minute)
+			for j := 0; j < n; j += every {
+				decide(j)
+			}
+		}
+		if dropped := e.Sweep(); dropped != n-n/every {
+			b.Fatalf("the janitor dropped %d keys, want %d", dropped, n-n/every)
+		}
+		left := liveHeap()
+		b.ReportMetric(float64(flood-before)/n, "flood-B/key")
+		b.ReportMetric(float64(left-before)/(n/every), "left-B/staying-key")
+		runtime.KeepAlive(e)
+	}
+}
+
 func liveHeap() uint64 {
 	var m runtime.MemStats
 	runtime.GC()
