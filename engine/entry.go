@@ -35,48 +35,49 @@ const _ = uint8(len(hashedPrefix) + 2*32)
 // newEntry returns an entry named id whose current cell is a new one for
 // seq (a linked cell when linked is set), as an object of its own: what a
 // map's slab holds in a slot (see slotIn), for tests of the entry alone.
-func newEntry(id string, seq int64, linked bool) *entry { return newEntryIn(nil, id, seq, linked) }
+func newEntry(id string, seq int64, linked bool) *entry { return newEntryIn(nil, 0, id, seq, linked) }
 
 // newEntryIn returns an entry named id whose current cell is a new one for
 // seq (a linked cell when linked is set), in a slot of m's slabs (see
 // slab.go), or with m nil an object of its own: 48 bytes for a local key
 // of up to 7 bytes, 64 for an IPv4 address, 80 for an identifier of 32
-// bytes; 72 more for a linked one. Under m.mu (see slotIn).
-func newEntryIn(m *entryMap, id string, seq int64, linked bool) *entry {
+// bytes; 72 more for a linked one. shard is the first open slab of the
+// key's shard (a multiple of slabKinds).
+func newEntryIn(m *entryMap, shard int, id string, seq int64, linked bool) *entry {
 	words := (1 + len(id) + 7) / 8 // for the length and the bytes
 	switch words {
 	case 1:
-		return entryIn[[8]byte](m, words, id, seq, linked)
+		return entryIn[[8]byte](m, shard, words, id, seq, linked)
 	case 2:
-		return entryIn[[16]byte](m, words, id, seq, linked)
+		return entryIn[[16]byte](m, shard, words, id, seq, linked)
 	case 3:
-		return entryIn[[24]byte](m, words, id, seq, linked)
+		return entryIn[[24]byte](m, shard, words, id, seq, linked)
 	case 4:
-		return entryIn[[32]byte](m, words, id, seq, linked)
+		return entryIn[[32]byte](m, shard, words, id, seq, linked)
 	case 5:
-		return entryIn[[40]byte](m, words, id, seq, linked)
+		return entryIn[[40]byte](m, shard, words, id, seq, linked)
 	case 6:
-		return entryIn[[48]byte](m, words, id, seq, linked)
+		return entryIn[[48]byte](m, shard, words, id, seq, linked)
 	case 7:
-		return entryIn[[56]byte](m, words, id, seq, linked)
+		return entryIn[[56]byte](m, shard, words, id, seq, linked)
 	case 8:
-		return entryIn[[64]byte](m, words, id, seq, linked)
+		return entryIn[[64]byte](m, shard, words, id, seq, linked)
 	}
-	return entryIn[[72]byte](m, 9, id, seq, linked) // a normalized identifier is at most 65 bytes
+	return entryIn[[72]byte](m, shard, 9, id, seq, linked) // a normalized identifier is at most 65 bytes
 }
 
 // entryIn makes an entry, its name in B (a byte array of words words) and
 // its first cell in one slot (see slotIn).
-func entryIn[B any](m *entryMap, words int, id string, seq int64, linked bool) *entry {
+func entryIn[B any](m *entryMap, shard, words int, id string, seq int64, linked bool) *entry {
 	var en *entry
 	var b *B
 	if linked {
-		x := slotIn[linkedSlot[B]](m, 9+words-1)
+		x := slotIn[linkedSlot[B]](m, shard+9+words-1)
 		x.c.init(seq)
 		en, b = &x.entry, &x.b
 		en.cur.Store(&x.c.cell)
 	} else {
-		x := slotIn[localSlot[B]](m, words-1)
+		x := slotIn[localSlot[B]](m, shard+words-1)
 		x.c.init(seq)
 		en, b = &x.entry, &x.b
 		en.cur.Store(&x.c)

@@ -57,11 +57,10 @@ type entryMap struct {
 	used, live int
 	// removed counts the entries removed since the last sweep.
 	removed int
-	// The entries' slabs (see slab.go): the one being filled of each kind,
-	// and the set of full ones. relocked is set when slotIn let mu go.
-	open     [slabKinds]slab
-	slabs    *slabSet
-	relocked bool
+	// The entries' slabs (see slab.go): the one being filled of each kind
+	// (replaced under mu), and the set of full ones (under mu).
+	open  [slabShards * slabKinds]atomic.Pointer[openSlab]
+	slabs *slabSet
 }
 
 const (
@@ -102,7 +101,7 @@ type entryTable struct {
 // open ones.
 type slabsThen struct {
 	set  *slabSet
-	open [slabKinds]slab
+	open [slabShards * slabKinds]*openSlab
 }
 
 type entryBucket struct {
@@ -193,30 +192,26 @@ func (t *entryTable) find(h uint64, id string) *entry {
 // LoadOrCreate returns the entry of id, or makes one in the map's slabs
 // whose current cell is an empty cell for seq (a linked cell when linked
 // is set, marked read when read is) and returns it; loaded reports
-// whether it was there.
+// whether it was there. The entry is made before the map's lock is
+// taken (its slot claimed with one atomic addition in the open slab of
+// the hash's shard, see slotIn), so that
+// inserts of new keys hold the lock only to place one: when two callers
+// race for one key, both make one, and the loser's is out of the map at
+// once (its tombstone, see slab.dead).
 func (m *entryMap) LoadOrCreate(id string, seq int64, linked, read bool) (en *entry, loaded bool) {
 	h := m.seed.hash(id)
 	if en := m.table.Load().find(h, id); en != nil {
 		return en, true
 	}
+	made := newEntryIn(m, int(h>>62)*slabKinds, id, seq, linked)
+	if read {
+		made.cur.Load().setBits(stRead)
+	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if en := m.table.Load().find(h, id); en != nil {
+		made.cur.Store(tombstone)
 		return en, true
-	}
-	m.relocked = false
-	made := newEntryIn(m, id, seq, linked)
-	if m.relocked {
-		// The lock was let go for a new slab: another caller may have
-		// made the key meanwhile. The slot made here is removed at once
-		// (its tombstone, see slab.dead).
-		if en := m.table.Load().find(h, id); en != nil {
-			made.cur.Store(tombstone)
-			return en, true
-		}
-	}
-	if read {
-		made.cur.Load().setBits(stRead)
 	}
 	m.insert(h, made)
 	return made, false
@@ -382,7 +377,11 @@ func (m *entryMap) rehash(n int) *entryTable {
 		buckets *= 2
 	}
 	old := m.table.Load()
-	old.frozen.Store(&slabsThen{set: m.slabs, open: m.open})
+	then := &slabsThen{set: m.slabs}
+	for k := range m.open {
+		then.open[k] = m.open[k].Load()
+	}
+	old.frozen.Store(then)
 	t := newEntryTable(buckets, m)
 	live := 0
 	for b := range old.buckets {

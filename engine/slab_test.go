@@ -111,7 +111,7 @@ func TestSlab_DeadSlabsAreLetGo(t *testing.T) {
 	for i := range n {
 		m.LoadOrCreate("k"+strconv.Itoa(i), 0, false, false)
 	}
-	if full := len(m.slabs.full); full < n/maxSlabSlots-1 {
+	if full := len(m.slabs.full); full < n/maxSlabSlots-slabShards*2 {
 		t.Fatalf("%d full slabs for %d keys", full, n)
 	}
 	held, _ := m.Load("k5") // a request holds it
@@ -200,8 +200,8 @@ func TestSlab_ReplacedTableKeepsItsOpenSlabs(t *testing.T) {
 		t.Fatal("the short keys were not all removed")
 	}
 	set := m.slabs
-	for i := 5; i < 30; i++ {
-		create("kb" + strconv.Itoa(i)) // fills the open slab, which joins the new set
+	for i := 5; i < 200; i++ {
+		create("kb" + strconv.Itoa(i)) // fills the open slabs, which join the new set
 	}
 	if m.slabs != set {
 		t.Fatal("the set changed while the open slab filled")
@@ -235,7 +235,7 @@ func TestSlab_ForgottenAndIdleKeysGiveTheirSlabsBack(t *testing.T) {
 		l.Zone = z
 		e.Decide(bg, l)
 	}
-	if full := len(z.entries.slabs.full); full < n/maxSlabSlots-1 {
+	if full := len(z.entries.slabs.full); full < n/maxSlabSlots-slabShards*2 {
 		t.Fatalf("%d full slabs for %d keys", full, n)
 	}
 	for i := 0; i < n; i += 2 {
