@@ -147,11 +147,8 @@ func slotIn[S any](m *entryMap, k int) *S {
 				return (*S)(unsafe.Add(o.base, uintptr(i)*uintptr(o.size)))
 			}
 		}
-		m.mu.Lock()
-		replaced := m.open[k].Load() != o
-		m.mu.Unlock()
-		if replaced {
-			continue // by another new key, meanwhile
+		if m.open[k].Load() != o {
+			continue // replaced by another new key's slab meanwhile
 		}
 		size := unsafe.Sizeof(*new(S))
 		n := min(slabBytes/size, maxSlabSlots)
