@@ -96,6 +96,14 @@ func TestRegions_RuntimeOverrideReachesEveryNode(t *testing.T) {
 		t.Fatalf("PUT limit 0: %d", s)
 	}
 	reachAll(t, nodes, blocked, http.StatusTooManyRequests, "limit 0 blocks everywhere")
+	// A 429 alone does not show that the override reached a region: the
+	// probes spend the key's limit of 3 too. A region's nodes hold it once
+	// their Redis does, where a node that starts loads it from.
+	for _, n := range nodes {
+		redistest.Eventually(t, 10*time.Second, "the override in every node's book", func() bool {
+			return n.adminGet("/ratelimit/overrides?zone=global&identifier="+urlQueryEscape(blocked), nil) == nil
+		})
+	}
 	for r := range c.regions {
 		fresh := c.startNode(r)
 		if s := sendFirst(t, fresh, blocked); s != http.StatusTooManyRequests {
