@@ -62,11 +62,11 @@ type linkedSlot[B any] struct {
 }
 
 // slab is a run of slots of one layout: its first slot, the size of one
-// (unsafe.Sizeof), how many are used and how many it has; 16 bytes.
+// (unsafe.Sizeof) and how many it has; 16 bytes.
 type slab struct {
-	base   unsafe.Pointer
-	size   uint32
-	n, cap uint16
+	base unsafe.Pointer
+	size uint32
+	cap  uint32
 }
 
 // slot returns slot i's entry, which is the slot's first field.
@@ -74,14 +74,11 @@ func (s *slab) slot(i int) *entry {
 	return (*entry)(unsafe.Add(s.base, uintptr(i)*uintptr(s.size)))
 }
 
-// dead reports whether every slot of s has been used and is out of the
-// map: the tombstone is left in an entry by its removal, or by losing a
-// race to make its key (see LoadOrCreate), and by nothing else.
+// dead reports whether every slot of s, a full slab, is out of the map:
+// the tombstone is left in an entry by its removal, or by losing a race
+// to make its key (see LoadOrCreate), and by nothing else.
 func (s *slab) dead() bool {
-	if s.n < s.cap {
-		return false
-	}
-	for i := range int(s.n) {
+	for i := range int(s.cap) {
 		if s.slot(i).cur.Load() != tombstone {
 			return false
 		}
@@ -152,13 +149,11 @@ func slotIn[S any](m *entryMap, k int) *S {
 		}
 		size := unsafe.Sizeof(*new(S))
 		n := min(slabBytes/size, maxSlabSlots)
-		fresh := &openSlab{slab: slab{base: newSlots[S](int(n)), size: uint32(size), cap: uint16(n)}}
+		fresh := &openSlab{slab: slab{base: newSlots[S](int(n)), size: uint32(size), cap: uint32(n)}}
 		m.mu.Lock()
 		if m.open[k].Load() == o { // else another new key's slab came first
 			if o != nil {
-				full := o.slab
-				full.n = full.cap
-				m.slabs.full = append(m.slabs.full, full)
+				m.slabs.full = append(m.slabs.full, o.slab)
 			}
 			m.open[k].Store(fresh)
 		}
