@@ -36,7 +36,10 @@
 #   redis_mysql     redis plus the cross-region layer (mysql, region), skipped
 #                   when this build's `caddy adapt` rejects the mysql line
 # The baseline of each row is plain Caddy ("plain"), or for the keyed rows
-# plain Caddy under the same keyed wrk script ("plainkeys").
+# plain Caddy under the same keyed wrk script ("plainkeys"). A control
+# variant runs beside the one-key rows (CONTROL=1): plain Caddy with one
+# no-op middleware, Caddy's vars handler ("plainmw"), the cost of being any
+# middleware at all; each one-key row is also given over it.
 #
 # How: every Caddy is pinned to CADDY_CPU (so GOMAXPROCS=1), wrk and
 # redis-server to WRK_CPU. All processes start once and warm up; between its
@@ -59,6 +62,7 @@
 #   SCENARIOS="…"           rows to run (default all)
 #   PEER=1                  0: do not build or run the peer
 #   PEER_VERSION=v0.1.0     the peer's release (the module proxy serves tags only)
+#   CONTROL=1               0: do not run the control variant plainmw
 #   BASE=<commit>           also run each of this module's rows on a build of
 #                           that commit (a git worktree; this tree's
 #                           Caddyfiles; Redis database 1 and MySQL database
@@ -89,6 +93,7 @@ WRK_CPU=${WRK_CPU:-1}
 ALL_ROWS="allow allow_off deny keys100k redis redis_keys100k redis_2nodes redis_mysql"
 SCENARIOS=${SCENARIOS:-$ALL_ROWS}
 PEER=${PEER:-1}
+CONTROL=${CONTROL:-1}
 PEER_MODULE=github.com/mholt/caddy-ratelimit
 PEER_VERSION=${PEER_VERSION:-v0.1.0}
 MAX_SECONDS=${MAX_SECONDS:-1800}
@@ -112,7 +117,7 @@ die() {
 	exit 1
 }
 
-for v in ROUNDS DURATION WARMUP CONNS CADDY_CPU WRK_CPU MAX_SECONDS PEER; do
+for v in ROUNDS DURATION WARMUP CONNS CADDY_CPU WRK_CPU MAX_SECONDS PEER CONTROL; do
 	[[ ${!v} =~ ^[0-9]+$ ]] || die "$v must be a non-negative integer, not '${!v}'"
 done
 ((ROUNDS >= 1 && DURATION >= 1 && CONNS >= 2)) || die "ROUNDS and DURATION must be at least 1, CONNS at least 2"
@@ -341,6 +346,9 @@ fi
 
 order=(plain)
 for s in "${rows[@]}"; do
+	# The control, once, after plain, when a one-key row of one node runs.
+	((CONTROL)) && ! is_keyed "$s" && [ "$(nodes_of "$s")" = 1 ] &&
+		[[ " ${order[*]} " != *" plainmw "* ]] && order=(plain plainmw "${order[@]:1}")
 	is_keyed "$s" && [[ " ${order[*]} " != *" plainkeys "* ]] && order+=(plainkeys)
 	order+=("$s")
 	[ -n "$BASE" ] && order+=("base_$s")
@@ -441,7 +449,7 @@ check_headers() {
 		fail "$v" "request failed"
 	code=$(echo "$h" | awk 'NR == 1 { print $2 }')
 	case $c in
-	plain | plainkeys | allow_off | peer_allow | peer_keys100k | peer_redis | peer_redis_keys100k)
+	plain | plainkeys | plainmw | allow_off | peer_allow | peer_keys100k | peer_redis | peer_redis_keys100k)
 		[ "$code" = 200 ] || fail "$v" "status $code, want 200"
 		! echo "$h" | grep -qi '^ratelimit:' || fail "$v" "RateLimit header where none is expected"
 		;;
@@ -658,6 +666,7 @@ for v in "${order[@]}"; do
 	case $v in
 	plain) label="plain (baseline)" ;;
 	plainkeys) label="plainkeys (baseline of the keyed rows)" ;;
+	plainmw) label="plainmw (control: one no-op middleware)" mod="plain Caddy with Caddy's vars handler" ;;
 	peer_redis | peer_redis_keys100k | peer_redis_2nodes) mod="peer, storage sync (file system; no Redis)" ;;
 	esac
 	mem="–"
@@ -680,10 +689,15 @@ for v in "${order[@]}"; do
 	elif [ -n "${REDIS_CMDS[$v]:-}" ]; then
 		extra="; $(awk -v c="${REDIS_CMDS[$v]}" -v n="${N2XX[$v]}" 'BEGIN { printf "%.4f", c / n }') Redis commands per request"
 	fi
+	if [ -n "${CPU[plainmw]:-}" ] && ! is_keyed "$v" && [[ $v != plain* && $v != *2nodes ]]; then
+		mapfile -t ox < <(ratio_list "$v" CPU plainmw)
+		extra+="; CPU/request $(fmt "$(median "${ox[@]}")" '%.3f') × the control's"
+	fi
 	if is_keyed "$v" && [ "$v" != plainkeys ] && [ -n "${FIRST_CPU[$v]:-}" ] && [ -n "${FIRST_CPU[plainkeys]:-}" ]; then
 		extra+="; first pass over the keys (warm-up): CPU/request $(awk -v a="${FIRST_CPU[$v]}" -v b="${FIRST_CPU[plainkeys]}" 'BEGIN { printf "%.2f", a / b }') ×"
 	fi
 	bar="–" verdict="baseline"
+	[ "$v" = plainmw ] && verdict="control"
 	if [[ $v != plain* ]]; then
 		verdict="–"
 		if ! is_peer "$v" && ! is_base "$v"; then
@@ -736,6 +750,11 @@ done
 	echo "warm up until every key has been sent once, so the rounds measure warm keys; the first pass, where"
 	echo "each key is created (with Redis: read before its first decision), is given on its own against"
 	echo "plainkeys' first pass."
+	if [ -n "${CPU[plainmw]:-}" ]; then
+		echo "The control (plainmw) is plain Caddy with one no-op middleware in front of respond (Caddy's vars"
+		echo "handler): what any middleware costs, this module's or another's. \"× the control's\" divides a row's"
+		echo "CPU per request by the control's in the same round: the rate limiter's own cost beyond it."
+	fi
 	echo "The peer keeps a ring of 24 bytes × limit per key, so its limits differ: 10⁶ per 10 s for one key,"
 	echo "100 per hour for each of 100,000 keys (this module: 10⁹ per hour), never reached in either case."
 	echo "Its distributed mode syncs through Caddy storage (a private file-system directory, every 5 s), not Redis."
