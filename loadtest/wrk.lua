@@ -6,11 +6,12 @@
 --
 -- With LT_KEYS=N set, every request carries "X-Key: k<i>", i cycling through
 -- N distinct values starting at LT_KEY_START (so successive runs continue
--- where the previous one stopped). Without it, requests are static (wrk's
+-- where the previous one stopped); LT_KEY_PREFIX replaces the "k". Without it, requests are static (wrk's
 -- fastest path) and carry no X-Key header.
 
 local keys = tonumber(os.getenv("LT_KEYS") or "")
 local start = tonumber(os.getenv("LT_KEY_START") or "") or 0
+local prefix = os.getenv("LT_KEY_PREFIX") or "k"
 
 local threads = {}
 
@@ -31,7 +32,7 @@ if keys then
   function request()
     local k = (start + calls) % keys
     calls = calls + 1
-    return wrk.format(nil, nil, { ["X-Key"] = "k" .. k })
+    return wrk.format(nil, nil, { ["X-Key"] = prefix .. k })
   end
 end
 
