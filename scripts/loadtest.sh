@@ -44,9 +44,10 @@
 #                   when this build's `caddy adapt` rejects the mysql line
 # The baseline of each row is plain Caddy ("plain"), or for the keyed rows
 # plain Caddy under the same keyed wrk script ("plainkeys"). A control
-# variant runs beside the one-key rows (CONTROL=1): plain Caddy with one
-# no-op middleware, Caddy's vars handler ("plainmw"), the cost of being any
-# middleware at all; each one-key row is also given over it.
+# runs beside the one-key rows and one beside the warm keyed rows
+# (CONTROL=1): plain Caddy with one no-op middleware, Caddy's vars handler
+# ("plainmw"; "plainkeysmw" under the keyed script), the cost of being any
+# middleware at all; each of those rows is also given over its control.
 #
 # How: every Caddy is pinned to CADDY_CPU (so GOMAXPROCS=1), wrk and
 # redis-server to WRK_CPU. All processes start once and warm up; between its
@@ -69,7 +70,7 @@
 #   SCENARIOS="…"           rows to run (default all)
 #   PEER=1                  0: do not build or run the peer
 #   PEER_VERSION=v0.1.0     the peer's release (the module proxy serves tags only)
-#   CONTROL=1               0: do not run the control variant plainmw
+#   CONTROL=1               0: do not run the controls plainmw and plainkeysmw
 #   BASE=<commit>           also run each of this module's rows on a build of
 #                           that commit (a git worktree; this tree's
 #                           Caddyfiles; Redis database 1 and MySQL database
@@ -263,8 +264,15 @@ is_peer() { [[ $1 == peer_* ]]; }
 is_base() { [[ $1 == base_* ]]; }
 row_of() { local r=${1#peer_}; echo "${r#base_}"; }
 is_cold() { [[ $1 == *_cold ]]; }
-is_keyed() { [[ $1 == plainkeys || $1 == plainkeys_cold || $1 == *keys100k || $1 == *keys100k_cold ]]; }
+is_keyed() { [[ $1 == plainkeys* || $1 == *keys100k || $1 == *keys100k_cold ]]; }
 nodes_of() { if [[ $1 == *2nodes ]]; then echo 2; else echo 1; fi; }
+# control_of <variant>: the no-op middleware it is also divided by (none
+# for a cold or two-node row).
+control_of() {
+	if is_cold "$1" || [[ $1 == *2nodes || $1 == plain* ]]; then echo ""
+	elif is_keyed "$1"; then echo plainkeysmw
+	else echo plainmw; fi
+}
 base_of() {
 	if is_cold "$1"; then echo plainkeys_cold
 	elif is_keyed "$1"; then echo plainkeys
@@ -364,9 +372,12 @@ fi
 order=(plain)
 for s in "${rows[@]}"; do
 	# The control, once, after plain, when a one-key row of one node runs.
-	((CONTROL)) && ! is_keyed "$s" && [ "$(nodes_of "$s")" = 1 ] &&
+	((CONTROL)) && [ "$(control_of "$s")" = plainmw ] &&
 		[[ " ${order[*]} " != *" plainmw "* ]] && order=(plain plainmw "${order[@]:1}")
-	is_keyed "$s" && ! is_cold "$s" && [[ " ${order[*]} " != *" plainkeys "* ]] && order+=(plainkeys)
+	if is_keyed "$s" && ! is_cold "$s" && [[ " ${order[*]} " != *" plainkeys "* ]]; then
+		order+=(plainkeys)
+		((CONTROL)) && order+=(plainkeysmw)
+	fi
 	is_cold "$s" && [[ " ${order[*]} " != *" plainkeys_cold "* ]] && order+=(plainkeys_cold)
 	order+=("$s")
 	[ -n "$BASE" ] && order+=("base_$s")
@@ -467,7 +478,7 @@ check_headers() {
 		fail "$v" "request failed"
 	code=$(echo "$h" | awk 'NR == 1 { print $2 }')
 	case $c in
-	plain | plainkeys | plainkeys_cold | plainmw | allow_off | peer_allow | peer_keys100k | peer_redis | peer_redis_keys100k)
+	plain | plainkeys | plainkeys_cold | plainmw | plainkeysmw | allow_off | peer_allow | peer_keys100k | peer_redis | peer_redis_keys100k)
 		[ "$code" = 200 ] || fail "$v" "status $code, want 200"
 		! echo "$h" | grep -qi '^ratelimit:' || fail "$v" "RateLimit header where none is expected"
 		;;
@@ -689,6 +700,7 @@ for v in "${order[@]}"; do
 	plainkeys) label="plainkeys (baseline of the keyed rows)" ;;
 	plainkeys_cold) label="plainkeys_cold (baseline of the cold rows)" ;;
 	plainmw) label="plainmw (control: one no-op middleware)" mod="plain Caddy with Caddy's vars handler" ;;
+	plainkeysmw) label="plainkeysmw (control of the keyed rows)" mod="plain Caddy with Caddy's vars handler" ;;
 	peer_redis | peer_redis_keys100k | peer_redis_2nodes) mod="peer, storage sync (file system; no Redis)" ;;
 	esac
 	mem="–"
@@ -711,15 +723,16 @@ for v in "${order[@]}"; do
 	elif [ -n "${REDIS_CMDS[$v]:-}" ]; then
 		extra="; $(awk -v c="${REDIS_CMDS[$v]}" -v n="${N2XX[$v]}" 'BEGIN { printf "%.4f", c / n }') Redis commands per request"
 	fi
-	if [ -n "${CPU[plainmw]:-}" ] && ! is_keyed "$v" && [[ $v != plain* && $v != *2nodes ]]; then
-		mapfile -t ox < <(ratio_list "$v" CPU plainmw)
+	ctl=$(control_of "$(row_of "$v")")
+	if [ -n "$ctl" ] && [ -n "${CPU[$ctl]:-}" ]; then
+		mapfile -t ox < <(ratio_list "$v" CPU "$ctl")
 		extra+="; CPU/request $(fmt "$(median "${ox[@]}")" '%.3f') × the control's"
 	fi
 	if is_keyed "$v" && [[ $v != plainkeys* ]] && [ -n "${FIRST_CPU[$v]:-}" ] && [ -n "${FIRST_CPU[plainkeys]:-}" ]; then
 		extra+="; first pass over the keys (warm-up): CPU/request $(awk -v a="${FIRST_CPU[$v]}" -v b="${FIRST_CPU[plainkeys]}" 'BEGIN { printf "%.2f", a / b }') ×"
 	fi
 	bar="–" verdict="baseline"
-	[ "$v" = plainmw ] && verdict="control"
+	[[ $v == plain*mw ]] && verdict="control"
 	if [[ $v != plain* ]]; then
 		verdict="–"
 		if ! is_peer "$v" && ! is_base "$v"; then
@@ -774,10 +787,11 @@ done
 	echo "plainkeys' first pass. The cold rows (keys100k_cold, redis_keys100k_cold) send every request with"
 	echo "a key their process, and Redis, never saw (keys that come once, or a process after a deploy),"
 	echo "against plain Caddy under the same script (plainkeys_cold): the first pass in every round."
-	if [ -n "${CPU[plainmw]:-}" ]; then
-		echo "The control (plainmw) is plain Caddy with one no-op middleware in front of respond (Caddy's vars"
-		echo "handler): what any middleware costs, this module's or another's. \"× the control's\" divides a row's"
-		echo "CPU per request by the control's in the same round: the rate limiter's own cost beyond it."
+	if [ -n "${CPU[plainmw]:-}${CPU[plainkeysmw]:-}" ]; then
+		echo "The controls (plainmw; plainkeysmw under the keyed script) are plain Caddy with one no-op middleware"
+		echo "in front of respond (Caddy's vars handler): what any middleware costs, this module's or another's."
+		echo "\"× the control's\" divides a row's CPU per request by its control's in the same round: the rate"
+		echo "limiter's own cost beyond being a middleware."
 	fi
 	echo "The peer keeps a ring of 24 bytes × limit per key, so its limits differ: 10⁶ per 10 s for one key,"
 	echo "100 per hour for each of 100,000 keys (this module: 10⁹ per hour), never reached in either case."
