@@ -3,6 +3,9 @@
 # make compare   the load harness: this module and mholt/caddy-ratelimit against
 #                plain Caddy under wrk (scripts/loadtest.sh); make loadtest is
 #                the same
+# make pair A=<variant> B=<variant>  two load-harness variants served side by side on one
+#                core, each by its own wrk: B's CPU per request over A's, rounds in the same
+#                seconds, so a noisy machine's swings fall on both (scripts/pair.sh)
 # make soak      the long multi-region scenarios (default intervals, minutes of load; SOAK_MINUTES)
 # make regions   the scale harness: 2–3 regions × 1, 2, 4 nodes of real Caddy with a Redis
 #                each, a MariaDB primary and replica; prints admitted/limit and what it cost
@@ -17,7 +20,7 @@
 GO       ?= go
 TIMEOUT  ?= 20m
 
-.PHONY: test vet fmt-check servers allocs bench bench-engine-vs compare loadtest soak regions property sim
+.PHONY: test vet fmt-check servers allocs bench bench-engine-vs compare loadtest pair soak regions property sim
 
 test: vet fmt-check servers allocs
 	PATH="$$PATH:/usr/sbin:/usr/local/sbin" $(GO) test -race -count=1 -timeout $(TIMEOUT) ./...
@@ -52,6 +55,11 @@ compare:
 	GO=$(GO) scripts/loadtest.sh
 
 loadtest: compare
+
+# Two variants side by side on one core (scripts/pair.sh): A, B, ROUNDS,
+# DURATION tune it.
+pair:
+	GO=$(GO) A=$(A) B=$(B) scripts/pair.sh
 
 # The long forms of the multi-region scenarios (integration/soak_test.go):
 # default intervals, one-minute windows, SOAK_MINUTES (default 4) of load.
