@@ -190,42 +190,15 @@ fail() { # fail <variant> <message>
 	exit 1
 }
 
-# free_port sets FREE_PORT to a loopback TCP port nobody listens on, below
-# the ephemeral range, not handed out before. (A variable, not output: a
-# subshell would forget USED_PORTS.)
-USED_PORTS=" "
-FREE_PORT=""
-free_port() {
-	local p
-	for _ in $(seq 500); do
-		p=$((20000 + RANDOM % 12000))
-		[[ $USED_PORTS == *" $p "* ]] && continue
-		if ! timeout 1 bash -c "exec 3<>/dev/tcp/127.0.0.1/$p" 2>/dev/null; then
-			USED_PORTS+="$p "
-			FREE_PORT=$p
-			return 0
-		fi
-	done
-	die "no free loopback port found"
-}
+# free_port and cpu_ns.
+# shellcheck source=scripts/harness-lib.sh
+. scripts/harness-lib.sh
 
 # metric_sum <admin port> <regex> sums the values of the series whose name
 # and labels match the regex (anchored at the start of the line).
 metric_sum() {
 	curl -s --max-time 5 "http://127.0.0.1:$1/metrics" |
 		awk -v re="^$2" '$0 !~ /^#/ && $0 ~ re { s += $NF; n++ } END { if (n) printf "%.0f\n", s; else print "" }'
-}
-
-# cpu_ns <pid> prints the CPU time the process has used, in nanoseconds:
-# the sum over its threads of /proc/<pid>/task/*/schedstat, or
-# /proc/<pid>/stat's clock ticks where schedstat is missing.
-cpu_ns() {
-	local t
-	t=$(cat /proc/"$1"/task/*/schedstat 2>/dev/null | awk '{ s += $1 } END { if (NR) printf "%.0f", s }')
-	if [ -z "$t" ]; then
-		t=$(awk -v hz="$(getconf CLK_TCK)" '{ sub(/^.*\) /, ""); printf "%.0f", ($12 + $13) * 1e9 / hz }' /proc/"$1"/stat)
-	fi
-	echo "$t"
 }
 
 rss_bytes() { awk '$1 == "VmRSS:" { print $2 * 1024 }' /proc/"$1"/status; }

@@ -80,23 +80,9 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
-USED_PORTS=" "
-FREE_PORT=""
-free_port() {
-	local p
-	for _ in $(seq 500); do
-		p=$((20000 + RANDOM % 12000))
-		[[ $USED_PORTS == *" $p "* ]] && continue
-		if ! timeout 1 bash -c "exec 3<>/dev/tcp/127.0.0.1/$p" 2>/dev/null; then
-			USED_PORTS+="$p "
-			FREE_PORT=$p
-			return 0
-		fi
-	done
-	die "no free loopback port found"
-}
-
-cpu_ns() { cat /proc/"$1"/task/*/schedstat | awk '{ s += $1 } END { printf "%.0f", s }'; }
+# free_port and cpu_ns.
+# shellcheck source=scripts/harness-lib.sh
+. scripts/harness-lib.sh
 
 echo "pair: building cmd/caddy" >&2
 "$GO" build -o "$TMP/caddy" ./cmd/caddy

@@ -1,0 +1,33 @@
+# Shell functions the load harness (loadtest.sh) and the paired runs
+# (pair.sh) share; sourced, not run. The sourcing script defines die.
+
+# free_port sets FREE_PORT to a loopback TCP port nobody listens on, below
+# the ephemeral range, not handed out before. (A variable, not output: a
+# subshell would forget USED_PORTS.)
+USED_PORTS=" "
+FREE_PORT=""
+free_port() {
+	local p
+	for _ in $(seq 500); do
+		p=$((20000 + RANDOM % 12000))
+		[[ $USED_PORTS == *" $p "* ]] && continue
+		if ! timeout 1 bash -c "exec 3<>/dev/tcp/127.0.0.1/$p" 2>/dev/null; then
+			USED_PORTS+="$p "
+			FREE_PORT=$p
+			return 0
+		fi
+	done
+	die "no free loopback port found"
+}
+
+# cpu_ns <pid> prints the CPU time the process has used, in nanoseconds:
+# the sum over its threads of /proc/<pid>/task/*/schedstat, or
+# /proc/<pid>/stat's clock ticks where schedstat is missing.
+cpu_ns() {
+	local t
+	t=$(cat /proc/"$1"/task/*/schedstat 2>/dev/null | awk '{ s += $1 } END { if (NR) printf "%.0f", s }')
+	if [ -z "$t" ]; then
+		t=$(awk -v hz="$(getconf CLK_TCK)" '{ sub(/^.*\) /, ""); printf "%.0f", ($12 + $13) * 1e9 / hz }' /proc/"$1"/stat)
+	fi
+	echo "$t"
+}
