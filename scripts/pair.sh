@@ -9,6 +9,7 @@
 #   make pair A=plain B=allow                    # 15 rounds x 4 s
 #   A=allow_off B=allow ROUNDS=21 make pair
 #   A=plainkeys B=keys100k make pair             # keyed: every key sent once first
+#   BASE=a8524b2 A=allow B=allow make pair       # side A built from that commit
 #
 # Why: on a shared virtual machine, the CPU time per request of one Caddy
 # moved by ±30 % from one 4-second run to the next (2026-11-26: plain Caddy
@@ -23,7 +24,9 @@
 # of the published table.
 #
 # Environment: A, B (variants; B is divided by A), ROUNDS=15 DURATION=4
-# WARMUP=2 CONNS=64 CADDY_CPU=0 WRK_CPU=1. Variants that use Redis get a
+# WARMUP=2 CONNS=64 CADDY_CPU=0 WRK_CPU=1; BASE=<commit> serves side A with
+# cmd/caddy built from that commit (a git worktree; this tree's Caddyfiles),
+# so that one change is weighed against the build before it. Variants that use Redis get a
 # private redis-server (A on database 0, B on database 1); redis_mysql,
 # the two-node and the cold variants are not supported. Everything it
 # starts is stopped on exit.
@@ -38,6 +41,7 @@ CONNS=${CONNS:-64}
 CADDY_CPU=${CADDY_CPU:-0}
 WRK_CPU=${WRK_CPU:-1}
 GO=${GO:-go}
+BASE=${BASE:-}
 KEYS=100000
 
 die() {
@@ -75,6 +79,7 @@ cleanup() {
 		for _ in $(seq 50); do kill -0 "$p" 2>/dev/null || break; sleep 0.1; done
 		kill -KILL "$p" 2>/dev/null || true
 	done
+	[ -z "$BASE" ] || git worktree remove --force "$TMP/base" >/dev/null 2>&1 || true
 	rm -rf "$TMP"
 }
 trap cleanup EXIT
@@ -86,6 +91,14 @@ trap 'exit 130' INT TERM
 
 echo "pair: building cmd/caddy" >&2
 "$GO" build -o "$TMP/caddy" ./cmd/caddy
+declare -A BIN=([a]=$TMP/caddy [b]=$TMP/caddy) LABEL=([a]=$A [b]=$B)
+if [ -n "$BASE" ]; then
+	name=$(git rev-parse --short "$BASE^{commit}") || die "BASE=$BASE is not a commit"
+	echo "pair: building cmd/caddy at $name (BASE, side A)" >&2
+	git worktree add --detach "$TMP/base" "$name" >/dev/null 2>&1 || die "git worktree add $name failed"
+	(cd "$TMP/base" && "$GO" build -o "$TMP/caddy-base" ./cmd/caddy) || die "go build ./cmd/caddy at $name failed"
+	BIN[a]=$TMP/caddy-base LABEL[a]="$A at $name"
+fi
 
 REDIS_PORT=""
 if uses_redis "$A" || uses_redis "$B"; then
@@ -109,7 +122,7 @@ start() { # start <side>
 	XDG_DATA_HOME=$TMP/data-$s XDG_CONFIG_HOME=$TMP/config \
 		LT_ADMIN_PORT=$admin LT_PORT=${PORT[$s]} LT_REDIS_PORT=${REDIS_PORT:-0}/$db \
 		LT_STORAGE=$TMP/storage-$s LT_MYSQL_DSN=unused \
-		taskset -c "$CADDY_CPU" "$TMP/caddy" run --adapter caddyfile \
+		taskset -c "$CADDY_CPU" "${BIN[$s]}" run --adapter caddyfile \
 		--config "loadtest/Caddyfile.${VAR[$s]}" >"$TMP/caddy-$s.log" 2>&1 &
 	PID[$s]=$!
 	PIDS+=" ${PID[$s]}"
@@ -155,7 +168,7 @@ run() {
 
 start a
 start b
-echo "pair: $A (pid ${PID[a]}) and $B (pid ${PID[b]}) on core $CADDY_CPU, wrk -c$((CONNS / 2)) each on core $WRK_CPU" >&2
+echo "pair: ${LABEL[a]} (pid ${PID[a]}) and ${LABEL[b]} (pid ${PID[b]}) on core $CADDY_CPU, wrk -c$((CONNS / 2)) each on core $WRK_CPU" >&2
 run "$WARMUP"
 while (is_keyed "$A" && ((SENT[a] < KEYS))) || (is_keyed "$B" && ((SENT[b] < KEYS))); do
 	run "$WARMUP" # every key once before the rounds: warm keys only
@@ -167,9 +180,9 @@ for r in $(seq "$ROUNDS"); do
 	x=$(awk -v a="$CPU_a" -v b="$CPU_b" 'BEGIN { printf "%.4f", b / a }')
 	ratios+=("$x")
 	printf 'pair: round %d/%d: %s %.1f µs, %s %.1f µs per request: %s\n' "$r" "$ROUNDS" \
-		"$A" "$(awk -v c="$CPU_a" 'BEGIN { print c / 1000 }')" "$B" "$(awk -v c="$CPU_b" 'BEGIN { print c / 1000 }')" "$x"
+		"${LABEL[a]}" "$(awk -v c="$CPU_a" 'BEGIN { print c / 1000 }')" "$B" "$(awk -v c="$CPU_b" 'BEGIN { print c / 1000 }')" "$x"
 done
-printf '%s\n' "${ratios[@]}" | sort -g | awk -v a="$A" -v b="$B" -v n="$ROUNDS" -v d="$DURATION" '
+printf '%s\n' "${ratios[@]}" | sort -g | awk -v a="${LABEL[a]}" -v b="$B" -v n="$ROUNDS" -v d="$DURATION" '
 	{ v[NR] = $1 }
 	END {
 		m = NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2
