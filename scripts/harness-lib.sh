@@ -31,3 +31,17 @@ cpu_ns() {
 	fi
 	echo "$t"
 }
+
+# stop_all <pid>...: stops the processes, stopped ones too (SIGCONT, then
+# SIGTERM), and kills any still running 5 s later.
+stop_all() {
+	local p
+	for p in "$@"; do
+		kill -CONT "$p" 2>/dev/null || true # a stopped process cannot exit
+		kill -TERM "$p" 2>/dev/null || true
+	done
+	for p in "$@"; do
+		for _ in $(seq 50); do kill -0 "$p" 2>/dev/null || break; sleep 0.1; done
+		kill -KILL "$p" 2>/dev/null || true
+	done
+}

@@ -157,18 +157,14 @@ ncpu=$(getconf _NPROCESSORS_ONLN)
 TMP=$(mktemp -d "${TMPDIR:-/tmp}/loadtest.XXXXXX")
 declare -A PIDS PORTS ADMINS
 SERVER_PIDS="" # redis-server, mariadbd
+# free_port, cpu_ns and stop_all.
+# shellcheck source=scripts/harness-lib.sh
+. scripts/harness-lib.sh
+
 cleanup() {
-	local p all
 	# Word-split on purpose: a two-node variant holds two pids in one value.
-	all="${PIDS[*]+${PIDS[*]}} $SERVER_PIDS"
-	for p in $all; do
-		kill -CONT "$p" 2>/dev/null || true # a stopped process cannot exit
-		kill -TERM "$p" 2>/dev/null || true
-	done
-	for p in $all; do
-		for _ in $(seq 50); do kill -0 "$p" 2>/dev/null || break; sleep 0.1; done
-		kill -KILL "$p" 2>/dev/null || true
-	done
+	# shellcheck disable=SC2086
+	stop_all ${PIDS[*]+${PIDS[*]}} $SERVER_PIDS
 	[ -z "$BASE" ] || git worktree remove --force "$TMP/base" >/dev/null 2>&1 || true
 	rm -rf "$TMP"
 }
@@ -189,10 +185,6 @@ fail() { # fail <variant> <message>
 	log_tail "$1"
 	exit 1
 }
-
-# free_port and cpu_ns.
-# shellcheck source=scripts/harness-lib.sh
-. scripts/harness-lib.sh
 
 # metric_sum <admin port> <regex> sums the values of the series whose name
 # and labels match the regex (anchored at the start of the line).

@@ -72,22 +72,18 @@ done
 
 TMP=$(mktemp -d "${TMPDIR:-/tmp}/pair.XXXXXX")
 PIDS=""
+# free_port, cpu_ns and stop_all.
+# shellcheck source=scripts/harness-lib.sh
+. scripts/harness-lib.sh
+
 cleanup() {
-	local p
-	for p in $PIDS; do kill -TERM "$p" 2>/dev/null || true; done
-	for p in $PIDS; do
-		for _ in $(seq 50); do kill -0 "$p" 2>/dev/null || break; sleep 0.1; done
-		kill -KILL "$p" 2>/dev/null || true
-	done
+	# shellcheck disable=SC2086 # PIDS is a list of pids on purpose
+	stop_all $PIDS
 	[ -z "$BASE" ] || git worktree remove --force "$TMP/base" >/dev/null 2>&1 || true
 	rm -rf "$TMP"
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
-
-# free_port and cpu_ns.
-# shellcheck source=scripts/harness-lib.sh
-. scripts/harness-lib.sh
 
 echo "pair: building cmd/caddy" >&2
 "$GO" build -o "$TMP/caddy" ./cmd/caddy
