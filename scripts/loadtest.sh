@@ -723,8 +723,9 @@ for v in "${order[@]}"; do
 				verdict="met"
 				MET+=("$row")
 			else
-				verdict="**missed** ($(IFS=';'; echo "${miss[*]}"))"
-				MISSES+=("$row: $(IFS=';'; echo "${miss[*]}")")
+				why=$(printf '%s; ' "${miss[@]}")
+				verdict="**missed** (${why%; })"
+				MISSES+=("$row: ${why%; }")
 			fi
 		fi
 		is_base "$v" || printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$row" "$(is_peer "$v" && echo peer || echo ours)" \
