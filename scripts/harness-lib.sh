@@ -45,3 +45,7 @@ stop_all() {
 		kill -KILL "$p" 2>/dev/null || true
 	done
 }
+
+# field <name>: the value of name=… in $line, the "LT …" summary line that
+# loadtest/wrk.lua prints (set by the caller).
+field() { echo "$line" | tr ' ' '\n' | sed -n "s/^$1=//p"; }

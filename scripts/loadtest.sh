@@ -157,7 +157,7 @@ ncpu=$(getconf _NPROCESSORS_ONLN)
 TMP=$(mktemp -d "${TMPDIR:-/tmp}/loadtest.XXXXXX")
 declare -A PIDS PORTS ADMINS
 SERVER_PIDS="" # redis-server, mariadbd
-# free_port, cpu_ns and stop_all.
+# free_port, cpu_ns, stop_all and field.
 # shellcheck source=scripts/harness-lib.sh
 . scripts/harness-lib.sh
 
@@ -494,7 +494,6 @@ load() {
 	for i in "${!ports[@]}"; do
 		line=$(grep '^LT ' "$TMP/wrk.$i.out" | tail -n 1)
 		[ -n "$line" ] || { cat "$TMP/wrk.$i.out" >&2; fail "$v" "no summary from wrk"; }
-		field() { echo "$line" | tr ' ' '\n' | sed -n "s/^$1=//p"; }
 		R_REQ=$((R_REQ + $(field requests)))
 		R_RPS=$(awk -v a="$R_RPS" -v n="$(field requests)" -v us="$(field duration_us)" 'BEGIN { printf "%.0f", a + n / (us / 1e6) }')
 		# Several nodes: the larger of their percentiles.

@@ -72,7 +72,7 @@ done
 
 TMP=$(mktemp -d "${TMPDIR:-/tmp}/pair.XXXXXX")
 PIDS=""
-# free_port, cpu_ns and stop_all.
+# free_port, cpu_ns, stop_all and field.
 # shellcheck source=scripts/harness-lib.sh
 . scripts/harness-lib.sh
 
@@ -149,7 +149,6 @@ run() {
 		kill -0 "${PID[$s]}" 2>/dev/null || die "${VAR[$s]}: Caddy died under load"
 		line=$(grep '^LT ' "$TMP/wrk-$s.out" | tail -n 1)
 		[ -n "$line" ] || { cat "$TMP/wrk-$s.out" >&2; die "${VAR[$s]}: no summary from wrk"; }
-		field() { echo "$line" | tr ' ' '\n' | sed -n "s/^$1=//p"; }
 		(($(field sock_errors) == 0)) || die "${VAR[$s]}: $(field sock_errors) socket errors"
 		local want=200
 		[[ ${VAR[$s]} == deny ]] && want=429
