@@ -65,21 +65,33 @@ func (e *Engine) Decide(ctx context.Context, l Limit) (d Decision) {
 			}
 		}
 	}
-	e.locate(&lc, &l, now, linked)
+	e.decideLocated(ctx, &d, &l, o, now, linked)
+	return d
+}
+
+// decideLocated is Decide past its fast path: the limit located (its entry
+// made, its cell rotated or linked as needed), then decided locally or
+// through the origin. Out of Decide, so that the fast path's frame holds
+// neither the origin's deadline nor its deferred stop: a frame of 320
+// bytes with a defer, before, for every decision.
+//
+//go:noinline
+func (e *Engine) decideLocated(ctx context.Context, d *Decision, l *Limit, o Origin, now int64, linked bool) {
+	var lc located
+	e.locate(&lc, l, now, linked)
 	if o == nil {
-		e.decideLocal(&d, &lc, &l)
-		return d
+		e.decideLocal(d, &lc, l)
+		return
 	}
 	var dl deadline
 	defer dl.stop()
-	if f := e.converge(o, &lc, &l, now); f != nil {
+	if f := e.converge(o, &lc, l, now); f != nil {
 		e.stats.syncReads.Add(1)
 		if !dl.wait(ctx, e, f.done) {
 			e.stats.readWaitTimeouts.Add(1)
 		}
 	}
-	e.decideAtOrigin(ctx, &d, o, &lc, &l, now, &dl)
-	return d
+	e.decideAtOrigin(ctx, d, o, &lc, l, now, &dl)
 }
 
 // decideLocal decides lc on local counts alone, into d.

@@ -153,9 +153,16 @@ func someZeroBytes(x uint64) uint64 { return (x - lows) &^ x & highs }
 
 // Load returns the entry of id: find, written out, a call less on the
 // decision path. The table is loaded while the identifier is hashed:
-// nothing the first load needs waits for the hash.
+// nothing the first load needs waits for the hash. An identifier of 9 to
+// 32 bytes (API keys, most addresses) takes loadWords, where its hash and
+// its comparisons are written out too, from its words read once: a
+// decision's lookup calls nothing (hash and named are over the inlining
+// budget).
 func (m *entryMap) Load(id string) (*entry, bool) {
 	t := m.table.Load()
+	if n := len(id); n > 8 && n <= 32 {
+		return m.loadWords(t, id)
+	}
 	h := m.seed.hash(id)
 	tags := tagOf(h) * lows
 	for b := h & t.mask; ; b = (b + 1) & t.mask {
@@ -165,6 +172,48 @@ func (m *entryMap) Load(id string) (*entry, bool) {
 			if en := bk.slots[bits.TrailingZeros64(hit)>>3].Load(); en != nil && en.named(id) {
 				return en, true
 			}
+		}
+		if zeroBytes(meta) != 0 {
+			return nil, false
+		}
+	}
+}
+
+// loadWords is Load of an identifier of 9 to 32 bytes: hash's and
+// named's steps for that length, on words of id read once.
+func (m *entryMap) loadWords(t *entryTable, id string) (*entry, bool) {
+	const m5 = 0x1d8e4e27c47d124f
+	k := &m.seed
+	n := len(id)
+	b := unsafe.Slice(unsafe.StringData(id), n)
+	le := binary.LittleEndian
+	first, last := le.Uint64(b), le.Uint64(b[n-8:])
+	var second, third uint64 // bytes 8 to 15 and 16 to 23, when inside id
+	seed, x := k[0], first
+	if n > 16 {
+		second, x = le.Uint64(b[8:]), le.Uint64(b[n-16:])
+		seed = mix(first^k[1], second^seed)
+		if n > 24 {
+			third = le.Uint64(b[16:])
+		}
+	}
+	h := mix(m5^uint64(n), mix(x^k[1], last^seed))
+	tags := tagOf(h) * lows
+	for bi := h & t.mask; ; bi = (bi + 1) & t.mask {
+		bk := &t.buckets[bi]
+		meta := bk.meta.Load()
+		for hit := someZeroBytes(meta ^ tags); hit != 0; hit &= hit - 1 {
+			en := bk.slots[bits.TrailingZeros64(hit)>>3].Load()
+			if en == nil || int(*en.length()) != n {
+				continue
+			}
+			// The name's bytes follow its length byte (see idBytes).
+			y := unsafe.Slice((*byte)(unsafe.Add(unsafe.Pointer(en.length()), 1)), n)
+			if le.Uint64(y) != first || le.Uint64(y[n-8:]) != last ||
+				n > 16 && le.Uint64(y[8:]) != second || n > 24 && le.Uint64(y[16:]) != third {
+				continue
+			}
+			return en, true
 		}
 		if zeroBytes(meta) != 0 {
 			return nil, false
@@ -405,9 +454,9 @@ func newIDSeed() idSeed { return idSeed{rand.Uint64(), rand.Uint64(), rand.Uint6
 
 // hash returns the hash of an identifier: the algorithm of the Go
 // runtime's string hash where the processor has no AES instructions (a
-// wyhash), keyed by the seed. Written here because it inlines into the
-// lookup, where the runtime's hash is three calls deep: the lookup of a
-// decision costs a few nanoseconds less.
+// wyhash), keyed by the seed. Written here, where the runtime's hash is
+// three calls deep, so that Load can write out its steps for the common
+// lengths (see loadWords): the lookup of a decision calls nothing.
 func (k *idSeed) hash(s string) uint64 {
 	const m5 = 0x1d8e4e27c47d124f
 	n := len(s)

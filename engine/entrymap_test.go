@@ -232,6 +232,55 @@ func TestEntryNamed(t *testing.T) {
 	}
 }
 
+// TestEntryMap_LoadComparesEveryByte plants, for identifiers of every
+// length a name can have, an entry named id where the probe for a name
+// differing from id in one byte (or one byte shorter) looks first, with
+// that name's tag: Load must compare the names and find nothing, and
+// still find id itself. Load reads names of 9 to 32 bytes as words.
+func TestEntryMap_LoadComparesEveryByte(t *testing.T) {
+	for n := 1; n <= 65; n++ {
+		b := make([]byte, n)
+		for i := range b {
+			b[i] = byte('a' + i%26)
+		}
+		id := string(b)
+		var others []string
+		for i := range n {
+			o := []byte(id)
+			o[i] ^= 0x20
+			others = append(others, string(o))
+		}
+		others = append(others, id[:n-1])
+		for _, other := range others {
+			m := newEntryMap()
+			en, _ := m.LoadOrCreate(id, 0, false, false)
+			plant(m, m.seed.hash(other), en)
+			if got, ok := m.Load(other); ok {
+				t.Fatalf("len %d: Load(%q) found the entry of %q (%q)", n, other, id, got.id())
+			}
+			if got, ok := m.Load(id); !ok || got != en {
+				t.Fatalf("len %d: Load(%q) = %p, %v; want %p", n, id, got, ok, en)
+			}
+		}
+	}
+}
+
+// plant puts en in the first free slot of the bucket hash h looks in
+// first, under h's tag, as if it hashed to h.
+func plant(m *entryMap, h uint64, en *entry) {
+	t := m.table.Load()
+	bk := &t.buckets[h&t.mask]
+	meta := bk.meta.Load()
+	for i := range bucketSlots {
+		if byte(meta>>(8*i)) == 0 {
+			bk.slots[i].Store(en)
+			bk.meta.Store(meta | tagOf(h)<<(8*i))
+			return
+		}
+	}
+	panic("plant: the bucket is full")
+}
+
 // TestIDSeedHash_EveryByteCounts checks that the hash depends on every
 // byte and on the length, and that two seeds hash differently.
 func TestIDSeedHash_EveryByteCounts(t *testing.T) {
