@@ -104,6 +104,81 @@ func TestHandler_WarmAllowAllocations(t *testing.T) {
 	}
 }
 
+// TestHandler_DenyAllocations pins the allocations of a denied request
+// as Caddy serves it without error routes (the handler writes the 429):
+// the placeholders' one, and one for every header value including
+// Retry-After, whose digits and value slice share the block of the rate
+// limit headers; with headers off, Retry-After's block alone.
+func TestHandler_DenyAllocations(t *testing.T) {
+	if raceEnabled {
+		t.Skip("the race detector changes allocations")
+	}
+	useClock(t, 0)
+	for _, tc := range []struct {
+		headers string
+		zones   int
+		want    float64
+	}{
+		{"off", 1, placeholderAllocs + 1},
+		{"draft", 1, placeholderAllocs + 1},
+		{"both", 2, placeholderAllocs + 1},
+	} {
+		var zs []*Zone
+		vars := map[string]string{}
+		for i := range tc.zones {
+			name := string(rune('a' + i))
+			zs = append(zs, zoneOf(name, 1, time.Hour))
+			vars[name] = "203.0.113.7"
+		}
+		h := provisionTest(t, nil, &Handler{Zones: zs, Headers: tc.headers})
+		next := caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error { return nil })
+		serveOne := func() *httptest.ResponseRecorder {
+			req := requestWith(vars)
+			req = req.WithContext(context.WithValue(req.Context(), caddyhttp.ServerCtxKey, new(caddyhttp.Server)))
+			rec := httptest.NewRecorder()
+			if err := h.ServeHTTP(rec, req, next); err != nil {
+				t.Fatal(err)
+			}
+			return rec
+		}
+		serveOne() // uses up the limit of 1
+		if rec := serveOne(); rec.Code != http.StatusTooManyRequests || rec.Header().Get("Retry-After") == "" {
+			t.Fatalf("headers %s: got %d, Retry-After %q; want a 429 with Retry-After", tc.headers, rec.Code, rec.Header().Get("Retry-After"))
+		}
+		// What the request itself costs is made outside the count: its
+		// request, and its replacer and response header map as Caddy's are
+		// when a handler runs (a provider mapped after the first three, a
+		// Server field set).
+		var reqs []*http.Request
+		var recs []http.ResponseWriter
+		for range 201 {
+			req := requestWith(vars)
+			repl := req.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+			repl.Map(func(string) (any, bool) { return nil, false })
+			reqs = append(reqs, req.WithContext(context.WithValue(req.Context(), caddyhttp.ServerCtxKey, new(caddyhttp.Server))))
+			recs = append(recs, &codeWriter{header: http.Header{"Server": {"Caddy"}}})
+		}
+		i := 0
+		got := testing.AllocsPerRun(200, func() {
+			_ = h.ServeHTTP(recs[i], reqs[i], next)
+			i++
+		})
+		if got > tc.want {
+			t.Errorf("headers %s, %d zones: %.1f allocations per denial, want at most %.0f", tc.headers, tc.zones, got, tc.want)
+		}
+	}
+}
+
+// codeWriter is a response writer that keeps its status and nothing else.
+type codeWriter struct {
+	header http.Header
+	code   int
+}
+
+func (w *codeWriter) Header() http.Header         { return w.header }
+func (w *codeWriter) Write(b []byte) (int, error) { return len(b), nil }
+func (w *codeWriter) WriteHeader(code int)        { w.code = code }
+
 func BenchmarkHandler_Allow(b *testing.B) {
 	for _, bc := range []struct {
 		name    string

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"net/http"
-	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -230,7 +229,13 @@ func (h *Handler) serve(w http.ResponseWriter, r *http.Request, lims []engine.Li
 	allowed := h.decide(r, lims, decs)
 	h.countDecisions(decs, zi, allowed)
 	hdr := w.Header()
-	h.writeHeaders(hdr, lims, decs, zi, ownLimits && len(zi) == len(h.zones))
+	retry := int64(-1) // Retry-After in seconds, on a denial that can pass later
+	if !allowed && !h.DryRun {
+		if secs, ok := h.retryAfter(decs); ok {
+			retry = secs
+		}
+	}
+	h.writeHeaders(hdr, lims, decs, zi, ownLimits && len(zi) == len(h.zones), retry)
 	switch {
 	case h.DryRun:
 		h.dryRunDenied(lims, decs, zi) // would-be denials are logged; the request was charged
@@ -245,7 +250,7 @@ func (h *Handler) serve(w http.ResponseWriter, r *http.Request, lims []engine.Li
 		return true, nil
 	}
 	h.setOutcome(repl, decisionDenied, lims, decs, zi, spokenZone(decs, false))
-	return false, h.denied(w, r, hdr, decs, zi)
+	return false, h.denied(w, r, decs, zi)
 }
 
 // allAllowed reports whether every limit allowed.
@@ -328,12 +333,9 @@ func (h *Handler) decide(r *http.Request, lims []engine.Limit, decs []engine.Dec
 	return allowed
 }
 
-// denied ends a request the zones denied: Retry-After, then the 429 of the
-// first zone that denied.
-func (h *Handler) denied(w http.ResponseWriter, r *http.Request, hdr http.Header, decs []engine.Decision, zi []int) error {
-	if secs, ok := h.retryAfter(decs); ok {
-		hdr[hdrRetryAfter] = []string{strconv.FormatInt(secs, 10)}
-	}
+// denied ends a request the zones denied, whose headers (Retry-After
+// among them) are written: the 429 of the first zone that denied.
+func (h *Handler) denied(w http.ResponseWriter, r *http.Request, decs []engine.Decision, zi []int) error {
 	for k := range decs {
 		if !decs[k].Allowed {
 			return deny(w, r, h.zones[zi[k]].denied)

@@ -60,20 +60,26 @@ var (
 	hdrRetryAfter   = http.CanonicalHeaderKey("Retry-After")
 )
 
-// writeHeaders sets the configured rate limit headers for the decided zones.
-// Every dynamic value is appended to one buffer, made as large as they can
-// be, whose bytes become one string; its substrings are the header values.
-// The buffer and the value slices are one allocation per response when the
-// values fit in 256 bytes (one or two zones with either kind of headers,
-// three with draft ones), two otherwise; no buffer on the stack (see
-// Handler.ServeHTTP).
-func (h *Handler) writeHeaders(hdr http.Header, lims []engine.Limit, decs []engine.Decision, zi []int, ownLimits bool) {
-	if !h.draft && !h.legacy {
+// writeHeaders sets the configured rate limit headers for the decided
+// zones, and Retry-After when retry (seconds) is not negative, whatever
+// the header mode. Every dynamic value is appended to one buffer, made as
+// large as they can be, whose bytes become one string; its substrings are
+// the header values. The buffer and the value slices are one allocation
+// per response when the values fit in 256 bytes (one or two zones with
+// either kind of headers, three with draft ones), two otherwise; no
+// buffer on the stack (see Handler.ServeHTTP). A denial's Retry-After
+// shares them: it cost two allocations of its own before.
+func (h *Handler) writeHeaders(hdr http.Header, lims []engine.Limit, decs []engine.Decision, zi []int, ownLimits bool, retry int64) {
+	if !h.draft && !h.legacy && retry < 0 {
 		return
 	}
 	var vals []string
 	var buf []byte
-	switch room := h.headerRoom(zi, ownLimits); {
+	room := h.headerRoom(zi, ownLimits)
+	if retry >= 0 {
+		room += maxIntLen
+	}
+	switch {
 	case room <= 64:
 		vals, buf = headerBlock[[64]byte]()
 	case room <= 256:
@@ -93,8 +99,12 @@ func (h *Handler) writeHeaders(hdr http.Header, lims []engine.Limit, decs []engi
 		buf = h.appendRateLimit(buf, decs, zi)
 	}
 	rateEnd = len(buf)
+	legacyEnds = [3]int{rateEnd, rateEnd, rateEnd}
 	if h.legacy {
 		buf, legacyEnds = appendLegacy(buf, lims, decs)
+	}
+	if retry >= 0 {
+		buf = strconv.AppendInt(buf, retry, 10)
 	}
 	// buf is never written again: its bytes are the string's.
 	s := unsafe.String(unsafe.SliceData(buf), len(buf))
@@ -116,11 +126,14 @@ func (h *Handler) writeHeaders(hdr http.Header, lims []engine.Limit, decs []engi
 		set(hdrLegacyRemain, s[legacyEnds[0]:legacyEnds[1]])
 		set(hdrLegacyReset, s[legacyEnds[1]:legacyEnds[2]])
 	}
+	if retry >= 0 {
+		set(hdrRetryAfter, s[legacyEnds[2]:])
+	}
 }
 
 // headerValues is how many header values writeHeaders sets at most: the
-// draft policy and RateLimit, and the three legacy values.
-const headerValues = 5
+// draft policy and RateLimit, the three legacy values and Retry-After.
+const headerValues = 6
 
 // headerBlock allocates room for the header values and for B's bytes, a
 // byte array, as one object, and returns both empty. The values' strings
