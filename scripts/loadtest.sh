@@ -54,10 +54,7 @@
 # turns each Caddy is stopped (SIGSTOP), so no idle process's background
 # work (a peer's storage sync of 100,000 keys, replay ticks) lands on the
 # measured core or reaches Redis. The rounds interleave: each round runs
-# every variant once, odd rounds in the listed order and even rounds in the
-# reverse order, so that a machine growing faster or slower over a round
-# (a row runs up to two minutes after its baseline) does not favour the
-# rows at one end of the list. Per round, a variant's ratio is its
+# every variant once, in the same order. Per round, a variant's ratio is its
 # Caddy CPU time per request (all threads, /proc) divided by its baseline's
 # in the same round, and its req/s divided by the baseline's; the report
 # gives medians and min-max over rounds. Memory per key is (RSS - plainkeys'
@@ -569,12 +566,7 @@ for r in $(seq "$ROUNDS"); do
 		break
 	fi
 	line="round $r/$ROUNDS:"
-	turns=("${order[@]}")
-	if ((r % 2 == 0)); then
-		turns=()
-		for ((i = ${#order[@]} - 1; i >= 0; i--)); do turns+=("${order[i]}"); done
-	fi
-	for v in "${turns[@]}"; do
+	for v in "${order[@]}"; do
 		resume "$v"
 		oc0=0 rc0=0
 		if uses_redis "$v"; then
