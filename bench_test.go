@@ -76,11 +76,14 @@ func provisionBench(b *testing.B, h *Handler) {
 // {http.ratelimit.*} placeholders: one closure holding the outcome.
 const placeholderAllocs = 1
 
-// TestHandler_WarmAllowAllocations pins the allocations of an allowed
-// request on a warm key: the placeholders' one without headers, one more
-// with any header set whose values fit in 256 bytes (their bytes and the
-// value slices together), two when they do not.
-func TestHandler_WarmAllowAllocations(t *testing.T) {
+// TestHandler_Allocations pins the allocations of a request on a warm
+// key. Allowed: the placeholders' one without headers, one more with any
+// header set whose values fit in 256 bytes (their bytes and the value
+// slices together), two when they do not. Denied, as Caddy serves it
+// without error routes (the handler writes the 429): the placeholders'
+// one and one block for every header value, Retry-After's included (with
+// headers off, Retry-After's block alone).
+func TestHandler_Allocations(t *testing.T) {
 	if raceEnabled {
 		t.Skip("the race detector changes allocations")
 	}
@@ -88,85 +91,68 @@ func TestHandler_WarmAllowAllocations(t *testing.T) {
 	for _, tc := range []struct {
 		headers string
 		zones   int
+		deny    bool
 		want    float64
 	}{
-		{"off", 1, placeholderAllocs},
-		{"off", 3, placeholderAllocs},
-		{"draft", 1, placeholderAllocs + 1},
-		{"draft", 3, placeholderAllocs + 1},
-		{"both", 2, placeholderAllocs + 1},
-		{"both", 8, placeholderAllocs + 2},
+		{"off", 1, false, placeholderAllocs},
+		{"off", 3, false, placeholderAllocs},
+		{"draft", 1, false, placeholderAllocs + 1},
+		{"draft", 3, false, placeholderAllocs + 1},
+		{"both", 2, false, placeholderAllocs + 1},
+		{"both", 8, false, placeholderAllocs + 2},
+		{"off", 1, true, placeholderAllocs + 1},
+		{"draft", 1, true, placeholderAllocs + 1},
+		{"both", 2, true, placeholderAllocs + 1},
 	} {
 		serveOne := warmRequest(t, tc.headers, tc.zones)
+		if tc.deny {
+			serveOne = deniedRequests(t, tc.headers, tc.zones, 201)
+		}
 		if got := testing.AllocsPerRun(200, serveOne); got > tc.want {
-			t.Errorf("headers %s, %d zones: %.1f allocations per request, want at most %.0f", tc.headers, tc.zones, got, tc.want)
+			t.Errorf("headers %s, %d zones, deny %v: %.1f allocations per request, want at most %.0f", tc.headers, tc.zones, tc.deny, got, tc.want)
 		}
 	}
 }
 
-// TestHandler_DenyAllocations pins the allocations of a denied request
-// as Caddy serves it without error routes (the handler writes the 429):
-// the placeholders' one, and one for every header value including
-// Retry-After, whose digits and value slice share the block of the rate
-// limit headers; with headers off, Retry-After's block alone.
-func TestHandler_DenyAllocations(t *testing.T) {
-	if raceEnabled {
-		t.Skip("the race detector changes allocations")
+// deniedRequests returns a handler of the given zones, each with a limit
+// of 1 already used, and a function that serves the next of n requests
+// through it, each denied. What a request itself costs is made
+// beforehand: its request, and its replacer and response header map as
+// Caddy's are when a handler runs (a provider mapped after the first
+// three, a Server field set).
+func deniedRequests(t *testing.T, headers string, zones, n int) func() {
+	t.Helper()
+	var zs []*Zone
+	vars := map[string]string{}
+	for i := range zones {
+		name := string(rune('a' + i))
+		zs = append(zs, zoneOf(name, 1, time.Hour))
+		vars[name] = "203.0.113.7"
 	}
-	useClock(t, 0)
-	for _, tc := range []struct {
-		headers string
-		zones   int
-		want    float64
-	}{
-		{"off", 1, placeholderAllocs + 1},
-		{"draft", 1, placeholderAllocs + 1},
-		{"both", 2, placeholderAllocs + 1},
-	} {
-		var zs []*Zone
-		vars := map[string]string{}
-		for i := range tc.zones {
-			name := string(rune('a' + i))
-			zs = append(zs, zoneOf(name, 1, time.Hour))
-			vars[name] = "203.0.113.7"
-		}
-		h := provisionTest(t, nil, &Handler{Zones: zs, Headers: tc.headers})
-		next := caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error { return nil })
-		serveOne := func() *httptest.ResponseRecorder {
-			req := requestWith(vars)
-			req = req.WithContext(context.WithValue(req.Context(), caddyhttp.ServerCtxKey, new(caddyhttp.Server)))
-			rec := httptest.NewRecorder()
-			if err := h.ServeHTTP(rec, req, next); err != nil {
-				t.Fatal(err)
-			}
-			return rec
-		}
-		serveOne() // uses up the limit of 1
-		if rec := serveOne(); rec.Code != http.StatusTooManyRequests || rec.Header().Get("Retry-After") == "" {
-			t.Fatalf("headers %s: got %d, Retry-After %q; want a 429 with Retry-After", tc.headers, rec.Code, rec.Header().Get("Retry-After"))
-		}
-		// What the request itself costs is made outside the count: its
-		// request, and its replacer and response header map as Caddy's are
-		// when a handler runs (a provider mapped after the first three, a
-		// Server field set).
-		var reqs []*http.Request
-		var recs []http.ResponseWriter
-		for range 201 {
-			req := requestWith(vars)
-			repl := req.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
-			repl.Map(func(string) (any, bool) { return nil, false })
-			reqs = append(reqs, req.WithContext(context.WithValue(req.Context(), caddyhttp.ServerCtxKey, new(caddyhttp.Server))))
-			recs = append(recs, &codeWriter{header: http.Header{"Server": {"Caddy"}}})
-		}
-		i := 0
-		got := testing.AllocsPerRun(200, func() {
-			_ = h.ServeHTTP(recs[i], reqs[i], next)
-			i++
-		})
-		if got > tc.want {
-			t.Errorf("headers %s, %d zones: %.1f allocations per denial, want at most %.0f", tc.headers, tc.zones, got, tc.want)
-		}
+	h := provisionTest(t, nil, &Handler{Zones: zs, Headers: headers})
+	next := caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error { return nil })
+	reqs := make([]*http.Request, n+2)
+	ws := make([]*codeWriter, n+2)
+	for i := range reqs {
+		req := requestWith(vars)
+		repl := req.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+		repl.Map(func(string) (any, bool) { return nil, false })
+		reqs[i] = req.WithContext(context.WithValue(req.Context(), caddyhttp.ServerCtxKey, new(caddyhttp.Server)))
+		ws[i] = &codeWriter{header: http.Header{"Server": {"Caddy"}}}
 	}
+	i := 0
+	serveOne := func() {
+		if err := h.ServeHTTP(ws[i], reqs[i], next); err != nil {
+			t.Fatal(err)
+		}
+		i++
+	}
+	serveOne() // uses up the limit of 1
+	serveOne()
+	if w := ws[1]; w.code != http.StatusTooManyRequests || w.header.Get("Retry-After") == "" {
+		t.Fatalf("headers %s: got %d, Retry-After %q; want a 429 with Retry-After", headers, w.code, w.header.Get("Retry-After"))
+	}
+	return serveOne
 }
 
 // codeWriter is a response writer that keeps its status and nothing else.
