@@ -228,7 +228,7 @@ var engineStats = statSet[engineSnapshot]{stats: []stat[engineSnapshot]{
 	{json: "first_denials", metric: "first_denials_total", value: func(s *engineSnapshot) any { return s.FirstDenials },
 		help: "Cells (key and window) that denied their first request: how many keys hit their limit."},
 	{json: "pending_cells", metric: "replay_pending_cells", gauge: true, value: func(s *engineSnapshot) any { return s.PendingCells },
-		help: "Cells queued for replay to the origin."},
+		help: "Cells whose units the origin may not have yet: queued for replay, or in a write that has not returned."},
 	{json: "replay_drops", metric: "replay_drops_total", value: func(s *engineSnapshot) any { return s.ReplayDrops },
 		help: "Cells a full replay queue could not take; their units stay pending and are replayed later."},
 	{json: "reads", metric: "cell_reads_total", label: [2]string{"outcome", "ok"}, value: func(s *engineSnapshot) any { return s.Reads },

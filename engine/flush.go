@@ -71,6 +71,7 @@ func (e *Engine) flush(ctx context.Context, o Origin, batch []Delta) error {
 		}
 		e.settle(d)
 	}
+	e.stats.flushing.Add(-int64(len(batch)))
 	if failed || err != nil {
 		e.stats.flushErrors.Add(1)
 		e.originFailed()
@@ -180,6 +181,7 @@ func (e *Engine) giveBack(batch []Delta) {
 		x.pending.Add(d.Delta)
 		d.cell.clearBits(stFlushing)
 	}
+	e.stats.flushing.Add(-int64(len(batch)))
 }
 
 // flushAll replays every pending delta of every cell, for shutdown.

@@ -160,6 +160,7 @@ func (e *Engine) take(out []Delta, z *Zone, en *entry, c *cell, fast bool) []Del
 		c.clearBits(stFlushing)
 		return out
 	}
+	e.stats.flushing.Add(1) // until flush or giveBack is done with it
 	return append(out, Delta{Key: z.key(en.id()), Sequence: c.seq(), Incarnation: c.incarnation(), Delta: d, Own: x.own.Add(d),
 		NoPrev: c.state()&stPrevSettled != 0, zone: z, en: en, cell: c, fast: fast})
 }

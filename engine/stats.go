@@ -15,7 +15,10 @@ type counters struct {
 	flushes, flushErrors                             atomic.Int64
 	replayDrops, evictions, firstDenials             atomic.Int64
 	resends, lostUnits                               atomic.Int64
-	lastRead, lastFlush                              atomic.Int64 // Unix ms
+	// flushing is the cells taken out of the replay queues into a write
+	// that has not returned yet (see take, flush and giveBack).
+	flushing            atomic.Int64
+	lastRead, lastFlush atomic.Int64 // Unix ms
 }
 
 // Stats is a snapshot of the engine for operators.
@@ -27,7 +30,9 @@ type Stats struct {
 	Evictions int64
 	// FirstDenials counts cells that denied their first request.
 	FirstDenials int64
-	// PendingCells is the number of cells queued for replay; ReplayDrops
+	// PendingCells is the number of cells whose units the origin may not
+	// have yet: queued for replay, or in a write that has not returned
+	// (a cell whose write left the queue is still pending); ReplayDrops
 	// counts cells a full queue could not take (their units stay pending).
 	PendingCells, ReplayDrops int64
 	// Reads and ReadErrors count origin reads; ReadWaitTimeouts the
@@ -69,7 +74,7 @@ func (e *Engine) Stats() Stats {
 		StrictKeys:       e.strictCount(),
 		Evictions:        s.evictions.Load(),
 		FirstDenials:     s.firstDenials.Load(),
-		PendingCells:     int64(e.queue(Slow).len() + e.queue(Fast).len()),
+		PendingCells:     int64(e.queue(Slow).len()+e.queue(Fast).len()) + s.flushing.Load(),
 		ReplayDrops:      s.replayDrops.Load(),
 		Reads:            s.reads.Load(),
 		ReadErrors:       s.readErrors.Load(),

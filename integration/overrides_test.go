@@ -160,9 +160,10 @@ func TestRegions_RegionResetStaysReset(t *testing.T) {
 	if since < 4 {
 		t.Fatalf("only %d admitted after the reset, limit 4", since)
 	}
-	redistest.Eventually(t, 5*time.Second, "the region counts the units since the reset", func() bool {
+	redistest.EventuallyShow(t, 5*time.Second, "the region counts the units since the reset", func() (bool, string) {
 		kc, ok := nodes[0].counters(key)
-		return ok && kc.Effective == since
+		kc1, ok1 := nodes[1].counters(key)
+		return ok && kc.Effective == since, fmt.Sprintf("%d admitted since; node 0 sees %+v (%v), node 1 %+v (%v)", since, kc, ok, kc1, ok1)
 	})
 }
 
@@ -217,7 +218,8 @@ func TestRegions_GlobalResetStaysReset(t *testing.T) {
 	})
 }
 
-// replayed waits until no node has a cell queued for replay.
+// replayed waits until no node has a cell whose units Redis may lack
+// (pending_cells: queued, or in a write that has not returned).
 func replayed(t *testing.T, nodes []*regionNode) {
 	t.Helper()
 	for _, n := range nodes {

@@ -420,6 +420,22 @@ func waitFor(ctx context.Context, check func() error) error {
 	}
 }
 
+// EventuallyShow is Eventually for a condition that also describes what
+// it saw: a failure gives the last description, so that a condition
+// missed under load says by how much.
+func EventuallyShow(t testing.TB, timeout time.Duration, msg string, cond func() (bool, string)) {
+	t.Helper()
+	var last string
+	Eventually(t, timeout, msg+" (the states it saw are logged above)", func() bool {
+		ok, seen := cond()
+		if !ok && seen != last {
+			last = seen
+			t.Logf("%s: not yet: %s", msg, seen)
+		}
+		return ok
+	})
+}
+
 // Eventually polls cond until it returns true or timeout passes, then fails
 // the test with msg. It is the way to wait for a condition without sleeping
 // a guessed time.
