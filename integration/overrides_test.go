@@ -201,20 +201,13 @@ func TestRegions_GlobalResetStaysReset(t *testing.T) {
 		t.Fatalf("the reset took %s to reach every node, bound %s", lat, bound)
 	}
 	since := int64(len(nodes))
-	var last string
-	t.Cleanup(func() {
-		if t.Failed() {
-			t.Logf("the last view that differed: %s", last)
-		}
-	})
-	redistest.Eventually(t, 10*time.Second, "every node sees the units admitted since the reset, and no more", func() bool {
+	redistest.EventuallyShow(t, 10*time.Second, "every node sees the units admitted since the reset, and no more", func() (bool, string) {
 		for i, n := range nodes {
 			if kc, ok := n.counters(key); !ok || kc.Effective != since {
-				last = fmt.Sprintf("node %d: %+v (%v)", i, kc, ok)
-				return false
+				return false, fmt.Sprintf("%d admitted since; node %d: %+v (%v)", since, i, kc, ok)
 			}
 		}
-		return true
+		return true, ""
 	})
 }
 
