@@ -153,15 +153,18 @@ func someZeroBytes(x uint64) uint64 { return (x - lows) &^ x & highs }
 
 // Load returns the entry of id: find, written out, a call less on the
 // decision path. The table is loaded while the identifier is hashed:
-// nothing the first load needs waits for the hash. An identifier of 9 to
-// 32 bytes (API keys, most addresses) takes loadWords, where its hash and
-// its comparisons are written out too, from its words read once: a
-// decision's lookup calls nothing (hash and named are over the inlining
-// budget).
+// nothing the first load needs waits for the hash. An identifier of 1 to
+// 32 bytes (API keys, addresses, short keys) takes loadShort or
+// loadWords, where its hash and its comparisons are written out too, from
+// its bytes read once: a decision's lookup calls nothing (hash and named
+// are over the inlining budget).
 func (m *entryMap) Load(id string) (*entry, bool) {
 	t := m.table.Load()
-	if n := len(id); n > 8 && n <= 32 {
+	switch n := len(id); {
+	case n > 8 && n <= 32:
 		return m.loadWords(t, id)
+	case n > 0 && n <= 8:
+		return m.loadShort(t, id)
 	}
 	h := m.seed.hash(id)
 	tags := tagOf(h) * lows
@@ -214,6 +217,51 @@ func (m *entryMap) loadWords(t *entryTable, id string) (*entry, bool) {
 				continue
 			}
 			return en, true
+		}
+		if zeroBytes(meta) != 0 {
+			return nil, false
+		}
+	}
+}
+
+// loadShort is Load of an identifier of 1 to 8 bytes (short keys, most
+// IPv4 addresses), as loadWords: hash's steps for that length, and the
+// name compared on the same bytes, which cover all of it. Its probe loop
+// is find's, written out again on purpose: a shared one would compare
+// names through a call, which is what these functions exist to avoid.
+func (m *entryMap) loadShort(t *entryTable, id string) (*entry, bool) {
+	const m5 = 0x1d8e4e27c47d124f
+	k := &m.seed
+	n := len(id)
+	b := unsafe.Slice(unsafe.StringData(id), n)
+	le := binary.LittleEndian
+	var x, y uint64
+	if n < 4 {
+		x = uint64(b[0]) | uint64(b[n>>1])<<8 | uint64(b[n-1])<<16
+	} else {
+		x, y = uint64(le.Uint32(b)), uint64(le.Uint32(b[n-4:]))
+	}
+	h := mix(m5^uint64(n), mix(x^k[1], y^k[0]))
+	tags := tagOf(h) * lows
+	for bi := h & t.mask; ; bi = (bi + 1) & t.mask {
+		bk := &t.buckets[bi]
+		meta := bk.meta.Load()
+		for hit := someZeroBytes(meta ^ tags); hit != 0; hit &= hit - 1 {
+			en := bk.slots[bits.TrailingZeros64(hit)>>3].Load()
+			if en == nil || int(*en.length()) != n {
+				continue
+			}
+			// The name's bytes follow its length byte (see idBytes).
+			c := unsafe.Slice((*byte)(unsafe.Add(unsafe.Pointer(en.length()), 1)), n)
+			var cx, cy uint64
+			if n < 4 {
+				cx = uint64(c[0]) | uint64(c[n>>1])<<8 | uint64(c[n-1])<<16
+			} else {
+				cx, cy = uint64(le.Uint32(c)), uint64(le.Uint32(c[n-4:]))
+			}
+			if cx == x && cy == y {
+				return en, true
+			}
 		}
 		if zeroBytes(meta) != 0 {
 			return nil, false
