@@ -185,7 +185,6 @@ func (m *entryMap) Load(id string) (*entry, bool) {
 // loadWords is Load of an identifier of 9 to 32 bytes: hash's and
 // named's steps for that length, on words of id read once.
 func (m *entryMap) loadWords(t *entryTable, id string) (*entry, bool) {
-	const m5 = 0x1d8e4e27c47d124f
 	k := &m.seed
 	n := len(id)
 	b := unsafe.Slice(unsafe.StringData(id), n)
@@ -200,7 +199,7 @@ func (m *entryMap) loadWords(t *entryTable, id string) (*entry, bool) {
 			third = le.Uint64(b[16:])
 		}
 	}
-	h := mix(m5^uint64(n), mix(x^k[1], last^seed))
+	h := k.finish(n, x, last, seed)
 	tags := tagOf(h) * lows
 	for bi := h & t.mask; ; bi = (bi + 1) & t.mask {
 		bk := &t.buckets[bi]
@@ -230,18 +229,10 @@ func (m *entryMap) loadWords(t *entryTable, id string) (*entry, bool) {
 // is find's, written out again on purpose: a shared one would compare
 // names through a call, which is what these functions exist to avoid.
 func (m *entryMap) loadShort(t *entryTable, id string) (*entry, bool) {
-	const m5 = 0x1d8e4e27c47d124f
 	k := &m.seed
 	n := len(id)
-	b := unsafe.Slice(unsafe.StringData(id), n)
-	le := binary.LittleEndian
-	var x, y uint64
-	if n < 4 {
-		x = uint64(b[0]) | uint64(b[n>>1])<<8 | uint64(b[n-1])<<16
-	} else {
-		x, y = uint64(le.Uint32(b)), uint64(le.Uint32(b[n-4:]))
-	}
-	h := mix(m5^uint64(n), mix(x^k[1], y^k[0]))
+	x, y := shortWords(unsafe.Slice(unsafe.StringData(id), n))
+	h := k.finish(n, x, y, k[0])
 	tags := tagOf(h) * lows
 	for bi := h & t.mask; ; bi = (bi + 1) & t.mask {
 		bk := &t.buckets[bi]
@@ -252,13 +243,7 @@ func (m *entryMap) loadShort(t *entryTable, id string) (*entry, bool) {
 				continue
 			}
 			// The name's bytes follow its length byte (see idBytes).
-			c := unsafe.Slice((*byte)(unsafe.Add(unsafe.Pointer(en.length()), 1)), n)
-			var cx, cy uint64
-			if n < 4 {
-				cx = uint64(c[0]) | uint64(c[n>>1])<<8 | uint64(c[n-1])<<16
-			} else {
-				cx, cy = uint64(le.Uint32(c)), uint64(le.Uint32(c[n-4:]))
-			}
+			cx, cy := shortWords(unsafe.Slice((*byte)(unsafe.Add(unsafe.Pointer(en.length()), 1)), n))
 			if cx == x && cy == y {
 				return en, true
 			}
@@ -506,7 +491,6 @@ func newIDSeed() idSeed { return idSeed{rand.Uint64(), rand.Uint64(), rand.Uint6
 // three calls deep, so that Load can write out its steps for the common
 // lengths (see loadWords): the lookup of a decision calls nothing.
 func (k *idSeed) hash(s string) uint64 {
-	const m5 = 0x1d8e4e27c47d124f
 	n := len(s)
 	b := unsafe.Slice(unsafe.StringData(s), n)
 	seed := k[0]
@@ -514,11 +498,8 @@ func (k *idSeed) hash(s string) uint64 {
 	switch {
 	case n == 0:
 		return seed
-	case n < 4:
-		x = uint64(b[0]) | uint64(b[n>>1])<<8 | uint64(b[n-1])<<16
 	case n <= 8:
-		x = uint64(binary.LittleEndian.Uint32(b))
-		y = uint64(binary.LittleEndian.Uint32(b[n-4:]))
+		x, y = shortWords(b)
 	case n <= 16:
 		x = binary.LittleEndian.Uint64(b)
 		y = binary.LittleEndian.Uint64(b[n-8:])
@@ -530,12 +511,30 @@ func (k *idSeed) hash(s string) uint64 {
 	default:
 		return k.hashLong(b)
 	}
+	return k.finish(n, x, y, seed)
+}
+
+// shortWords are the two words hash reads of 1 to 8 bytes, which hold
+// every byte: under 4, the first, middle and last byte; else the first 4
+// and the last 4.
+func shortWords(b []byte) (x, y uint64) {
+	n := len(b)
+	if n < 4 {
+		return uint64(b[0]) | uint64(b[n>>1])<<8 | uint64(b[n-1])<<16, 0
+	}
+	return uint64(binary.LittleEndian.Uint32(b)), uint64(binary.LittleEndian.Uint32(b[n-4:]))
+}
+
+// finish is every hash's last step: the words x and y of an identifier of
+// n bytes mixed with seed, which the earlier steps made. hash, hashLong,
+// loadWords and loadShort share it, so they cannot disagree.
+func (k *idSeed) finish(n int, x, y, seed uint64) uint64 {
+	const m5 = 0x1d8e4e27c47d124f
 	return mix(m5^uint64(n), mix(x^k[1], y^seed))
 }
 
 // hashLong is hash for more than 16 bytes.
 func (k *idSeed) hashLong(b []byte) uint64 {
-	const m5 = 0x1d8e4e27c47d124f
 	le := binary.LittleEndian
 	n := len(b)
 	seed := k[0]
@@ -554,8 +553,7 @@ func (k *idSeed) hashLong(b []byte) uint64 {
 		seed = mix(le.Uint64(b[off:])^k[1], le.Uint64(b[off+8:])^seed)
 	}
 	// The last 16 bytes of the identifier, read from its end.
-	x, y := le.Uint64(b[n-16:]), le.Uint64(b[n-8:])
-	return mix(m5^uint64(n), mix(x^k[1], y^seed))
+	return k.finish(n, le.Uint64(b[n-16:]), le.Uint64(b[n-8:]), seed)
 }
 
 func mix(a, b uint64) uint64 {
