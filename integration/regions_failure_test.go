@@ -171,7 +171,7 @@ func TestRegions_ReloadUnderLoad(t *testing.T) {
 	res := load(t, nodes, key, rate, dur, reload)
 	t.Logf("reload under load: admitted %d, denied %d, other %d, p99 %s", res.ok, res.denied, res.other, res.p99())
 	if res.other != 0 {
-		t.Fatalf("%d responses neither 200 nor 429 across the reload", res.other)
+		t.Fatalf("%d responses neither 200 nor 429 across the reload (by status, 0 for a transport error: %v)", res.other, res.otherCodes)
 	}
 	if res.denied != 0 {
 		t.Fatalf("%d denials under the limit", res.denied)

@@ -337,6 +337,9 @@ type loadResult struct {
 	// okBy is the admitted count per node, in the order load was given.
 	okBy      []int64
 	latencies []time.Duration
+	// otherCodes counts the other answers by status, 0 for a transport
+	// error (see sendKey).
+	otherCodes map[int]int64
 }
 
 func (r *loadResult) p99() time.Duration {
@@ -394,6 +397,12 @@ func load(t *testing.T, nodes []*regionNode, key string, rate int, d time.Durati
 			}
 			mu.Lock()
 			res.latencies = append(res.latencies, el)
+			if code != http.StatusOK && code != http.StatusTooManyRequests {
+				if res.otherCodes == nil {
+					res.otherCodes = map[int]int64{}
+				}
+				res.otherCodes[code]++
+			}
 			mu.Unlock()
 		}()
 	}
