@@ -12,7 +12,6 @@ import (
 	"context"
 	"database/sql"
 	"fmt"
-	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -25,6 +24,8 @@ import (
 	"time"
 
 	"github.com/go-sql-driver/mysql"
+
+	"github.com/edgelimit/caddy-ratelimit/internal/freeport"
 )
 
 // Timeouts of the helper. Each says why.
@@ -125,7 +126,7 @@ func startProcess(dir string, r role) (*Server, error) {
 	}
 	var err error
 	for attempt := 0; attempt < startAttempts; attempt++ {
-		if s.port, err = freePort(); err != nil {
+		if s.port, err = freeport.Port(); err != nil {
 			return nil, err
 		}
 		if err = s.launch(); err == nil {
@@ -133,15 +134,6 @@ func startProcess(dir string, r role) (*Server, error) {
 		}
 	}
 	return nil, fmt.Errorf("start mariadbd: %w", err)
-}
-
-func freePort() (int, error) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return 0, fmt.Errorf("find a free port: %w", err)
-	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port, nil
 }
 
 // tmpDir is the server's temporary directory.

@@ -29,6 +29,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/edgelimit/caddy-ratelimit/internal/freeport"
+
 	"github.com/redis/go-redis/v9"
 )
 
@@ -174,15 +176,9 @@ func Start(t testing.TB, opts ...Option) *Server {
 	return nil
 }
 
-// FreePort returns a loopback TCP port that was free a moment ago.
-func FreePort() (int, error) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return 0, fmt.Errorf("find a free port: %w", err)
-	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port, nil
-}
+// FreePort returns a free loopback TCP port that stays this process's
+// (internal/freeport).
+func FreePort() (int, error) { return freeport.Port() }
 
 // MustFreePort is FreePort for a test: it fails t instead of returning an
 // error.
