@@ -330,8 +330,12 @@ EOF
 	(cd "$TMP/peer" && GOWORK=off GOFLAGS=-mod=mod "$GO" mod tidy >"$TMP/peer-build.log" 2>&1 &&
 		GOWORK=off "$GO" build -o "$PBIN" . >>"$TMP/peer-build.log" 2>&1) ||
 		{ tail -n 20 "$TMP/peer-build.log" >&2; die "building Caddy with $PEER_MODULE $PEER_VERSION failed"; }
-	"$PBIN" list-modules 2>/dev/null | grep -qx http.handlers.rate_limit ||
-		die "the peer build has no http.handlers.rate_limit module"
+	# Its list in a file, not a pipe: under pipefail, grep -q leaving at the
+	# first match can fail the pipeline with the writer's SIGPIPE.
+	"$PBIN" list-modules >"$TMP/peer-modules.txt" 2>&1 ||
+		{ tail -n 20 "$TMP/peer-modules.txt" >&2; die "the peer build's list-modules failed"; }
+	grep -qx http.handlers.rate_limit "$TMP/peer-modules.txt" ||
+		{ tail -n 20 "$TMP/peer-modules.txt" >&2; die "the peer build has no http.handlers.rate_limit module"; }
 fi
 
 order=(plain)
