@@ -322,3 +322,39 @@ func (emptyOrigin) Reserve(context.Context, *Reservation) error { return nil }
 // BenchmarkMemory100kKeysLinked is BenchmarkMemory100kKeys with an origin
 // (the redis_keys100k row): linked cells, each key's units replayed once.
 func BenchmarkMemory100kKeysLinked(b *testing.B) { benchMemory100kKeys(b, true) }
+
+// BenchmarkNewKeyDuringSweep decides new keys while the janitor passes
+// over 500,000 others, and reports the longest a new key's decision took
+// (worst-µs: it waits for the map's lock to insert) and the pass's length
+// (sweep-µs).
+func BenchmarkNewKeyDuringSweep(b *testing.B) {
+	e, _ := newTestEngine(b, manual(Config{}))
+	z := e.Zone("zone", time.Hour)
+	for i := range 500_000 {
+		l := lim("k"+strconv.Itoa(i), time.Hour, 1<<40, 1)
+		l.Zone = z
+		e.Decide(bg, l)
+	}
+	var worst, sweeps time.Duration
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		var done atomic.Bool
+		var took time.Duration
+		go func() {
+			t0 := time.Now()
+			e.Sweep()
+			took = time.Since(t0)
+			done.Store(true)
+		}()
+		for n := 0; !done.Load(); n++ {
+			l := lim("new-"+strconv.Itoa(i)+"-"+strconv.Itoa(n), time.Hour, 1<<40, 1)
+			l.Zone = z
+			t0 := time.Now()
+			e.Decide(bg, l)
+			worst = max(worst, time.Since(t0))
+		}
+		sweeps += took
+	}
+	b.ReportMetric(float64(worst.Microseconds()), "worst-µs")
+	b.ReportMetric(float64(sweeps.Microseconds())/float64(b.N), "sweep-µs")
+}

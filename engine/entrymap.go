@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"math/bits"
 	"math/rand/v2"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"unsafe"
@@ -61,6 +62,9 @@ type entryMap struct {
 	// (replaced under mu), and the set of full ones (under mu).
 	open  [slabShards * slabKinds]atomic.Pointer[openSlab]
 	slabs *slabSet
+	// betweenChunks, when set (by tests), runs between two of
+	// DeleteMatching's chunks, without the lock.
+	betweenChunks func()
 }
 
 const (
@@ -324,34 +328,64 @@ func (m *entryMap) Range(f func(id string, en *entry) bool) {
 	}
 }
 
+// deleteChunk is how many buckets DeleteMatching visits per hold of the
+// map's lock: about 1,800 slots, tens of microseconds. Held for a whole
+// table, the janitor's pass over 500,000 keys kept every new key waiting
+// for its insert for 40 to 50 ms, every JanitorInterval.
+const deleteChunk = 256
+
 // DeleteMatching calls f for each entry, under the map's lock (f must not
 // use the map), deletes those for which f returns del, and stops when f
 // returns stop. It returns the number deleted.
+//
+// It lets the lock go between chunks of deleteChunk buckets, so inserts
+// wait for a chunk, not for the table. An entry stored meanwhile in a
+// bucket already visited is not seen. When the table is rebuilt between
+// two chunks (it grew or shrank), the visit starts over on the new one:
+// f may see an entry it kept a second time, never one it deleted.
 func (m *entryMap) DeleteMatching(f func(id string, en *entry) (del, stop bool)) int {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	defer m.sweep()
-	defer m.shrink()
-	t := m.table.Load()
-	n := 0
-	for b := range t.buckets {
-		bk := &t.buckets[b]
-		for j := range bk.slots {
-			en := bk.slots[j].Load()
-			if en == nil {
-				continue
-			}
-			del, stop := f(en.id(), en)
-			if del {
-				m.clear(bk, j)
-				n++
-			}
-			if stop {
-				return n
+	var t *entryTable
+	n, b := 0, 0
+	for {
+		m.mu.Lock()
+		if cur := m.table.Load(); cur != t {
+			t, b = cur, 0
+		}
+		stop := false
+		for end := min(b+deleteChunk, len(t.buckets)); b < end && !stop; b++ {
+			bk := &t.buckets[b]
+			for j := range bk.slots {
+				en := bk.slots[j].Load()
+				if en == nil {
+					continue
+				}
+				var del bool
+				del, stop = f(en.id(), en)
+				if del {
+					m.clear(bk, j)
+					n++
+				}
+				if stop {
+					break
+				}
 			}
 		}
+		done := stop || b >= len(t.buckets)
+		if done {
+			m.shrink()
+			m.sweep()
+		}
+		m.mu.Unlock()
+		if done {
+			return n
+		}
+		if m.betweenChunks != nil {
+			m.betweenChunks()
+		}
+		// A writer that waited has been woken: let it take the lock
+		// before this pass takes it again.
+		runtime.Gosched()
 	}
-	return n
 }
 
 // insert adds en, whose hash is h, made in the map's slabs, and which the
