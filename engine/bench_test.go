@@ -358,3 +358,31 @@ func BenchmarkNewKeyDuringSweep(b *testing.B) {
 	b.ReportMetric(float64(worst.Microseconds()), "worst-µs")
 	b.ReportMetric(float64(sweeps.Microseconds())/float64(b.N), "sweep-µs")
 }
+
+// BenchmarkNewKeysWorst decides 500,000 new keys in one zone, arriving
+// at 200,000 a second (more than one core of Caddy serves), and reports
+// the longest decision (worst-µs): the table grows eight times on the way.
+func BenchmarkNewKeysWorst(b *testing.B) {
+	const keys, every = 500_000, 5 * time.Microsecond
+	for i := 0; i < b.N; i++ {
+		b.StopTimer()
+		e, _ := newTestEngine(b, manual(Config{}))
+		z := e.Zone("zone", time.Hour)
+		ls := make([]Limit, keys)
+		for k := range ls {
+			ls[k] = lim("k"+strconv.Itoa(k), time.Hour, 1<<40, 1)
+			ls[k].Zone = z
+		}
+		b.StartTimer()
+		var worst time.Duration
+		start := time.Now()
+		for k := range ls {
+			for time.Since(start) < time.Duration(k)*every {
+			}
+			t0 := time.Now()
+			e.Decide(bg, ls[k])
+			worst = max(worst, time.Since(t0))
+		}
+		b.ReportMetric(float64(worst.Microseconds()), "worst-µs")
+	}
+}

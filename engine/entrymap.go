@@ -46,7 +46,8 @@ import (
 // nil (a deletion racing it). A table that grows or shrinks is copied
 // whole into a new one, published by one atomic store, and never written
 // again: a reader still on it sees the map as it was a moment earlier, as
-// it would had it run a moment earlier. Readers never wait for writers.
+// it would had it run a moment earlier. Readers never wait for writers,
+// and writers wait for a growth only when it falls behind them (see grow).
 type entryMap struct {
 	seed  idSeed
 	table atomic.Pointer[entryTable]
@@ -62,9 +63,30 @@ type entryMap struct {
 	// (replaced under mu), and the set of full ones (under mu).
 	open  [slabShards * slabKinds]atomic.Pointer[openSlab]
 	slabs *slabSet
-	// betweenChunks, when set (by tests), runs between two of
-	// DeleteMatching's chunks, without the lock.
-	betweenChunks func()
+	// growing is the growth under way, or nil (under mu); grown wakes
+	// the inserts that wait for it.
+	growing *growth
+	grown   sync.Cond
+	// betweenChunks and duringGrowth, when set (by tests), run between
+	// two of DeleteMatching's chunks and while a growth copies the
+	// table, without the lock.
+	betweenChunks, duringGrowth func()
+}
+
+// growth is a table's growth under way: the changes made to the table it
+// copies since the copy began, which the new table takes before it is
+// published.
+type growth struct {
+	changes []tableChange
+}
+
+// tableChange is an entry placed in or cleared from the table a growth
+// copies, with its hash: the hash is kept because the entry of a clear
+// may no longer be read once its slab is let go.
+type tableChange struct {
+	h       uint64
+	en      *entry
+	cleared bool
 }
 
 const (
@@ -123,6 +145,7 @@ const _ = uint(unsafe.Sizeof(entryBucket{})-unsafe.Sizeof(rawBucket{})) +
 
 func newEntryMap() *entryMap {
 	m := &entryMap{seed: newIDSeed(), slabs: new(slabSet)}
+	m.grown.L = &m.mu
 	m.table.Store(newEntryTable(minBuckets, m))
 	return m
 }
@@ -295,6 +318,7 @@ func (m *entryMap) LoadOrCreate(id string, seq int64, linked, read bool) (en *en
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
+	m.roomDuringGrowth()
 	if en := m.table.Load().find(h, id); en != nil {
 		made.cur.Store(tombstone)
 		return en, true
@@ -389,16 +413,108 @@ func (m *entryMap) DeleteMatching(f func(id string, en *entry) (del, stop bool))
 }
 
 // insert adds en, whose hash is h, made in the map's slabs, and which the
-// map does not hold; under mu.
+// map does not hold; under mu. The insert that fills the table to seven
+// eighths starts its growth, which runs on its own (see grow).
 func (m *entryMap) insert(h uint64, en *entry) {
 	t := m.table.Load()
-	if 8*(m.used+1) > 7*bucketSlots*len(t.buckets) {
-		t = m.rehash(m.live + 1)
-	}
 	if t.place(h, en) {
 		m.used++
 	}
 	m.live++
+	if g := m.growing; g != nil {
+		g.changes = append(g.changes, tableChange{h: h, en: en})
+	} else if 8*m.used > 7*bucketSlots*len(t.buckets) {
+		g := &growth{}
+		m.growing = g
+		go m.grow(t, g, m.live)
+	}
+}
+
+// roomDuringGrowth waits, under mu, while a growth is under way and the
+// table it copies is nearly full: its inserts go on in the old table
+// meanwhile, and a probe must always end at a free slot.
+func (m *entryMap) roomDuringGrowth() {
+	for m.growing != nil && 16*(m.used+1) > 15*bucketSlots*len(m.table.Load().buckets) {
+		m.grown.Wait()
+	}
+}
+
+// grow replaces old, a table seven eighths full, with one sized for n
+// entries (at most half full), as growth g. It copies without the map's
+// lock, on a goroutine of its own: the janitor and new keys go on with
+// the old table meanwhile, each insert and clear noted in g, and the new
+// table takes them under the lock before it is published. Under the lock
+// throughout, in the insert that started it, the copy kept that request
+// and every new key waiting: 180 ms for a table grown past 800,000 keys.
+func (m *entryMap) grow(old *entryTable, g *growth, n int) {
+	t := newEntryTable(bucketsFor(n), m)
+	used := 0
+	for b := range old.buckets {
+		bk := &old.buckets[b]
+		for j := range bk.slots {
+			if en := bk.slots[j].Load(); en != nil && t.place(m.seed.hash(en.id()), en) {
+				used++
+			}
+		}
+	}
+	if m.duringGrowth != nil {
+		m.duringGrowth()
+	}
+	m.mu.Lock()
+	for _, c := range g.changes {
+		switch {
+		case c.cleared:
+			t.clearEntry(c.h, c.en)
+		case !t.holds(c.h, c.en):
+			if t.place(c.h, c.en) {
+				used++
+			}
+		}
+	}
+	m.publish(old, t)
+	m.used = used
+	m.growing = nil
+	m.grown.Broadcast()
+	m.mu.Unlock()
+}
+
+// holds reports whether t holds en, whose hash is h; it compares
+// pointers, not names.
+func (t *entryTable) holds(h uint64, en *entry) bool {
+	tags := tagOf(h) * lows
+	for b := h & t.mask; ; b = (b + 1) & t.mask {
+		bk := &t.buckets[b]
+		meta := bk.meta.Load()
+		for hit := someZeroBytes(meta ^ tags); hit != 0; hit &= hit - 1 {
+			if bk.slots[bits.TrailingZeros64(hit)>>3].Load() == en {
+				return true
+			}
+		}
+		if zeroBytes(meta) != 0 {
+			return false
+		}
+	}
+}
+
+// clearEntry deletes en, whose hash is h, from t, a table not yet
+// published, if it holds it; it compares pointers and reads nothing of
+// en, whose slab may be gone.
+func (t *entryTable) clearEntry(h uint64, en *entry) {
+	tags := tagOf(h) * lows
+	for b := h & t.mask; ; b = (b + 1) & t.mask {
+		bk := &t.buckets[b]
+		meta := bk.meta.Load()
+		for hit := someZeroBytes(meta ^ tags); hit != 0; hit &= hit - 1 {
+			if j := bits.TrailingZeros64(hit) >> 3; bk.slots[j].Load() == en {
+				bk.meta.Store(meta&^(0xff<<(8*j)) | tagDeleted<<(8*j))
+				bk.slots[j].Store(nil)
+				return
+			}
+		}
+		if zeroBytes(meta) != 0 {
+			return
+		}
+	}
 }
 
 // place puts en, whose hash is h, in the first free slot from its hash's
@@ -445,6 +561,10 @@ func (m *entryMap) remove(h uint64, id string) *entry {
 // still saw the old one finds nil or the entry, as if it ran a moment
 // earlier.
 func (m *entryMap) clear(bk *entryBucket, j int) {
+	if g := m.growing; g != nil {
+		en := bk.slots[j].Load()
+		g.changes = append(g.changes, tableChange{h: m.seed.hash(en.id()), en: en, cleared: true})
+	}
 	meta := bk.meta.Load()
 	bk.meta.Store(meta&^(0xff<<(8*j)) | tagDeleted<<(8*j))
 	bk.slots[j].Store(nil)
@@ -459,8 +579,8 @@ func (m *entryMap) clear(bk *entryBucket, j int) {
 // replaced earlier keeps the set it had (see entryTable).
 func (m *entryMap) sweep() {
 	full := m.slabs.full
-	if m.removed < 2*len(full) || len(full) == 0 {
-		return
+	if m.removed < 2*len(full) || len(full) == 0 || m.growing != nil {
+		return // (a growth's new table may hold a removed entry until published)
 	}
 	m.removed = 0
 	live := make([]slab, 0, len(full))
@@ -479,26 +599,17 @@ func (m *entryMap) sweep() {
 // full, so that a flood of keys the janitor dropped gives its memory
 // back; under mu.
 func (m *entryMap) shrink() {
-	if n := len(m.table.Load().buckets); n > minBuckets && 16*m.live < bucketSlots*n {
+	if n := len(m.table.Load().buckets); n > minBuckets && 16*m.live < bucketSlots*n && m.growing == nil {
 		m.rehash(m.live)
 	}
 }
 
 // rehash copies the entries into a new table sized for n entries (at
-// most half full), publishes it and returns it; under mu. The old table
-// is not written again.
-func (m *entryMap) rehash(n int) *entryTable {
-	buckets := minBuckets
-	for buckets*bucketSlots < 2*n {
-		buckets *= 2
-	}
+// most half full) and publishes it; under mu throughout (a shrink: the
+// table holds few entries).
+func (m *entryMap) rehash(n int) {
 	old := m.table.Load()
-	then := &slabsThen{set: m.slabs}
-	for k := range m.open {
-		then.open[k] = m.open[k].Load()
-	}
-	old.frozen.Store(then)
-	t := newEntryTable(buckets, m)
+	t := newEntryTable(bucketsFor(n), m)
 	live := 0
 	for b := range old.buckets {
 		bk := &old.buckets[b]
@@ -509,9 +620,29 @@ func (m *entryMap) rehash(n int) *entryTable {
 			}
 		}
 	}
+	m.publish(old, t)
 	m.used, m.live = live, live
+}
+
+// bucketsFor is the size of a table for n entries: at most half full.
+func bucketsFor(n int) int {
+	buckets := minBuckets
+	for buckets*bucketSlots < 2*n {
+		buckets *= 2
+	}
+	return buckets
+}
+
+// publish makes t, which holds every entry of old, the map's table; under
+// mu. The old table is not written again, and keeps the map's slabs as
+// they are now for a reader still on it.
+func (m *entryMap) publish(old, t *entryTable) {
+	then := &slabsThen{set: m.slabs}
+	for k := range m.open {
+		then.open[k] = m.open[k].Load()
+	}
+	old.frozen.Store(then)
 	m.table.Store(t)
-	return t
 }
 
 // idSeed is the random key of a map's hash.

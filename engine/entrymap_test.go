@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"runtime"
 	"strconv"
 	"strings"
 	"sync"
@@ -181,6 +182,135 @@ func TestEntryMap_DeleteMatchingLetsWritersIn(t *testing.T) {
 		if m.live != n/2+added {
 			t.Errorf("grow %v: %d live; want %d", grow, m.live, n/2+added)
 		}
+	}
+}
+
+// TestEntryMap_GrowsWithoutTheLock grows a table while keys are stored
+// and deleted beside the copy: the copy runs on its own, without the
+// map's lock (the insert that grew a table past 800,000 keys held it 180
+// ms, and every new key waited), inserts that would fill the old table
+// wait for the new one, and the new table ends holding exactly the
+// entries the map holds, each once.
+func TestEntryMap_GrowsWithoutTheLock(t *testing.T) {
+	m := newEntryMap()
+	want := map[string]*entry{}
+	add := func(id string) {
+		en, loaded := m.LoadOrCreate(id, 0, false, false)
+		if loaded {
+			t.Errorf("%q was already there", id)
+		}
+		want[id] = en
+	}
+	del := func(id string) {
+		if en, ok := m.LoadAndDelete(id); !ok || en != want[id] {
+			t.Errorf("LoadAndDelete(%q) = %p, %v; want %p", id, en, ok, want[id])
+		}
+		delete(want, id)
+	}
+	// Fill a table of 1,024 buckets to just under seven eighths.
+	i := 0
+	for ; 8*(m.used+1) <= 7*bucketSlots*1024; i++ {
+		add("k" + strconv.Itoa(i))
+	}
+	old := m.table.Load()
+	if len(old.buckets) != 1024 {
+		t.Fatalf("%d buckets; want 1024", len(old.buckets))
+	}
+	var late sync.WaitGroup
+	lateIDs := make(chan string, 4096)
+	grew := 0
+	m.duringGrowth = func() { // on the growth's goroutine
+		grew++
+		if !m.mu.TryLock() {
+			t.Error("the map's lock is held while the growth copies")
+			return
+		}
+		m.mu.Unlock()
+		// Beside the copy: new keys, deletions of old and new ones, a
+		// key deleted and made again, and a janitor's pass.
+		for j := range 20 {
+			add("during" + strconv.Itoa(j))
+		}
+		for j := range 10 {
+			del("k" + strconv.Itoa(j))
+			del("during" + strconv.Itoa(j))
+		}
+		add("k0")
+		m.DeleteMatching(func(id string, _ *entry) (bool, bool) {
+			if id == "k10" || id == "during10" {
+				delete(want, id)
+				return true, false
+			}
+			return false, false
+		})
+		// Another writer fills the old table to the brim: its inserts
+		// must wait for the new table, not overfill the old.
+		late.Add(1)
+		go func() {
+			defer late.Done()
+			for j := 0; ; j++ {
+				id := "late" + strconv.Itoa(j)
+				m.LoadOrCreate(id, 0, false, false)
+				lateIDs <- id
+				if m.table.Load() != old {
+					return
+				}
+			}
+		}()
+		for {
+			m.mu.Lock()
+			full := 16*(m.used+1) > 15*bucketSlots*len(old.buckets)
+			m.mu.Unlock()
+			if full {
+				break
+			}
+			runtime.Gosched()
+		}
+	}
+	add("k" + strconv.Itoa(i)) // past seven eighths: the table grows
+	settle(m)
+	late.Wait()
+	close(lateIDs)
+	for id := range lateIDs {
+		en, ok := m.Load(id)
+		if !ok {
+			t.Fatalf("%q, stored while the table grew, is gone", id)
+		}
+		want[id] = en
+	}
+	if grew != 1 {
+		t.Fatalf("%d growths; want 1", grew)
+	}
+	tbl := m.table.Load()
+	if len(tbl.buckets) <= len(old.buckets) {
+		t.Fatalf("%d buckets after the growth; want more than %d", len(tbl.buckets), len(old.buckets))
+	}
+	for id, en := range want {
+		if got, ok := m.Load(id); !ok || got != en {
+			t.Fatalf("Load(%q) = %p, %v; want %p", id, got, ok, en)
+		}
+	}
+	seen, used := map[*entry]bool{}, 0
+	for b := range tbl.buckets {
+		bk := &tbl.buckets[b]
+		meta := bk.meta.Load()
+		for j := range bk.slots {
+			if meta>>(8*j)&0xff != 0 {
+				used++
+			}
+			if en := bk.slots[j].Load(); en != nil {
+				if seen[en] {
+					t.Fatalf("%q held twice", en.id())
+				}
+				seen[en] = true
+				if want[en.id()] != en {
+					t.Fatalf("the table holds %q (%p), which the map does not", en.id(), en)
+				}
+			}
+		}
+	}
+	if len(seen) != len(want) || m.live != len(want) || m.used != used {
+		t.Fatalf("table holds %d entries in %d used slots; map says %d live, %d used; want %d", len(seen), used, m.live, m.used, len(want))
 	}
 }
 
@@ -414,4 +544,13 @@ func TestIDSeedHash_Spreads(t *testing.T) {
 			}
 		}
 	}
+}
+
+// settle waits for m's growth under way, if any.
+func settle(m *entryMap) {
+	m.mu.Lock()
+	for m.growing != nil {
+		m.grown.Wait()
+	}
+	m.mu.Unlock()
 }
