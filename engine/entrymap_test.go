@@ -60,6 +60,7 @@ func TestEntryMap_StoresFindsAndDeletes(t *testing.T) {
 			t.Fatalf("second LoadOrCreate(%q) = %p, %v; want %p, true", id, again, loaded, en)
 		}
 	}
+	settle(m)
 	check("inserted")
 	grown := len(m.table.Load().buckets)
 	for i := 0; i < n; i += 2 {
@@ -79,6 +80,7 @@ func TestEntryMap_StoresFindsAndDeletes(t *testing.T) {
 		en, _ := m.LoadOrCreate(id, 0, false, false)
 		want[id] = en
 	}
+	settle(m)
 	check("reinserted")
 	if got := len(m.table.Load().buckets); got > grown {
 		t.Fatalf("table grew from %d to %d buckets for as many keys", grown, got)
@@ -133,6 +135,7 @@ func TestEntryMap_DeleteMatchingLetsWritersIn(t *testing.T) {
 		for i := range n {
 			m.LoadOrCreate("k"+strconv.Itoa(i), 0, false, false)
 		}
+		settle(m)
 		first := m.table.Load()
 		chunks, added := 0, 0
 		m.betweenChunks = func() {
@@ -211,6 +214,7 @@ func TestEntryMap_GrowsWithoutTheLock(t *testing.T) {
 	i := 0
 	for ; 8*(m.used+1) <= 7*bucketSlots*1024; i++ {
 		add("k" + strconv.Itoa(i))
+		settle(m) // the smaller tables' growths
 	}
 	old := m.table.Load()
 	if len(old.buckets) != 1024 {

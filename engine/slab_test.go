@@ -111,6 +111,7 @@ func TestSlab_DeadSlabsAreLetGo(t *testing.T) {
 	for i := range n {
 		m.LoadOrCreate("k"+strconv.Itoa(i), 0, false, false)
 	}
+	settle(m)
 	if full := len(m.slabs.full); full < n/maxSlabSlots-slabShards*2 {
 		t.Fatalf("%d full slabs for %d keys", full, n)
 	}
@@ -119,6 +120,7 @@ func TestSlab_DeadSlabsAreLetGo(t *testing.T) {
 	for i := n; i < 2*n; i++ {
 		m.LoadOrCreate("k"+strconv.Itoa(i), 0, false, false)
 	}
+	settle(m)
 	if m.table.Load() == old {
 		t.Fatal("the table was not replaced")
 	}
@@ -237,6 +239,7 @@ func TestSlab_ForgottenAndIdleKeysGiveTheirSlabsBack(t *testing.T) {
 		l.Zone = z
 		e.Decide(bg, l)
 	}
+	settle(z.entries)
 	if full := len(z.entries.slabs.full); full < n/maxSlabSlots-slabShards*2 {
 		t.Fatalf("%d full slabs for %d keys", full, n)
 	}
