@@ -10,7 +10,7 @@ import (
 // TestEngine_NewKeysCountedExactlyWhileTablesGrow decides 60,000 keys
 // from four goroutines at once, each key once per goroutine, while the
 // janitor passes over the zone without pause: the zone's table grows
-// fifteen times beside the decisions and the passes (see grow), and every
+// thirteen times beside the decisions and the passes (see grow), and every
 // key ends with one entry holding exactly four units.
 func TestEngine_NewKeysCountedExactlyWhileTablesGrow(t *testing.T) {
 	e, _ := newTestEngine(t, manual(Config{}))
