@@ -132,6 +132,9 @@ type Engine struct {
 	bgReads   atomic.Int64
 
 	stats counters
+	// flushEnded, when set, is closed when the next write of deltas
+	// ends: what a forget waits on for a cell in flight (forget.go).
+	flushEnded atomic.Pointer[chan struct{}]
 	// graves are recently dropped cells, for Resend (janitor.go).
 	graves graveyard
 	// failing is set by a failed origin call, cleared by the next success;

@@ -72,6 +72,7 @@ func (e *Engine) flush(ctx context.Context, o Origin, batch []Delta) error {
 		e.settle(d)
 	}
 	e.stats.flushing.Add(-int64(len(batch)))
+	e.endedFlush()
 	if failed || err != nil {
 		e.stats.flushErrors.Add(1)
 		e.originFailed()
@@ -182,6 +183,45 @@ func (e *Engine) giveBack(batch []Delta) {
 		d.cell.clearBits(stFlushing)
 	}
 	e.stats.flushing.Add(-int64(len(batch)))
+	e.endedFlush()
+}
+
+// endedFlush wakes whoever waits for a write to end (awaitFlush); one
+// atomic swap when nobody does.
+func (e *Engine) endedFlush() {
+	if ch := e.flushEnded.Swap(nil); ch != nil {
+		close(*ch)
+	}
+}
+
+// awaitFlush waits until c has no write in flight, at most flushTimeout
+// (a write's own bound), and reports whether it has none.
+func (e *Engine) awaitFlush(c *cell) bool {
+	if c.state()&stFlushing == 0 {
+		return true
+	}
+	timeout := time.NewTimer(flushTimeout)
+	defer timeout.Stop()
+	for {
+		ch := e.flushEnded.Load()
+		if ch == nil {
+			fresh := make(chan struct{})
+			if !e.flushEnded.CompareAndSwap(nil, &fresh) {
+				continue
+			}
+			ch = &fresh
+		}
+		// Checked after the channel is in place: a write that ends from
+		// here on closes it.
+		if c.state()&stFlushing == 0 {
+			return true
+		}
+		select {
+		case <-*ch:
+		case <-timeout.C:
+			return c.state()&stFlushing == 0
+		}
+	}
 }
 
 // flushAll replays every pending delta of every cell, for shutdown.

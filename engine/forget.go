@@ -55,11 +55,14 @@ func (e *Engine) forget(z *Zone, id string) bool {
 	if o := e.getOrigin(); o != nil {
 		// The units this process has not replayed yet go out first: the
 		// key's next request here reads the origin, which must hold them,
-		// or it would admit them again. A failed write leaves them queued.
+		// or it would admit them again. A write of the key's already on
+		// its way is waited for, for the same reason (its units would
+		// otherwise reach the origin after that read). A failed write
+		// leaves them queued.
 		if en, ok := z.entries.Load(id); ok {
 			batch := make([]Delta, 0, 2)
 			for _, c := range [2]*cell{en.cur.Load(), en.prev.Load()} {
-				if c != nil && c != tombstone && c.state()&stFlushing == 0 {
+				if c != nil && c != tombstone && e.awaitFlush(c) {
 					batch = e.take(batch, z, en, c, true)
 				}
 			}

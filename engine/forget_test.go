@@ -4,6 +4,7 @@ import (
 	"context"
 	"strings"
 	"testing"
+	"testing/synctest"
 	"time"
 )
 
@@ -53,4 +54,48 @@ func TestForget_SendsUnreplayedUnitsFirst(t *testing.T) {
 	if !e.Decide(bg, l).Allowed || e.Decide(bg, l).Allowed {
 		t.Fatal("after Forget the key did not count what the origin holds")
 	}
+}
+
+// TestForget_WaitsForAWriteInFlight forgets a key while the replay's
+// write of its units is on its way to the origin: Forget waits for that
+// write before it drops the key, so the key's next read finds its units
+// there. Before, Forget skipped a cell in flight, and a read that reached
+// the origin before the write admitted those units again.
+func TestForget_WaitsForAWriteInFlight(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		e, _, o := withOrigin(t, Config{})
+		l := lim("k", time.Hour, 5, 1)
+		decideN(e, l, 4)
+		gate := make(chan struct{})
+		o.flushGate.Store(&gate)
+		go replayBoth(e) // its write waits at the gate
+		synctest.Wait()
+		o.flushGate.Store(nil)
+		forgot := make(chan bool)
+		go func() { forgot <- e.Forget(l.Key) }()
+		synctest.Wait()
+		var found, early bool
+		select {
+		case found = <-forgot:
+			early = true
+			t.Error("Forget returned while the key's write was in flight")
+		default:
+		}
+		close(gate)
+		if !early {
+			found = <-forgot
+		}
+		if !found {
+			t.Fatal("Forget found nothing to forget")
+		}
+		admitted := 0
+		for range 5 {
+			if e.Decide(bg, l).Allowed {
+				admitted++
+			}
+		}
+		if admitted != 1 {
+			t.Fatalf("admitted %d after Forget with 4 of 5 units used; want 1", admitted)
+		}
+	})
 }

@@ -28,6 +28,9 @@ type memOrigin struct {
 	gate atomic.Pointer[chan struct{}]
 	// entered counts reads that reached the gate.
 	entered atomic.Int64
+	// flushGate, when set, blocks writes until it is closed, before they
+	// reach the store (a write in flight).
+	flushGate atomic.Pointer[chan struct{}]
 	// reserveDelay, when set, is how long each reservation takes (a round
 	// trip).
 	reserveDelay atomic.Int64
@@ -120,6 +123,9 @@ func (m *memOrigin) raise(id cellID, inc uint32, own int64) {
 
 func (m *memOrigin) Flush(ctx context.Context, batch []Delta) error {
 	m.flushes.Add(1)
+	if g := m.flushGate.Load(); g != nil {
+		<-*g
+	}
 	if p := m.flushErr.Load(); p != nil {
 		return *p
 	}

@@ -158,6 +158,7 @@ func (e *Engine) take(out []Delta, z *Zone, en *entry, c *cell, fast bool) []Del
 	d := x.pending.Swap(0)
 	if d == 0 {
 		c.clearBits(stFlushing)
+		e.endedFlush() // a forget may have seen the bit for this moment
 		return out
 	}
 	e.stats.flushing.Add(1) // until flush or giveBack is done with it
