@@ -197,12 +197,7 @@ func TestClock_StepForwardAndBackFreezesNoKey(t *testing.T) {
 			}
 		}
 		clk.Set(start.Add(time.Second))
-		admitted := 0
-		for range 300 {
-			if e.Decide(bg, l).Allowed {
-				admitted++
-			}
-		}
+		admitted := admittedOf(e, l, 300)
 		if admitted != 100-before {
 			t.Fatalf("origin %v: admitted %d of 300 after the clock came back, want %d", withOrigin, admitted, 100-before)
 		}

@@ -34,12 +34,7 @@ func TestClock_CellOneWindowAheadIsKept(t *testing.T) {
 	if len(ks.Cells) == 0 || ks.Cells[0].Regional != 4 {
 		t.Fatalf("cells %+v, want the newer cell with 4", ks.Cells)
 	}
-	admitted := 0
-	for range 20 {
-		if e.Decide(bg, l).Allowed {
-			admitted++
-		}
-	}
+	admitted := admittedOf(e, l, 20)
 	if admitted != 6 {
 		t.Fatalf("admitted %d after a step back within the window, want the 6 left in the newer cell", admitted)
 	}

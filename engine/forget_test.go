@@ -88,12 +88,7 @@ func TestForget_WaitsForAWriteInFlight(t *testing.T) {
 		if !found {
 			t.Fatal("Forget found nothing to forget")
 		}
-		admitted := 0
-		for range 5 {
-			if e.Decide(bg, l).Allowed {
-				admitted++
-			}
-		}
+		admitted := admittedOf(e, l, 5)
 		if admitted != 1 {
 			t.Fatalf("admitted %d after Forget with 4 of 5 units used; want 1", admitted)
 		}

@@ -40,12 +40,7 @@ func TestGlobal_ImportIsWeighedAndKeptApart(t *testing.T) {
 	if !e.ImportGlobal(key, seq, 8, true) {
 		t.Fatal("import into a zone that exists was not applied")
 	}
-	admitted := 0
-	for i := 0; i < 10; i++ {
-		if e.Decide(bg, lim("k", time.Minute, 10, 1)).Allowed {
-			admitted++
-		}
-	}
+	admitted := admittedOf(e, lim("k", time.Minute, 10, 1), 10)
 	if admitted != 2 {
 		t.Fatalf("admitted %d with 8 of 10 imported, want 2", admitted)
 	}
@@ -103,12 +98,7 @@ func TestGlobal_ImportForPreviousCellOfUnseenKey(t *testing.T) {
 		t.Fatal("previous-cell import of an unseen key not applied")
 	}
 	// 40 × ¾ = 30 weighed; a limit of 40 leaves 10.
-	admitted := 0
-	for i := 0; i < 20; i++ {
-		if e.Decide(bg, lim("fresh", w, 40, 1)).Allowed {
-			admitted++
-		}
-	}
+	admitted := admittedOf(e, lim("fresh", w, 40, 1), 20)
 	if admitted != 10 {
 		t.Fatalf("admitted %d, want 10", admitted)
 	}

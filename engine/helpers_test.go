@@ -128,3 +128,14 @@ func decideN(e *Engine, l Limit, n int) {
 		e.Decide(bg, l)
 	}
 }
+
+// admittedOf decides l n times and returns how many were allowed.
+func admittedOf(e *Engine, l Limit, n int) int {
+	admitted := 0
+	for range n {
+		if e.Decide(bg, l).Allowed {
+			admitted++
+		}
+	}
+	return admitted
+}

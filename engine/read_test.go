@@ -260,12 +260,7 @@ func TestUnread_AFarLimitAdmitsItsShareBeforeReading(t *testing.T) {
 		t.Fatalf("a could not take the key to its limit: %+v", d)
 	}
 	replayAll(t, a)
-	admitted := 0
-	for range 50 {
-		if b.Decide(bg, lim("k", time.Hour, limit, 1)).Allowed {
-			admitted++
-		}
-	}
+	admitted := admittedOf(b, lim("k", time.Hour, limit, 1), 50)
 	if admitted != limit/unreadShare {
 		t.Fatalf("b admitted %d at a key the region holds at its limit, want its unread share %d", admitted, limit/unreadShare)
 	}
