@@ -81,8 +81,8 @@ type growth struct {
 }
 
 // tableChange is an entry placed in or cleared from the table a growth
-// copies, with its hash: the hash is kept because the entry of a clear
-// may no longer be read once its slab is let go.
+// copies, with its hash, so that the new table takes the change without
+// reading the entry again.
 type tableChange struct {
 	h       uint64
 	en      *entry
@@ -498,7 +498,7 @@ func (t *entryTable) holds(h uint64, en *entry) bool {
 
 // clearEntry deletes en, whose hash is h, from t, a table not yet
 // published, if it holds it; it compares pointers and reads nothing of
-// en, whose slab may be gone.
+// en.
 func (t *entryTable) clearEntry(h uint64, en *entry) {
 	tags := tagOf(h) * lows
 	for b := h & t.mask; ; b = (b + 1) & t.mask {
