@@ -462,13 +462,12 @@ func (m *entryMap) grow(old *entryTable, g *growth, n int) {
 	}
 	m.mu.Lock()
 	for _, c := range g.changes {
+		bk, j := t.slotOf(c.h, c.en)
 		switch {
-		case c.cleared:
-			t.clearEntry(c.h, c.en)
-		case !t.holds(c.h, c.en):
-			if t.place(c.h, c.en) {
-				used++
-			}
+		case c.cleared && bk != nil:
+			bk.clear(j)
+		case !c.cleared && bk == nil && t.place(c.h, c.en):
+			used++
 		}
 	}
 	m.publish(old, t)
@@ -478,41 +477,20 @@ func (m *entryMap) grow(old *entryTable, g *growth, n int) {
 	m.mu.Unlock()
 }
 
-// holds reports whether t holds en, whose hash is h; it compares
-// pointers, not names.
-func (t *entryTable) holds(h uint64, en *entry) bool {
-	tags := tagOf(h) * lows
-	for b := h & t.mask; ; b = (b + 1) & t.mask {
-		bk := &t.buckets[b]
-		meta := bk.meta.Load()
-		for hit := someZeroBytes(meta ^ tags); hit != 0; hit &= hit - 1 {
-			if bk.slots[bits.TrailingZeros64(hit)>>3].Load() == en {
-				return true
-			}
-		}
-		if zeroBytes(meta) != 0 {
-			return false
-		}
-	}
-}
-
-// clearEntry deletes en, whose hash is h, from t, a table not yet
-// published, if it holds it; it compares pointers and reads nothing of
-// en.
-func (t *entryTable) clearEntry(h uint64, en *entry) {
+// slotOf finds en, whose hash is h, in t: its bucket and slot, or a nil
+// bucket. It compares pointers and reads nothing of en.
+func (t *entryTable) slotOf(h uint64, en *entry) (*entryBucket, int) {
 	tags := tagOf(h) * lows
 	for b := h & t.mask; ; b = (b + 1) & t.mask {
 		bk := &t.buckets[b]
 		meta := bk.meta.Load()
 		for hit := someZeroBytes(meta ^ tags); hit != 0; hit &= hit - 1 {
 			if j := bits.TrailingZeros64(hit) >> 3; bk.slots[j].Load() == en {
-				bk.meta.Store(meta&^(0xff<<(8*j)) | tagDeleted<<(8*j))
-				bk.slots[j].Store(nil)
-				return
+				return bk, j
 			}
 		}
 		if zeroBytes(meta) != 0 {
-			return
+			return nil, 0
 		}
 	}
 }
@@ -565,11 +543,16 @@ func (m *entryMap) clear(bk *entryBucket, j int) {
 		en := bk.slots[j].Load()
 		g.changes = append(g.changes, tableChange{h: m.seed.hash(en.id()), en: en, cleared: true})
 	}
+	bk.clear(j)
+	m.live--
+	m.removed++
+}
+
+// clear marks slot j deleted and empties it, the tag first.
+func (bk *entryBucket) clear(j int) {
 	meta := bk.meta.Load()
 	bk.meta.Store(meta&^(0xff<<(8*j)) | tagDeleted<<(8*j))
 	bk.slots[j].Store(nil)
-	m.live--
-	m.removed++
 }
 
 // sweep lets go of the full slabs whose entries have all been removed
