@@ -97,18 +97,27 @@ func (r redisRegion) DenialsWritten(ctx context.Context, rows []propagation.Bloc
 	return r.o.DenialsWritten(ctx, out)
 }
 
-func (r redisRegion) Totals(ctx context.Context, cells []propagation.Cell) ([]int64, error) {
-	out := make([]origin.RoleCell, len(cells))
+func (r redisRegion) Totals(ctx context.Context, cells []propagation.Cell) ([]propagation.RegionTotal, error) {
+	in := make([]origin.RoleCell, len(cells))
 	for i, c := range cells {
-		out[i] = roleCell(c)
+		in[i] = roleCell(c)
 	}
-	return r.o.CellTotals(ctx, out)
+	ts, err := r.o.CellTotals(ctx, in)
+	out := make([]propagation.RegionTotal, len(ts))
+	for i, t := range ts {
+		out[i] = propagation.RegionTotal{Count: t.Count, ResetVersion: t.ResetVersion, ResetBase: t.ResetBase}
+	}
+	return out, err
 }
 
 func (r redisRegion) Import(ctx context.Context, ims []propagation.RegionImport) error {
 	out := make([]origin.RoleImport, len(ims))
 	for i, im := range ims {
-		out[i] = origin.RoleImport{Key: roleKey(im.Cell), Sequence: im.Sequence, Count: im.Count}
+		parts := make([]origin.ImportPart, len(im.Parts))
+		for j, p := range im.Parts {
+			parts[j] = origin.ImportPart{Region: p.Region, Count: p.Count, Denied: p.Denied, ResetVersion: p.ResetVersion, ResetBase: p.ResetBase}
+		}
+		out[i] = origin.RoleImport{Key: roleKey(im.Cell), Sequence: im.Sequence, Parts: parts}
 	}
 	return r.o.Import(ctx, out)
 }

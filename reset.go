@@ -90,11 +90,16 @@ type resetDoc struct {
 }
 
 // resetRegionCells marks the current cell of the key in every window
-// its zone has here, and the one before it, in the region's Redis.
+// its zone has here, and the one before it, in the region's Redis; a
+// global reset under its version, which every region marks alike.
 func resetRegionCells(ctx context.Context, o *origin.Redis, st *state, rec overrideRec) error {
+	var version int64
+	if rec.Global {
+		version = rec.Version
+	}
 	for _, w := range defWindows(st.zones.definitions(rec.Zone, st.apps.view().app)) {
 		key := engine.Key{Namespace: rec.Zone, Identifier: rec.Identifier, Window: w}
-		if err := o.ResetCells(ctx, key, st.engine.Now().UnixMilli()/w.Milliseconds()); err != nil {
+		if err := o.ResetCells(ctx, key, st.engine.Now().UnixMilli()/w.Milliseconds(), version); err != nil {
 			return err
 		}
 	}

@@ -4,39 +4,111 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 
 	"github.com/redis/go-redis/v9"
 
 	"github.com/edgelimit/caddy-ratelimit/engine"
 )
 
-// Resets of a key for the whole region: an operator makes a key start over
-// from zero in its current window on every node of the region. With
-// idempotent per-incarnation totals, deleting the cell would be no reset
-// (every node writes its total back on its next replay), so a reset marks
-// the cell instead: r and rg hold what t and g were at the reset, and every
-// script says t − r and g − rg (scripts.go). The units written after the
-// reset count as usual, those from before never come back. The previous
-// cell is marked too, so the key's previous window weighs nothing.
+// Resets of a key: an operator makes a key start over from zero in its
+// current window on every node of the region (a region reset) or of every
+// region (a global one). With idempotent per-incarnation totals, deleting
+// the cell would be no reset (every node writes its total back on its next
+// replay), so a reset marks the cell instead: r holds what t was at the
+// reset, and every script says t − r (scripts.go). The units written after
+// the reset count as usual, those from before never come back. The
+// previous cell is marked too, so the key's previous window weighs nothing.
+//
+// What the cell imported from other regions (g) starts over too, and how
+// depends on the reset. A region reset marks rg := g: the cell says g − rg.
+// A global reset is marked in every region, each when it hears of it,
+// under one version (the reset's): the cell keeps the version (gv) and its
+// own total then (gb), which the cross-region role publishes with the
+// region's count, so that every other region takes exactly the units
+// counted after this region's mark off its count (count − gb). The cell
+// keeps each foreign region's import as a field of its own,
+//
+//	x.<region>   "<count> <denied> <version> <base> <snapshot>": the
+//	             largest published count, the largest count a denial row
+//	             gave (both as the region counted them), the newest global
+//	             reset the region published for the cell with its base
+//	             then, and what the import was when this region last
+//	             marked a global reset
+//
+// and g is their sum, each region's share being
+//
+//   - its count − its base, once it published the cell's newest reset (or
+//     a newer one): exactly the units it counted since it marked;
+//   - count − snapshot while it has not: what it counted since this region
+//     marked, which may hold units it admitted before the reset and had
+//     not published yet (a published row does not say which of its units
+//     came before), until its own mark's row replaces them;
+//   - the larger of count and denied when the cell was never reset.
 //
 // Which keys were reset reaches the region's nodes as an override record
 // (the root's, opaque here: overrides.go), so that each drops its own
 // state of the key.
 
-// resetScript marks each existing cell KEYS[i]: r := t, rg := g.
-var resetScript = redis.NewScript(`
+// importsLua defines imports(h), the cell h's per-region imports by field,
+// and share(p, gv), what one of them adds to g in a cell whose newest
+// global reset is gv (0: never reset). Versions are Unix microseconds,
+// exact as Lua numbers.
+const importsLua = `
+local function imports(h)
+  local all, out = redis.call('HGETALL', h), {}
+  for i = 1, #all, 2 do
+    if string.sub(all[i], 1, 2) == 'x.' then
+      local c, d, v, b, s = string.match(all[i+1], '(%d+) (%d+) (%d+) (%d+) (%d+)')
+      out[all[i]] = {tonumber(c), tonumber(d), tonumber(v), tonumber(b), tonumber(s)}
+    end
+  end
+  return out
+end
+local function share(p, gv)
+  if p[3] > 0 and p[3] >= gv then return math.max(p[1] - p[4], 0) end
+  if gv == 0 then return math.max(p[1], p[2]) end
+  return math.max(math.max(p[1], p[2]) - p[5], 0)
+end
+local function importField(p)
+  return string.format('%d %d %d %d %d', p[1], p[2], p[3], p[4], p[5])
+end
+`
+
+// resetScript marks each existing cell KEYS[i]. ARGV[1] is the global
+// reset's version, 0 for a region reset: r := t and rg := g; a global
+// reset the cell holds already (or one older than it holds) changes
+// nothing, a newer one sets r, gb := t and gv, snapshots every import and
+// sums g again (rg := 0: the snapshots take the old part off).
+var resetScript = redis.NewScript(importsLua + `
+local ver = tonumber(ARGV[1])
 for i = 1, #KEYS do
-  local v = redis.call('HMGET', KEYS[i], 't', 'g')
-  if v[1] then redis.call('HSET', KEYS[i], 'r', v[1], 'rg', v[2] or '0') end
+  local h = KEYS[i]
+  local v = redis.call('HMGET', h, 't', 'g', 'gv')
+  if v[1] then
+    if ver == 0 then
+      redis.call('HSET', h, 'r', v[1], 'rg', v[2] or '0')
+    elseif ver > tonumber(v[3] or '0') then
+      local g = 0
+      for f, p in pairs(imports(h)) do
+        p[5] = math.max(p[1], p[2])
+        redis.call('HSET', h, f, importField(p))
+        g = g + share(p, ver)
+      end
+      redis.call('HSET', h, 'r', v[1], 'gb', v[1], 'gv', ARGV[1], 'rg', '0', 'g', string.format('%d', math.min(g, 9007199254740991)))
+    end
+  end
 end
 return 0
 `)
 
-// ResetCells marks the key's cell seq and the one before it as reset.
-func (r *Redis) ResetCells(ctx context.Context, key engine.Key, seq int64) error {
+// ResetCells marks the key's cell seq and the one before it as reset:
+// version is the global reset's (its override's version), 0 for a reset
+// of the region alone.
+func (r *Redis) ResetCells(ctx context.Context, key engine.Key, seq, version int64) error {
 	ep := r.route(key)
 	cur, prev := cellKeys(r.prefix, key, seq)
-	if err := resetScript.Run(ctx, ep.client, []string{cur, prev}).Err(); err != nil && !errors.Is(err, redis.Nil) {
+	if err := resetScript.Run(ctx, ep.client, []string{cur, prev}, strconv.FormatInt(max(version, 0), 10)).Err(); err != nil && !errors.Is(err, redis.Nil) {
 		return fmt.Errorf("redis reset %s (zone %q): %w", ep.address, key.Namespace, err)
 	}
 	return nil

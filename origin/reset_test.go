@@ -28,7 +28,7 @@ func TestReset_UnitsFromBeforeNeverComeBack(t *testing.T) {
 	if cur, prev, _ := readPair(b, ctx, k, seq); cur != 50 || prev != 30 {
 		t.Fatalf("before the reset: %d / %d", cur, prev)
 	}
-	if err := b.ResetCells(ctx, k, seq); err != nil {
+	if err := b.ResetCells(ctx, k, seq, 0); err != nil {
 		t.Fatal(err)
 	}
 	if cur, prev, _ := readPair(b, ctx, k, seq); cur != 0 || prev != 0 {
@@ -52,5 +52,75 @@ func TestReset_UnitsFromBeforeNeverComeBack(t *testing.T) {
 	res.Incarnation = 2
 	if err := a.Reserve(ctx, res); err != nil || res.Admitted || res.Totals.Cur != 10 {
 		t.Fatalf("a reservation of 1 at 10 of 10: %+v (%v)", res, err)
+	}
+}
+
+// TestReset_GlobalTakesOffEachRegionsOwnPast: a cell of region A imports
+// regions B and C; a global reset marked here starts the import over
+// (each region's part as it was then is its snapshot), units B admitted
+// before the reset and published after A marked count only until B
+// publishes its own mark, whose base takes off exactly what B counted
+// before it; the mark is idempotent, a region reset after it still takes
+// the imports off, and the region's total is published with the mark.
+func TestReset_GlobalTakesOffEachRegionsOwnPast(t *testing.T) {
+	srv := redistest.Start(t)
+	a := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "a"})
+	ctx, k, seq := ctxT(t), key("global-reset"), nowSeq()
+	const v = 1_790_000_000_000_000 // a version: Unix microseconds
+	imported := func(what string, want int64, parts ...ImportPart) {
+		t.Helper()
+		if len(parts) > 0 {
+			if err := a.Import(ctx, []RoleImport{{Key: k, Sequence: seq, Parts: parts}}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if tot, err := a.Read(ctx, k, seq, 0); err != nil || tot.Global != want {
+			t.Fatalf("%s: the cell imports %d (%v), want %d", what, tot.Global, err, want)
+		}
+	}
+	if err := a.Flush(ctx, []engine.Delta{{Key: k, Sequence: seq, Own: 20, Incarnation: 1}}); err != nil {
+		t.Fatal(err)
+	}
+	imported("before the reset", 10+6, ImportPart{Region: "b", Count: 10}, ImportPart{Region: "c", Count: 4, Denied: 6})
+	if err := a.ResetCells(ctx, k, seq, v); err != nil {
+		t.Fatal(err)
+	}
+	imported("at the reset", 0)
+	if tot, err := a.CellTotals(ctx, []RoleCell{{Key: k, Sequence: seq}}); err != nil || tot[0] != (CellTotal{Count: 20, ResetVersion: v, ResetBase: 20}) {
+		t.Fatalf("the region's total %+v (%v), want 20 with the reset's version and base 20", tot, err)
+	}
+	// B published 2 units it had admitted before the reset: they count
+	// until B's own mark says where its reset was.
+	imported("B's late units", 2, ImportPart{Region: "b", Count: 12})
+	imported("B's mark at 12 and one unit since", 1, ImportPart{Region: "b", Count: 13, ResetVersion: v, ResetBase: 12})
+	imported("C's mark at 7 and one unit since", 2, ImportPart{Region: "c", Count: 8, Denied: 9, ResetVersion: v, ResetBase: 7})
+	imported("an older row of B", 2, ImportPart{Region: "b", Count: 12})
+	if err := a.ResetCells(ctx, k, seq, v); err != nil { // heard again
+		t.Fatal(err)
+	}
+	imported("the same reset again", 2)
+	if err := a.ResetCells(ctx, k, seq, 0); err != nil { // the region alone
+		t.Fatal(err)
+	}
+	imported("a region reset", 0)
+	imported("three more units of B", 3, ImportPart{Region: "b", Count: 16, ResetVersion: v, ResetBase: 12})
+	// A cell never reset here raises its import as before, whatever the
+	// other regions reset: this region takes its old part off when it
+	// hears of the reset, not before.
+	k2 := key("not-reset-here")
+	if err := a.Import(ctx, []RoleImport{{Key: k2, Sequence: seq, Parts: []ImportPart{{Region: "b", Count: 10}}}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Import(ctx, []RoleImport{{Key: k2, Sequence: seq, Parts: []ImportPart{{Region: "b", Count: 11, ResetVersion: v, ResetBase: 10}}}}); err != nil {
+		t.Fatal(err)
+	}
+	if tot, _ := a.Read(ctx, k2, seq, 0); tot.Global != 10 {
+		t.Fatalf("a cell not reset here imports %d after B's reset, want 10 until this region marks", tot.Global)
+	}
+	if err := a.ResetCells(ctx, k2, seq, v); err != nil {
+		t.Fatal(err)
+	}
+	if tot, _ := a.Read(ctx, k2, seq, 0); tot.Global != 1 {
+		t.Fatalf("after this region marks B's reset: %d, want B's one unit since its mark", tot.Global)
 	}
 }

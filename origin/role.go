@@ -69,11 +69,29 @@ type RoleDenial struct {
 	Row      string
 }
 
-// RoleImport is what other regions counted in a cell, for the region.
+// RoleImport is what other regions counted in a cell, for the region:
+// each foreign region's part (reset.go says what the cell makes of them).
 type RoleImport struct {
 	Key      engine.Key
 	Sequence int64
-	Count    int64
+	Parts    []ImportPart
+}
+
+// ImportPart is what one foreign region counted in a cell, as its rows
+// said: Count, its largest published count; Denied, the largest count its
+// denial rows gave; ResetVersion and ResetBase, the newest global reset it
+// published for the cell and its count then (0 and 0 for none).
+type ImportPart struct {
+	Region                  string
+	Count, Denied           int64
+	ResetVersion, ResetBase int64
+}
+
+// CellTotal is a cell's total in the region (t: every unit its nodes
+// counted, reset or not) and its newest global reset's version and base
+// (gv and gb, reset.go), for the cross-region role to publish.
+type CellTotal struct {
+	Count, ResetVersion, ResetBase int64
 }
 
 var (
@@ -110,19 +128,42 @@ for i = 1, #ARGV, 2 do
 end
 return 0
 `)
-	// importScript raises field g of each cell KEYS[i] to ARGV[2i-1] (a
-	// cell made here gets t and n at 0 and the expiry ARGV[2i]).
-	importScript = redis.NewScript(`
+	// importScript merges into each cell KEYS[i] its foreign regions'
+	// parts and sums g again (reset.go). ARGV, per cell in order: the
+	// expiry a cell made here gets (with t and n at 0), the number of
+	// parts, then five values a part: region, count, denied, reset
+	// version and base. A part merges as rows do: counts by the larger,
+	// the newer reset with its base; the snapshot stays.
+	importScript = redis.NewScript(importsLua + `
+local a = 1
 for i = 1, #KEYS do
-  local v = redis.call('HMGET', KEYS[i], 'g', 't')
-  local g = ARGV[2*i-1]
-  if tonumber(v[1] or '0') < tonumber(g) then
-    if v[2] then
-      redis.call('HSET', KEYS[i], 'g', g)
-    else
-      redis.call('HSET', KEYS[i], 'g', g, 't', '0', 'n', '0')
-      redis.call('PEXPIREAT', KEYS[i], ARGV[2*i])
+  local h = KEYS[i]
+  local at, k = ARGV[a], tonumber(ARGV[a+1])
+  a = a + 2
+  local v = redis.call('HMGET', h, 't', 'g', 'gv')
+  for j = 1, k do
+    local f = 'x.' .. ARGV[a]
+    local p = {tonumber(ARGV[a+1]), tonumber(ARGV[a+2]), tonumber(ARGV[a+3]), tonumber(ARGV[a+4]), 0}
+    a = a + 5
+    local old = redis.call('HGET', h, f)
+    if old then
+      local c, d, ver, b, s = string.match(old, '(%d+) (%d+) (%d+) (%d+) (%d+)')
+      c, d, ver, b, s = tonumber(c), tonumber(d), tonumber(ver), tonumber(b), tonumber(s)
+      p[1], p[2], p[5] = math.max(p[1], c), math.max(p[2], d), s
+      if ver > p[3] then p[3], p[4] = ver, b elseif ver == p[3] then p[4] = math.max(p[4], b) end
     end
+    redis.call('HSET', h, f, importField(p))
+  end
+  local gv, g = tonumber(v[3] or '0'), 0
+  for _, p in pairs(imports(h)) do g = g + share(p, gv) end
+  g = math.min(g, 9007199254740991)
+  -- Never reset here: imports only grow, as they did before the parts.
+  if gv == 0 then g = math.max(g, tonumber(v[2] or '0')) end
+  if v[1] then
+    redis.call('HSET', h, 'g', string.format('%d', g))
+  else
+    redis.call('HSET', h, 'g', string.format('%d', g), 't', '0', 'n', '0')
+    redis.call('PEXPIREAT', h, at)
   end
 end
 return 0
@@ -348,10 +389,10 @@ func (r *Redis) DenialsWritten(ctx context.Context, ds []RoleDenial) error {
 	return ep.execScripts(ctx, pipe, forgetScript)
 }
 
-// CellTotals returns the region's total of each cell (0 for a cell Redis
-// does not hold), in order.
-func (r *Redis) CellTotals(ctx context.Context, cells []RoleCell) ([]int64, error) {
-	out := make([]int64, len(cells))
+// CellTotals returns the region's total of each cell with its newest
+// global reset (zeros for a cell Redis does not hold), in order.
+func (r *Redis) CellTotals(ctx context.Context, cells []RoleCell) ([]CellTotal, error) {
+	out := make([]CellTotal, len(cells))
 	byEP := map[*endpoint][]int{}
 	for i, c := range cells {
 		ep := r.route(c.Key)
@@ -359,24 +400,31 @@ func (r *Redis) CellTotals(ctx context.Context, cells []RoleCell) ([]int64, erro
 	}
 	for ep, idx := range byEP {
 		pipe := ep.client.Pipeline()
-		cmds := make([]*redis.StringCmd, len(idx))
+		cmds := make([]*redis.SliceCmd, len(idx))
 		for j, i := range idx {
-			cmds[j] = pipe.HGet(ctx, cellKey(r.prefix, cells[i].Key, cells[i].Sequence), "t")
+			cmds[j] = pipe.HMGet(ctx, cellKey(r.prefix, cells[i].Key, cells[i].Sequence), "t", "gv", "gb")
 		}
 		if _, err := pipe.Exec(ctx); err != nil && !errors.Is(err, redis.Nil) {
 			return out, fmt.Errorf("redis totals %s: %w", ep.address, err)
 		}
 		for j, i := range idx {
-			out[i], _ = cmds[j].Int64()
+			vals, _ := cmds[j].Result()
+			var n [3]int64
+			for k := 0; k < len(vals) && k < 3; k++ {
+				if v, ok := vals[k].(string); ok {
+					n[k], _ = strconv.ParseInt(v, 10, 64)
+				}
+			}
+			out[i] = CellTotal{Count: n[0], ResetVersion: n[1], ResetBase: n[2]}
 		}
 	}
 	return out, nil
 }
 
-// Import raises each cell's imported count (field g) to its Count, making
-// the cell (with its expiry) when the region holds none yet, so that a
-// node that first sees the key reads the other regions' count in its cold
-// read.
+// Import merges each cell's foreign parts and sums its imported count
+// (field g) again, making the cell (with its expiry) when the region holds
+// none yet, so that a node that first sees the key reads the other
+// regions' count in its cold read.
 func (r *Redis) Import(ctx context.Context, imports []RoleImport) error {
 	byEP := map[*endpoint][]int{}
 	for i, im := range imports {
@@ -390,11 +438,15 @@ func (r *Redis) Import(ctx context.Context, imports []RoleImport) error {
 		for lo := 0; lo < len(idx); lo += chunk {
 			part := idx[lo:min(lo+chunk, len(idx))]
 			keys := make([]string, len(part))
-			args := make([]any, 0, 2*len(part))
+			args := make([]any, 0, 7*len(part))
 			for j, i := range part {
 				im := imports[i]
 				keys[j] = cellKey(r.prefix, im.Key, im.Sequence)
-				args = append(args, engine.ClampCount(im.Count), expireAt(im.Key, im.Sequence).UnixMilli())
+				args = append(args, expireAt(im.Key, im.Sequence).UnixMilli(), len(im.Parts))
+				for _, p := range im.Parts {
+					args = append(args, p.Region, engine.ClampCount(p.Count), engine.ClampCount(p.Denied),
+						max(p.ResetVersion, 0), engine.ClampCount(p.ResetBase))
+				}
 			}
 			importScript.Run(ctx, pipe, keys, args...)
 		}

@@ -136,7 +136,8 @@ func TestRole_ImportsReachEveryNodesRoundTrips(t *testing.T) {
 	holder := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "h"})
 	node := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "n"})
 	k, seq := key("imported"), nowSeq()
-	if err := holder.Import(ctxT(t), []RoleImport{{Key: k, Sequence: seq, Count: 40}, {Key: k, Sequence: seq - 1, Count: 9}}); err != nil {
+	if err := holder.Import(ctxT(t), []RoleImport{{Key: k, Sequence: seq, Parts: []ImportPart{{Region: "b", Count: 40}}},
+		{Key: k, Sequence: seq - 1, Parts: []ImportPart{{Region: "b", Count: 9}}}}); err != nil {
 		t.Fatal(err)
 	}
 	tot, err := node.Read(ctxT(t), k, seq, 1)
@@ -147,7 +148,7 @@ func TestRole_ImportsReachEveryNodesRoundTrips(t *testing.T) {
 	if err != nil || at != expireAt(k, seq).UnixMilli() {
 		t.Fatalf("an imported cell expires at %d (%v), want %d", at, err, expireAt(k, seq).UnixMilli())
 	}
-	if err := holder.Import(ctxT(t), []RoleImport{{Key: k, Sequence: seq, Count: 30}}); err != nil { // never lowers
+	if err := holder.Import(ctxT(t), []RoleImport{{Key: k, Sequence: seq, Parts: []ImportPart{{Region: "b", Count: 30}}}}); err != nil { // never lowers
 		t.Fatal(err)
 	}
 	b := []engine.Delta{{Key: k, Sequence: seq, Incarnation: 1, Delta: 5, Own: 5}}
@@ -155,7 +156,7 @@ func TestRole_ImportsReachEveryNodesRoundTrips(t *testing.T) {
 		t.Fatalf("write %+v (%v), want total 5 beside the import 40", b[0].Totals, err)
 	}
 	totals, err := holder.CellTotals(ctxT(t), []RoleCell{{Key: k, Sequence: seq}, {Key: key("none"), Sequence: seq}})
-	if err != nil || !slices.Equal(totals, []int64{5, 0}) {
+	if err != nil || !slices.Equal(totals, []CellTotal{{Count: 5}, {}}) {
 		t.Fatalf("totals %v (%v), want the region's 5 (never the import) and 0", totals, err)
 	}
 }

@@ -4,6 +4,8 @@ import (
 	"context"
 	"sync"
 	"testing"
+
+	"github.com/edgelimit/caddy-ratelimit/internal/mysqltest"
 )
 
 // overridesSeen collects what a process's pulls hand to OnOverrides.
@@ -155,5 +157,59 @@ func TestOverrides_AResetReachesMySQLBeforeTheCountsAfterIt(t *testing.T) {
 	resets = countRows(t, s.dsn, "ratelimit_overrides", "WHERE identifier = 'k'")
 	if counted != 1 || resets != 1 {
 		t.Fatalf("after the next flush: %d rows of the new count, %d of the reset; want both", counted, resets)
+	}
+}
+
+// TestOverrides_AGlobalMarkIsPublishedWithItsBase: a region that marks a
+// global reset publishes its count with the reset's version and its base
+// (its total then), although the count did not move, and another region's
+// holder hands both to its region's Redis with the part of the region
+// that sent them. A stale write without the reset never takes it back.
+func TestOverrides_AGlobalMarkIsPublishedWithItsBase(t *testing.T) {
+	s := newSetup(t)
+	memA, memB := newMemRegion(s.clk), newMemRegion(s.clk)
+	a, b := s.regionNode("a", "n1", memA), s.regionNode("b", "m1", memB)
+	a.decide("k", 100, 60)
+	memA.setTotal("k", 60)
+	a.p.FlushOnce(bg)
+	a.p.GlobalSyncOnce(bg)
+	a.p.FlushOnce(bg)
+	cell := Cell{"z", "k", window.Milliseconds(), seq0}
+	row := func() (count, ver, base int64) {
+		t.Helper()
+		db := mysqltest.Open(t, s.dsn)
+		if err := db.QueryRow(`SELECT count, reset_version, reset_base FROM ratelimit_global_counts WHERE region = 'a' AND identifier = 'k'`).
+			Scan(&count, &ver, &base); err != nil {
+			t.Fatal(err)
+		}
+		return count, ver, base
+	}
+	if c, v, _ := row(); c != 60 || v != 0 {
+		t.Fatalf("before the reset: count %d, reset %d; want 60 and none", c, v)
+	}
+	memA.mu.Lock()
+	memA.totals[cell] = RegionTotal{Count: 60, ResetVersion: 5000, ResetBase: 60}
+	memA.mu.Unlock()
+	a.p.FlushOnce(bg)
+	if c, v, base := row(); c != 60 || v != 5000 || base != 60 {
+		t.Fatalf("after the mark: count %d, reset %d, base %d; want 60, 5000, 60", c, v, base)
+	}
+	stale := &CountRow{Namespace: "z", Identifier: "k", WindowMs: window.Milliseconds(), Sequence: seq0, Region: "a",
+		Count: 61, ExpiresMs: expiresMs(seq0, window.Milliseconds())}
+	if err := a.store.UpsertCounts(bg, []*CountRow{stale}); err != nil {
+		t.Fatal(err)
+	}
+	if c, v, base := row(); c != 61 || v != 5000 || base != 60 {
+		t.Fatalf("after a write without the reset: count %d, reset %d, base %d; want 61 and the reset kept", c, v, base)
+	}
+	for range 2 {
+		b.p.GlobalSyncOnce(bg)
+		b.p.FlushOnce(bg)
+	}
+	memB.mu.Lock()
+	got := memB.parts[cell]["a"]
+	memB.mu.Unlock()
+	if got != (ImportPart{Region: "a", Count: 61, ResetVersion: 5000, ResetBase: 60}) {
+		t.Fatalf("region b's Redis got a's part %+v, want count 61 with the reset 5000 at 60", got)
 	}
 }

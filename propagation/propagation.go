@@ -167,19 +167,43 @@ type zoneID struct {
 	w      int64
 }
 
-// cellImport is what other regions counted in one cell: per region, the
-// larger of the two tables' counts.
+// cellImport is what other regions counted in one cell, per region.
 type cellImport struct {
-	regions map[string]int64
+	regions map[string]*regionPart
 	expires int64
+	// changes counts the merges that were news, so that an import sent
+	// while another came stays due.
+	changes int64
 }
 
+// regionPart is what one region counted in a cell, as its rows said: the
+// largest published count and denial count, and the newest global reset
+// it published for the cell with its base.
+type regionPart struct {
+	count, denied int64
+	ver, base     int64
+}
+
+// counted is the larger of the two tables' counts.
+func (r *regionPart) counted() int64 { return max(r.count, r.denied) }
+
+// sum is the cell's imported count, resets aside: the larger of the two
+// tables' counts, summed over the regions.
 func (ci *cellImport) sum() int64 {
 	var s int64
-	for _, n := range ci.regions {
-		s = engine.SatAdd(s, n)
+	for _, r := range ci.regions {
+		s = engine.SatAdd(s, r.counted())
 	}
 	return s
+}
+
+// parts is the cell's imports region by region, for the region's Redis.
+func (ci *cellImport) parts() []ImportPart {
+	out := make([]ImportPart, 0, len(ci.regions))
+	for name, r := range ci.regions {
+		out = append(out, ImportPart{Region: name, Count: r.count, Denied: r.denied, ResetVersion: r.ver, ResetBase: r.base})
+	}
+	return out
 }
 
 // Options are the hooks a Propagator is made with.

@@ -21,8 +21,9 @@ import (
 type regCell struct {
 	limit, expires int64
 	hot            bool
-	// published is the count last written.
-	published int64
+	// published is the count last written, publishedReset the reset
+	// version written with it.
+	published, publishedReset int64
 }
 
 // candidate is a cell due to be published.
@@ -73,7 +74,7 @@ func (p *Propagator) takeRegistrations(ctx context.Context) {
 // due and the region's totals of them.
 type regionRead struct {
 	due    []Cell
-	totals []int64
+	totals []RegionTotal
 	// full: a global sync's push, which ends once it all was read and
 	// written.
 	full, ok bool
@@ -107,14 +108,17 @@ func (p *Propagator) publishRegistered(ctx context.Context, rd *regionRead) {
 	p.mu.Lock()
 	for i, c := range due {
 		r, n := p.reg[c], totals[i]
-		if r == nil || n <= r.published || r.limit <= 0 {
+		// A cell the region marked with a global reset is published
+		// although its count did not move: its base is news.
+		if r == nil || (n.Count <= r.published && n.ResetVersion <= r.publishedReset) || r.limit <= 0 {
 			continue
 		}
-		level := engine.SatAdd(n, p.importSum(c))
+		level := engine.SatAdd(n.Count, p.importSum(c))
 		r.hot = r.hot || level*2 >= r.limit
 		cands = append(cands, candidate{row: &CountRow{
 			Namespace: c.Namespace, Identifier: c.Identifier, WindowMs: c.WindowMs, Sequence: c.Sequence,
-			Region: p.cfg.Region, Count: n, ExpiresMs: expiresMs(c.Sequence, c.WindowMs),
+			Region: p.cfg.Region, Count: n.Count, ResetVersion: n.ResetVersion, ResetBase: n.ResetBase,
+			ExpiresMs: expiresMs(c.Sequence, c.WindowMs),
 		}, pressure: float64(level) / float64(r.limit)})
 	}
 	p.mu.Unlock()
@@ -126,6 +130,7 @@ func (p *Propagator) publishRegistered(ctx context.Context, rd *regionRead) {
 	for _, c := range written {
 		if r := p.reg[c.row.cell()]; r != nil {
 			r.published = max(r.published, c.row.Count)
+			r.publishedReset = max(r.publishedReset, c.row.ResetVersion)
 		}
 	}
 	if rd.full && rd.ok && !more {
@@ -136,8 +141,8 @@ func (p *Propagator) publishRegistered(ctx context.Context, rd *regionRead) {
 
 // regionTotals reads the region's totals of cells, a chunk at a time; ok
 // is false when a chunk failed (its totals read 0: nothing published).
-func (p *Propagator) regionTotals(ctx context.Context, cells []Cell) ([]int64, bool) {
-	out := make([]int64, len(cells))
+func (p *Propagator) regionTotals(ctx context.Context, cells []Cell) ([]RegionTotal, bool) {
+	out := make([]RegionTotal, len(cells))
 	ok := true
 	for lo := 0; lo < len(cells); lo += regionChunk {
 		hi := min(lo+regionChunk, len(cells))

@@ -145,7 +145,7 @@ func (p *Propagator) applyCounts(rows []CountRow, now int64) {
 		// The lock is taken per row: EntryCreated takes it on the request
 		// path and must never wait for a whole page.
 		p.mu.Lock()
-		u, ok := p.mergeLocked(r.cell(), r.Region, r.Count, r.ExpiresMs)
+		u, ok := p.mergeLocked(r.cell(), r.Region, regionPart{count: r.Count, ver: r.ResetVersion, base: r.ResetBase}, r.ExpiresMs)
 		p.mu.Unlock()
 		if ok {
 			ups = append(ups, u)
@@ -166,13 +166,13 @@ func (p *Propagator) applyBlocklist(rows []BlocklistRow, now int64) {
 		}
 		p.mu.Lock() // per row, as in applyCounts
 		applied := false
-		if u, ok := p.mergeLocked(r.cell(), r.Region, r.CountCur, r.ExpiresMs); ok {
+		if u, ok := p.mergeLocked(r.cell(), r.Region, regionPart{denied: r.CountCur}, r.ExpiresMs); ok {
 			ups, applied = append(ups, u), true
 		}
 		if r.CountPrev > 0 {
 			prev := r.cell()
 			prev.Sequence--
-			if u, ok := p.mergeLocked(prev, r.Region, r.CountPrev, r.ExpiresMs-r.WindowMs); ok {
+			if u, ok := p.mergeLocked(prev, r.Region, regionPart{denied: r.CountPrev}, r.ExpiresMs-r.WindowMs); ok {
 				ups, applied = append(ups, u), true
 			}
 		}
@@ -185,16 +185,17 @@ func (p *Propagator) applyBlocklist(rows []BlocklistRow, now int64) {
 	p.hand(ups)
 }
 
-// mergeLocked records that region counted n in cell c and returns the
-// engine update it calls for, if the count is news. A region's own rows
-// never come back as foreign: a process of its own region raises its
-// regional count with them (it restarted, or another of its processes
-// wrote them); a region with Redis has its total there and skips them.
-// Foreign ones are kept per region, and the cell's imported count is
-// their sum: for the region's Redis (importDue) or the engine. p.mu is
-// held.
-func (p *Propagator) mergeLocked(c Cell, region string, n, expires int64) (update, bool) {
-	if n <= 0 {
+// mergeLocked records what region counted in cell c (one row's part: a
+// published count with its reset, or a denial's count) and returns the
+// engine update it calls for, if it is news. A region's own rows never
+// come back as foreign: a process of its own region raises its regional
+// count with them (it restarted, or another of its processes wrote them);
+// a region with Redis has its total there and skips them. Foreign ones
+// are kept per region: the region's Redis gets them part by part
+// (importDue), the engine their sum. p.mu is held.
+func (p *Propagator) mergeLocked(c Cell, region string, in regionPart, expires int64) (update, bool) {
+	n := in.counted()
+	if n <= 0 && in.ver <= 0 {
 		return update{}, false
 	}
 	raw, known := c.Identifier, true
@@ -203,7 +204,7 @@ func (p *Propagator) mergeLocked(c Cell, region string, n, expires int64) (updat
 	}
 	key := engine.Key{Namespace: c.Namespace, Identifier: raw, Window: time.Duration(c.WindowMs) * time.Millisecond}
 	if region == p.cfg.Region {
-		if !known || p.region != nil {
+		if !known || p.region != nil || n <= 0 {
 			return update{}, false
 		}
 		return update{key: key, seq: c.Sequence, sum: n, own: true}, true
@@ -214,14 +215,30 @@ func (p *Propagator) mergeLocked(c Cell, region string, n, expires int64) (updat
 			p.stats.importDrops.Add(1)
 			return update{}, false
 		}
-		ci = &cellImport{regions: make(map[string]int64, 2), expires: expires}
+		ci = &cellImport{regions: make(map[string]*regionPart, 2), expires: expires}
 		p.imports[c] = ci
 		p.importCount.Store(int64(len(p.imports)))
 	}
-	if old, ok := ci.regions[region]; ok && old >= n {
+	r := ci.regions[region]
+	if r == nil {
+		r = new(regionPart)
+		ci.regions[region] = r
+	}
+	// News is what changes a count anyone weighs: the larger of the two
+	// tables' counts, or a newer reset (with its base; the same one, the
+	// larger base: one mark, so one base, and a retry), or, once the
+	// region published a reset, its published count on its own.
+	was := r.counted()
+	rose := in.count > r.count
+	r.count, r.denied = max(r.count, in.count), max(r.denied, in.denied)
+	news := r.counted() > was || (rose && r.ver > 0)
+	if in.ver > r.ver || (in.ver == r.ver && in.base > r.base) {
+		r.ver, r.base, news = in.ver, in.base, true
+	}
+	if !news {
 		return update{}, false
 	}
-	ci.regions[region] = n
+	ci.changes++
 	ci.expires = max(ci.expires, expires)
 	if p.region != nil {
 		p.importDue[c] = struct{}{}
@@ -295,9 +312,11 @@ func (p *Propagator) handDue() {
 func (p *Propagator) sendImports(ctx context.Context) {
 	p.mu.Lock()
 	ims := make([]RegionImport, 0, len(p.importDue))
+	changes := make([]int64, 0, len(p.importDue))
 	for c := range p.importDue {
 		if ci := p.imports[c]; ci != nil {
-			ims = append(ims, RegionImport{Cell: c, Count: ci.sum()})
+			ims = append(ims, RegionImport{Cell: c, Count: ci.sum(), Parts: ci.parts()})
+			changes = append(changes, ci.changes)
 		} else {
 			delete(p.importDue, c)
 		}
@@ -310,9 +329,9 @@ func (p *Propagator) sendImports(ctx context.Context) {
 			continue
 		}
 		p.mu.Lock()
-		for _, im := range part {
-			// A count that grew meanwhile stays due.
-			if ci := p.imports[im.Cell]; ci == nil || ci.sum() == im.Count {
+		for j, im := range part {
+			// An import that changed meanwhile stays due.
+			if ci := p.imports[im.Cell]; ci == nil || ci.changes == changes[lo+j] {
 				delete(p.importDue, im.Cell)
 			}
 		}
@@ -366,8 +385,8 @@ func (p *Propagator) ForeignCounts(key engine.Key, seq int64) map[string]int64 {
 		return nil
 	}
 	out := make(map[string]int64, len(ci.regions))
-	for r, n := range ci.regions {
-		out[r] = n
+	for name, r := range ci.regions {
+		out[name] = r.counted()
 	}
 	return out
 }

@@ -198,6 +198,11 @@ func TestMigrate_UpgradesOlderTablesInPlace(t *testing.T) {
 		AND index_name IN ('ratelimit_blocklist_updated', 'ratelimit_global_counts_updated')`).Scan(&keys); err != nil || keys != 2 {
 		t.Fatalf("%d change-time keys (%v), want one per table", keys, err)
 	}
+	var resets int
+	if err := db.QueryRow(`SELECT COUNT(*) FROM information_schema.columns WHERE table_schema = DATABASE()
+		AND table_name = 'ratelimit_global_counts' AND column_name IN ('reset_version', 'reset_base')`).Scan(&resets); err != nil || resets != 2 {
+		t.Fatalf("%d reset columns in the counts table (%v), want reset_version and reset_base", resets, err)
+	}
 	a, b := s.region("a"), s.region("b")
 	b.decide("old", 100, 1)
 	b.p.FlushOnce(bg)

@@ -34,11 +34,12 @@ type Region interface {
 	PutDenials(ctx context.Context, rows []BlocklistRow) error
 	TakeDenials(ctx context.Context) ([]BlocklistRow, error)
 	DenialsWritten(ctx context.Context, rows []BlocklistRow) error
-	// Totals returns the region's total of each cell (0 for one it does
-	// not hold), in order: what its nodes counted, never what it imported.
-	Totals(ctx context.Context, cells []Cell) ([]int64, error)
-	// Import raises each cell's imported count, making the cell when the
-	// region holds none yet.
+	// Totals returns the region's total of each cell (zeros for one it
+	// does not hold), in order: what its nodes counted, never what it
+	// imported, and the cell's newest global reset.
+	Totals(ctx context.Context, cells []Cell) ([]RegionTotal, error)
+	// Import hands each cell's imports to the region, making the cell
+	// when the region holds none yet.
 	Import(ctx context.Context, imports []RegionImport) error
 }
 
@@ -52,10 +53,30 @@ type RegionCell struct {
 	Hot bool
 }
 
-// RegionImport is what other regions counted in a cell, for the region.
+// RegionTotal is a region's total of a cell and the newest global reset
+// it marked on the cell: the reset's version and the total then (0 and 0
+// for none). Other regions take the base off the count.
+type RegionTotal struct {
+	Count, ResetVersion, ResetBase int64
+}
+
+// RegionImport is what other regions counted in a cell, for the region:
+// Count, their sum as imported before any reset; Parts, each region's
+// counts, which a region that marks global resets weighs against its own
+// mark (origin/reset.go).
 type RegionImport struct {
 	Cell
 	Count int64
+	Parts []ImportPart
+}
+
+// ImportPart is what one foreign region counted in a cell: its largest
+// published count and the newest reset it published with its base, and
+// the largest count its denial rows gave.
+type ImportPart struct {
+	Region                  string
+	Count, Denied           int64
+	ResetVersion, ResetBase int64
 }
 
 // Roles a process plays in the cross-region layer.

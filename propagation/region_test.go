@@ -26,13 +26,14 @@ type memRegion struct {
 	reg      map[Cell]RegionCell
 	queue    []Cell
 	denials  map[Cell]BlocklistRow
-	totals   map[Cell]int64 // the region's totals, as the test sets them
+	totals   map[Cell]RegionTotal // the region's totals, as the test sets them
 	imported map[Cell]int64
+	parts    map[Cell]map[string]ImportPart // the newest part of each region
 }
 
 func newMemRegion(clk *clock) *memRegion {
 	return &memRegion{clk: clk, reg: map[Cell]RegionCell{}, denials: map[Cell]BlocklistRow{},
-		totals: map[Cell]int64{}, imported: map[Cell]int64{}}
+		totals: map[Cell]RegionTotal{}, imported: map[Cell]int64{}, parts: map[Cell]map[string]ImportPart{}}
 }
 
 // memNode is one node's handle on a memRegion.
@@ -121,10 +122,10 @@ func (n memNode) DenialsWritten(_ context.Context, rows []BlocklistRow) error {
 	return nil
 }
 
-func (n memNode) Totals(_ context.Context, cells []Cell) ([]int64, error) {
+func (n memNode) Totals(_ context.Context, cells []Cell) ([]RegionTotal, error) {
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	out := make([]int64, len(cells))
+	out := make([]RegionTotal, len(cells))
 	for i, c := range cells {
 		out[i] = n.totals[c]
 	}
@@ -136,6 +137,12 @@ func (n memNode) Import(_ context.Context, ims []RegionImport) error {
 	defer n.mu.Unlock()
 	for _, im := range ims {
 		n.imported[im.Cell] = max(n.imported[im.Cell], im.Count)
+		if n.parts[im.Cell] == nil {
+			n.parts[im.Cell] = map[string]ImportPart{}
+		}
+		for _, p := range im.Parts {
+			n.parts[im.Cell][p.Region] = p
+		}
 	}
 	return nil
 }
@@ -143,7 +150,7 @@ func (n memNode) Import(_ context.Context, ims []RegionImport) error {
 func (r *memRegion) setTotal(id string, n int64) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	r.totals[Cell{"z", id, window.Milliseconds(), seq0}] = n
+	r.totals[Cell{"z", id, window.Milliseconds(), seq0}] = RegionTotal{Count: n}
 }
 
 func (r *memRegion) importedOf(id string) int64 {

@@ -32,7 +32,11 @@ type CountRow struct {
 	Sequence   int64
 	Region     string
 	Count      int64
-	ExpiresMs  int64
+	// ResetVersion and ResetBase: the newest global reset the region
+	// marked on the cell and its count then (0 and 0 for none); other
+	// regions count Count − ResetBase once they mark the same reset.
+	ResetVersion, ResetBase int64
+	ExpiresMs               int64
 	// UpdatedMs: as BlocklistRow's.
 	UpdatedMs int64
 }

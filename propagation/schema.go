@@ -20,8 +20,12 @@ import (
 //     and InnoDB clusters rows by it: a cell's rows sit together).
 //   - expires_ms is indexed for the cleanup's bounded deletes.
 //   - updated_ms is when a count of the row last rose (an override: when
-//     a newer change replaced it), on the database's clock, indexed for
-//     the pulls that read what changed.
+//     a newer change replaced it; a published count: also when a newer
+//     global reset came), on the database's clock, indexed for the pulls
+//     that read what changed.
+//   - reset_version and reset_base in a published count: the newest
+//     global reset the region marked on the cell (its override's version)
+//     and the region's count then, which other regions take off.
 //   - ratelimit_overrides holds one row per zone and identifier: the
 //     newest change (version) of its runtime override, removals included
 //     until they lapse; a key's reset for every region is a row of its
@@ -45,14 +49,16 @@ var schema = []string{
   KEY ratelimit_blocklist_updated (updated_ms)
 ) ENGINE=InnoDB`,
 	`CREATE TABLE IF NOT EXISTS ratelimit_global_counts (
-  namespace  VARBINARY(64)  NOT NULL,
-  identifier VARBINARY(128) NOT NULL,
-  window_ms  BIGINT         NOT NULL,
-  sequence   BIGINT         NOT NULL,
-  region     VARBINARY(96)  NOT NULL,
-  count      BIGINT         NOT NULL,
-  expires_ms BIGINT         NOT NULL,
-  updated_ms BIGINT         NOT NULL DEFAULT 0,
+  namespace     VARBINARY(64)  NOT NULL,
+  identifier    VARBINARY(128) NOT NULL,
+  window_ms     BIGINT         NOT NULL,
+  sequence      BIGINT         NOT NULL,
+  region        VARBINARY(96)  NOT NULL,
+  count         BIGINT         NOT NULL,
+  reset_version BIGINT         NOT NULL DEFAULT 0,
+  reset_base    BIGINT         NOT NULL DEFAULT 0,
+  expires_ms    BIGINT         NOT NULL,
+  updated_ms    BIGINT         NOT NULL DEFAULT 0,
   PRIMARY KEY (namespace, identifier, window_ms, sequence, region),
   KEY ratelimit_global_counts_expires (expires_ms),
   KEY ratelimit_global_counts_updated (updated_ms)
@@ -86,6 +92,9 @@ var upgrades = []struct {
 	{"ratelimit_global_counts", "updated_ms", `ALTER TABLE ratelimit_global_counts
   ADD COLUMN updated_ms BIGINT NOT NULL DEFAULT 0,
   ADD KEY ratelimit_global_counts_updated (updated_ms)`},
+	{"ratelimit_global_counts", "reset_version", `ALTER TABLE ratelimit_global_counts
+  ADD COLUMN reset_version BIGINT NOT NULL DEFAULT 0,
+  ADD COLUMN reset_base BIGINT NOT NULL DEFAULT 0`},
 }
 
 // MySQL's errors for a column or key that already exists.

@@ -55,6 +55,7 @@ func TestMigrate_IdempotentAndBinaryColumns(t *testing.T) {
 		"ratelimit_global_counts.namespace:varbinary", "ratelimit_global_counts.identifier:varbinary",
 		"ratelimit_global_counts.window_ms:bigint", "ratelimit_global_counts.sequence:bigint",
 		"ratelimit_global_counts.region:varbinary", "ratelimit_global_counts.count:bigint",
+		"ratelimit_global_counts.reset_version:bigint", "ratelimit_global_counts.reset_base:bigint",
 		"ratelimit_global_counts.expires_ms:bigint", "ratelimit_global_counts.updated_ms:bigint",
 		"ratelimit_overrides.namespace:varbinary", "ratelimit_overrides.identifier:varbinary",
 		"ratelimit_overrides.limit_units:bigint", "ratelimit_overrides.expires_ms:bigint",

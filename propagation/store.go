@@ -184,22 +184,28 @@ ON DUPLICATE KEY UPDATE
 
 // UpsertCounts writes published counts, sorted like UpsertDenials, with
 // count = GREATEST(count, new): a region's count only grows, and a
-// repeated write (a new holder, a retry) changes nothing.
+// repeated write (a new holder, a retry) changes nothing. A newer global
+// reset replaces the row's reset and base (the assignments run in order,
+// each seeing those before it: updated_ms and reset_base read the old
+// reset_version).
 func (s *sqlStore) UpsertCounts(ctx context.Context, rows []*CountRow) error {
 	if len(rows) == 0 {
 		return nil
 	}
 	slices.SortFunc(rows, compareCount)
-	args := make([]any, 0, len(rows)*7)
+	args := make([]any, 0, len(rows)*9)
 	for _, r := range rows {
 		args = append(args, []byte(r.Namespace), []byte(r.Identifier), r.WindowMs, r.Sequence, []byte(r.Region),
-			r.Count, r.ExpiresMs)
+			r.Count, r.ResetVersion, r.ResetBase, r.ExpiresMs)
 	}
 	q := `INSERT INTO ratelimit_global_counts
-  (namespace, identifier, window_ms, sequence, region, count, expires_ms, updated_ms)
-VALUES ` + placeholders(len(rows), 7, ","+dbNowMs) + `
+  (namespace, identifier, window_ms, sequence, region, count, reset_version, reset_base, expires_ms, updated_ms)
+VALUES ` + placeholders(len(rows), 9, ","+dbNowMs) + `
 ON DUPLICATE KEY UPDATE
-  updated_ms = IF(VALUES(count) > count, VALUES(updated_ms), updated_ms),
+  updated_ms = IF(VALUES(count) > count OR VALUES(reset_version) > reset_version, VALUES(updated_ms), updated_ms),
+  reset_base = IF(VALUES(reset_version) > reset_version, VALUES(reset_base),
+    IF(VALUES(reset_version) = reset_version, GREATEST(reset_base, VALUES(reset_base)), reset_base)),
+  reset_version = GREATEST(reset_version, VALUES(reset_version)),
   count = GREATEST(count, VALUES(count)),
   expires_ms = GREATEST(expires_ms, VALUES(expires_ms))`
 	if _, err := s.write.ExecContext(ctx, q, args...); err != nil {
@@ -210,7 +216,7 @@ ON DUPLICATE KEY UPDATE
 
 const (
 	blocklistColumns = `namespace, identifier, window_ms, sequence, origin_region, limit_units, count_cur, count_prev, expires_ms, updated_ms`
-	countColumns     = `namespace, identifier, window_ms, sequence, region, count, expires_ms, updated_ms`
+	countColumns     = `namespace, identifier, window_ms, sequence, region, count, reset_version, reset_base, expires_ms, updated_ms`
 )
 
 func (s *sqlStore) ReadDenials(ctx context.Context, r Read) ([]BlocklistRow, error) {
@@ -247,7 +253,7 @@ func (s *sqlStore) ReadCounts(ctx context.Context, r Read) ([]CountRow, error) {
 	for rs.Next() {
 		var ns, id, region []byte
 		var c CountRow
-		if err := rs.Scan(&ns, &id, &c.WindowMs, &c.Sequence, &region, &c.Count, &c.ExpiresMs, &c.UpdatedMs); err != nil {
+		if err := rs.Scan(&ns, &id, &c.WindowMs, &c.Sequence, &region, &c.Count, &c.ResetVersion, &c.ResetBase, &c.ExpiresMs, &c.UpdatedMs); err != nil {
 			return out, fmt.Errorf("scan count row: %w", err)
 		}
 		c.Namespace, c.Identifier, c.Region = string(ns), string(id), string(region)

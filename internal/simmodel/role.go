@@ -274,12 +274,13 @@ func (c *regionConn) DenialsWritten(_ context.Context, rows []propagation.Blockl
 	})
 }
 
-func (c *regionConn) Totals(_ context.Context, cells []propagation.Cell) ([]int64, error) {
-	return roleCall(c, func(int64) ([]int64, int64, int64) {
-		out := make([]int64, len(cells))
+// Totals: the model has no resets, so every cell's reset is none.
+func (c *regionConn) Totals(_ context.Context, cells []propagation.Cell) ([]propagation.RegionTotal, error) {
+	return roleCall(c, func(int64) ([]propagation.RegionTotal, int64, int64) {
+		out := make([]propagation.RegionTotal, len(cells))
 		for i, cell := range cells {
 			if h := c.r.cells[cellOf(cell)]; h != nil {
-				out[i] = h.T
+				out[i].Count = h.T
 			}
 		}
 		return out, int64(len(cells)), int64(len(cells))
