@@ -23,8 +23,10 @@ import (
 // it drops its own state of the key (engine.ForgetMatching). A global reset travels like an override: the
 // role's holder writes it to MySQL, every other region's holder marks its
 // own region's cells when it first reads it (mysql_region.go) and leaves
-// it for its nodes. Published rows keep their totals (they only grow):
-// each region's mark takes the old part off what it imported.
+// it for its nodes. Published rows keep their totals (they only grow) and
+// carry each region's mark (the reset's version and the region's total
+// then), so every region takes off exactly what another counted before
+// its own mark (origin/reset.go).
 
 // resetLife is how long a reset's record is kept: two of the zone's
 // longest windows (the reset window and the one it weighs in), at least a

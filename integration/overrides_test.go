@@ -7,9 +7,11 @@ import (
 	"fmt"
 	"net/http"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/edgelimit/caddy-ratelimit/internal/mysqltest"
 	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
 )
 
@@ -191,9 +193,9 @@ func TestRegions_GlobalResetStaysReset(t *testing.T) {
 		}
 	}
 	reachAll(t, nodes, key, http.StatusTooManyRequests, "the key denied everywhere")
-	// Every region holds all of the other's units before the reset: units
-	// still travelling between regions when it is made come back once
-	// published (README, "Resets"), which is not what this scenario tests.
+	// Every region holds all of the other's units before the reset (units
+	// still travelling between regions when it is made are the next
+	// scenario's).
 	redistest.EventuallyShow(t, 10*time.Second, "each region imported all of the other's units", func() (bool, string) {
 		for r, region := range c.regions {
 			other := 1 - r
@@ -270,5 +272,120 @@ func (c *cluster) dumpOnFailure(key string) {
 			}
 			t.Logf("node %d status: %s", i, st)
 		}
+	})
+}
+
+// TestRegions_GlobalResetUnderTraffic: two regions × two nodes, limit
+// 12. Region A counts 6 of the key and B imports them; B then admits its
+// 6 and the key is reset for every region at once, before B's units can
+// have reached A. Traffic goes on at every node through the reset. Units
+// B admitted before its mark must not come back at A when B publishes
+// them: once the counts have travelled, every node's view of the key and
+// the published rows (each region's count less its base) are the units
+// admitted since the reset, exactly.
+func TestRegions_GlobalResetUnderTraffic(t *testing.T) {
+	const limit = 12
+	c := startCluster(t, clusterSpec{regions: 2, nodes: 2, limit: limit, window: pickWindow(2 * time.Minute)})
+	nodes, a, b := c.all(), c.regions[0], c.regions[1]
+	key := freshKey("greset-traffic")
+	c.dumpOnFailure(key)
+	for _, n := range a {
+		for range 3 {
+			if s := sendKey(loadClient, n.url("/"), key); s != http.StatusOK {
+				t.Fatalf("A's units before the reset: %d", s)
+			}
+		}
+	}
+	redistest.EventuallyShow(t, 10*time.Second, "B imported A's 6", func() (bool, string) {
+		for i, n := range b {
+			if kc, ok := n.counters(key); !ok || len(kc.Cells) == 0 || kc.Cells[0].Global != 6 {
+				return false, fmt.Sprintf("node %d of B: %+v (%v)", i, kc, ok)
+			}
+		}
+		return true, ""
+	})
+	for _, n := range b {
+		for range 3 {
+			if s := sendKey(loadClient, n.url("/"), key); s != http.StatusOK {
+				t.Fatalf("B's units before the reset: %d", s)
+			}
+		}
+	}
+	// Each node of B denies the key (two nodes can admit a unit more
+	// within a tick: README, "Accuracy and round trips"), and B's units
+	// are in B's Redis (they are B's count when B marks), not yet at A:
+	// B publishes every 100 ms and A pulls every 200 ms.
+	reachAll(t, b, key, http.StatusTooManyRequests, "B at its limit")
+	replayed(t, b)
+	// Traffic at B throughout: B, at its limit, denies until it marks.
+	var bAdmitted atomic.Int64
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	for _, n := range b {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				select {
+				case <-stop:
+					return
+				case <-time.After(10 * time.Millisecond):
+				}
+				if sendKey(loadClient, n.url("/"), key) == http.StatusOK {
+					bAdmitted.Add(1)
+				}
+			}
+		}()
+	}
+	var once sync.Once
+	stopB := func() { once.Do(func() { close(stop); wg.Wait() }) }
+	defer stopB()
+	time.Sleep(30 * time.Millisecond) // a few of B's requests before the reset
+	if n := bAdmitted.Load(); n != 0 {
+		t.Fatalf("B admitted %d at its limit before the reset", n)
+	}
+	if s := a[0].adminSend(t, http.MethodDelete, "/ratelimit/counters?zone=global&scope=global&identifier="+urlQueryEscape(key), ""); s != http.StatusOK {
+		t.Fatalf("DELETE scope=global: %d", s)
+	}
+	res := load(t, nodes, key, 40, 1500*time.Millisecond, nil)
+	stopB()
+	since := res.ok + bAdmitted.Load()
+	t.Logf("admitted since the reset: %d by the load (%v by node), %d by B's own traffic", res.ok, res.okBy, bAdmitted.Load())
+	if since < limit {
+		t.Fatalf("only %d admitted in 1.5 s after the reset, limit %d", since, limit)
+	}
+	redistest.EventuallyShow(t, 10*time.Second, "every node sees the units admitted since the reset, and no more", func() (bool, string) {
+		for i, n := range nodes {
+			if kc, ok := n.counters(key); !ok || kc.Effective != since {
+				return false, fmt.Sprintf("%d admitted since; node %d: %+v (%v)", since, i, kc, ok)
+			}
+		}
+		return true, ""
+	})
+	// The published rows say the same: each region's count less its base.
+	db := mysqltest.Open(t, c.dsn)
+	w := c.spec.window.Milliseconds()
+	redistest.EventuallyShow(t, 10*time.Second, "the published rows count the units since the reset", func() (bool, string) {
+		rows, err := db.Query(`SELECT region, count, reset_version, reset_base FROM ratelimit_global_counts
+			WHERE identifier = ? AND window_ms = ? AND sequence = ?`, []byte(key), w, time.Now().UnixMilli()/w)
+		if err != nil {
+			return false, err.Error()
+		}
+		defer rows.Close()
+		var sum int64
+		var got []string
+		versions := map[int64]bool{}
+		for rows.Next() {
+			var region string
+			var n, ver, base int64
+			if err := rows.Scan(&region, &n, &ver, &base); err != nil {
+				return false, err.Error()
+			}
+			sum += n - base
+			versions[ver] = true
+			got = append(got, fmt.Sprintf("%s: %d − %d (reset %d)", region, n, base, ver))
+		}
+		return len(got) == 2 && len(versions) == 1 && !versions[0] && sum == since,
+			fmt.Sprintf("%d admitted since; rows %v", since, got)
 	})
 }

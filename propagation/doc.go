@@ -7,7 +7,9 @@
 //     cell and of the previous cell.
 //   - ratelimit_global_counts, published counts: the region's count of
 //     each cell that is busy enough, so traffic spread evenly over many
-//     regions (which never denies anywhere) is still counted once.
+//     regions (which never denies anywhere) is still counted once, with
+//     the newest global reset the region marked on the cell and its count
+//     then, which the other regions take off.
 //
 // One process per region talks to MySQL: the holder of the region's role,
 // a lease in the region's Redis (the Region interface). The region's other

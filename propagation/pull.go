@@ -375,7 +375,9 @@ func (p *Propagator) prune(now int64) {
 }
 
 // ForeignCounts returns, for the cell (key, seq), what each foreign region
-// counted, as imported; nil when nothing was.
+// counted, as imported; nil when nothing was. A region that published a
+// global reset counts from its mark (count − base), as the region's Redis
+// weighs it once this region marked the same reset.
 func (p *Propagator) ForeignCounts(key engine.Key, seq int64) map[string]int64 {
 	c := Cell{key.Namespace, p.rowID(key.Identifier), key.Window.Milliseconds(), seq}
 	p.mu.Lock()
@@ -387,6 +389,9 @@ func (p *Propagator) ForeignCounts(key engine.Key, seq int64) map[string]int64 {
 	out := make(map[string]int64, len(ci.regions))
 	for name, r := range ci.regions {
 		out[name] = r.counted()
+		if r.ver > 0 {
+			out[name] = max(r.count-r.base, 0)
+		}
 	}
 	return out
 }
