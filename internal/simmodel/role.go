@@ -293,12 +293,12 @@ func (c *regionConn) Import(_ context.Context, ims []propagation.RegionImport) e
 		processed := calls
 		for _, im := range ims {
 			id := cellOf(im.Cell)
-			processed++ // HMGET
-			if h := c.r.cells[id]; h == nil || h.G < im.Count {
-				processed++ // HSET
-				if h == nil {
-					processed++ // PEXPIREAT
-				}
+			// HMGET, an HGET and an HSET per region's part, HGETALL,
+			// HSET of the sum (origin's importScript); the model has no
+			// resets, so the sum is the count raised.
+			processed += 3 + 2*int64(len(im.Parts))
+			if c.r.cells[id] == nil {
+				processed++ // PEXPIREAT
 			}
 			c.r.sendImport(at, id, im.Count)
 		}
