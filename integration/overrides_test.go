@@ -278,12 +278,21 @@ func (c *cluster) dumpOnFailure(key string) {
 // TestRegions_GlobalResetUnderTraffic: two regions × two nodes, limit
 // 12. Region A counts 6 of the key and B imports them; B then admits its
 // 6 and the key is reset for every region at once, before B's units can
-// have reached A. Traffic goes on at every node through the reset. Units
-// B admitted before its mark must not come back at A when B publishes
-// them: once the counts have travelled, every node's view of the key and
-// the published rows (each region's count less its base) are the units
-// admitted since the reset, exactly.
+// have reached A. Traffic goes on at B through the reset, and after it at
+// every node, or at A's alone. Units B admitted before its mark must not
+// come back at A when B publishes them, nor stay in A's nodes' views once
+// B's mark arrives (a node's view of an import only rises): once the
+// counts have travelled, every node's view of the key and the published
+// rows (each region's count less its base) are the units admitted since
+// the reset, exactly.
 func TestRegions_GlobalResetUnderTraffic(t *testing.T) {
+	t.Run("every node", func(t *testing.T) { globalResetUnderTraffic(t, true) })
+	t.Run("region A alone", func(t *testing.T) { globalResetUnderTraffic(t, false) })
+}
+
+// globalResetUnderTraffic is the scenario; bAfter: B's nodes take traffic
+// after the reset too.
+func globalResetUnderTraffic(t *testing.T, bAfter bool) {
 	const limit = 12
 	c := startCluster(t, clusterSpec{regions: 2, nodes: 2, limit: limit, window: pickWindow(2 * time.Minute)})
 	nodes, a, b := c.all(), c.regions[0], c.regions[1]
@@ -347,7 +356,12 @@ func TestRegions_GlobalResetUnderTraffic(t *testing.T) {
 	if s := a[0].adminSend(t, http.MethodDelete, "/ratelimit/counters?zone=global&scope=global&identifier="+urlQueryEscape(key), ""); s != http.StatusOK {
 		t.Fatalf("DELETE scope=global: %d", s)
 	}
-	res := load(t, nodes, key, 40, 1500*time.Millisecond, nil)
+	offered := nodes
+	if !bAfter {
+		stopB() // before B can have marked: B admitted nothing
+		offered = a
+	}
+	res := load(t, offered, key, 40, 1500*time.Millisecond, nil)
 	stopB()
 	since := res.ok + bAdmitted.Load()
 	t.Logf("admitted since the reset: %d by the load (%v by node), %d by B's own traffic", res.ok, res.okBy, bAdmitted.Load())

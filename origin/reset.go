@@ -36,15 +36,23 @@ import (
 //	             then, and what the import was when this region last
 //	             marked a global reset
 //
-// and g is their sum, each region's share being
+// and g is their sum. A region that marks resets publishes version 1
+// until it marked one (a region with Redis: every one of this build); one
+// that cannot (a process without Redis, or an older build) publishes 0.
+// Each region's share is
 //
+//   - the larger of count and denied while this cell was never reset here;
 //   - its count − its base, once it published the cell's newest reset (or
 //     a newer one): exactly the units it counted since it marked;
-//   - count − snapshot while it has not: what it counted since this region
-//     marked, which may hold units it admitted before the reset and had
-//     not published yet (a published row does not say which of its units
-//     came before), until its own mark's row replaces them;
-//   - the larger of count and denied when the cell was never reset.
+//   - nothing while a region that marks resets has not published this
+//     one: what it admitted before its mark (before the reset, or after
+//     it but before it heard) starts over when it marks, and its rows do
+//     not say which of their units came after, so it counts from its mark
+//     only; g never falls when the mark arrives, so no node's view (which
+//     only rises) keeps units that are gone;
+//   - count − snapshot for a region that cannot mark: what it published
+//     since this region marked, units it admitted before the reset and
+//     had not published yet included.
 //
 // Which keys were reset reaches the region's nodes as an override record
 // (the root's, opaque here: overrides.go), so that each drops its own
@@ -66,8 +74,9 @@ local function imports(h)
   return out
 end
 local function share(p, gv)
-  if p[3] > 0 and p[3] >= gv then return math.max(p[1] - p[4], 0) end
+  if p[3] > 1 and p[3] >= gv then return math.max(p[1] - p[4], 0) end
   if gv == 0 then return math.max(p[1], p[2]) end
+  if p[3] > 0 then return 0 end
   return math.max(math.max(p[1], p[2]) - p[5], 0)
 end
 local function importField(p)

@@ -56,12 +56,14 @@ func TestReset_UnitsFromBeforeNeverComeBack(t *testing.T) {
 }
 
 // TestReset_GlobalTakesOffEachRegionsOwnPast: a cell of region A imports
-// regions B and C; a global reset marked here starts the import over
-// (each region's part as it was then is its snapshot), units B admitted
-// before the reset and published after A marked count only until B
-// publishes its own mark, whose base takes off exactly what B counted
-// before it; the mark is idempotent, a region reset after it still takes
-// the imports off, and the region's total is published with the mark.
+// regions B and C, which mark resets (version 1 until they mark one), and
+// D, which cannot (version 0: a process without Redis). A global reset
+// marked here starts the import over. B's units from before its mark,
+// published after A marked, count nothing, and B's mark's base takes off
+// exactly what B counted before it, so the import never falls; D counts
+// what it published since A's mark (its part then is its snapshot). The
+// mark is idempotent, a region reset after it still takes the imports
+// off, and the region's total is published with the mark.
 func TestReset_GlobalTakesOffEachRegionsOwnPast(t *testing.T) {
 	srv := redistest.Start(t)
 	a := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "a"})
@@ -81,7 +83,8 @@ func TestReset_GlobalTakesOffEachRegionsOwnPast(t *testing.T) {
 	if err := a.Flush(ctx, []engine.Delta{{Key: k, Sequence: seq, Own: 20, Incarnation: 1}}); err != nil {
 		t.Fatal(err)
 	}
-	imported("before the reset", 10+6, ImportPart{Region: "b", Count: 10}, ImportPart{Region: "c", Count: 4, Denied: 6})
+	imported("before the reset", 10+6+5, ImportPart{Region: "b", Count: 10, ResetVersion: 1},
+		ImportPart{Region: "c", Count: 4, Denied: 6, ResetVersion: 1}, ImportPart{Region: "d", Count: 5})
 	if err := a.ResetCells(ctx, k, seq, v); err != nil {
 		t.Fatal(err)
 	}
@@ -89,26 +92,29 @@ func TestReset_GlobalTakesOffEachRegionsOwnPast(t *testing.T) {
 	if tot, err := a.CellTotals(ctx, []RoleCell{{Key: k, Sequence: seq}}); err != nil || tot[0] != (CellTotal{Count: 20, ResetVersion: v, ResetBase: 20}) {
 		t.Fatalf("the region's total %+v (%v), want 20 with the reset's version and base 20", tot, err)
 	}
-	// B published 2 units it had admitted before the reset: they count
-	// until B's own mark says where its reset was.
-	imported("B's late units", 2, ImportPart{Region: "b", Count: 12})
+	// B published 2 units it had admitted before its mark: they count
+	// nothing, and B's mark says where its reset was.
+	imported("B's late units", 0, ImportPart{Region: "b", Count: 12, ResetVersion: 1})
 	imported("B's mark at 12 and one unit since", 1, ImportPart{Region: "b", Count: 13, ResetVersion: v, ResetBase: 12})
 	imported("C's mark at 7 and one unit since", 2, ImportPart{Region: "c", Count: 8, Denied: 9, ResetVersion: v, ResetBase: 7})
-	imported("an older row of B", 2, ImportPart{Region: "b", Count: 12})
+	imported("an older row of B", 2, ImportPart{Region: "b", Count: 12, ResetVersion: 1})
+	imported("D's 3 units since A's mark", 5, ImportPart{Region: "d", Count: 8})
 	if err := a.ResetCells(ctx, k, seq, v); err != nil { // heard again
 		t.Fatal(err)
 	}
-	imported("the same reset again", 2)
+	imported("the same reset again", 5)
 	if err := a.ResetCells(ctx, k, seq, 0); err != nil { // the region alone
 		t.Fatal(err)
 	}
 	imported("a region reset", 0)
 	imported("three more units of B", 3, ImportPart{Region: "b", Count: 16, ResetVersion: v, ResetBase: 12})
+	// The cell imports 4 + 1 + 3 = 8 by now (B, C, D), 5 of them from
+	// before the region reset.
 	// A cell never reset here raises its import as before, whatever the
 	// other regions reset: this region takes its old part off when it
 	// hears of the reset, not before.
 	k2 := key("not-reset-here")
-	if err := a.Import(ctx, []RoleImport{{Key: k2, Sequence: seq, Parts: []ImportPart{{Region: "b", Count: 10}}}}); err != nil {
+	if err := a.Import(ctx, []RoleImport{{Key: k2, Sequence: seq, Parts: []ImportPart{{Region: "b", Count: 10, ResetVersion: 1}}}}); err != nil {
 		t.Fatal(err)
 	}
 	if err := a.Import(ctx, []RoleImport{{Key: k2, Sequence: seq, Parts: []ImportPart{{Region: "b", Count: 11, ResetVersion: v, ResetBase: 10}}}}); err != nil {

@@ -184,8 +184,8 @@ func TestOverrides_AGlobalMarkIsPublishedWithItsBase(t *testing.T) {
 		}
 		return count, ver, base
 	}
-	if c, v, _ := row(); c != 60 || v != 0 {
-		t.Fatalf("before the reset: count %d, reset %d; want 60 and none", c, v)
+	if c, v, _ := row(); c != 60 || v != MarksResets {
+		t.Fatalf("before the reset: count %d, reset %d; want 60 and none (%d: a region that marks resets)", c, v, MarksResets)
 	}
 	memA.mu.Lock()
 	memA.totals[cell] = RegionTotal{Count: 60, ResetVersion: 5000, ResetBase: 60}

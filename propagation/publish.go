@@ -117,7 +117,7 @@ func (p *Propagator) publishRegistered(ctx context.Context, rd *regionRead) {
 		r.hot = r.hot || level*2 >= r.limit
 		cands = append(cands, candidate{row: &CountRow{
 			Namespace: c.Namespace, Identifier: c.Identifier, WindowMs: c.WindowMs, Sequence: c.Sequence,
-			Region: p.cfg.Region, Count: n.Count, ResetVersion: n.ResetVersion, ResetBase: n.ResetBase,
+			Region: p.cfg.Region, Count: n.Count, ResetVersion: max(n.ResetVersion, MarksResets), ResetBase: n.ResetBase,
 			ExpiresMs: expiresMs(c.Sequence, c.WindowMs),
 		}, pressure: float64(level) / float64(r.limit)})
 	}

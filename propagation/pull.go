@@ -231,7 +231,7 @@ func (p *Propagator) mergeLocked(c Cell, region string, in regionPart, expires i
 	was := r.counted()
 	rose := in.count > r.count
 	r.count, r.denied = max(r.count, in.count), max(r.denied, in.denied)
-	news := r.counted() > was || (rose && r.ver > 0)
+	news := r.counted() > was || (rose && r.ver > MarksResets)
 	if in.ver > r.ver || (in.ver == r.ver && in.base > r.base) {
 		r.ver, r.base, news = in.ver, in.base, true
 	}
@@ -389,7 +389,7 @@ func (p *Propagator) ForeignCounts(key engine.Key, seq int64) map[string]int64 {
 	out := make(map[string]int64, len(ci.regions))
 	for name, r := range ci.regions {
 		out[name] = r.counted()
-		if r.ver > 0 {
+		if r.ver > MarksResets {
 			out[name] = max(r.count-r.base, 0)
 		}
 	}

@@ -56,9 +56,18 @@ type RegionCell struct {
 // RegionTotal is a region's total of a cell and the newest global reset
 // it marked on the cell: the reset's version and the total then (0 and 0
 // for none). Other regions take the base off the count.
+//
+// A region publishes the version MarksResets for a cell it never reset:
+// it marks global resets, so until its mark of one arrives, other regions
+// that marked it count nothing of the cell from it (origin/reset.go). A
+// process without Redis, which cannot mark, publishes 0.
 type RegionTotal struct {
 	Count, ResetVersion, ResetBase int64
 }
+
+// MarksResets is the reset version of a cell a region that marks global
+// resets never reset; a reset's version (Unix microseconds) is larger.
+const MarksResets = 1
 
 // RegionImport is what other regions counted in a cell, for the region:
 // Count, their sum as imported before any reset; Parts, each region's
