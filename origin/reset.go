@@ -84,17 +84,23 @@ local function importField(p)
 end
 `
 
-// resetScript marks each existing cell KEYS[i]. ARGV[1] is the global
-// reset's version, 0 for a region reset: r := t and rg := g; a global
-// reset the cell holds already (or one older than it holds) changes
-// nothing, a newer one sets r, gb := t and gv, snapshots every import and
-// sums g again (rg := 0: the snapshots take the old part off).
+// resetScript marks each cell KEYS[i]. ARGV[1] is the global reset's
+// version, 0 for a region reset: r := t and rg := g in a cell that
+// exists; a global reset the cell holds already (or one older than it
+// holds) changes nothing, a newer one sets r, gb := t and gv, snapshots
+// every import and sums g again (rg := 0: the snapshots take the old part
+// off). A global reset makes a cell the region does not hold yet, marked,
+// with the expiry ARGV[i+1]: another region's units from before its mark
+// that arrive later then count as they would in a cell that existed.
 var resetScript = redis.NewScript(importsLua + `
 local ver = tonumber(ARGV[1])
 for i = 1, #KEYS do
   local h = KEYS[i]
   local v = redis.call('HMGET', h, 't', 'g', 'gv')
-  if v[1] then
+  if not v[1] and ver > 0 then
+    redis.call('HSET', h, 't', '0', 'n', '0', 'r', '0', 'g', '0', 'rg', '0', 'gb', '0', 'gv', ARGV[1])
+    redis.call('PEXPIREAT', h, ARGV[i+1])
+  elseif v[1] then
     if ver == 0 then
       redis.call('HSET', h, 'r', v[1], 'rg', v[2] or '0')
     elseif ver > tonumber(v[3] or '0') then
@@ -117,7 +123,8 @@ return 0
 func (r *Redis) ResetCells(ctx context.Context, key engine.Key, seq, version int64) error {
 	ep := r.route(key)
 	cur, prev := cellKeys(r.prefix, key, seq)
-	if err := resetScript.Run(ctx, ep.client, []string{cur, prev}, strconv.FormatInt(max(version, 0), 10)).Err(); err != nil && !errors.Is(err, redis.Nil) {
+	if err := resetScript.Run(ctx, ep.client, []string{cur, prev}, strconv.FormatInt(max(version, 0), 10),
+		expireAt(key, seq).UnixMilli(), expireAt(key, seq-1).UnixMilli()).Err(); err != nil && !errors.Is(err, redis.Nil) {
 		return fmt.Errorf("redis reset %s (zone %q): %w", ep.address, key.Namespace, err)
 	}
 	return nil

@@ -129,4 +129,26 @@ func TestReset_GlobalTakesOffEachRegionsOwnPast(t *testing.T) {
 	if tot, _ := a.Read(ctx, k2, seq, 0); tot.Global != 1 {
 		t.Fatalf("after this region marks B's reset: %d, want B's one unit since its mark", tot.Global)
 	}
+	// A key this region never held is marked all the same, so B's units
+	// from before its mark that arrive later count nothing here either.
+	k3 := key("never-here")
+	if err := a.ResetCells(ctx, k3, seq, v); err != nil {
+		t.Fatal(err)
+	}
+	at, err := srv.Client().Do(ctx, "PEXPIRETIME", cellKey(DefaultPrefix, k3, seq)).Int64()
+	if err != nil || at != expireAt(k3, seq).UnixMilli() {
+		t.Fatalf("a cell the reset made expires at %d (%v), want %d", at, err, expireAt(k3, seq).UnixMilli())
+	}
+	if err := a.Import(ctx, []RoleImport{{Key: k3, Sequence: seq, Parts: []ImportPart{{Region: "b", Count: 7, ResetVersion: 1}}}}); err != nil {
+		t.Fatal(err)
+	}
+	if tot, _ := a.Read(ctx, k3, seq, 0); tot.Global != 0 || tot.Cur != 0 {
+		t.Fatalf("B's units from before its mark in a cell the reset made: %+v, want nothing", tot)
+	}
+	if err := a.ResetCells(ctx, key("never-here-either"), seq, 0); err != nil {
+		t.Fatal(err)
+	}
+	if n, _ := srv.Client().Exists(ctx, cellKey(DefaultPrefix, key("never-here-either"), seq)).Result(); n != 0 {
+		t.Fatal("a region reset made a cell the region did not hold")
+	}
 }
