@@ -25,7 +25,10 @@ type MySQL struct {
 	now     func() int64
 	rng     *rand.Rand
 	timeout float64
-	tables  [2]*table
+	// tables are the counts, the denials and the overrides; the last
+	// stays empty (the simulator changes no limit at runtime), but the
+	// holder pulls it every flush, as a real one does.
+	tables  [3]*table
 	regions []*MySQLRegion
 	// Down are the primary's outages: its statements are refused.
 	down     []Span
@@ -342,6 +345,21 @@ func (c *mysqlClient) ReadDenials(_ context.Context, r propagation.Read) ([]prop
 			Limit: v.limit, CountCur: v.cur, CountPrev: v.prev, ExpiresMs: v.expires, UpdatedMs: v.updated}
 	})
 }
+
+// UpsertOverrides is one statement; the model keeps no overrides.
+func (c *mysqlClient) UpsertOverrides(_ context.Context, rows []*propagation.OverrideRow) error {
+	return c.write(len(rows), func(int64) {})
+}
+
+// ReadOverrides is one page of a pull of the overrides table, which the
+// model keeps empty: a statement that reads no row.
+func (c *mysqlClient) ReadOverrides(_ context.Context, r propagation.Read) ([]propagation.OverrideRow, error) {
+	_, err := c.read(propagation.Overrides, r)
+	return nil, err
+}
+
+// Interface guard.
+var _ propagation.OverrideStore = (*mysqlClient)(nil)
 
 // readRows runs one page of a pull of table t and returns its versions as
 // the store's rows, made by row.
