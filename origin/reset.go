@@ -58,7 +58,9 @@ import (
 // (the root's, opaque here: overrides.go), so that each drops its own
 // state of the key.
 
-// importsLua defines imports(h), the cell h's per-region imports by field,
+// importsLua defines imports(h), the cell h's per-region imports by field
+// (a process's record, "<node ID>.<incarnation>" with a hex node ID, holds
+// one number, and is never one),
 // and share(p, gv), what one of them adds to g in a cell whose newest
 // global reset is gv (0: never reset). Versions are Unix microseconds,
 // exact as Lua numbers.
@@ -66,8 +68,8 @@ const importsLua = `
 local function imports(h)
   local all, out = redis.call('HGETALL', h), {}
   for i = 1, #all, 2 do
-    if string.sub(all[i], 1, 2) == 'x.' then
-      local c, d, v, b, s = string.match(all[i+1], '(%d+) (%d+) (%d+) (%d+) (%d+)')
+    local c, d, v, b, s = string.match(all[i+1], '^(%d+) (%d+) (%d+) (%d+) (%d+)$')
+    if c and string.sub(all[i], 1, 2) == 'x.' then
       out[all[i]] = {tonumber(c), tonumber(d), tonumber(v), tonumber(b), tonumber(s)}
     end
   end
