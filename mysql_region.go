@@ -113,13 +113,20 @@ func (r redisRegion) Totals(ctx context.Context, cells []propagation.Cell) ([]pr
 func (r redisRegion) Import(ctx context.Context, ims []propagation.RegionImport) error {
 	out := make([]origin.RoleImport, len(ims))
 	for i, im := range ims {
-		parts := make([]origin.ImportPart, len(im.Parts))
-		for j, p := range im.Parts {
-			parts[j] = origin.ImportPart{Region: p.Region, Count: p.Count, Denied: p.Denied, ResetVersion: p.ResetVersion, ResetBase: p.ResetBase}
+		var parts []origin.ImportPart
+		if im.Parts != nil {
+			parts = make([]origin.ImportPart, len(im.Parts))
+			for j, p := range im.Parts {
+				parts[j] = origin.ImportPart{Region: p.Region, Count: p.Count, Denied: p.Denied, ResetVersion: p.ResetVersion, ResetBase: p.ResetBase}
+			}
 		}
-		out[i] = origin.RoleImport{Key: roleKey(im.Cell), Sequence: im.Sequence, Parts: parts}
+		out[i] = origin.RoleImport{Key: roleKey(im.Cell), Sequence: im.Sequence, Count: im.Count, Parts: parts}
 	}
-	return r.o.Import(ctx, out)
+	err := r.o.Import(ctx, out)
+	for i := range out {
+		ims[i].WantsParts = out[i].WantsParts
+	}
+	return err
 }
 
 // Interface guard.

@@ -36,7 +36,8 @@ import (
 //	             then, and what the import was when this region last
 //	             marked a global reset
 //
-// and g is their sum. A region that marks resets publishes version 1
+// and g is the sum of their shares (kept as gx, which every import moves
+// by what the parts it carries moved). A region that marks resets publishes version 1
 // until it marked one (a region with Redis: every one of this build); one
 // that cannot (a process without Redis, or an older build) publishes 0.
 // Each region's share is
@@ -58,20 +59,23 @@ import (
 // (the root's, opaque here: overrides.go), so that each drops its own
 // state of the key.
 
-// importsLua defines imports(h), the cell h's per-region imports by field
-// (a process's record, "<node ID>.<incarnation>" with a hex node ID, holds
-// one number, and is never one),
+// importsLua defines importOf(v), an import field's value as numbers (nil
+// for anything else: a process's record, "<node ID>.<incarnation>" with a
+// hex node ID, holds one number), imports(h), the cell h's per-region
+// imports by field, what a global reset reads whole,
 // and share(p, gv), what one of them adds to g in a cell whose newest
 // global reset is gv (0: never reset). Versions are Unix microseconds,
 // exact as Lua numbers.
 const importsLua = `
+local function importOf(val)
+  local c, d, v, b, s = string.match(val, '^(%d+) (%d+) (%d+) (%d+) (%d+)$')
+  if c then return {tonumber(c), tonumber(d), tonumber(v), tonumber(b), tonumber(s)} end
+end
 local function imports(h)
   local all, out = redis.call('HGETALL', h), {}
   for i = 1, #all, 2 do
-    local c, d, v, b, s = string.match(all[i+1], '^(%d+) (%d+) (%d+) (%d+) (%d+)$')
-    if c and string.sub(all[i], 1, 2) == 'x.' then
-      out[all[i]] = {tonumber(c), tonumber(d), tonumber(v), tonumber(b), tonumber(s)}
-    end
+    local p = string.sub(all[i], 1, 2) == 'x.' and importOf(all[i+1])
+    if p then out[all[i]] = p end
   end
   return out
 end
@@ -100,7 +104,7 @@ for i = 1, #KEYS do
   local h = KEYS[i]
   local v = redis.call('HMGET', h, 't', 'g', 'gv')
   if not v[1] and ver > 0 then
-    redis.call('HSET', h, 't', '0', 'n', '0', 'r', '0', 'g', '0', 'rg', '0', 'gb', '0', 'gv', ARGV[1])
+    redis.call('HSET', h, 't', '0', 'n', '0', 'r', '0', 'g', '0', 'gx', '0', 'rg', '0', 'gb', '0', 'gv', ARGV[1])
     redis.call('PEXPIREAT', h, ARGV[i+1])
   elseif v[1] then
     if ver == 0 then
@@ -112,7 +116,8 @@ for i = 1, #KEYS do
         redis.call('HSET', h, f, importField(p))
         g = g + share(p, ver)
       end
-      redis.call('HSET', h, 'r', v[1], 'gb', v[1], 'gv', ARGV[1], 'rg', '0', 'g', string.format('%d', math.min(g, 9007199254740991)))
+      redis.call('HSET', h, 'r', v[1], 'gb', v[1], 'gv', ARGV[1], 'rg', '0', 'gx', string.format('%d', g),
+        'g', string.format('%d', math.min(g, 9007199254740991)))
     end
   end
 end

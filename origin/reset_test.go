@@ -129,6 +129,14 @@ func TestReset_GlobalTakesOffEachRegionsOwnPast(t *testing.T) {
 	if tot, _ := a.Read(ctx, k2, seq, 0); tot.Global != 1 {
 		t.Fatalf("after this region marks B's reset: %d, want B's one unit since its mark", tot.Global)
 	}
+	// Without the parts, a cell reset here is left alone and wants them.
+	bare := []RoleImport{{Key: k2, Sequence: seq, Count: 50}}
+	if err := a.Import(ctx, bare); err != nil || !bare[0].WantsParts {
+		t.Fatalf("an import without parts into a cell reset here: wants parts %v (%v)", bare[0].WantsParts, err)
+	}
+	if tot, _ := a.Read(ctx, k2, seq, 0); tot.Global != 1 {
+		t.Fatalf("after an import without parts: %d, want the cell left at 1", tot.Global)
+	}
 	// A key this region never held is marked all the same, so B's units
 	// from before its mark that arrive later count nothing here either.
 	k3 := key("never-here")
@@ -139,11 +147,19 @@ func TestReset_GlobalTakesOffEachRegionsOwnPast(t *testing.T) {
 	if err != nil || at != expireAt(k3, seq).UnixMilli() {
 		t.Fatalf("a cell the reset made expires at %d (%v), want %d", at, err, expireAt(k3, seq).UnixMilli())
 	}
-	if err := a.Import(ctx, []RoleImport{{Key: k3, Sequence: seq, Parts: []ImportPart{{Region: "b", Count: 7, ResetVersion: 1}}}}); err != nil {
+	if err := a.Import(ctx, []RoleImport{{Key: k3, Sequence: seq, Count: 7 + 4,
+		Parts: []ImportPart{{Region: "b", Count: 7, ResetVersion: 1}, {Region: "d", Count: 4}}}}); err != nil {
 		t.Fatal(err)
 	}
 	if tot, _ := a.Read(ctx, k3, seq, 0); tot.Global != 0 || tot.Cur != 0 {
-		t.Fatalf("B's units from before its mark in a cell the reset made: %+v, want nothing", tot)
+		t.Fatalf("B's and D's units first seen after the reset, in a cell it made: %+v, want nothing", tot)
+	}
+	if err := a.Import(ctx, []RoleImport{{Key: k3, Sequence: seq, Count: 7 + 6,
+		Parts: []ImportPart{{Region: "b", Count: 7, ResetVersion: 1}, {Region: "d", Count: 6}}}}); err != nil {
+		t.Fatal(err)
+	}
+	if tot, _ := a.Read(ctx, k3, seq, 0); tot.Global != 2 {
+		t.Fatalf("D's 2 units since: %+v, want 2", tot)
 	}
 	if err := a.ResetCells(ctx, key("never-here-either"), seq, 0); err != nil {
 		t.Fatal(err)

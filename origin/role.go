@@ -74,7 +74,14 @@ type RoleDenial struct {
 type RoleImport struct {
 	Key      engine.Key
 	Sequence int64
-	Parts    []ImportPart
+	// Count is the sum of the regions' counts.
+	Count int64
+	// Parts are every region's part, for a cell some region published a
+	// global reset of, or one reset here; nil otherwise.
+	Parts []ImportPart
+	// WantsParts is set by Import when the import carried no parts and the
+	// cell was reset here: it was left alone, and wants them.
+	WantsParts bool
 }
 
 // ImportPart is what one foreign region counted in a cell, as its rows
@@ -128,45 +135,68 @@ for i = 1, #ARGV, 2 do
 end
 return 0
 `)
-	// importScript merges into each cell KEYS[i] its foreign regions'
-	// parts and sums g again (reset.go). ARGV, per cell in order: the
-	// expiry a cell made here gets (with t and n at 0), the number of
-	// parts, then five values a part: region, count, denied, reset
-	// version and base. A part merges as rows do: counts by the larger,
-	// the newer reset with its base; the snapshot stays.
+	// importScript brings what other regions counted into each cell
+	// KEYS[i]. ARGV, per cell in order: the expiry a cell made here gets
+	// (with t and n at 0), the sum of the regions' counts, the number of
+	// parts, then five values a part: region, count, denied, reset version
+	// and base. Without parts (no region published a global reset of the
+	// cell) it raises g to the sum, as long as the cell was never reset
+	// here; a cell reset here wants the parts, and the script leaves it
+	// alone and returns its index (from 1). With parts (every region's)
+	// it merges them as rows do (counts by the larger, the newer reset
+	// with its base; a part first seen in a cell reset here starts from
+	// what it holds) and moves the sum of their shares (gx) by what each
+	// share moved; g is gx, raised only while the cell was never reset
+	// here (reset.go).
 	importScript = redis.NewScript(importsLua + `
-local a = 1
+local function push(t, f, v) t[#t+1] = f; t[#t+1] = v end
+local a, want = 1, {}
 for i = 1, #KEYS do
   local h = KEYS[i]
-  local at, k = ARGV[a], tonumber(ARGV[a+1])
-  a = a + 2
-  local v = redis.call('HMGET', h, 't', 'g', 'gv')
-  for j = 1, k do
-    local f = 'x.' .. ARGV[a]
-    local p = {tonumber(ARGV[a+1]), tonumber(ARGV[a+2]), tonumber(ARGV[a+3]), tonumber(ARGV[a+4]), 0}
-    a = a + 5
-    local old = redis.call('HGET', h, f)
-    if old then
-      local c, d, ver, b, s = string.match(old, '(%d+) (%d+) (%d+) (%d+) (%d+)')
-      c, d, ver, b, s = tonumber(c), tonumber(d), tonumber(ver), tonumber(b), tonumber(s)
-      p[1], p[2], p[5] = math.max(p[1], c), math.max(p[2], d), s
-      if ver > p[3] then p[3], p[4] = ver, b elseif ver == p[3] then p[4] = math.max(p[4], b) end
+  local at, sum, k = ARGV[a], tonumber(ARGV[a+1]), tonumber(ARGV[a+2])
+  a = a + 3
+  local fields = {'t', 'g', 'gv', 'gx'}
+  for j = 1, k do fields[4+j] = 'x.' .. ARGV[a + 5*(j-1)] end
+  local v = redis.call('HMGET', h, unpack(fields))
+  local gv, gx, g = tonumber(v[3] or '0'), tonumber(v[4] or '0'), tonumber(v[2] or '0')
+  local set = {}
+  if k == 0 then
+    if gv > 0 then
+      want[#want+1] = i
+    elseif sum > g or not v[1] then
+      push(set, 'g', string.format('%d', math.max(sum, g)))
     end
-    redis.call('HSET', h, f, importField(p))
-  end
-  local gv, g = tonumber(v[3] or '0'), 0
-  for _, p in pairs(imports(h)) do g = g + share(p, gv) end
-  g = math.min(g, 9007199254740991)
-  -- Never reset here: imports only grow, as they did before the parts.
-  if gv == 0 then g = math.max(g, tonumber(v[2] or '0')) end
-  if v[1] then
-    redis.call('HSET', h, 'g', string.format('%d', g))
   else
-    redis.call('HSET', h, 'g', string.format('%d', g), 't', '0', 'n', '0')
-    redis.call('PEXPIREAT', h, at)
+    for j = 1, k do
+      local p = {tonumber(ARGV[a+1]), tonumber(ARGV[a+2]), tonumber(ARGV[a+3]), tonumber(ARGV[a+4]), 0}
+      a = a + 5
+      local old = v[4+j] and importOf(v[4+j])
+      if old then
+        gx = gx - share(old, gv)
+        p[1], p[2], p[5] = math.max(p[1], old[1]), math.max(p[2], old[2]), old[5]
+        if old[3] > p[3] then p[3], p[4] = old[3], old[4] elseif old[3] == p[3] then p[4] = math.max(p[4], old[4]) end
+      elseif gv > 0 then
+        p[5] = math.max(p[1], p[2])
+      end
+      gx = gx + share(p, gv)
+      push(set, fields[4+j], importField(p))
+    end
+    local ng = math.min(gx, 9007199254740991)
+    -- Never reset here: imports only grow, as they did before the parts.
+    if gv == 0 then ng = math.max(ng, g) end
+    push(set, 'gx', string.format('%d', gx))
+    push(set, 'g', string.format('%d', ng))
+  end
+  if #set > 0 then
+    if not v[1] then
+      push(set, 't', '0')
+      push(set, 'n', '0')
+    end
+    redis.call('HSET', h, unpack(set))
+    if not v[1] then redis.call('PEXPIREAT', h, at) end
   end
 end
-return 0
+return want
 `)
 )
 
@@ -421,8 +451,8 @@ func (r *Redis) CellTotals(ctx context.Context, cells []RoleCell) ([]CellTotal, 
 	return out, nil
 }
 
-// Import merges each cell's foreign parts and sums its imported count
-// (field g) again, making the cell (with its expiry) when the region holds
+// Import merges each cell's foreign parts into it and moves its imported
+// count (field g), making the cell (with its expiry) when the region holds
 // none yet, so that a node that first sees the key reads the other
 // regions' count in its cold read.
 func (r *Redis) Import(ctx context.Context, imports []RoleImport) error {
@@ -431,27 +461,41 @@ func (r *Redis) Import(ctx context.Context, imports []RoleImport) error {
 		ep := r.route(im.Key)
 		byEP[ep] = append(byEP[ep], i)
 	}
+	type sent struct {
+		cmd *redis.Cmd
+		idx []int
+	}
 	var errs []error
 	for ep, idx := range byEP {
 		pipe := ep.client.Pipeline()
 		chunk := ep.chunk()
+		var calls []sent
 		for lo := 0; lo < len(idx); lo += chunk {
 			part := idx[lo:min(lo+chunk, len(idx))]
 			keys := make([]string, len(part))
-			args := make([]any, 0, 7*len(part))
+			args := make([]any, 0, 8*len(part))
 			for j, i := range part {
 				im := imports[i]
 				keys[j] = cellKey(r.prefix, im.Key, im.Sequence)
-				args = append(args, expireAt(im.Key, im.Sequence).UnixMilli(), len(im.Parts))
+				args = append(args, expireAt(im.Key, im.Sequence).UnixMilli(), engine.ClampCount(im.Count), len(im.Parts))
 				for _, p := range im.Parts {
 					args = append(args, p.Region, engine.ClampCount(p.Count), engine.ClampCount(p.Denied),
 						max(p.ResetVersion, 0), engine.ClampCount(p.ResetBase))
 				}
 			}
-			importScript.Run(ctx, pipe, keys, args...)
+			calls = append(calls, sent{importScript.Run(ctx, pipe, keys, args...), part})
 		}
 		if err := ep.execScripts(ctx, pipe, importScript); err != nil {
 			errs = append(errs, fmt.Errorf("redis import %s: %w", ep.address, err))
+			continue
+		}
+		for _, c := range calls {
+			want, _ := c.cmd.Slice()
+			for _, v := range want {
+				if n, ok := v.(int64); ok && n >= 1 && int(n) <= len(c.idx) {
+					imports[c.idx[n-1]].WantsParts = true
+				}
+			}
 		}
 	}
 	return errors.Join(errs...)

@@ -1,7 +1,10 @@
 package origin
 
 import (
+	"context"
 	"slices"
+	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -136,8 +139,7 @@ func TestRole_ImportsReachEveryNodesRoundTrips(t *testing.T) {
 	holder := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "h"})
 	node := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "n"})
 	k, seq := key("imported"), nowSeq()
-	if err := holder.Import(ctxT(t), []RoleImport{{Key: k, Sequence: seq, Parts: []ImportPart{{Region: "b", Count: 40}}},
-		{Key: k, Sequence: seq - 1, Parts: []ImportPart{{Region: "b", Count: 9}}}}); err != nil {
+	if err := holder.Import(ctxT(t), []RoleImport{{Key: k, Sequence: seq, Count: 40}, {Key: k, Sequence: seq - 1, Count: 9}}); err != nil {
 		t.Fatal(err)
 	}
 	tot, err := node.Read(ctxT(t), k, seq, 1)
@@ -148,7 +150,7 @@ func TestRole_ImportsReachEveryNodesRoundTrips(t *testing.T) {
 	if err != nil || at != expireAt(k, seq).UnixMilli() {
 		t.Fatalf("an imported cell expires at %d (%v), want %d", at, err, expireAt(k, seq).UnixMilli())
 	}
-	if err := holder.Import(ctxT(t), []RoleImport{{Key: k, Sequence: seq, Parts: []ImportPart{{Region: "b", Count: 30}}}}); err != nil { // never lowers
+	if err := holder.Import(ctxT(t), []RoleImport{{Key: k, Sequence: seq, Count: 30}}); err != nil { // never lowers
 		t.Fatal(err)
 	}
 	b := []engine.Delta{{Key: k, Sequence: seq, Incarnation: 1, Delta: 5, Own: 5}}
@@ -159,4 +161,79 @@ func TestRole_ImportsReachEveryNodesRoundTrips(t *testing.T) {
 	if err != nil || !slices.Equal(totals, []CellTotal{{Count: 5}, {}}) {
 		t.Fatalf("totals %v (%v), want the region's 5 (never the import) and 0", totals, err)
 	}
+}
+
+// BenchmarkImport is the holder's import of 64 cells a call against a
+// real Redis: the sum of that many foreign regions' counts, and (_parts)
+// every region's part as well, as for a cell some region reset, whose
+// cost grows with the regions. redis-cpu-µs/cell is the Redis server's CPU
+// time per cell (INFO cpu), what the holder's flush costs the region's
+// Redis.
+func BenchmarkImport(b *testing.B) {
+	for _, bc := range []struct {
+		regions int
+		parts   bool
+	}{{2, false}, {200, false}, {2, true}, {20, true}, {200, true}} {
+		regions, parts := bc.regions, bc.parts
+		name := strconv.Itoa(regions) + "regions"
+		if parts {
+			name += "_parts"
+		}
+		b.Run(name, func(b *testing.B) {
+			srv := redistest.Start(b)
+			o := newOrigin(b, Config{Redis: []string{srv.URL()}}, Options{NodeID: "bench"})
+			const cells = 64
+			seq := nowSeq()
+			ims := make([]RoleImport, cells)
+			for i := range ims {
+				ims[i] = RoleImport{Key: key("imported-" + strconv.Itoa(i)), Sequence: seq}
+				if parts {
+					ims[i].Parts = make([]ImportPart, regions)
+				}
+			}
+			ctx := context.Background()
+			n := int64(0)
+			cpu0 := redisCPU(b, srv)
+			for b.Loop() {
+				n++
+				for i := range ims {
+					ims[i].Count = n * int64(regions)
+					for r := range ims[i].Parts {
+						ims[i].Parts[r] = ImportPart{Region: "region-" + strconv.Itoa(r), Count: n, ResetVersion: 1}
+					}
+				}
+				if err := o.Import(ctx, ims); err != nil {
+					b.Fatal(err)
+				}
+			}
+			cpu := redisCPU(b, srv) - cpu0
+			if tot, err := o.Read(ctx, ims[0].Key, seq, 0); err != nil || tot.Global != n*int64(regions) {
+				b.Fatalf("the cell imports %d (%v), want %d", tot.Global, err, n*int64(regions))
+			}
+			b.ReportMetric(cpu.Seconds()*1e6/float64(b.N*cells), "redis-cpu-µs/cell")
+			b.ReportMetric(float64(b.Elapsed().Microseconds())/float64(b.N*cells), "µs/cell")
+		})
+	}
+}
+
+// redisCPU is the Redis server's CPU time so far (INFO cpu, user + system).
+func redisCPU(b *testing.B, srv *redistest.Server) time.Duration {
+	b.Helper()
+	info, err := srv.Client().Info(context.Background(), "cpu").Result()
+	if err != nil {
+		b.Fatal(err)
+	}
+	var total float64
+	for _, line := range strings.Split(info, "\n") {
+		for _, f := range []string{"used_cpu_user:", "used_cpu_sys:"} {
+			if v, ok := strings.CutPrefix(strings.TrimSpace(line), f); ok {
+				x, err := strconv.ParseFloat(v, 64)
+				if err != nil {
+					b.Fatal(err)
+				}
+				total += x
+			}
+		}
+	}
+	return time.Duration(total * float64(time.Second))
 }

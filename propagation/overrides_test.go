@@ -213,3 +213,34 @@ func TestOverrides_AGlobalMarkIsPublishedWithItsBase(t *testing.T) {
 		t.Fatalf("region b's Redis got a's part %+v, want count 61 with the reset 5000 at 60", got)
 	}
 }
+
+// TestOverrides_ACellResetHereGetsItsImportsPartByPart: a cell no region
+// published a reset of is imported as one sum; once the region reset it,
+// an import without parts is refused, and the holder sends every region's
+// part from then on.
+func TestOverrides_ACellResetHereGetsItsImportsPartByPart(t *testing.T) {
+	s := newSetup(t)
+	memB := newMemRegion(s.clk)
+	a, b := s.region("a"), s.regionNode("b", "m1", memB)
+	cell := Cell{"z", "k", window.Milliseconds(), seq0}
+	a.decide("k", 100, 60)
+	a.p.FlushOnce(bg)
+	b.p.FlushOnce(bg)
+	memB.mu.Lock()
+	sum, parts := memB.imported[cell], memB.parts[cell]
+	memB.resetHere[cell] = true
+	memB.mu.Unlock()
+	if sum != 60 || len(parts) != 0 {
+		t.Fatalf("b's region got %d and parts %v, want the sum 60 alone", sum, parts)
+	}
+	a.decide("k", 100, 5)
+	a.p.FlushOnce(bg)
+	b.p.FlushOnce(bg) // without parts: refused
+	b.p.FlushOnce(bg) // part by part
+	memB.mu.Lock()
+	got := memB.parts[cell]["a"]
+	memB.mu.Unlock()
+	if got.Count != 65 {
+		t.Fatalf("after the region reset the cell, a's part is %+v, want its count 65", got)
+	}
+}

@@ -174,6 +174,9 @@ type cellImport struct {
 	// changes counts the merges that were news, so that an import sent
 	// while another came stays due.
 	changes int64
+	// withParts: the cell's imports go to the region part by part, since
+	// a region published a global reset of it or the region reset it.
+	withParts bool
 }
 
 // regionPart is what one region counted in a cell, as its rows said: the

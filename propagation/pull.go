@@ -235,6 +235,7 @@ func (p *Propagator) mergeLocked(c Cell, region string, in regionPart, expires i
 	if in.ver > r.ver || (in.ver == r.ver && in.base > r.base) {
 		r.ver, r.base, news = in.ver, in.base, true
 	}
+	ci.withParts = ci.withParts || r.ver > MarksResets
 	if !news {
 		return update{}, false
 	}
@@ -315,7 +316,11 @@ func (p *Propagator) sendImports(ctx context.Context) {
 	changes := make([]int64, 0, len(p.importDue))
 	for c := range p.importDue {
 		if ci := p.imports[c]; ci != nil {
-			ims = append(ims, RegionImport{Cell: c, Count: ci.sum(), Parts: ci.parts()})
+			im := RegionImport{Cell: c, Count: ci.sum()}
+			if ci.withParts {
+				im.Parts = ci.parts()
+			}
+			ims = append(ims, im)
 			changes = append(changes, ci.changes)
 		} else {
 			delete(p.importDue, c)
@@ -330,9 +335,12 @@ func (p *Propagator) sendImports(ctx context.Context) {
 		}
 		p.mu.Lock()
 		for j, im := range part {
-			// An import that changed meanwhile stays due.
-			if ci := p.imports[im.Cell]; ci == nil || ci.changes == changes[lo+j] {
-				delete(p.importDue, im.Cell)
+			ci := p.imports[im.Cell]
+			switch {
+			case ci != nil && im.WantsParts:
+				ci.withParts = true // stays due, to go part by part
+			case ci == nil || ci.changes == changes[lo+j]:
+				delete(p.importDue, im.Cell) // unless it changed meanwhile
 			}
 		}
 		p.mu.Unlock()

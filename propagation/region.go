@@ -39,7 +39,7 @@ type Region interface {
 	// imported, and the cell's newest global reset.
 	Totals(ctx context.Context, cells []Cell) ([]RegionTotal, error)
 	// Import hands each cell's imports to the region, making the cell
-	// when the region holds none yet.
+	// when the region holds none yet, and sets WantsParts where it must.
 	Import(ctx context.Context, imports []RegionImport) error
 }
 
@@ -70,13 +70,16 @@ type RegionTotal struct {
 const MarksResets = 1
 
 // RegionImport is what other regions counted in a cell, for the region:
-// Count, their sum as imported before any reset; Parts, each region's
-// counts, which a region that marks global resets weighs against its own
-// mark (origin/reset.go).
+// Count, the sum of their counts; Parts, each region's counts, for a cell
+// some region published a global reset of or one the region wants them
+// for (a region weighs them against its own mark: origin/reset.go).
 type RegionImport struct {
 	Cell
 	Count int64
 	Parts []ImportPart
+	// WantsParts is set by Import when the import carried no parts and the
+	// region reset the cell: it was left alone, and wants them.
+	WantsParts bool
 }
 
 // ImportPart is what one foreign region counted in a cell: its largest

@@ -29,11 +29,15 @@ type memRegion struct {
 	totals   map[Cell]RegionTotal // the region's totals, as the test sets them
 	imported map[Cell]int64
 	parts    map[Cell]map[string]ImportPart // the newest part of each region
+	// resetHere are the cells the region reset: an import without parts
+	// wants them, as origin's does.
+	resetHere map[Cell]bool
 }
 
 func newMemRegion(clk *clock) *memRegion {
 	return &memRegion{clk: clk, reg: map[Cell]RegionCell{}, denials: map[Cell]BlocklistRow{},
-		totals: map[Cell]RegionTotal{}, imported: map[Cell]int64{}, parts: map[Cell]map[string]ImportPart{}}
+		totals: map[Cell]RegionTotal{}, imported: map[Cell]int64{}, parts: map[Cell]map[string]ImportPart{},
+		resetHere: map[Cell]bool{}}
 }
 
 // memNode is one node's handle on a memRegion.
@@ -135,7 +139,11 @@ func (n memNode) Totals(_ context.Context, cells []Cell) ([]RegionTotal, error) 
 func (n memNode) Import(_ context.Context, ims []RegionImport) error {
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	for _, im := range ims {
+	for i, im := range ims {
+		if im.Parts == nil && n.resetHere[im.Cell] {
+			ims[i].WantsParts = true
+			continue
+		}
 		n.imported[im.Cell] = max(n.imported[im.Cell], im.Count)
 		if n.parts[im.Cell] == nil {
 			n.parts[im.Cell] = map[string]ImportPart{}

@@ -293,12 +293,15 @@ func (c *regionConn) Import(_ context.Context, ims []propagation.RegionImport) e
 		processed := calls
 		for _, im := range ims {
 			id := cellOf(im.Cell)
-			// HMGET, an HGET and an HSET per region's part, HGETALL,
-			// HSET of the sum (origin's importScript); the model has no
-			// resets, so the sum is the count raised.
-			processed += 3 + 2*int64(len(im.Parts))
-			if c.r.cells[id] == nil {
-				processed++ // PEXPIREAT
+			// HMGET, and HSET of the sum when it rose (origin's
+			// importScript); the model has no resets, so its imports never
+			// go part by part.
+			processed++ // HMGET
+			if h := c.r.cells[id]; h == nil || h.G < im.Count {
+				processed++ // HSET
+				if h == nil {
+					processed++ // PEXPIREAT
+				}
 			}
 			c.r.sendImport(at, id, im.Count)
 		}
