@@ -26,8 +26,10 @@ import (
 // under one version (the reset's): the cell keeps the version (gv) and its
 // own total then (gb), which the cross-region role publishes with the
 // region's count, so that every other region takes exactly the units
-// counted after this region's mark off its count (count − gb). The cell
-// keeps each foreign region's import as a field of its own,
+// counted after this region's mark off its count (count − gb). A cell
+// some region reset (and only such a cell: the holder imports any other as
+// one sum, role.go) keeps each foreign region's import as a field of its
+// own,
 //
 //	x.<region>   "<count> <denied> <version> <base> <snapshot>": the
 //	             largest published count, the largest count a denial row
@@ -37,9 +39,10 @@ import (
 //	             marked a global reset
 //
 // and g is the sum of their shares (kept as gx, which every import moves
-// by what the parts it carries moved). A region that marks resets publishes version 1
-// until it marked one (a region with Redis: every one of this build); one
-// that cannot (a process without Redis, or an older build) publishes 0.
+// by what the parts it carries moved). A region that marks resets
+// publishes version 1 until it marked one (a region with Redis: every one
+// of this build); one that cannot (a process without Redis, or an older
+// build) publishes 0.
 // Each region's share is
 //
 //   - the larger of count and denied while this cell was never reset here;
