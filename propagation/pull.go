@@ -191,8 +191,9 @@ func (p *Propagator) applyBlocklist(rows []BlocklistRow, now int64) {
 // come back as foreign: a process of its own region raises its regional
 // count with them (it restarted, or another of its processes wrote them);
 // a region with Redis has its total there and skips them. Foreign ones
-// are kept per region: the region's Redis gets them part by part
-// (importDue), the engine their sum. p.mu is held.
+// are kept per region: the region's Redis gets their sum, or each part
+// for a cell some region reset (importDue), the engine their sum. p.mu is
+// held.
 func (p *Propagator) mergeLocked(c Cell, region string, in regionPart, expires int64) (update, bool) {
 	n := in.counted()
 	if n <= 0 && in.ver <= 0 {
