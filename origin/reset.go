@@ -67,9 +67,11 @@ import (
 // hex node ID, holds one number), imports(h), the cell h's per-region
 // imports by field, what a global reset reads whole,
 // and share(p, gv), what one of them adds to g in a cell whose newest
-// global reset is gv (0: never reset). Versions are Unix microseconds,
-// exact as Lua numbers.
+// global reset is gv (0: never reset); maxCount is engine.MaxCount, where
+// an imported count saturates. Versions are Unix microseconds, exact as
+// Lua numbers.
 const importsLua = `
+local maxCount = 9007199254740991
 local function importOf(val)
   local c, d, v, b, s = string.match(val, '^(%d+) (%d+) (%d+) (%d+) (%d+)$')
   if c then return {tonumber(c), tonumber(d), tonumber(v), tonumber(b), tonumber(s)} end
@@ -120,7 +122,7 @@ for i = 1, #KEYS do
         g = g + share(p, ver)
       end
       redis.call('HSET', h, 'r', v[1], 'gb', v[1], 'gv', ARGV[1], 'rg', '0', 'gx', string.format('%d', g),
-        'g', string.format('%d', math.min(g, 9007199254740991)))
+        'g', string.format('%d', math.min(g, maxCount)))
     end
   end
 end

@@ -181,7 +181,7 @@ for i = 1, #KEYS do
       gx = gx + share(p, gv)
       push(set, fields[4+j], importField(p))
     end
-    local ng = math.min(gx, 9007199254740991)
+    local ng = math.min(gx, maxCount)
     -- Never reset here: imports only grow, as they did before the parts.
     if gv == 0 then ng = math.max(ng, g) end
     push(set, 'gx', string.format('%d', gx))
