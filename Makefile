@@ -20,7 +20,7 @@
 GO       ?= go
 TIMEOUT  ?= 20m
 
-.PHONY: test vet fmt-check servers allocs bench bench-engine-vs compare loadtest pair soak regions property sim
+.PHONY: test vet fmt-check servers allocs bench bench-engine-vs compare loadtest pair busy soak regions property sim
 
 test: vet fmt-check servers allocs
 	PATH="$$PATH:/usr/sbin:/usr/local/sbin" $(GO) test -race -count=1 -timeout $(TIMEOUT) ./...
@@ -60,6 +60,11 @@ loadtest: compare
 # DURATION tune it.
 pair:
 	GO=$(GO) A=$(A) B=$(B) scripts/pair.sh
+
+# How busy Caddy, wrk and Redis are under one variant's load
+# (scripts/busy.sh): VARIANT, KEYS, REDIS_CPU, REDIS_IDLE tune it.
+busy:
+	GO=$(GO) scripts/busy.sh
 
 # The long forms of the multi-region scenarios (integration/soak_test.go):
 # default intervals, one-minute windows, SOAK_MINUTES (default 4) of load.

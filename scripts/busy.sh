@@ -1,0 +1,119 @@
+#!/usr/bin/env bash
+# How busy each process is under load (`make busy`): one variant of the load
+# harness (loadtest/Caddyfile.<variant>) pinned to a core as `make compare`
+# pins it, wrk on the other, and, for a Redis variant, a private
+# redis-server; each round prints wrk's requests a second and p99, and the
+# CPU each process used over the middle seconds of the load, as a share of
+# one core. A Caddy whose share stays below 100 % while wrk keeps 64
+# connections busy was waiting for something other than its core.
+#
+#   VARIANT=redis_keys100k make busy              # cold keys: every key new
+#   VARIANT=redis_keys100k KEYS=warm make busy    # 100,000 keys, each sent once first
+#   VARIANT=redis_keys100k REDIS_CPU=0 make busy  # Redis on Caddy's core
+#   VARIANT=redis_keys100k REDIS_IDLE=1 make busy # Redis under SCHED_IDLE (chrt)
+#
+# Environment: VARIANT=redis_keys100k KEYS=cold|warm ROUNDS=3 DURATION=4
+# CONNS=64 CADDY_CPU=0 WRK_CPU=1 REDIS_CPU=$WRK_CPU REDIS_IDLE=0.
+# Two-node, MySQL and peer variants are not supported. Everything it starts
+# is stopped on exit.
+set -euo pipefail
+
+VARIANT=${VARIANT:-redis_keys100k}
+KEYS=${KEYS:-cold}
+ROUNDS=${ROUNDS:-3}
+DURATION=${DURATION:-4}
+CONNS=${CONNS:-64}
+CADDY_CPU=${CADDY_CPU:-0}
+WRK_CPU=${WRK_CPU:-1}
+REDIS_CPU=${REDIS_CPU:-$WRK_CPU}
+REDIS_IDLE=${REDIS_IDLE:-0}
+GO=${GO:-go}
+
+die() {
+	echo "busy: $*" >&2
+	exit 1
+}
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# shellcheck source=harness-lib.sh
+. scripts/harness-lib.sh
+for v in ROUNDS DURATION CONNS CADDY_CPU WRK_CPU REDIS_CPU REDIS_IDLE; do
+	[[ ${!v} =~ ^[0-9]+$ ]] || die "$v must be a non-negative integer, not '${!v}'"
+done
+((ROUNDS >= 1 && DURATION >= 3 && CONNS >= 4)) || die "ROUNDS must be at least 1, DURATION at least 3, CONNS at least 4"
+[[ $VARIANT =~ ^[a-z0-9_]+$ && -f loadtest/Caddyfile.$VARIANT ]] || die "no variant '$VARIANT' (loadtest/Caddyfile.<variant>)"
+[[ $VARIANT == *2nodes || $VARIANT == *mysql* || $VARIANT == peer_* ]] &&
+	die "$VARIANT: two-node, MySQL and peer variants are not supported"
+[[ $KEYS == cold || $KEYS == warm ]] || die "KEYS must be cold or warm, not '$KEYS'"
+for t in wrk taskset curl; do command -v "$t" >/dev/null || die "$t is missing (scripts/ensure-servers.sh installs wrk)"; done
+
+TMP=$(mktemp -d)
+PIDS=()
+cleanup() {
+	stop_all "${PIDS[@]}"
+	rm -rf "$TMP"
+}
+trap cleanup EXIT
+
+"$GO" build -o "$TMP/caddy" ./cmd/caddy || die "cannot build cmd/caddy"
+free_port
+export LT_PORT=$FREE_PORT
+free_port
+export LT_ADMIN_PORT=$FREE_PORT
+REDIS_PID=""
+if grep -q LT_REDIS_PORT "loadtest/Caddyfile.$VARIANT"; then
+	command -v redis-server >/dev/null || die "redis-server is missing (scripts/ensure-servers.sh installs it)"
+	free_port
+	export LT_REDIS_PORT=$FREE_PORT
+	taskset -c "$REDIS_CPU" redis-server --port "$LT_REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly no \
+		>"$TMP/redis.log" 2>&1 &
+	REDIS_PID=$!
+	PIDS+=("$REDIS_PID")
+	((REDIS_IDLE)) && { chrt --idle -p 0 "$REDIS_PID" || die "chrt --idle failed"; }
+fi
+GOMAXPROCS=1 taskset -c "$CADDY_CPU" "$TMP/caddy" run --config "loadtest/Caddyfile.$VARIANT" --adapter caddyfile \
+	>"$TMP/caddy.log" 2>&1 &
+CADDY_PID=$!
+PIDS+=("$CADDY_PID")
+url=http://127.0.0.1:$LT_PORT/
+for _ in $(seq 100); do
+	curl -s -o /dev/null "$url" && break
+	kill -0 "$CADDY_PID" 2>/dev/null || die "Caddy exited: $(tail -n 5 "$TMP/caddy.log")"
+	sleep 0.1
+done
+curl -s -o /dev/null "$url" || die "Caddy does not answer on $url"
+
+# wrk_run <seconds> <prefix> <keys>: wrk in the background on WRK_CPU.
+wrk_run() {
+	LT_KEYS=$3 LT_KEY_PREFIX=$2 taskset -c "$WRK_CPU" wrk -t1 -c"$CONNS" -d"$1"s -s loadtest/wrk.lua "$url" >"$TMP/wrk.out" 2>&1 &
+	WRK_PID=$!
+}
+keys=1000000000
+[ "$KEYS" = warm ] && keys=100000
+# Warm-up: the warm keys all once (at 20,000 a second or more), or cold
+# keys of their own.
+wrk_run "$([ "$KEYS" = warm ] && echo 6 || echo 2)" w "$keys"
+wait "$WRK_PID" || die "wrk failed in the warm-up: $(tail -n 3 "$TMP/wrk.out")"
+
+echo "busy: $VARIANT, $KEYS keys; Caddy on core $CADDY_CPU, wrk on core $WRK_CPU$([ -n "$REDIS_PID" ] && echo ", Redis on core $REDIS_CPU$( ((REDIS_IDLE)) && echo ' (SCHED_IDLE)')")"
+for r in $(seq "$ROUNDS"); do
+	prefix=c$r
+	[ "$KEYS" = warm ] && prefix=w
+	wrk_run "$DURATION" "$prefix" "$keys"
+	sleep 1
+	window=$((DURATION - 2))
+	c0=$(cpu_ns "$CADDY_PID") w0=$(cpu_ns "$WRK_PID") r0=0
+	[ -n "$REDIS_PID" ] && r0=$(cpu_ns "$REDIS_PID")
+	t0=$(date +%s%N)
+	sleep "$window"
+	c1=$(cpu_ns "$CADDY_PID") w1=$(cpu_ns "$WRK_PID") r1=0
+	[ -n "$REDIS_PID" ] && r1=$(cpu_ns "$REDIS_PID")
+	t1=$(date +%s%N)
+	wait "$WRK_PID" || die "wrk failed: $(tail -n 3 "$TMP/wrk.out")"
+	line=$(grep '^LT ' "$TMP/wrk.out") || die "wrk printed no summary: $(tail -n 3 "$TMP/wrk.out")"
+	[ "$(field sock_errors)" = 0 ] || die "socket errors: $line"
+	awk -v r="$r" -v n="$(field requests)" -v d="$(field duration_us)" -v p99="$(field p99_us)" \
+		-v c=$((c1 - c0)) -v w=$((w1 - w0)) -v rd=$((r1 - r0)) -v t=$((t1 - t0)) -v redis="$REDIS_PID" \
+		'BEGIN { printf "busy: round %d: %.0f req/s, p99 %.2f ms; CPU over %.1f s, %% of a core: Caddy %.0f, wrk %.0f%s\n",
+			r, n / d * 1e6, p99 / 1000, t / 1e9, 100 * c / t, 100 * w / t, redis == "" ? "" : sprintf(", Redis %.0f", 100 * rd / t) }'
+done
