@@ -11,9 +11,12 @@
 #   VARIANT=redis_keys100k KEYS=warm make busy    # 100,000 keys, each sent once first
 #   VARIANT=redis_keys100k REDIS_CPU=0 make busy  # Redis on Caddy's core
 #   VARIANT=redis_keys100k REDIS_IDLE=1 make busy # Redis under SCHED_IDLE (chrt)
+#   PROFILE=/tmp/busy.pb.gz make busy             # plus Caddy's CPU profile of the last round
 #
 # Environment: VARIANT=redis_keys100k KEYS=cold|warm ROUNDS=3 DURATION=4
-# CONNS=64 CADDY_CPU=0 WRK_CPU=1 REDIS_CPU=$WRK_CPU REDIS_IDLE=0.
+# CONNS=64 CADDY_CPU=0 WRK_CPU=1 REDIS_CPU=$WRK_CPU REDIS_IDLE=0 PROFILE
+# (a file: Caddy's CPU profile over the last round's measured seconds,
+# from the admin endpoint's /debug/pprof/profile).
 # Two-node, MySQL and peer variants are not supported. Everything it starts
 # is stopped on exit.
 set -euo pipefail
@@ -27,6 +30,7 @@ CADDY_CPU=${CADDY_CPU:-0}
 WRK_CPU=${WRK_CPU:-1}
 REDIS_CPU=${REDIS_CPU:-$WRK_CPU}
 REDIS_IDLE=${REDIS_IDLE:-0}
+PROFILE=${PROFILE:-}
 GO=${GO:-go}
 
 die() {
@@ -105,7 +109,12 @@ for r in $(seq "$ROUNDS"); do
 	c0=$(cpu_ns "$CADDY_PID") w0=$(cpu_ns "$WRK_PID") r0=0
 	[ -n "$REDIS_PID" ] && r0=$(cpu_ns "$REDIS_PID")
 	t0=$(date +%s%N)
-	sleep "$window"
+	if [ -n "$PROFILE" ] && ((r == ROUNDS)); then
+		curl -s --max-time $((window + 10)) -o "$PROFILE" "http://127.0.0.1:$LT_ADMIN_PORT/debug/pprof/profile?seconds=$window" ||
+			die "no CPU profile from the admin endpoint"
+	else
+		sleep "$window"
+	fi
 	c1=$(cpu_ns "$CADDY_PID") w1=$(cpu_ns "$WRK_PID") r1=0
 	[ -n "$REDIS_PID" ] && r1=$(cpu_ns "$REDIS_PID")
 	t1=$(date +%s%N)
@@ -117,3 +126,4 @@ for r in $(seq "$ROUNDS"); do
 		'BEGIN { printf "busy: round %d: %.0f req/s, p99 %.2f ms; CPU over %.1f s, %% of a core: Caddy %.0f, wrk %.0f%s\n",
 			r, n / d * 1e6, p99 / 1000, t / 1e9, 100 * c / t, 100 * w / t, redis == "" ? "" : sprintf(", Redis %.0f", 100 * rd / t) }'
 done
+[ -z "$PROFILE" ] || echo "busy: Caddy's CPU profile of the last round in $PROFILE (go tool pprof -top $PROFILE)"

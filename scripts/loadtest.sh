@@ -50,7 +50,7 @@
 # middleware at all; each of those rows is also given over its control.
 #
 # How: every Caddy is pinned to CADDY_CPU (so GOMAXPROCS=1), wrk and
-# redis-server to WRK_CPU. All processes start once and warm up; between its
+# redis-server to WRK_CPU (REDIS_CPU moves it). All processes start once and warm up; between its
 # turns each Caddy is stopped (SIGSTOP), so no idle process's background
 # work (a peer's storage sync of 100,000 keys, replay ticks) lands on the
 # measured core or reaches Redis. The rounds interleave: each round runs
@@ -67,6 +67,8 @@
 #   WARMUP=2                seconds of warm-up load per variant
 #   CONNS=64                wrk connections (one wrk thread; split over 2 nodes)
 #   CADDY_CPU=0 WRK_CPU=1   the two cores
+#   REDIS_CPU=$WRK_CPU      the core of redis-server (beside wrk by default;
+#                           CADDY_CPU puts it on Caddy's, see README)
 #   SCENARIOS="…"           rows to run (default all)
 #   PEER=1                  0: do not build or run the peer
 #   PEER_VERSION=v0.1.0     the peer's release (the module proxy serves tags only)
@@ -98,6 +100,7 @@ WARMUP=${WARMUP:-2}
 CONNS=${CONNS:-64}
 CADDY_CPU=${CADDY_CPU:-0}
 WRK_CPU=${WRK_CPU:-1}
+REDIS_CPU=${REDIS_CPU:-$WRK_CPU}
 ALL_ROWS="allow allow_off deny keys100k keys100k_cold redis redis_keys100k redis_keys100k_cold redis_2nodes redis_mysql"
 SCENARIOS=${SCENARIOS:-$ALL_ROWS}
 PEER=${PEER:-1}
@@ -127,7 +130,7 @@ die() {
 	exit 1
 }
 
-for v in ROUNDS DURATION WARMUP CONNS CADDY_CPU WRK_CPU MAX_SECONDS PEER CONTROL; do
+for v in ROUNDS DURATION WARMUP CONNS CADDY_CPU WRK_CPU REDIS_CPU MAX_SECONDS PEER CONTROL; do
 	[[ ${!v} =~ ^[0-9]+$ ]] || die "$v must be a non-negative integer, not '${!v}'"
 done
 ((ROUNDS >= 1 && DURATION >= 1 && CONNS >= 2)) || die "ROUNDS and DURATION must be at least 1, CONNS at least 2"
@@ -151,6 +154,7 @@ done
 ncpu=$(getconf _NPROCESSORS_ONLN)
 ((CADDY_CPU < ncpu && WRK_CPU < ncpu && CADDY_CPU != WRK_CPU)) ||
 	die "needs two distinct cores CADDY_CPU=$CADDY_CPU and WRK_CPU=$WRK_CPU; this machine has $ncpu"
+((REDIS_CPU < ncpu)) || die "REDIS_CPU=$REDIS_CPU: this machine has $ncpu cores"
 
 # --- scratch space and cleanup -------------------------------------------
 
@@ -368,7 +372,7 @@ REDIS_PORT=""
 start_redis() {
 	free_port
 	REDIS_PORT=$FREE_PORT
-	taskset -c "$WRK_CPU" redis-server --port "$REDIS_PORT" --bind 127.0.0.1 \
+	taskset -c "$REDIS_CPU" redis-server --port "$REDIS_PORT" --bind 127.0.0.1 \
 		--save "" --appendonly no --dir "$TMP" --logfile "$TMP/redis.log" \
 		--daemonize no >/dev/null 2>&1 &
 	SERVER_PIDS+=" $!"
@@ -534,7 +538,7 @@ echo "loadtest: ${order[*]}"
 echo "loadtest: $ROUNDS rounds x ${DURATION}s x $nruns variants, about $((nruns * (WARMUP + 3) + ROUNDS * nruns * (DURATION + 2)))s"
 
 for v in "${order[@]}"; do uses_redis "$v" && { [ -n "$REDIS_PORT" ] || start_redis; }; done
-[ -n "$REDIS_PORT" ] && echo "loadtest: redis-server on 127.0.0.1:$REDIS_PORT (core $WRK_CPU)"
+[ -n "$REDIS_PORT" ] && echo "loadtest: redis-server on 127.0.0.1:$REDIS_PORT (core $REDIS_CPU)"
 if [[ " ${order[*]} " == *" redis_mysql "* ]]; then
 	start_mariadb
 	echo "loadtest: mariadbd on ${MYSQL_DSN#*@} (core $WRK_CPU)"
@@ -642,7 +646,7 @@ fmt() { awk -v x="$1" -v f="$2" 'BEGIN { printf f, x }'; }
 	echo "- date: $started; commit $commit; $rounds_done interleaved rounds x ${DURATION} s"
 	echo "- command: \`ROUNDS=$ROUNDS DURATION=$DURATION make compare\`$([ "$SCENARIOS" = "$ALL_ROWS" ] || echo " with SCENARIOS=\"$SCENARIOS\"")$([ -z "$BASE" ] || echo " and BASE=$BASE_NAME")"
 	echo "- machine: $ncpu cores, $(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo 2>/dev/null | head -n 1), $(awk '$1 == "MemTotal:" { printf "%.0f GiB", $2 / 1048576 }' /proc/meminfo); load average before $load_before, after $(cut -d' ' -f1-3 /proc/loadavg)"
-	echo "- Caddy $CADDY_VERSION on core $CADDY_CPU (GOMAXPROCS 1), \`wrk -t1 -c$CONNS\` on core $WRK_CPU, loopback, \`respond \"ok\" 200\`; peer: $PEER_MODULE $PEER_VERSION$( ((PEER)) || echo ' (not run: PEER=0)')"
+	echo "- Caddy $CADDY_VERSION on core $CADDY_CPU (GOMAXPROCS 1), \`wrk -t1 -c$CONNS\` on core $WRK_CPU, loopback$( ((REDIS_CPU == WRK_CPU)) || echo ", redis-server on core $REDIS_CPU"), \`respond \"ok\" 200\`; peer: $PEER_MODULE $PEER_VERSION$( ((PEER)) || echo ' (not run: PEER=0)')"
 	echo
 	echo "| scenario | module | CPU/request × baseline (min–max) | req/s × baseline (min–max) | p50 / p99 ms | p99 × baseline | memory per key | bar (CPU ×) | verdict |"
 	echo "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"
