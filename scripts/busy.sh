@@ -39,7 +39,7 @@ die() {
 }
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-# shellcheck source=harness-lib.sh
+# shellcheck source=scripts/harness-lib.sh
 . scripts/harness-lib.sh
 for v in ROUNDS DURATION CONNS CADDY_CPU WRK_CPU REDIS_CPU REDIS_IDLE; do
 	[[ ${!v} =~ ^[0-9]+$ ]] || die "$v must be a non-negative integer, not '${!v}'"
@@ -73,6 +73,7 @@ if grep -q LT_REDIS_PORT "loadtest/Caddyfile.$VARIANT"; then
 		>"$TMP/redis.log" 2>&1 &
 	REDIS_PID=$!
 	PIDS+=("$REDIS_PID")
+	wait_port "$LT_REDIS_PORT" "$REDIS_PID" 10 || die "redis-server did not start: $(tail -n 5 "$TMP/redis.log")"
 	((REDIS_IDLE)) && { chrt --idle -p 0 "$REDIS_PID" || die "chrt --idle failed"; }
 fi
 GOMAXPROCS=1 taskset -c "$CADDY_CPU" "$TMP/caddy" run --config "loadtest/Caddyfile.$VARIANT" --adapter caddyfile \

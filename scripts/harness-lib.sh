@@ -1,5 +1,5 @@
 # Shell functions the load harness (loadtest.sh) and the paired runs
-# (pair.sh) share; sourced, not run. The sourcing script defines die.
+# (pair.sh, busy.sh) share; sourced, not run. The sourcing script defines die.
 
 # free_port sets FREE_PORT to a loopback TCP port nobody listens on, below
 # the ephemeral range, not handed out before. (A variable, not output: a
@@ -18,6 +18,17 @@ free_port() {
 		fi
 	done
 	die "no free loopback port found"
+}
+
+# wait_port <port> <pid> <seconds>: waits until something listens on the
+# loopback port; fails when the process pid exits or the seconds pass.
+wait_port() {
+	for _ in $(seq $(($3 * 10))); do
+		timeout 1 bash -c "exec 3<>/dev/tcp/127.0.0.1/$1" 2>/dev/null && return 0
+		kill -0 "$2" 2>/dev/null || return 1
+		sleep 0.1
+	done
+	return 1
 }
 
 # cpu_ns <pid> prints the CPU time the process has used, in nanoseconds:

@@ -359,15 +359,6 @@ done
 
 # --- servers -------------------------------------------------------------
 
-wait_port() { # wait_port <port> <pid> <seconds>
-	for _ in $(seq $(($3 * 10))); do
-		timeout 1 bash -c "exec 3<>/dev/tcp/127.0.0.1/$1" 2>/dev/null && return 0
-		kill -0 "$2" 2>/dev/null || return 1
-		sleep 0.1
-	done
-	return 1
-}
-
 REDIS_PORT=""
 start_redis() {
 	free_port
