@@ -221,7 +221,8 @@ func TestFlush_ManyCellsGoInChunksAndFailAlone(t *testing.T) {
 
 // BenchmarkFlush is one replay batch of 256 distinct cells against a real
 // Redis, the shape of a slow tick with many keys each touched once: the
-// Caddy-side cost of replay per cell (ns/cell, allocs/op over 256).
+// Caddy-side cost of replay per cell (ns/cell, allocs/op over 256), and
+// Redis's own CPU per cell (redis-cpu-µs/cell, INFO cpu).
 func BenchmarkFlush(b *testing.B) {
 	srv := redistest.Start(b)
 	o := newOrigin(b, Config{Redis: []string{srv.URL()}}, Options{NodeID: "bench"})
@@ -235,7 +236,7 @@ func BenchmarkFlush(b *testing.B) {
 	ctx := context.Background()
 	own := int64(0)
 	b.ReportAllocs()
-	cpu0 := cpuTime(b)
+	cpu0, redis0 := cpuTime(b), redisCPU(b, srv)
 	for b.Loop() {
 		own++
 		for i := range batch {
@@ -251,6 +252,56 @@ func BenchmarkFlush(b *testing.B) {
 	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*cells), "ns/cell")
 	// This process's CPU time alone: Redis runs the scripts in its own.
 	b.ReportMetric(float64((cpuTime(b)-cpu0).Nanoseconds())/float64(b.N*cells), "cpu-ns/cell")
+	b.ReportMetric((redisCPU(b, srv)-redis0).Seconds()*1e6/float64(b.N*cells), "redis-cpu-µs/cell")
+}
+
+// TestFlush_StoredCountsOfAnyFormComeBackAsCounts: the write script
+// returns the numbers Redis holds as they are when they are plain decimal
+// counts, without formatting them again. A field someone wrote in another
+// form (spaces, an exponent, a sign, too many digits) comes back as the
+// count Lua reads in it, clamped to 0..MaxCount, and one that is no number
+// refuses its cell alone: the reply never carries a stored string that
+// would shift or spoil the cells after it.
+func TestFlush_StoredCountsOfAnyFormComeBackAsCounts(t *testing.T) {
+	srv := redistest.Start(t)
+	o := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "p"})
+	seq := nowSeq()
+	c := srv.Client()
+	for _, tc := range []struct {
+		stored string
+		want   int64 // -1: the cell is refused
+	}{
+		{"12", 12}, {" 12", 12}, {"12 3 4", -1}, {"1e3", 1000}, {"-5", 0}, {"0x10", 16},
+		{"99999999999999999999", engine.MaxCount}, {"abc", -1}, {"", -1},
+	} {
+		k := key("stored " + tc.stored)
+		// The previous cell's total, and the current cell's total beside
+		// this process's record, which the write leaves as it is.
+		if err := setCellTotal(ctxT(t), c, DefaultPrefix, k, seq-1, tc.stored); err != nil {
+			t.Fatal(err)
+		}
+		if err := c.HSet(ctxT(t), cellKey(DefaultPrefix, k, seq), "t", tc.stored, "p.0", "5", "n", "1").Err(); err != nil {
+			t.Fatal(err)
+		}
+		batch := []engine.Delta{
+			{Key: k, Sequence: seq, Own: 5},
+			{Key: key("after " + tc.stored), Sequence: seq, Delta: 3, Own: 3},
+		}
+		err := o.Flush(ctxT(t), batch)
+		if tc.want < 0 {
+			if err == nil || batch[0].Done {
+				t.Fatalf("stored %q: done=%v totals %+v, err %v; want the cell refused", tc.stored, batch[0].Done, batch[0].Totals, err)
+			}
+		} else {
+			want := engine.Totals{Cur: tc.want, Prev: tc.want, Mine: 5}
+			if err != nil || !batch[0].Done || batch[0].Totals != want {
+				t.Fatalf("stored %q: done=%v totals %+v, err %v; want %+v", tc.stored, batch[0].Done, batch[0].Totals, err, want)
+			}
+		}
+		if want := (engine.Totals{Cur: 3, Mine: 3}); !batch[1].Done || batch[1].Totals != want {
+			t.Fatalf("stored %q: the next cell done=%v totals %+v, want %+v", tc.stored, batch[1].Done, batch[1].Totals, want)
+		}
+	}
 }
 
 // blockPipelines makes o's next pipeline wait until release is closed,
@@ -318,4 +369,32 @@ func TestFlush_NoPrevLeavesThePreviousCellOut(t *testing.T) {
 	if got := commands() - before; got != withCost-1 {
 		t.Fatalf("a write without the previous cell cost %d commands, with it %d: want one less", got, withCost)
 	}
+}
+
+// BenchmarkFlushNewCells is a replay batch of 256 cells Redis has never
+// seen, each with its previous cell read, the shape of one-off keys (a
+// fresh process, per-IP limits): redis-cpu-µs/cell is Redis's own CPU per
+// cell (INFO cpu), what caps how many new keys a second one Redis takes.
+func BenchmarkFlushNewCells(b *testing.B) {
+	srv := redistest.Start(b)
+	o := newOrigin(b, Config{Redis: []string{srv.URL()}}, Options{NodeID: "bench"})
+	const cells = 256
+	seq := nowSeq()
+	batch := make([]engine.Delta, cells)
+	ctx := context.Background()
+	n := 0
+	cpu0 := redisCPU(b, srv)
+	for b.Loop() {
+		for i := range batch {
+			n++
+			batch[i] = engine.Delta{Key: key("ip-" + strconv.Itoa(n)), Sequence: seq, Delta: 1, Own: 1}
+		}
+		if err := o.Flush(ctx, batch); err != nil {
+			b.Fatal(err)
+		}
+		if d := batch[cells-1]; !d.Done || d.Totals.Cur != 1 || d.Totals.Mine != 1 {
+			b.Fatalf("last item: done=%v totals=%+v, want a new cell of 1", d.Done, d.Totals)
+		}
+	}
+	b.ReportMetric((redisCPU(b, srv)-cpu0).Seconds()*1e6/float64(b.N*cells), "redis-cpu-µs/cell")
 }

@@ -12,11 +12,13 @@
 #   VARIANT=redis_keys100k REDIS_CPU=0 make busy  # Redis on Caddy's core
 #   VARIANT=redis_keys100k REDIS_IDLE=1 make busy # Redis under SCHED_IDLE (chrt)
 #   PROFILE=/tmp/busy.pb.gz make busy             # plus Caddy's CPU profile of the last round
+#   TRACE=/tmp/busy.trace make busy               # or its execution trace (go tool trace)
 #
 # Environment: VARIANT=redis_keys100k KEYS=cold|warm ROUNDS=3 DURATION=4
 # CONNS=64 CADDY_CPU=0 WRK_CPU=1 REDIS_CPU=$WRK_CPU REDIS_IDLE=0 PROFILE
 # (a file: Caddy's CPU profile over the last round's measured seconds,
-# from the admin endpoint's /debug/pprof/profile).
+# from the admin endpoint's /debug/pprof/profile) TRACE (a file: the same
+# seconds' execution trace, /debug/pprof/trace; not with PROFILE).
 # Two-node, MySQL and peer variants are not supported. Everything it starts
 # is stopped on exit.
 set -euo pipefail
@@ -31,6 +33,7 @@ WRK_CPU=${WRK_CPU:-1}
 REDIS_CPU=${REDIS_CPU:-$WRK_CPU}
 REDIS_IDLE=${REDIS_IDLE:-0}
 PROFILE=${PROFILE:-}
+TRACE=${TRACE:-}
 GO=${GO:-go}
 
 die() {
@@ -48,6 +51,7 @@ done
 [[ $VARIANT =~ ^[a-z0-9_]+$ && -f loadtest/Caddyfile.$VARIANT ]] || die "no variant '$VARIANT' (loadtest/Caddyfile.<variant>)"
 [[ $VARIANT == *2nodes || $VARIANT == *mysql* || $VARIANT == peer_* ]] &&
 	die "$VARIANT: two-node, MySQL and peer variants are not supported"
+[[ -z $PROFILE || -z $TRACE ]] || die "PROFILE and TRACE are one at a time"
 [[ $KEYS == cold || $KEYS == warm ]] || die "KEYS must be cold or warm, not '$KEYS'"
 for t in wrk taskset curl; do command -v "$t" >/dev/null || die "$t is missing (scripts/ensure-servers.sh installs wrk)"; done
 
@@ -113,6 +117,9 @@ for r in $(seq "$ROUNDS"); do
 	if [ -n "$PROFILE" ] && ((r == ROUNDS)); then
 		curl -s --max-time $((window + 10)) -o "$PROFILE" "http://127.0.0.1:$LT_ADMIN_PORT/debug/pprof/profile?seconds=$window" ||
 			die "no CPU profile from the admin endpoint"
+	elif [ -n "$TRACE" ] && ((r == ROUNDS)); then
+		curl -s --max-time $((window + 10)) -o "$TRACE" "http://127.0.0.1:$LT_ADMIN_PORT/debug/pprof/trace?seconds=$window" ||
+			die "no execution trace from the admin endpoint"
 	else
 		sleep "$window"
 	fi
@@ -128,3 +135,4 @@ for r in $(seq "$ROUNDS"); do
 			r, n / d * 1e6, p99 / 1000, t / 1e9, 100 * c / t, 100 * w / t, redis == "" ? "" : sprintf(", Redis %.0f", 100 * rd / t) }'
 done
 [ -z "$PROFILE" ] || echo "busy: Caddy's CPU profile of the last round in $PROFILE (go tool pprof -top $PROFILE)"
+[ -z "$TRACE" ] || echo "busy: Caddy's execution trace of the last round in $TRACE (go tool trace $TRACE)"
