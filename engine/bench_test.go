@@ -363,8 +363,10 @@ func BenchmarkNewKeyDuringSweep(b *testing.B) {
 // at 200,000 a second (more than one core of Caddy serves), and reports
 // the longest decision (worst-µs): the table grows eight times on the way.
 // late-µs is the most a decision ended after its key arrived: on one core
-// (-cpu 1, as a Caddy pinned to one), a growth that keeps the core for a
-// time slice delays the decisions behind it without being inside any.
+// (-cpu 1, as a Caddy pinned to one), work off the request path that keeps
+// the core (a table's copy did, before it went in steps; the garbage
+// collector's marking does) delays the decisions behind it without being
+// inside any.
 func BenchmarkNewKeysWorst(b *testing.B) {
 	const keys, every = 500_000, 5 * time.Microsecond
 	for i := 0; i < b.N; i++ {

@@ -44,10 +44,11 @@ import (
 // slot before the tag, and deletes one by setting the tag to tagDeleted
 // before clearing the slot, so a reader that sees a tag finds the entry or
 // nil (a deletion racing it). A table that grows or shrinks is copied
-// whole into a new one, published by one atomic store, and never written
-// again: a reader still on it sees the map as it was a moment earlier, as
-// it would had it run a moment earlier. Readers never wait for writers,
-// and writers wait for a growth only when it falls behind them (see grow).
+// into a new one, published by one atomic store once it holds every
+// entry, and never written again: a reader still on it sees the map as it
+// was a moment earlier, as it would had it run a moment earlier. Readers
+// never wait for writers, and a writer waits for a chunk of buckets at
+// most (see insert and DeleteMatching).
 type entryMap struct {
 	seed  idSeed
 	table atomic.Pointer[entryTable]
@@ -63,31 +64,27 @@ type entryMap struct {
 	// (replaced under mu), and the set of full ones (under mu).
 	open  [slabShards * slabKinds]atomic.Pointer[openSlab]
 	slabs *slabSet
-	// growing is the growth under way, or nil (under mu); grown wakes
-	// the inserts that wait for it.
+	// growing is the growth under way, or nil (under mu).
 	growing *growth
-	grown   sync.Cond
-	// betweenChunks and duringGrowth, when set (by tests), run between
-	// two of DeleteMatching's chunks and while a growth copies the
-	// table, without the lock.
-	betweenChunks, duringGrowth func()
+	// betweenChunks, when set (by tests), runs between two of
+	// DeleteMatching's chunks, without the lock.
+	betweenChunks func()
 }
 
-// growth is a table's growth under way: the changes made to the table it
-// copies since the copy began, which the new table takes before it is
-// published.
+// growth is a table's growth under way (see insert): the new table, which
+// holds a copy of the old table's buckets below next and the changes made
+// to those since, and how many of its slots are used.
 type growth struct {
-	changes []tableChange
+	t    *entryTable
+	next int
+	used int
 }
 
-// tableChange is an entry placed in or cleared from the table a growth
-// copies, with its hash, so that the new table takes the change without
-// reading the entry again.
-type tableChange struct {
-	h       uint64
-	en      *entry
-	cleared bool
-}
+// growStep is how many of the old table's buckets an insert copies
+// during a growth: enough that the copy ends before the old table, which
+// takes inserts from seven eighths full on, is fifteen sixteenths full
+// (2.3 buckets an insert at least).
+const growStep = 4
 
 const (
 	// bucketSlots fills a bucket's 64 bytes: a meta word and seven
@@ -145,7 +142,6 @@ const _ = uint(unsafe.Sizeof(entryBucket{})-unsafe.Sizeof(rawBucket{})) +
 
 func newEntryMap() *entryMap {
 	m := &entryMap{seed: newIDSeed(), slabs: new(slabSet)}
-	m.grown.L = &m.mu
 	m.table.Store(newEntryTable(minBuckets, m))
 	return m
 }
@@ -353,7 +349,8 @@ func (m *entryMap) Range(f func(id string, en *entry) bool) {
 }
 
 // deleteChunk is how many buckets DeleteMatching visits per hold of the
-// map's lock: 1,792 slots, tens of microseconds. Held for a whole
+// map's lock (and copies, of a growth under way): 1,792 slots, tens of
+// microseconds. Held for a whole
 // table, the janitor's pass over 500,000 keys kept every new key waiting
 // for its insert for 40 to 50 ms, every JanitorInterval.
 const deleteChunk = 256
@@ -386,7 +383,7 @@ func (m *entryMap) DeleteMatching(f func(id string, en *entry) (del, stop bool))
 				var del bool
 				del, stop = f(en.id(), en)
 				if del {
-					m.clear(bk, j)
+					m.clear(b, bk, j)
 					n++
 				}
 				if stop {
@@ -395,6 +392,11 @@ func (m *entryMap) DeleteMatching(f func(id string, en *entry) (del, stop bool))
 			}
 		}
 		done := stop || b >= len(t.buckets)
+		if g := m.growing; g != nil {
+			// A pass ends the growth under way (the table is then
+			// replaced: the next chunk starts the visit over).
+			m.copyOld(g, deleteChunk)
+		}
 		if done {
 			m.shrink()
 			m.sweep()
@@ -413,68 +415,84 @@ func (m *entryMap) DeleteMatching(f func(id string, en *entry) (del, stop bool))
 }
 
 // insert adds en, whose hash is h, made in the map's slabs, and which the
-// map does not hold; under mu. The insert that fills the table to seven
-// eighths starts its growth, which runs on its own (see grow).
+// map does not hold; under mu.
+//
+// The insert that fills the table to seven eighths starts its growth: a
+// new table sized for the entries then (at most half full), which takes a
+// copy of the old one's buckets in steps. Each insert during the growth
+// copies growStep buckets, and each chunk of a janitor's pass
+// (DeleteMatching) deleteChunk of them, under the lock they hold anyway;
+// the table is replaced when the last bucket is copied. Meanwhile inserts
+// and deletions go on in the old table, and to the new one too when the
+// bucket they change has been copied already.
+//
+// The map's lock held for the whole copy, in the insert that started it,
+// kept that request and every new key waiting: 180 ms for a table grown
+// past 800,000 keys. A copy of the whole table on a goroutine of its own,
+// without the lock, which took the changes made meanwhile at its end,
+// still held a core: with Caddy on one, every decision waited behind it,
+// 20 ms past its time for a table of 500,000 keys
+// (BenchmarkNewKeysWorst, late-µs, -cpu 1). The same goroutine copying in
+// chunks under the lock took the lock from the inserts it raced on two
+// cores (20-35 ms late there). In steps, a new key pays for a few
+// buckets, about a microsecond, while a growth is under way.
 func (m *entryMap) insert(h uint64, en *entry) {
 	t := m.table.Load()
-	if t.place(h, en) {
+	b, wasEmpty := t.place(h, en)
+	if wasEmpty {
 		m.used++
 	}
 	m.live++
 	if g := m.growing; g != nil {
-		g.changes = append(g.changes, tableChange{h: h, en: en})
+		if int(b) < g.next {
+			g.place(h, en)
+		}
+		m.copyOld(g, growStep)
 	} else if 8*m.used > 7*bucketSlots*len(t.buckets) {
-		g := &growth{}
-		m.growing = g
-		go m.grow(t, g, m.live)
+		m.growing = &growth{t: newEntryTable(bucketsFor(m.live), m)}
 	}
 }
 
-// roomDuringGrowth waits, under mu, while a growth is under way and the
-// table it copies is nearly full: its inserts go on in the old table
-// meanwhile, and a probe must always end at a free slot.
+// roomDuringGrowth ends a growth under way at once, under mu, when the
+// next insert could fill the table it copies past fifteen sixteenths: a
+// probe must always end at an empty slot, even in a table a reader keeps
+// after it is replaced. growStep keeps a large table's copy ahead of
+// that; a small table (two buckets, fourteen slots) starts its growth one
+// insert from it, and copies it whole in the next.
 func (m *entryMap) roomDuringGrowth() {
-	for m.growing != nil && 16*(m.used+1) > 15*bucketSlots*len(m.table.Load().buckets) {
-		m.grown.Wait()
+	if g := m.growing; g != nil {
+		if n := len(m.table.Load().buckets); 16*(m.used+1) > 15*bucketSlots*n {
+			m.copyOld(g, n)
+		}
 	}
 }
 
-// grow replaces old, a table seven eighths full, with one sized for n
-// entries (at most half full), as growth g. It copies without the map's
-// lock, on a goroutine of its own: the janitor and new keys go on with
-// the old table meanwhile, each insert and clear noted in g, and the new
-// table takes them under the lock before it is published. Under the lock
-// throughout, in the insert that started it, the copy kept that request
-// and every new key waiting: 180 ms for a table grown past 800,000 keys.
-func (m *entryMap) grow(old *entryTable, g *growth, n int) {
-	t := newEntryTable(bucketsFor(n), m)
-	used := 0
-	for b := range old.buckets {
-		bk := &old.buckets[b]
+// copyOld copies up to n more buckets of the current table into g's, and
+// publishes g's table once every bucket is copied; under mu.
+func (m *entryMap) copyOld(g *growth, n int) {
+	old := m.table.Load()
+	end := min(g.next+n, len(old.buckets))
+	for ; g.next < end; g.next++ {
+		bk := &old.buckets[g.next]
 		for j := range bk.slots {
-			if en := bk.slots[j].Load(); en != nil && t.place(m.seed.hash(en.id()), en) {
-				used++
+			if en := bk.slots[j].Load(); en != nil {
+				g.place(m.seed.hash(en.id()), en)
 			}
 		}
 	}
-	if m.duringGrowth != nil {
-		m.duringGrowth()
+	if g.next < len(old.buckets) {
+		return
 	}
-	m.mu.Lock()
-	for _, c := range g.changes {
-		bk, j := t.slotOf(c.h, c.en)
-		switch {
-		case c.cleared && bk != nil:
-			bk.clear(j)
-		case !c.cleared && bk == nil && t.place(c.h, c.en):
-			used++
-		}
-	}
-	m.publish(old, t)
-	m.used = used
+	m.publish(old, g.t)
+	m.used = g.used
 	m.growing = nil
-	m.grown.Broadcast()
-	m.mu.Unlock()
+}
+
+// place puts en, whose hash is h, in the growth's table.
+func (g *growth) place(h uint64, en *entry) {
+	if _, wasEmpty := g.t.place(h, en); wasEmpty {
+		g.used++
+	}
 }
 
 // slotOf finds en, whose hash is h, in t: its bucket and slot, or a nil
@@ -496,11 +514,11 @@ func (t *entryTable) slotOf(h uint64, en *entry) (*entryBucket, int) {
 }
 
 // place puts en, whose hash is h, in the first free slot from its hash's
-// bucket on, and reports whether that slot was empty (not deleted). The
-// slot is stored before the tag: a reader that sees the tag finds the
-// entry. A deleted slot is taken again: probes for other keys go on past
-// it either way, and a probe for en stops at it.
-func (t *entryTable) place(h uint64, en *entry) (wasEmpty bool) {
+// bucket on, and returns that slot's bucket and whether the slot was
+// empty (not deleted). The slot is stored before the tag: a reader that
+// sees the tag finds the entry. A deleted slot is taken again: probes for
+// other keys go on past it either way, and a probe for en stops at it.
+func (t *entryTable) place(h uint64, en *entry) (bucket uint64, wasEmpty bool) {
 	for b := h & t.mask; ; b = (b + 1) & t.mask {
 		bk := &t.buckets[b]
 		meta := bk.meta.Load()
@@ -511,7 +529,7 @@ func (t *entryTable) place(h uint64, en *entry) (wasEmpty bool) {
 		j := bits.TrailingZeros64(free) >> 3
 		bk.slots[j].Store(en)
 		bk.meta.Store(meta&^(0xff<<(8*j)) | tagOf(h)<<(8*j))
-		return meta>>(8*j)&0xff == 0
+		return b, meta>>(8*j)&0xff == 0
 	}
 }
 
@@ -525,7 +543,7 @@ func (m *entryMap) remove(h uint64, id string) *entry {
 		for hit := someZeroBytes(meta ^ tags); hit != 0; hit &= hit - 1 {
 			j := bits.TrailingZeros64(hit) >> 3
 			if en := bk.slots[j].Load(); en != nil && en.named(id) {
-				m.clear(bk, j)
+				m.clear(int(b), bk, j)
 				return en
 			}
 		}
@@ -535,13 +553,16 @@ func (m *entryMap) remove(h uint64, id string) *entry {
 	}
 }
 
-// clear deletes slot j of bk; under mu. The tag first: a reader that
-// still saw the old one finds nil or the entry, as if it ran a moment
-// earlier.
-func (m *entryMap) clear(bk *entryBucket, j int) {
-	if g := m.growing; g != nil {
+// clear deletes slot j of bk, bucket b of the current table; under mu.
+// The tag first: a reader that still saw the old one finds nil or the
+// entry, as if it ran a moment earlier. A growth that copied the bucket
+// already loses the entry too.
+func (m *entryMap) clear(b int, bk *entryBucket, j int) {
+	if g := m.growing; g != nil && b < g.next {
 		en := bk.slots[j].Load()
-		g.changes = append(g.changes, tableChange{h: m.seed.hash(en.id()), en: en, cleared: true})
+		if nb, nj := g.t.slotOf(m.seed.hash(en.id()), en); nb != nil {
+			nb.clear(nj)
+		}
 	}
 	bk.clear(j)
 	m.live--
@@ -562,8 +583,8 @@ func (bk *entryBucket) clear(j int) {
 // replaced earlier keeps the set it had (see entryTable).
 func (m *entryMap) sweep() {
 	full := m.slabs.full
-	if m.removed < 2*len(full) || len(full) == 0 || m.growing != nil {
-		return // (a growth's new table may hold a removed entry until published)
+	if m.removed < 2*len(full) || len(full) == 0 {
+		return
 	}
 	m.removed = 0
 	live := make([]slab, 0, len(full))

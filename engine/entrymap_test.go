@@ -1,7 +1,6 @@
 package engine
 
 import (
-	"runtime"
 	"strconv"
 	"strings"
 	"sync"
@@ -188,13 +187,14 @@ func TestEntryMap_DeleteMatchingLetsWritersIn(t *testing.T) {
 	}
 }
 
-// TestEntryMap_GrowsWithoutTheLock grows a table while keys are stored
-// and deleted beside the copy: the copy runs on its own, without the
-// map's lock (the insert that grew a table past 800,000 keys held it 180
-// ms, and every new key waited), inserts that would fill the old table
-// wait for the new one, and the new table ends holding exactly the
-// entries the map holds, each once.
-func TestEntryMap_GrowsWithoutTheLock(t *testing.T) {
+// TestEntryMap_GrowsInSteps grows a table while keys are stored and
+// deleted beside the copy, which goes on in steps under the lock the
+// inserts and a janitor's pass hold anyway (the insert that grew a table
+// past 800,000 keys once held it for the whole copy, 180 ms, and every new
+// key waited): changes to buckets copied and not yet copied both reach the
+// new table, a pass of DeleteMatching ends the growth, and the new table
+// ends holding exactly the entries the map holds, each once.
+func TestEntryMap_GrowsInSteps(t *testing.T) {
 	m := newEntryMap()
 	want := map[string]*entry{}
 	add := func(id string) {
@@ -210,80 +210,41 @@ func TestEntryMap_GrowsWithoutTheLock(t *testing.T) {
 		}
 		delete(want, id)
 	}
-	// Fill a table of 1,024 buckets to just under seven eighths.
-	i := 0
-	for ; 8*(m.used+1) <= 7*bucketSlots*1024; i++ {
-		add("k" + strconv.Itoa(i))
-		settle(m) // the smaller tables' growths
+	old := fillToGrowth(t, m, 1024, add)
+	g := m.growing
+	if g == nil || g.next != 0 {
+		t.Fatalf("growth %+v after the table passed seven eighths; want one begun", g)
 	}
-	old := m.table.Load()
-	if len(old.buckets) != 1024 {
-		t.Fatalf("%d buckets; want 1024", len(old.buckets))
+	// Beside the copy: new keys, deletions of old and new ones (in
+	// buckets copied and not), and a key deleted and made again.
+	for j := range 20 {
+		add("during" + strconv.Itoa(j))
 	}
-	var late sync.WaitGroup
-	lateIDs := make(chan string, 4096)
-	grew := 0
-	m.duringGrowth = func() { // on the growth's goroutine
-		grew++
-		if !m.mu.TryLock() {
-			t.Error("the map's lock is held while the growth copies")
-			return
-		}
-		m.mu.Unlock()
-		// Beside the copy: new keys, deletions of old and new ones, a
-		// key deleted and made again, and a janitor's pass.
-		for j := range 20 {
-			add("during" + strconv.Itoa(j))
-		}
-		for j := range 10 {
-			del("k" + strconv.Itoa(j))
-			del("during" + strconv.Itoa(j))
-		}
-		add("k0")
-		m.DeleteMatching(func(id string, _ *entry) (bool, bool) {
-			if id == "k10" || id == "during10" {
-				delete(want, id)
-				return true, false
-			}
-			return false, false
-		})
-		// Another writer fills the old table to the brim: its inserts
-		// must wait for the new table, not overfill the old.
-		late.Add(1)
-		go func() {
-			defer late.Done()
-			for j := 0; ; j++ {
-				id := "late" + strconv.Itoa(j)
-				m.LoadOrCreate(id, 0, false, false)
-				lateIDs <- id
-				if m.table.Load() != old {
-					return
-				}
-			}
-		}()
-		for {
-			m.mu.Lock()
-			full := 16*(m.used+1) > 15*bucketSlots*len(old.buckets)
-			m.mu.Unlock()
-			if full {
-				break
-			}
-			runtime.Gosched()
-		}
+	for j := range 10 {
+		del("k" + strconv.Itoa(j))
+		del("during" + strconv.Itoa(j))
 	}
-	add("k" + strconv.Itoa(i)) // past seven eighths: the table grows
-	settle(m)
-	late.Wait()
-	close(lateIDs)
-	for id := range lateIDs {
-		en, ok := m.Load(id)
-		if !ok {
-			t.Fatalf("%q, stored while the table grew, is gone", id)
-		}
-		want[id] = en
+	add("k0")
+	if m.table.Load() != old || g.next != 21*growStep {
+		t.Fatalf("after 21 inserts: %d buckets copied (table replaced: %v); want %d", g.next, m.table.Load() != old, 21*growStep)
 	}
-	if grew != 1 {
-		t.Fatalf("%d growths; want 1", grew)
+	// A janitor's pass ends it, and visits the new table after.
+	visited := map[string]int{}
+	m.DeleteMatching(func(id string, _ *entry) (bool, bool) {
+		visited[id]++
+		if id == "k10" || id == "during10" {
+			delete(want, id)
+			return true, false
+		}
+		return false, false
+	})
+	if m.growing != nil || m.table.Load() == old {
+		t.Fatalf("a pass of DeleteMatching left the growth under way (%d of %d buckets)", g.next, len(old.buckets))
+	}
+	for id, en := range want {
+		if visited[id] == 0 {
+			t.Fatalf("the pass never saw %q (%p)", id, en)
+		}
 	}
 	tbl := m.table.Load()
 	if len(tbl.buckets) <= len(old.buckets) {
@@ -315,6 +276,61 @@ func TestEntryMap_GrowsWithoutTheLock(t *testing.T) {
 	}
 	if len(seen) != len(want) || m.live != len(want) || m.used != used {
 		t.Fatalf("table holds %d entries in %d used slots; map says %d live, %d used; want %d", len(seen), used, m.live, m.used, len(want))
+	}
+}
+
+// fillToGrowth adds keys k0, k1, … with add until m's table of buckets
+// buckets passes seven eighths and starts its growth, and returns that
+// table.
+func fillToGrowth(t *testing.T, m *entryMap, buckets int, add func(string)) *entryTable {
+	t.Helper()
+	for i := 0; ; i++ {
+		add("k" + strconv.Itoa(i))
+		if m.growing != nil && len(m.table.Load().buckets) == buckets {
+			return m.table.Load()
+		}
+		settle(m) // the smaller tables' growths
+		if len(m.table.Load().buckets) > buckets {
+			t.Fatalf("the table grew past %d buckets", buckets)
+		}
+	}
+}
+
+// TestEntryMap_InsertsEndAGrowth: with nothing else running, the inserts
+// after a growth began copy the old table in steps of growStep buckets,
+// and it is replaced before they fill it past fifteen sixteenths (a probe
+// must always end at an empty slot); on a table so small that they
+// cannot, the insert that would is the one that ends the copy.
+func TestEntryMap_InsertsEndAGrowth(t *testing.T) {
+	for _, buckets := range []int{2, 8, 1024, 16384} {
+		m := newEntryMap()
+		n := 0
+		add := func(id string) {
+			if _, loaded := m.LoadOrCreate(id, 0, false, false); loaded {
+				t.Fatalf("%q was already there", id)
+			}
+			n++
+		}
+		old := fillToGrowth(t, m, buckets, add)
+		inserts, mostUsed := 0, 0
+		for ; m.table.Load() == old; inserts++ {
+			mostUsed = max(mostUsed, m.used)
+			add("new" + strconv.Itoa(inserts))
+		}
+		if 16*mostUsed > 15*bucketSlots*buckets {
+			t.Fatalf("%d buckets: the old table held %d used slots of %d while it grew", buckets, mostUsed, bucketSlots*buckets)
+		}
+		if want := (buckets + growStep - 1) / growStep; buckets >= 1024 && inserts != want {
+			t.Fatalf("%d buckets: the table was replaced after %d inserts; want %d", buckets, inserts, want)
+		}
+		if m.growing != nil || m.live != n || len(m.table.Load().buckets) <= buckets {
+			t.Fatalf("%d buckets: after the growth: growing %v, %d live of %d, %d buckets", buckets, m.growing, m.live, n, len(m.table.Load().buckets))
+		}
+		for i := range inserts {
+			if _, ok := m.Load("new" + strconv.Itoa(i)); !ok {
+				t.Fatalf("%d buckets: new%d, stored during the growth, is gone", buckets, i)
+			}
+		}
 	}
 }
 
@@ -550,11 +566,12 @@ func TestIDSeedHash_Spreads(t *testing.T) {
 	}
 }
 
-// settle waits for m's growth under way, if any.
+// settle ends m's growth under way, if any, as a pass of the janitor
+// would.
 func settle(m *entryMap) {
 	m.mu.Lock()
-	for m.growing != nil {
-		m.grown.Wait()
+	if g := m.growing; g != nil {
+		m.copyOld(g, len(m.table.Load().buckets))
 	}
 	m.mu.Unlock()
 }
