@@ -610,22 +610,9 @@ func (m *entryMap) shrink() {
 
 // rehash copies the entries into a new table sized for n entries (at
 // most half full) and publishes it; under mu throughout (a shrink: the
-// table holds few entries).
+// table holds few entries), as a growth copied at once.
 func (m *entryMap) rehash(n int) {
-	old := m.table.Load()
-	t := newEntryTable(bucketsFor(n), m)
-	live := 0
-	for b := range old.buckets {
-		bk := &old.buckets[b]
-		for j := range bk.slots {
-			if en := bk.slots[j].Load(); en != nil {
-				t.place(m.seed.hash(en.id()), en)
-				live++
-			}
-		}
-	}
-	m.publish(old, t)
-	m.used, m.live = live, live
+	m.copyOld(&growth{t: newEntryTable(bucketsFor(n), m)}, len(m.table.Load().buckets))
 }
 
 // bucketsFor is the size of a table for n entries: at most half full.
