@@ -78,7 +78,7 @@ if grep -q LT_REDIS_PORT "loadtest/Caddyfile.$VARIANT"; then
 	REDIS_PID=$!
 	PIDS+=("$REDIS_PID")
 	wait_port "$LT_REDIS_PORT" "$REDIS_PID" 10 || die "redis-server did not start: $(tail -n 5 "$TMP/redis.log")"
-	((REDIS_IDLE)) && { chrt --idle -p 0 "$REDIS_PID" || die "chrt --idle failed"; }
+	((REDIS_IDLE)) && { chrt --all-tasks --idle -p 0 "$REDIS_PID" || die "chrt --idle failed"; }
 fi
 GOMAXPROCS=1 taskset -c "$CADDY_CPU" "$TMP/caddy" run --config "loadtest/Caddyfile.$VARIANT" --adapter caddyfile \
 	>"$TMP/caddy.log" 2>&1 &

@@ -50,7 +50,9 @@
 # middleware at all; each of those rows is also given over its control.
 #
 # How: every Caddy is pinned to CADDY_CPU (so GOMAXPROCS=1), wrk and
-# redis-server to WRK_CPU (REDIS_CPU moves it). All processes start once and warm up; between its
+# redis-server to WRK_CPU (REDIS_CPU moves it), scheduled as wrk is
+# (REDIS_IDLE=1: redis-server and mariadbd under SCHED_IDLE, taking only
+# the CPU wrk leaves; SCHED_VS=1 runs both side by side). All processes start once and warm up; between its
 # turns each Caddy is stopped (SIGSTOP), so no idle process's background
 # work (a peer's storage sync of 100,000 keys, replay ticks) lands on the
 # measured core or reaches Redis. The rounds interleave: each round runs
@@ -69,6 +71,12 @@
 #   CADDY_CPU=0 WRK_CPU=1   the two cores
 #   REDIS_CPU=$WRK_CPU      the core of redis-server (beside wrk by default;
 #                           CADDY_CPU puts it on Caddy's, see README)
+#   REDIS_IDLE=0            1: redis-server and mariadbd under SCHED_IDLE
+#   SCHED_VS=0              1: also run each Redis row with the servers under
+#                           the other policy, right after the row in every
+#                           round ("sched_<row>", Redis database 2, MySQL
+#                           database lt_sched): what the policy moves, side
+#                           by side. Leaving SCHED_IDLE needs root
 #   SCENARIOS="…"           rows to run (default all)
 #   PEER=1                  0: do not build or run the peer
 #   PEER_VERSION=v0.1.0     the peer's release (the module proxy serves tags only)
@@ -101,6 +109,8 @@ CONNS=${CONNS:-64}
 CADDY_CPU=${CADDY_CPU:-0}
 WRK_CPU=${WRK_CPU:-1}
 REDIS_CPU=${REDIS_CPU:-$WRK_CPU}
+REDIS_IDLE=${REDIS_IDLE:-0}
+SCHED_VS=${SCHED_VS:-0}
 ALL_ROWS="allow allow_off deny keys100k keys100k_cold redis redis_keys100k redis_keys100k_cold redis_2nodes redis_mysql"
 SCENARIOS=${SCENARIOS:-$ALL_ROWS}
 PEER=${PEER:-1}
@@ -130,7 +140,7 @@ die() {
 	exit 1
 }
 
-for v in ROUNDS DURATION WARMUP CONNS CADDY_CPU WRK_CPU REDIS_CPU MAX_SECONDS PEER CONTROL; do
+for v in ROUNDS DURATION WARMUP CONNS CADDY_CPU WRK_CPU REDIS_CPU REDIS_IDLE SCHED_VS MAX_SECONDS PEER CONTROL; do
 	[[ ${!v} =~ ^[0-9]+$ ]] || die "$v must be a non-negative integer, not '${!v}'"
 done
 ((ROUNDS >= 1 && DURATION >= 1 && CONNS >= 2)) || die "ROUNDS and DURATION must be at least 1, CONNS at least 2"
@@ -147,9 +157,9 @@ need=(wrk)
 [[ " $SCENARIOS " == *" redis_mysql "* ]] && need+=(mariadbd)
 scripts/ensure-servers.sh "${need[@]}" || exit 1
 PATH="$PATH:/usr/sbin:/usr/local/sbin" # mariadbd
-for tool in taskset curl awk "$GO"; do
+for tool in taskset chrt curl awk "$GO"; do
 	command -v "$tool" >/dev/null 2>&1 ||
-		die "$tool is not on PATH (taskset: util-linux; curl; awk; go)"
+		die "$tool is not on PATH (taskset, chrt: util-linux; curl; awk; go)"
 done
 ncpu=$(getconf _NPROCESSORS_ONLN)
 ((CADDY_CPU < ncpu && WRK_CPU < ncpu && CADDY_CPU != WRK_CPU)) ||
@@ -231,7 +241,8 @@ span() { printf '%s\n' "$@" | sort -g | awk 'NR == 1 { lo = $1 } { hi = $1 } END
 
 is_peer() { [[ $1 == peer_* ]]; }
 is_base() { [[ $1 == base_* ]]; }
-row_of() { local r=${1#peer_}; echo "${r#base_}"; }
+is_sched() { [[ $1 == sched_* ]]; }
+row_of() { local r=${1#peer_}; r=${r#sched_}; echo "${r#base_}"; }
 is_cold() { [[ $1 == *_cold ]]; }
 is_keyed() { [[ $1 == plainkeys* || $1 == *keys100k || $1 == *keys100k_cold ]]; }
 nodes_of() { if [[ $1 == *2nodes ]]; then echo 2; else echo 1; fi; }
@@ -249,7 +260,7 @@ base_of() {
 }
 # conf_of <variant>: its Caddyfile (a BASE build runs this tree's; a cold
 # row runs its warm row's).
-conf_of() { local r=${1#base_}; echo "loadtest/Caddyfile.${r%_cold}"; }
+conf_of() { local r=${1#base_}; r=${r#sched_}; echo "loadtest/Caddyfile.${r%_cold}"; }
 uses_redis() { [[ $(row_of "$1") == redis* ]] && ! is_peer "$1"; }
 has_peer() { [[ " allow deny keys100k redis redis_keys100k redis_2nodes " == *" $1 "* ]]; }
 
@@ -354,6 +365,7 @@ for s in "${rows[@]}"; do
 	is_cold "$s" && [[ " ${order[*]} " != *" plainkeys_cold "* ]] && order+=(plainkeys_cold)
 	order+=("$s")
 	[ -n "$BASE" ] && order+=("base_$s")
+	((SCHED_VS)) && [[ $s == redis* ]] && order+=("sched_$s")
 	((PEER)) && has_peer "$s" && order+=("peer_$s")
 done
 
@@ -366,8 +378,26 @@ start_redis() {
 	taskset -c "$REDIS_CPU" redis-server --port "$REDIS_PORT" --bind 127.0.0.1 \
 		--save "" --appendonly no --dir "$TMP" --logfile "$TMP/redis.log" \
 		--daemonize no >/dev/null 2>&1 &
-	SERVER_PIDS+=" $!"
-	wait_port "$REDIS_PORT" $! 10 || { tail -n 20 "$TMP/redis.log" >&2; die "redis-server did not start"; }
+	local pid=$!
+	SERVER_PIDS+=" $pid"
+	wait_port "$REDIS_PORT" "$pid" 10 || { tail -n 20 "$TMP/redis.log" >&2; die "redis-server did not start"; }
+	((!REDIS_IDLE)) || schedule "$pid" idle
+}
+
+# schedule <pid> idle|other: the scheduling policy of every thread of a
+# server.
+schedule() {
+	chrt --all-tasks "--$2" -p 0 "$1" >/dev/null 2>&1 ||
+		die "chrt --all-tasks --$2 -p 0 $1 failed$([ "$2" = other ] && echo ' (leaving SCHED_IDLE needs root)')"
+}
+
+# place_servers <variant>: with SCHED_VS=1, the servers' policy for the
+# variant's turn: REDIS_IDLE's, or the other one for a sched_ variant.
+place_servers() {
+	uses_redis "$1" && ((SCHED_VS)) || return 0
+	local p idle=$REDIS_IDLE
+	is_sched "$1" && idle=$((1 - REDIS_IDLE))
+	for p in $SERVER_PIDS; do schedule "$p" "$( ((idle)) && echo idle || echo other)"; done
 }
 
 # redis_commands: the commands the private redis-server has processed
@@ -379,7 +409,7 @@ redis_commands() {
 
 MYSQL_DSN=""
 start_mariadb() {
-	local d=$TMP/mariadb port
+	local d=$TMP/mariadb port pid
 	free_port
 	port=$FREE_PORT
 	mariadb-install-db --no-defaults --user=root --datadir="$d" \
@@ -387,9 +417,11 @@ start_mariadb() {
 		{ tail -n 20 "$TMP/mariadb-install.log" >&2; die "mariadb-install-db failed"; }
 	taskset -c "$WRK_CPU" mariadbd --no-defaults --user=root --datadir="$d" --socket="$d/sock" \
 		--port="$port" --bind-address=127.0.0.1 --skip-grant-tables >"$TMP/mariadb.log" 2>&1 &
-	SERVER_PIDS+=" $!"
-	wait_port "$port" $! 60 || { tail -n 20 "$TMP/mariadb.log" >&2; die "mariadbd did not start"; }
-	mariadb --no-defaults --socket="$d/sock" -uroot -e 'CREATE DATABASE lt; CREATE DATABASE lt_base' ||
+	pid=$!
+	SERVER_PIDS+=" $pid"
+	wait_port "$port" "$pid" 60 || { tail -n 20 "$TMP/mariadb.log" >&2; die "mariadbd did not start"; }
+	((!REDIS_IDLE)) || schedule "$pid" idle
+	mariadb --no-defaults --socket="$d/sock" -uroot -e 'CREATE DATABASE lt; CREATE DATABASE lt_base; CREATE DATABASE lt_sched' ||
 		die "CREATE DATABASE failed"
 	MYSQL_DSN="root:@tcp(127.0.0.1:$port)/lt"
 }
@@ -404,6 +436,7 @@ start_caddy() {
 	# database): sharing keys with this build's variant would make every
 	# key a shared one for both.
 	is_base "$v" && bin=$BBIN redis_port=$REDIS_PORT/1 mysql_dsn=${MYSQL_DSN%/lt}/lt_base
+	is_sched "$v" && redis_port=$REDIS_PORT/2 mysql_dsn=${MYSQL_DSN%/lt}/lt_sched
 	n=$(nodes_of "$v")
 	PIDS[$v]="" PORTS[$v]="" ADMINS[$v]=""
 	for i in $(seq "$n"); do
@@ -437,7 +470,7 @@ first() { echo "${1%% *}"; }
 # its Caddyfile says.
 check_headers() {
 	local v=$1 h code c=$1
-	is_base "$v" && c=$(row_of "$v")
+	is_base "$v" || is_sched "$v" && c=$(row_of "$v")
 	h=$(curl -s -D - -o /dev/null --max-time 5 -H "X-Key: header-check" "http://127.0.0.1:$(first "${PORTS[$v]}")/") ||
 		fail "$v" "request failed"
 	code=$(echo "$h" | awk 'NR == 1 { print $2 }')
@@ -529,7 +562,7 @@ echo "loadtest: ${order[*]}"
 echo "loadtest: $ROUNDS rounds x ${DURATION}s x $nruns variants, about $((nruns * (WARMUP + 3) + ROUNDS * nruns * (DURATION + 2)))s"
 
 for v in "${order[@]}"; do uses_redis "$v" && { [ -n "$REDIS_PORT" ] || start_redis; }; done
-[ -n "$REDIS_PORT" ] && echo "loadtest: redis-server on 127.0.0.1:$REDIS_PORT (core $REDIS_CPU)"
+[ -n "$REDIS_PORT" ] && echo "loadtest: redis-server on 127.0.0.1:$REDIS_PORT (core $REDIS_CPU$( ((REDIS_IDLE)) && echo ', SCHED_IDLE'))"
 if [[ " ${order[*]} " == *" redis_mysql "* ]]; then
 	start_mariadb
 	echo "loadtest: mariadbd on ${MYSQL_DSN#*@} (core $WRK_CPU)"
@@ -537,6 +570,7 @@ fi
 
 declare -A FIRST_CPU # keyed variants: CPU per request of the warm-up's first pass over the keys
 for v in "${order[@]}"; do
+	place_servers "$v"
 	start_caddy "$v"
 	load "$v" "$WARMUP"
 	if is_keyed "$v" && ! is_cold "$v"; then
@@ -566,6 +600,7 @@ for r in $(seq "$ROUNDS"); do
 	fi
 	line="round $r/$ROUNDS:"
 	for v in "${order[@]}"; do
+		place_servers "$v"
 		resume "$v"
 		oc0=0 rc0=0
 		if uses_redis "$v"; then
@@ -635,9 +670,9 @@ fmt() { awk -v x="$1" -v f="$2" 'BEGIN { printf f, x }'; }
 	echo "# caddy-ratelimit: side-by-side load test"
 	echo
 	echo "- date: $started; commit $commit; $rounds_done interleaved rounds x ${DURATION} s"
-	echo "- command: \`ROUNDS=$ROUNDS DURATION=$DURATION make compare\`$([ "$SCENARIOS" = "$ALL_ROWS" ] || echo " with SCENARIOS=\"$SCENARIOS\"")$([ -z "$BASE" ] || echo " and BASE=$BASE_NAME")"
+	echo "- command: \`ROUNDS=$ROUNDS DURATION=$DURATION make compare\`$([ "$SCENARIOS" = "$ALL_ROWS" ] || echo " with SCENARIOS=\"$SCENARIOS\"")$([ -z "$BASE" ] || echo " and BASE=$BASE_NAME")$( ((REDIS_IDLE)) && echo " and REDIS_IDLE=1")$( ((SCHED_VS)) && echo " and SCHED_VS=1")"
 	echo "- machine: $ncpu cores, $(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo 2>/dev/null | head -n 1), $(awk '$1 == "MemTotal:" { printf "%.0f GiB", $2 / 1048576 }' /proc/meminfo); load average before $load_before, after $(cut -d' ' -f1-3 /proc/loadavg)"
-	echo "- Caddy $CADDY_VERSION on core $CADDY_CPU (GOMAXPROCS 1), \`wrk -t1 -c$CONNS\` on core $WRK_CPU, loopback$( ((REDIS_CPU == WRK_CPU)) || echo ", redis-server on core $REDIS_CPU"), \`respond \"ok\" 200\`; peer: $PEER_MODULE $PEER_VERSION$( ((PEER)) || echo ' (not run: PEER=0)')"
+	echo "- Caddy $CADDY_VERSION on core $CADDY_CPU (GOMAXPROCS 1), \`wrk -t1 -c$CONNS\` on core $WRK_CPU, loopback$( ((REDIS_CPU == WRK_CPU)) || echo ", redis-server on core $REDIS_CPU")$( ((REDIS_IDLE)) && echo ", redis-server and mariadbd under SCHED_IDLE"), \`respond \"ok\" 200\`; peer: $PEER_MODULE $PEER_VERSION$( ((PEER)) || echo ' (not run: PEER=0)')"
 	echo
 	echo "| scenario | module | CPU/request × baseline (min–max) | req/s × baseline (min–max) | p50 / p99 ms | p99 × baseline | memory per key | bar (CPU ×) | verdict |"
 	echo "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"
@@ -656,6 +691,7 @@ for v in "${order[@]}"; do
 	mod="this module"
 	is_peer "$v" && mod="peer"
 	is_base "$v" && mod="this module at $BASE_NAME (BASE)"
+	is_sched "$v" && mod="this module, servers $( ((REDIS_IDLE)) && echo 'scheduled as wrk is' || echo 'under SCHED_IDLE') (SCHED_VS)"
 	[[ $v == plain* ]] && mod="plain Caddy"
 	label=$row
 	case $v in
@@ -698,7 +734,7 @@ for v in "${order[@]}"; do
 	[[ $v == plain*mw ]] && verdict="control"
 	if [[ $v != plain* ]]; then
 		verdict="–"
-		if ! is_peer "$v" && ! is_base "$v"; then
+		if ! is_peer "$v" && ! is_base "$v" && ! is_sched "$v"; then
 			bar=${BAR[$row]}
 			miss=()
 			if [ "$bar" != - ]; then
@@ -726,7 +762,7 @@ for v in "${order[@]}"; do
 				MISSES+=("$row: ${why%; }")
 			fi
 		fi
-		is_base "$v" || printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$row" "$(is_peer "$v" && echo peer || echo ours)" \
+		is_base "$v" || is_sched "$v" || printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$row" "$(is_peer "$v" && echo peer || echo ours)" \
 			"$cmed" "$(printf '%s\n' "${cx[@]}" | sort -g | head -n 1)" "$(printf '%s\n' "${cx[@]}" | sort -g | tail -n 1)" \
 			"$tmed" "$(printf '%s\n' "${tx[@]}" | sort -g | head -n 1)" "$(printf '%s\n' "${tx[@]}" | sort -g | tail -n 1)" \
 			"$(is_peer "$v" || [ "${BAR[$row]}" = - ] && echo - || echo "${BAR[$row]}")" >>"$TSV"
@@ -793,6 +829,7 @@ for p in $PROFILE; do
 	is_base "$p" && bin=$BBIN
 	echo
 	echo "loadtest: profiling $p for ${secs}s under load (not part of the table)"
+	place_servers "$p"
 	resume "$p"
 	curl -s --max-time $((secs + 30)) -o "$prof" \
 		"http://127.0.0.1:$(first "${ADMINS[$p]}")/debug/pprof/profile?seconds=$secs" &
