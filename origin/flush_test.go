@@ -398,3 +398,39 @@ func BenchmarkFlushNewCells(b *testing.B) {
 	}
 	b.ReportMetric((redisCPU(b, srv)-cpu0).Seconds()*1e6/float64(b.N*cells), "redis-cpu-µs/cell")
 }
+
+// TestFlush_RecordCountChangesOnlyWithANewRecord: a cell's record count
+// (n, which tells a process the cell is shared) grows by one for each new
+// process or incarnation that writes it, and a warm write, which leaves
+// n out of its HSET, never changes it.
+func TestFlush_RecordCountChangesOnlyWithANewRecord(t *testing.T) {
+	srv := redistest.Start(t)
+	url := srv.URL()
+	p := newOrigin(t, Config{Redis: []string{url}}, Options{NodeID: "p"})
+	q := newOrigin(t, Config{Redis: []string{url}}, Options{NodeID: "q"})
+	k, seq := key("shared"), nowSeq()
+	write := func(o *Redis, inc uint32, own int64, wantN string, wantShared bool) {
+		t.Helper()
+		batch := []engine.Delta{{Key: k, Sequence: seq, Delta: 1, Own: own, Incarnation: inc}}
+		if err := o.Flush(ctxT(t), batch); err != nil || !batch[0].Done {
+			t.Fatalf("flush: done=%v, err %v", batch[0].Done, err)
+		}
+		if batch[0].Totals.Shared != wantShared {
+			t.Fatalf("totals %+v: shared %v, want %v", batch[0].Totals, batch[0].Totals.Shared, wantShared)
+		}
+		n, err := srv.Client().HGet(ctxT(t), cellKey(DefaultPrefix, k, seq), "n").Result()
+		if err != nil || n != wantN {
+			t.Fatalf("n = %q (%v), want %q", n, err, wantN)
+		}
+	}
+	write(p, 0, 1, "1", false)
+	write(p, 0, 2, "1", false)
+	write(q, 0, 1, "2", true)
+	write(p, 0, 3, "2", true)
+	write(p, 0, 4, "2", true)
+	write(p, 1, 1, "3", true) // p's next incarnation: a record of its own
+	write(q, 0, 2, "3", true)
+	if tot, err := cellTotal(ctxT(t), srv.Client(), DefaultPrefix, k, seq); err != nil || tot != 7 {
+		t.Fatalf("t = %d (%v), want 7: every unit once", tot, err)
+	}
+}
