@@ -2,7 +2,6 @@ package origin
 
 import (
 	"fmt"
-	"strconv"
 	"strings"
 	"unsafe"
 
@@ -71,44 +70,54 @@ func (ep *endpoint) manyArgs(script *redis.Script, n int, cell func(i int) (engi
 }
 
 // parseMany reads the reply of cellsLua over n cells: per cell, six
-// integers or "e" (Redis refused the cell's commands). It calls each for
+// counts or "e" (Redis refused the cell's commands). It calls each for
 // every cell with its totals, and returns how many cells were refused. A
 // malformed reply stops it: the cells left are not reported.
 func parseMany(reply string, n int, each func(i int, t engine.Totals)) (refused int) {
 	for i := range n {
-		var tok string
-		if tok, reply = nextField(reply); tok == "e" {
+		if reply == "e" || strings.HasPrefix(reply, "e ") {
 			refused++
+			reply = reply[min(2, len(reply)):]
 			continue
 		}
 		var v [6]int64
 		for k := range v {
-			if k > 0 {
-				tok, reply = nextField(reply)
-			}
-			x, err := strconv.ParseInt(tok, 10, 64)
-			if err != nil {
+			var ok bool
+			if v[k], reply, ok = nextCount(reply); !ok {
 				return refused
 			}
-			v[k] = x
 		}
 		each(i, totalsOf(v))
 	}
 	return refused
 }
 
+// nextCount reads the count s begins with, up to a space or the end, and
+// returns what follows the space. A count is 1 to 18 decimal digits (the
+// scripts return at most 16: engine.MaxCount); anything else is not one
+// (ok false): no sign, no empty field.
+func nextCount(s string) (v int64, rest string, ok bool) {
+	i := 0
+	for ; i < len(s) && s[i] != ' '; i++ {
+		d := s[i] - '0'
+		if d > 9 || i == 18 {
+			return 0, "", false
+		}
+		v = v*10 + int64(d)
+	}
+	if i == 0 {
+		return 0, "", false
+	}
+	if i < len(s) {
+		i++
+	}
+	return v, s[i:], true
+}
+
 // totalsOf reads a cell's numbers as the scripts return them: t, the
 // previous t, the record, n, g and the previous g.
 func totalsOf(v [6]int64) engine.Totals {
 	return engine.Totals{Cur: v[0], Prev: v[1], Mine: v[2], Shared: v[3] > 1, Global: v[4], GlobalPrev: v[5]}
-}
-
-// nextField splits s at its first space.
-func nextField(s string) (field, rest string) {
-	if i := strings.IndexByte(s, ' '); i >= 0 {
-		return s[:i], s[i+1:]
-	}
-	return s, ""
 }
 
 // refusedCells is the error of a script that refused some cells (their

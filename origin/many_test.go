@@ -2,6 +2,8 @@ package origin
 
 import (
 	"reflect"
+	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -54,4 +56,21 @@ func TestAppendCellKeys_MatchesTheKeysOfOneCell(t *testing.T) {
 	if want := []string{cur, prev}; !reflect.DeepEqual(got, want) || ends[1] != len(b) {
 		t.Fatalf("keys %q (ends %v, len %d), want %q", got, ends, len(b), want)
 	}
+}
+
+// BenchmarkParseMany reads the reply of a full chunk of warm cells.
+func BenchmarkParseMany(b *testing.B) {
+	var fields []string
+	for i := range manyChunk {
+		fields = append(fields, strconv.Itoa(123456+i), "98765", strconv.Itoa(40+i), "2", "0", "0")
+	}
+	reply := strings.Join(fields, " ")
+	var sum int64
+	for b.Loop() {
+		parseMany(reply, manyChunk, func(_ int, t engine.Totals) { sum += t.Cur })
+	}
+	if sum == 0 {
+		b.Fatal("no cell read")
+	}
+	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*manyChunk), "ns/cell")
 }
