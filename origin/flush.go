@@ -172,20 +172,16 @@ func (ep *endpoint) write(ctx context.Context, todo []int, item func(int) *engin
 	cmds := make([]*redis.Cmd, 0, (len(todo)+chunk-1)/chunk)
 	for lo := 0; lo < len(todo); lo += chunk {
 		part := todo[lo:min(lo+chunk, len(todo))]
-		cmds = append(cmds, pipe.Do(ctx, ep.manyArgs(cellsScript, len(part), func(i int) (engine.Key, int64) {
+		cmds = append(cmds, pipe.Do(ctx, ep.manyArgs(cellsScript, len(part), func(i int) (engine.Key, int64, bool) {
 			d := item(part[i])
-			return d.Key, d.Sequence
+			return d.Key, d.Sequence, !d.NoPrev
 		}, func(b []byte, i int) []byte {
 			d := item(part[i])
 			b = strconv.AppendUint(b, uint64(d.Incarnation), 10)
 			b = append(b, ' ')
 			b = strconv.AppendInt(b, d.Own, 10)
 			b = append(b, ' ')
-			b = strconv.AppendInt(b, expireAt(d.Key, d.Sequence).UnixMilli(), 10)
-			if d.NoPrev {
-				return append(b, " 0"...)
-			}
-			return append(b, " 1"...)
+			return strconv.AppendInt(b, expireAt(d.Key, d.Sequence).UnixMilli(), 10)
 		})...))
 	}
 	ep.roundTrips.Add(1)

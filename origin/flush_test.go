@@ -223,7 +223,14 @@ func TestFlush_ManyCellsGoInChunksAndFailAlone(t *testing.T) {
 // Redis, the shape of a slow tick with many keys each touched once: the
 // Caddy-side cost of replay per cell (ns/cell, allocs/op over 256), and
 // Redis's own CPU per cell (redis-cpu-µs/cell, INFO cpu).
-func BenchmarkFlush(b *testing.B) {
+func BenchmarkFlush(b *testing.B) { benchmarkFlush(b, false) }
+
+// BenchmarkFlushNoPrev is BenchmarkFlush once the process has the previous
+// cells' final totals (a flush period into a window, so most warm writes):
+// the writes leave the previous cells out.
+func BenchmarkFlushNoPrev(b *testing.B) { benchmarkFlush(b, true) }
+
+func benchmarkFlush(b *testing.B, noPrev bool) {
 	srv := redistest.Start(b)
 	o := newOrigin(b, Config{Redis: []string{srv.URL()}}, Options{NodeID: "bench"})
 	const cells = 256
@@ -240,7 +247,7 @@ func BenchmarkFlush(b *testing.B) {
 	for b.Loop() {
 		own++
 		for i := range batch {
-			batch[i] = engine.Delta{Key: ks[i], Sequence: seq, Delta: 1, Own: own}
+			batch[i] = engine.Delta{Key: ks[i], Sequence: seq, Delta: 1, Own: own, NoPrev: noPrev}
 		}
 		if err := o.Flush(ctx, batch); err != nil {
 			b.Fatal(err)
@@ -432,5 +439,41 @@ func TestFlush_RecordCountChangesOnlyWithANewRecord(t *testing.T) {
 	write(q, 0, 2, "3", true)
 	if tot, err := cellTotal(ctxT(t), srv.Client(), DefaultPrefix, k, seq); err != nil || tot != 7 {
 		t.Fatalf("t = %d (%v), want 7: every unit once", tot, err)
+	}
+}
+
+// TestFlush_ChunkMixesCellsWithAndWithoutThePreviousCell: in one call, a
+// cell that leaves its previous cell out names one key and one that reads
+// it names two; each cell is written to its own key and gets its own
+// previous cell's total, in any mix.
+func TestFlush_ChunkMixesCellsWithAndWithoutThePreviousCell(t *testing.T) {
+	srv := redistest.Start(t)
+	o := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "p"})
+	seq := nowSeq()
+	batch := make([]engine.Delta, 12)
+	for i := range batch {
+		k := key("mix-" + strconv.Itoa(i))
+		if err := setCellTotal(ctxT(t), srv.Client(), DefaultPrefix, k, seq-1, 100+i); err != nil {
+			t.Fatal(err)
+		}
+		batch[i] = engine.Delta{Key: k, Sequence: seq, Delta: int64(i + 1), Own: int64(i + 1), NoPrev: i%3 != 0 && i != 11}
+	}
+	if err := o.Flush(ctxT(t), batch); err != nil {
+		t.Fatal(err)
+	}
+	for i, d := range batch {
+		want := engine.Totals{Cur: int64(i + 1), Mine: int64(i + 1)}
+		if !d.NoPrev {
+			want.Prev = int64(100 + i)
+		}
+		if !d.Done || d.Totals != want {
+			t.Fatalf("cell %d (no previous cell: %v): done=%v totals %+v, want %+v", i, d.NoPrev, d.Done, d.Totals, want)
+		}
+		if got, err := cellTotal(ctxT(t), srv.Client(), DefaultPrefix, d.Key, seq); err != nil || got != int64(i+1) {
+			t.Fatalf("cell %d in Redis: %d (%v), want %d", i, got, err, i+1)
+		}
+		if got, err := cellTotal(ctxT(t), srv.Client(), DefaultPrefix, d.Key, seq-1); err != nil || got != int64(100+i) {
+			t.Fatalf("previous cell %d in Redis: %d (%v), want %d untouched", i, got, err, 100+i)
+		}
 	}
 }

@@ -40,17 +40,19 @@ func cellKeys(prefix string, key engine.Key, seq int64) (cur, prev string) {
 	return cur, prev
 }
 
-// appendCellKeys appends the two keys a call about the cell (key, seq)
-// names, the cell's and the previous cell's, and returns where each ends
-// in b.
-func appendCellKeys(b []byte, prefix string, key engine.Key, seq int64) ([]byte, [2]int) {
+// appendCellKeys appends the keys a call about the cell (key, seq) names,
+// the cell's and, when prev, the previous cell's, and returns where each
+// ends in b (without prev both ends are the cell key's).
+func appendCellKeys(b []byte, prefix string, key engine.Key, seq int64, prev bool) ([]byte, [2]int) {
 	from := len(b)
 	b = appendStem(b, prefix, key)
 	stem := len(b)
 	var ends [2]int
 	b = appendCell(b, seq)
 	ends[0] = len(b)
-	b = appendCell(append(b, b[from:stem]...), seq-1)
+	if prev {
+		b = appendCell(append(b, b[from:stem]...), seq-1)
+	}
 	ends[1] = len(b)
 	return b, ends
 }

@@ -32,28 +32,34 @@ func (ep *endpoint) chunk() int {
 }
 
 // manyArgs returns one EVALSHA of script over n cells: per cell i, named by
-// cell(i), its key and the previous cell's key; then the node ID and one
-// string of each cell's numbers, written by nums(b, i) and separated by
-// spaces. The keys share one string, and the
-// command refers to them by pointer, which go-redis writes as strings
-// without a value per key.
-func (ep *endpoint) manyArgs(script *redis.Script, n int, cell func(i int) (engine.Key, int64), nums func(b []byte, i int) []byte) []any {
+// cell(i), its key and, when prev, the previous cell's key; then the node
+// ID and one string of each cell's numbers, written by nums(b, i), each
+// followed by its prev flag (1 or 0), separated by spaces. The keys share
+// one string, and the command refers to them by pointer, which go-redis
+// writes as strings without a value per key.
+func (ep *endpoint) manyArgs(script *redis.Script, n int, cell func(i int) (k engine.Key, seq int64, prev bool), nums func(b []byte, i int) []byte) []any {
 	size := 0
 	for i := range n {
-		k, _ := cell(i)
+		k, _, _ := cell(i)
 		size += 2 * (len(ep.r.prefix) + len(k.Namespace) + len(k.Identifier) + 32)
 	}
 	kb, nb := make([]byte, 0, size), make([]byte, 0, 32*n)
 	ends := make([]int, 0, 2*n)
 	for i := range n {
-		k, seq := cell(i)
+		k, seq, prev := cell(i)
 		var e [2]int
-		kb, e = appendCellKeys(kb, ep.r.prefix, k, seq)
-		ends = append(ends, e[:]...)
+		kb, e = appendCellKeys(kb, ep.r.prefix, k, seq, prev)
+		ends = append(ends, e[0])
 		if i > 0 {
 			nb = append(nb, ' ')
 		}
 		nb = nums(nb, i)
+		if prev {
+			ends = append(ends, e[1])
+			nb = append(nb, " 1"...)
+		} else {
+			nb = append(nb, " 0"...)
+		}
 	}
 	// kb is never written again: the keys can share its bytes.
 	all := unsafe.String(unsafe.SliceData(kb), len(kb))

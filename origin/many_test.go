@@ -50,11 +50,16 @@ func TestTotalsOf_NamesTheScriptsNumbers(t *testing.T) {
 
 func TestAppendCellKeys_MatchesTheKeysOfOneCell(t *testing.T) {
 	k := engine.Key{Namespace: "api", Identifier: "a b:{c}%", Window: time.Minute}
-	b, ends := appendCellKeys([]byte("xyz"), DefaultPrefix, k, 42)
+	b, ends := appendCellKeys([]byte("xyz"), DefaultPrefix, k, 42, true)
 	cur, prev := cellKeys(DefaultPrefix, k, 42)
 	got := []string{string(b[3:ends[0]]), string(b[ends[0]:ends[1]])}
 	if want := []string{cur, prev}; !reflect.DeepEqual(got, want) || ends[1] != len(b) {
 		t.Fatalf("keys %q (ends %v, len %d), want %q", got, ends, len(b), want)
+	}
+	// Without the previous cell, the cell's key alone.
+	b, ends = appendCellKeys([]byte("xyz"), DefaultPrefix, k, 42, false)
+	if got := string(b[3:ends[0]]); got != cur || ends[1] != ends[0] || ends[0] != len(b) {
+		t.Fatalf("key %q (ends %v, len %d), want %q alone", got, ends, len(b), cur)
 	}
 }
 

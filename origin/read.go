@@ -205,13 +205,12 @@ func (ep *endpoint) readBatch(batch []*readReq) {
 
 // sendReads queues the call of cellsScript that reads part on pipe.
 func (ep *endpoint) sendReads(ctx context.Context, pipe redis.Pipeliner, part []*readReq) *redis.Cmd {
-	return pipe.Do(ctx, ep.manyArgs(cellsScript, len(part), func(i int) (engine.Key, int64) {
-		return part[i].key, part[i].seq
+	return pipe.Do(ctx, ep.manyArgs(cellsScript, len(part), func(i int) (engine.Key, int64, bool) {
+		return part[i].key, part[i].seq, true // a read takes the previous cell too
 	}, func(b []byte, i int) []byte {
 		b = strconv.AppendUint(b, uint64(part[i].incarnation), 10)
 		b = append(b, " 0 "...) // a read registers the record, with no units
-		b = strconv.AppendInt(b, expireAt(part[i].key, part[i].seq).UnixMilli(), 10)
-		return append(b, " 1"...) // and reads the previous cell
+		return strconv.AppendInt(b, expireAt(part[i].key, part[i].seq).UnixMilli(), 10)
 	})...)
 }
 

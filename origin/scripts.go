@@ -100,7 +100,9 @@ end
 // (engine.Delta.NoPrev: flag 0), which saves a command a write. A cell
 // whose commands Redis refuses (a key holding another type) fails alone.
 //
-//	KEYS[2i+1] cell i, KEYS[2i+2] the cell before it (i from 0)
+//	KEYS per cell in order: the cell, then, when its flag is 1, the cell
+//	before it (a write that leaves the previous cell out names only its
+//	own: a key less to build, send and parse)
 //	ARGV[1] node ID, ARGV[2] "<incarnation> <Own> <expiry> <flag> …",
 //	four numbers per cell, decimal; flag 1 reads the previous cell
 //	returns one string, per cell in order either "<t> <previous t> <the
@@ -126,9 +128,11 @@ local function cell(h, p, f, own, at, wp)
   end
   return ts .. ' ' .. pt .. ' ' .. ms .. ' ' .. fmt('%d', n) .. ' ' .. gs .. ' ' .. pg
 end
-local node, out, i = ARGV[1] .. '.', {}, 0
+local node, out, i, k = ARGV[1] .. '.', {}, 0, 1
 for inc, own, at, wp in string.gmatch(ARGV[2], '(%d+) (%d+) (%d+) (%d)') do
-  local ok, res = pcall(cell, KEYS[2*i+1], KEYS[2*i+2], node .. inc, own, at, wp)
+  local h, p = KEYS[k], nil
+  if wp == '1' then p, k = KEYS[k+1], k + 2 else k = k + 1 end
+  local ok, res = pcall(cell, h, p, node .. inc, own, at, wp)
   i = i + 1
   out[i] = ok and res or 'e'
 end
