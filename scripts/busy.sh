@@ -4,18 +4,23 @@
 # pins it, wrk on the other, and, for a Redis variant, a private
 # redis-server; each round prints wrk's requests a second and p99, and the
 # CPU each process used over the middle seconds of the load, as a share of
-# one core. A Caddy whose share stays below 100 % while wrk keeps 64
+# one core, then Caddy's CPU, read and write calls and context switches per
+# request. A Caddy whose share stays below 100 % while wrk keeps 64
 # connections busy was waiting for something other than its core.
 #
 #   VARIANT=redis_keys100k make busy              # cold keys: every key new
 #   VARIANT=redis_keys100k KEYS=warm make busy    # 100,000 keys, each sent once first
 #   VARIANT=redis_keys100k REDIS_CPU=0 make busy  # Redis on Caddy's core
 #   VARIANT=redis_keys100k REDIS_IDLE=1 make busy # Redis under SCHED_IDLE (chrt)
+#   VARIANT=keys100k KEYS=warm NEIGHBOUR=15 make busy
+#                            # plus a process busy 15 % of wrk's core doing
+#                            # nothing for anyone (loadtest/neighbour)
 #   PROFILE=/tmp/busy.pb.gz make busy             # plus Caddy's CPU profile of the last round
 #   TRACE=/tmp/busy.trace make busy               # or its execution trace (go tool trace)
 #
 # Environment: VARIANT=redis_keys100k KEYS=cold|warm ROUNDS=3 DURATION=4
-# CONNS=64 CADDY_CPU=0 WRK_CPU=1 REDIS_CPU=$WRK_CPU REDIS_IDLE=0 PROFILE
+# CONNS=64 CADDY_CPU=0 WRK_CPU=1 REDIS_CPU=$WRK_CPU REDIS_IDLE=0 NEIGHBOUR=0
+# (percent of wrk's core a neighbour process keeps busy) PROFILE
 # (a file: Caddy's CPU profile over the last round's measured seconds,
 # from the admin endpoint's /debug/pprof/profile) TRACE (a file: the same
 # seconds' execution trace, /debug/pprof/trace; not with PROFILE).
@@ -32,6 +37,7 @@ CADDY_CPU=${CADDY_CPU:-0}
 WRK_CPU=${WRK_CPU:-1}
 REDIS_CPU=${REDIS_CPU:-$WRK_CPU}
 REDIS_IDLE=${REDIS_IDLE:-0}
+NEIGHBOUR=${NEIGHBOUR:-0}
 PROFILE=${PROFILE:-}
 TRACE=${TRACE:-}
 GO=${GO:-go}
@@ -44,10 +50,11 @@ die() {
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 # shellcheck source=scripts/harness-lib.sh
 . scripts/harness-lib.sh
-for v in ROUNDS DURATION CONNS CADDY_CPU WRK_CPU REDIS_CPU REDIS_IDLE; do
+for v in ROUNDS DURATION CONNS CADDY_CPU WRK_CPU REDIS_CPU REDIS_IDLE NEIGHBOUR; do
 	[[ ${!v} =~ ^[0-9]+$ ]] || die "$v must be a non-negative integer, not '${!v}'"
 done
 ((ROUNDS >= 1 && DURATION >= 3 && CONNS >= 4)) || die "ROUNDS must be at least 1, DURATION at least 3, CONNS at least 4"
+((NEIGHBOUR <= 100)) || die "NEIGHBOUR is a percent of a core, at most 100, not $NEIGHBOUR"
 [[ $VARIANT =~ ^[a-z0-9_]+$ && -f loadtest/Caddyfile.$VARIANT ]] || die "no variant '$VARIANT' (loadtest/Caddyfile.<variant>)"
 [[ $VARIANT == *2nodes || $VARIANT == *mysql* || $VARIANT == peer_* ]] &&
 	die "$VARIANT: two-node, MySQL and peer variants are not supported"
@@ -64,6 +71,9 @@ cleanup() {
 trap cleanup EXIT
 
 "$GO" build -o "$TMP/caddy" ./cmd/caddy || die "cannot build cmd/caddy"
+if ((NEIGHBOUR)); then
+	"$GO" build -o "$TMP/neighbour" ./loadtest/neighbour || die "cannot build loadtest/neighbour"
+fi
 free_port
 export LT_PORT=$FREE_PORT
 free_port
@@ -103,8 +113,14 @@ keys=1000000000
 # keys of their own.
 wrk_run "$([ "$KEYS" = warm ] && echo 6 || echo 2)" w "$keys"
 wait "$WRK_PID" || die "wrk failed in the warm-up: $(tail -n 3 "$TMP/wrk.out")"
+NEIGHBOUR_PID=""
+if ((NEIGHBOUR)); then
+	taskset -c "$WRK_CPU" "$TMP/neighbour" -share "$NEIGHBOUR" -period "${NEIGHBOUR_PERIOD:-3ms}" &
+	NEIGHBOUR_PID=$!
+	PIDS+=("$NEIGHBOUR_PID")
+fi
 
-echo "busy: $VARIANT, $KEYS keys; Caddy on core $CADDY_CPU, wrk on core $WRK_CPU$([ -n "$REDIS_PID" ] && echo ", Redis on core $REDIS_CPU$( ((REDIS_IDLE)) && echo ' (SCHED_IDLE)')")"
+echo "busy: $VARIANT, $KEYS keys; Caddy on core $CADDY_CPU, wrk on core $WRK_CPU$([ -n "$REDIS_PID" ] && echo ", Redis on core $REDIS_CPU$( ((REDIS_IDLE)) && echo ' (SCHED_IDLE)')")$( ((NEIGHBOUR)) && echo ", a neighbour busy $NEIGHBOUR % of core $WRK_CPU")"
 for r in $(seq "$ROUNDS"); do
 	prefix=c$r
 	[ "$KEYS" = warm ] && prefix=w
@@ -112,7 +128,10 @@ for r in $(seq "$ROUNDS"); do
 	sleep 1
 	window=$((DURATION - 2))
 	c0=$(cpu_ns "$CADDY_PID") w0=$(cpu_ns "$WRK_PID") r0=0
+	read -r io0 sw0 <<<"$(io_switches "$CADDY_PID")"
 	[ -n "$REDIS_PID" ] && r0=$(cpu_ns "$REDIS_PID")
+	n0=0
+	[ -n "$NEIGHBOUR_PID" ] && n0=$(cpu_ns "$NEIGHBOUR_PID")
 	t0=$(date +%s%N)
 	if [ -n "$PROFILE" ] && ((r == ROUNDS)); then
 		curl -s --max-time $((window + 10)) -o "$PROFILE" "http://127.0.0.1:$LT_ADMIN_PORT/debug/pprof/profile?seconds=$window" ||
@@ -124,15 +143,23 @@ for r in $(seq "$ROUNDS"); do
 		sleep "$window"
 	fi
 	c1=$(cpu_ns "$CADDY_PID") w1=$(cpu_ns "$WRK_PID") r1=0
+	read -r io1 sw1 <<<"$(io_switches "$CADDY_PID")"
 	[ -n "$REDIS_PID" ] && r1=$(cpu_ns "$REDIS_PID")
+	n1=0
+	[ -n "$NEIGHBOUR_PID" ] && n1=$(cpu_ns "$NEIGHBOUR_PID")
 	t1=$(date +%s%N)
 	wait "$WRK_PID" || die "wrk failed: $(tail -n 3 "$TMP/wrk.out")"
 	line=$(grep '^LT ' "$TMP/wrk.out") || die "wrk printed no summary: $(tail -n 3 "$TMP/wrk.out")"
 	[ "$(field sock_errors)" = 0 ] || die "socket errors: $line"
 	awk -v r="$r" -v n="$(field requests)" -v d="$(field duration_us)" -v p99="$(field p99_us)" \
 		-v c=$((c1 - c0)) -v w=$((w1 - w0)) -v rd=$((r1 - r0)) -v t=$((t1 - t0)) -v redis="$REDIS_PID" \
-		'BEGIN { printf "busy: round %d: %.0f req/s, p99 %.2f ms; CPU over %.1f s, %% of a core: Caddy %.0f, wrk %.0f%s\n",
-			r, n / d * 1e6, p99 / 1000, t / 1e9, 100 * c / t, 100 * w / t, redis == "" ? "" : sprintf(", Redis %.0f", 100 * rd / t) }'
+		-v io=$((io1 - io0)) -v sw=$((sw1 - sw0)) -v nb=$((n1 - n0)) -v neighbour="$NEIGHBOUR_PID" \
+		'BEGIN { rate = n / d * 1e6; q = rate * t / 1e9
+			printf "busy: round %d: %.0f req/s, p99 %.2f ms; CPU over %.1f s, %% of a core: Caddy %.0f, wrk %.0f%s%s\n",
+			r, rate, p99 / 1000, t / 1e9, 100 * c / t, 100 * w / t, redis == "" ? "" : sprintf(", Redis %.0f", 100 * rd / t),
+			neighbour == "" ? "" : sprintf(", neighbour %.0f", 100 * nb / t)
+			printf "busy: round %d: per request (at wrk'"'"'s average rate): Caddy %.1f µs of CPU, %.2f read and write calls, %.3f context switches\n",
+			r, c / q / 1000, io / q, sw / q }'
 done
 [ -z "$PROFILE" ] || echo "busy: Caddy's CPU profile of the last round in $PROFILE (go tool pprof -top $PROFILE)"
 [ -z "$TRACE" ] || echo "busy: Caddy's execution trace of the last round in $TRACE (go tool trace $TRACE)"

@@ -43,6 +43,16 @@ cpu_ns() {
 	echo "$t"
 }
 
+# io_switches <pid>: the process's read and write system calls so far
+# (/proc/<pid>/io: syscr + syscw) and its threads' context switches,
+# voluntary and not, as "<syscalls> <switches>".
+io_switches() {
+	local io sw
+	io=$(awk '/^sysc[rw]:/ { s += $2 } END { printf "%.0f", s }' /proc/"$1"/io 2>/dev/null)
+	sw=$(cat /proc/"$1"/task/*/status 2>/dev/null | awk '/ctxt_switches:/ { s += $2 } END { printf "%.0f", s }')
+	echo "${io:-0} ${sw:-0}"
+}
+
 # stop_all <pid>...: stops the processes, stopped ones too (SIGCONT, then
 # SIGTERM), and kills any still running 5 s later.
 stop_all() {
