@@ -117,7 +117,7 @@ func (ep *endpoint) flush(ctx context.Context, batch []engine.Delta, idx []int) 
 	}
 
 	var invalid []error
-	var todo []int
+	todo := make([]int, 0, n)
 	for j := 0; j < n; j++ {
 		d := item(j)
 		switch {

@@ -38,13 +38,22 @@ func (ep *endpoint) chunk() int {
 // one string, and the command refers to them by pointer, which go-redis
 // writes as strings without a value per key.
 func (ep *endpoint) manyArgs(script *redis.Script, n int, cell func(i int) (k engine.Key, seq int64, prev bool), nums func(b []byte, i int) []byte) []any {
-	size := 0
+	// The keys' bytes as a capacity: a key's stem plus room for the window,
+	// the sequence and the suffix (an identifier that needs escaping grows
+	// the buffer once), and a second key for a cell with its previous one.
+	size, nkeys := 0, 0
 	for i := range n {
-		k, _, _ := cell(i)
-		size += 2 * (len(ep.r.prefix) + len(k.Namespace) + len(k.Identifier) + 32)
+		k, _, prev := cell(i)
+		each := len(ep.r.prefix) + len(k.Namespace) + len(k.Identifier) + 32
+		size += each
+		nkeys++
+		if prev {
+			size += each
+			nkeys++
+		}
 	}
 	kb, nb := make([]byte, 0, size), make([]byte, 0, 32*n)
-	ends := make([]int, 0, 2*n)
+	ends := make([]int, 0, nkeys)
 	for i := range n {
 		k, seq, prev := cell(i)
 		var e [2]int
@@ -61,7 +70,8 @@ func (ep *endpoint) manyArgs(script *redis.Script, n int, cell func(i int) (k en
 			nb = append(nb, " 0"...)
 		}
 	}
-	// kb is never written again: the keys can share its bytes.
+	// kb and nb are never written again: the keys can share kb's bytes,
+	// and the numbers' argument is nb's.
 	all := unsafe.String(unsafe.SliceData(kb), len(kb))
 	keys := make([]string, len(ends))
 	args := make([]any, 0, 3+len(keys)+2)
@@ -72,7 +82,7 @@ func (ep *endpoint) manyArgs(script *redis.Script, n int, cell func(i int) (k en
 		from = end
 		args = append(args, &keys[i])
 	}
-	return append(args, &ep.r.nodeID, string(nb))
+	return append(args, &ep.r.nodeID, unsafe.String(unsafe.SliceData(nb), len(nb)))
 }
 
 // parseMany reads the reply of cellsLua over n cells: per cell, six
