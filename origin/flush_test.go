@@ -477,3 +477,54 @@ func TestFlush_ChunkMixesCellsWithAndWithoutThePreviousCell(t *testing.T) {
 		}
 	}
 }
+
+// TestFlush_ChunkRunAgainAfterARefusedCellRegistersAndCountsOnce: a chunk
+// of new cells, some first writes and some reads (Own 0), with one cell
+// Redis refuses in the middle. The script runs the chunk once under one
+// protected call and, when a cell fails, again cell by cell, so the cells
+// before the refused one run twice: each must still register this process
+// once (n 1, not shared: a second registration would make a lone process
+// look like two and send its key to the fast tick and reservations), add
+// its units once, and set its expiry.
+func TestFlush_ChunkRunAgainAfterARefusedCellRegistersAndCountsOnce(t *testing.T) {
+	srv := redistest.Start(t)
+	o := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "p"})
+	seq := nowSeq()
+	const n, bad = 20, 13
+	batch := make([]engine.Delta, n)
+	for i := range batch {
+		own := int64(0)
+		if i%2 == 0 {
+			own = int64(i + 1)
+		}
+		batch[i] = engine.Delta{Key: key("again-" + strconv.Itoa(i)), Sequence: seq, Delta: own, Own: own}
+	}
+	c := srv.Client()
+	if err := c.Set(ctxT(t), cellKey(DefaultPrefix, batch[bad].Key, seq), "a string", 0).Err(); err != nil {
+		t.Fatal(err)
+	}
+	err := o.Flush(ctxT(t), batch)
+	if err == nil || !strings.Contains(err.Error(), "refused 1 cells") {
+		t.Fatalf("flush: %v, want the one refused cell reported", err)
+	}
+	for i, d := range batch {
+		if i == bad {
+			if d.Done {
+				t.Fatalf("the refused cell is marked done: %+v", d.Totals)
+			}
+			continue
+		}
+		want := engine.Totals{Cur: d.Own, Mine: d.Own}
+		if !d.Done || d.Totals != want {
+			t.Fatalf("cell %d: done=%v totals %+v, want %+v (one process, its units once)", i, d.Done, d.Totals, want)
+		}
+		h := cellKey(DefaultPrefix, d.Key, seq)
+		v, err := c.HMGet(ctxT(t), h, "n", "t").Result()
+		if err != nil || v[0] != "1" || v[1] != strconv.FormatInt(d.Own, 10) {
+			t.Fatalf("cell %d in Redis: n, t = %v (%v), want 1, %d", i, v, err, d.Own)
+		}
+		if ttl, err := c.PTTL(ctxT(t), h).Result(); err != nil || ttl <= 0 {
+			t.Fatalf("cell %d: expiry %v (%v), want one set", i, ttl, err)
+		}
+	}
+}
