@@ -371,7 +371,7 @@ done
 
 # --- servers -------------------------------------------------------------
 
-REDIS_PORT=""
+REDIS_PORT="" REDIS_PID=""
 start_redis() {
 	free_port
 	REDIS_PORT=$FREE_PORT
@@ -380,6 +380,7 @@ start_redis() {
 		--daemonize no >/dev/null 2>&1 &
 	local pid=$!
 	SERVER_PIDS+=" $pid"
+	REDIS_PID=$pid
 	wait_port "$REDIS_PORT" "$pid" 10 || { tail -n 20 "$TMP/redis.log" >&2; die "redis-server did not start"; }
 	((!REDIS_IDLE)) || schedule "$pid" idle
 }
@@ -590,7 +591,7 @@ for v in "${order[@]}"; do
 	echo "loadtest: $v: Caddy pid ${PIDS[$v]}on 127.0.0.1 port ${PORTS[$v]}(admin ${ADMINS[$v]}), warmed up"
 done
 
-declare -A RPS CPU P50 P99 N2XX N429 ORIGIN_CALLS REDIS_CMDS CENTRAL
+declare -A RPS CPU P50 P99 N2XX N429 ORIGIN_CALLS REDIS_CMDS REDIS_NS CENTRAL
 rounds_done=0
 for r in $(seq "$ROUNDS"); do
 	if (($(date +%s) - T0 > MAX_SECONDS)); then
@@ -607,6 +608,7 @@ for r in $(seq "$ROUNDS"); do
 			for a in ${ADMINS[$v]}; do oc0=$((oc0 + $(metric_sum "$a" 'caddy_ratelimit_origin_calls_total' || echo 0))); done
 			rc0=$(redis_commands)
 			[ -n "$rc0" ] || fail "$v" "cannot read INFO stats from redis-server"
+			rn0=$(cpu_ns "$REDIS_PID")
 		fi
 		load "$v" "$DURATION"
 		if uses_redis "$v"; then
@@ -614,6 +616,7 @@ for r in $(seq "$ROUNDS"); do
 			for a in ${ADMINS[$v]}; do oc1=$((oc1 + $(metric_sum "$a" 'caddy_ratelimit_origin_calls_total' || echo 0))); done
 			ORIGIN_CALLS[$v]=$((${ORIGIN_CALLS[$v]:-0} + oc1 - oc0))
 			REDIS_CMDS[$v]=$((${REDIS_CMDS[$v]:-0} + $(redis_commands) - rc0))
+			REDIS_NS[$v]=$((${REDIS_NS[$v]:-0} + $(cpu_ns "$REDIS_PID") - rn0))
 		fi
 		pause "$v"
 		RPS[$v]+="$R_RPS " CPU[$v]+="$R_CPU " P50[$v]+="$R_P50 " P99[$v]+="$R_P99 "
@@ -721,6 +724,7 @@ for v in "${order[@]}"; do
 		fi
 	elif [ -n "${REDIS_CMDS[$v]:-}" ]; then
 		extra="; $(awk -v c="${REDIS_CMDS[$v]}" -v n="${N2XX[$v]}" 'BEGIN { printf "%.4f", c / n }') Redis commands per request"
+		extra+=" and $(awk -v c="${REDIS_NS[$v]:-0}" -v n="${N2XX[$v]}" 'BEGIN { printf "%.2f", c / n / 1000 }') µs of Redis's CPU"
 	fi
 	ctl=$(control_of "$(row_of "$v")")
 	if [ -n "$ctl" ] && [ -n "${CPU[$ctl]:-}" ]; then
