@@ -61,8 +61,9 @@ loadtest: compare
 pair:
 	GO=$(GO) A=$(A) B=$(B) scripts/pair.sh
 
-# How busy Caddy, wrk and Redis are under one variant's load
-# (scripts/busy.sh): VARIANT, KEYS, REDIS_CPU, REDIS_IDLE tune it.
+# How busy Caddy, wrk and Redis are under one variant's load, and Caddy's
+# CPU, system calls and context switches per request (scripts/busy.sh):
+# VARIANT, KEYS, REDIS_CPU, REDIS_IDLE, NEIGHBOUR tune it.
 busy:
 	GO=$(GO) scripts/busy.sh
 
