@@ -30,8 +30,9 @@ const (
 	// DefaultFastTick replays keys at half their limit or more, where other
 	// nodes need our count soon.
 	DefaultFastTick = 10 * time.Millisecond
-	// DefaultReplayWorkers flush batches in parallel, so one slow partition
-	// does not hold up the others.
+	// DefaultReplayWorkers flush the fast tier's batches in parallel, so one
+	// slow partition does not hold up the others; the slow tier's go out one
+	// at a time (replayLoop).
 	DefaultReplayWorkers = 8
 	// DefaultJanitorInterval is how often idle entries and expired strict
 	// deadlines are dropped.
@@ -54,8 +55,8 @@ type Config struct {
 	// SlowTick and FastTick are the replay intervals below and above half
 	// the limit; defaults DefaultSlowTick and DefaultFastTick.
 	SlowTick, FastTick time.Duration
-	// ReplayWorkers is the number of concurrent flushes; default
-	// DefaultReplayWorkers.
+	// ReplayWorkers is the number of concurrent flushes of the fast tier;
+	// default DefaultReplayWorkers. The slow tier flushes one batch at a time.
 	ReplayWorkers int
 	// JanitorInterval is how often idle entries are dropped; default
 	// DefaultJanitorInterval.

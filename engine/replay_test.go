@@ -1,7 +1,12 @@
 package engine
 
 import (
+	"context"
+	"strconv"
+	"sync"
+	"sync/atomic"
 	"testing"
+	"testing/synctest"
 	"time"
 )
 
@@ -51,4 +56,97 @@ func TestQueue_HoldsWhatItsCapacityAllowsInOrder(t *testing.T) {
 	if _, ok := q.pop(); ok || q.len() != 0 {
 		t.Fatal("an empty queue popped a cell")
 	}
+}
+
+// tierOrigin is a memOrigin that counts the slow tier's flushes in flight
+// and, while slowGate is set, holds them until it is closed.
+type tierOrigin struct {
+	*memOrigin
+	mu             sync.Mutex
+	inSlow, most   int
+	slowGate       chan struct{}
+	slowed, fasted atomic.Int64
+}
+
+func (o *tierOrigin) Flush(ctx context.Context, batch []Delta) error {
+	if len(batch) > 0 && batch[0].fast {
+		o.fasted.Add(1)
+		return o.memOrigin.Flush(ctx, batch)
+	}
+	o.mu.Lock()
+	o.inSlow++
+	o.most = max(o.most, o.inSlow)
+	gate := o.slowGate
+	o.mu.Unlock()
+	o.slowed.Add(1)
+	if gate != nil {
+		<-gate
+	}
+	defer func() {
+		o.mu.Lock()
+		o.inSlow--
+		o.mu.Unlock()
+	}()
+	return o.memOrigin.Flush(ctx, batch)
+}
+
+// TestReplay_SlowTierFlushesOneBatchAtATime: the replay loop sends the slow
+// tier's batches one after another, so a tick's worth of keys below half
+// their limit never holds the origin with many pipelines at once, and a
+// key near its limit (the fast tier) is flushed on its own tick while a
+// slow flush is still in flight.
+func TestReplay_SlowTierFlushesOneBatchAtATime(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		e, clk := newTestEngine(t, Config{})
+		o := &tierOrigin{memOrigin: newMemOrigin()}
+		e.SetOrigin(o)
+		seq := clk.UnixMilli() / time.Hour.Milliseconds()
+		const keys = 6 * replayBatch
+		decideAll := func() {
+			for i := range keys {
+				if !e.Decide(bg, lim("k"+strconv.Itoa(i), time.Hour, 1_000_000, 1)).Allowed {
+					t.Fatal("denied far below the limit")
+				}
+			}
+		}
+		// Each key's first replay (it decided without a read) goes out on
+		// the fast tick; after it, the keys are the slow tier's.
+		decideAll()
+		time.Sleep(time.Second)
+		synctest.Wait()
+		gate := make(chan struct{})
+		o.mu.Lock()
+		o.slowGate, o.most = gate, 0
+		o.mu.Unlock()
+		decideAll()
+		time.Sleep(DefaultSlowTick + time.Millisecond)
+		synctest.Wait()
+		if o.mu.Lock(); o.inSlow != 1 || o.most != 1 {
+			t.Fatalf("%d slow flushes in flight (at most %d), want 1", o.inSlow, o.most)
+		}
+		o.mu.Unlock()
+		// A key at half its limit replays on the fast tick meanwhile.
+		hot := lim("hot", time.Hour, 2, 1)
+		fasted := o.fasted.Load()
+		if !e.Decide(bg, hot).Allowed {
+			t.Fatal("denied below the limit")
+		}
+		time.Sleep(2 * DefaultFastTick)
+		synctest.Wait()
+		if got := o.total(hot.Key, seq); got != 1 || o.fasted.Load() == fasted {
+			t.Fatalf("the hot key's origin total is %d, want 1 while a slow flush is held", got)
+		}
+		close(gate)
+		time.Sleep(time.Second)
+		synctest.Wait()
+		for i := range keys {
+			if got := o.total(Key{"zone", "k" + strconv.Itoa(i), time.Hour}, seq); got != 2 {
+				t.Fatalf("key %d: origin total %d, want 2", i, got)
+			}
+		}
+		if o.mu.Lock(); o.most != 1 || o.slowed.Load() < keys/replayBatch {
+			t.Fatalf("at most %d slow flushes in flight over %d, want 1 over %d or more", o.most, o.slowed.Load(), keys/replayBatch)
+		}
+		o.mu.Unlock()
+	})
 }

@@ -71,7 +71,8 @@ type Config struct {
 	// braces, spaces or control characters.
 	Prefix string `json:"prefix,omitempty"`
 
-	// ReplayWorkers is the number of concurrent flushes (default 8).
+	// ReplayWorkers is the number of concurrent flushes of the fast tier
+	// (default 8); the slow tier flushes one batch at a time.
 	ReplayWorkers int `json:"replay_workers,omitempty"`
 	// ReadTimeout bounds every synchronous origin read on the request path
 	// (default 50ms).
