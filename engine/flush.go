@@ -94,17 +94,29 @@ func (e *Engine) ReplayOnce(ctx context.Context, t Tier) (int, error) {
 	}
 	var first error
 	n := 0
-	for budget := e.queue(t).len(); budget > 0; budget -= replayBatch {
-		batch := e.drain(t, replayBatch, make([]Delta, 0, replayBatch))
-		if len(batch) == 0 && e.queue(t).len() == 0 {
-			break
-		}
+	e.eachBatch(t, func(batch []Delta) bool {
 		if err := e.flush(ctx, o, batch); err != nil && first == nil {
 			first = err
 		}
 		n += len(batch)
-	}
+		return true
+	})
 	return n, first
+}
+
+// eachBatch drains the tier's queue in batches of up to replayBatch cells,
+// as many cells as it held when it began (what arrives meanwhile waits for
+// the next tick), and hands each batch to send until send returns false.
+func (e *Engine) eachBatch(t Tier, send func(batch []Delta) bool) {
+	for budget := e.queue(t).len(); budget > 0; budget -= replayBatch {
+		batch := e.drain(t, replayBatch, make([]Delta, 0, min(budget, replayBatch)))
+		if len(batch) == 0 {
+			continue
+		}
+		if !send(batch) {
+			return
+		}
+	}
 }
 
 // replayLoop runs the ticks and the workers until Close. The slow tier
@@ -172,17 +184,19 @@ func (e *Engine) replayLoop() {
 		if e.getOrigin() == nil {
 			continue
 		}
-		for budget := e.queue(Fast).len(); budget > 0; budget -= replayBatch {
-			batch := e.drain(Fast, replayBatch, make([]Delta, 0, min(budget, replayBatch)))
-			if len(batch) == 0 {
-				continue
-			}
+		stopped := false
+		e.eachBatch(Fast, func(batch []Delta) bool {
 			select {
 			case work <- batch:
+				return true
 			case <-e.stop:
 				e.giveBack(batch)
-				return
+				stopped = true
+				return false
 			}
+		})
+		if stopped {
+			return
 		}
 	}
 }
@@ -191,22 +205,23 @@ func (e *Engine) replayLoop() {
 // has sent what was queued when it began or the engine stops (Close
 // flushes the rest).
 func (e *Engine) flushSlow() {
-	for budget := e.queue(Slow).len(); budget > 0; budget -= replayBatch {
+	if e.getOrigin() == nil {
+		return
+	}
+	e.eachBatch(Slow, func(batch []Delta) bool {
 		o := e.getOrigin()
-		if o == nil {
-			return
-		}
 		select {
 		case <-e.stop:
-			return
+			o = nil
 		default:
 		}
-		batch := e.drain(Slow, replayBatch, make([]Delta, 0, min(budget, replayBatch)))
-		if len(batch) == 0 {
-			continue
+		if o == nil {
+			e.giveBack(batch)
+			return false
 		}
 		_ = e.flush(context.Background(), o, batch)
-	}
+		return true
+	})
 }
 
 // settle ends a cell's flush and queues the cell again if units arrived
