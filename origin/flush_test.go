@@ -3,6 +3,7 @@ package origin
 import (
 	"context"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -528,5 +529,97 @@ func flushRefusingOne(t *testing.T, o *Redis, batch []engine.Delta, bad int) {
 	}
 	if batch[bad].Done {
 		t.Fatalf("the refused cell is marked done: %+v", batch[bad].Totals)
+	}
+}
+
+// BenchmarkFlush_ProbeBehindATick: what another client's call waits at
+// Redis while this process flushes one slow tick (16 batches of 256 warm
+// cells), the batches sent together from eight goroutines (the replay
+// loop's slow tier before 842aa88) or one after another (since then).
+// Another node's reservation or cold read, on its request path, queues
+// behind whatever Redis has read from the flushing connections; a probe
+// sends PING on a connection of its own throughout each tick, and the
+// benchmark reports the probe's median and longest wait (probe-p50-µs,
+// probe-max-µs) and the tick's length (tick-ms).
+func BenchmarkFlush_ProbeBehindATick(b *testing.B) {
+	for _, tc := range []struct {
+		name    string
+		workers int
+	}{{"together", 8}, {"one_at_a_time", 1}} {
+		b.Run(tc.name, func(b *testing.B) {
+			srv := redistest.Start(b)
+			o := newOrigin(b, Config{Redis: []string{srv.URL()}}, Options{NodeID: "bench"})
+			probe := srv.Client()
+			const batches, cells = 16, 256
+			seq := nowSeq()
+			ticks := make([][]engine.Delta, batches)
+			for j := range ticks {
+				ticks[j] = make([]engine.Delta, cells)
+			}
+			ks := make([]engine.Key, batches*cells)
+			for i := range ks {
+				ks[i] = key("user-" + strconv.Itoa(1_000_000+i))
+			}
+			ctx := context.Background()
+			var waits []time.Duration
+			var tick time.Duration
+			own := int64(0)
+			for b.Loop() {
+				own++
+				for j, batch := range ticks {
+					for i := range batch {
+						batch[i] = engine.Delta{Key: ks[j*cells+i], Sequence: seq, Delta: 1, Own: own, NoPrev: true}
+					}
+				}
+				done := make(chan struct{})
+				probed := make(chan []time.Duration)
+				go func() {
+					var w []time.Duration
+					for {
+						select {
+						case <-done:
+							probed <- w
+							return
+						default:
+						}
+						t0 := time.Now()
+						if err := probe.Ping(ctx).Err(); err != nil {
+							b.Error(err)
+						}
+						w = append(w, time.Since(t0))
+					}
+				}()
+				start := time.Now()
+				next := make(chan []engine.Delta)
+				var wg sync.WaitGroup
+				for range tc.workers {
+					wg.Go(func() {
+						for batch := range next {
+							if err := o.Flush(ctx, batch); err != nil {
+								b.Error(err)
+							}
+						}
+					})
+				}
+				for _, batch := range ticks {
+					next <- batch
+				}
+				close(next)
+				wg.Wait()
+				tick += time.Since(start)
+				close(done)
+				waits = append(waits, <-probed...)
+				if last := ticks[batches-1][cells-1]; !last.Done || last.Totals.Mine != own {
+					b.Fatalf("last cell: done=%v totals=%+v, want mine=%d", last.Done, last.Totals, own)
+				}
+			}
+			if len(waits) == 0 {
+				b.Fatal("the probe made no call")
+			}
+			slices.Sort(waits)
+			b.ReportMetric(float64(waits[len(waits)/2].Microseconds()), "probe-p50-µs")
+			b.ReportMetric(float64(waits[len(waits)-1].Microseconds()), "probe-max-µs")
+			b.ReportMetric(float64(tick.Milliseconds())/float64(b.N), "tick-ms")
+		})
 	}
 }
