@@ -23,7 +23,8 @@
 #   keys100k        X-Key cycles through 100,000 values; memory per key.
 #                   Keyed variants warm up until every key was sent once:
 #                   the rounds measure warm keys, and the first pass (entry
-#                   creation, cold reads) is reported on its own
+#                   creation, with Redis the cell's first write) is
+#                   reported on its own
 #   redis           allow with a private redis-server (peer: storage sync)
 #   keys100k_cold   keys100k's Caddyfile under one-off keys: every request
 #                   carries a key this process (and Redis) never saw, the
@@ -579,8 +580,8 @@ for v in "${order[@]}"; do
 	if is_keyed "$v" && ! is_cold "$v"; then
 		# Warm up until every key has been sent once (at most 8 turns), so
 		# the rounds measure warm keys; the first pass, where each key is
-		# created (and, with Redis, read before its first decision), is
-		# reported on its own.
+		# created (and, with Redis, its cell first written), is reported
+		# on its own.
 		first_ns=$((R_CPU * R_REQ)) first_req=$R_REQ turns=1
 		while ((KEY_SENT[$v] < KEYS && turns < 8)); do
 			load "$v" "$WARMUP"
@@ -794,7 +795,7 @@ done
 	echo "GC at the end of the rounds; settled: the same once each RSS stops falling (Go returns freed pages in"
 	echo "the background; at most 10 s); heap: the same with go_memstats_heap_inuse_bytes. The keyed variants"
 	echo "warm up until every key has been sent once, so the rounds measure warm keys; the first pass, where"
-	echo "each key is created (with Redis: read before its first decision), is given on its own against"
+	echo "each key is created (with Redis: its cell first written), is given on its own against"
 	echo "plainkeys' first pass. The cold rows (keys100k_cold, redis_keys100k_cold) send every request with"
 	echo "a key their process, and Redis, never saw (keys that come once, or a process after a deploy),"
 	echo "against plain Caddy under the same script (plainkeys_cold): the first pass in every round."
