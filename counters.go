@@ -231,6 +231,8 @@ var engineStats = statSet[engineSnapshot]{stats: []stat[engineSnapshot]{
 		help: "Cells whose units the origin may not have yet: queued for replay, or in a write that has not returned."},
 	{json: "replay_drops", metric: "replay_drops_total", value: func(s *engineSnapshot) any { return s.ReplayDrops },
 		help: "Cells a full replay queue could not take; their units stay pending and are replayed later."},
+	{json: "slow_overruns", metric: "replay_slow_overruns_total", value: func(s *engineSnapshot) any { return s.SlowOverruns },
+		help: "Slow ticks that came while the slow tier still flushed an earlier tick's keys, one batch at a time: its replay falling behind slow_tick."},
 	{json: "reads", metric: "cell_reads_total", label: [2]string{"outcome", "ok"}, value: func(s *engineSnapshot) any { return s.Reads },
 		help: "Reads of a cell pair from the origin, by outcome (ok, error)."},
 	{json: "read_errors", metric: "cell_reads_total", label: [2]string{"outcome", "error"}, value: func(s *engineSnapshot) any { return s.ReadErrors }},

@@ -2,6 +2,7 @@ package engine
 
 import (
 	"context"
+	"sync/atomic"
 	"time"
 )
 
@@ -158,10 +159,13 @@ func (e *Engine) replayLoop() {
 	// A slow tick while the slow tier is still flushing runs once more
 	// after it: the kick holds one.
 	slowKick := make(chan struct{}, 1)
+	var slowBusy atomic.Bool
 	go func() {
 		defer func() { done <- struct{}{} }()
 		for range slowKick {
+			slowBusy.Store(true)
 			e.flushSlow()
+			slowBusy.Store(false)
 		}
 	}()
 	slow := time.NewTimer(time.Duration(e.slowTick.Load()))
@@ -181,6 +185,9 @@ func (e *Engine) replayLoop() {
 			return
 		case <-slow.C:
 			slow.Reset(time.Duration(e.slowTick.Load()))
+			if slowBusy.Load() {
+				e.stats.slowOverruns.Add(1)
+			}
 			select {
 			case slowKick <- struct{}{}:
 			default:

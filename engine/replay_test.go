@@ -150,3 +150,52 @@ func TestReplay_SlowTierFlushesOneBatchAtATime(t *testing.T) {
 		o.mu.Unlock()
 	})
 }
+
+// TestReplay_SlowOverrunsCountTicksThatFindAFlushRunning: a slow tick that
+// comes while the slow tier still flushes an earlier tick's keys (one batch
+// at a time, so a slow origin or a flood of keys can make it fall behind)
+// counts one overrun; ticks that find it idle count none.
+func TestReplay_SlowOverrunsCountTicksThatFindAFlushRunning(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		e, _ := newTestEngine(t, Config{})
+		o := &tierOrigin{memOrigin: newMemOrigin()}
+		e.SetOrigin(o)
+		decideAll := func() {
+			for i := range 2 * replayBatch {
+				if !e.Decide(bg, lim("k"+strconv.Itoa(i), time.Hour, 1_000_000, 1)).Allowed {
+					t.Fatal("denied far below the limit")
+				}
+			}
+		}
+		decideAll()
+		time.Sleep(time.Second) // first replays (fast), then slow ticks with nothing to do
+		synctest.Wait()
+		decideAll()
+		time.Sleep(time.Second) // ten slow ticks, the first of which flushes the keys at once
+		synctest.Wait()
+		if got := e.Stats().SlowOverruns; got != 0 {
+			t.Fatalf("%d overruns while every flush returned at once, want 0", got)
+		}
+		gate := make(chan struct{})
+		o.mu.Lock()
+		o.slowGate = gate
+		o.mu.Unlock()
+		decideAll()
+		time.Sleep(DefaultSlowTick + time.Millisecond) // a tick starts the held flush
+		synctest.Wait()
+		time.Sleep(3 * DefaultSlowTick)
+		synctest.Wait()
+		if got := e.Stats().SlowOverruns; got != 3 {
+			t.Fatalf("%d overruns over three slow ticks that found a flush held, want 3", got)
+		}
+		close(gate)
+		time.Sleep(time.Second)
+		synctest.Wait()
+		if got := e.Stats().SlowOverruns; got != 3 {
+			t.Fatalf("%d overruns once the flush returned, want still 3", got)
+		}
+		if got := e.Stats().PendingCells; got != 0 {
+			t.Fatalf("%d cells still pending after the held flush returned, want 0", got)
+		}
+	})
+}

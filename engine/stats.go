@@ -15,6 +15,9 @@ type counters struct {
 	flushes, flushErrors                             atomic.Int64
 	replayDrops, evictions, firstDenials             atomic.Int64
 	resends, lostUnits                               atomic.Int64
+	// slowOverruns counts slow ticks that came while the slow tier's
+	// flush of an earlier tick still ran (see replayLoop).
+	slowOverruns atomic.Int64
 	// flushing is the cells taken out of the replay queues into a write
 	// that has not returned yet (see take, flush and giveBack).
 	flushing            atomic.Int64
@@ -35,6 +38,10 @@ type Stats struct {
 	// (a cell whose write left the queue is still pending); ReplayDrops
 	// counts cells a full queue could not take (their units stay pending).
 	PendingCells, ReplayDrops int64
+	// SlowOverruns counts slow ticks that came while the slow tier was
+	// still flushing an earlier tick's cells, one batch at a time: its
+	// replay falling behind its tick.
+	SlowOverruns int64
 	// Reads and ReadErrors count origin reads; ReadWaitTimeouts the
 	// requests that stopped waiting for one at the read timeout;
 	// SharedReads the requests that joined a read already in flight.
@@ -76,6 +83,7 @@ func (e *Engine) Stats() Stats {
 		FirstDenials:     s.firstDenials.Load(),
 		PendingCells:     int64(e.queue(Slow).len()+e.queue(Fast).len()) + s.flushing.Load(),
 		ReplayDrops:      s.replayDrops.Load(),
+		SlowOverruns:     s.slowOverruns.Load(),
 		Reads:            s.reads.Load(),
 		ReadErrors:       s.readErrors.Load(),
 		ReadWaitTimeouts: s.readWaitTimeouts.Load(),
