@@ -63,7 +63,7 @@ pair:
 
 # How busy Caddy, wrk and Redis are under one variant's load, and Caddy's
 # CPU, system calls and context switches per request (scripts/busy.sh):
-# VARIANT, KEYS, REDIS_CPU, REDIS_IDLE, NEIGHBOUR tune it.
+# VARIANT, KEYS, REDIS_CPU, REDIS_IDLE, NEIGHBOUR, BASE (a commit, alternated) tune it.
 busy:
 	GO=$(GO) scripts/busy.sh
 

@@ -17,13 +17,21 @@
 #                            # nothing for anyone (loadtest/neighbour)
 #   PROFILE=/tmp/busy.pb.gz make busy             # plus Caddy's CPU profile of the last round
 #   TRACE=/tmp/busy.trace make busy               # or its execution trace (go tool trace)
+#   BASE=c229eff KEYS=warm make busy              # each round on this build, then on that commit's
 #
 # Environment: VARIANT=redis_keys100k KEYS=cold|warm ROUNDS=3 DURATION=4
 # CONNS=64 CADDY_CPU=0 WRK_CPU=1 REDIS_CPU=$WRK_CPU REDIS_IDLE=0 NEIGHBOUR=0
 # (percent of wrk's core a neighbour process keeps busy) PROFILE
 # (a file: Caddy's CPU profile over the last round's measured seconds,
 # from the admin endpoint's /debug/pprof/profile) TRACE (a file: the same
-# seconds' execution trace, /debug/pprof/trace; not with PROFILE).
+# seconds' execution trace, /debug/pprof/trace; not with PROFILE), BASE
+# (a commit: a second Caddy built from it, a git worktree with this tree's
+# Caddyfiles, on Redis database 1; every round runs on this build and then
+# on that one, each stopped while the other is measured, and the end
+# prints this build's CPU per request over that one's, round by round, as
+# a median: a change weighed where Redis's work lands beside wrk, which
+# make pair, whose sides share Redis and wrk's core, cannot see; the
+# profile and trace are this build's).
 # Two-node, MySQL and peer variants are not supported. Everything it starts
 # is stopped on exit.
 set -euo pipefail
@@ -40,6 +48,7 @@ REDIS_IDLE=${REDIS_IDLE:-0}
 NEIGHBOUR=${NEIGHBOUR:-0}
 PROFILE=${PROFILE:-}
 TRACE=${TRACE:-}
+BASE=${BASE:-}
 GO=${GO:-go}
 
 die() {
@@ -66,18 +75,21 @@ TMP=$(mktemp -d)
 PIDS=()
 cleanup() {
 	stop_all "${PIDS[@]}"
+	[ -z "$BASE" ] || git worktree remove --force "$TMP/base" >/dev/null 2>&1 || true
 	rm -rf "$TMP"
 }
 trap cleanup EXIT
 
 "$GO" build -o "$TMP/caddy" ./cmd/caddy || die "cannot build cmd/caddy"
+BASE_NAME=""
+if [ -n "$BASE" ]; then
+	BASE_NAME=$(git rev-parse --short "$BASE^{commit}") || die "BASE=$BASE is not a commit"
+	git worktree add --detach "$TMP/base" "$BASE_NAME" >/dev/null 2>&1 || die "git worktree add $BASE_NAME failed"
+	(cd "$TMP/base" && "$GO" build -o "$TMP/caddy-base" ./cmd/caddy) || die "cannot build cmd/caddy at $BASE_NAME"
+fi
 if ((NEIGHBOUR)); then
 	"$GO" build -o "$TMP/neighbour" ./loadtest/neighbour || die "cannot build loadtest/neighbour"
 fi
-free_port
-export LT_PORT=$FREE_PORT
-free_port
-export LT_ADMIN_PORT=$FREE_PORT
 REDIS_PID=""
 if grep -q LT_REDIS_PORT "loadtest/Caddyfile.$VARIANT"; then
 	command -v redis-server >/dev/null || die "redis-server is missing (scripts/ensure-servers.sh installs it)"
@@ -90,29 +102,51 @@ if grep -q LT_REDIS_PORT "loadtest/Caddyfile.$VARIANT"; then
 	wait_port "$LT_REDIS_PORT" "$REDIS_PID" 10 || die "redis-server did not start: $(tail -n 5 "$TMP/redis.log")"
 	((REDIS_IDLE)) && { chrt --all-tasks --idle -p 0 "$REDIS_PID" || die "chrt --idle failed"; }
 fi
-GOMAXPROCS=1 taskset -c "$CADDY_CPU" "$TMP/caddy" run --config "loadtest/Caddyfile.$VARIANT" --adapter caddyfile \
-	>"$TMP/caddy.log" 2>&1 &
-CADDY_PID=$!
-PIDS+=("$CADDY_PID")
-url=http://127.0.0.1:$LT_PORT/
-for _ in $(seq 100); do
-	curl -s -o /dev/null "$url" && break
-	kill -0 "$CADDY_PID" 2>/dev/null || die "Caddy exited: $(tail -n 5 "$TMP/caddy.log")"
-	sleep 0.1
-done
-curl -s -o /dev/null "$url" || die "Caddy does not answer on $url"
+# start_caddy <side> <binary> <Redis suffix>: the variant's Caddy for one
+# side (head, or base: BASE's build, on Redis database 1 so that the two
+# share no key), pinned as make compare pins it.
+declare -A CPID URL ADMIN LABEL=([head]=$VARIANT [base]="$VARIANT at ${BASE_NAME:-}")
+start_caddy() {
+	local side=$1 bin=$2 port admin redis=${LT_REDIS_PORT:-}
+	free_port
+	port=$FREE_PORT
+	free_port
+	admin=$FREE_PORT
+	[ -n "$redis" ] && redis+=$3
+	LT_PORT=$port LT_ADMIN_PORT=$admin LT_REDIS_PORT=$redis GOMAXPROCS=1 taskset -c "$CADDY_CPU" "$bin" run \
+		--config "loadtest/Caddyfile.$VARIANT" --adapter caddyfile >"$TMP/caddy-$side.log" 2>&1 &
+	CPID[$side]=$!
+	PIDS+=("$!")
+	URL[$side]=http://127.0.0.1:$port/
+	ADMIN[$side]=$admin
+	for _ in $(seq 100); do
+		curl -s -o /dev/null "${URL[$side]}" && break
+		kill -0 "${CPID[$side]}" 2>/dev/null || die "Caddy ($side) exited: $(tail -n 5 "$TMP/caddy-$side.log")"
+		sleep 0.1
+	done
+	curl -s -o /dev/null "${URL[$side]}" || die "Caddy ($side) does not answer on ${URL[$side]}"
+}
 
-# wrk_run <seconds> <prefix> <keys>: wrk in the background on WRK_CPU.
+# wrk_run <side> <seconds> <prefix> <keys>: wrk in the background on
+# WRK_CPU against that side's Caddy.
 wrk_run() {
-	LT_KEYS=$3 LT_KEY_PREFIX=$2 taskset -c "$WRK_CPU" wrk -t1 -c"$CONNS" -d"$1"s -s loadtest/wrk.lua "$url" >"$TMP/wrk.out" 2>&1 &
+	LT_KEYS=$4 LT_KEY_PREFIX=$3 taskset -c "$WRK_CPU" wrk -t1 -c"$CONNS" -d"$2"s -s loadtest/wrk.lua "${URL[$1]}" >"$TMP/wrk.out" 2>&1 &
 	WRK_PID=$!
 }
 keys=1000000000
 [ "$KEYS" = warm ] && keys=100000
-# Warm-up: the warm keys all once (at 20,000 a second or more), or cold
-# keys of their own.
-wrk_run "$([ "$KEYS" = warm ] && echo 6 || echo 2)" w "$keys"
-wait "$WRK_PID" || die "wrk failed in the warm-up: $(tail -n 3 "$TMP/wrk.out")"
+SIDES=(head)
+[ -n "$BASE" ] && SIDES+=(base)
+for side in "${SIDES[@]}"; do
+	if [ "$side" = head ]; then start_caddy head "$TMP/caddy" ""; else start_caddy base "$TMP/caddy-base" /1; fi
+	# Warm-up: the warm keys all once (at 20,000 a second or more), or
+	# cold keys of their own.
+	wrk_run "$side" "$([ "$KEYS" = warm ] && echo 6 || echo 2)" w "$keys"
+	wait "$WRK_PID" || die "wrk failed in the warm-up: $(tail -n 3 "$TMP/wrk.out")"
+	# The side not measured waits stopped, so its replay and collections
+	# never land on the measured core or reach Redis meanwhile.
+	((${#SIDES[@]} > 1)) && kill -STOP "${CPID[$side]}"
+done
 NEIGHBOUR_PID=""
 if ((NEIGHBOUR)); then
 	taskset -c "$WRK_CPU" "$TMP/neighbour" -share "$NEIGHBOUR" -period "${NEIGHBOUR_PERIOD:-3ms}" &
@@ -120,46 +154,65 @@ if ((NEIGHBOUR)); then
 	PIDS+=("$NEIGHBOUR_PID")
 fi
 
-echo "busy: $VARIANT, $KEYS keys; Caddy on core $CADDY_CPU, wrk on core $WRK_CPU$([ -n "$REDIS_PID" ] && echo ", Redis on core $REDIS_CPU$( ((REDIS_IDLE)) && echo ' (SCHED_IDLE)')")$( ((NEIGHBOUR)) && echo ", a neighbour busy $NEIGHBOUR % of core $WRK_CPU")"
+echo "busy: $VARIANT, $KEYS keys; Caddy on core $CADDY_CPU, wrk on core $WRK_CPU$([ -n "$REDIS_PID" ] && echo ", Redis on core $REDIS_CPU$( ((REDIS_IDLE)) && echo ' (SCHED_IDLE)')")$( ((NEIGHBOUR)) && echo ", a neighbour busy $NEIGHBOUR % of core $WRK_CPU")$([ -n "$BASE" ] && echo "; each round on this build, then on $BASE_NAME")"
+declare -A US # <side>,<round>: Caddy's µs of CPU per request
 for r in $(seq "$ROUNDS"); do
-	prefix=c$r
-	[ "$KEYS" = warm ] && prefix=w
-	wrk_run "$DURATION" "$prefix" "$keys"
-	sleep 1
-	window=$((DURATION - 2))
-	c0=$(cpu_ns "$CADDY_PID") w0=$(cpu_ns "$WRK_PID") r0=0
-	read -r io0 sw0 <<<"$(io_switches "$CADDY_PID")"
-	[ -n "$REDIS_PID" ] && r0=$(cpu_ns "$REDIS_PID")
-	n0=0
-	[ -n "$NEIGHBOUR_PID" ] && n0=$(cpu_ns "$NEIGHBOUR_PID")
-	t0=$(date +%s%N)
-	if [ -n "$PROFILE" ] && ((r == ROUNDS)); then
-		curl -s --max-time $((window + 10)) -o "$PROFILE" "http://127.0.0.1:$LT_ADMIN_PORT/debug/pprof/profile?seconds=$window" ||
-			die "no CPU profile from the admin endpoint"
-	elif [ -n "$TRACE" ] && ((r == ROUNDS)); then
-		curl -s --max-time $((window + 10)) -o "$TRACE" "http://127.0.0.1:$LT_ADMIN_PORT/debug/pprof/trace?seconds=$window" ||
-			die "no execution trace from the admin endpoint"
-	else
-		sleep "$window"
-	fi
-	c1=$(cpu_ns "$CADDY_PID") w1=$(cpu_ns "$WRK_PID") r1=0
-	read -r io1 sw1 <<<"$(io_switches "$CADDY_PID")"
-	[ -n "$REDIS_PID" ] && r1=$(cpu_ns "$REDIS_PID")
-	n1=0
-	[ -n "$NEIGHBOUR_PID" ] && n1=$(cpu_ns "$NEIGHBOUR_PID")
-	t1=$(date +%s%N)
-	wait "$WRK_PID" || die "wrk failed: $(tail -n 3 "$TMP/wrk.out")"
-	line=$(grep '^LT ' "$TMP/wrk.out") || die "wrk printed no summary: $(tail -n 3 "$TMP/wrk.out")"
-	[ "$(field sock_errors)" = 0 ] || die "socket errors: $line"
-	awk -v r="$r" -v n="$(field requests)" -v d="$(field duration_us)" -v p99="$(field p99_us)" \
-		-v c=$((c1 - c0)) -v w=$((w1 - w0)) -v rd=$((r1 - r0)) -v t=$((t1 - t0)) -v redis="$REDIS_PID" \
-		-v io=$((io1 - io0)) -v sw=$((sw1 - sw0)) -v nb=$((n1 - n0)) -v neighbour="$NEIGHBOUR_PID" \
-		'BEGIN { rate = n / d * 1e6; q = rate * t / 1e9
-			printf "busy: round %d: %.0f req/s, p99 %.2f ms; CPU over %.1f s, %% of a core: Caddy %.0f, wrk %.0f%s%s\n",
-			r, rate, p99 / 1000, t / 1e9, 100 * c / t, 100 * w / t, redis == "" ? "" : sprintf(", Redis %.0f", 100 * rd / t),
-			neighbour == "" ? "" : sprintf(", neighbour %.0f", 100 * nb / t)
-			printf "busy: round %d: per request (at wrk'"'"'s average rate): Caddy %.1f µs of CPU, %.2f read and write calls, %.3f context switches\n",
-			r, c / q / 1000, io / q, sw / q }'
+	for side in "${SIDES[@]}"; do
+		CADDY_PID=${CPID[$side]}
+		((${#SIDES[@]} > 1)) && kill -CONT "$CADDY_PID"
+		prefix=c$r$side
+		[ "$KEYS" = warm ] && prefix=w
+		wrk_run "$side" "$DURATION" "$prefix" "$keys"
+		sleep 1
+		window=$((DURATION - 2))
+		c0=$(cpu_ns "$CADDY_PID") w0=$(cpu_ns "$WRK_PID") r0=0
+		read -r io0 sw0 <<<"$(io_switches "$CADDY_PID")"
+		[ -n "$REDIS_PID" ] && r0=$(cpu_ns "$REDIS_PID")
+		n0=0
+		[ -n "$NEIGHBOUR_PID" ] && n0=$(cpu_ns "$NEIGHBOUR_PID")
+		t0=$(date +%s%N)
+		if [ -n "$PROFILE" ] && ((r == ROUNDS)) && [ "$side" = head ]; then
+			curl -s --max-time $((window + 10)) -o "$PROFILE" "http://127.0.0.1:${ADMIN[$side]}/debug/pprof/profile?seconds=$window" ||
+				die "no CPU profile from the admin endpoint"
+		elif [ -n "$TRACE" ] && ((r == ROUNDS)) && [ "$side" = head ]; then
+			curl -s --max-time $((window + 10)) -o "$TRACE" "http://127.0.0.1:${ADMIN[$side]}/debug/pprof/trace?seconds=$window" ||
+				die "no execution trace from the admin endpoint"
+		else
+			sleep "$window"
+		fi
+		c1=$(cpu_ns "$CADDY_PID") w1=$(cpu_ns "$WRK_PID") r1=0
+		read -r io1 sw1 <<<"$(io_switches "$CADDY_PID")"
+		[ -n "$REDIS_PID" ] && r1=$(cpu_ns "$REDIS_PID")
+		n1=0
+		[ -n "$NEIGHBOUR_PID" ] && n1=$(cpu_ns "$NEIGHBOUR_PID")
+		t1=$(date +%s%N)
+		wait "$WRK_PID" || die "wrk failed: $(tail -n 3 "$TMP/wrk.out")"
+		((${#SIDES[@]} > 1)) && kill -STOP "$CADDY_PID"
+		line=$(grep '^LT ' "$TMP/wrk.out") || die "wrk printed no summary: $(tail -n 3 "$TMP/wrk.out")"
+		[ "$(field sock_errors)" = 0 ] || die "socket errors: $line"
+		label=""
+		((${#SIDES[@]} > 1)) && label=" (${LABEL[$side]})"
+		awk -v r="$r" -v lb="$label" -v n="$(field requests)" -v d="$(field duration_us)" -v p99="$(field p99_us)" \
+			-v c=$((c1 - c0)) -v w=$((w1 - w0)) -v rd=$((r1 - r0)) -v t=$((t1 - t0)) -v redis="$REDIS_PID" \
+			-v io=$((io1 - io0)) -v sw=$((sw1 - sw0)) -v nb=$((n1 - n0)) -v neighbour="$NEIGHBOUR_PID" \
+			'BEGIN { rate = n / d * 1e6; q = rate * t / 1e9
+				printf "busy: round %d%s: %.0f req/s, p99 %.2f ms; CPU over %.1f s, %% of a core: Caddy %.0f, wrk %.0f%s%s\n",
+				r, lb, rate, p99 / 1000, t / 1e9, 100 * c / t, 100 * w / t, redis == "" ? "" : sprintf(", Redis %.0f", 100 * rd / t),
+				neighbour == "" ? "" : sprintf(", neighbour %.0f", 100 * nb / t)
+				printf "busy: round %d%s: per request (at wrk'"'"'s average rate): Caddy %.1f µs of CPU, %.2f read and write calls, %.3f context switches\n",
+				r, lb, c / q / 1000, io / q, sw / q }' | tee "$TMP/round.out"
+		US[$side,$r]=$(sed -n 's/.*per request.*Caddy \([0-9.]*\) µs.*/\1/p' "$TMP/round.out")
+	done
 done
+if [ -n "$BASE" ]; then
+	ratios=()
+	for r in $(seq "$ROUNDS"); do
+		ratios+=("$(awk -v a="${US[head,$r]}" -v b="${US[base,$r]}" 'BEGIN { printf "%.4f", a / b }')")
+	done
+	printf '%s\n' "${ratios[@]}" | sort -g | awk -v v="$VARIANT" -v b="$BASE_NAME" -v n="$ROUNDS" '
+		{ x[NR] = $1 }
+		END { m = (NR % 2) ? x[(NR + 1) / 2] : (x[NR / 2] + x[NR / 2 + 1]) / 2
+			printf "busy: %s, this build / %s: Caddy CPU per request, round by round: median %.3f (%.3f-%.3f) over %d rounds\n", v, b, m, x[1], x[NR], n }'
+fi
 [ -z "$PROFILE" ] || echo "busy: Caddy's CPU profile of the last round in $PROFILE (go tool pprof -top $PROFILE)"
 [ -z "$TRACE" ] || echo "busy: Caddy's execution trace of the last round in $TRACE (go tool trace $TRACE)"
