@@ -155,6 +155,15 @@ if ((NEIGHBOUR)); then
 fi
 
 echo "busy: $VARIANT, $KEYS keys; Caddy on core $CADDY_CPU, wrk on core $WRK_CPU$([ -n "$REDIS_PID" ] && echo ", Redis on core $REDIS_CPU$( ((REDIS_IDLE)) && echo ' (SCHED_IDLE)')")$( ((NEIGHBOUR)) && echo ", a neighbour busy $NEIGHBOUR % of core $WRK_CPU")$([ -n "$BASE" ] && echo "; each round on this build, then on $BASE_NAME")"
+# sample: the CPU time (ns) of Caddy (CADDY_PID), wrk, Redis and the
+# neighbour (0 for those not running), Caddy's read and write calls and
+# context switches, and the clock (ns), on one line.
+sample() {
+	local r=0 n=0
+	[ -n "$REDIS_PID" ] && r=$(cpu_ns "$REDIS_PID")
+	[ -n "$NEIGHBOUR_PID" ] && n=$(cpu_ns "$NEIGHBOUR_PID")
+	echo "$(cpu_ns "$CADDY_PID") $(cpu_ns "$WRK_PID") $r $n $(io_switches "$CADDY_PID") $(date +%s%N)"
+}
 declare -A US # <side>,<round>: Caddy's µs of CPU per request
 for r in $(seq "$ROUNDS"); do
 	for side in "${SIDES[@]}"; do
@@ -165,12 +174,7 @@ for r in $(seq "$ROUNDS"); do
 		wrk_run "$side" "$DURATION" "$prefix" "$keys"
 		sleep 1
 		window=$((DURATION - 2))
-		c0=$(cpu_ns "$CADDY_PID") w0=$(cpu_ns "$WRK_PID") r0=0
-		read -r io0 sw0 <<<"$(io_switches "$CADDY_PID")"
-		[ -n "$REDIS_PID" ] && r0=$(cpu_ns "$REDIS_PID")
-		n0=0
-		[ -n "$NEIGHBOUR_PID" ] && n0=$(cpu_ns "$NEIGHBOUR_PID")
-		t0=$(date +%s%N)
+		read -r c0 w0 r0 n0 io0 sw0 t0 <<<"$(sample)"
 		if [ -n "$PROFILE" ] && ((r == ROUNDS)) && [ "$side" = head ]; then
 			curl -s --max-time $((window + 10)) -o "$PROFILE" "http://127.0.0.1:${ADMIN[$side]}/debug/pprof/profile?seconds=$window" ||
 				die "no CPU profile from the admin endpoint"
@@ -180,12 +184,7 @@ for r in $(seq "$ROUNDS"); do
 		else
 			sleep "$window"
 		fi
-		c1=$(cpu_ns "$CADDY_PID") w1=$(cpu_ns "$WRK_PID") r1=0
-		read -r io1 sw1 <<<"$(io_switches "$CADDY_PID")"
-		[ -n "$REDIS_PID" ] && r1=$(cpu_ns "$REDIS_PID")
-		n1=0
-		[ -n "$NEIGHBOUR_PID" ] && n1=$(cpu_ns "$NEIGHBOUR_PID")
-		t1=$(date +%s%N)
+		read -r c1 w1 r1 n1 io1 sw1 t1 <<<"$(sample)"
 		wait "$WRK_PID" || die "wrk failed: $(tail -n 3 "$TMP/wrk.out")"
 		((${#SIDES[@]} > 1)) && kill -STOP "$CADDY_PID"
 		line=$(grep '^LT ' "$TMP/wrk.out") || die "wrk printed no summary: $(tail -n 3 "$TMP/wrk.out")"
