@@ -123,27 +123,17 @@ func (e *Engine) eachBatch(t Tier, send func(batch []Delta) bool) {
 // replayLoop runs the ticks and the workers until Close. The slow tier
 // (keys below half their limit, most of a busy node's keys) is flushed by
 // one goroutine, a batch at a time: its pipelines reach the origin one
-// after another, each about a millisecond of Redis's time, rather than all
-// at once. A tick's many batches in flight together held Redis for the
-// whole tick's work in one burst, in which every other client's call (a
-// reservation or a cold read of another node, on its request path)
-// waited: a probe's PING during a tick of 16 batches waited 3.5–5.1 ms
-// (median) and up to 14–23 ms with the batches together, 1.0–1.1 ms and
-// up to 3.6–4.6 ms one after another, for a tick 25–40 % longer (17 against
-// 21–24 ms; origin's BenchmarkFlush_ProbeBehindATick on a real
-// redis-server). On a machine Redis shares, whatever else runs there waits
-// too: on the 2-core load harness, where Redis runs beside the load
-// generator, sending them one after another took Caddy's CPU per request
-// in the warm Redis row from 24.5–25.9 to 23.0–23.3 µs on one host and
-// from 28.0–30.7 to 24.3–27.4 µs on the other (make busy, the two builds
-// alternated; with both processes up, one stopped while the other is
-// measured, BASE=c229eff make busy: 0.966 × over nine rounds, p99 5.1–6.4
-// against 6.3–8.9 ms). Where both builds share one Redis and one load generator
-// (make pair), the change costs Caddy 1.6–2.8 % more CPU per request,
-// inside that tool's ±3 %: what is left of it where Redis runs on a
-// machine of its own. The fast tier (keys near their limit, whose units
-// other nodes need soon) keeps the ReplayWorkers pool, so it never waits
-// behind a slow flush.
+// after another, each about a millisecond of Redis's time, rather than a
+// tick's work in one burst, behind which every other client's call (a
+// reservation or a cold read of another node, on its request path) waited.
+// During a tick of 16 batches another client's call waited 1.0–1.1 ms
+// (median) one batch at a time against 3.5–5.1 ms all together, for a
+// tick 25–40 % longer (origin's BenchmarkFlush_ProbeBehindATick, on a real
+// redis-server); the load harness's figures are in the README
+// (replay_workers, "Side by side"). A tick that finds the last one still
+// flushing counts an overrun (Stats.SlowOverruns) and runs after it. The
+// fast tier (keys near their limit, whose units other nodes need soon)
+// keeps the ReplayWorkers pool, so it never waits behind a slow flush.
 func (e *Engine) replayLoop() {
 	defer e.wg.Done()
 	work := make(chan []Delta)
@@ -159,7 +149,7 @@ func (e *Engine) replayLoop() {
 		}()
 	}
 	// A slow tick while the slow tier is still flushing runs once more
-	// after it: the kick holds one.
+	// after it: the kick holds one (slowBusy tells the tick it overran).
 	slowKick := make(chan struct{}, 1)
 	var slowBusy atomic.Bool
 	go func() {
