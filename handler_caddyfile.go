@@ -5,7 +5,9 @@ package ratelimit
 
 import (
 	"errors"
+	"fmt"
 	"strconv"
+	"strings"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
@@ -75,7 +77,9 @@ func checkZonesAcrossSites(st map[string]any, zones []parsedZone) error {
 			continue
 		}
 		a, b := prev.zone, p.zone
-		if a.Key != b.Key || a.Window != b.Window || a.IPv4Prefix != b.IPv4Prefix || a.IPv6Prefix != b.IPv6Prefix {
+		a4, a6 := a.prefixes()
+		b4, b6 := b.prefixes()
+		if a.Key != b.Key || a.Window != b.Window || a4 != b4 || a6 != b6 {
 			return p.errf("zone %q redefined with a different key, window or IP prefix than at %s: a zone counts one key over one window everywhere; use another zone name",
 				p.zone.Name, prev.at())
 		}
@@ -190,8 +194,8 @@ var handlerLines = map[string]func(d *caddyfile.Dispenser, h *Handler, p *direct
 		if err != nil {
 			return d.Errf("malformed retry_jitter %q: %w", v, err)
 		}
-		if dur < 0 {
-			return d.Errf("retry_jitter %s is negative", dur)
+		if err := validateRetryJitter(dur); err != nil {
+			return d.WrapErr(err)
 		}
 		h.RetryJitter = caddy.Duration(dur)
 		return nil
@@ -277,17 +281,23 @@ func checkZoneBlock(d *caddyfile.Dispenser, z *Zone, costLine int) error {
 var zoneLines = map[string]func(d *caddyfile.Dispenser, z *Zone, sub string) error{
 	"key": func(d *caddyfile.Dispenser, z *Zone, _ string) error {
 		v, err := oneArg(d)
+		if err != nil {
+			return err
+		}
+		if err := validatePlaceholders("key", v); err != nil {
+			return d.Errf("zone %q: %w", z.Name, err)
+		}
 		z.Key = v
-		return err
+		return nil
 	},
 	"limit": func(d *caddyfile.Dispenser, z *Zone, _ string) error {
 		v, err := oneArg(d)
 		if err != nil {
 			return err
 		}
-		n, err := strconv.ParseInt(v, 10, 64)
+		n, err := parseCount("limit", v)
 		if err != nil {
-			return d.Errf("zone %q: limit %q is not an integer", z.Name, v)
+			return d.Errf("zone %q: %w", z.Name, err)
 		}
 		if err := validateLimit(n); err != nil {
 			return d.Errf("zone %q: %w", z.Name, err)
@@ -329,8 +339,14 @@ func zoneCostLine(d *caddyfile.Dispenser, z *Zone, _ string) error {
 	}
 	z.Cost = caddyhttp.WeakString(args[0])
 	if len(args) == 2 {
-		n, err := strconv.ParseInt(args[1], 10, 64)
-		if err != nil || n < 1 {
+		if !strings.ContainsAny(args[0], "{}") {
+			return d.Errf("zone %q: a default cost is for a cost placeholder; cost %s is a constant, charged as written", z.Name, args[0])
+		}
+		n, err := parseCount("default cost", args[1])
+		switch {
+		case err != nil:
+			return d.Errf("zone %q: %w", z.Name, err)
+		case n < 1:
 			return d.Errf("zone %q: default cost %q must be a positive integer", z.Name, args[1])
 		}
 		if err := validateUnits("default cost", n); err != nil {
@@ -347,14 +363,9 @@ func zoneCostBoundLine(d *caddyfile.Dispenser, z *Zone, sub string) error {
 	if err != nil {
 		return err
 	}
-	n, err := strconv.ParseInt(v, 10, 64)
-	switch {
-	case errors.Is(err, strconv.ErrRange) && n > 0:
-		return d.Errf("zone %q: %s %s is above the largest count, %d (2^53-1)", z.Name, sub, v, int64(maxUnits))
-	case errors.Is(err, strconv.ErrRange):
-		return d.Errf("zone %q: %s %s is negative", z.Name, sub, v)
-	case err != nil:
-		return d.Errf("zone %q: %s %q is not an integer", z.Name, sub, v)
+	n, err := parseCount(sub, v)
+	if err != nil {
+		return d.Errf("zone %q: %w", z.Name, err)
 	}
 	if err := validateCostBound(sub, n); err != nil {
 		return d.Errf("zone %q: %w", z.Name, err)
@@ -367,15 +378,31 @@ func zoneCostBoundLine(d *caddyfile.Dispenser, z *Zone, sub string) error {
 	return nil
 }
 
+// parseCount reads a limit or cost (what says which) written as a decimal
+// integer, saying why when it is not one: one past int64 either way is a
+// number too large or negative, not a word.
+func parseCount(what, v string) (int64, error) {
+	n, err := strconv.ParseInt(v, 10, 64)
+	switch {
+	case errors.Is(err, strconv.ErrRange) && n > 0:
+		return 0, fmt.Errorf("%s %s is above the largest count, %d (2^53-1)", what, v, int64(maxUnits))
+	case errors.Is(err, strconv.ErrRange):
+		return 0, fmt.Errorf("%s %s is negative", what, v)
+	case err != nil:
+		return 0, fmt.Errorf("%s %q is not an integer", what, v)
+	}
+	return n, nil
+}
+
 // zoneOverrideLine parses `override <identifier> <limit>`.
 func zoneOverrideLine(d *caddyfile.Dispenser, z *Zone, _ string) error {
 	args := d.RemainingArgs()
 	if len(args) != 2 {
 		return d.ArgErr()
 	}
-	n, err := strconv.ParseInt(args[1], 10, 64)
+	n, err := parseCount("limit", args[1])
 	if err != nil {
-		return d.Errf("zone %q: override limit %q is not an integer", z.Name, args[1])
+		return d.Errf("zone %q: override %q: %w", z.Name, args[0], err)
 	}
 	if err := validateOverride(args[0], n); err != nil {
 		return d.Errf("zone %q: %w", z.Name, err)
@@ -401,7 +428,10 @@ func zonePrefixLine(d *caddyfile.Dispenser, z *Zone, sub string) error {
 		max = 128
 	}
 	bits, err := strconv.Atoi(v)
-	if err != nil {
+	switch {
+	case errors.Is(err, strconv.ErrRange):
+		return d.Errf("zone %q: %s must be between 1 and %d, got %s", z.Name, sub, max, v)
+	case err != nil:
 		return d.Errf("zone %q: %s %q is not an integer", z.Name, sub, v)
 	}
 	if err := validateIPPrefix(sub, bits, max); err != nil {

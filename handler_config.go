@@ -23,6 +23,13 @@ const (
 	// parameters are integer seconds, and a sub-second window would make
 	// every request a window rollover.
 	minWindow = time.Second
+	// maxWindow bounds windows at ten years: a cell's expiry is two
+	// windows past now, in nanoseconds and in Unix milliseconds, which a
+	// window of a few centuries would overflow.
+	maxWindow = 3650 * 24 * time.Hour
+	// maxRetryJitter bounds retry_jitter: the longest wait plus the
+	// jitter stays far inside a time.Duration.
+	maxRetryJitter = 24 * time.Hour
 	// maxZoneName bounds zone names: they travel in headers, origin keys and
 	// metric labels.
 	maxZoneName = 64
@@ -111,6 +118,20 @@ type Zone struct {
 	IPv6Prefix int `json:"ipv6_prefix,omitempty"`
 }
 
+// prefixes returns the prefix lengths an address is masked to, the
+// defaults where the config gives none: `ipv4_prefix 32` written out and
+// left out are one zone.
+func (z *Zone) prefixes() (v4, v6 int) {
+	v4, v6 = z.IPv4Prefix, z.IPv6Prefix
+	if v4 == 0 {
+		v4 = defaultIPv4Prefix
+	}
+	if v6 == 0 {
+		v6 = defaultIPv6Prefix
+	}
+	return v4, v6
+}
+
 // zone is a Zone compiled for the request path.
 type zone struct {
 	name        string
@@ -176,13 +197,7 @@ func (h *Handler) compile() {
 		if len(zc.Overrides) > 0 {
 			z.overrides = zc.Overrides
 		}
-		z.v4, z.v6 = zc.IPv4Prefix, zc.IPv6Prefix
-		if z.v4 == 0 {
-			z.v4 = defaultIPv4Prefix
-		}
-		if z.v6 == 0 {
-			z.v6 = defaultIPv6Prefix
-		}
+		z.v4, z.v6 = zc.prefixes()
 		// Zone names are restricted to token characters, so quoting them as a
 		// structured-field string needs no escaping.
 		windowSecs := strconv.FormatInt(int64(z.window/time.Second), 10)

@@ -29,6 +29,10 @@ type optionLine struct {
 	// parse reads the line's arguments (the dispenser is on its name) into
 	// the app; errors name the line.
 	parse func(d *caddyfile.Dispenser, a *App) error
+	// repeats is true of a line that may be given more than once (each
+	// adds); any other line given twice is an error, not the last one
+	// silently winning.
+	repeats bool
 }
 
 // minDuration is the shortest duration any line takes: the engine counts
@@ -98,6 +102,9 @@ func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		if a.lineAt == nil {
 			a.lineAt = map[string]string{}
 		}
+		if first, twice := a.lineAt[l.name]; twice && !l.repeats {
+			return d.Errf("%s given twice (first at %s)", l.name, first)
+		}
 		a.lineAt[l.name] = d.File() + ":" + strconv.Itoa(d.Line())
 		if err := l.parse(d, a); err != nil {
 			return err
@@ -130,7 +137,7 @@ func oneArg(d *caddyfile.Dispenser) (string, error) {
 
 // flagLine is a line without arguments.
 func flagLine(name string, set func(*App)) optionLine {
-	return optionLine{name, func(d *caddyfile.Dispenser, a *App) error {
+	return optionLine{name: name, parse: func(d *caddyfile.Dispenser, a *App) error {
 		if d.NextArg() {
 			return d.ArgErr()
 		}
@@ -141,7 +148,7 @@ func flagLine(name string, set func(*App)) optionLine {
 
 // stringLine is a line of one argument that check accepts.
 func stringLine(name string, check func(string) error, set func(*App, string)) optionLine {
-	return optionLine{name, func(d *caddyfile.Dispenser, a *App) error {
+	return optionLine{name: name, parse: func(d *caddyfile.Dispenser, a *App) error {
 		v, err := oneArg(d)
 		if err != nil {
 			return err
@@ -159,7 +166,7 @@ func stringLine(name string, check func(string) error, set func(*App, string)) o
 // intLine is a line of one integer from lo to hi (no upper bound when hi
 // is 0).
 func intLine(name string, lo, hi int, set func(*App, int)) optionLine {
-	return optionLine{name, func(d *caddyfile.Dispenser, a *App) error {
+	return optionLine{name: name, parse: func(d *caddyfile.Dispenser, a *App) error {
 		v, err := oneArg(d)
 		if err != nil {
 			return err
@@ -180,7 +187,7 @@ func intLine(name string, lo, hi int, set func(*App, int)) optionLine {
 // minDuration).
 func durationLine(name string, lo time.Duration, set func(*App, time.Duration)) optionLine {
 	lo = max(lo, minDuration)
-	return optionLine{name, func(d *caddyfile.Dispenser, a *App) error {
+	return optionLine{name: name, parse: func(d *caddyfile.Dispenser, a *App) error {
 		v, err := oneArg(d)
 		if err != nil {
 			return err
@@ -196,7 +203,7 @@ func durationLine(name string, lo time.Duration, set func(*App, time.Duration)) 
 
 // ratioLine is a line of one ratio in (0, 1].
 func ratioLine(name string, set func(*App, float64)) optionLine {
-	return optionLine{name, func(d *caddyfile.Dispenser, a *App) error {
+	return optionLine{name: name, parse: func(d *caddyfile.Dispenser, a *App) error {
 		v, err := oneArg(d)
 		if err != nil {
 			return err
@@ -212,7 +219,7 @@ func ratioLine(name string, set func(*App, float64)) optionLine {
 
 // switchLine is a line of one `on` or `off`.
 func switchLine(name string, set func(*App, bool)) optionLine {
-	return optionLine{name, func(d *caddyfile.Dispenser, a *App) error {
+	return optionLine{name: name, parse: func(d *caddyfile.Dispenser, a *App) error {
 		v, err := oneArg(d)
 		if err != nil {
 			return err
@@ -232,7 +239,7 @@ func switchLine(name string, set func(*App, bool)) optionLine {
 // argsLine is a line of at least n arguments, which set takes (and may
 // refuse: its error names the line).
 func argsLine(name string, n int, set func(a *App, args []string) error) optionLine {
-	return optionLine{name, func(d *caddyfile.Dispenser, a *App) error {
+	return optionLine{name: name, parse: func(d *caddyfile.Dispenser, a *App) error {
 		args := d.RemainingArgs()
 		if len(args) < n {
 			return d.ArgErr()
@@ -242,6 +249,12 @@ func argsLine(name string, n int, set func(a *App, args []string) error) optionL
 		}
 		return nil
 	}}
+}
+
+// repeating marks l as a line that may be given more than once.
+func repeating(l optionLine) optionLine {
+	l.repeats = true
+	return l
 }
 
 // checked adds check to l: it runs on the app after the line's value is

@@ -19,11 +19,9 @@ import (
 
 // redisKind is the Redis backend among the app's backends.
 var redisKind = backendKind{
-	name:  "origin",
-	lines: redisLines,
-	checkLines: func(*App, *caddyfile.Dispenser) error {
-		return nil // each line checks the whole origin config where it stands
-	},
+	name:       "origin",
+	lines:      redisLines,
+	checkLines: checkRedisLines,
 	validate: func(a *App) error {
 		if a.Origin == nil {
 			return nil
@@ -71,7 +69,7 @@ var redisKind = backendKind{
 // names the line that made it wrong.
 var redisLines = func() []optionLine {
 	lines := []optionLine{
-		stringLine("redis", nil, func(a *App, u string) { originOf(a).Redis = append(originOf(a).Redis, u) }),
+		repeating(stringLine("redis", nil, func(a *App, u string) { originOf(a).Redis = append(originOf(a).Redis, u) })),
 		argsLine("redis_cluster", 1, func(a *App, addrs []string) error {
 			originOf(a).Cluster = &origin.ClusterConfig{Addrs: addrs}
 			return nil
@@ -85,7 +83,7 @@ var redisLines = func() []optionLine {
 		}),
 		stringLine("tls_ca_file", nil, func(a *App, v string) { originOf(a).TLSCAFile = v }),
 		stringLine("prefix", nil, func(a *App, v string) { originOf(a).Prefix = v }),
-		intLine("replay_workers", 1, 0, func(a *App, n int) { originOf(a).ReplayWorkers = n }),
+		intLine("replay_workers", 1, origin.MaxReplayWorkers, func(a *App, n int) { originOf(a).ReplayWorkers = n }),
 		intLine("breaker_min_requests", 1, 0, func(a *App, n int) { originOf(a).Breaker.MinRequests = n }),
 		ratioLine("breaker_failure_ratio", func(a *App, r float64) { originOf(a).Breaker.FailureRatio = r }),
 	}
@@ -109,6 +107,23 @@ var redisLines = func() []optionLine {
 	}
 	return lines
 }()
+
+// checkRedisLines is the end of the block's check of the origin's lines
+// (each line checks the whole origin config where it stands): tunables
+// need an address to tune, and without one they would pass `caddy adapt`
+// and fail only when the config is provisioned, with no line to point at.
+func checkRedisLines(a *App, d *caddyfile.Dispenser) error {
+	c := a.Origin
+	if c == nil || len(c.Redis) > 0 || c.Cluster != nil || c.Sentinel != nil {
+		return nil
+	}
+	for _, l := range redisLines {
+		if at, ok := a.lineAt[l.name]; ok {
+			return fmt.Errorf("Redis settings without a redis, redis_cluster or redis_sentinel line (%s at %s)", l.name, at)
+		}
+	}
+	return d.Err("Redis settings without a redis, redis_cluster or redis_sentinel line")
+}
 
 // originOf returns the app's origin settings, made on the first line.
 func originOf(a *App) *origin.Config {

@@ -64,17 +64,23 @@ func resetKey(w http.ResponseWriter, r *http.Request, st *state, zoneName, id st
 	now := time.Now()
 	rec := overrideRec{Zone: zoneName, Identifier: storedIdentifier(st, id, defs), Reset: true, Global: scope == scopeGlobal, Region: view.region,
 		CreatedMs: now.UnixMilli(), Version: now.UnixMicro(), ExpiresMs: now.Add(resetLife(defs)).UnixMilli()}
-	// This node's unreplayed units go out before the cells are marked.
-	forgetHeld(st, rec)
+	// This node's unreplayed units go out before the cells are marked, and
+	// it forgets the key only once the region took the reset: a reset
+	// that fails (503) changes nothing here. What it admits between the
+	// two writes lands after the mark, and counts after the reset.
+	err := flushHeld(st, rec)
 	ctx, cancel := context.WithTimeout(r.Context(), time.Second)
 	defer cancel()
-	err := resetRegionCells(ctx, rb, st, rec)
+	if err == nil {
+		err = resetRegionCells(ctx, rb, st, rec)
+	}
 	if err == nil {
 		_, err = rb.PutOverrides(ctx, []origin.Override{rec.regionValue()}, rec.Global)
 	}
 	if err != nil {
 		return caddy.APIError{HTTPStatus: http.StatusServiceUnavailable, Err: errors.Join(errOverrideStore, err)}
 	}
+	forgetHeld(st, rec)
 	overrides.merge([]overrideRec{rec})
 	resetsTotal.WithLabelValues(scope).Inc()
 	view.logger.Info("key reset", append([]zap.Field{zap.String("by", r.RemoteAddr), zap.String("zone", zoneName),
@@ -109,16 +115,31 @@ func resetRegionCells(ctx context.Context, o *origin.Redis, st *state, rec overr
 }
 
 // forgetHeld drops this process's state of the reset key in every window
-// of its zone: the identifier is matched as it left the process.
+// of its zone.
 func forgetHeld(st *state, rec overrideRec) {
-	mapID := st.apps.view().ids.mapper()
-	match := func(id string) bool { return id == rec.Identifier }
-	if mapID != nil {
-		match = func(id string) bool { return mapID(id) == rec.Identifier }
-	}
 	for _, w := range defWindows(st.zones.definitions(rec.Zone, st.apps.view().app)) {
-		st.engine.ForgetMatching(rec.Zone, w, match)
+		st.engine.ForgetMatching(rec.Zone, w, heldMatch(st, rec))
 	}
+}
+
+// flushHeld writes what this process has not replayed yet of the reset
+// key in every window of its zone, and returns the first error.
+func flushHeld(st *state, rec overrideRec) error {
+	for _, w := range defWindows(st.zones.definitions(rec.Zone, st.apps.view().app)) {
+		if err := st.engine.FlushMatching(rec.Zone, w, heldMatch(st, rec)); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// heldMatch matches the reset key's identifier as it left the process.
+func heldMatch(st *state, rec overrideRec) func(id string) bool {
+	mapID := st.apps.view().ids.mapper()
+	if mapID != nil {
+		return func(id string) bool { return mapID(id) == rec.Identifier }
+	}
+	return func(id string) bool { return id == rec.Identifier }
 }
 
 // onResets is what the book does with resets it had not heard of: this

@@ -65,6 +65,33 @@ func TestReset_RegionScopeStaysReset(t *testing.T) {
 	}
 }
 
+// TestReset_RefusedRegionResetChangesNothingHere: a region reset that
+// Redis cannot take (it is down) answers 503, and this node keeps the
+// key's count: it went on denying the key, where it once forgot the key
+// before the write failed and admitted a whole limit again.
+func TestReset_RefusedRegionResetChangesNothingHere(t *testing.T) {
+	resetOverrides(t)
+	srv := redistest.Start(t)
+	global := fmt.Sprintf("\tratelimit {\n\t\tregion rs-test\n\t\tredis %s\n\t\tfast_tick 10ms\n\t}", srv.URL())
+	_, admin, base := startCaddy(t, overrideConfig(global))
+	if n := admitted(t, base, "cust", 3); n != 2 {
+		t.Fatalf("admitted %d of 3 at limit 2, want 2", n)
+	}
+	srv.Stop()
+	r := adminSend(t, admin, http.MethodDelete, "/ratelimit/counters?zone=ov&identifier=cust&scope=region", "")
+	if r.status != http.StatusServiceUnavailable {
+		t.Fatalf("a region reset with Redis down answered %d %s, want 503", r.status, r.body)
+	}
+	if n := admitted(t, base, "cust", 2); n != 0 {
+		t.Fatalf("after a refused reset, admitted %d more at limit 2, want 0: the node forgot the key", n)
+	}
+	var doc keyDoc
+	adminSend(t, admin, http.MethodGet, "/ratelimit/counters?zone=ov&identifier=cust", "").decode(t, http.StatusOK, &doc)
+	if doc.Remaining != 0 {
+		t.Fatalf("after a refused reset the key shows %+v, want nothing remaining", doc)
+	}
+}
+
 // TestReset_ScopesNeedTheirBackends: a reset beyond this node needs the
 // region's Redis (and global the cross-region layer); an unknown scope is
 // a 400; scope on a GET is a 400; nothing is forgotten then.

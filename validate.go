@@ -30,8 +30,8 @@ func (h *Handler) Validate() error {
 	if err := validateOnMissingKey(h.OnMissingKey); err != nil {
 		return fmt.Errorf("ratelimit: %w", err)
 	}
-	if h.RetryJitter < 0 {
-		return fmt.Errorf("ratelimit: retry_jitter %s is negative", time.Duration(h.RetryJitter))
+	if err := validateRetryJitter(time.Duration(h.RetryJitter)); err != nil {
+		return fmt.Errorf("ratelimit: %w", err)
 	}
 	seen := make(map[string]struct{}, len(h.Zones))
 	for i, z := range h.Zones {
@@ -56,6 +56,9 @@ func (z *Zone) validate() error {
 	if z.Key == "" {
 		return errors.New("missing key")
 	}
+	if err := validatePlaceholders("key", z.Key); err != nil {
+		return err
+	}
 	if err := validateLimit(z.Limit); err != nil {
 		return err
 	}
@@ -70,6 +73,9 @@ func (z *Zone) validate() error {
 	}
 	if err := validateUnits("default_cost", z.DefaultCost); err != nil {
 		return err
+	}
+	if z.DefaultCost != 0 && !strings.ContainsAny(string(z.Cost), "{}") {
+		return fmt.Errorf("default_cost is for a cost placeholder; cost %q is a constant, charged as written (1 when not given)", string(z.Cost))
 	}
 	if z.MinCost != nil {
 		if err := validateCostBound("min_cost", *z.MinCost); err != nil {
@@ -156,6 +162,9 @@ func validateWindow(w time.Duration) error {
 	if w < minWindow {
 		return fmt.Errorf("window must be at least %s, got %s", minWindow, w)
 	}
+	if w > maxWindow {
+		return fmt.Errorf("window must be at most %s (3650d), got %s", maxWindow, w)
+	}
 	if w%time.Second != 0 {
 		return fmt.Errorf("window must be a whole number of seconds, got %s", w)
 	}
@@ -163,14 +172,49 @@ func validateWindow(w time.Duration) error {
 }
 
 func validateCost(cost string) error {
-	if cost == "" || strings.ContainsAny(cost, "{}") {
+	if strings.ContainsAny(cost, "{}") {
+		return validatePlaceholders("cost", cost)
+	}
+	if cost == "" {
 		return nil
 	}
 	n, err := strconv.ParseInt(cost, 10, 64)
-	if err != nil || n < 0 {
+	switch {
+	case errors.Is(err, strconv.ErrRange) && n > 0:
+		return fmt.Errorf("cost %s is above the largest count, %d (2^53-1)", cost, int64(maxUnits))
+	case err != nil || n < 0:
 		return fmt.Errorf("cost %q is neither a non-negative integer nor a placeholder", cost)
 	}
 	return validateUnits("cost", n)
+}
+
+// validatePlaceholders rejects a key or cost (what says which) whose
+// braces do not pair up: Caddy's replacer leaves an unclosed placeholder
+// as text, so `{api_cost` would be a constant that never parses (every
+// request charged the default cost) and `{http.request.header.X-Key` one
+// bucket for everyone.
+func validatePlaceholders(what, v string) error {
+	open := false
+	for i := 0; i < len(v); i++ {
+		switch v[i] {
+		case '\\':
+			i++ // an escaped brace is text
+		case '{':
+			if open {
+				return fmt.Errorf("%s %q opens a placeholder inside another", what, v)
+			}
+			open = true
+		case '}':
+			if !open {
+				return fmt.Errorf("%s %q closes a placeholder it never opened (a '}' without its '{')", what, v)
+			}
+			open = false
+		}
+	}
+	if open {
+		return fmt.Errorf("%s %q has an unclosed placeholder (a '{' without its '}')", what, v)
+	}
+	return nil
 }
 
 // validateCostBound checks min_cost or max_cost (what says which) alone.
@@ -241,6 +285,19 @@ func validateOverride(id string, limit int64) error {
 func validateIPPrefix(name string, bits, max int) error {
 	if bits < 1 || bits > max {
 		return fmt.Errorf("%s must be between 1 and %d, got %d", name, max, bits)
+	}
+	return nil
+}
+
+// validateRetryJitter bounds retry_jitter: never negative (it only ever
+// adds), at most maxRetryJitter, so that the wait it adds to can never
+// overflow.
+func validateRetryJitter(j time.Duration) error {
+	switch {
+	case j < 0:
+		return fmt.Errorf("retry_jitter %s is negative", j)
+	case j > maxRetryJitter:
+		return fmt.Errorf("retry_jitter %s is above %s", j, maxRetryJitter)
 	}
 	return nil
 }

@@ -2,6 +2,7 @@ package engine
 
 import (
 	"context"
+	"errors"
 	"sync/atomic"
 	"time"
 )
@@ -49,25 +50,85 @@ func (e *Engine) ForgetMatching(namespace string, window time.Duration, match fu
 	return n
 }
 
+// FlushMatching writes, now, what this process has not replayed yet of
+// every key of the zone namespace with window whose identifier match
+// accepts (as ForgetMatching), and returns the first error: a failed write
+// leaves its units queued. It forgets nothing. A region's reset calls it
+// before it marks the key's cells, and forgets the key only once the
+// region took the reset: a reset Redis refuses changes nothing here.
+func (e *Engine) FlushMatching(namespace string, window time.Duration, match func(id string) bool) error {
+	o := e.getOrigin()
+	if o == nil {
+		return nil
+	}
+	z, ok := e.lookupZone(Key{Namespace: namespace, Window: window})
+	if !ok {
+		return nil
+	}
+	var ids []string
+	z.entries.Range(func(id string, _ *entry) bool {
+		if match(id) {
+			ids = append(ids, id)
+		}
+		return true
+	})
+	var first error
+	for _, id := range ids {
+		if err := e.flushHeld(o, z, id); err != nil && first == nil {
+			first = err
+		}
+	}
+	return first
+}
+
+// errNotWritten is flushHeld's error when the origin refused a cell of
+// the key alone (a key holding another type).
+var errNotWritten = errors.New("engine: the origin did not take a write of the key")
+
+// errStillFlushing is flushHeld's error when a write of the key's already
+// on its way has not ended within a write's own bound.
+var errStillFlushing = errors.New("engine: a write of the key is still on its way")
+
+// flushHeld writes the units of the normalized id this process has not
+// replayed yet, after any write of the key's already on its way (its units
+// would otherwise reach the origin after what follows, a read or a
+// reset's mark). A failed write leaves them queued.
+func (e *Engine) flushHeld(o Origin, z *Zone, id string) error {
+	en, ok := z.entries.Load(id)
+	if !ok {
+		return nil
+	}
+	batch := make([]Delta, 0, 2)
+	var err error
+	for _, c := range [2]*cell{en.cur.Load(), en.prev.Load()} {
+		if c == nil || c == tombstone {
+			continue
+		}
+		if !e.awaitFlush(c) {
+			err = errStillFlushing
+			continue
+		}
+		batch = e.take(batch, z, en, c, true)
+	}
+	if ferr := e.flush(context.Background(), o, batch); ferr != nil {
+		err = ferr
+	}
+	for i := range batch {
+		if !batch[i].Done && err == nil {
+			err = errNotWritten
+		}
+	}
+	return err
+}
+
 // forget drops the entry and strict deadline of the normalized id.
 func (e *Engine) forget(z *Zone, id string) bool {
 	found := false
 	if o := e.getOrigin(); o != nil {
 		// The units this process has not replayed yet go out first: the
 		// key's next request here reads the origin, which must hold them,
-		// or it would admit them again. A write of the key's already on
-		// its way is waited for, for the same reason (its units would
-		// otherwise reach the origin after that read). A failed write
-		// leaves them queued.
-		if en, ok := z.entries.Load(id); ok {
-			batch := make([]Delta, 0, 2)
-			for _, c := range [2]*cell{en.cur.Load(), en.prev.Load()} {
-				if c != nil && c != tombstone && e.awaitFlush(c) {
-					batch = e.take(batch, z, en, c, true)
-				}
-			}
-			_ = e.flush(context.Background(), o, batch)
-		}
+		// or it would admit them again.
+		_ = e.flushHeld(o, z, id)
 	}
 	if en, ok := z.entries.LoadAndDelete(id); ok {
 		found = true

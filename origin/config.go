@@ -10,6 +10,11 @@ import (
 	"github.com/edgelimit/caddy-ratelimit/engine"
 )
 
+// MaxReplayWorkers bounds replay_workers: each is a goroutine that may
+// hold a connection of its own, started with the engine, and past a few
+// dozen more of them only queue at Redis, which runs one command at a time.
+const MaxReplayWorkers = 256
+
 // Defaults of the breaker settings. Each says why.
 const (
 	// DefaultBreakerInterval is the rolling window over which the breaker
@@ -72,7 +77,8 @@ type Config struct {
 	Prefix string `json:"prefix,omitempty"`
 
 	// ReplayWorkers is the number of concurrent flushes of the fast tier
-	// (default 8); the slow tier flushes one batch at a time.
+	// (default 8, at most MaxReplayWorkers); the slow tier flushes one
+	// batch at a time.
 	ReplayWorkers int `json:"replay_workers,omitempty"`
 	// ReadTimeout bounds every synchronous origin read on the request path
 	// (default 50ms).
@@ -220,8 +226,8 @@ func (c Config) Validate() error {
 	if err := validatePrefix(c.Prefix); err != nil {
 		return err
 	}
-	if c.ReplayWorkers < 0 {
-		return fmt.Errorf("replay_workers: must be positive, got %d", c.ReplayWorkers)
+	if c.ReplayWorkers < 0 || c.ReplayWorkers > MaxReplayWorkers {
+		return fmt.Errorf("replay_workers: want an integer from 1 to %d, got %d", MaxReplayWorkers, c.ReplayWorkers)
 	}
 	for _, f := range []struct {
 		name string
