@@ -1,6 +1,9 @@
 package ratelimit
 
 import (
+	"os"
+	"path/filepath"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -122,5 +125,49 @@ func TestObserver_BreakerTransitions(t *testing.T) {
 	}
 	if got := counterValue(t, breakerTransitionsTotal.WithLabelValues(ep, origin.BreakerName, string(origin.BreakerOpen))) - before; got != 1 {
 		t.Fatalf("open transitions +%v, want +1", got)
+	}
+}
+
+// TestLogs_READMEListsEveryMessage: every message the module logs (a
+// literal in a call of Debug, Info, Warn or Error in its packages) is in
+// the README's Logs section; a message built from a literal and a value
+// is found by its literal. Most of the cross-region layer's lines, the
+// replay breaker's and the shutdown flush's were missing from it.
+func TestLogs_READMEListsEveryMessage(t *testing.T) {
+	readme, err := os.ReadFile("README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, section, ok := strings.Cut(string(readme), "\n### Logs\n")
+	if !ok {
+		t.Fatal("README has no Logs section")
+	}
+	section, _, _ = strings.Cut(section, "\n### ")
+	call := regexp.MustCompile(`\.(?:Debug|Info|Warn|Error)\(\s*"((?:[^"\\]|\\.)*)"`)
+	n := 0
+	for _, dir := range []string{".", "engine", "origin", "propagation"} {
+		files, err := filepath.Glob(filepath.Join(dir, "*.go"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, f := range files {
+			if strings.HasSuffix(f, "_test.go") {
+				continue
+			}
+			src, err := os.ReadFile(f)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, m := range call.FindAllStringSubmatch(string(src), -1) {
+				n++
+				msg := strings.TrimSpace(m[1])
+				if !strings.Contains(section, "`"+msg) {
+					t.Errorf("%s logs %q, which the README's Logs section does not list", f, msg)
+				}
+			}
+		}
+	}
+	if n < 20 {
+		t.Fatalf("found only %d log calls: the pattern no longer matches them", n)
 	}
 }

@@ -4,6 +4,8 @@ import (
 	"bufio"
 	"bytes"
 	"math/rand/v2"
+	"os"
+	"regexp"
 	"strconv"
 	"strings"
 	"testing"
@@ -381,4 +383,60 @@ func seriesValue(t *testing.T, c prometheus.Collector, name, label string) float
 		}
 	}
 	return v
+}
+
+// TestMetrics_READMEListsEveryMetric: the README's metrics table, and the
+// cross-region section's list, name every metric the module registers,
+// and nothing it does not: two were missing from the table
+// (resends_total, replay_lost_units_total).
+func TestMetrics_READMEListsEveryMetric(t *testing.T) {
+	readme, err := os.ReadFile("README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, rest, ok := strings.Cut(string(readme), "\n### Metrics\n")
+	if !ok {
+		t.Fatal("README has no Metrics section")
+	}
+	section, _, _ := strings.Cut(rest, "\n### ")
+	listed := map[string]bool{}
+	for _, m := range regexp.MustCompile("(?m)^\\| `([a-z_]+)` \\|").FindAllStringSubmatch(section, -1) {
+		listed[m[1]] = true
+	}
+	// The cross-region layer's metrics are a list in its own section.
+	_, cross, ok := strings.Cut(string(readme), "Metrics (prefix `caddy_ratelimit_`, no identifier label):")
+	if !ok {
+		t.Fatal("README has no list of the cross-region layer's metrics")
+	}
+	cross, _, _ = strings.Cut(cross, "Admin:")
+	for _, m := range regexp.MustCompile("`(propagation_[a-z_]+)[`{]").FindAllStringSubmatch(cross, -1) {
+		listed[m[1]] = true
+	}
+	registered := map[string]bool{}
+	descs := make(chan *prometheus.Desc, 1024)
+	for _, c := range collectors {
+		c.Describe(descs)
+	}
+	close(descs)
+	name := regexp.MustCompile(`fqName: "caddy_ratelimit_([a-z_]+)"`)
+	for d := range descs {
+		m := name.FindStringSubmatch(d.String())
+		if m == nil {
+			t.Fatalf("a collector's metric outside caddy_ratelimit_: %s", d)
+		}
+		registered[m[1]] = true
+	}
+	if len(registered) < 10 {
+		t.Fatalf("found only %d registered metrics: %v", len(registered), registered)
+	}
+	for m := range registered {
+		if !listed[m] {
+			t.Errorf("caddy_ratelimit_%s is registered but not in the README's metrics table", m)
+		}
+	}
+	for m := range listed {
+		if !registered[m] {
+			t.Errorf("the README's metrics table lists %s, which no collector registers", m)
+		}
+	}
 }
