@@ -104,6 +104,13 @@ func (a *AdminAPI) handleCounters(w http.ResponseWriter, r *http.Request) error 
 		return badRequest("DELETE forgets one key: the identifier parameter is required")
 	case hasScope && r.Method != http.MethodDelete:
 		return badRequest("scope applies to DELETE only")
+	case hasScope && scope == "":
+		// Not taken for node: an empty value is more likely a script's
+		// unset variable than a choice, and region or global may have
+		// been meant.
+		return badRequest("scope is empty: give node, region or global, or leave it out for node")
+	case !hasScope:
+		scope = scopeNode
 	}
 	zoneName, id, st, defs := kq.zone, kq.id, kq.st, kq.defs
 	if !kq.byID {

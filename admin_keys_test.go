@@ -3,6 +3,7 @@ package ratelimit
 import (
 	"errors"
 	"net/http"
+	"strings"
 	"testing"
 	"time"
 
@@ -84,6 +85,37 @@ func TestListMax_DefaultAndBounds(t *testing.T) {
 			t.Errorf("max %q: %d, %v; want a 400", tc.q["max"], n, err)
 		case !tc.bad && (err != nil || n != tc.want):
 			t.Errorf("max %q: %d, %v; want %d", tc.q["max"], n, err, tc.want)
+		}
+	}
+}
+
+// TestCounters_DeleteWithAnEmptyScopeIsRefused: `scope=` names no scope,
+// so a DELETE with it is a 400 that forgets nothing; leaving scope out,
+// or scope=node, forgets the key on this node.
+func TestCounters_DeleteWithAnEmptyScopeIsRefused(t *testing.T) {
+	resetOverrides(t)
+	_, admin, base := startCaddy(t, overrideConfig(""))
+	for _, k := range []string{"k1", "k2"} {
+		if n := admitted(t, base, k, 1); n != 1 {
+			t.Fatalf("%s: admitted %d of 1", k, n)
+		}
+	}
+	r := adminDo(t, admin, http.MethodDelete, "/ratelimit/counters?zone=ov&identifier=k1&scope=")
+	var e struct{ Error string }
+	r.decode(t, http.StatusBadRequest, &e)
+	if !strings.Contains(e.Error, "scope") {
+		t.Fatalf("error %q does not name the scope", e.Error)
+	}
+	var doc keyDoc
+	adminDo(t, admin, http.MethodGet, "/ratelimit/counters?zone=ov&identifier=k1").decode(t, http.StatusOK, &doc)
+	if doc.Effective != 1 {
+		t.Fatalf("after a refused DELETE, k1 counts %d, want its 1", doc.Effective)
+	}
+	for path, id := range map[string]string{"identifier=k1": "k1", "identifier=k2&scope=node": "k2"} {
+		var fd forgetDoc
+		adminDo(t, admin, http.MethodDelete, "/ratelimit/counters?zone=ov&"+path).decode(t, http.StatusOK, &fd)
+		if !fd.Forgotten || fd.Identifier != id {
+			t.Fatalf("DELETE %s answered %+v", path, fd)
 		}
 	}
 }

@@ -132,19 +132,38 @@ type overrideSet struct {
 type overrideLimit struct{ limit, expiresMs int64 }
 
 // limit returns the runtime override of zone for the handler's
-// identifier id, if one applies now.
+// identifier id (masked, not normalized yet), if one applies now.
 func (s *overrideSet) limit(zone, id string) (int64, bool) {
 	zm := s.zones[zone]
 	if zm == nil {
 		return 0, false
 	}
+	// NormalizeIdentifier is not inlined: the call only when it hashes.
 	if len(id) > engine.MaxIdentifierLen {
 		id = engine.NormalizeIdentifier(id)
 	}
-	if s.mapID != nil {
-		id = s.mapID(id)
+	return s.find(zm, id)
+}
+
+// limitNormalized is limit for an identifier normalized already, as the
+// engine keeps it (a key's, which the counters route shows). It is not
+// normalized again: a hashed identifier is 65 bytes, and hashing it
+// again would find the override of the raw identifier that is the
+// hash's text, another key.
+func (s *overrideSet) limitNormalized(zone, norm string) (int64, bool) {
+	zm := s.zones[zone]
+	if zm == nil {
+		return 0, false
 	}
-	o, ok := zm[id]
+	return s.find(zm, norm)
+}
+
+// find looks up the normalized identifier norm in a zone's overrides.
+func (s *overrideSet) find(zm map[string]overrideLimit, norm string) (int64, bool) {
+	if s.mapID != nil {
+		norm = s.mapID(norm)
+	}
+	o, ok := zm[norm]
 	if !ok || (o.expiresMs != 0 && time.Now().UnixMilli() >= o.expiresMs) {
 		return 0, false
 	}
@@ -329,7 +348,7 @@ func (b *overrideBook) waitLoaded(ctx context.Context) {
 }
 
 // runtimeLimit is the request path's lookup: the runtime override of
-// zone for id, if one applies.
+// zone for the handler's identifier id, if one applies.
 func runtimeLimit(ctx context.Context, zone, id string) (int64, bool) {
 	if overrides.loading.Load() {
 		overrides.waitLoaded(ctx)
@@ -339,4 +358,17 @@ func runtimeLimit(ctx context.Context, zone, id string) (int64, bool) {
 		return 0, false
 	}
 	return s.limit(zone, id)
+}
+
+// normalizedRuntimeLimit is runtimeLimit for an identifier the engine
+// normalized already (see overrideSet.limitNormalized).
+func normalizedRuntimeLimit(ctx context.Context, zone, norm string) (int64, bool) {
+	if overrides.loading.Load() {
+		overrides.waitLoaded(ctx)
+	}
+	s := overrides.set.Load()
+	if s == nil {
+		return 0, false
+	}
+	return s.limitNormalized(zone, norm)
 }

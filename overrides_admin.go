@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -131,17 +132,24 @@ func listOverrides(zoneName, prefix string, max int) overrideListDoc {
 // unless all of it is right.
 func readOverrideBody(r *http.Request, now time.Time) (overrideBody, error) {
 	var body overrideBody
-	dec := json.NewDecoder(http.MaxBytesReader(nil, r.Body, maxOverrideBody))
-	dec.DisallowUnknownFields()
-	if err := dec.Decode(&body); err != nil {
+	raw, err := io.ReadAll(http.MaxBytesReader(nil, r.Body, maxOverrideBody))
+	if err != nil {
 		var tooBig *http.MaxBytesError
 		if errors.As(err, &tooBig) {
 			return body, badRequest(fmt.Sprintf("the body is over %d bytes", maxOverrideBody))
 		}
+		return body, badRequest("reading the body: " + err.Error())
+	}
+	dec := json.NewDecoder(bytes.NewReader(raw))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&body); err != nil {
 		return body, badRequest("the body is not an override: " + err.Error())
 	}
 	if _, err := dec.Token(); !errors.Is(err, io.EOF) {
 		return body, badRequest("the body holds more than one JSON value")
+	}
+	if err := checkOverrideNames(raw); err != nil {
+		return body, err
 	}
 	switch {
 	case body.Limit == nil:
@@ -154,6 +162,39 @@ func readOverrideBody(r *http.Request, now time.Time) (overrideBody, error) {
 		return body, badRequest(fmt.Sprintf("the reason is over %d bytes", maxOverrideReason))
 	}
 	return body, nil
+}
+
+// overrideNames are the names of a PUT's body, as written there.
+var overrideNames = []string{"limit", "expires", "reason"}
+
+// checkOverrideNames refuses an ambiguous body that encoding/json took:
+// it keeps the last of two "limit"s, and takes "LIMIT" for "limit". raw
+// is one JSON object of known names, up to case (decoded already).
+func checkOverrideNames(raw []byte) error {
+	dec := json.NewDecoder(bytes.NewReader(raw))
+	if t, err := dec.Token(); err != nil || t != json.Delim('{') {
+		return nil // null: the checks of the decoded body answer
+	}
+	var seen []string
+	for dec.More() {
+		t, err := dec.Token()
+		if err != nil {
+			return badRequest("the body is not an override: " + err.Error())
+		}
+		name, _ := t.(string)
+		switch {
+		case !slices.Contains(overrideNames, name):
+			return badRequest(fmt.Sprintf(`the body's field %q is none of "limit", "expires" and "reason" (names are lower case)`, name))
+		case slices.Contains(seen, name):
+			return badRequest(fmt.Sprintf("the body gives %q twice", name))
+		}
+		seen = append(seen, name)
+		var v json.RawMessage
+		if err := dec.Decode(&v); err != nil {
+			return badRequest("the body is not an override: " + err.Error())
+		}
+	}
+	return nil
 }
 
 func putOverride(w http.ResponseWriter, r *http.Request, st *state, zoneName, id string) error {

@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"bytes"
+	"encoding/json"
 	"fmt"
 	"net/http"
 	"strings"
@@ -80,5 +81,47 @@ func TestOverrides_BadInputIsRefusedAndStoresNothing(t *testing.T) {
 	}
 	if n := overrides.active(); n != 0 {
 		t.Fatalf("%d overrides stored after bad input", n)
+	}
+}
+
+// TestOverrides_AmbiguousBodyIsRefused: encoding/json would take the last
+// of two "limit"s, and "LIMIT" or "Limit" for "limit"; such a body is a
+// 400 that names what is ambiguous, and stores nothing. The bodies the
+// API documents still take.
+func TestOverrides_AmbiguousBodyIsRefused(t *testing.T) {
+	resetOverrides(t)
+	_, admin, _ := startCaddy(t, overrideConfig(""))
+	const path = "/ratelimit/overrides?zone=ov&identifier=k"
+	for _, c := range []struct{ body, says string }{
+		{`{"limit": 5, "limit": 7}`, `"limit" twice`},
+		{`{"LIMIT": 6}`, `"LIMIT"`},
+		{`{"Limit": 6}`, `"Limit"`},
+		{`{"limit": 1, "Limit": 2}`, `"Limit"`},
+		{`{"limit": 1, "reason": "a", "reason": "b"}`, `"reason" twice`},
+		{`{"limit": 1, "Expires": null}`, `"Expires"`},
+		{`{"limit": 1, "expires": null, "expires": null}`, `"expires" twice`},
+	} {
+		r := adminSend(t, admin, http.MethodPut, path, c.body)
+		var e struct{ Error string }
+		if err := json.Unmarshal(r.body, &e); r.status != http.StatusBadRequest || err != nil || !strings.Contains(e.Error, c.says) {
+			t.Errorf("%s: %d %s, want a 400 saying %s", c.body, r.status, bytes.TrimSpace(r.body), c.says)
+		}
+	}
+	if n := overrides.active(); n != 0 {
+		t.Fatalf("%d overrides stored after ambiguous bodies", n)
+	}
+	future := time.Now().Add(time.Hour).UTC().Format(time.RFC3339)
+	for _, body := range []string{
+		`{"limit": 1}`,
+		`{"limit": 2, "expires": null, "reason": ""}`,
+		"\n{ \"reason\" : \"plan upgrade #4711\",\n  \"expires\": \"" + future + "\", \"limit\": 3 }\n",
+	} {
+		var doc overrideDoc
+		adminSend(t, admin, http.MethodPut, path, body).decode(t, http.StatusOK, &doc)
+	}
+	var doc overrideDoc
+	adminDo(t, admin, http.MethodGet, path).decode(t, http.StatusOK, &doc)
+	if doc.Limit != 3 || doc.Reason != "plan upgrade #4711" || doc.Expires == nil {
+		t.Fatalf("the last valid body left %+v", doc)
 	}
 }

@@ -1,12 +1,16 @@
 package ratelimit
 
 import (
+	"crypto/sha256"
+	"encoding/hex"
 	"fmt"
 	"net/http"
+	"net/url"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/edgelimit/caddy-ratelimit/engine"
 	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
 )
 
@@ -122,4 +126,98 @@ func portOf(t *testing.T, base string) int {
 		t.Fatal(err)
 	}
 	return p
+}
+
+// TestOverrides_LongIdentifiersAreNormalizedOnce: an identifier over 64
+// bytes is hashed once, on every path. A runtime override of one, and a
+// Caddyfile override of one, are applied by the handler and shown by the
+// counters route (one key and the listing); a raw identifier whose text
+// is that hash ("#" and 64 hex digits, 65 bytes) is another key, with its
+// own override. The same with identifier_secret (stored as HMACs), with
+// and without the region's Redis.
+func TestOverrides_LongIdentifiersAreNormalizedOnce(t *testing.T) {
+	const secret = "identifier-secret-0123456789"
+	long, fileLong := strings.Repeat("L", 100), strings.Repeat("F", 100)
+	sum := sha256.Sum256([]byte(long))
+	hashLike := "#" + hex.EncodeToString(sum[:]) // long's stored form, sent raw
+	for _, tc := range []struct {
+		name   string
+		secret bool
+		redis  bool
+	}{
+		{name: "raw"},
+		{name: "identifier_secret", secret: true},
+		{name: "identifier_secret with Redis", secret: true, redis: true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			resetOverrides(t)
+			var opts []string
+			if tc.redis {
+				opts = append(opts, "redis "+redistest.Start(t).URL(), "fast_tick 10ms")
+			}
+			ids := identities{}
+			if tc.secret {
+				opts = append(opts, "identifier_secret "+secret)
+				ids.secret = []byte(secret)
+			}
+			global := ""
+			if len(opts) > 0 {
+				global = "\tratelimit {\n\t\t" + strings.Join(opts, "\n\t\t") + "\n\t}"
+			}
+			_, admin, base := startCaddy(t, func(admin, port int) string {
+				return caddyConfig(admin, port, global, `
+	ratelimit {
+		zone ov {
+			key      {http.request.header.X-Key}
+			limit    2
+			window   1m
+			override `+fileLong+` 4
+		}
+	}
+	respond "ok"`)
+			})
+			stored := func(id string) string { return ids.shown(engine.NormalizeIdentifier(id)) }
+			for _, o := range []struct {
+				id    string
+				limit int
+			}{{long, 3}, {hashLike, 0}} {
+				var doc overrideDoc
+				adminSend(t, admin, http.MethodPut, "/ratelimit/overrides?zone=ov&identifier="+url.QueryEscape(o.id),
+					fmt.Sprintf(`{"limit": %d}`, o.limit)).decode(t, http.StatusOK, &doc)
+				if doc.Identifier != stored(o.id) {
+					t.Fatalf("override stored as %q, want %q", doc.Identifier, stored(o.id))
+				}
+			}
+			if stored(long) == stored(hashLike) {
+				t.Fatalf("a hashed identifier and the raw identifier of its text are both stored as %q", stored(long))
+			}
+			for _, k := range []struct {
+				id          string
+				send, admit int
+			}{{long, 4, 3}, {hashLike, 1, 0}, {fileLong, 5, 4}} {
+				if n := admitted(t, base, k.id, k.send); n != k.admit {
+					t.Fatalf("%.12s…: admitted %d of %d, want %d", k.id, n, k.send, k.admit)
+				}
+			}
+			want := map[string]int64{stored(long): 3, stored(hashLike): 0, stored(fileLong): 4}
+			for _, id := range []string{long, hashLike, fileLong} {
+				var doc keyDoc
+				adminDo(t, admin, http.MethodGet, "/ratelimit/counters?zone=ov&identifier="+url.QueryEscape(id)).decode(t, http.StatusOK, &doc)
+				if doc.Identifier != stored(id) || doc.Limit != want[doc.Identifier] {
+					t.Errorf("counters of %.12s…: identifier %q limit %d (effective %d), want %q limit %d",
+						id, doc.Identifier, doc.Limit, doc.Effective, stored(id), want[stored(id)])
+				}
+			}
+			var list keyListDoc
+			adminDo(t, admin, http.MethodGet, "/ratelimit/counters?zone=ov").decode(t, http.StatusOK, &list)
+			if len(list.Keys) != len(want) {
+				t.Fatalf("the listing holds %d keys, want %d: %+v", len(list.Keys), len(want), list.Keys)
+			}
+			for _, k := range list.Keys {
+				if l, ok := want[k.Identifier]; !ok || k.Limit != l {
+					t.Errorf("listing: %q limit %d, want %d", k.Identifier, k.Limit, l)
+				}
+			}
+		})
+	}
 }

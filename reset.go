@@ -47,7 +47,7 @@ func slicesMax(ws []time.Duration) time.Duration {
 // forgets the key here; region and global reset it everywhere they reach.
 func resetKey(w http.ResponseWriter, r *http.Request, st *state, zoneName, id string, defs []zoneDef, scope string) error {
 	switch scope {
-	case "", scopeNode:
+	case scopeNode:
 		return forgetKey(w, st, zoneName, id, defs)
 	case scopeRegion, scopeGlobal:
 	default:

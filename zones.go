@@ -8,6 +8,8 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/edgelimit/caddy-ratelimit/engine"
 )
 
 // zoneRegistry tracks where each zone is defined. Zone names are global to
@@ -145,9 +147,10 @@ func defWindows(defs []zoneDef) []time.Duration {
 }
 
 // limitFor is the limit d's handler applies in zone name to the
-// (normalized) identifier id: a runtime override first.
+// identifier id, normalized as the engine keeps it (a long one hashed): a
+// runtime override first.
 func (d zoneDef) limitFor(name, id string) int64 {
-	if l, ok := runtimeLimit(context.Background(), name, id); ok {
+	if l, ok := normalizedRuntimeLimit(context.Background(), name, id); ok {
 		return l
 	}
 	for i := range d.handler.zones {
@@ -155,10 +158,28 @@ func (d zoneDef) limitFor(name, id string) int64 {
 		if z.name != name {
 			continue
 		}
-		if l, ok := z.overrides[id]; ok {
+		if l, ok := fileOverride(z.overrides, id); ok {
 			return l
 		}
 		return z.limit
 	}
 	return 0
+}
+
+// fileOverride is the Caddyfile override of the normalized identifier id.
+// The overrides are keyed by the identifier as written, which the handler
+// compares before normalizing; a hashed id (longer than any raw one kept)
+// is matched by the hash of each long override, never by a key that is
+// the hash's text. Admin path only: configs hold few long overrides.
+func fileOverride(overrides map[string]int64, id string) (int64, bool) {
+	if len(id) <= engine.MaxIdentifierLen {
+		l, ok := overrides[id]
+		return l, ok
+	}
+	for k, l := range overrides {
+		if len(k) > engine.MaxIdentifierLen && engine.NormalizeIdentifier(k) == id {
+			return l, true
+		}
+	}
+	return 0, false
 }
