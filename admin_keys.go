@@ -31,9 +31,9 @@ const (
 
 // keyDoc is one key of GET /ratelimit/counters.
 type keyDoc struct {
-	Zone       string `json:"zone"`
-	Identifier string `json:"identifier"`
-	WindowMs   int64  `json:"window_ms"`
+	Zone string `json:"zone"`
+	shownID
+	WindowMs int64 `json:"window_ms"`
 	// Limit is the zone's limit for this identifier (an override's when one
 	// matches) in the newest config's first handler that defines the zone.
 	Limit       int64      `json:"limit"`
@@ -69,9 +69,9 @@ type keyListDoc struct {
 
 // forgetDoc is DELETE /ratelimit/counters.
 type forgetDoc struct {
-	Zone       string `json:"zone"`
-	Identifier string `json:"identifier"`
-	Forgotten  bool   `json:"forgotten"`
+	Zone string `json:"zone"`
+	shownID
+	Forgotten bool `json:"forgotten"`
 }
 
 // strictDoc is GET /ratelimit/strict.
@@ -82,10 +82,10 @@ type strictDoc struct {
 }
 
 type strictKeyDoc struct {
-	Zone       string    `json:"zone"`
-	Identifier string    `json:"identifier"`
-	WindowMs   int64     `json:"window_ms"`
-	Until      time.Time `json:"until"`
+	Zone string `json:"zone"`
+	shownID
+	WindowMs int64     `json:"window_ms"`
+	Until    time.Time `json:"until"`
 }
 
 // handleCounters is GET /ratelimit/counters (one key, or a listing) and
@@ -226,7 +226,7 @@ func forgetKey(w http.ResponseWriter, st *state, zoneName, id string, defs []zon
 		return errNoKey(zoneName)
 	}
 	ids := st.apps.view().ids
-	return writeJSON(w, forgetDoc{Zone: zoneName, Identifier: ids.shown(engine.NormalizeIdentifier(id)), Forgotten: true})
+	return writeJSON(w, forgetDoc{Zone: zoneName, shownID: showID(ids.shown(engine.NormalizeIdentifier(id))), Forgotten: true})
 }
 
 // errNoZone is the 404 for a zone no loaded config defines.
@@ -251,7 +251,7 @@ func keyDocOf(ks engine.KeyState, defs []zoneDef, ids identities) keyDoc {
 	}
 	doc := keyDoc{
 		Zone:        ks.Key.Namespace,
-		Identifier:  ids.shown(ks.Key.Identifier),
+		shownID:     showID(ids.shown(ks.Key.Identifier)),
 		WindowMs:    ks.Key.Window.Milliseconds(),
 		Limit:       limit,
 		Effective:   ks.Effective,
@@ -304,10 +304,10 @@ func (a *AdminAPI) handleStrict(w http.ResponseWriter, r *http.Request) error {
 			continue
 		}
 		doc.Keys = append(doc.Keys, strictKeyDoc{
-			Zone:       sk.Key.Namespace,
-			Identifier: ids.shown(sk.Key.Identifier),
-			WindowMs:   sk.Key.Window.Milliseconds(),
-			Until:      sk.Until.UTC(),
+			Zone:     sk.Key.Namespace,
+			shownID:  showID(ids.shown(sk.Key.Identifier)),
+			WindowMs: sk.Key.Window.Milliseconds(),
+			Until:    sk.Until.UTC(),
 		})
 	}
 	return writeJSON(w, doc)

@@ -119,3 +119,38 @@ func TestCounters_DeleteWithAnEmptyScopeIsRefused(t *testing.T) {
 		}
 	}
 }
+
+// TestCounters_MalformedUTF8IdentifiersStayApart: two identifiers that
+// differ only in a byte that is not UTF-8 looked the same in every answer
+// (JSON shows such a byte as U+FFFD); the answers now carry their bytes
+// in hex beside them, and an identifier of valid UTF-8 gets no hex.
+func TestCounters_MalformedUTF8IdentifiersStayApart(t *testing.T) {
+	resetOverrides(t)
+	_, admin, base := startCaddy(t, overrideConfig(""))
+	for _, k := range []string{"a\x80", "a\x81", "ok"} {
+		if n := admitted(t, base, k, 1); n != 1 {
+			t.Fatalf("%q: admitted %d of 1", k, n)
+		}
+	}
+	var list keyListDoc
+	adminDo(t, admin, http.MethodGet, "/ratelimit/counters?zone=ov").decode(t, http.StatusOK, &list)
+	hexes := map[string]string{}
+	for _, k := range list.Keys {
+		hexes[k.Identifier+"|"+k.IdentifierHex] = k.IdentifierHex
+	}
+	for _, want := range []string{"a\uFFFD|6180", "a\uFFFD|6181", "ok|"} {
+		if _, ok := hexes[want]; !ok {
+			t.Errorf("the listing lacks %q: %v", want, hexes)
+		}
+	}
+	var doc keyDoc
+	adminDo(t, admin, http.MethodGet, "/ratelimit/counters?zone=ov&identifier=a%81").decode(t, http.StatusOK, &doc)
+	if doc.IdentifierHex != "6181" {
+		t.Fatalf("the key a\\x81 shows as %q, hex %q", doc.Identifier, doc.IdentifierHex)
+	}
+	var ov overrideDoc
+	adminSend(t, admin, http.MethodPut, "/ratelimit/overrides?zone=ov&identifier=a%80", `{"limit": 7}`).decode(t, http.StatusOK, &ov)
+	if ov.IdentifierHex != "6180" {
+		t.Fatalf("the override of a\\x80 shows as %q, hex %q", ov.Identifier, ov.IdentifierHex)
+	}
+}

@@ -10,6 +10,7 @@ import (
 	"io"
 	"net/netip"
 	"strings"
+	"unicode/utf8"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/edgelimit/caddy-ratelimit/engine"
@@ -216,4 +217,22 @@ func (m *mappedOrigin) Flush(ctx context.Context, batch []engine.Delta) error {
 		batch[i].Key.Identifier = raw[i]
 	}
 	return err
+}
+
+// shownID is how an admin answer names an identifier: as text, and, when
+// it is not valid UTF-8, also as the hex of its bytes. JSON shows each
+// byte of a malformed sequence as U+FFFD, so two identifiers that differ
+// only there would otherwise look alike.
+type shownID struct {
+	Identifier    string `json:"identifier"`
+	IdentifierHex string `json:"identifier_hex,omitempty"`
+}
+
+// showID is the shownID of id, as it is shown (ids.shown).
+func showID(id string) shownID {
+	s := shownID{Identifier: id}
+	if !utf8.ValidString(id) {
+		s.IdentifierHex = hex.EncodeToString([]byte(id))
+	}
+	return s
 }

@@ -43,13 +43,13 @@ type overrideBody struct {
 
 // overrideDoc is one override as the API shows it.
 type overrideDoc struct {
-	Zone       string     `json:"zone"`
-	Identifier string     `json:"identifier"`
-	Limit      int64      `json:"limit"`
-	Expires    *time.Time `json:"expires"`
-	Reason     string     `json:"reason"`
-	Region     string     `json:"region,omitempty"`
-	Created    time.Time  `json:"created"`
+	Zone string `json:"zone"`
+	shownID
+	Limit   int64      `json:"limit"`
+	Expires *time.Time `json:"expires"`
+	Reason  string     `json:"reason"`
+	Region  string     `json:"region,omitempty"`
+	Created time.Time  `json:"created"`
 	// Scope is where the change was stored (node, region or global), in
 	// the answer to a change.
 	Scope string `json:"scope,omitempty"`
@@ -58,7 +58,7 @@ type overrideDoc struct {
 }
 
 func docOf(r overrideRec) overrideDoc {
-	d := overrideDoc{Zone: r.Zone, Identifier: r.Identifier, Limit: r.Limit, Reason: r.Reason, Region: r.Region,
+	d := overrideDoc{Zone: r.Zone, shownID: showID(r.Identifier), Limit: r.Limit, Reason: r.Reason, Region: r.Region,
 		Created: time.UnixMilli(r.CreatedMs).UTC()}
 	if r.ExpiresMs != 0 && !r.Deleted {
 		t := time.UnixMilli(r.ExpiresMs).UTC()

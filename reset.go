@@ -85,16 +85,16 @@ func resetKey(w http.ResponseWriter, r *http.Request, st *state, zoneName, id st
 	resetsTotal.WithLabelValues(scope).Inc()
 	view.logger.Info("key reset", append([]zap.Field{zap.String("by", r.RemoteAddr), zap.String("zone", zoneName),
 		zap.String("scope", scope)}, shownFields(view.ids, rec.Identifier)...)...)
-	return writeJSON(w, resetDoc{Zone: zoneName, Identifier: view.ids.shown(engine.NormalizeIdentifier(maskIP(id, defs[0].v4, defs[0].v6))),
+	return writeJSON(w, resetDoc{Zone: zoneName, shownID: showID(view.ids.shown(engine.NormalizeIdentifier(maskIP(id, defs[0].v4, defs[0].v6)))),
 		Scope: scope, Reset: true})
 }
 
 // resetDoc is the answer to a reset beyond this node.
 type resetDoc struct {
-	Zone       string `json:"zone"`
-	Identifier string `json:"identifier"`
-	Scope      string `json:"scope"`
-	Reset      bool   `json:"reset"`
+	Zone string `json:"zone"`
+	shownID
+	Scope string `json:"scope"`
+	Reset bool   `json:"reset"`
 }
 
 // resetRegionCells marks the current cell of the key in every window
