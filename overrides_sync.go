@@ -101,28 +101,24 @@ func loadRegionOverrides(ctx context.Context, o *origin.Redis) (int64, error) {
 // subscription to the notices is live (a check that bounds what a lost
 // notice costs) and the fast tick while it is not: an idle node sends ten
 // commands a second rather than a hundred, and a change arrives within a
-// round trip rather than within a fast tick.
+// round trip rather than within a fast tick. When the region lost its
+// overrides, the node writes back those it holds (regionWatch.look).
 func (b *redisBackend) watchOverrides(stop <-chan struct{}) {
-	log := b.a.logger
-	load := func(ctx context.Context) (int64, error) {
-		ctx, cancel := context.WithTimeout(ctx, max(b.timing.ReadTimeout, loadTimeout/2))
-		defer cancel()
-		return loadRegionOverrides(ctx, b.origin)
-	}
-	wake := make(chan struct{}, 1)
+	w := &regionWatch{o: b.origin, log: b.a.logger, readTimeout: b.timing.ReadTimeout,
+		global: func() bool { return overrideScope(b.a.state) == scopeGlobal }}
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
+	wake := make(chan struct{}, 1)
 	go b.origin.WatchOverrides(ctx, func(bool) {
 		select {
 		case wake <- struct{}{}:
 		default:
 		}
 	})
-	seen, err := load(ctx)
+	err := w.start(time.Now())
 	overrides.endLoad()
 	if err != nil {
-		seen = -1
-		log.Warn("loading the region's runtime overrides: retried each fast tick", zap.Error(err))
+		w.log.Warn("loading the region's runtime overrides: retried each fast tick", zap.Error(err))
 	}
 	timer := time.NewTimer(b.timing.FastTick)
 	defer timer.Stop()
@@ -138,17 +134,179 @@ func (b *redisBackend) watchOverrides(stop <-chan struct{}) {
 		} else {
 			timer.Reset(b.timing.FastTick)
 		}
-		ctx, cancel := context.WithTimeout(context.Background(), b.timing.ReadTimeout)
-		v, err := b.origin.OverridesVersion(ctx)
-		cancel()
-		if err != nil || v == seen {
-			continue
-		}
-		if got, err := load(context.Background()); err == nil {
-			seen = got
-		}
-		overrides.prune(time.Now().UnixMilli())
+		w.look(time.Now())
 	}
+}
+
+// Writing back. A Redis restarted empty (or flushed, or failed over to a
+// replica that had not got them, or whose hash of overrides was evicted)
+// has lost the region's overrides, removals and resets, while the nodes
+// that ran before hold them in their books: a node started then would
+// load none and apply the Caddyfile's limits where the others apply the
+// overrides. A node sees the loss by the region's mark, a random word
+// the first node to find none sets in the hash, which goes with it (also
+// by the change counter going back, and by the origin's restart watch).
+// Each node that sees it writes back every record it holds that has not
+// lapsed, with its version (origin.RestoreOverrides):
+// a field takes only a newer version, so the writes of several nodes at
+// once, in any order, leave the newest of each, and a removal keeps out
+// the override it removed even when a node that missed it writes that
+// back. Its change moves the counter, and the nodes, new ones included,
+// load the region again.
+//
+// What version order cannot fix is a newer version no node holds any
+// more: a removal lapses a day after it was made (tombstoneLife). A node
+// that could not read the region for that long may hold an override
+// removed meanwhile, and writes nothing back.
+
+// writeBackMargin: a record that lapses within it is not written back.
+// It would lapse everywhere by then, and a node whose clock runs ahead
+// (a region's clocks differ by less) that dropped it from the region
+// would only see it written back again.
+const writeBackMargin = time.Minute
+
+// regionWatch is what a node knows of the region's overrides between two
+// looks at them.
+type regionWatch struct {
+	o           *origin.Redis
+	log         *zap.Logger
+	readTimeout time.Duration
+	// global tells whether the region's changes go on to MySQL: the
+	// records written back are queued for the role's holder again, as
+	// the queue was lost with them (MySQL keeps the newer version too).
+	global func() bool
+
+	seen   int64     // the change counter the book is as of; -1 before a load
+	mark   string    // the region's mark seen, "" before the first
+	synced time.Time // when the book last had every change of the region; zero before a load
+	// restarts are the origin's restarts answered (origin.Restarts).
+	restarts uint64
+	failing  bool // the last write-back failed (logged once in a row)
+}
+
+// start is the first load of a watch; its first look, a fast tick or a
+// notice later, reads the region's mark.
+func (w *regionWatch) start(now time.Time) error {
+	w.seen, w.restarts = -1, w.o.Restarts()
+	return w.load(now)
+}
+
+// look reads the region's change counter and mark. When the region lost
+// what the book holds (its mark changed or went, the counter went back,
+// or the watch saw Redis restart), it writes the book back and marks the
+// region; it loads the overrides when the counter moved. A write-back
+// that failed is tried again at the next look.
+func (w *regionWatch) look(now time.Time) {
+	restarts := w.o.Restarts()
+	ctx, cancel := context.WithTimeout(context.Background(), w.readTimeout)
+	defer cancel()
+	v, mark, err := w.o.OverridesState(ctx)
+	if err != nil {
+		return
+	}
+	why := w.loss(v, mark, restarts)
+	if why != "" && w.writeBack(now, why) != nil {
+		return
+	}
+	w.restarts = restarts
+	if mark == "" {
+		if mark, err = w.o.MarkOverrides(ctx); err != nil {
+			return // a loss seen again at the next look is written back again, to no effect
+		}
+	}
+	w.mark = mark
+	if why == "" && v == w.seen {
+		w.synced = now
+		return
+	}
+	_ = w.load(now)
+}
+
+// loss says how the region lost its overrides, or "" when it did not.
+func (w *regionWatch) loss(v int64, mark string, restarts uint64) string {
+	switch {
+	case w.mark != "" && mark != w.mark:
+		return "the region's mark is not the one seen"
+	case v < w.seen:
+		return "the change counter went back"
+	case restarts != w.restarts:
+		return "Redis restarted"
+	}
+	return ""
+}
+
+// load reads the region's overrides into the book, and forgets what
+// lapsed there whether or not the region answered.
+func (w *regionWatch) load(now time.Time) error {
+	ctx, cancel := context.WithTimeout(context.Background(), max(w.readTimeout, loadTimeout/2))
+	defer cancel()
+	v, err := loadRegionOverrides(ctx, w.o)
+	overrides.prune(time.Now().UnixMilli())
+	if err != nil {
+		return err
+	}
+	w.seen, w.synced = v, now
+	return nil
+}
+
+// writeBack writes the book's records that have not lapsed back to the
+// region, unless the book is too old to (above).
+func (w *regionWatch) writeBack(now time.Time, why string) error {
+	switch {
+	case w.synced.IsZero():
+		return nil // it never read the region: nothing of it to write back
+	case now.Sub(w.synced) >= tombstoneLife:
+		w.log.Warn("the region's Redis lost its runtime overrides, and this node last read them too long ago to write its own back: it could bring back removed ones",
+			zap.String("why", why), zap.Time("last_read", w.synced))
+		return nil
+	}
+	recs := overrides.unexpired(now.Add(writeBackMargin).UnixMilli())
+	global := w.global()
+	var queued, kept []origin.Override
+	for _, r := range recs {
+		if global && (!r.Reset || r.Global) {
+			queued = append(queued, r.regionValue())
+		} else {
+			kept = append(kept, r.regionValue())
+		}
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), loadTimeout)
+	defer cancel()
+	took, err := w.o.RestoreOverrides(ctx, kept, false)
+	if err == nil {
+		var n int
+		n, err = w.o.RestoreOverrides(ctx, queued, true)
+		took += n
+	}
+	if err != nil {
+		if !w.failing {
+			w.log.Warn("writing back the region's runtime overrides: tried again at each look until it succeeds", zap.String("why", why), zap.Error(err))
+		}
+		w.failing = true
+		return err
+	}
+	w.failing = false
+	fields := []zap.Field{zap.String("why", why), zap.Int("held", len(recs)), zap.Int("written", took)}
+	if took == 0 { // the region had them (a failover), or another node wrote them first
+		w.log.Debug("the region's Redis lost its runtime overrides: wrote back those this node holds", fields...)
+		return nil
+	}
+	w.log.Warn("the region's Redis lost its runtime overrides: wrote back those this node holds", fields...)
+	return nil
+}
+
+// unexpired returns the book's records, removals and resets included,
+// that lapse after the time given (Unix ms) or never.
+func (b *overrideBook) unexpired(after int64) []overrideRec {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	out := make([]overrideRec, 0, len(b.recs))
+	for _, r := range b.recs {
+		if r.ExpiresMs == 0 || r.ExpiresMs > after {
+			out = append(out, r)
+		}
+	}
+	return out
 }
 
 // mysqlOverrideHooks are the cross-region layer's hooks of a process

@@ -3,6 +3,7 @@ package ratelimit
 import (
 	"context"
 	"fmt"
+	"maps"
 	"net/http"
 	"strconv"
 	"strings"
@@ -10,6 +11,7 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
+	"go.uber.org/zap"
 
 	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
 	"github.com/edgelimit/caddy-ratelimit/origin"
@@ -125,5 +127,207 @@ func otherNode(t *testing.T, srv *redistest.Server) (*origin.Redis, func(id stri
 		if _, err := other.PutOverrides(context.Background(), []origin.Override{rec.regionValue()}, false); err != nil {
 			t.Fatal(err)
 		}
+	}
+}
+
+// TestOverrides_RedisRestartedEmptyGetsTheRegionsOverridesBack is the
+// audit's case: the region's Redis restarted empty, and a node started
+// after it loaded no overrides and applied the Caddyfile's limits while
+// the nodes that ran before applied the overrides from their books. The
+// node that ran before writes back what it holds, removals included,
+// with their versions: a node that missed a removal, writing back the
+// override it removed before or after it, brings nothing back.
+func TestOverrides_RedisRestartedEmptyGetsTheRegionsOverridesBack(t *testing.T) {
+	resetOverrides(t)
+	srv := redistest.Start(t)
+	global := fmt.Sprintf("\tratelimit {\n\t\tregion ov-test\n\t\tredis %s\n\t\tfast_tick 10ms\n\t\tslow_tick 50ms\n\t}", srv.URL())
+	_, admin, base := startCaddy(t, overrideConfig(global))
+	set := func(id, body string) {
+		t.Helper()
+		adminSend(t, admin, http.MethodPut, "/ratelimit/overrides?zone=ov&identifier="+id, body).decode(t, http.StatusOK, new(overrideDoc))
+	}
+	set("kept", `{"limit": 6, "reason": "plan upgrade"}`)
+	set("gone", `{"limit": 6}`)
+	before, _ := overrides.get("ov", "gone") // what a node that misses the removal holds
+	adminSend(t, admin, http.MethodDelete, "/ratelimit/overrides?zone=ov&identifier=gone", "").decode(t, http.StatusOK, new(overrideDoc))
+	kept, _ := overrides.get("ov", "kept")
+	gone, _ := overrides.get("ov", "gone")
+	if kept.Limit != 6 || !gone.Deleted || gone.Version <= before.Version {
+		t.Fatalf("the book holds %+v and %+v", kept, gone)
+	}
+	stale, _ := otherNode(t, srv)
+	staleWrite := func() int {
+		t.Helper()
+		n, err := stale.PutOverrides(context.Background(), []origin.Override{before.regionValue()}, false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+
+	srv.Restart()
+	start := time.Now()
+	staleWrite()                  // most likely before this node's write-back; either order must end the same
+	fresh, _ := otherNode(t, srv) // a node started after the restart
+	redistest.EventuallyShow(t, 5*time.Second, "the region holds the newest of each override again", func() (bool, string) {
+		got := regionRecs(t, fresh)
+		return got["kept"] == kept && got["gone"] == gone && len(got) == 2, fmt.Sprintf("%+v", got)
+	})
+	t.Logf("the overrides were back in the region within %s of Redis answering again", time.Since(start))
+	if n := staleWrite(); n != 0 {
+		t.Fatalf("the removed override, written back by a node that missed the removal, took %d, want 0", n)
+	}
+
+	// A process that starts now loads them before its first decision.
+	overrides.mu.Lock()
+	overrides.recs = map[overrideKey]overrideRec{}
+	overrides.set.Store(nil)
+	overrides.mu.Unlock()
+	var recs []overrideRec
+	for _, r := range regionRecs(t, fresh) {
+		recs = append(recs, r)
+	}
+	overrides.merge(recs)
+	if n := admitted(t, base, "kept", 7); n != 6 {
+		t.Fatalf("a node started after the restart admitted %d of 7 with override 6", n)
+	}
+	if n := admitted(t, base, "gone", 3); n != 2 {
+		t.Fatalf("a node started after the restart admitted %d of 3 of the removed override's key, want the zone's 2", n)
+	}
+}
+
+// regionRecs reads the region's overrides through o, by identifier.
+func regionRecs(t *testing.T, o *origin.Redis) map[string]overrideRec {
+	t.Helper()
+	_, all, err := o.Overrides(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := map[string]overrideRec{}
+	for _, ov := range all {
+		if r, ok := recOfRegion(ov); ok {
+			out[r.Identifier] = r
+		}
+	}
+	return out
+}
+
+// watchedRegion is a node's watch of a region's overrides on a Redis of
+// its own, called one look at a time, with its book loaded: an override
+// kept, a removal whose override a stale node still holds, an override
+// changed since a stale node read it, a reset of the region, and an
+// override that lapses within writeBackMargin. It returns the watch, the
+// records the book and the region hold, and the stale node's older copies.
+func watchedRegion(t *testing.T) (*redistest.Server, *regionWatch, map[string]overrideRec, []overrideRec) {
+	t.Helper()
+	resetOverrides(t)
+	srv := redistest.Start(t)
+	node, _ := otherNode(t, srv)
+	now := time.Now()
+	ver := now.UnixMicro()
+	rec := func(id string, v, limit int64) overrideRec {
+		return overrideRec{Zone: "ov", Identifier: id, Limit: limit, Region: "ov-test", CreatedMs: v / 1000, Version: v}
+	}
+	gone, changed, reset, lapsing := rec("gone", ver-30, 0), rec("changed", ver-50, 4), rec("cust", ver-70, 0), rec("lapsing", ver-60, 8)
+	gone.Deleted, gone.ExpiresMs = true, now.Add(tombstoneLife).UnixMilli()
+	reset.Reset, reset.ExpiresMs = true, now.Add(time.Hour).UnixMilli()
+	lapsing.ExpiresMs = now.Add(writeBackMargin / 2).UnixMilli()
+	held := []overrideRec{rec("kept", ver-10, 6), gone, changed, reset, lapsing}
+	stale := []overrideRec{rec("gone", ver-31, 6), rec("changed", ver-51, 9)}
+	ovs := make([]origin.Override, len(held))
+	for i, r := range held {
+		ovs[i] = r.regionValue()
+	}
+	if _, err := node.PutOverrides(context.Background(), ovs, false); err != nil {
+		t.Fatal(err)
+	}
+	w := &regionWatch{o: node, log: zap.NewNop(), readTimeout: time.Second, global: func() bool { return false }}
+	if err := w.start(now); err != nil {
+		t.Fatal(err)
+	}
+	w.look(now)
+	if w.mark == "" {
+		t.Fatal("the first look left the region without a mark")
+	}
+	want := map[string]overrideRec{}
+	for _, r := range held[:4] {
+		if got, _ := overrides.get(r.bookZone(), r.Identifier); got != r {
+			t.Fatalf("the book holds %+v, want %+v", got, r)
+		}
+		want[r.Identifier] = r
+	}
+	return srv, w, want, stale
+}
+
+// TestOverrides_WriteBackKeepsTheNewestOfEachField: after Redis restarted
+// empty, a node that missed a removal and a change writes back its older
+// copies first; the node's write-back still leaves the newest version of
+// each field (the removal stays a removal), resets come back with the
+// overrides, a record about to lapse does not, and the stale copies
+// written again take nothing.
+func TestOverrides_WriteBackKeepsTheNewestOfEachField(t *testing.T) {
+	srv, w, want, stale := watchedRegion(t)
+	other, _ := otherNode(t, srv)
+	staleWrite := func() int {
+		t.Helper()
+		ovs := make([]origin.Override, len(stale))
+		for i, r := range stale {
+			ovs[i] = r.regionValue()
+		}
+		n, err := other.PutOverrides(context.Background(), ovs, false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	srv.Restart()
+	if n := staleWrite(); n != len(stale) {
+		t.Fatalf("the stale copies took %d fields of the empty region, want %d", n, len(stale))
+	}
+	w.look(time.Now())
+	if got := regionRecs(t, other); !maps.Equal(got, want) {
+		t.Fatalf("after the write-back the region holds\n%+v\nwant\n%+v", got, want)
+	}
+	if n := staleWrite(); n != 0 {
+		t.Fatalf("the stale copies written again took %d fields, want none", n)
+	}
+	for id, r := range want {
+		if got, _ := overrides.get(r.bookZone(), id); got != r {
+			t.Fatalf("the book holds %+v, want %+v", got, r)
+		}
+	}
+}
+
+// TestOverrides_WriteBackWhenTheHashAloneIsGone: the hash of overrides
+// evicted or deleted while the change counter stayed is written back too.
+func TestOverrides_WriteBackWhenTheHashAloneIsGone(t *testing.T) {
+	srv, w, want, _ := watchedRegion(t)
+	admin := srv.Client()
+	if err := admin.Del(context.Background(), origin.DefaultPrefix+":{overrides}").Err(); err != nil {
+		t.Fatal(err)
+	}
+	w.look(time.Now())
+	if got := regionRecs(t, w.o); !maps.Equal(got, want) {
+		t.Fatalf("after the write-back the region holds\n%+v\nwant\n%+v", got, want)
+	}
+	if _, mark, err := w.o.OverridesState(context.Background()); err != nil || mark == "" || mark != w.mark {
+		t.Fatalf("after the write-back the region's mark is %q (%v), the watch's %q: want one, the same", mark, err, w.mark)
+	}
+}
+
+// TestOverrides_AStaleBookIsNotWrittenBack: a node that last read the
+// region more than tombstoneLife ago may hold an override whose removal
+// lapsed since; it writes nothing back, and loads what the region holds.
+func TestOverrides_AStaleBookIsNotWrittenBack(t *testing.T) {
+	srv, w, _, _ := watchedRegion(t)
+	now := time.Now()
+	w.synced = now.Add(-tombstoneLife - time.Minute)
+	srv.Restart()
+	w.look(now)
+	if got := regionRecs(t, w.o); len(got) != 0 {
+		t.Fatalf("a stale node wrote back %+v", got)
+	}
+	if w.seen != 0 || !w.synced.Equal(now) {
+		t.Fatalf("the watch is as of counter %d, read at %s: want the empty region's, now", w.seen, w.synced)
 	}
 }

@@ -2,6 +2,7 @@ package origin
 
 import (
 	"context"
+	"crypto/rand"
 	"errors"
 	"fmt"
 	"strconv"
@@ -21,7 +22,10 @@ import (
 // Keys, on the endpoint of the role (one hash tag, so a Cluster keeps them
 // together):
 //
-//	<prefix>:{overrides}     field → "<version> <value>"
+//	<prefix>:{overrides}     field → "<version> <value>", and the
+//	                         region's mark under the field "" (a region
+//	                         that lost it lost its overrides: the nodes
+//	                         write back theirs, RestoreOverrides)
 //	<prefix>:{overrides}:v   bumped by every change that took, which
 //	                         publishes its new value on the channel of
 //	                         the same name
@@ -115,6 +119,69 @@ func (r *Redis) OverridesVersion(ctx context.Context) (int64, error) {
 		return 0, fmt.Errorf("redis %s version %s: %w", k, ep.address, err)
 	}
 	return v, nil
+}
+
+// markField is the field of the hash that holds the region's mark: a
+// random word set by the first node that finds none. The root's fields
+// all name a zone and an identifier, never "", and a mark holds no
+// space, so the reads here (parseOverride) pass over it.
+const markField = ""
+
+// OverridesState returns the region's change counter of overrides and
+// its mark ("" when none is set), in one round trip. The mark goes only
+// with the hash, and the counter only moves up: a node that finds
+// another mark than the one it saw, or a counter lower than it saw, is
+// looking at a region that lost its overrides (Redis restarted empty,
+// flushed, failed over to a replica that had not got them, the hash
+// evicted or deleted), and writes back those it holds
+// (RestoreOverrides).
+func (r *Redis) OverridesState(ctx context.Context) (int64, string, error) {
+	ep, k := r.roleEndpoint(), r.overridesKey()
+	pipe := ep.client.Pipeline()
+	ver := pipe.Get(ctx, k+":v")
+	mark := pipe.HGet(ctx, k, markField)
+	if _, err := pipe.Exec(ctx); err != nil && !errors.Is(err, redis.Nil) {
+		return 0, "", fmt.Errorf("redis %s state %s: %w", k, ep.address, err)
+	}
+	v, _ := ver.Int64()
+	return v, mark.Val(), nil
+}
+
+// MarkOverrides sets the region's mark when it has none, and returns the
+// mark it holds then.
+func (r *Redis) MarkOverrides(ctx context.Context) (string, error) {
+	ep, k := r.roleEndpoint(), r.overridesKey()
+	pipe := ep.client.Pipeline()
+	pipe.HSetNX(ctx, k, markField, rand.Text())
+	mark := pipe.HGet(ctx, k, markField)
+	if _, err := pipe.Exec(ctx); err != nil {
+		return "", fmt.Errorf("redis %s mark %s: %w", k, ep.address, err)
+	}
+	return mark.Val(), nil
+}
+
+// restoreBatch bounds the fields of one script call of RestoreOverrides:
+// Redis runs nothing else while a script runs, and a thousand fields take
+// about a millisecond.
+const restoreBatch = 1000
+
+// RestoreOverrides writes back overrides a node holds to a region that
+// lost them, restoreBatch at a time, through PutOverrides: a field takes
+// a version only when it is newer than the one the region holds, so
+// several nodes writing back at once, some of them with stale copies,
+// leave the newest of each field, and a removal (a newer version) keeps
+// out the override it removed. A batch that changed nothing moves no
+// counter. It returns how many fields took.
+func (r *Redis) RestoreOverrides(ctx context.Context, os []Override, queue bool) (int, error) {
+	took := 0
+	for start := 0; start < len(os); start += restoreBatch {
+		n, err := r.PutOverrides(ctx, os[start:min(start+restoreBatch, len(os))], queue)
+		took += n
+		if err != nil {
+			return took, err
+		}
+	}
+	return took, nil
 }
 
 // noticeRetry is the first pause before a subscription to the notices of

@@ -2,7 +2,9 @@ package origin
 
 import (
 	"context"
+	"fmt"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -269,5 +271,78 @@ func hearsAChange(t *testing.T, cfg Config) {
 		case <-time.After(5 * time.Second):
 			t.Fatalf("%s: no notice within 5 s", what)
 		}
+	}
+}
+
+// TestOverrides_AWriteBackKeepsTheNewestAndTheMarkGoesWithTheHash: the
+// region's mark is set once and read by every node; a Redis restarted
+// empty has none and its counter is back at 0. A write-back of more
+// fields than one batch, after a stale node wrote older copies of some
+// and a newer one of another, leaves the newest of each and moves the
+// counter; written again, it takes nothing and moves nothing. The reads
+// of overrides pass over the mark.
+func TestOverrides_AWriteBackKeepsTheNewestAndTheMarkGoesWithTheHash(t *testing.T) {
+	srv := redistest.Start(t)
+	a := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "a"})
+	b := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "b"})
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	mark, err := a.MarkOverrides(ctx)
+	if err != nil || mark == "" || strings.Contains(mark, " ") {
+		t.Fatalf("MarkOverrides = %q, %v: want a word", mark, err)
+	}
+	if again, err := b.MarkOverrides(ctx); again != mark || err != nil {
+		t.Fatalf("a second node's MarkOverrides = %q, %v: want the first mark, %q", again, err, mark)
+	}
+	held := make([]Override, 2*restoreBatch+1)
+	for i := range held {
+		held[i] = Override{Field: fmt.Sprintf("z k%d", i), Version: 100, Value: fmt.Sprintf("v%d", i)}
+	}
+	if n, err := a.PutOverrides(ctx, held, false); n != len(held) || err != nil {
+		t.Fatalf("PutOverrides = %d, %v", n, err)
+	}
+	if v, m, err := b.OverridesState(ctx); v != 1 || m != mark || err != nil {
+		t.Fatalf("OverridesState = %d, %q, %v: want 1, %q", v, m, err, mark)
+	}
+	if _, all, err := b.Overrides(ctx); len(all) != len(held) || err != nil {
+		t.Fatalf("Overrides read %d (%v), want the %d overrides without the mark", len(all), err, len(held))
+	}
+
+	srv.Restart()
+	if v, m, err := b.OverridesState(ctx); v != 0 || m != "" || err != nil {
+		t.Fatalf("after the restart OverridesState = %d, %q, %v: want 0 and no mark", v, m, err)
+	}
+	stale := []Override{{Field: "z k0", Version: 99, Value: "old"}, {Field: "z k1", Version: 99, Value: "old"}, {Field: "z k2", Version: 101, Value: "newer"}}
+	if _, err := b.PutOverrides(ctx, stale, false); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := a.RestoreOverrides(ctx, held, false); n != len(held)-1 || err != nil {
+		t.Fatalf("RestoreOverrides = %d, %v: want every field but the newer one", n, err)
+	}
+	_, all, err := b.Overrides(ctx)
+	if err != nil || len(all) != len(held) {
+		t.Fatalf("the region holds %d overrides (%v), want %d", len(all), err, len(held))
+	}
+	want := map[string]Override{}
+	for _, o := range append(held, stale[2]) {
+		want[o.Field] = o
+	}
+	for _, o := range all {
+		if o != want[o.Field] {
+			t.Fatalf("the region holds %+v, want %+v", o, want[o.Field])
+		}
+	}
+	v, _ := b.OverridesVersion(ctx)
+	if v != 4 {
+		t.Fatalf("counter %d after a stale write and a write-back of three batches, want 4", v)
+	}
+	if n, err := b.RestoreOverrides(ctx, held, false); n != 0 || err != nil {
+		t.Fatalf("the same write-back again = %d, %v: want 0", n, err)
+	}
+	if again, _ := b.OverridesVersion(ctx); again != v {
+		t.Fatalf("counter %d after a write-back that changed nothing, want %d", again, v)
+	}
+	if m, err := a.MarkOverrides(ctx); m == "" || m == mark || err != nil {
+		t.Fatalf("the restarted region's mark %q (%v): want a new one, not %q", m, err, mark)
 	}
 }

@@ -17,6 +17,9 @@ import (
 // changes, and tells its owner, who sends every live cell's total again
 // (engine.Resend). A failover to a replica changes the run ID too; the
 // replica has the data, and sending the totals again is a no-op then.
+// The runtime overrides were lost with the totals: their owner's watch
+// of them reads Restarts, as well as the region's mark of them
+// (OverridesState), and writes back those its node holds.
 
 // runIDTimeout bounds one check of the run IDs.
 const runIDTimeout = time.Second
@@ -48,6 +51,12 @@ func (r *Redis) WatchRestarts(interval time.Duration, onRestart func()) {
 		}
 	}()
 }
+
+// Restarts returns how many run ID changes the watch has seen: the
+// region's overrides watch compares it between its looks, and writes
+// back the overrides its node holds after each (a restarted Redis that
+// has them takes nothing).
+func (r *Redis) Restarts() uint64 { return r.restarts.Load() }
 
 // restartWatch remembers the run ID of every server seen.
 type restartWatch struct {
