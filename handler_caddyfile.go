@@ -274,6 +274,17 @@ func checkZoneBlock(d *caddyfile.Dispenser, z *Zone, costLine int) error {
 		}
 		return d.Errf("zone %q: %w", z.Name, err)
 	}
+	// Overrides of addresses are checked against the prefixes, which may
+	// come after them: each at its own line.
+	v4, v6 := z.prefixes()
+	for d.Next() {
+		if d.Val() != "override" || !d.NextArg() {
+			continue
+		}
+		if err := validateOverrideIP(d.Val(), v4, v6); err != nil {
+			return d.Errf("zone %q: %w", z.Name, err)
+		}
+	}
 	return nil
 }
 

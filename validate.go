@@ -3,6 +3,7 @@ package ratelimit
 import (
 	"errors"
 	"fmt"
+	"net/netip"
 	"strconv"
 	"strings"
 	"time"
@@ -90,8 +91,12 @@ func (z *Zone) validate() error {
 	if err := z.validateCostBounds("default_cost"); err != nil {
 		return err
 	}
+	v4, v6 := z.prefixes()
 	for id, l := range z.Overrides {
 		if err := validateOverride(id, l); err != nil {
+			return err
+		}
+		if err := validateOverrideIP(id, v4, v6); err != nil {
 			return err
 		}
 	}
@@ -276,6 +281,39 @@ func validateOverride(id string, limit int64) error {
 	}
 	if err := validateUnits("limit", limit); err != nil {
 		return fmt.Errorf("override %q: %w", id, err)
+	}
+	return nil
+}
+
+// validateOverrideIP rejects an override of an IP address or prefix
+// that no request's identifier can equal: the handler compares an
+// override with the identifier masked to the zone's prefix, as
+// netip writes it (203.0.113.0/24 under ipv4_prefix 24, 2001:db8:1:2::/64
+// under the default ipv6_prefix, a whole IPv4 address as it is). Any other
+// form of an address (one address under a shorter prefix, a prefix of
+// another length, upper-case hex, an IPv4-mapped address) would be
+// accepted and never match.
+func validateOverrideIP(id string, v4, v6 int) error {
+	if p, err := netip.ParsePrefix(id); err == nil {
+		bits, family := v6, "IPv6"
+		if p.Addr().Is4() {
+			bits, family = v4, "IPv4"
+		}
+		switch {
+		case p.Bits() >= p.Addr().BitLen() && bits >= p.Addr().BitLen():
+			return fmt.Errorf("override %q never matches: a whole address is written without a prefix, %s", id, p.Addr().Unmap())
+		case p.Bits() != bits:
+			return fmt.Errorf("override %q: the zone counts %s addresses by /%d, so a /%d never matches: write one override per /%d", id, family, bits, p.Bits(), bits)
+		case p.Masked().String() != id:
+			return fmt.Errorf("override %q never matches: the zone's identifiers are written %s", id, p.Masked())
+		}
+		return nil
+	}
+	if _, err := netip.ParseAddr(id); err != nil {
+		return nil // not an address: compared as it is
+	}
+	if m := maskIP(id, v4, v6); m != id {
+		return fmt.Errorf("override %q never matches: the zone counts this address as %s (ipv4_prefix %d, ipv6_prefix %d); write that", id, m, v4, v6)
 	}
 	return nil
 }

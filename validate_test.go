@@ -41,6 +41,10 @@ func TestHandler_ValidateRejectsBadJSON(t *testing.T) {
 		{"unopened key placeholder", func(h *Handler) { h.Zones[0].Key = "client_ip}" }, `key "client_ip}" closes a placeholder it never opened`},
 		{"unclosed cost placeholder", func(h *Handler) { h.Zones[0].Cost = "{api_cost" }, `cost "{api_cost" has an unclosed placeholder`},
 		{"default cost with a constant cost", func(h *Handler) { h.Zones[0].Cost, h.Zones[0].DefaultCost = "5", 30 }, `default_cost is for a cost placeholder; cost "5" is a constant`},
+		{"override of one address under /24", func(h *Handler) {
+			h.Zones[0].IPv4Prefix, h.Zones[0].Overrides = 24, map[string]int64{"203.0.113.5": 0}
+		}, `override "203.0.113.5" never matches: the zone counts this address as 203.0.113.0/24`},
+		{"override of a /48 under /64", func(h *Handler) { h.Zones[0].Overrides = map[string]int64{"2001:db8::/48": 0} }, "so a /48 never matches"},
 		{"default cost with no cost", func(h *Handler) { h.Zones[0].DefaultCost = 3 }, `default_cost is for a cost placeholder; cost "" is a constant`},
 		{"limit above 2^53-1", func(h *Handler) { h.Zones[0].Limit = 1 << 53 }, "limit 9007199254740992 is above the largest count, 9007199254740991"},
 		{"cost above 2^53-1", func(h *Handler) { h.Zones[0].Cost = "9007199254740992" }, "cost 9007199254740992 is above the largest count"},
