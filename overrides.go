@@ -47,28 +47,45 @@ type overrideRec struct {
 	// Global: a reset for every region (scope global), which the role's
 	// holder writes to MySQL; a region's own reset stays in the region.
 	Global bool `json:"global,omitempty"`
+	// Form says which identifier_secret Identifier is an HMAC under
+	// (identities.form), "" for one stored as it is, or by a build before
+	// forms (which applies under any setting, as it did). It is part of
+	// the name, never of the value, so that an override made under one
+	// secret never applies under another or none: without it, an HMAC
+	// named under a secret removed since would be the raw identifier that
+	// is its text.
+	Form string `json:"-"`
 }
 
 // resetMark starts the zone part of a reset's name (in the region's hash
 // and in MySQL): no zone name holds it, so a reset never takes an
-// override's place.
-const resetMark = "\x01"
+// override's place. formMark follows the zone when the identifier is an
+// HMAC, with the form after it (9 bytes: a reset's name fits MySQL's 80).
+// A build before forms takes such a name for a zone no config defines,
+// and leaves it alone.
+const (
+	resetMark = "\x01"
+	formMark  = "\x02"
+)
 
 // bookZone is the zone part of r's name.
 func (r *overrideRec) bookZone() string {
-	if r.Reset {
-		return resetMark + r.Zone
+	z := r.Zone
+	if r.Form != "" {
+		z += formMark + r.Form
 	}
-	return r.Zone
+	if r.Reset {
+		return resetMark + z
+	}
+	return z
 }
 
-// fromBookZone splits a name's zone part into the zone and whether it
-// names a reset.
-func fromBookZone(z string) (string, bool) {
-	if rest, ok := strings.CutPrefix(z, resetMark); ok {
-		return rest, true
-	}
-	return z, false
+// fromBookZone splits a name's zone part into the zone, whether it names
+// a reset, and the identifier's form.
+func fromBookZone(z string) (zone string, reset bool, form string) {
+	z, reset = strings.CutPrefix(z, resetMark)
+	zone, form, _ = strings.Cut(z, formMark)
+	return zone, reset, form
 }
 
 // tombstoneLife is how long a removal is kept, so that every region reads
@@ -100,7 +117,7 @@ func recOfRegion(o origin.Override) (overrideRec, bool) {
 	if !ok || json.Unmarshal([]byte(o.Value), &r) != nil || r.Zone != "" || r.Identifier != "" || r.Reset {
 		return r, false
 	}
-	r.Zone, r.Reset = fromBookZone(zone)
+	r.Zone, r.Reset, r.Form = fromBookZone(zone)
 	r.Identifier, r.Version = id, o.Version
 	return r, true
 }
@@ -111,9 +128,9 @@ func (r *overrideRec) row() propagation.OverrideRow {
 }
 
 func recOfRow(o *propagation.OverrideRow) overrideRec {
-	zone, reset := fromBookZone(o.Namespace)
+	zone, reset, form := fromBookZone(o.Namespace)
 	return overrideRec{Zone: zone, Identifier: o.Identifier, Limit: o.Limit, ExpiresMs: o.ExpiresMs,
-		Reason: o.Reason, Region: o.Region, CreatedMs: o.Version / 1000, Version: o.Version, Deleted: o.Deleted, Reset: reset}
+		Reason: o.Reason, Region: o.Region, CreatedMs: o.Version / 1000, Version: o.Version, Deleted: o.Deleted, Reset: reset, Form: form}
 }
 
 // overrideKey names an override in the book.
@@ -129,7 +146,12 @@ type overrideSet struct {
 	n     int
 }
 
-type overrideLimit struct{ limit, expiresMs int64 }
+type overrideLimit struct {
+	limit, expiresMs int64
+	// formed: the override names its form, and wins over one of the same
+	// identifier by a build before forms.
+	formed bool
+}
 
 // limit returns the runtime override of zone for the handler's
 // identifier id (masked, not normalized yet), if one applies now.
@@ -175,8 +197,10 @@ func (s *overrideSet) find(zm map[string]overrideLimit, norm string) (int64, boo
 type overrideBook struct {
 	mu   sync.Mutex
 	recs map[overrideKey]overrideRec
-	// mapID is the identifier mapping of the newest app.
+	// mapID is the identifier mapping of the newest app, form its form
+	// (identities.form): the records of another form do not apply.
 	mapID func(string) string
+	form  string
 
 	set atomic.Pointer[overrideSet]
 	// loading is set while a process's first load from its backends runs:
@@ -225,12 +249,37 @@ func (b *overrideBook) merge(recs []overrideRec) int {
 	return n
 }
 
-// get returns the book's override of (zone, id), removals included.
+// get returns the book's override of (zone, id) in the current form,
+// removals included, or one by a build before forms, the live one first.
 func (b *overrideBook) get(zone, id string) (overrideRec, bool) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	r, ok := b.recs[overrideKey{zone, id}]
+	r, ok := b.recs[overrideKey{(&overrideRec{Zone: zone, Form: b.form}).bookZone(), id}]
+	if b.form != "" && (!ok || !r.live(time.Now().UnixMilli())) {
+		if old, found := b.recs[overrideKey{zone, id}]; found && (!ok || old.live(time.Now().UnixMilli())) {
+			return old, true
+		}
+	}
 	return r, ok
+}
+
+// olderForm returns the live override of (zone, id) by a build before
+// forms, when the book's form is a secret's: a change of the key under
+// the secret removes it too, so that one change does what it says.
+func (b *overrideBook) olderForm(zone, id string) (overrideRec, bool) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.form == "" {
+		return overrideRec{}, false
+	}
+	r, ok := b.recs[overrideKey{zone, id}]
+	return r, ok && r.live(time.Now().UnixMilli())
+}
+
+// applies reports whether r is of the book's form, or of no form (a
+// build before forms).
+func (b *overrideBook) applies(r *overrideRec) bool {
+	return r.Form == "" || r.Form == b.form
 }
 
 // live returns the live overrides of zone whose stored identifier starts
@@ -241,19 +290,27 @@ func (b *overrideBook) live(zone, prefix string) []overrideRec {
 	now := time.Now().UnixMilli()
 	var out []overrideRec
 	for k, r := range b.recs {
-		if k.zone == zone && !r.Reset && strings.HasPrefix(k.id, prefix) && r.live(now) {
+		if r.Zone == zone && !r.Reset && b.applies(&r) && strings.HasPrefix(k.id, prefix) && r.live(now) {
 			out = append(out, r)
 		}
 	}
 	return out
 }
 
-// setMapping makes mapID the identifiers' stored form (identifier_secret).
-func (b *overrideBook) setMapping(mapID func(string) string) {
+// setMapping makes mapID the identifiers' stored form (identifier_secret),
+// of the form given.
+func (b *overrideBook) setMapping(mapID func(string) string, form string) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	b.mapID = mapID
+	b.mapID, b.form = mapID, form
 	b.publishLocked()
+}
+
+// form is the current form of stored identifiers.
+func (b *overrideBook) currentForm() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.form
 }
 
 // prune forgets what lapsed (removals a day old included) and republishes
@@ -279,15 +336,21 @@ func (b *overrideBook) publishLocked() {
 	now := time.Now().UnixMilli()
 	s := &overrideSet{zones: map[string]map[string]overrideLimit{}, mapID: b.mapID}
 	for k, r := range b.recs {
-		if r.Reset || !r.live(now) {
+		if r.Reset || !r.live(now) || !b.applies(&r) {
 			continue
 		}
-		zm := s.zones[k.zone]
+		zm := s.zones[r.Zone]
 		if zm == nil {
 			zm = map[string]overrideLimit{}
-			s.zones[k.zone] = zm
+			s.zones[r.Zone] = zm
 		}
-		zm[k.id] = overrideLimit{limit: r.Limit, expiresMs: r.ExpiresMs}
+		if old, ok := zm[k.id]; ok {
+			if old.formed {
+				continue
+			}
+			s.n--
+		}
+		zm[k.id] = overrideLimit{limit: r.Limit, expiresMs: r.ExpiresMs, formed: r.Form != ""}
 		s.n++
 	}
 	if s.n == 0 {

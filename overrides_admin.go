@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -204,11 +205,26 @@ func putOverride(w http.ResponseWriter, r *http.Request, st *state, zoneName, id
 		return err
 	}
 	rec := overrideRec{Zone: zoneName, Identifier: id, Limit: *body.Limit, Reason: body.Reason,
-		Region: st.apps.view().region, CreatedMs: now.UnixMilli(), Version: now.UnixMicro()}
+		Region: st.apps.view().region, CreatedMs: now.UnixMilli(), Version: now.UnixMicro(), Form: st.apps.view().ids.form()}
 	if body.Expires != nil {
 		rec.ExpiresMs = body.Expires.UnixMilli()
 	}
 	return changeOverride(w, r, st, rec, "set")
+}
+
+// removeOlderForm removes the live override of (zone, id) by a build
+// before forms, after a change of the key under identifier_secret: the
+// change's own record wins over it already (overrideBook.publishLocked),
+// and this keeps it from coming back when that record is removed.
+func removeOlderForm(ctx context.Context, st *state, zoneName, id string, now time.Time) error {
+	old, ok := overrides.olderForm(zoneName, id)
+	if !ok {
+		return nil
+	}
+	rec := overrideRec{Zone: zoneName, Identifier: id, Region: st.apps.view().region, Deleted: true,
+		CreatedMs: now.UnixMilli(), Version: max(now.UnixMicro(), old.Version+1), ExpiresMs: now.Add(tombstoneLife).UnixMilli()}
+	_, err := storeOverride(ctx, st, rec)
+	return err
 }
 
 func deleteOverride(w http.ResponseWriter, r *http.Request, st *state, zoneName, id string) error {
@@ -217,14 +233,19 @@ func deleteOverride(w http.ResponseWriter, r *http.Request, st *state, zoneName,
 	if !ok || !old.live(now.UnixMilli()) {
 		return errNoOverride(zoneName)
 	}
+	// The removal takes the name of what it removes: under a secret, the
+	// override of this form, or else one by a build before forms.
 	rec := overrideRec{Zone: zoneName, Identifier: id, Region: st.apps.view().region, Deleted: true,
-		CreatedMs: now.UnixMilli(), Version: max(now.UnixMicro(), old.Version+1), ExpiresMs: now.Add(tombstoneLife).UnixMilli()}
+		CreatedMs: now.UnixMilli(), Version: max(now.UnixMicro(), old.Version+1), ExpiresMs: now.Add(tombstoneLife).UnixMilli(), Form: old.Form}
 	return changeOverride(w, r, st, rec, "removed")
 }
 
 // changeOverride stores a change, logs who made it and counts it.
 func changeOverride(w http.ResponseWriter, r *http.Request, st *state, rec overrideRec, what string) error {
 	scope, err := storeOverride(r.Context(), st, rec)
+	if err == nil && rec.Form != "" {
+		err = removeOlderForm(r.Context(), st, rec.Zone, rec.Identifier, time.UnixMicro(rec.Version))
+	}
 	view := st.apps.view()
 	if err != nil {
 		return caddy.APIError{HTTPStatus: http.StatusServiceUnavailable, Err: err}

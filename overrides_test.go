@@ -221,3 +221,85 @@ func TestOverrides_LongIdentifiersAreNormalizedOnce(t *testing.T) {
 		})
 	}
 }
+
+// TestOverrides_AnotherSecretsOverridesDoNotApply: an override is named
+// by its identifier's form, so one made under identifier_secret applies
+// under that secret only. Once it applied, after the secret was removed,
+// to the raw identifier that is its HMAC's text (a client sending that
+// text took another key's limit); now it applies again when the secret
+// comes back. An override by a build before forms, an HMAC under the
+// secret, still applies, and a change of its key under the secret takes
+// its place.
+func TestOverrides_AnotherSecretsOverridesDoNotApply(t *testing.T) {
+	resetOverrides(t)
+	const secret = "0123456789abcdef0123"
+	withSecret := overrideConfig("\tratelimit {\n\t\tidentifier_secret " + secret + "\n\t}")
+	tester, admin, base := startCaddy(t, withSecret)
+	port := portOf(t, base)
+	var doc overrideDoc
+	adminSend(t, admin, http.MethodPut, "/ratelimit/overrides?zone=ov&identifier=bob", `{"limit": 0}`).decode(t, http.StatusOK, &doc)
+	hmacOfBob := identifierHMAC([]byte(secret), "bob")
+	if doc.Identifier != hmacOfBob {
+		t.Fatalf("the override is named %q, want bob's HMAC %q", doc.Identifier, hmacOfBob)
+	}
+	if n := admitted(t, base, "bob", 1); n != 0 {
+		t.Fatalf("bob blocked under the secret: admitted %d", n)
+	}
+
+	tester.InitServer(overrideConfig("")(admin, port), "caddyfile") // the secret removed
+	if n := admitted(t, base, hmacOfBob, 2); n != 2 {
+		t.Fatalf("without the secret, the raw identifier %q took bob's block: admitted %d of 2", hmacOfBob, n)
+	}
+	if r := adminDo(t, admin, http.MethodGet, "/ratelimit/overrides?zone=ov&identifier="+hmacOfBob); r.status != http.StatusNotFound {
+		t.Fatalf("without the secret, the override shows for the raw identifier: %d %s", r.status, r.body)
+	}
+
+	tester.InitServer(withSecret(admin, port), "caddyfile") // the secret back
+	if n := admitted(t, base, "bob", 1); n != 0 {
+		t.Fatalf("with the secret back, bob admitted %d: its block should apply again", n)
+	}
+
+	// An override a build before forms stored: bob's HMAC, no form.
+	old := overrideRec{Zone: "ov", Identifier: identifierHMAC([]byte(secret), "carol"), Limit: 0,
+		CreatedMs: time.Now().UnixMilli(), Version: time.Now().UnixMicro()}
+	overrides.merge([]overrideRec{old})
+	if n := admitted(t, base, "carol", 1); n != 0 {
+		t.Fatalf("an override of no form, under the secret it was made with, admitted %d", n)
+	}
+	adminSend(t, admin, http.MethodPut, "/ratelimit/overrides?zone=ov&identifier=carol", `{"limit": 5}`).decode(t, http.StatusOK, &doc)
+	if n := admitted(t, base, "carol", 6); n != 5 {
+		t.Fatalf("carol's override of 5 set under the secret admitted %d of 6", n)
+	}
+	adminDo(t, admin, http.MethodDelete, "/ratelimit/overrides?zone=ov&identifier=carol").decode(t, http.StatusOK, &doc)
+	if r := adminDo(t, admin, http.MethodGet, "/ratelimit/overrides?zone=ov&identifier=carol"); r.status != http.StatusNotFound {
+		t.Fatalf("after one DELETE carol still has an override: %d %s", r.status, r.body)
+	}
+}
+
+// TestOverrides_NamesCarryTheForm: a record's name in the region's hash
+// and in MySQL carries its form, and reads back whole; a name of no form
+// (a build before forms) reads as one.
+func TestOverrides_NamesCarryTheForm(t *testing.T) {
+	for _, r := range []overrideRec{
+		{Zone: "z", Identifier: "id", Form: "h0123abcd", Limit: 3, Version: 7},
+		{Zone: "z", Identifier: "id", Form: "h0123abcd", Reset: true, Version: 8},
+		{Zone: "z", Identifier: "id", Limit: 4, Version: 9},
+		{Zone: "z", Identifier: "id", Reset: true, Version: 10},
+	} {
+		got, ok := recOfRegion(r.regionValue())
+		if !ok || got.Zone != r.Zone || got.Identifier != r.Identifier || got.Form != r.Form || got.Reset != r.Reset || got.Limit != r.Limit {
+			t.Errorf("%+v through the region's hash: %+v (%v)", r, got, ok)
+		}
+		row := r.row()
+		if len(row.Namespace) > 80 {
+			t.Errorf("%+v: namespace of %d bytes, over MySQL's 80", r, len(row.Namespace))
+		}
+		if got := recOfRow(&row); got.Zone != r.Zone || got.Form != r.Form || got.Reset != r.Reset {
+			t.Errorf("%+v through MySQL: %+v", r, got)
+		}
+	}
+	long := overrideRec{Zone: strings.Repeat("z", maxZoneName), Identifier: "id", Form: "h0123abcd", Reset: true}
+	if n := len(long.row().Namespace); n > 80 {
+		t.Errorf("a reset of a 64-byte zone under a secret has a namespace of %d bytes, over MySQL's 80", n)
+	}
+}

@@ -62,7 +62,7 @@ func resetKey(w http.ResponseWriter, r *http.Request, st *state, zoneName, id st
 	}
 	view := st.apps.view()
 	now := time.Now()
-	rec := overrideRec{Zone: zoneName, Identifier: storedIdentifier(st, id, defs), Reset: true, Global: scope == scopeGlobal, Region: view.region,
+	rec := overrideRec{Zone: zoneName, Identifier: storedIdentifier(st, id, defs), Form: view.ids.form(), Reset: true, Global: scope == scopeGlobal, Region: view.region,
 		CreatedMs: now.UnixMilli(), Version: now.UnixMicro(), ExpiresMs: now.Add(resetLife(defs)).UnixMilli()}
 	// This node's unreplayed units go out before the cells are marked, and
 	// it forgets the key only once the region took the reset: a reset
@@ -150,8 +150,9 @@ var onResets = func(recs []overrideRec) {
 		return
 	}
 	now := time.Now().UnixMilli()
+	form := st.apps.view().ids.form()
 	for _, rec := range recs {
-		if rec.ExpiresMs > now {
+		if rec.ExpiresMs > now && (rec.Form == "" || rec.Form == form) {
 			forgetHeld(st, rec)
 		}
 	}

@@ -165,7 +165,7 @@ func (l *liveApps) publish() {
 	}
 	a := l.provisioned[len(l.provisioned)-1]
 	l.cur.Store(&appView{app: a, logger: a.logger, region: a.Region, ids: a.ids})
-	overrides.setMapping(a.ids.mapper())
+	overrides.setMapping(a.ids.mapper(), a.ids.form())
 }
 
 // view returns the newest app's settings, or the defaults (Caddy's default
