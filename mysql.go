@@ -216,6 +216,9 @@ var processRegion struct {
 type mysqlBackend struct {
 	a    *App
 	prop *propagation.Propagator
+	// ownsLoad, started: as redisBackend's, for a process that is its own
+	// region (its overrides come from MySQL).
+	ownsLoad, started bool
 }
 
 // provisionMySQL resolves the DSN and builds the propagator without any
@@ -268,15 +271,19 @@ func provisionMySQL(a *App) (backend, error) {
 	})
 	// Without Redis the process is its own region: runtime overrides come
 	// from MySQL to it directly, and it loads them before deciding.
+	owns := false
 	if opts.Region == nil {
 		mysqlOverrideHooks(&opts)
-		overrides.beginLoad()
+		owns = overrides.beginLoad()
 	}
 	p, err := propagation.New(cfg, a.state.engine, opts)
 	if err != nil {
+		if owns {
+			overrides.abortLoad()
+		}
 		return nil, err
 	}
-	return &mysqlBackend{a: a, prop: p}, nil
+	return &mysqlBackend{a: a, prop: p, ownsLoad: owns}, nil
 }
 
 // resolveDSN replaces runtime placeholders in the DSN. Errors never quote
@@ -295,6 +302,7 @@ func resolveDSN(line, dsn string) (string, error) {
 // start starts the propagator's loops; the state makes it the engine's
 // (use).
 func (b *mysqlBackend) start() {
+	b.started = true
 	processRegion.Lock()
 	processRegion.region = b.a.Region
 	processRegion.Unlock()
@@ -329,6 +337,9 @@ func (b *mysqlBackend) letGo(*state, bool) { b.close() }
 // close stops the loops and closes the connections, once; the
 // propagator's counters join the retired totals the metrics add up.
 func (b *mysqlBackend) close() {
+	if b.ownsLoad && !b.started {
+		overrides.abortLoad()
+	}
 	if b.prop == nil {
 		return
 	}

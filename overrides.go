@@ -370,15 +370,33 @@ func (b *overrideBook) active() int {
 
 // beginLoad marks the process's first load from its backends as running,
 // once per process: a reload keeps the overrides the book has.
-func (b *overrideBook) beginLoad() {
+// It reports whether this call began it: the caller then owns it, and
+// ends it (endLoad) when its config starts, or gives it up (abortLoad)
+// when its config is thrown away unstarted.
+func (b *overrideBook) beginLoad() bool {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.once {
-		return
+		return false
 	}
 	b.once = true
 	b.loaded = make(chan struct{})
 	b.loading.Store(true)
+	return true
+}
+
+// abortLoad gives up a first load whose config never started (a reload
+// that failed after provisioning it): decisions stop waiting for it at
+// once, where they waited out loadTimeout, and the next config that
+// loads the process's overrides waits for its own first load.
+func (b *overrideBook) abortLoad() {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.loading.Load() {
+		b.loading.Store(false)
+		close(b.loaded)
+	}
+	b.once = false
 }
 
 // endLoad ends the first load (whether it succeeded or not).

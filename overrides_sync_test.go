@@ -331,3 +331,40 @@ func TestOverrides_AStaleBookIsNotWrittenBack(t *testing.T) {
 		t.Fatalf("the watch is as of counter %d, read at %s: want the empty region's, now", w.seen, w.synced)
 	}
 }
+
+// TestOverrides_AFailedReloadDoesNotHoldUpDecisions: a reload that adds
+// Redis and then fails (a handler's zone refused) provisioned the first
+// load of the overrides, which only a started config ends: every decision
+// then waited for it, up to two seconds, and the next config with Redis
+// found its own first load used up and did not wait for it. The load is
+// given up with the config.
+func TestOverrides_AFailedReloadDoesNotHoldUpDecisions(t *testing.T) {
+	resetOverrides(t)
+	_, admin, base := startCaddy(t, overrideConfig(""))
+	if n := admitted(t, base, "k", 1); n != 1 {
+		t.Fatalf("admitted %d of 1", n)
+	}
+	bad := fmt.Sprintf(`{"admin": {"listen": "localhost:%d"},
+ "apps": {"ratelimit": {"origin": {"redis": ["redis://127.0.0.1:1"]}},
+  "http": {"servers": {"s": {"listen": [":%d"], "routes": [{"handle": [
+   {"handler": "ratelimit", "zones": [{"name": "ov", "key": "{http.request.header.X-Key}", "limit": 0, "window": "1m"}]}]}]}}}}}`,
+		admin, portOf(t, base))
+	req, err := http.NewRequest(http.MethodPost, fmt.Sprintf("http://localhost:%d/load", admin), strings.NewReader(bad))
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set("Content-Type", "application/json")
+	status, _, body := roundTrip(t, http.DefaultClient, req)
+	if status < 400 || !strings.Contains(string(body), "limit must be positive") {
+		t.Fatalf("the bad config answered %d %s, want its error", status, body)
+	}
+	overrides.mu.Lock()
+	loading, once := overrides.loading.Load(), overrides.once
+	overrides.mu.Unlock()
+	if loading || once {
+		t.Fatalf("after the failed reload the first load is loading=%v, begun=%v; want neither", loading, once)
+	}
+	if n := admitted(t, base, "k", 1); n != 1 {
+		t.Fatalf("after the failed reload the old config admitted %d of 1", n)
+	}
+}

@@ -150,6 +150,9 @@ type redisBackend struct {
 	timing engine.Timing
 	// stopOverrides ends the watch of the region's runtime overrides.
 	stopOverrides chan struct{}
+	// ownsLoad: provisioning began the process's first load of the
+	// overrides, which the watch ends once started; started: it did.
+	ownsLoad, started bool
 }
 
 // provisionRedis resolves the origin settings and builds the origin
@@ -174,7 +177,7 @@ func provisionRedis(a *App) (backend, error) {
 	var ec engine.Config
 	cfg.ApplyEngine(&ec)
 	b.timing = engine.Timing{ReadTimeout: ec.ReadTimeout, Freshness: ec.Freshness, SlowTick: ec.SlowTick, FastTick: ec.FastTick}
-	overrides.beginLoad()
+	b.ownsLoad = overrides.beginLoad()
 	return b, nil
 }
 
@@ -184,6 +187,7 @@ func provisionRedis(a *App) (backend, error) {
 // cells' totals again (engine.Resend) while this origin is the one in use.
 // Checked every slow tick, so within a flush period.
 func (b *redisBackend) start() {
+	b.started = true
 	b.stopOverrides = make(chan struct{})
 	go b.watchOverrides(b.stopOverrides)
 	st := b.a.state
@@ -238,6 +242,9 @@ func (b *redisBackend) letGo(st *state, flushed bool) {
 
 // close closes the origin; the state has detached it.
 func (b *redisBackend) close() {
+	if b.ownsLoad && !b.started {
+		overrides.abortLoad()
+	}
 	if b.stopOverrides != nil {
 		close(b.stopOverrides)
 		b.stopOverrides = nil
