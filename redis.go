@@ -188,6 +188,7 @@ func provisionRedis(a *App) (backend, error) {
 // Checked every slow tick, so within a flush period.
 func (b *redisBackend) start() {
 	b.started = true
+	startedOrigin(b.origin)
 	b.stopOverrides = make(chan struct{})
 	go b.watchOverrides(b.stopOverrides)
 	st := b.a.state
@@ -249,6 +250,7 @@ func (b *redisBackend) close() {
 		close(b.stopOverrides)
 		b.stopOverrides = nil
 	}
+	retireOrigin(b.origin)
 	if err := b.origin.Close(); err != nil {
 		b.a.logger.Warn("closing the rate limit origin", zap.Error(err))
 	}

@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"slices"
 	"sync"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -52,7 +53,74 @@ func redisStatus(st *state) any {
 	for _, k := range own.keys {
 		doc.set(k, own.vals[k])
 	}
+	base, _ := otherOrigins(o)
+	doc.set("restarts", s.Restarts+uint64(base[restartsStat]))
 	return doc
+}
+
+// restartsStat is the index of origin_restarts_total in originStats.
+var restartsStat = slices.IndexFunc(originStats.stats, func(s stat[origin.Stats]) bool { return s.json == "restarts" })
+
+// origins keeps the metrics monotonic across reloads, each of which makes
+// a new origin (a reload once took origin_restarts_total back to 0): an
+// origin's counters are read from it while its config is started, and
+// added to the retired totals when it closes, so each counts once
+// throughout, however the configs overlap.
+var origins = struct {
+	sync.Mutex
+	live map[*origin.Redis]struct{}
+	// base and endpoints are the retired totals, the origin's own and
+	// each endpoint's by its address.
+	base      []float64
+	endpoints map[string][]float64
+}{live: map[*origin.Redis]struct{}{}, base: make([]float64, len(originStats.stats)), endpoints: map[string][]float64{}}
+
+// startedOrigin counts o among the live origins.
+func startedOrigin(o *origin.Redis) {
+	origins.Lock()
+	defer origins.Unlock()
+	origins.live[o] = struct{}{}
+}
+
+// retireOrigin moves a closing origin's counters to the retired totals.
+func retireOrigin(o *origin.Redis) {
+	origins.Lock()
+	defer origins.Unlock()
+	if _, ok := origins.live[o]; !ok {
+		return
+	}
+	delete(origins.live, o)
+	s := o.Stats()
+	origins.base = originStats.retire(&s, origins.base)
+	for i := range s.Endpoints {
+		ep := &s.Endpoints[i]
+		origins.endpoints[ep.Address] = endpointStats.retire(ep, origins.endpoints[ep.Address])
+	}
+}
+
+// others returns the counters of every origin but cur, the retired and
+// the live ones added up: the origin's own, and each endpoint's by
+// address.
+func otherOrigins(cur originView) ([]float64, map[string][]float64) {
+	origins.Lock()
+	defer origins.Unlock()
+	base := slices.Clone(origins.base)
+	eps := make(map[string][]float64, len(origins.endpoints))
+	for a, b := range origins.endpoints {
+		eps[a] = slices.Clone(b)
+	}
+	for o := range origins.live {
+		if originView(o) == cur {
+			continue
+		}
+		s := o.Stats()
+		base = originStats.retire(&s, base)
+		for i := range s.Endpoints {
+			ep := &s.Endpoints[i]
+			eps[ep.Address] = endpointStats.retire(ep, eps[ep.Address])
+		}
+	}
+	return base, eps
 }
 
 var (
@@ -109,10 +177,11 @@ func (redisCollector) Collect(ch chan<- prometheus.Metric) {
 		return
 	}
 	s := o.Stats()
-	originStats.collect(ch, &s, nil)
+	base, eps := otherOrigins(o)
+	originStats.collect(ch, &s, base)
 	for i := range s.Endpoints {
 		ep := &s.Endpoints[i]
-		endpointStats.collect(ch, ep, nil, ep.Address)
+		endpointStats.collect(ch, ep, eps[ep.Address], ep.Address)
 		for _, b := range []struct {
 			name  string
 			state origin.BreakerState

@@ -2,9 +2,13 @@ package ratelimit
 
 import (
 	"encoding/json"
+	"fmt"
+	"net/http"
+	"strings"
 	"testing"
 	"time"
 
+	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
 	"github.com/edgelimit/caddy-ratelimit/origin"
 )
 
@@ -51,5 +55,51 @@ func TestRedisCollector_SeriesPerEndpoint(t *testing.T) {
 	st.setOrigin(nil)
 	if got := collectCount(redisCollector{}, "caddy_ratelimit_origin_restarts_total"); got != 0 {
 		t.Fatalf("local-only: %d restart series, want none", got)
+	}
+}
+
+// TestRedisStatus_ARestartSeenStaysCountedAcrossAReload: a reload makes a
+// new origin, whose own count of Redis restarts starts at 0; the status
+// and origin_restarts_total went back to 0 with it, as a counter must not.
+func TestRedisStatus_ARestartSeenStaysCountedAcrossAReload(t *testing.T) {
+	resetOverrides(t)
+	srv := redistest.Start(t)
+	global := fmt.Sprintf("\tratelimit {\n\t\tredis %s\n\t}", srv.URL())
+	tester, admin, base := startCaddy(t, overrideConfig(global))
+	restarts := func() float64 {
+		var doc struct {
+			Origin struct {
+				Restarts float64 `json:"restarts"`
+			} `json:"origin"`
+		}
+		adminDo(t, admin, http.MethodGet, "/ratelimit/status").decode(t, http.StatusOK, &doc)
+		return doc.Origin.Restarts
+	}
+	admitted(t, base, "k", 1)
+	o, ok := lookupState().currentOrigin().(*origin.Redis)
+	if !ok {
+		t.Fatal("the engine has no Redis origin")
+	}
+	redistest.Eventually(t, 5*time.Second, "the watch read the run ID", func() bool { return o.RunIDChecks() > 0 })
+	srv.Restart()
+	redistest.Eventually(t, 10*time.Second, "the restart is seen", func() bool { return restarts() == 1 })
+	changed := fmt.Sprintf("\tratelimit {\n\t\tredis %s\n\t\tread_timeout 60ms\n\t}", srv.URL()) // a new origin
+	tester.InitServer(overrideConfig(changed)(admin, portOf(t, base)), "caddyfile")
+	if o2, _ := lookupState().currentOrigin().(*origin.Redis); o2 == o {
+		t.Fatal("the reload kept the origin: it tests nothing")
+	}
+	if n := restarts(); n != 1 {
+		t.Fatalf("after a reload the status counts %v restarts, want the 1 seen before it", n)
+	}
+	var metric float64
+	for _, line := range strings.Split(string(adminDo(t, admin, http.MethodGet, "/metrics").body), "\n") {
+		if v, ok := strings.CutPrefix(line, "caddy_ratelimit_origin_restarts_total "); ok {
+			if _, err := fmt.Sscanf(v, "%g", &metric); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	if metric != 1 {
+		t.Fatalf("after a reload caddy_ratelimit_origin_restarts_total is %v, want 1", metric)
 	}
 }

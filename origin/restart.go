@@ -58,6 +58,10 @@ func (r *Redis) WatchRestarts(interval time.Duration, onRestart func()) {
 // has them takes nothing).
 func (r *Redis) Restarts() uint64 { return r.restarts.Load() }
 
+// RunIDChecks returns how many checks of the run IDs the watch made: a
+// restart is seen only once one check read the server before it.
+func (r *Redis) RunIDChecks() uint64 { return r.runIDChecks.Load() }
+
 // restartWatch remembers the run ID of every server seen.
 type restartWatch struct {
 	r    *Redis
