@@ -201,6 +201,10 @@ type overrideBook struct {
 	// (identities.form): the records of another form do not apply.
 	mapID func(string) string
 	form  string
+	// from is where the book's overrides come from: the Redis it last
+	// loaded (origin.Redis.String), sourceNode while the process counts
+	// alone, "" before either.
+	from string
 
 	set atomic.Pointer[overrideSet]
 	// loading is set while a process's first load from its backends runs:
@@ -304,6 +308,56 @@ func (b *overrideBook) setMapping(mapID func(string) string, form string) {
 	defer b.mu.Unlock()
 	b.mapID, b.form = mapID, form
 	b.publishLocked()
+}
+
+// sourceNode is the book's source while the process has no Redis.
+const sourceNode = "node"
+
+// source returns where the book's overrides come from.
+func (b *overrideBook) source() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.from
+}
+
+// setSource records where the book's overrides come from.
+func (b *overrideBook) setSource(from string) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.from = from
+}
+
+// replace makes recs the book (a node joining a region: see
+// regionWatch.join), from the source given, and returns how many live
+// overrides and resets it held that recs do not hold, or hold in another
+// version: the region's wins, older or newer. Resets it had not heard of
+// go to onResets, as merge's do.
+func (b *overrideBook) replace(recs []overrideRec, from string) int {
+	now := time.Now().UnixMilli()
+	b.mu.Lock()
+	next := make(map[overrideKey]overrideRec, len(recs))
+	var resets []overrideRec
+	for _, r := range recs {
+		k := overrideKey{r.bookZone(), r.Identifier}
+		if old, ok := b.recs[k]; (!ok || old.Version < r.Version) && r.Reset {
+			resets = append(resets, r)
+		}
+		next[k] = r
+	}
+	dropped := 0
+	for k, r := range b.recs {
+		if n, ok := next[k]; (!ok || n.Version != r.Version) && r.live(now) {
+			dropped++
+		}
+	}
+	b.recs, b.from = next, from
+	b.changes.Add(1)
+	b.publishLocked()
+	b.mu.Unlock()
+	if len(resets) > 0 {
+		onResets(resets)
+	}
+	return dropped
 }
 
 // form is the current form of stored identifiers.

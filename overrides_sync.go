@@ -188,7 +188,38 @@ type regionWatch struct {
 // notice later, reads the region's mark.
 func (w *regionWatch) start(now time.Time) error {
 	w.seen, w.restarts = -1, w.o.Restarts()
+	if from := overrides.source(); from != "" && from != w.o.String() {
+		return w.join(now, from)
+	}
 	return w.load(now)
+}
+
+// join is the first load of a node that comes to the region from
+// elsewhere: a config without Redis, where it kept its own overrides, or
+// another region's Redis. The region's overrides replace the book: what
+// the node held beside them (changed while it counted alone, or the
+// other region's) would apply on this node only, and never reach the
+// region's other nodes.
+func (w *regionWatch) join(now time.Time, from string) error {
+	ctx, cancel := context.WithTimeout(context.Background(), max(w.readTimeout, loadTimeout/2))
+	defer cancel()
+	v, all, err := w.o.Overrides(ctx)
+	if err != nil {
+		return err
+	}
+	recs := make([]overrideRec, 0, len(all))
+	for _, ov := range all {
+		if r, ok := recOfRegion(ov); ok {
+			recs = append(recs, r)
+		}
+	}
+	if dropped := overrides.replace(recs, w.o.String()); dropped > 0 {
+		w.log.Warn("joined the region's runtime overrides: dropped those this node held that the region does not",
+			zap.String("from", from), zap.Int("dropped", dropped))
+	}
+	overrides.prune(time.Now().UnixMilli())
+	w.seen, w.synced = v, now
+	return nil
 }
 
 // look reads the region's change counter and mark. When the region lost
@@ -245,6 +276,7 @@ func (w *regionWatch) load(now time.Time) error {
 	if err != nil {
 		return err
 	}
+	overrides.setSource(w.o.String())
 	w.seen, w.synced = v, now
 	return nil
 }

@@ -368,3 +368,42 @@ func TestOverrides_AFailedReloadDoesNotHoldUpDecisions(t *testing.T) {
 		t.Fatalf("after the failed reload the old config admitted %d of 1", n)
 	}
 }
+
+// TestOverrides_ANodeJoiningTheRegionTakesItsOverrides: a node reloaded
+// without Redis keeps its overrides and changes them on its own (scope
+// node); reloaded with the region's Redis again, it applies the region's
+// overrides, not its own: it once kept both, applying a removal and an
+// override no other node of the region knew of, for good.
+func TestOverrides_ANodeJoiningTheRegionTakesItsOverrides(t *testing.T) {
+	resetOverrides(t)
+	srv := redistest.Start(t)
+	withRedis := overrideConfig(fmt.Sprintf("\tratelimit {\n\t\tredis %s\n\t}", srv.URL()))
+	tester, admin, base := startCaddy(t, withRedis)
+	port := portOf(t, base)
+	var doc overrideDoc
+	adminSend(t, admin, http.MethodPut, "/ratelimit/overrides?zone=ov&identifier=kept", `{"limit": 3}`).decode(t, http.StatusOK, &doc)
+	if doc.Scope != scopeRegion {
+		t.Fatalf("with Redis the override went to %q", doc.Scope)
+	}
+
+	tester.InitServer(overrideConfig("")(admin, port), "caddyfile") // counting alone
+	adminDo(t, admin, http.MethodDelete, "/ratelimit/overrides?zone=ov&identifier=kept").decode(t, http.StatusOK, &doc)
+	adminSend(t, admin, http.MethodPut, "/ratelimit/overrides?zone=ov&identifier=mine", `{"limit": 1}`).decode(t, http.StatusOK, &doc)
+	if doc.Scope != scopeNode {
+		t.Fatalf("without Redis the override went to %q", doc.Scope)
+	}
+
+	tester.InitServer(withRedis(admin, port), "caddyfile") // back in the region
+	redistest.EventuallyShow(t, 5*time.Second, "the node applies the region's overrides", func() (bool, string) {
+		var list overrideListDoc
+		adminDo(t, admin, http.MethodGet, "/ratelimit/overrides?zone=ov").decode(t, http.StatusOK, &list)
+		var got []string
+		for _, o := range list.Overrides {
+			got = append(got, fmt.Sprintf("%s=%d", o.Identifier, o.Limit))
+		}
+		return len(got) == 1 && got[0] == "kept=3", fmt.Sprint(got)
+	})
+	if n := admitted(t, base, "mine", 3); n != 2 {
+		t.Fatalf("the node's own override of 1 still applies: admitted %d of 3 at the zone's limit 2", n)
+	}
+}

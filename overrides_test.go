@@ -21,6 +21,7 @@ func resetOverrides(t *testing.T) {
 	clear := func() {
 		overrides.mu.Lock()
 		overrides.recs = map[overrideKey]overrideRec{}
+		overrides.from = ""
 		overrides.once, overrides.loaded = false, nil
 		overrides.loading.Store(false)
 		overrides.set.Store(nil)

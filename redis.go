@@ -40,6 +40,7 @@ var redisKind = backendKind{
 	unuse: func(st *state) {
 		st.engine.SetOrigin(nil)
 		st.setOrigin(nil)
+		overrides.setSource(sourceNode)
 	},
 	status:     redisStatus,
 	collectors: originCollectors,
