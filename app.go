@@ -107,6 +107,9 @@ func (a *App) Provision(ctx caddy.Context) error {
 		return err
 	}
 	a.state = st
+	if f := st.sizeChanges(a); len(f) > 0 {
+		a.logger.Warn("max_entries and replay_workers size the engine when the process starts: the running engine keeps its values until a restart", f...)
+	}
 	st.apps.provision(a)
 	a.backends = make([]backend, len(backendKinds))
 	for i, k := range backendKinds {

@@ -42,6 +42,9 @@ type state struct {
 	obs    observer
 	// origin is the origin the engine uses now (redis.go).
 	origin originInUse
+	// sized is the config the engine was made with: what sizes it for the
+	// life of the process (sizeFields).
+	sized engine.Config
 }
 
 // acquireState returns the process's state, creating its engine if this is
@@ -57,6 +60,7 @@ func acquireState(a *App) (*state, error) {
 		}
 		st.obs.apps = &st.apps
 		st.obs.observeEngine(&cfg)
+		st.sized = cfg
 		st.engine = engine.New(cfg)
 		return st, nil
 	})
@@ -68,6 +72,23 @@ func acquireState(a *App) (*state, error) {
 		return nil, fmt.Errorf("ratelimit engine: pool holds %T", v)
 	}
 	return st, nil
+}
+
+// sizeChanges returns the settings a would size the engine with that
+// differ from those it was made with (the entry cap and the replay
+// workers), each as the engine's value and the config's: they wait for
+// the process to start again, which the app logs.
+func (s *state) sizeChanges(a *App) []zap.Field {
+	want := newEngineConfig()
+	a.configureEngine(&want)
+	var f []zap.Field
+	if want.MaxEntries != s.sized.MaxEntries {
+		f = append(f, zap.Int("max_entries", s.sized.MaxEntries), zap.Int("config_max_entries", want.MaxEntries))
+	}
+	if want.ReplayWorkers != s.sized.ReplayWorkers {
+		f = append(f, zap.Int("replay_workers", s.sized.ReplayWorkers), zap.Int("config_replay_workers", want.ReplayWorkers))
+	}
+	return f
 }
 
 // releaseState drops one reference; the last one closes the engine.

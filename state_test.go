@@ -1,11 +1,14 @@
 package ratelimit
 
 import (
+	"maps"
 	"testing"
 	"time"
 
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
+
+	"github.com/edgelimit/caddy-ratelimit/origin"
 )
 
 func TestLiveApps_NewestProvisionedSpeaksAfterFailedReload(t *testing.T) {
@@ -69,4 +72,25 @@ func TestPool_EngineClosesWithItsLastUser(t *testing.T) {
 		t.Fatal("pool still holds the state after its last user left")
 	}
 	waitNoEngineGoroutines(t)
+}
+
+// TestState_SizeChangesAreNamed: a reload that changes max_entries or
+// replay_workers cannot resize the running engine; it was ignored without
+// a word, and now the app logs both values of each.
+func TestState_SizeChangesAreNamed(t *testing.T) {
+	cfg := newEngineConfig()
+	(&App{MaxEntries: 50}).configureEngine(&cfg)
+	st := &state{sized: cfg}
+	if f := st.sizeChanges(&App{MaxEntries: 50}); len(f) != 0 {
+		t.Fatalf("the same sizes reported as changed: %v", f)
+	}
+	f := st.sizeChanges(&App{MaxEntries: 3, Origin: &origin.Config{Redis: []string{"redis://127.0.0.1:6379"}, ReplayWorkers: 2}})
+	got := map[string]int64{}
+	for _, x := range f {
+		got[x.Key] = x.Integer
+	}
+	want := map[string]int64{"max_entries": 50, "config_max_entries": 3, "replay_workers": int64(cfg.ReplayWorkers), "config_replay_workers": 2}
+	if !maps.Equal(got, want) {
+		t.Fatalf("changes %v, want %v", got, want)
+	}
 }
