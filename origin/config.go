@@ -10,6 +10,11 @@ import (
 	"github.com/edgelimit/caddy-ratelimit/engine"
 )
 
+// MaxReadTimeout bounds read_timeout: every request of a key that must
+// read waits up to it when Redis does not answer, and a Redis that takes
+// longer is one to decide without.
+const MaxReadTimeout = 10 * time.Second
+
 // MaxReplayWorkers bounds replay_workers: each is a goroutine that may
 // hold a connection of its own, started with the engine, and past a few
 // dozen more of them only queue at Redis, which runs one command at a time.
@@ -244,6 +249,9 @@ func (c Config) Validate() error {
 		if f.v < 0 {
 			return fmt.Errorf("%s: must not be negative, got %s", f.name, time.Duration(f.v))
 		}
+	}
+	if time.Duration(c.ReadTimeout) > MaxReadTimeout {
+		return fmt.Errorf("read_timeout: at most %s, got %s: a request waits that long for a Redis that does not answer", MaxReadTimeout, time.Duration(c.ReadTimeout))
 	}
 	d := c.WithDefaults()
 	if d.FastTick > d.SlowTick {
