@@ -2,13 +2,15 @@ package ratelimit
 
 // Helpers shared by the package's tests: a fake clock for the pooled
 // engine, a handler provisioned without a running Caddy, and one request
-// through it.
+// through it, and the README's sections.
 
 import (
 	"context"
 	"errors"
 	"net/http"
 	"net/http/httptest"
+	"os"
+	"strings"
 	"testing"
 	"time"
 
@@ -131,4 +133,20 @@ type statusDoc struct {
 			Breaker string `json:"breaker"`
 		} `json:"endpoints"`
 	} `json:"origin"`
+}
+
+// readmeSection returns the README and its "### <heading>" section, up to
+// the next heading of that level.
+func readmeSection(t *testing.T, heading string) (readme, section string) {
+	t.Helper()
+	b, err := os.ReadFile("README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, rest, ok := strings.Cut(string(b), "\n### "+heading+"\n")
+	if !ok {
+		t.Fatalf("README has no %s section", heading)
+	}
+	section, _, _ = strings.Cut(rest, "\n### ")
+	return string(b), section
 }

@@ -134,15 +134,7 @@ func TestObserver_BreakerTransitions(t *testing.T) {
 // is found by its literal. Most of the cross-region layer's lines, the
 // replay breaker's and the shutdown flush's were missing from it.
 func TestLogs_READMEListsEveryMessage(t *testing.T) {
-	readme, err := os.ReadFile("README.md")
-	if err != nil {
-		t.Fatal(err)
-	}
-	_, section, ok := strings.Cut(string(readme), "\n### Logs\n")
-	if !ok {
-		t.Fatal("README has no Logs section")
-	}
-	section, _, _ = strings.Cut(section, "\n### ")
+	_, section := readmeSection(t, "Logs")
 	call := regexp.MustCompile(`\.(?:Debug|Info|Warn|Error)\(\s*"((?:[^"\\]|\\.)*)"`)
 	n := 0
 	for _, dir := range []string{".", "engine", "origin", "propagation"} {

@@ -4,7 +4,6 @@ import (
 	"bufio"
 	"bytes"
 	"math/rand/v2"
-	"os"
 	"regexp"
 	"strconv"
 	"strings"
@@ -390,21 +389,13 @@ func seriesValue(t *testing.T, c prometheus.Collector, name, label string) float
 // and nothing it does not: two were missing from the table
 // (resends_total, replay_lost_units_total).
 func TestMetrics_READMEListsEveryMetric(t *testing.T) {
-	readme, err := os.ReadFile("README.md")
-	if err != nil {
-		t.Fatal(err)
-	}
-	_, rest, ok := strings.Cut(string(readme), "\n### Metrics\n")
-	if !ok {
-		t.Fatal("README has no Metrics section")
-	}
-	section, _, _ := strings.Cut(rest, "\n### ")
+	readme, section := readmeSection(t, "Metrics")
 	listed := map[string]bool{}
 	for _, m := range regexp.MustCompile("(?m)^\\| `([a-z_]+)` \\|").FindAllStringSubmatch(section, -1) {
 		listed[m[1]] = true
 	}
 	// The cross-region layer's metrics are a list in its own section.
-	_, cross, ok := strings.Cut(string(readme), "Metrics (prefix `caddy_ratelimit_`, no identifier label):")
+	_, cross, ok := strings.Cut(readme, "Metrics (prefix `caddy_ratelimit_`, no identifier label):")
 	if !ok {
 		t.Fatal("README has no list of the cross-region layer's metrics")
 	}
