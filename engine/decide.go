@@ -116,8 +116,12 @@ func (e *Engine) decideLocal(d *Decision, lc *located, l *Limit) {
 // it would have been, recording nothing a denial records).
 func (e *Engine) allow(d *Decision, lc *located, l *Limit, ok bool, cur, prev int64) {
 	after := SatAdd(cur, l.Cost)
-	if l.Cost != 0 && e.origin.Load() != nil {
-		e.committed(lc, l.Cost, SatAdd(after, weighted(prev, lc.w, lc.r)), l.Limit)
+	if l.Cost != 0 {
+		if e.origin.Load() != nil {
+			e.committed(lc, l.Cost, SatAdd(after, weighted(prev, lc.w, lc.r)), l.Limit)
+		} else if x := lc.cur.links(); x != nil {
+			x.pending.Add(l.Cost) // for an origin that comes back (committed)
+		}
 	}
 	lc.passed(d, l.Limit, after, prev)
 	if !ok {
@@ -180,8 +184,11 @@ func (e *Engine) firstDenial(lc *located, l *Limit, cur, prev int64) {
 
 // committed records cost committed units in the cell for replay; effective
 // is the key's effective count with them, which picks the replay tier.
+// A linked cell keeps its units pending without an origin too (a reload
+// took Redis out): the janitor queues them once one is back, as it does
+// units a full queue left.
 func (e *Engine) committed(lc *located, cost, effective, limit int64) {
-	if cost == 0 || e.origin.Load() == nil {
+	if cost == 0 {
 		return
 	}
 	x := lc.cur.links()
@@ -191,6 +198,9 @@ func (e *Engine) committed(lc *located, cost, effective, limit int64) {
 		return
 	}
 	x.pending.Add(cost)
+	if e.origin.Load() == nil {
+		return
+	}
 	// The first units of a cell replay on the fast tick: a key that starts
 	// on several processes at once is known to be shared within a tick.
 	fast := lc.cur.state()&stShared != 0 || x.own.Load() == 0 || pressureAtLeast(effective, limit, 1, 2)

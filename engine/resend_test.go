@@ -50,3 +50,29 @@ func TestResend_WithoutOriginSendsNothing(t *testing.T) {
 		t.Fatalf("cell %+v: units moved back to pending with no origin to take them", ks.Cells[0])
 	}
 }
+
+// TestOrigin_UnitsAdmittedWithoutItReachItWhenItComesBack: a key counted
+// with an origin, then without one (a reload that took Redis out), then
+// with it again: the units admitted in between reach the origin at the
+// janitor's next pass. They stayed this process's alone, where a key
+// first seen without the origin handed all of its units over.
+func TestOrigin_UnitsAdmittedWithoutItReachItWhenItComesBack(t *testing.T) {
+	e, clk, o := withOrigin(t, Config{})
+	l := lim("k", time.Hour, 100, 1)
+	seq := clk.UnixMilli() / time.Hour.Milliseconds()
+	decideN(e, l, 3)
+	replayAll(t, e)
+	e.SetOrigin(nil)
+	decideN(e, l, 2)
+	e.SetOrigin(o)
+	e.Sweep()
+	replayAll(t, e)
+	if got := o.total(l.Key, seq); got != 5 {
+		t.Fatalf("the origin holds %d, want the 3 units from before and the 2 admitted without it", got)
+	}
+	decideN(e, l, 1)
+	replayAll(t, e)
+	if got := o.total(l.Key, seq); got != 6 {
+		t.Fatalf("the origin holds %d after one more, want 6", got)
+	}
+}
