@@ -197,6 +197,9 @@ func (b *redisBackend) start() {
 		if st.currentOrigin() == originView(b.origin) {
 			n := st.engine.Resend()
 			b.a.logger.Warn("Redis restarted empty: sending every live key's count to it again", zap.Int("cells", n))
+			if p := currentProp.Load(); p != nil {
+				p.RegionLost() // and the other regions' counts, when this node holds the role
+			}
 		}
 	})
 }

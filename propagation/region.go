@@ -156,7 +156,35 @@ func (p *Propagator) takeRole() {
 	p.fullTake = true
 	p.fullPush = true
 	p.fullPull = [tables]bool{true, true, true}
+	p.allImportsDueLocked()
 	p.mu.Unlock()
+}
+
+// RegionLost tells the layer that the region's Redis lost what it held
+// (restarted empty: the root's restart watch sees its run ID change). The
+// imports it held are gone, and the pulls bring none back, since none is
+// news to the holder: every import the node holds is due again, so a
+// holder sends them all at its next flush (an import only raises a count,
+// so sending one twice changes nothing).
+func (p *Propagator) RegionLost() {
+	if p.region == nil {
+		return
+	}
+	p.mu.Lock()
+	p.allImportsDueLocked()
+	p.mu.Unlock()
+}
+
+// allImportsDueLocked makes every import held due for the region: a
+// holder that takes the role (again) cannot know what the region kept.
+// p.mu is held.
+func (p *Propagator) allImportsDueLocked() {
+	if p.region == nil {
+		return
+	}
+	for c := range p.imports {
+		p.importDue[c] = struct{}{}
+	}
 }
 
 // releaseRole gives the role up on stop, so another node takes it at once

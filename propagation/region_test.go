@@ -360,3 +360,44 @@ func TestRole_ARegionsOwnRowsNeverComeBackAsForeign(t *testing.T) {
 		t.Fatalf("read %d rows, imported %d cells; want its own row read and nothing imported", st.CountRowsRead, st.Imports)
 	}
 }
+
+// TestRole_AHolderThatTakesTheRoleAgainHandsItsImportsOver: the region's
+// Redis restarted empty (its imports gone, the lease with them), and the
+// same node took the role again. It sent the region only the imports that
+// changed since, so the region's nodes weighed none of what the other
+// regions had counted before, for the rest of the window; now a holder
+// that takes the role hands the region every import it holds.
+func TestRole_AHolderThatTakesTheRoleAgainHandsItsImportsOver(t *testing.T) {
+	s := newSetup(t)
+	mem := newMemRegion(s.clk)
+	n := s.regionNode("a", "n1", mem)
+	b := s.region("b")
+	b.decide("k", 100, 55)
+	b.p.FlushOnce(bg)
+	b.p.GlobalSyncOnce(bg)
+	n.p.FlushOnce(bg)
+	if got := mem.importedOf("k"); got != 55 {
+		t.Fatalf("the region holds %d imported for k, want b's 55", got)
+	}
+	mem.mu.Lock() // Redis restarted empty, between two of n1's flushes
+	mem.holder, mem.until, mem.imported = "", 0, map[Cell]int64{}
+	mem.mu.Unlock()
+	n.p.RegionLost() // the root's restart watch
+	n.p.FlushOnce(bg)
+	if got := mem.importedOf("k"); got != 55 {
+		t.Fatalf("after the region lost its imports, the region holds %d for k, want b's 55", got)
+	}
+	// The same when the holder lost the role and takes it again.
+	mem.mu.Lock()
+	mem.holder, mem.until, mem.imported = "n2", s.clk.ms.Load()+1, map[Cell]int64{}
+	mem.mu.Unlock()
+	n.p.FlushOnce(bg)
+	s.clk.ms.Add(10)
+	n.p.FlushOnce(bg)
+	if st := n.p.Stats(); st.Role != "holder" {
+		t.Fatalf("n1 is %q, want the holder again", st.Role)
+	}
+	if got := mem.importedOf("k"); got != 55 {
+		t.Fatalf("after n1 took the role again, the region holds %d for k, want b's 55", got)
+	}
+}
