@@ -5,6 +5,8 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"regexp"
+	"strings"
 
 	"github.com/go-sql-driver/mysql"
 )
@@ -131,6 +133,54 @@ func Migrate(ctx context.Context, db *sql.DB) error {
 	}
 	return nil
 }
+
+// CheckSchema reports the first table or column of the schema the
+// database lacks, for mysql_migrate off: the layer is not ready, and says
+// why, until an operator has made the schema (SchemaSQL, the README).
+func CheckSchema(ctx context.Context, db *sql.DB) error {
+	for _, stmt := range schema {
+		m := tableName.FindStringSubmatch(stmt)
+		if m == nil {
+			continue
+		}
+		table := m[1]
+		rows, err := db.QueryContext(ctx, `SELECT column_name FROM information_schema.columns
+  WHERE table_schema = DATABASE() AND table_name = ?`, table)
+		if err != nil {
+			return fmt.Errorf("schema check: look for %s: %w", table, err)
+		}
+		have := map[string]bool{}
+		for rows.Next() {
+			var c string
+			if err := rows.Scan(&c); err != nil {
+				_ = rows.Close()
+				return fmt.Errorf("schema check: look for %s: %w", table, err)
+			}
+			have[strings.ToLower(c)] = true
+		}
+		err = rows.Err()
+		_ = rows.Close()
+		if err != nil {
+			return fmt.Errorf("schema check: look for %s: %w", table, err)
+		}
+		if len(have) == 0 {
+			return fmt.Errorf("schema check: table %s is missing, and mysql_migrate is off: create the schema (the README's statements)", table)
+		}
+		for _, c := range columnName.FindAllStringSubmatch(stmt, -1) {
+			if !have[c[1]] {
+				return fmt.Errorf("schema check: column %s.%s is missing, and mysql_migrate is off: make the schema as the README's statements do", table, c[1])
+			}
+		}
+	}
+	return nil
+}
+
+// tableName finds the table a CREATE TABLE statement makes, columnName
+// each of its columns.
+var (
+	tableName  = regexp.MustCompile(`CREATE TABLE IF NOT EXISTS (\w+)`)
+	columnName = regexp.MustCompile(`(?m)^  (\w+) +(?:VARBINARY|BIGINT|TINYINT)`)
+)
 
 // isDuplicate reports a column or key that another node added first.
 func isDuplicate(err error) bool {

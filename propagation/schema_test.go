@@ -4,7 +4,11 @@ import (
 	"os"
 	"strings"
 	"testing"
+	"time"
 
+	"go.uber.org/zap"
+
+	"github.com/edgelimit/caddy-ratelimit/engine"
 	"github.com/edgelimit/caddy-ratelimit/internal/mysqltest"
 )
 
@@ -65,5 +69,45 @@ func TestMigrate_IdempotentAndBinaryColumns(t *testing.T) {
 	}
 	if strings.Join(got, " ") != strings.Join(want, " ") {
 		t.Fatalf("columns\n got %v\nwant %v", got, want)
+	}
+}
+
+// TestMigrate_OffChecksTheSchema: with mysql_migrate off the layer makes
+// no table, and is not ready while one is missing, saying which: it was
+// ready at once, and every statement then failed on the missing tables.
+func TestMigrate_OffChecksTheSchema(t *testing.T) {
+	s := newSetup(t)
+	eng := engine.New(engine.Config{Manual: true})
+	t.Cleanup(func() { _ = eng.Close(bg) })
+	p, err := New(Config{DSN: s.dsn, Region: "a", Batch: 100, Timeout: 5 * time.Second, NoMigrate: true}, eng, Options{Logger: zap.NewNop()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { p.Stop(bg) })
+	err = p.MigrateOnce(bg)
+	if err == nil || !strings.Contains(err.Error(), "table ratelimit_blocklist is missing, and mysql_migrate is off") {
+		t.Fatalf("with no tables and mysql_migrate off: %v", err)
+	}
+	if p.Stats().Ready {
+		t.Fatal("ready with no tables")
+	}
+	db := mysqltest.Open(t, s.dsn)
+	if n := countRows(t, s.dsn, "information_schema.tables", "WHERE table_schema = DATABASE()"); n != 0 {
+		t.Fatalf("mysql_migrate off made %d tables", n)
+	}
+	if err := Migrate(bg, db); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.Exec(`ALTER TABLE ratelimit_overrides DROP COLUMN updated_ms`); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.MigrateOnce(bg); err == nil || !strings.Contains(err.Error(), "column ratelimit_overrides.updated_ms is missing") {
+		t.Fatalf("with a column missing: %v", err)
+	}
+	if _, err := db.Exec(`ALTER TABLE ratelimit_overrides ADD COLUMN updated_ms BIGINT NOT NULL DEFAULT 0`); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.MigrateOnce(bg); err != nil || !p.Stats().Ready {
+		t.Fatalf("with the schema whole: %v, ready %v", err, p.Stats().Ready)
 	}
 }

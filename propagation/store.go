@@ -57,6 +57,9 @@ type Read struct {
 type sqlStore struct {
 	write, read *sql.DB
 	replica     bool
+	// checkOnly: mysql_migrate off. Migrate checks that the schema is
+	// there, whole, and changes nothing.
+	checkOnly bool
 }
 
 // openStore opens the pools without dialling. Every network step is
@@ -68,7 +71,7 @@ func openStore(cfg Config, log *zap.Logger) (*sqlStore, string, error) {
 	if err != nil {
 		return nil, "", err
 	}
-	s := &sqlStore{write: write, read: write}
+	s := &sqlStore{write: write, read: write, checkOnly: cfg.NoMigrate}
 	if cfg.ReadDSN != "" {
 		if s.read, _, err = openDB(cfg.ReadDSN, cfg.Timeout, log, "mysql_read"); err != nil {
 			_ = write.Close()
@@ -131,7 +134,12 @@ func (l driverLogger) Print(v ...any) {
 	l.log.Warn("mysql driver: " + strings.TrimSpace(fmt.Sprint(v...)))
 }
 
-func (s *sqlStore) Migrate(ctx context.Context) error { return Migrate(ctx, s.write) }
+func (s *sqlStore) Migrate(ctx context.Context) error {
+	if s.checkOnly {
+		return CheckSchema(ctx, s.write)
+	}
+	return Migrate(ctx, s.write)
+}
 
 func (s *sqlStore) Close() error {
 	err := s.write.Close()

@@ -167,12 +167,10 @@ func (p *Propagator) Start() {
 	if !p.started.CompareAndSwap(false, true) {
 		return
 	}
-	if p.cfg.NoMigrate {
-		p.ready.Store(true)
-	} else {
-		p.wg.Add(1)
-		go p.migrateLoop()
-	}
+	// With mysql_migrate off the loop only checks the schema (sqlStore):
+	// the layer is ready once the tables are there.
+	p.wg.Add(1)
+	go p.migrateLoop()
 	p.loop(p.cfg.Flush, p.cfg.Flush, func(ctx context.Context) { p.FlushOnce(ctx) })
 	p.loop(p.cfg.GlobalSync, p.cfg.GlobalSync, func(ctx context.Context) { p.GlobalSyncOnce(ctx) })
 	p.loop(p.cfg.BlocklistSync, p.cfg.BlocklistSync, func(ctx context.Context) { p.BlocklistSyncOnce(ctx) })
