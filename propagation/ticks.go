@@ -154,7 +154,7 @@ func (p *Propagator) checkLag(ctx context.Context) {
 	if err != nil {
 		p.stats.replicaLagMs.Store(-1)
 		if c := p.stats.lagErrors.Add(1); c == 1 {
-			p.log.Warn("cannot read the replica's lag (SHOW REPLICA STATUS needs the REPLICATION CLIENT privilege, or SLAVE MONITOR on MariaDB): the status shows the newest row's age only",
+			p.log.Warn("cannot read the replica's lag (SHOW REPLICA STATUS failed: the replica does not answer, or its user lacks REPLICATION CLIENT, SLAVE MONITOR on MariaDB): the status shows the newest row's age only",
 				zap.Error(err))
 		}
 	}
