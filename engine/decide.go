@@ -119,8 +119,10 @@ func (e *Engine) allow(d *Decision, lc *located, l *Limit, ok bool, cur, prev in
 	if l.Cost != 0 {
 		if e.origin.Load() != nil {
 			e.committed(lc, l.Cost, SatAdd(after, weighted(prev, lc.w, lc.r)), l.Limit)
-		} else if x := lc.cur.links(); x != nil {
-			x.pending.Add(l.Cost) // for an origin that comes back (committed)
+		} else if e.unsent.Load() {
+			if x := lc.cur.links(); x != nil {
+				x.pending.Add(l.Cost) // for an origin that comes back (committed)
+			}
 		}
 	}
 	lc.passed(d, l.Limit, after, prev)

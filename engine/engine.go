@@ -122,6 +122,10 @@ type Engine struct {
 	// reservations are the origin decisions in flight, one per cell.
 	reservations *xsync.Map[*cell, *group]
 	origin       atomic.Pointer[originBox]
+	// unsent is set once the engine has let an origin go (SetOrigin(nil)
+	// after one): its linked cells keep their units pending for the next
+	// (allow). An engine that never had one skips that on one load.
+	unsent atomic.Bool
 	// strictLive counts strict deadlines, bounded by MaxEntries.
 	strictLive atomic.Int64
 
@@ -204,6 +208,9 @@ func New(cfg Config) *Engine {
 // with the first origin: a local-only engine runs no replay goroutine.
 func (e *Engine) SetOrigin(o Origin) {
 	if o == nil {
+		if e.origin.Load() != nil {
+			e.unsent.Store(true)
+		}
 		e.origin.Store(nil)
 		return
 	}
