@@ -496,7 +496,9 @@ func runtimeLimit(ctx context.Context, zone, id string) (int64, bool) {
 }
 
 // normalizedRuntimeLimit is runtimeLimit for an identifier the engine
-// normalized already (see overrideSet.limitNormalized).
+// normalized already (see overrideSet.limitNormalized), for the admin
+// path. The two are written out apiece: a shared helper with the wait in
+// it is not inlined, and would cost the request path a call.
 func normalizedRuntimeLimit(ctx context.Context, zone, norm string) (int64, bool) {
 	if overrides.loading.Load() {
 		overrides.waitLoaded(ctx)

@@ -67,10 +67,11 @@ func (s *state) overridesRedis() *origin.Redis {
 	return nil
 }
 
-// loadRegionOverrides reads every override the region holds into the
-// book and drops those that lapsed from the region; it returns the
-// region's change counter they are as of.
-func loadRegionOverrides(ctx context.Context, o *origin.Redis) (int64, error) {
+// loadRegionOverrides reads every override the region holds, hands them
+// to take (the book's merge, or its replace when a node joins), and drops
+// those that lapsed from the region; it returns the region's change
+// counter they are as of.
+func loadRegionOverrides(ctx context.Context, o *origin.Redis, take func([]overrideRec)) (int64, error) {
 	v, all, err := o.Overrides(ctx)
 	if err != nil {
 		return 0, err
@@ -88,7 +89,7 @@ func loadRegionOverrides(ctx context.Context, o *origin.Redis) (int64, error) {
 		}
 		recs = append(recs, r)
 	}
-	overrides.merge(recs)
+	take(recs)
 	overrides.prune(now)
 	return v, o.DropOverrides(ctx, lapsed)
 }
@@ -201,25 +202,13 @@ func (w *regionWatch) start(now time.Time) error {
 // other region's) would apply on this node only, and never reach the
 // region's other nodes.
 func (w *regionWatch) join(now time.Time, from string) error {
-	ctx, cancel := context.WithTimeout(context.Background(), max(w.readTimeout, loadTimeout/2))
-	defer cancel()
-	v, all, err := w.o.Overrides(ctx)
-	if err != nil {
-		return err
-	}
-	recs := make([]overrideRec, 0, len(all))
-	for _, ov := range all {
-		if r, ok := recOfRegion(ov); ok {
-			recs = append(recs, r)
-		}
-	}
-	if dropped := overrides.replace(recs, w.o.String()); dropped > 0 {
+	dropped := 0
+	err := w.loadInto(now, func(recs []overrideRec) { dropped = overrides.replace(recs, w.o.String()) })
+	if dropped > 0 {
 		w.log.Warn("joined the region's runtime overrides: dropped those this node held that the region does not",
 			zap.String("from", from), zap.Int("dropped", dropped))
 	}
-	overrides.prune(time.Now().UnixMilli())
-	w.seen, w.synced = v, now
-	return nil
+	return err
 }
 
 // look reads the region's change counter and mark. When the region lost
@@ -269,9 +258,14 @@ func (w *regionWatch) loss(v int64, mark string, restarts uint64) string {
 // load reads the region's overrides into the book, and forgets what
 // lapsed there whether or not the region answered.
 func (w *regionWatch) load(now time.Time) error {
+	return w.loadInto(now, func(recs []overrideRec) { overrides.merge(recs) })
+}
+
+// loadInto is load with the region's overrides handed to take.
+func (w *regionWatch) loadInto(now time.Time, take func([]overrideRec)) error {
 	ctx, cancel := context.WithTimeout(context.Background(), max(w.readTimeout, loadTimeout/2))
 	defer cancel()
-	v, err := loadRegionOverrides(ctx, w.o)
+	v, err := loadRegionOverrides(ctx, w.o, take)
 	overrides.prune(time.Now().UnixMilli())
 	if err != nil {
 		return err
