@@ -28,13 +28,7 @@ func (e *Engine) ForgetMatching(namespace string, window time.Duration, match fu
 	if !ok {
 		return 0
 	}
-	var ids []string
-	z.entries.Range(func(id string, _ *entry) bool {
-		if match(id) {
-			ids = append(ids, id)
-		}
-		return true
-	})
+	ids := matchingEntries(z, match)
 	z.strict.Range(func(id string, _ *atomic.Int64) bool {
 		if match(id) {
 			ids = append(ids, id)
@@ -48,6 +42,19 @@ func (e *Engine) ForgetMatching(namespace string, window time.Duration, match fu
 		}
 	}
 	return n
+}
+
+// matchingEntries returns the identifiers of z's entries that match
+// accepts, collected before anything is done to them.
+func matchingEntries(z *Zone, match func(id string) bool) []string {
+	var ids []string
+	z.entries.Range(func(id string, _ *entry) bool {
+		if match(id) {
+			ids = append(ids, id)
+		}
+		return true
+	})
+	return ids
 }
 
 // FlushMatching writes, now, what this process has not replayed yet of
@@ -65,13 +72,7 @@ func (e *Engine) FlushMatching(namespace string, window time.Duration, match fun
 	if !ok {
 		return nil
 	}
-	var ids []string
-	z.entries.Range(func(id string, _ *entry) bool {
-		if match(id) {
-			ids = append(ids, id)
-		}
-		return true
-	})
+	ids := matchingEntries(z, match)
 	var first error
 	for _, id := range ids {
 		if err := e.flushHeld(o, z, id); err != nil && first == nil {
