@@ -77,6 +77,8 @@ var propagationStats = statSet[propagation.Stats]{stats: []stat[propagation.Stat
 		help:  "Times this process took its region's role (taken) or lost it to another node (lost)."},
 	{json: "role_lost", metric: "propagation_role_changes_total", label: [2]string{"change", "lost"},
 		value: func(s *propagation.Stats) any { return s.RoleLost }},
+	{json: "lease_renewals", metric: "propagation_lease_renewals_total", value: func(s *propagation.Stats) any { return s.LeaseRenewals },
+		help: "Times the role's holder renewed its lease during a flush, before a query that could have outlasted it (MySQL or the region's Redis slow or stalled)."},
 	{json: "errors.lease", metric: "propagation_errors_total", label: [2]string{"op", "lease"}, value: func(s *propagation.Stats) any { return s.LeaseErrors }},
 	{json: "errors.region", metric: "propagation_errors_total", label: [2]string{"op", "region"}, value: func(s *propagation.Stats) any { return s.RegionErrors }},
 	{json: "cells_registered", metric: "propagation_cells_registered_total", value: func(s *propagation.Stats) any { return s.Registered },

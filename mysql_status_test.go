@@ -13,7 +13,7 @@ import (
 func TestPropagationStats_SectionKeepsItsKeys(t *testing.T) {
 	s := propagation.Stats{Region: "eu", Database: "tcp(db:3306)/rl", Ready: true, Breaker: "closed",
 		DenialsEmitted: 1, CountsPublished: 2, DenialsApplied: 3, CountsApplied: 4, WriteErrors: 5, Imports: 6,
-		Role: "holder", Holder: "n1", NodeID: "n1", RoleTaken: 1, LeaseErrors: 7, CountRowsRead: 8, ChangeReads: 9,
+		Role: "holder", Holder: "n1", NodeID: "n1", RoleTaken: 1, LeaseErrors: 7, LeaseRenewals: 10, CountRowsRead: 8, ChangeReads: 9,
 		ReplicaLag: -1, NewestRowAge: 1500 * time.Millisecond}
 	b, err := json.Marshal(propagationStats.section(&s))
 	if err != nil {
@@ -23,7 +23,7 @@ func TestPropagationStats_SectionKeepsItsKeys(t *testing.T) {
 		`"last_blocklist_pull":null,"rows_emitted":{"blocklist":1,"global_counts":2},"rows_applied":{"blocklist":3,"global_counts":4},` +
 		`"denials_filtered":0,"denials_expired":0,"denial_queue_drops":0,"pending_denials":0,"dropped_batches":0,` +
 		`"errors":{"write":5,"read":0,"migrate":0,"lease":7,"region":0},"imports":6,"import_drops":0,"cleanup_deleted":0,` +
-		`"role":"holder","holder":"n1","node_id":"n1","role_taken":1,"role_lost":0,"cells_registered":0,"denials_left":0,` +
+		`"role":"holder","holder":"n1","node_id":"n1","role_taken":1,"role_lost":0,"lease_renewals":10,"cells_registered":0,"denials_left":0,` +
 		`"registry_cells":0,"registry_drops":0,"imports_sent":0,"rows_read":{"blocklist":0,"global_counts":8},` +
 		`"pulls":{"changes":9,"whole":0},"replica_lag_seconds":null,"newest_row_age_seconds":1.5}`
 	if string(b) != want {

@@ -2,6 +2,7 @@ package propagation
 
 import (
 	"context"
+	"errors"
 
 	"go.uber.org/zap"
 
@@ -147,6 +148,9 @@ func (p *Propagator) pruneMember(now int64) {
 // regionFailed logs a failed call to the region's Redis: one line per
 // streak start, then one per hundred (the metrics count every one).
 func (p *Propagator) regionFailed(what string, err error) {
+	if errors.Is(err, errLeaseLost) {
+		return
+	}
 	if c := p.stats.regionErrors.Add(1); c == 1 || c%100 == 0 {
 		p.log.Warn("the region's Redis did not answer the cross-region layer: kept for the next flush",
 			zap.String("what", what), zap.Int64("region_errors", c), zap.Error(err))

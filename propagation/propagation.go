@@ -302,7 +302,7 @@ func newBreaker(b Breaker, log *zap.Logger, onChange func(from, to string)) *gob
 			done := n.TotalSuccesses + n.TotalFailures
 			return done >= uint32(b.MinRequests) && float64(n.TotalFailures) >= b.FailureRatio*float64(done)
 		},
-		IsExcluded: func(err error) bool { return errors.Is(err, context.Canceled) },
+		IsExcluded: func(err error) bool { return errors.Is(err, context.Canceled) || errors.Is(err, errLeaseLost) },
 		OnStateChange: func(_ string, from, to gobreaker.State) {
 			log.Info("mysql write breaker changed state",
 				zap.String("breaker", BreakerName), zap.String("from", from.String()), zap.String("to", to.String()))
@@ -322,9 +322,20 @@ func (p *Propagator) Region() string { return p.cfg.Region }
 // Config returns the settings in force, defaults applied.
 func (p *Propagator) Config() Config { return p.cfg }
 
-// query runs fn with a context bounded by the query timeout.
+// query runs fn with a context bounded by the query timeout. In a
+// holder's flush it is bounded by the role's lease too, which it renews
+// first when the query could outlast it (keepLease).
 func (p *Propagator) query(ctx context.Context, fn func(ctx context.Context) error) error {
-	ctx, cancel := context.WithTimeout(ctx, p.cfg.Timeout)
+	deadline := time.Now().Add(p.cfg.Timeout)
+	if l, _ := ctx.Value(leaseKey{}).(*heldLease); l != nil {
+		if err := p.keepLease(ctx, l, deadline); err != nil {
+			return err
+		}
+		if l.until.Before(deadline) {
+			deadline = l.until
+		}
+	}
+	ctx, cancel := context.WithDeadline(ctx, deadline)
 	defer cancel()
 	return fn(ctx)
 }

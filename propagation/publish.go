@@ -3,6 +3,7 @@ package propagation
 import (
 	"cmp"
 	"context"
+	"errors"
 	"slices"
 
 	"go.uber.org/zap"
@@ -238,6 +239,9 @@ func (p *Propagator) writeCounts(ctx context.Context, cands []candidate, fix ...
 // writeFailed counts and logs a failed write: one line per streak start,
 // then one per hundred (the metrics count every dropped batch).
 func (p *Propagator) writeFailed(what string, n int, err error) {
+	if errors.Is(err, errLeaseLost) {
+		return
+	}
 	p.stats.droppedBatches.Add(1)
 	if c := p.stats.writeErrors.Add(1); c == 1 || c%100 == 0 {
 		p.log.Warn("mysql write failed: batch dropped (decisions stand locally; rows are retried)",

@@ -2,6 +2,7 @@ package propagation
 
 import (
 	"context"
+	"errors"
 	"time"
 
 	"go.uber.org/zap"
@@ -117,6 +118,9 @@ func newer(a, b *RowKey) bool {
 }
 
 func (p *Propagator) readFailed(what string, err error) {
+	if errors.Is(err, errLeaseLost) {
+		return
+	}
 	if c := p.stats.readErrors.Add(1); c == 1 || c%100 == 0 {
 		p.log.Warn("mysql read failed: keeping the imported counts we have",
 			zap.String("what", what), zap.String("database", p.addr), zap.Int64("read_errors", c), zap.Error(err))

@@ -2,6 +2,7 @@ package propagation
 
 import (
 	"context"
+	"errors"
 	"time"
 
 	"go.uber.org/zap"
@@ -109,6 +110,48 @@ var roleNames = [...]string{roleOwn: "own-region", roleMember: "member", roleHol
 // flushes, and a query's timeout for a flush that ran long, so a live
 // holder never loses it between two renewals.
 func (p *Propagator) leaseTTL() time.Duration { return 3*p.cfg.Flush + p.cfg.Timeout }
+
+// heldLease is the role's lease as a holder's flush holds it (in the
+// flush's context): until is when it lapses by this process's reckoning,
+// counted from before the call that renewed it; lost, that a renewal found
+// it gone. Only the flush's goroutine touches it.
+type heldLease struct {
+	until time.Time
+	lost  bool
+}
+
+type leaseKey struct{}
+
+// errLeaseLost ends what is left of a flush whose holder lost the role
+// during it: not a failure of MySQL or Redis (the breaker and the error
+// counts leave it out), and the next holder does the work.
+var errLeaseLost = errors.New("the region's cross-region role passed to another node during this flush")
+
+// keepLease renews the flush's lease when a query that may run until
+// need could outlast it. A flush that MySQL slows or stalls (each query
+// waiting mysql_timeout, a whole read of many pages) once outlasted the
+// lease it renewed at its start: another node took the role, and both
+// talked to MySQL for the region until the first flush returned. Renewed
+// as it goes, the flush keeps the role while it works, and stops at once
+// if the role passed (the region's Redis did not answer the renewal, or
+// another node holds it).
+func (p *Propagator) keepLease(ctx context.Context, l *heldLease, need time.Time) error {
+	if l.lost {
+		return errLeaseLost
+	}
+	if !l.until.Before(need) {
+		return nil
+	}
+	asked := time.Now()
+	// The renewal's own query must not come back here.
+	if held, _ := p.holdRole(context.WithValue(ctx, leaseKey{}, (*heldLease)(nil))); !held {
+		l.lost = true
+		return errLeaseLost
+	}
+	p.stats.leaseRenewals.Add(1)
+	l.until = asked.Add(p.leaseTTL())
+	return nil
+}
 
 // holdRole takes or renews the region's role and reports whether this
 // process holds it, and whether it just took it. A process without a

@@ -167,18 +167,55 @@ func (r *memRegion) importedOf(id string) int64 {
 	return r.imported[Cell{"z", id, window.Milliseconds(), seq0}]
 }
 
-// countingStore counts the statements a process sends MySQL, and fails
-// its writes on demand (a holder that dies between taking and writing).
+// countingStore counts the statements a process sends MySQL, fails its
+// writes on demand (a holder that dies between taking and writing), and
+// slows or stalls every statement on demand: slow delays each (a slow
+// MySQL), hang holds each until its context ends (a MySQL that accepts
+// and answers nothing). With leaseEnd set it keeps by how much the
+// latest statement's deadline passed the holder's lease as it stood.
 type countingStore struct {
 	Store
 	statements atomic.Int64
 	failWrites atomic.Bool
+	hang       atomic.Bool
+	slow       time.Duration
+	leaseEnd   func() time.Time
+	pastLease  atomic.Int64 // ns
+	// before, if set, runs before each statement.
+	before func()
 }
 
 var errDown = errors.New("the holder died before this write")
 
+// stall slows or holds a statement, as set.
+func (s *countingStore) stall(ctx context.Context) error {
+	if s.before != nil {
+		s.before()
+	}
+	if d, ok := ctx.Deadline(); ok && s.leaseEnd != nil {
+		if past := d.Sub(s.leaseEnd()); past > 0 {
+			s.pastLease.Store(max(s.pastLease.Load(), int64(past)))
+		}
+	}
+	if s.slow > 0 {
+		select {
+		case <-time.After(s.slow): // the scenario: MySQL answers this late
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	if !s.hang.Load() {
+		return nil
+	}
+	<-ctx.Done()
+	return ctx.Err()
+}
+
 func (s *countingStore) UpsertDenials(ctx context.Context, rows []*BlocklistRow) error {
 	s.statements.Add(1)
+	if err := s.stall(ctx); err != nil {
+		return err
+	}
 	if s.failWrites.Load() {
 		return errDown
 	}
@@ -187,6 +224,9 @@ func (s *countingStore) UpsertDenials(ctx context.Context, rows []*BlocklistRow)
 
 func (s *countingStore) UpsertCounts(ctx context.Context, rows []*CountRow) error {
 	s.statements.Add(1)
+	if err := s.stall(ctx); err != nil {
+		return err
+	}
 	if s.failWrites.Load() {
 		return errDown
 	}
@@ -195,16 +235,25 @@ func (s *countingStore) UpsertCounts(ctx context.Context, rows []*CountRow) erro
 
 func (s *countingStore) ReadDenials(ctx context.Context, r Read) ([]BlocklistRow, error) {
 	s.statements.Add(1)
+	if err := s.stall(ctx); err != nil {
+		return nil, err
+	}
 	return s.Store.ReadDenials(ctx, r)
 }
 
 func (s *countingStore) ReadCounts(ctx context.Context, r Read) ([]CountRow, error) {
 	s.statements.Add(1)
+	if err := s.stall(ctx); err != nil {
+		return nil, err
+	}
 	return s.Store.ReadCounts(ctx, r)
 }
 
 func (s *countingStore) UpsertOverrides(ctx context.Context, rows []*OverrideRow) error {
 	s.statements.Add(1)
+	if err := s.stall(ctx); err != nil {
+		return err
+	}
 	if s.failWrites.Load() {
 		return errDown
 	}
@@ -213,11 +262,17 @@ func (s *countingStore) UpsertOverrides(ctx context.Context, rows []*OverrideRow
 
 func (s *countingStore) ReadOverrides(ctx context.Context, r Read) ([]OverrideRow, error) {
 	s.statements.Add(1)
+	if err := s.stall(ctx); err != nil {
+		return nil, err
+	}
 	return s.Store.(OverrideStore).ReadOverrides(ctx, r)
 }
 
 func (s *countingStore) DeleteExpired(ctx context.Context, t Table, now int64, chunk int) (int64, error) {
 	s.statements.Add(1)
+	if err := s.stall(ctx); err != nil {
+		return 0, err
+	}
 	return s.Store.DeleteExpired(ctx, t, now, chunk)
 }
 
@@ -240,11 +295,15 @@ func (s *setup) regionNodeOn(name string, mem *memRegion, reg *resetRegion) *reg
 }
 
 // regionNodeWith is a node of a region reached through reg.
-func (s *setup) regionNodeWith(name string, reg Region) *regionNode {
+func (s *setup) regionNodeWith(name string, reg Region, mod ...func(*Config)) *regionNode {
 	s.t.Helper()
 	eng := engine.New(engine.Config{Now: s.clk.Now, Manual: true})
 	eng.Zone("z", window)
-	cfg := Config{DSN: s.dsn, Region: name, Batch: 100, Timeout: 5 * time.Second}.WithDefaults()
+	cfg := Config{DSN: s.dsn, Region: name, Batch: 100, Timeout: 5 * time.Second}
+	for _, m := range mod {
+		m(&cfg)
+	}
+	cfg = cfg.WithDefaults()
 	sql, _, err := openStore(cfg, zap.NewNop())
 	if err != nil {
 		s.t.Fatal(err)
@@ -337,6 +396,131 @@ func TestRole_TheNextHolderWritesWhatTheDeadOneTook(t *testing.T) {
 	}
 	if n := countRows(t, s.dsn, "ratelimit_blocklist", "WHERE identifier = 'burst'"); n != 1 {
 		t.Fatal("the new holder did not write the denial row the dead one took")
+	}
+}
+
+// timedNode is a memNode that keeps when its last lease call began, and
+// counts them.
+type timedNode struct {
+	memNode
+	asked  atomic.Int64 // Unix ns
+	leases atomic.Int64
+}
+
+func (n *timedNode) Lease(ctx context.Context, ttl time.Duration) (string, error) {
+	n.asked.Store(time.Now().UnixNano())
+	n.leases.Add(1)
+	return n.memNode.Lease(ctx, ttl)
+}
+
+// leaseNode is a node of a region on real time's lease bookkeeping:
+// flushes every 20 ms, queries bounded by 300 ms, so the lease (3 ×
+// mysql_flush + mysql_timeout) is 360 ms and two stalled queries outlast
+// it. Its store reports any statement whose deadline passed the lease as
+// last renewed.
+func (s *setup) leaseNode() (*regionNode, *timedNode) {
+	node := &timedNode{memNode: memNode{newMemRegion(s.clk), "n1"}}
+	n := s.regionNodeWith("a", node, func(c *Config) {
+		c.Flush = 20 * time.Millisecond
+		c.Timeout = 300 * time.Millisecond
+	})
+	lease := n.p.leaseTTL()
+	if lease >= 2*n.p.cfg.Timeout {
+		s.t.Fatalf("lease %v: the test needs two queries' timeouts to outlast it", lease)
+	}
+	n.store.leaseEnd = func() time.Time { return time.Unix(0, node.asked.Load()).Add(lease) }
+	return n, node
+}
+
+// TestRole_AStalledFlushNeverRunsPastItsLease: MySQL accepts the holder's
+// statements and answers none. Each waits mysql_timeout, and a flush has
+// several, so the flush once outlasted the lease it renewed at its start:
+// another node took the role, and both talked to MySQL for the region
+// until the first flush returned. Now no statement may run past the
+// holder's lease as it stands when the statement starts.
+func TestRole_AStalledFlushNeverRunsPastItsLease(t *testing.T) {
+	s := newSetup(t)
+	n1, node := s.leaseNode()
+	n1.decide("k", s.limit, int(s.limit))
+	node.setTotal("k", s.limit) // a count worth publishing
+	n1.store.hang.Store(true)
+	n1.p.FlushOnce(bg)
+	if got := n1.store.statements.Load(); got < 2 {
+		t.Fatalf("the flush sent %d statements, want several to stall", got)
+	}
+	if n1.p.role.Load() != roleHolder {
+		t.Fatal("n1 did not take the role")
+	}
+	if past := time.Duration(n1.store.pastLease.Load()); past > 0 {
+		t.Fatalf("a statement of the stalled flush could run %v past the holder's lease (%v, renewed %d times)",
+			past, n1.p.leaseTTL(), node.leases.Load()-1)
+	}
+	if r := n1.p.Stats().LeaseRenewals; r == 0 {
+		t.Fatal("the stalled flush never renewed its lease: it cannot have kept it")
+	}
+}
+
+// TestRole_ASlowFlushKeepsItsLeaseAndFinishes: MySQL answers each
+// statement 150 ms late, so a flush of several takes longer than the lease.
+// The holder renews the lease as it goes, keeps the role, and every
+// statement succeeds: a flush is never cut short by its own lease while
+// the region's Redis renews it (a whole read of many pages on a slow
+// MySQL would otherwise never finish).
+func TestRole_ASlowFlushKeepsItsLeaseAndFinishes(t *testing.T) {
+	s := newSetup(t)
+	n1, node := s.leaseNode()
+	n1.store.slow = 150 * time.Millisecond
+	n1.decide("k", s.limit, int(s.limit))
+	node.setTotal("k", s.limit)
+	start := time.Now()
+	n1.p.FlushOnce(bg)
+	took := time.Since(start)
+	st := n1.p.Stats()
+	if took <= n1.p.leaseTTL() {
+		t.Fatalf("the flush took %v, within the lease (%v): the scenario needs it longer", took, n1.p.leaseTTL())
+	}
+	if st.ReadErrors != 0 || st.WriteErrors != 0 || st.RoleLost != 0 {
+		t.Fatalf("a slow flush failed: %d read errors, %d write errors, role lost %d times", st.ReadErrors, st.WriteErrors, st.RoleLost)
+	}
+	if st.CountsPublished != 1 || st.LeaseRenewals == 0 {
+		t.Fatalf("published %d counts with %d renewals, want the count published and the lease renewed", st.CountsPublished, st.LeaseRenewals)
+	}
+	if past := time.Duration(n1.store.pastLease.Load()); past > 0 {
+		t.Fatalf("a statement could run %v past the holder's lease", past)
+	}
+}
+
+// TestRole_AFlushStopsWhenItsRoleIsGone: during a slow flush the
+// holder's lease lapses and another node takes the role. The renewal
+// before the next statement finds it gone: the flush sends MySQL nothing
+// more, and what it leaves undone counts as no error of MySQL's (the
+// breaker stays closed, nothing is counted dropped).
+func TestRole_AFlushStopsWhenItsRoleIsGone(t *testing.T) {
+	s := newSetup(t)
+	n1, node := s.leaseNode()
+	n1.store.slow = 150 * time.Millisecond
+	n1.decide("k", s.limit, int(s.limit))
+	node.setTotal("k", s.limit)
+	var sent atomic.Int64
+	n1.store.before = func() {
+		if sent.Add(1) == 1 { // n1 holds the role: its lease lapses, n2 takes it
+			s.clk.Add(n1.p.leaseTTL() + time.Millisecond)
+			if h, _ := (memNode{node.memRegion, "n2"}).Lease(bg, n1.p.leaseTTL()); h != "n2" {
+				t.Errorf("n2 could not take the lapsed role: %q holds it", h)
+			}
+		}
+	}
+	n1.p.FlushOnce(bg)
+	st := n1.p.Stats()
+	if got := sent.Load(); got != 1 {
+		t.Fatalf("n1 sent MySQL %d statements, want only the one before it lost the role", got)
+	}
+	if st.Role != "member" || st.Holder != "n2" || st.RoleLost != 1 {
+		t.Fatalf("role %q, holder %q, lost %d times: want member of n2's role, lost once", st.Role, st.Holder, st.RoleLost)
+	}
+	if st.ReadErrors+st.WriteErrors+st.DroppedBatches+st.RegionErrors != 0 || st.Breaker != "closed" {
+		t.Fatalf("the lost role counted as failures: %d read, %d write, %d dropped, %d region errors, breaker %s",
+			st.ReadErrors, st.WriteErrors, st.DroppedBatches, st.RegionErrors, st.Breaker)
 	}
 }
 

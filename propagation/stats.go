@@ -13,7 +13,7 @@ type counters struct {
 	droppedBatches, writeErrors, readErrors, migrateErrors          atomic.Int64
 	importDrops, waitingApplied, cleanupDeleted, importsSent        atomic.Int64
 	registered, registryDrops, regionErrors, leaseErrors, lagErrors atomic.Int64
-	roleTaken, roleLost, wholeReads, changeReads                    atomic.Int64
+	roleTaken, roleLost, leaseRenewals, wholeReads, changeReads     atomic.Int64
 	overridesWritten                                                atomic.Int64
 	rowsRead                                                        [tables]atomic.Int64
 	lastPush                                                        atomic.Int64 // Unix ms
@@ -62,8 +62,10 @@ type Stats struct {
 	// seen ("" for own-region); NodeID this process's.
 	Role, Holder, NodeID string
 	// RoleTaken and RoleLost count the times this process took the role
-	// and lost it to another node; LeaseErrors failed lease calls.
-	RoleTaken, RoleLost, LeaseErrors int64
+	// and lost it to another node; LeaseErrors failed lease calls;
+	// LeaseRenewals renewals during a flush that could have outlasted
+	// the lease.
+	RoleTaken, RoleLost, LeaseErrors, LeaseRenewals int64
 	// Registered counts the cells this node registered for the holder to
 	// publish; DenialsLeft the denial rows it left for the holder;
 	// RegionErrors failed calls to the region's Redis.
@@ -151,6 +153,7 @@ func (s *counters) snapshot() Stats {
 		RoleTaken:         s.roleTaken.Load(),
 		RoleLost:          s.roleLost.Load(),
 		LeaseErrors:       s.leaseErrors.Load(),
+		LeaseRenewals:     s.leaseRenewals.Load(),
 		Registered:        s.registered.Load(),
 		DenialsLeft:       s.denialsLeft.Load(),
 		RegionErrors:      s.regionErrors.Load(),

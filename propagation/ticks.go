@@ -23,9 +23,13 @@ func (p *Propagator) FlushOnce(ctx context.Context) {
 		p.putDenials(ctx)
 		p.registerCells(ctx)
 	}
+	asked := time.Now()
 	held, taken := p.holdRole(ctx)
 	if !held {
 		return
+	}
+	if p.region != nil {
+		ctx = context.WithValue(ctx, leaseKey{}, &heldLease{until: asked.Add(p.leaseTTL())})
 	}
 	if taken {
 		p.takeRole()
