@@ -247,6 +247,8 @@ type propStatus struct {
 		DroppedBatches  int64  `json:"dropped_batches"`
 		Imports         int64  `json:"imports"`
 		Role            string `json:"role"`
+		RoleTaken       int64  `json:"role_taken"`
+		LeaseRenewals   int64  `json:"lease_renewals"`
 		Holder          string `json:"holder"`
 		NodeID          string `json:"node_id"`
 		CellsRegistered int64  `json:"cells_registered"`

@@ -96,6 +96,46 @@ func TestRegions_HolderKilledHandsTheRoleOn(t *testing.T) {
 	}
 }
 
+// TestRegions_MariaDBStalledKeepsOneHolder: MariaDB stops answering
+// (SIGSTOP: it accepts connections and answers nothing) for three lease
+// lengths. Each of the holder's queries waits mysql_timeout, and a flush
+// has several: it once outlasted its lease, the other node took the role,
+// and both talked to MySQL for the region (both showed holder). Now the
+// holder renews its lease as its flush waits: at no moment do two nodes
+// hold the role, and once MariaDB answers the same node still holds it.
+func TestRegions_MariaDBStalledKeepsOneHolder(t *testing.T) {
+	c := startCluster(t, clusterSpec{regions: 1, nodes: 2, limit: 50, window: pickWindow(time.Minute), ownMySQL: true})
+	nodes := c.regions[0]
+	first := holderOf(t, nodes, 10*time.Second)
+	lease := 3*testFlush + time.Second // 3 × mysql_flush + mysql_timeout
+	c.mysql.Pause()
+	t.Cleanup(c.mysql.Resume)
+	paused := time.Now()
+	samples := 0
+	for time.Since(paused) < 3*lease { // the stall lasts this long: the scenario, not a wait
+		var roles []string
+		for _, n := range nodes {
+			roles = append(roles, n.status(t).Propagation.Role)
+		}
+		if roles[0] == "holder" && roles[1] == "holder" {
+			t.Fatalf("%s into MariaDB's stall both nodes hold the region's role", time.Since(paused).Round(time.Millisecond))
+		}
+		samples++
+		time.Sleep(testFlush / 4)
+	}
+	c.mysql.Resume()
+	if again := holderOf(t, nodes, 10*time.Second); again != first {
+		t.Fatal("the role passed to the other node during MariaDB's stall")
+	}
+	st := first.status(t).Propagation
+	t.Logf("MariaDB stalled %s: %d samples of both nodes' roles, one holder in each; the holder renewed its lease %d times within flushes",
+		3*lease, samples, st.LeaseRenewals)
+	if st.LeaseRenewals == 0 || st.RoleTaken != 1 {
+		t.Fatalf("the holder renewed its lease within flushes %d times and took the role %d times: want renewals, and the role taken once",
+			st.LeaseRenewals, st.RoleTaken)
+	}
+}
+
 // TestRegions_ReplicaStoppedReaderCatchesUp: region B pulls from a replica
 // whose SQL thread stops for 3 s while region A bursts; B learns of the
 // burst within 1.2 × (mysql_flush + global_sync) of the replica resuming.

@@ -276,6 +276,22 @@ func (s *Server) killLocked() {
 	s.cmd = nil
 }
 
+// Pause stops the process (SIGSTOP) without closing its sockets: a
+// server that accepts connections and answers nothing. Resume, Stop and
+// the test's end let it go on.
+func (s *Server) Pause() { s.signal(syscall.SIGSTOP) }
+
+// Resume continues a paused server (SIGCONT).
+func (s *Server) Resume() { s.signal(syscall.SIGCONT) }
+
+func (s *Server) signal(sig syscall.Signal) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.cmd != nil {
+		_ = s.cmd.Process.Signal(sig)
+	}
+}
+
 // Restart starts the stopped (or running) server again on the same port
 // with the same data: an outage and its end.
 func (s *Server) Restart() error {
