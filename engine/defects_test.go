@@ -279,3 +279,93 @@ func TestNearLimit_PaceMeasuredWhileReservingIsNotTheLocalPace(t *testing.T) {
 		})
 	}
 }
+
+// The reference test's new fault, a node reloaded without Redis and with
+// it again (OpDetach), found three ways the units a node admitted while it
+// had no origin never reached the next one. Each test below failed before
+// the fix.
+
+// TestDetach_UnitsAdmittedMeanwhileReachTheNextOriginAtOnce: a key the
+// node counts while detached, idle once Redis is back, waited for the
+// janitor (every JanitorInterval, 10 s by default) before its units
+// reached Redis; the other nodes admitted them again meanwhile. Before
+// the fix: the origin held 3 of the 5 units after the replay.
+func TestDetach_UnitsAdmittedMeanwhileReachTheNextOriginAtOnce(t *testing.T) {
+	e, _ := newTestEngine(t, manual(Config{}))
+	o := newMemOrigin()
+	e.SetOrigin(o)
+	l := lim("k", time.Minute, 100, 1)
+	for range 3 {
+		e.Decide(bg, l)
+	}
+	replayAll(t, e)
+	e.SetOrigin(nil) // a reload without Redis
+	for range 2 {
+		e.Decide(bg, l)
+	}
+	e.SetOrigin(o) // and with it again: no request for the key since
+	replayAll(t, e)
+	ks, _ := e.Inspect(l.Key)
+	if got := o.total(l.Key, ks.Cells[0].Sequence); got != 5 {
+		t.Fatalf("the origin holds %d of the 5 units once the node is back, before any janitor pass", got)
+	}
+}
+
+// TestDetach_UnitsOfCellsDroppedMeanwhileReachTheNextOrigin: while
+// detached, a key first seen then got a plain cell, which tracks nothing
+// for an origin, and a cell let go meanwhile (forgotten, or rotated past
+// by a clock that stepped forward and back) was not remembered: their
+// units never reached Redis. Before the fix: the origin held 0 of the 4
+// units of each.
+func TestDetach_UnitsOfCellsDroppedMeanwhileReachTheNextOrigin(t *testing.T) {
+	e, clk := newTestEngine(t, manual(Config{}))
+	o := newMemOrigin()
+	e.SetOrigin(o)
+	e.Decide(bg, lim("other", time.Minute, 100, 1))
+	replayAll(t, e)
+	e.SetOrigin(nil)
+	forgotten, stepped := lim("forgotten", time.Minute, 100, 4), lim("stepped", time.Minute, 100, 4)
+	start := clk.Now()
+	seq := start.UnixMilli() / time.Minute.Milliseconds()
+	e.Decide(bg, forgotten)
+	e.Decide(bg, stepped)
+	e.Forget(forgotten.Key)
+	clk.Set(start.Add(time.Hour))
+	e.Decide(bg, lim("stepped", time.Minute, 100, 0)) // rotates the key an hour on
+	clk.Set(start)
+	e.Decide(bg, lim("stepped", time.Minute, 100, 0)) // and replaces that cell
+	e.SetOrigin(o)
+	replayAll(t, e)
+	for _, k := range []Key{forgotten.Key, stepped.Key} {
+		if got := o.total(k, seq); got != 4 {
+			t.Errorf("%s: the origin holds %d of the 4 units admitted while the node had no origin", k.Identifier, got)
+		}
+	}
+}
+
+// TestDetach_ARedisRestartedMeanwhileGetsEveryCountBack: Redis restarted
+// empty while the node had no origin to watch it. Back, the node sent
+// only what it admitted meanwhile; what it had replayed before was gone
+// from Redis for the rest of the window. Before the fix: 0 of 5 (the 2
+// admitted meanwhile waited for the janitor; the 3 before never came).
+func TestDetach_ARedisRestartedMeanwhileGetsEveryCountBack(t *testing.T) {
+	e, _ := newTestEngine(t, manual(Config{}))
+	o := newMemOrigin()
+	e.SetOrigin(o)
+	l := lim("k", time.Minute, 100, 1)
+	for range 3 {
+		e.Decide(bg, l)
+	}
+	replayAll(t, e)
+	e.SetOrigin(nil)
+	o.restart()
+	for range 2 {
+		e.Decide(bg, l)
+	}
+	e.SetOrigin(o)
+	replayAll(t, e)
+	ks, _ := e.Inspect(l.Key)
+	if got := o.total(l.Key, ks.Cells[0].Sequence); got != 5 {
+		t.Fatalf("the origin holds %d of the node's 5 units", got)
+	}
+}

@@ -123,8 +123,10 @@ type Engine struct {
 	reservations *xsync.Map[*cell, *group]
 	origin       atomic.Pointer[originBox]
 	// unsent is set once the engine has let an origin go (SetOrigin(nil)
-	// after one): its linked cells keep their units pending for the next
-	// (allow). An engine that never had one skips that on one load.
+	// after one): its cells are linked cells, which keep the units they
+	// admit pending for the next origin (allow), and the cells they drop
+	// are remembered (buryCell) so that the next origin gets those too
+	// (sendUnsent). An engine that never had one skips that on one load.
 	unsent atomic.Bool
 	// strictLive counts strict deadlines, bounded by MaxEntries.
 	strictLive atomic.Int64
@@ -216,6 +218,9 @@ func (e *Engine) SetOrigin(o Origin) {
 	}
 	e.makeQueues()
 	e.origin.Store(&originBox{o})
+	if e.unsent.Load() {
+		e.resendAll()
+	}
 }
 
 // Origin returns the current origin, or nil when local-only.

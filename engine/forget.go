@@ -135,8 +135,8 @@ func (e *Engine) forget(z *Zone, id string) bool {
 		found = true
 		if e.origin.Load() != nil {
 			e.requeue(z, en) // pending units still reach the origin
-			e.bury(z, en)
 		}
+		e.bury(z, en) // and those of an origin gone reach the next (sendUnsent)
 		if c := en.cur.Swap(tombstone); c != tombstone {
 			e.live.Add(-1)
 		}

@@ -53,7 +53,7 @@ func (e *Engine) buryCells(z *Zone, en *entry, cs [2]*cell) {
 // over an idle gap let go is remembered too: it weighs nothing now, but a
 // clock that jumped forward and comes back finds its window live again.
 func (e *Engine) buryCell(z *Zone, en *entry, c *cell) {
-	if c == tombstone || e.origin.Load() == nil {
+	if c == tombstone || (e.origin.Load() == nil && !e.unsent.Load()) {
 		return
 	}
 	if x := c.links(); x == nil || x.own.Load()+x.pending.Load() == 0 {
@@ -68,6 +68,57 @@ func (e *Engine) buryCell(z *Zone, en *entry, c *cell) {
 		g.next = (g.next + 1) % graveCells
 	}
 	g.mu.Unlock()
+}
+
+// resendAll hands an origin that comes back after the engine let one go
+// everything this process counted: the origin may have restarted empty
+// meanwhile, unseen by a process that had no origin to watch, so every
+// cell's own total goes again (Resend: writes are idempotent), and the
+// units admitted meanwhile go for the first time (sendUnsent). A manual
+// engine does it at once; another in the background, as Resend may wait
+// for room in the replay queues.
+func (e *Engine) resendAll() {
+	if e.cfg.Manual {
+		e.Resend()
+		e.sendUnsent()
+		return
+	}
+	e.life.Lock()
+	defer e.life.Unlock()
+	if e.stopped {
+		return
+	}
+	e.wg.Add(1)
+	go func() {
+		defer e.wg.Done()
+		e.Resend()
+		e.sendUnsent()
+	}()
+}
+
+// sendUnsent queues, once an origin is back, every cell holding units
+// admitted while the engine had none (see allow): the live ones, and the
+// ones dropped meanwhile (rotated past, forgotten, evicted), which sit in
+// no queue. Without it the live ones waited for the janitor, every
+// JanitorInterval, while the region's other nodes admitted as if the
+// units did not exist; the dropped ones were never sent.
+func (e *Engine) sendUnsent() {
+	e.rangeZones(func(z *Zone) bool {
+		z.entries.Range(func(_ string, en *entry) bool {
+			e.requeue(z, en)
+			return true
+		})
+		return true
+	})
+	g := &e.graves
+	g.mu.Lock()
+	graves := append([]dirtyCell(nil), g.cells...)
+	g.mu.Unlock()
+	for _, d := range graves {
+		if c := d.cell; c.pending() > 0 && c.state()&(stDirty|stFlushing) == 0 {
+			e.markDirty(d.zone, d.en, c, c.state()&stShared != 0)
+		}
+	}
 }
 
 // evictLowWater is the fraction of MaxEntries that eviction shrinks to, so

@@ -46,6 +46,16 @@ func (c *redisCluster) Settle()                     {}
 // SetDown is not drawn for real Redis (Gen leaves outages out here).
 func (c *redisCluster) SetDown(bool) { c.t.Error("no outage on real Redis in this test") }
 
+// Detach takes node i's origin out, as a reload to a config without
+// Redis does, and closes it.
+func (c *redisCluster) Detach(i int) {
+	c.engines[i].SetOrigin(nil)
+	if old := c.origins[i]; old != nil {
+		_ = old.Close()
+	}
+	c.origins[i] = nil
+}
+
 // Reload gives node i a new origin under its node ID, as a config reload
 // does, and closes the one before.
 func (c *redisCluster) Reload(i int) {
@@ -64,7 +74,9 @@ func (c *redisCluster) Reload(i int) {
 func (c *redisCluster) close() {
 	for i, e := range c.engines {
 		_ = e.Close(context.Background())
-		_ = c.origins[i].Close()
+		if o := c.origins[i]; o != nil {
+			_ = o.Close()
+		}
 	}
 }
 
@@ -77,7 +89,7 @@ func (c *redisCluster) close() {
 func TestProperty_NodesOnRedis(t *testing.T) {
 	requireBinary(t, "redis-server")
 	srv := redistest.Start(t)
-	faults := nodecheck.Faults{Restart: true, Step: true}
+	faults := nodecheck.Faults{Restart: true, Step: true, Detach: true}
 	run := func(ops []nodecheck.Op, prefix string) nodecheck.Result {
 		c := newRedisCluster(t, srv, nodecheck.Nodes(ops), prefix)
 		defer c.close()

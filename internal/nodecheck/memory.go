@@ -55,6 +55,9 @@ func (c *MemoryCluster) Reload(i int) {
 	c.engines[i].SetOrigin(c.store.Origin(strconv.Itoa(i)))
 }
 
+// Detach implements Cluster.
+func (c *MemoryCluster) Detach(i int) { c.engines[i].SetOrigin(nil) }
+
 // Restart implements Cluster.
 func (c *MemoryCluster) Restart() { c.store.Restart() }
 

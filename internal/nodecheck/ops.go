@@ -74,6 +74,7 @@ const (
 	OpStep                // a node's clock steps an hour ahead, or back
 	OpRestart             // the origin restarts empty
 	OpDown                // the origin becomes unreachable, or reachable again
+	OpDetach              // a node's reload takes the origin out, or puts it back
 )
 
 // Op is one operation; its fields are read by its kind.
@@ -106,6 +107,8 @@ func (o Op) String() string {
 		return "the origin restarts empty"
 	case OpDown:
 		return "the origin becomes unreachable, or reachable again"
+	case OpDetach:
+		return fmt.Sprintf("node %d reloads without the origin, or with it again", o.Node)
 	}
 	return "?"
 }
@@ -113,11 +116,11 @@ func (o Op) String() string {
 // Faults selects the faults a list may hold: a real origin cannot do all
 // that the in-memory one does cheaply.
 type Faults struct {
-	Restart, Down, Step bool
+	Restart, Down, Step, Detach bool
 }
 
 // AllFaults is every fault.
-var AllFaults = Faults{Restart: true, Down: true, Step: true}
+var AllFaults = Faults{Restart: true, Down: true, Step: true, Detach: true}
 
 // Gen draws n operations from seed. The list starts with a tick whose node
 // is the number of nodes less one (2 to 5 nodes), so a shrunk list keeps
@@ -157,8 +160,13 @@ func Gen(seed uint64, n int, faults Faults) []Op {
 			o.Kind = OpEvict
 		case r < 975:
 			o.Kind = OpSweep
-		case r < 982:
+		case r < 978:
 			o.Kind = OpReload
+		case r < 982:
+			if !faults.Detach {
+				continue
+			}
+			o.Kind = OpDetach
 		case r < 988:
 			if !faults.Step {
 				continue

@@ -3,6 +3,7 @@ package nodecheck
 import (
 	"context"
 	"fmt"
+	"slices"
 	"strings"
 	"time"
 
@@ -21,6 +22,9 @@ type Cluster interface {
 	// Reload hands node i's engine a new origin object of the same
 	// process, as a config reload does.
 	Reload(i int)
+	// Detach takes node i's origin out, as a reload to a config without
+	// Redis does (the engine decides alone); Reload puts one back.
+	Detach(i int)
 	// Restart empties the origin, as a Redis restarted empty.
 	Restart()
 	// SetDown makes the origin unreachable, or reachable again.
@@ -60,11 +64,13 @@ type Trace func(format string, args ...any)
 // one's worth. A request is never denied while that count with its cost is
 // within the limit: no node counts a unit that was not admitted. After a
 // fault (the origin restarted empty or unreachable, a node's clock
-// stepped), the bound holds again within one flush period.
+// stepped, a node reloaded without the origin and with it again), the
+// bound holds again within one flush period.
 func Run(c Cluster, ops []Op, base time.Time, trace Trace) Result {
 	r := &runner{c: c, base: base, trace: trace, n: Nodes(ops),
 		quietTill: -1, resendAt: -1, central: map[cellID]int64{}, recent: admissions{}}
 	r.offsets = make([]time.Duration, r.n)
+	r.detached = make([]bool, r.n)
 	for i := range r.n {
 		c.SetClock(i, base)
 	}
@@ -126,6 +132,7 @@ type runner struct {
 	ticks     int
 	quietTill int64 // faults: the bound holds again after this
 	down      bool
+	detached  []bool // nodes reloaded without the origin
 	resendAt  int64
 	central   map[cellID]int64
 	recent    admissions
@@ -159,7 +166,7 @@ func (r *runner) effective(k Key, at int64) int64 {
 func (r *runner) check(op, i int, k Key, cost int64, allowed bool) error {
 	at := r.nodeNow(i)
 	eff := r.effective(k, at)
-	quiet := r.now <= r.quietTill || r.down
+	quiet := r.now <= r.quietTill || r.down || slices.Contains(r.detached, true)
 	// The node's view of the key was taken at its last read or replay: what
 	// the others admitted since, and what they had not replayed then, is
 	// what its decision cannot weigh.
@@ -228,6 +235,18 @@ func (r *runner) do(op int, o Op) error {
 		e.Sweep()
 	case OpReload:
 		r.c.Reload(i)
+		if r.detached[i] {
+			r.detached[i] = false
+			r.fault(r.now + flushPeriod)
+		}
+	case OpDetach:
+		if r.detached[i] {
+			r.c.Reload(i)
+		} else {
+			r.c.Detach(i)
+		}
+		r.detached[i] = !r.detached[i]
+		r.fault(r.now + flushPeriod)
 	case OpStep:
 		if r.offsets[i] == 0 {
 			r.offsets[i] = time.Hour

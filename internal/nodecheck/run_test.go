@@ -111,6 +111,7 @@ type apart [2]*MemoryCluster
 func (c apart) Engine(i int) *engine.Engine { return c[i].Engine(0) }
 func (c apart) SetClock(i int, t time.Time) { c[i].SetClock(0, t) }
 func (c apart) Reload(i int)                { c[i].Reload(0) }
+func (c apart) Detach(i int)                { c[i].Detach(0) }
 func (c apart) Restart()                    { c[0].Restart(); c[1].Restart() }
 func (c apart) SetDown(down bool)           { c[0].SetDown(down); c[1].SetDown(down) }
 func (c apart) Settle()                     { synctest.Wait() }
