@@ -206,10 +206,25 @@ func (b *redisBackend) start() {
 
 // use points the engine at the origin, with the config's timing, and
 // publishes it to the status and the metrics.
+//
+// A reload to another placement (other servers, another partition, another
+// prefix) hands the new one every cell's total: what the nodes replayed to
+// the old servers is not in the new ones, where any node that reads a key
+// (one started since, or one whose view lapsed) would have admitted it
+// again. Writes are idempotent, so a key the new servers already hold
+// from this process counts once.
 func (b *redisBackend) use(st *state) {
+	prev, _ := st.currentOrigin().(*origin.Redis)
 	st.engine.SetTiming(b.timing)
 	st.engine.SetOrigin(b.engineOrigin)
 	st.setOrigin(b.origin)
+	if prev != nil && prev != b.origin && prev.Placement() != b.origin.Placement() {
+		go func() {
+			n := st.engine.Resend()
+			b.a.logger.Info("Redis changed in a reload: writing every live key's count to the new servers",
+				zap.String("from", prev.String()), zap.String("to", b.origin.String()), zap.Int("cells", n))
+		}()
+	}
 }
 
 // flush pushes the engine's pending deltas through the origin, the

@@ -243,3 +243,62 @@ func TestCaddy_ReloadWithoutRedisWritesPendingUnits(t *testing.T) {
 		})
 	}
 }
+
+// TestCaddy_ReloadToAnotherRedisCarriesTheCounts: a reload points the
+// node at another Redis. What it had replayed to the first one was not in
+// the second, so a node reading the key there (one started since, or one
+// whose view lapsed) admitted it all again: before the fix Redis B held 0
+// of dave's 4 units. Then a reload without Redis, a request, and one with
+// Redis B again: B gets that unit too.
+func TestCaddy_ReloadToAnotherRedisCarriesTheCounts(t *testing.T) {
+	window, ok := testclock.FreshWindow(time.Now(), time.Minute, 2*time.Minute, 30*time.Second)
+	if !ok {
+		t.Fatal("no window length in [1m, 2m] leaves 30 s")
+	}
+	a, b := redistest.Start(t), redistest.Start(t)
+	t.Setenv("RATELIMIT_TEST_REDIS_A", a.URL())
+	t.Setenv("RATELIMIT_TEST_REDIS_B", b.URL())
+	admin, port := e2eAdminPort(t), redistest.MustFreePort(t)
+	base := fmt.Sprintf("http://127.0.0.1:%d/", port)
+	tester := caddytest.NewTester(t).WithDefaultOverrides(caddytest.Config{AdminPort: admin})
+	withRedis := func(env string) string {
+		return redisConfig(admin, port, `	ratelimit {
+		redis {env.`+env+`}
+		prefix moved
+	}`, window)
+	}
+	tester.InitServer(withRedis("RATELIMIT_TEST_REDIS_A"), "caddyfile")
+	if t.Failed() {
+		t.FailNow()
+	}
+	defer tester.InitServer(e2eConfig(admin, port, ""), "caddyfile") // unload: the next test starts without an engine
+	key := "moved:{e2e_redis:dave}:" + strconv.FormatInt(window.Milliseconds(), 10) + ":" +
+		strconv.FormatInt(time.Now().UnixMilli()/window.Milliseconds(), 10) + ":c"
+	holds := func(srv *redistest.Server, want int64, what string) {
+		t.Helper()
+		redistest.Eventually(t, 10*time.Second, what, func() bool {
+			n, err := srv.Client().HGet(context.Background(), key, "t").Int64()
+			return err == nil && n == want
+		})
+	}
+	for range 4 {
+		get(t, tester, base, "X-Key", "dave").expect(t, 200, "ok")
+	}
+	holds(a, 4, "Redis A holds dave's 4 units")
+	tester.InitServer(withRedis("RATELIMIT_TEST_REDIS_B"), "caddyfile")
+	if t.Failed() {
+		t.FailNow()
+	}
+	holds(b, 4, "Redis B holds dave's 4 units after the reload to it")
+
+	tester.InitServer(redisConfig(admin, port, "", window), "caddyfile")
+	if t.Failed() {
+		t.FailNow()
+	}
+	get(t, tester, base, "X-Key", "dave").expect(t, 200, "ok") // counted without Redis
+	tester.InitServer(withRedis("RATELIMIT_TEST_REDIS_B"), "caddyfile")
+	if t.Failed() {
+		t.FailNow()
+	}
+	holds(b, 5, "Redis B holds dave's 5 units once the node has Redis again")
+}

@@ -5,6 +5,8 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 
@@ -123,6 +125,19 @@ func (r *Redis) String() string {
 		s += ep.address
 	}
 	return s + "]"
+}
+
+// Placement names where the origin keeps its keys: the prefix and every
+// endpoint's address (never credentials), sorted. Two origins of one
+// placement hold the same keys in the same places; a reload to another
+// one must hand it every count (see the root's redisBackend.use).
+func (r *Redis) Placement() string {
+	addrs := make([]string, len(r.endpoints))
+	for i, ep := range r.endpoints {
+		addrs[i] = ep.address
+	}
+	slices.Sort(addrs)
+	return r.prefix + " " + strings.Join(addrs, " ")
 }
 
 // Close stops accepting calls, waits for the read batches in flight (each
