@@ -79,7 +79,14 @@ func (o *observer) originOptions() origin.Options {
 	return origin.Options{
 		OnCall:        o.originCall,
 		OnStateChange: o.breakerChanged,
+		OnEvicting:    o.evicting,
 	}
+}
+
+// evicting warns that a Redis server may evict the limiter's counts.
+func (o *observer) evicting(address, policy string, maxmemory int64) {
+	o.view().logger.Warn("Redis may evict rate limit counts under memory pressure: a count it evicts is admitted again (set maxmemory-policy noeviction, or give the limiter a Redis of its own)",
+		zap.String("endpoint", address), zap.String("maxmemory_policy", policy), zap.Int64("maxmemory", maxmemory))
 }
 
 // originCall records one origin call and logs the start and the end of a

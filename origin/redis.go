@@ -55,6 +55,12 @@ type Options struct {
 	// own, so it may log, update metrics or call Stats. A slow hook delays
 	// later notifications only.
 	OnStateChange func(endpoint, breaker string, from, to BreakerState)
+	// OnEvicting runs on the restart watch's goroutine (WatchRestarts)
+	// when it first reads a server, or reads it restarted, that may evict
+	// keys: a memory limit (maxmemory) with a policy other than
+	// noeviction. A count Redis evicts is lost to every node, with no
+	// restart for anyone to see.
+	OnEvicting func(address, policy string, maxmemory int64)
 }
 
 // Errors returned by Read and Flush, wrapped with the endpoint's address.

@@ -2,6 +2,7 @@ package origin
 
 import (
 	"context"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -68,16 +69,24 @@ type restartWatch struct {
 	seen map[string]string // server address → run ID
 }
 
-// check reads every server's run ID and reports whether one changed.
+// check reads every server's run ID and reports whether one changed. A
+// server seen for the first time, or restarted, is asked whether it may
+// evict keys (Options.OnEvicting).
 func (w *restartWatch) check() bool {
 	changed := false
 	for _, ep := range w.r.endpoints {
 		ctx, cancel := context.WithTimeout(context.Background(), runIDTimeout)
-		for addr, id := range runIDs(ctx, ep) {
-			if old, ok := w.seen[addr]; ok && old != id {
+		for addr, srv := range runIDs(ctx, ep) {
+			old, ok := w.seen[addr]
+			if ok && old != srv.id {
 				changed = true
 			}
-			w.seen[addr] = id
+			w.seen[addr] = srv.id
+			if old != srv.id && w.r.opts.OnEvicting != nil {
+				if policy, max := evictionPolicy(ctx, srv.client); max > 0 && policy != "" && policy != "noeviction" {
+					w.r.opts.OnEvicting(addr, policy, max)
+				}
+			}
 		}
 		cancel()
 	}
@@ -85,16 +94,22 @@ func (w *restartWatch) check() bool {
 	return changed
 }
 
+// server is one server of an endpoint, as the watch reads it.
+type server struct {
+	id     string
+	client redis.Cmdable
+}
+
 // runIDs returns the run ID of the endpoint's server, or of each master of
 // a Cluster, by address; servers that do not answer are left out.
-func runIDs(ctx context.Context, ep *endpoint) map[string]string {
-	out := map[string]string{}
+func runIDs(ctx context.Context, ep *endpoint) map[string]server {
+	out := map[string]server{}
 	if c, ok := ep.client.(*redis.ClusterClient); ok {
 		var mu sync.Mutex
 		_ = c.ForEachMaster(ctx, func(ctx context.Context, m *redis.Client) error {
 			if id := runID(ctx, m); id != "" {
 				mu.Lock()
-				out[m.Options().Addr] = id
+				out[m.Options().Addr] = server{id, m}
 				mu.Unlock()
 			}
 			return nil
@@ -102,19 +117,40 @@ func runIDs(ctx context.Context, ep *endpoint) map[string]string {
 		return out
 	}
 	if id := runID(ctx, ep.client); id != "" {
-		out[ep.address] = id
+		out[ep.address] = server{id, ep.client}
 	}
 	return out
 }
 
 // runID returns the server's run ID, or "" when it does not answer.
 func runID(ctx context.Context, c redis.Cmdable) string {
-	info, err := c.Info(ctx, "server").Result()
+	return infoField(ctx, c, "server", "run_id")
+}
+
+// evictionPolicy returns the server's maxmemory_policy and maxmemory
+// (INFO memory); 0 when it has no memory limit or does not answer.
+func evictionPolicy(ctx context.Context, c redis.Cmdable) (string, int64) {
+	info, err := c.Info(ctx, "memory").Result()
+	if err != nil {
+		return "", 0
+	}
+	max, _ := strconv.ParseInt(field(info, "maxmemory"), 10, 64)
+	return field(info, "maxmemory_policy"), max
+}
+
+// infoField returns one field of an INFO section, or "".
+func infoField(ctx context.Context, c redis.Cmdable, section, name string) string {
+	info, err := c.Info(ctx, section).Result()
 	if err != nil {
 		return ""
 	}
+	return field(info, name)
+}
+
+// field returns the value of name in an INFO reply, or "".
+func field(info, name string) string {
 	for _, line := range strings.Split(info, "\n") {
-		if v, ok := strings.CutPrefix(line, "run_id:"); ok {
+		if v, ok := strings.CutPrefix(line, name+":"); ok {
 			return strings.TrimSpace(v)
 		}
 	}

@@ -2,6 +2,7 @@ package origin
 
 import (
 	"context"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -22,6 +23,42 @@ func TestWatchRestarts_SeesARestartedServer(t *testing.T) {
 	redistest.Eventually(t, 5*time.Second, "restart noticed", func() bool { return seen.Load() == 1 })
 	if got := o.Stats().Restarts; got != 1 {
 		t.Fatalf("Stats().Restarts = %d, want 1", got)
+	}
+}
+
+// TestWatchRestarts_NamesAServerThatMayEvict: a Redis with a memory limit
+// and an eviction policy may evict the limiter's counts, which no node
+// sees as a restart: the watch names it once per server it reads (and
+// again after a restart), and says nothing of one that may not evict.
+func TestWatchRestarts_NamesAServerThatMayEvict(t *testing.T) {
+	evicting, safe := redistest.Start(t), redistest.Start(t)
+	for _, set := range []struct {
+		srv    *redistest.Server
+		policy string
+	}{{evicting, "allkeys-lru"}, {safe, "noeviction"}} {
+		c := set.srv.Client()
+		if err := c.ConfigSet(context.Background(), "maxmemory", "100mb").Err(); err != nil {
+			t.Fatal(err)
+		}
+		if err := c.ConfigSet(context.Background(), "maxmemory-policy", set.policy).Err(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	type warning struct {
+		addr, policy string
+		max          int64
+	}
+	warned := make(chan warning, 4)
+	o := newOrigin(t, Config{Redis: []string{evicting.URL(), safe.URL()}}, Options{NodeID: "w",
+		OnEvicting: func(addr, policy string, max int64) { warned <- warning{addr, policy, max} }})
+	o.WatchRestarts(20*time.Millisecond, func() {})
+	redistest.Eventually(t, 5*time.Second, "the watch checked three times", func() bool { return o.runIDChecks.Load() >= 3 })
+	if len(warned) != 1 {
+		t.Fatalf("%d warnings after three checks, want one (the evicting server's, once)", len(warned))
+	}
+	w := <-warned
+	if w.policy != "allkeys-lru" || w.max != 100<<20 || !strings.Contains(w.addr, evicting.Addr()) {
+		t.Fatalf("warning %+v, want the evicting server %s with allkeys-lru and 100 MiB", w, evicting.Addr())
 	}
 }
 
