@@ -136,13 +136,16 @@ func totalsOf(v [6]int64) engine.Totals {
 	return engine.Totals{Cur: v[0], Prev: v[1], Mine: v[2], Shared: v[3] > 1, Global: v[4], GlobalPrev: v[5]}
 }
 
-// refusedCells is the error of a script that refused some cells (their
-// keys hold another type). It is a Redis reply about those keys, not about
-// Redis, so the breaker does not hold it against the endpoint.
+// refusedCells is the error of a script that refused some cells: their
+// keys hold another type, or Redis is at its memory limit under
+// noeviction (OOM), which refuses writes until it has room. It is a Redis
+// reply about those cells, not a Redis that does not answer, so the
+// breaker does not hold it against the endpoint, and the cells' units stay
+// pending for the next replay.
 type refusedCells int
 
 func (n refusedCells) Error() string {
-	return fmt.Sprintf("the script refused %d cells (a key holds another type)", int(n))
+	return fmt.Sprintf("Redis refused %d cells (a key holds another type, or Redis is out of memory under maxmemory-policy noeviction)", int(n))
 }
 
 // RedisError makes refusedCells a redis.Error.
