@@ -197,8 +197,8 @@ func (e *Engine) requeue(z *Zone, en *entry) bool {
 }
 
 // Evict enforces MaxEntries: when live entries exceed it, it evicts down to
-// evictLowWater of it, in order of age (windows since the key was last
-// touched, oldest first) and then of count (lowest first). Pending deltas
+// evictLowWater of it, lightest first: in order of the keys' weight now,
+// then of age (see evictClass). Pending deltas
 // of evicted cells stay queued for replay. It returns the number evicted.
 func (e *Engine) Evict() int {
 	if e.live.Load() <= int64(e.cfg.MaxEntries) {
@@ -260,26 +260,40 @@ func (e *Engine) Evict() int {
 }
 
 const (
-	ageClasses   = 4  // touched this window, last window, two ago, older
-	countClasses = 65 // bit length of the count
-	evictClasses = ageClasses * countClasses
+	ageClasses    = 4  // touched this window, last window, two ago, older
+	weightClasses = 65 // bit length of the weight
+	evictClasses  = ageClasses * weightClasses
 )
 
-// evictClass orders entries for eviction: lower classes go first.
+// evictClass orders entries for eviction: lower classes go first. The
+// order is the key's weight now, what its cells weigh in its next decision
+// (the current cell's count, and the previous one's as the sliding window
+// weighs it), by bit length, and then its age (windows since it was last
+// touched, oldest first). Age came first once: a key that took its whole
+// limit at the end of a window, which still weighs nearly all of it just
+// after, went before a flood of one-request keys of the new window, and
+// was admitted its limit again.
 func evictClass(z *Zone, en *entry, c *cell, now int64) int {
-	age := now/z.w - c.seq()
-	if age < 0 {
+	w := z.w
+	seq := now / w
+	r := now - seq*w
+	age := seq - c.seq()
+	var weight int64
+	switch {
+	case age <= 0: // this window's (or ahead of it: a clock stepped back)
 		age = 0
+		weight = c.count.Load()
+		if p := en.previous(c); p != nil {
+			weight = SatAdd(weight, weighted(max(p.count.Load(), 0), w, r))
+		}
+	case age == 1: // last window's: it is the previous cell now
+		weight = weighted(max(c.count.Load(), 0), w, r)
 	}
 	if age >= ageClasses {
 		age = ageClasses - 1
 	}
-	n := c.count.Load()
-	if p := en.previous(c); p != nil {
-		n += p.count.Load()
+	if weight < 0 {
+		weight = 0
 	}
-	if n < 0 {
-		n = 0
-	}
-	return int(ageClasses-1-age)*countClasses + bits.Len64(uint64(n))
+	return bits.Len64(uint64(weight))*ageClasses + int(ageClasses-1-age)
 }

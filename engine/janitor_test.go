@@ -75,6 +75,39 @@ func TestEvict_FloodOfNewIdentifiersCannotEvictHotKeys(t *testing.T) {
 	}
 }
 
+// TestEvict_AKeyBusyInThePreviousWindowOutlivesAFlood: a key that took its
+// whole limit in the last second of a window still weighs nearly all of
+// it a second into the next, but eviction ranked keys by the window they
+// were last touched in first: a flood of one-request identifiers right
+// after the border evicted it, and it was admitted its whole limit again
+// (before the fix: 100 more for a limit of 100, 200 in two seconds).
+func TestEvict_AKeyBusyInThePreviousWindowOutlivesAFlood(t *testing.T) {
+	e, clk := newTestEngine(t, manual(Config{MaxEntries: 1000}))
+	start := clk.Now().Truncate(time.Minute)
+	clk.Set(start.Add(59 * time.Second))
+	busy := lim("busy", time.Minute, 100, 1)
+	for range 100 {
+		if !e.Decide(bg, busy).Allowed {
+			t.Fatal("denied within the limit")
+		}
+	}
+	clk.Set(start.Add(61 * time.Second)) // a second into the next window
+	for i := range 1500 {
+		e.Decide(bg, lim("flood-"+strconv.Itoa(i), time.Minute, 100, 1))
+	}
+	e.Evict()
+	admitted := 0
+	for range 100 {
+		if e.Decide(bg, busy).Allowed {
+			admitted++
+		}
+	}
+	// ⌊100 × 59/60⌋ = 98 of the previous window still weigh: 2 pass.
+	if admitted != 2 {
+		t.Fatalf("the busy key admitted %d more after the flood, want 2", admitted)
+	}
+}
+
 func TestEvict_InsertSignalsTheJanitor(t *testing.T) {
 	var evicted sync.WaitGroup
 	evicted.Add(1)
