@@ -369,3 +369,25 @@ func TestDetach_ARedisRestartedMeanwhileGetsEveryCountBack(t *testing.T) {
 		t.Fatalf("the origin holds %d of the node's 5 units", got)
 	}
 }
+
+// TestDetach_OnlyTheFirstOriginBackGetsEveryCount: the origin that comes
+// back after a detachment gets every cell's total once; a later reload
+// of it (a new origin object of the same servers) sends nothing again.
+func TestDetach_OnlyTheFirstOriginBackGetsEveryCount(t *testing.T) {
+	e, _ := newTestEngine(t, manual(Config{}))
+	o := newMemOrigin()
+	e.SetOrigin(o)
+	e.Decide(bg, lim("k", time.Minute, 100, 1))
+	replayAll(t, e)
+	e.SetOrigin(nil)
+	before := e.Stats().Resends
+	e.SetOrigin(o)
+	if got := e.Stats().Resends - before; got != 1 {
+		t.Fatalf("the origin back got %d cells again, want the one", got)
+	}
+	replayAll(t, e)
+	e.SetOrigin(o.peer(o.node)) // the same servers, a new object
+	if got := e.Stats().Resends - before; got != 1 {
+		t.Fatalf("a later reload sent %d cells again in all, want none more", got-1)
+	}
+}

@@ -122,11 +122,12 @@ type Engine struct {
 	// reservations are the origin decisions in flight, one per cell.
 	reservations *xsync.Map[*cell, *group]
 	origin       atomic.Pointer[originBox]
-	// unsent is set once the engine has let an origin go (SetOrigin(nil)
-	// after one): its cells are linked cells, which keep the units they
-	// admit pending for the next origin (allow), and the cells they drop
-	// are remembered (buryCell) so that the next origin gets those too
-	// (sendUnsent). An engine that never had one skips that on one load.
+	// unsent is set while the engine has let an origin go (SetOrigin(nil)
+	// after one) and no other came: its cells are linked cells, which keep
+	// the units they admit pending for the next origin (allow), and the
+	// cells they drop are remembered (buryCell), so that the next origin
+	// gets those too (sendUnsent). An engine that never had one skips that
+	// on one load.
 	unsent atomic.Bool
 	// strictLive counts strict deadlines, bounded by MaxEntries.
 	strictLive atomic.Int64
@@ -218,7 +219,7 @@ func (e *Engine) SetOrigin(o Origin) {
 	}
 	e.makeQueues()
 	e.origin.Store(&originBox{o})
-	if e.unsent.Load() {
+	if e.unsent.Swap(false) { // once: a later reload of the same origin sends nothing again
 		e.resendAll()
 	}
 }
