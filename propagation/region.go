@@ -208,7 +208,11 @@ func (p *Propagator) takeRole() {
 // imports it held are gone, and the pulls bring none back, since none is
 // news to the holder: every import the node holds is due again, so a
 // holder sends them all at its next flush (an import only raises a count,
-// so sending one twice changes nothing).
+// so sending one twice changes nothing). The registry of cells to publish
+// is gone too: every node registers its cells again at its next flush.
+// It once registered only those that turned hot or changed limit since,
+// so a later holder, which reads the registry whole when it takes the
+// role, published none of the others for the rest of their window.
 func (p *Propagator) RegionLost() {
 	if p.region == nil {
 		return
@@ -216,6 +220,10 @@ func (p *Propagator) RegionLost() {
 	p.mu.Lock()
 	p.allImportsDueLocked()
 	p.mu.Unlock()
+	m := &p.member
+	m.Lock()
+	clear(m.registered)
+	m.Unlock()
 }
 
 // allImportsDueLocked makes every import held due for the region: a

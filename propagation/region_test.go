@@ -585,3 +585,34 @@ func TestRole_AHolderThatTakesTheRoleAgainHandsItsImportsOver(t *testing.T) {
 		t.Fatalf("after n1 took the role again, the region holds %d for k, want b's 55", got)
 	}
 }
+
+// TestRole_ARegionThatLostItsRegistryGetsItsCellsAgain: the region's Redis
+// restarted empty, and its registry of cells to publish with it. Each node
+// remembered what it had registered and registered again only a cell that
+// turned hot or changed limit, so a holder that took the role later (it
+// reads the registry whole) published none of the others for the rest of
+// their window: another region stayed at what it had read before the
+// restart. Now every node registers its cells again.
+func TestRole_ARegionThatLostItsRegistryGetsItsCellsAgain(t *testing.T) {
+	s := newSetup(t)
+	mem := newMemRegion(s.clk)
+	n := s.regionNode("a", "n1", mem)
+	n.decide("k", 100, 30) // worth publishing (a fifth of the limit), not hot
+	n.p.FlushOnce(bg)
+	registered := func() int {
+		mem.mu.Lock()
+		defer mem.mu.Unlock()
+		return len(mem.reg)
+	}
+	if got := registered(); got != 1 {
+		t.Fatalf("the region's registry holds %d cells, want k's", got)
+	}
+	mem.mu.Lock() // Redis restarted empty
+	mem.holder, mem.until, mem.reg, mem.queue = "", 0, map[Cell]RegionCell{}, nil
+	mem.mu.Unlock()
+	n.p.RegionLost() // the root's restart watch
+	n.p.FlushOnce(bg)
+	if got := registered(); got != 1 {
+		t.Fatalf("after the region lost its registry it holds %d cells, want k registered again", got)
+	}
+}
