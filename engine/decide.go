@@ -121,7 +121,12 @@ func (e *Engine) allow(d *Decision, lc *located, l *Limit, ok bool, cur, prev in
 			e.committed(lc, l.Cost, SatAdd(after, weighted(prev, lc.w, lc.r)), l.Limit)
 		} else if e.unsent.Load() {
 			if x := lc.cur.links(); x != nil {
-				x.pending.Add(l.Cost) // for an origin that comes back (committed)
+				x.pending.Add(l.Cost) // for an origin that comes back (sendUnsent)
+				if e.origin.Load() != nil {
+					// It came meanwhile, and its sendUnsent may have
+					// passed this cell already.
+					e.markDirty(lc.zone, lc.en, lc.cur, lc.cur.state()&stShared != 0)
+				}
 			}
 		}
 	}

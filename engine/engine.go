@@ -122,13 +122,17 @@ type Engine struct {
 	// reservations are the origin decisions in flight, one per cell.
 	reservations *xsync.Map[*cell, *group]
 	origin       atomic.Pointer[originBox]
-	// unsent is set while the engine has let an origin go (SetOrigin(nil)
-	// after one) and no other came: its cells are linked cells, which keep
-	// the units they admit pending for the next origin (allow), and the
-	// cells they drop are remembered (buryCell), so that the next origin
-	// gets those too (sendUnsent). An engine that never had one skips that
-	// on one load.
+	// unsent is set once the engine has let an origin go (SetOrigin(nil)
+	// after one), and stays: its cells are linked cells, which keep the
+	// units they admit without an origin pending for the next (allow), and
+	// the cells they drop are remembered (buryCell), so that the next
+	// origin gets those too (sendUnsent). Never cleared, so that a request
+	// that found no origin keeps its units pending whatever a reload does
+	// meanwhile. An engine that never had one skips that on one load.
 	unsent atomic.Bool
+	// detached is set from letting an origin go until the next comes,
+	// which it tells to hand that one every count (resendAll).
+	detached atomic.Bool
 	// strictLive counts strict deadlines, bounded by MaxEntries.
 	strictLive atomic.Int64
 
@@ -213,13 +217,14 @@ func (e *Engine) SetOrigin(o Origin) {
 	if o == nil {
 		if e.origin.Load() != nil {
 			e.unsent.Store(true)
+			e.detached.Store(true)
 		}
 		e.origin.Store(nil)
 		return
 	}
 	e.makeQueues()
 	e.origin.Store(&originBox{o})
-	if e.unsent.Swap(false) { // once: a later reload of the same origin sends nothing again
+	if e.detached.Swap(false) { // once: a later reload of the same origin sends nothing again
 		e.resendAll()
 	}
 }

@@ -144,6 +144,12 @@ func (e *Engine) replayLoop() {
 			for batch := range work {
 				if o := e.getOrigin(); o != nil {
 					_ = e.flush(context.Background(), o, batch)
+				} else {
+					// A reload took the origin away after the tick took
+					// the batch: its units go back to pending, for the
+					// next origin (sendUnsent). Dropped, its cells stayed
+					// flushing, and nothing they counted was sent again.
+					e.giveBack(batch)
 				}
 			}
 		}()
