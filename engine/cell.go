@@ -182,11 +182,13 @@ const (
 	// later): the replays of this cell leave it out (Delta.NoPrev), a
 	// command less each in Redis. Reads and reservations still bring it.
 	stPrevSettled
+	// stBuried: the cell is among the graves (buryCell), once.
+	stBuried
 )
 
 // The st* bits fit below a cell's sequence (a negative constant would not
 // compile).
-const _ uint32 = 1<<seqShift - 2*stPrevSettled
+const _ uint32 = 1<<seqShift - 2*stBuried
 
 // setBits sets bits in the state and reports whether this call set any of
 // them (false when all were already set).

@@ -391,3 +391,77 @@ func TestDetach_OnlyTheFirstOriginBackGetsEveryCount(t *testing.T) {
 		t.Fatalf("a later reload sent %d cells again in all, want none more", got-1)
 	}
 }
+
+// TestDetach_UnitsCountedBeforeAnyOriginReachTheOneAfterADetachment: a
+// key counted before the process had Redis has a plain cell; the cell is
+// upgraded, its units handed over, when a request finds it linked. An
+// upgrade while Redis was out (a reload without it) handed nothing over,
+// and those units never reached Redis (before the fix: 1 of 4).
+func TestDetach_UnitsCountedBeforeAnyOriginReachTheOneAfterADetachment(t *testing.T) {
+	e, _ := newTestEngine(t, manual(Config{}))
+	l := lim("k", time.Minute, 100, 1)
+	for range 3 {
+		e.Decide(bg, l) // no origin yet: a plain cell
+	}
+	o := newMemOrigin()
+	e.SetOrigin(o)
+	e.SetOrigin(nil)
+	e.Decide(bg, l) // upgrades the cell while detached
+	e.SetOrigin(o)
+	replayAll(t, e)
+	ks, _ := e.Inspect(l.Key)
+	if got := o.total(l.Key, ks.Cells[0].Sequence); got != 4 {
+		t.Fatalf("the origin holds %d of the 4 units", got)
+	}
+}
+
+// TestDetach_ASweepKeepsTheUnitsForTheNextOrigin: while Redis is out, the
+// janitor drops a key idle for two windows; its units, admitted without
+// Redis, were dropped with it (before the fix: 0 of 3 reached Redis).
+func TestDetach_ASweepKeepsTheUnitsForTheNextOrigin(t *testing.T) {
+	e, clk := newTestEngine(t, manual(Config{}))
+	o := newMemOrigin()
+	e.SetOrigin(o)
+	e.SetOrigin(nil)
+	l := lim("k", time.Minute, 100, 1)
+	seq := clk.Now().UnixMilli() / time.Minute.Milliseconds()
+	for range 3 {
+		e.Decide(bg, l)
+	}
+	clk.Advance(2 * time.Minute)
+	if n := e.Sweep(); n != 1 {
+		t.Fatalf("the sweep dropped %d keys, want the idle one", n)
+	}
+	e.SetOrigin(o)
+	replayAll(t, e)
+	if got := o.total(l.Key, seq); got != 3 {
+		t.Fatalf("the origin holds %d of the 3 units", got)
+	}
+}
+
+// TestDetach_ARequestCountingIntoACellLetGoMeanwhileKeepsItsUnits: while
+// Redis is out, a request locates a key's cell, the key is forgotten (the
+// cell, empty then, is not remembered), and the request counts into the
+// cell after. Nothing held the cell, and its unit never reached Redis
+// (before the fix: 0 of 1). The interleaving, written out.
+func TestDetach_ARequestCountingIntoACellLetGoMeanwhileKeepsItsUnits(t *testing.T) {
+	e, _ := newTestEngine(t, manual(Config{}))
+	o := newMemOrigin()
+	e.SetOrigin(o)
+	e.SetOrigin(nil)
+	l := lim("k", time.Minute, 100, 1)
+	var lc located
+	e.locate(&lc, &l, e.nowMs(), true) // the request finds the key's cell
+	seq := lc.cur.seq()
+	e.Forget(l.Key)
+	var d Decision
+	e.decideLocal(&d, &lc, &l) // and counts into it
+	if !d.Allowed {
+		t.Fatal("denied within the limit")
+	}
+	e.SetOrigin(o)
+	replayAll(t, e)
+	if got := o.total(l.Key, seq); got != 1 {
+		t.Fatalf("the origin holds %d of the unit", got)
+	}
+}

@@ -59,6 +59,9 @@ func (e *Engine) buryCell(z *Zone, en *entry, c *cell) {
 	if x := c.links(); x == nil || x.own.Load()+x.pending.Load() == 0 {
 		return
 	}
+	if !c.setBits(stBuried) {
+		return // remembered already
+	}
 	g := &e.graves
 	g.mu.Lock()
 	if len(g.cells) < graveCells {
@@ -164,6 +167,9 @@ func (e *Engine) Sweep() int {
 			}
 			if hasOrigin && !e.requeue(z, en) {
 				return false, false // units no queue could take: keep them
+			}
+			if !hasOrigin {
+				e.bury(z, en) // units counted without an origin, for the next (sendUnsent)
 			}
 			// A request that still holds the entry sees the tombstone and
 			// looks the key up again, so nothing is counted into a dropped

@@ -171,10 +171,12 @@ func (e *Engine) upgrade(z *Zone, id string, en *entry, slot *atomic.Pointer[cel
 	}
 	n.spec.Add(spec2 - spec)
 	n.setBits(c.state() & stBlocked) // a first denial meanwhile
-	if slot == &en.cur && e.origin.Load() != nil {
+	if slot == &en.cur && (e.origin.Load() != nil || e.unsent.Load()) {
 		if u := count2 - spec2; u > 0 {
 			n.links().pending.Add(u)
-			e.markDirty(z, en, n, true) // first units: the fast tick, as in committed
+			if e.origin.Load() != nil {
+				e.markDirty(z, en, n, true) // first units: the fast tick, as in committed
+			} // else for the next origin (sendUnsent)
 		}
 	}
 	return n
