@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -463,5 +464,54 @@ func TestDetach_ARequestCountingIntoACellLetGoMeanwhileKeepsItsUnits(t *testing.
 	replayAll(t, e)
 	if got := o.total(l.Key, seq); got != 1 {
 		t.Fatalf("the origin holds %d of the unit", got)
+	}
+}
+
+// TestReserve_AWriteOverlappingAReservationCountsNothingTwice is what a
+// concurrency audit found: a reservation raises this process's own total
+// by the costs it asks for before it is sent; a replay of the same cell
+// taken meanwhile carried that total, reached the origin first, and the
+// reservation then charged the costs again (before the fix: 92 units at
+// the origin for 87 admitted). A write and a reservation of one cell no
+// longer overlap.
+func TestReserve_AWriteOverlappingAReservationCountsNothingTwice(t *testing.T) {
+	a, b, clk, o := twoNodes(t)
+	l := lim("k", time.Minute, 100, 1)
+	var admitted int64
+	if b.Decide(bg, l).Allowed { // another process: the cell is shared
+		admitted++
+	}
+	replayAll(t, b)
+	for range 80 {
+		if a.Decide(bg, l).Allowed {
+			admitted++
+		}
+	}
+	replayAll(t, a, b)
+	seq := clk.Now().UnixMilli() / time.Minute.Milliseconds()
+	before := o.reserves.Load()
+	o.reserveDelay.Store(int64(300 * time.Millisecond)) // the round trip the write overlaps
+	var reserved atomic.Bool
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		reserved.Store(a.Decide(bg, lim("k", time.Minute, 100, 5)).Allowed) // past 80 %: at the origin
+	}()
+	waitFor(t, "a reservation in flight", func() bool { return o.reserves.Load() > before })
+	out := make([]Decision, 2) // a batch never reserves: it commits locally
+	if a.DecideMany(bg, []Limit{l, lim("other", time.Minute, 100, 1)}, out) {
+		admitted++
+	}
+	if _, err := a.ReplayOnce(bg, Fast); err != nil {
+		t.Fatal(err)
+	}
+	<-done
+	o.reserveDelay.Store(0)
+	if reserved.Load() {
+		admitted += 5
+	}
+	replayAll(t, a, b)
+	if got := o.total(l.Key, seq); got != admitted {
+		t.Fatalf("the origin holds %d units of k; the processes admitted %d", got, admitted)
 	}
 }

@@ -254,6 +254,10 @@ func (e *Engine) sendGroup(ctx context.Context, o Origin, lc *located, l *Limit,
 	c := lc.cur
 	x := c.links() // a linked cell: with an origin, locate upgrades the cell
 	defer e.finishGroup(c, n)
+	if !e.holdWrites(ctx, c, dl) {
+		return Decision{}, false // a write of the cell outlasted the deadline: decided locally
+	}
+	defer e.releaseWrites(lc)
 	var sum int64
 	for _, cost := range n.costs {
 		sum = SatAdd(sum, cost)
@@ -300,6 +304,48 @@ func (e *Engine) sendGroup(ctx context.Context, o Origin, lc *located, l *Limit,
 	n.totals, n.global, n.globalPrev = r.Totals, r.Global, r.GlobalPrev
 	n.decided = true
 	return e.memberDecision(lc, l, n, 0)
+}
+
+// holdWrites takes c's write bit (stFlushing) for a reservation, once no
+// write of the cell is in flight, waiting within the request's deadline;
+// false when a write outlasted it (dl.expired then). The reservation
+// raises this process's own total by the costs before it is sent, so that
+// a write overlapping it never lowers what the origin holds; but a write
+// that carried those costs and reached the origin first made the
+// reservation charge them again (and a refused cost stayed counted): one
+// write or reservation of a cell at a time, as writes already are.
+func (e *Engine) holdWrites(ctx context.Context, c *cell, dl *deadline) bool {
+	for !c.setBits(stFlushing) {
+		ch := e.flushEnded.Load()
+		if ch == nil {
+			fresh := make(chan struct{})
+			if !e.flushEnded.CompareAndSwap(nil, &fresh) {
+				continue
+			}
+			ch = &fresh
+		}
+		// Checked after the channel is in place: a write that ends from
+		// here on closes it.
+		if c.state()&stFlushing == 0 {
+			continue
+		}
+		if !dl.wait(ctx, e, *ch) {
+			return false
+		}
+	}
+	return true
+}
+
+// releaseWrites gives the cell's write bit back after a reservation, and
+// queues the cell if units arrived meanwhile (a replay skipped it, as it
+// skips a cell with a write in flight).
+func (e *Engine) releaseWrites(lc *located) {
+	c := lc.cur
+	c.clearBits(stFlushing)
+	e.endedFlush()
+	if c.pending() > 0 {
+		e.markDirty(lc.zone, lc.en, c, true)
+	}
 }
 
 // reservationFailed gives back what a failed reservation of n handed the
