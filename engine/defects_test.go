@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"strconv"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -513,5 +514,30 @@ func TestReserve_AWriteOverlappingAReservationCountsNothingTwice(t *testing.T) {
 	replayAll(t, a, b)
 	if got := o.total(l.Key, seq); got != admitted {
 		t.Fatalf("the origin holds %d units of k; the processes admitted %d", got, admitted)
+	}
+}
+
+// TestDetach_UnitsPastWhatTheEngineRemembersAreCountedLost: while Redis is
+// out, the cells let go are remembered for it up to graveCells; past that
+// the oldest one's units are given up, and counted as lost (they were
+// dropped unseen).
+func TestDetach_UnitsPastWhatTheEngineRemembersAreCountedLost(t *testing.T) {
+	e, _ := newTestEngine(t, manual(Config{}))
+	o := newMemOrigin()
+	e.SetOrigin(o)
+	e.SetOrigin(nil)
+	const over = 10
+	for i := range graveCells + over {
+		l := lim("k"+strconv.Itoa(i), time.Minute, 100, 1)
+		e.Decide(bg, l)
+		e.Forget(l.Key)
+	}
+	if got := e.Stats().LostUnits; got != over {
+		t.Fatalf("%d units counted lost, want the %d past what the engine remembers", got, over)
+	}
+	e.SetOrigin(o)
+	replayAll(t, e)
+	if got := originSum(o); got != graveCells {
+		t.Fatalf("the origin holds %d units, want the %d remembered", got, graveCells)
 	}
 }

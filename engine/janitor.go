@@ -67,8 +67,17 @@ func (e *Engine) buryCell(z *Zone, en *entry, c *cell) {
 	if len(g.cells) < graveCells {
 		g.cells = append(g.cells, dirtyCell{z, en, c})
 	} else {
+		old := g.cells[g.next].cell
 		g.cells[g.next] = dirtyCell{z, en, c}
 		g.next = (g.next + 1) % graveCells
+		if e.origin.Load() == nil && old.state()&(stDirty|stFlushing) == 0 {
+			// Without an origin, units a let-go cell holds are only here
+			// (with one, the replay queue holds the cell): past the bound
+			// they are given up, and counted as lost.
+			if n := old.links().pending.Swap(0); n > 0 {
+				e.stats.lostUnits.Add(n)
+			}
+		}
 	}
 	g.mu.Unlock()
 }
