@@ -27,7 +27,8 @@ type Store interface {
 	// ReadDenials and ReadCounts read one page of a table.
 	ReadDenials(ctx context.Context, r Read) ([]BlocklistRow, error)
 	ReadCounts(ctx context.Context, r Read) ([]CountRow, error)
-	// DeleteExpired deletes up to chunk rows of t that expired at now.
+	// DeleteExpired deletes up to chunk rows of t that expired at now, and
+	// by the database's clock too.
 	DeleteExpired(ctx context.Context, t Table, now int64, chunk int) (int64, error)
 	// ReplicaLag is how far the database pulls read from is behind the
 	// one writes go to; known is false when it cannot tell (no replica,
@@ -309,10 +310,15 @@ func readQuery(t Table, columns string, r Read) (string, []any) {
 
 // DeleteExpired deletes up to chunk rows of t that expired at now (an
 // override without an expiry never does).
+//
+// A row is expired by the node's clock and by the database's, whichever
+// is behind: a node whose clock ran minutes ahead once deleted every
+// region's live rows, which a region reading the table whole then never
+// saw, for the rest of their window.
 func (s *sqlStore) DeleteExpired(ctx context.Context, t Table, now int64, chunk int) (int64, error) {
-	cond := `expires_ms <= ?`
+	cond := `expires_ms <= LEAST(?, ` + dbNowMs + `)`
 	if t == Overrides {
-		cond = `expires_ms > 0 AND expires_ms <= ?`
+		cond = `expires_ms > 0 AND ` + cond
 	}
 	res, err := s.write.ExecContext(ctx, `DELETE FROM `+t.String()+` WHERE `+cond+` LIMIT ?`, now, chunk)
 	if err != nil {

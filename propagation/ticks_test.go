@@ -106,3 +106,23 @@ func TestJitter_WithinTwentyPercent(t *testing.T) {
 		t.Fatalf("jitter spread [%s, %s] uses too little of ±20 %%", lo, hi)
 	}
 }
+
+// TestCleanup_ANodeWhoseClockRunsAheadDeletesNoLiveRow: a node's clock runs
+// three minutes ahead; another region's row of a one-minute window, live
+// by the database's clock, expires by the node's. The cleanup once
+// deleted it (and every region's live rows with it), and a region reading
+// the table whole then never saw that count for the rest of its window.
+func TestCleanup_ANodeWhoseClockRunsAheadDeletesNoLiveRow(t *testing.T) {
+	s := newSetup(t)
+	real := time.Now().UnixMilli()
+	s.clk.ms.Store(real + 3*time.Minute.Milliseconds())
+	a := s.region("a")
+	db := mysqltest.Open(t, s.dsn)
+	if _, err := db.Exec(`INSERT INTO ratelimit_global_counts (namespace, identifier, window_ms, sequence, region, count, expires_ms)
+		VALUES (?, ?, 60000, 1, 'b', 5, ?)`, []byte("z"), []byte("live"), real+time.Minute.Milliseconds()); err != nil {
+		t.Fatal(err)
+	}
+	if n := a.p.CleanupOnce(bg); n != 0 {
+		t.Fatalf("the cleanup of a node three minutes ahead deleted %d rows live by the database's clock", n)
+	}
+}

@@ -401,8 +401,10 @@ func (c *mysqlClient) read(t propagation.Table, r propagation.Read) ([]*version,
 
 func (c *mysqlClient) DeleteExpired(_ context.Context, t propagation.Table, now int64, chunk int) (int64, error) {
 	var n int64
-	err := c.onPrimary(func(sent, _ int64) {
-		n = c.m.tables[t].deleteExpired(now, chunk, sent)
+	err := c.onPrimary(func(sent, at int64) {
+		// Expired by the node's clock and the database's, as the store's
+		// statement has it.
+		n = c.m.tables[t].deleteExpired(min(now, at), chunk, sent)
 		c.r.Cost.RowsWritten += n
 		c.r.Cost.RowsRead += n
 	})
