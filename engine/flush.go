@@ -278,6 +278,23 @@ func (e *Engine) awaitFlush(c *cell) bool {
 	timeout := time.NewTimer(flushTimeout)
 	defer timeout.Stop()
 	for {
+		ch := e.flushEndedWhile(c)
+		if ch == nil {
+			return true
+		}
+		select {
+		case <-ch:
+		case <-timeout.C:
+			return c.state()&stFlushing == 0
+		}
+	}
+}
+
+// flushEndedWhile returns a channel that the end of any write closes, or
+// nil when c has no write in flight: checked after the channel is in
+// place, so a write that ends from then on closes it.
+func (e *Engine) flushEndedWhile(c *cell) <-chan struct{} {
+	for {
 		ch := e.flushEnded.Load()
 		if ch == nil {
 			fresh := make(chan struct{})
@@ -286,16 +303,10 @@ func (e *Engine) awaitFlush(c *cell) bool {
 			}
 			ch = &fresh
 		}
-		// Checked after the channel is in place: a write that ends from
-		// here on closes it.
 		if c.state()&stFlushing == 0 {
-			return true
+			return nil
 		}
-		select {
-		case <-*ch:
-		case <-timeout.C:
-			return c.state()&stFlushing == 0
-		}
+		return *ch
 	}
 }
 

@@ -28,6 +28,13 @@ type graveyard struct {
 	next  int
 }
 
+// list returns a copy of the cells remembered.
+func (g *graveyard) list() []dirtyCell {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return append([]dirtyCell(nil), g.cells...)
+}
+
 // bury remembers the cells of en, forgotten or evicted from z, whose units
 // the origin holds (or will). Their age is not judged by this process's
 // clock, which may be the one that is off.
@@ -122,11 +129,7 @@ func (e *Engine) sendUnsent() {
 		})
 		return true
 	})
-	g := &e.graves
-	g.mu.Lock()
-	graves := append([]dirtyCell(nil), g.cells...)
-	g.mu.Unlock()
-	for _, d := range graves {
+	for _, d := range e.graves.list() {
 		if c := d.cell; c.pending() > 0 && c.state()&(stDirty|stFlushing) == 0 {
 			e.markDirty(d.zone, d.en, c, c.state()&stShared != 0)
 		}

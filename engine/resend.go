@@ -44,11 +44,7 @@ func (e *Engine) Resend() int {
 	// Cells dropped in their window (forgotten, evicted) hold units the
 	// origin had too; the replay queue holds a dropped cell as well as a
 	// live one.
-	g := &e.graves
-	g.mu.Lock()
-	graves := append([]dirtyCell(nil), g.cells...)
-	g.mu.Unlock()
-	for _, d := range graves {
+	for _, d := range e.graves.list() {
 		resend(d.zone, d.en, d.cell)
 	}
 	e.stats.resends.Add(int64(n))

@@ -316,20 +316,7 @@ func (e *Engine) sendGroup(ctx context.Context, o Origin, lc *located, l *Limit,
 // write or reservation of a cell at a time, as writes already are.
 func (e *Engine) holdWrites(ctx context.Context, c *cell, dl *deadline) bool {
 	for !c.setBits(stFlushing) {
-		ch := e.flushEnded.Load()
-		if ch == nil {
-			fresh := make(chan struct{})
-			if !e.flushEnded.CompareAndSwap(nil, &fresh) {
-				continue
-			}
-			ch = &fresh
-		}
-		// Checked after the channel is in place: a write that ends from
-		// here on closes it.
-		if c.state()&stFlushing == 0 {
-			continue
-		}
-		if !dl.wait(ctx, e, *ch) {
+		if ch := e.flushEndedWhile(c); ch != nil && !dl.wait(ctx, e, ch) {
 			return false
 		}
 	}
