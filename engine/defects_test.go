@@ -287,6 +287,16 @@ func TestNearLimit_PaceMeasuredWhileReservingIsNotTheLocalPace(t *testing.T) {
 // had no origin never reached the next one. Each test below failed before
 // the fix.
 
+// detachedEngine is a manual engine that had the origin it returns and
+// let it go, as a reload without Redis does.
+func detachedEngine(t *testing.T) (*Engine, *testclock.Clock, *memOrigin) {
+	e, clk := newTestEngine(t, manual(Config{}))
+	o := newMemOrigin()
+	e.SetOrigin(o)
+	e.SetOrigin(nil)
+	return e, clk, o
+}
+
 // TestDetach_UnitsAdmittedMeanwhileReachTheNextOriginAtOnce: a key the
 // node counts while detached, idle once Redis is back, waited for the
 // janitor (every JanitorInterval, 10 s by default) before its units
@@ -421,10 +431,7 @@ func TestDetach_UnitsCountedBeforeAnyOriginReachTheOneAfterADetachment(t *testin
 // janitor drops a key idle for two windows; its units, admitted without
 // Redis, were dropped with it (before the fix: 0 of 3 reached Redis).
 func TestDetach_ASweepKeepsTheUnitsForTheNextOrigin(t *testing.T) {
-	e, clk := newTestEngine(t, manual(Config{}))
-	o := newMemOrigin()
-	e.SetOrigin(o)
-	e.SetOrigin(nil)
+	e, clk, o := detachedEngine(t)
 	l := lim("k", time.Minute, 100, 1)
 	seq := clk.Now().UnixMilli() / time.Minute.Milliseconds()
 	for range 3 {
@@ -447,10 +454,7 @@ func TestDetach_ASweepKeepsTheUnitsForTheNextOrigin(t *testing.T) {
 // cell after. Nothing held the cell, and its unit never reached Redis
 // (before the fix: 0 of 1). The interleaving, written out.
 func TestDetach_ARequestCountingIntoACellLetGoMeanwhileKeepsItsUnits(t *testing.T) {
-	e, _ := newTestEngine(t, manual(Config{}))
-	o := newMemOrigin()
-	e.SetOrigin(o)
-	e.SetOrigin(nil)
+	e, _, o := detachedEngine(t)
 	l := lim("k", time.Minute, 100, 1)
 	var lc located
 	e.locate(&lc, &l, e.nowMs(), true) // the request finds the key's cell
@@ -522,10 +526,7 @@ func TestReserve_AWriteOverlappingAReservationCountsNothingTwice(t *testing.T) {
 // the oldest one's units are given up, and counted as lost (they were
 // dropped unseen).
 func TestDetach_UnitsPastWhatTheEngineRemembersAreCountedLost(t *testing.T) {
-	e, _ := newTestEngine(t, manual(Config{}))
-	o := newMemOrigin()
-	e.SetOrigin(o)
-	e.SetOrigin(nil)
+	e, _, o := detachedEngine(t)
 	const over = 10
 	for i := range graveCells + over {
 		l := lim("k"+strconv.Itoa(i), time.Minute, 100, 1)
