@@ -100,6 +100,8 @@ var propagationStats = statSet[propagation.Stats]{stats: []stat[propagation.Stat
 		help:  "Pulls of a table, by kind (changes: the rows changed since the last pull; whole: the safety net)."},
 	{json: "pulls.whole", metric: "propagation_pulls_total", label: [2]string{"kind", "whole"},
 		value: func(s *propagation.Stats) any { return s.WholeReads }},
+	{json: "clock_steps", metric: "propagation_database_clock_steps_total", value: func(s *propagation.Stats) any { return s.ClockSteps },
+		help: "Times the database's clock was found behind the newest change pulled (it stepped back): the tables were read whole, and changes pulled from its clock on."},
 	{json: "replica_lag_seconds", value: func(s *propagation.Stats) any { return secondsOrNull(s.ReplicaLag) }},
 	{metric: "propagation_replica_lag_seconds", gauge: true, value: func(s *propagation.Stats) any { return seconds(s.ReplicaLag) },
 		help: "How far mysql_read's replica said it was behind at the last global sync (Seconds_Behind_Source); -1 when unknown: no replica, its SQL thread stopped, or no right to ask."},

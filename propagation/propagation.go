@@ -129,6 +129,7 @@ type Propagator struct {
 	ahead       map[Cell]update       // imports for windows not begun here yet
 	index       map[zoneID]string     // row identifier → raw identifier (MapID)
 	cursor      [tables]cursor        // where the next pull of changes starts
+	dbClock     dbClock               // the database's clock, as last read (pull.go)
 	fullPull    [tables]bool          // the next pull of the table reads it whole
 	fullPush    bool                  // the next push publishes every grown cell
 	fullTake    bool                  // the next take reads every registration

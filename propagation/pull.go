@@ -3,6 +3,7 @@ package propagation
 import (
 	"context"
 	"errors"
+	"math"
 	"time"
 
 	"go.uber.org/zap"
@@ -93,18 +94,81 @@ func readPages[T any](p *Propagator, ctx context.Context, t Table, r Read,
 	return false
 }
 
-// advance moves table t's cursor to the newest of rows, if it is newer.
+// advance moves table t's cursor to the newest of rows, if it is newer,
+// leaving out rows stamped ahead of the database's clock (see checkClock).
 func advance[T any](p *Propagator, t Table, rows []T, key func(*T) *RowKey) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	ceiling := p.dbClock.ceiling(p.now().UnixMilli())
 	var newest *RowKey
 	for i := range rows {
-		if k := key(&rows[i]); newest == nil || newer(k, newest) {
+		if k := key(&rows[i]); k.UpdatedMs <= ceiling && (newest == nil || newer(k, newest)) {
 			newest = k
 		}
 	}
-	p.mu.Lock()
-	defer p.mu.Unlock()
 	if c := &p.cursor[t]; newest != nil && (c.newest == nil || newer(newest, c.newest)) {
 		c.newest, c.seenAt = newest, p.now().UnixMilli()
+	}
+}
+
+// ClockStore is a Store that reads the database's clock, the one that
+// stamps updated_ms (MySQL does).
+type ClockStore interface {
+	Clock(ctx context.Context) (int64, error)
+}
+
+// dbClock is the database's clock as last read (db), with this process's
+// clock then (local); zero before the first read.
+type dbClock struct{ db, local int64 }
+
+// ceiling is the newest change time a row can carry at now (this
+// process's clock), with the margin for late commits: math.MaxInt64 while
+// the database's clock is unknown.
+func (c dbClock) ceiling(now int64) int64 {
+	if c.db == 0 {
+		return math.MaxInt64
+	}
+	return c.db + max(now-c.local, 0) + changeMargin.Milliseconds()
+}
+
+// checkClock reads the database's clock (each global sync). The pulls of
+// changes trust it to move forward: a clock that stepped back (a failover
+// to a server whose clock is behind, an NTP step) stamps the rows it
+// changes before the newest change seen, and the pulls missed them until
+// the clock passed that time again (minutes), the others' counts arriving
+// only with the whole reads. A cursor ahead of the clock now starts over:
+// the next pull reads the table whole, and from then on the cursor leaves
+// out rows stamped ahead of the clock (advance).
+func (p *Propagator) checkClock(ctx context.Context) {
+	cs, ok := p.store.(ClockStore)
+	if !ok {
+		return
+	}
+	var db int64
+	if err := p.query(ctx, func(ctx context.Context) error {
+		var err error
+		db, err = cs.Clock(ctx)
+		return err
+	}); err != nil {
+		p.readFailed("the database's clock", err)
+		return
+	}
+	p.mu.Lock()
+	p.dbClock = dbClock{db: db, local: p.now().UnixMilli()}
+	var ahead int64
+	for t := range tables {
+		if c := p.cursor[t]; c.newest != nil && c.newest.UpdatedMs > db+changeMargin.Milliseconds() {
+			ahead = max(ahead, c.newest.UpdatedMs-db)
+			p.cursor[t] = cursor{}
+			p.fullPull[t] = true
+		}
+	}
+	p.mu.Unlock()
+	if ahead > 0 {
+		if c := p.stats.clockSteps.Add(1); c == 1 || c%100 == 0 {
+			p.log.Warn("the database's clock is behind the newest change pulled (it stepped back: a failover, an NTP step): reading every table whole, then pulling changes from its clock on",
+				zap.String("database", p.addr), zap.Duration("behind", time.Duration(ahead)*time.Millisecond), zap.Int64("clock_steps", c))
+		}
 	}
 }
 

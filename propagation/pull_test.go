@@ -7,6 +7,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/edgelimit/caddy-ratelimit/internal/mysqltest"
 )
@@ -358,5 +359,48 @@ func TestImport_ForAWindowAheadIsAppliedWhenItBeginsHere(t *testing.T) {
 	b.p.FlushOnce(bg)
 	if c := b.cell(t, "early", seq0+1); c.Global != 60 {
 		t.Fatalf("b's cell of the window a counted in = %+v, want a's 60 as global", c)
+	}
+}
+
+// TestPull_ADatabaseClockSteppedBackLosesNoChange: the database fails over
+// to a server whose clock is ten minutes behind (here every session of
+// regions b and c runs ten minutes behind, as SET timestamp through the
+// DSN makes it). Rows changed after the step carry times before the
+// newest change b had seen, and its pulls of changes missed them until
+// the clock passed that time again: minutes with the others' counts
+// arriving only at the whole reads (every tenth global sync). Now a
+// global sync reads the database's clock, finds the cursor ahead of it,
+// and the next pull reads the table whole and sets the cursor from rows
+// no newer than the clock; the changes after that are pulled as ever.
+func TestPull_ADatabaseClockSteppedBackLosesNoChange(t *testing.T) {
+	s := newSetup(t)
+	a := s.region("a")
+	dsn := s.dsn
+	s.dsn = fmt.Sprintf("%s?timestamp=%d", dsn, time.Now().Add(-10*time.Minute).Unix())
+	b, c := s.region("b"), s.region("c")
+	s.dsn = dsn
+	a.decide("before", 100, 60)
+	a.p.FlushOnce(bg) // stamped by the clock before the step
+	b.p.FlushOnce(bg) // b's cursor: a's row
+	s.clk.Add(changeMargin)
+	b.p.FlushOnce(bg) // past the margin: b pulls after a's row
+	if got := b.cell(t, "before", seq0); got.Global != 60 {
+		t.Fatalf("b's cell of a's key = %+v, want a's 60", got)
+	}
+	c.decide("after", 100, 70)
+	c.p.FlushOnce(bg) // stamped ten minutes before a's row
+	b.p.GlobalSyncOnce(bg)
+	b.p.FlushOnce(bg)
+	if got := b.cell(t, "after", seq0); got.Global != 70 {
+		t.Fatalf("a global sync and a flush after c's row, b's cell = %+v, want c's 70", got)
+	}
+	if st := b.p.Stats(); st.ClockSteps != 1 {
+		t.Fatalf("clock steps seen: %d, want 1", st.ClockSteps)
+	}
+	c.decide("after", 100, 5) // a change after the whole read
+	c.p.FlushOnce(bg)
+	b.p.FlushOnce(bg)
+	if got := b.cell(t, "after", seq0); got.Global != 75 {
+		t.Fatalf("a flush after c's count rose, b's cell = %+v, want 75: the cursor stayed ahead of the clock", got)
 	}
 }

@@ -14,7 +14,7 @@ type counters struct {
 	importDrops, waitingApplied, cleanupDeleted, importsSent        atomic.Int64
 	registered, registryDrops, regionErrors, leaseErrors, lagErrors atomic.Int64
 	roleTaken, roleLost, leaseRenewals, wholeReads, changeReads     atomic.Int64
-	overridesWritten                                                atomic.Int64
+	overridesWritten, clockSteps                                    atomic.Int64
 	rowsRead                                                        [tables]atomic.Int64
 	lastPush                                                        atomic.Int64 // Unix ms
 	lastPull                                                        [tables]atomic.Int64
@@ -75,8 +75,10 @@ type Stats struct {
 	// counts handed to the region's Redis.
 	RegistryCells, RegistryDrops, ImportsSent int64
 	// CountRowsRead and DenialRowsRead count rows pulled; ChangeReads
-	// pulls of what changed; WholeReads pulls of a whole table.
-	CountRowsRead, DenialRowsRead, ChangeReads, WholeReads int64
+	// pulls of what changed; WholeReads pulls of a whole table;
+	// ClockSteps the times the database's clock was found behind the
+	// newest change pulled (checkClock).
+	CountRowsRead, DenialRowsRead, ChangeReads, WholeReads, ClockSteps int64
 	// OverridesWritten and OverrideRowsRead count runtime overrides
 	// written to and pulled from MySQL; PendingOverrides wait to be
 	// written.
@@ -165,6 +167,7 @@ func (s *counters) snapshot() Stats {
 		OverrideRowsRead:  s.rowsRead[Overrides].Load(),
 		ChangeReads:       s.changeReads.Load(),
 		WholeReads:        s.wholeReads.Load(),
+		ClockSteps:        s.clockSteps.Load(),
 		ReplicaLag:        -1,
 		NewestRowAge:      -1,
 	}

@@ -153,6 +153,16 @@ func (s *sqlStore) Close() error {
 // dbNowMs is the database's clock in Unix ms (sessions run in UTC).
 const dbNowMs = `ROUND(UNIX_TIMESTAMP(NOW(3)) * 1000)`
 
+// Clock implements ClockStore: the clock of the database writes go to,
+// which stamps updated_ms.
+func (s *sqlStore) Clock(ctx context.Context) (int64, error) {
+	var ms int64
+	if err := s.write.QueryRowContext(ctx, `SELECT `+dbNowMs).Scan(&ms); err != nil {
+		return 0, fmt.Errorf("read the database's clock: %w", err)
+	}
+	return ms, nil
+}
+
 // placeholders returns n groups of k placeholders, each followed by tail
 // ("(?,?,…,?tail),(…)").
 func placeholders(n, k int, tail string) string {

@@ -83,6 +83,7 @@ func (p *Propagator) GlobalSyncOnce(ctx context.Context) {
 	p.mu.Unlock()
 	p.prune(now)
 	p.checkLag(ctx)
+	p.checkClock(ctx)
 }
 
 // BlocklistSyncOnce is one blocklist sync tick: every wholeEvery syncs the
