@@ -158,10 +158,11 @@ func (a *App) Start() error {
 	return nil
 }
 
-// Stop hands the engine to the newest config still started (or none),
-// after the backends wrote what they hold if they were the engine's.
+// Stop hands the engine to the newest config still started, after the
+// backends wrote what they hold if they were the engine's; the last
+// config's do that in Cleanup (see state.stop).
 func (a *App) Stop() error {
-	a.state.stop(a)
+	a.state.stop(a, false)
 	return nil
 }
 
@@ -171,7 +172,7 @@ func (a *App) Cleanup() error {
 	if a.state == nil {
 		return nil
 	}
-	a.state.stop(a)
+	a.state.stop(a, true)
 	a.state.apps.cleanup(a)
 	a.state = nil
 	err := releaseState()

@@ -50,7 +50,7 @@ func TestBackends_TheEngineFollowsTheNewestStartedApp(t *testing.T) {
 		}
 		return a
 	}
-	a, b, c := app("A", true), app("B", true), app("C", false)
+	a, b, c, d := app("A", true), app("B", true), app("C", false), app("D", true)
 	step := func(what string, f func(), want ...string) {
 		t.Helper()
 		calls = nil
@@ -61,11 +61,17 @@ func TestBackends_TheEngineFollowsTheNewestStartedApp(t *testing.T) {
 	}
 	step("A starts", func() { st.start(a) }, "A use")
 	step("reload: B starts", func() { st.start(b) }, "B use")
-	step("B failed: stopped", func() { st.stop(b) }, "B flush", "A use", "B letGo flushed")
+	step("B failed: stopped", func() { st.stop(b, false) }, "B flush", "A use", "B letGo flushed")
 	step("B again", func() { st.start(b) }, "B use")
-	step("the reload ends: A stops", func() { st.stop(a) }, "B use", "A letGo")
+	step("the reload ends: A stops", func() { st.stop(a, false) }, "B use", "A letGo")
 	step("a reload without the kind", func() { st.start(c) }, "unuse")
-	step("B stops", func() { st.stop(b) }, "unuse", "B letGo")
-	step("C stops, the last", func() { st.stop(c) }, "unuse")
-	step("stopping twice does nothing", func() { st.stop(c) })
+	step("B stops", func() { st.stop(b, false) }, "unuse", "B letGo")
+	step("C stops, the last", func() { st.stop(c, false) })
+	step("C is cleaned up", func() { st.stop(c, true) }, "unuse")
+	step("stopping twice does nothing", func() { st.stop(c, true) })
+	// The last config's backends write and are let go at its Cleanup,
+	// once its HTTP server no longer serves: not at its Stop.
+	step("D starts", func() { st.start(d) }, "D use")
+	step("D stops, the only config", func() { st.stop(d, false) })
+	step("D is cleaned up", func() { st.stop(d, true) }, "D flush", "unuse", "D letGo flushed")
 }

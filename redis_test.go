@@ -170,15 +170,17 @@ func TestOrigin_FollowsTheNewestStartedConfig(t *testing.T) {
 	using(a, "A started")
 	b.state.start(b)
 	using(b, "reload: B started")
-	b.state.stop(b) // B failed to start: Caddy stops what it started
+	b.state.stop(b, false) // B failed to start: Caddy stops what it started
 	using(a, "B stopped while A runs")
 	b.state.start(b)
-	a.state.stop(a) // the reload completes: the old config stops
+	a.state.stop(a, false) // the reload completes: the old config stops
 	using(b, "A stopped after B started")
-	b.state.stop(b)
-	using(nil, "last config stopped")
-	b.state.stop(b) // Cleanup after Stop: no-op
-	using(nil, "stopped twice")
+	b.state.stop(b, false) // the last config's Stop: its HTTP server may still serve
+	using(b, "last config's Stop")
+	b.state.stop(b, true) // its Cleanup, once every app has stopped
+	using(nil, "last config cleaned up")
+	b.state.stop(b, true)
+	using(nil, "cleaned up twice")
 }
 
 // TestCaddy_ReloadWithoutRedisWritesPendingUnits is the review's case: a

@@ -214,12 +214,19 @@ func (s *state) start(a *App) {
 // hold first; then the newest remaining started app's backends take over,
 // and a's backends hear that they are let go. Stopping an app that is not
 // started does nothing.
-func (s *state) stop(a *App) {
+//
+// The app's Stop leaves the only started app as it is (cleanup false):
+// Caddy stops a config's apps in no set order, and the HTTP server may
+// still be serving, and counting, when the rate limiter's Stop runs.
+// Written and let go then, the units that came after were given up with
+// Redis healthy, or counted locally and never sent. Its Cleanup, which
+// Caddy runs once every app of the config has stopped, does it.
+func (s *state) stop(a *App, cleanup bool) {
 	l := &s.apps
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	i := slices.Index(l.started, a)
-	if i < 0 {
+	if i < 0 || (!cleanup && len(l.started) == 1) {
 		return
 	}
 	last := i == len(l.started)-1

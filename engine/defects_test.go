@@ -1,7 +1,9 @@
 package engine
 
 import (
+	"context"
 	"strconv"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -540,5 +542,43 @@ func TestDetach_UnitsPastWhatTheEngineRemembersAreCountedLost(t *testing.T) {
 	replayAll(t, e)
 	if got := originSum(o); got != graveCells {
 		t.Fatalf("the origin holds %d units, want the %d remembered", got, graveCells)
+	}
+}
+
+// TestFlush_ALastFlushWaitsForAWriteInFlight is what a shutdown audit
+// found with Redis stalled: the last flush (a shutdown, a reload without
+// Redis) skipped a cell whose replay write was still in flight, the units
+// left were given up and counted, and then the write failed and gave its
+// units back to a cell nobody would write again: lost, uncounted. The
+// last flush now waits, within its bound, for the writes in flight, and
+// takes what they give back.
+func TestFlush_ALastFlushWaitsForAWriteInFlight(t *testing.T) {
+	e, _ := newTestEngine(t, manual(Config{}))
+	o := newMemOrigin()
+	e.SetOrigin(o)
+	l := lim("k", time.Minute, 100, 1)
+	e.Decide(bg, l)
+	gate := make(chan struct{})
+	o.flushGate.Store(&gate)
+	var once sync.Once
+	release := func() { once.Do(func() { close(gate) }) }
+	t.Cleanup(release)
+	replayed := make(chan struct{})
+	go func() {
+		defer close(replayed)
+		_, _ = e.ReplayOnce(bg, Fast) // the write in flight, stalled
+	}()
+	waitFor(t, "a write in flight", func() bool { return e.stats.flushing.Load() == 1 })
+	e.Decide(bg, l)
+	o.failFlushes(errOriginDown) // the stalled write fails, as will the last flush's
+	time.AfterFunc(50*time.Millisecond, release)
+	ctx, cancel := context.WithTimeout(bg, 2*time.Second)
+	defer cancel()
+	_ = e.FlushTo(ctx, o) // the last flush
+	e.SetOrigin(nil)
+	lost := e.DropUnsent()
+	<-replayed
+	if got := originSum(o) + lost; got != 2 {
+		t.Fatalf("the origin holds %d units and %d were counted lost: %d of the 2 admitted accounted for", originSum(o), lost, got)
 	}
 }

@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"cmp"
 	"context"
 	"sync/atomic"
 	"time"
@@ -291,9 +292,15 @@ func (e *Engine) awaitFlush(c *cell) bool {
 }
 
 // flushEndedWhile returns a channel that the end of any write closes, or
-// nil when c has no write in flight: checked after the channel is in
-// place, so a write that ends from then on closes it.
+// nil when c has no write in flight.
 func (e *Engine) flushEndedWhile(c *cell) <-chan struct{} {
+	return e.flushEndedWhen(func() bool { return c.state()&stFlushing != 0 })
+}
+
+// flushEndedWhen returns a channel that the end of any write closes, or
+// nil when busy reports no write to wait for: asked after the channel is
+// in place, so a write that ends from then on closes it.
+func (e *Engine) flushEndedWhen(busy func() bool) <-chan struct{} {
 	for {
 		ch := e.flushEnded.Load()
 		if ch == nil {
@@ -303,7 +310,7 @@ func (e *Engine) flushEndedWhile(c *cell) <-chan struct{} {
 			}
 			ch = &fresh
 		}
-		if c.state()&stFlushing == 0 {
+		if !busy() {
 			return nil
 		}
 		return *ch
@@ -311,7 +318,37 @@ func (e *Engine) flushEndedWhile(c *cell) <-chan struct{} {
 }
 
 // flushAll replays every pending delta of every cell, for shutdown.
+//
+// Cells with a write in flight (the replay loop's) are skipped by a pass,
+// and a write that fails gives its units back: so the flush waits, within
+// ctx, for the writes in flight to end, and takes what they gave back.
+// Once a write on a stalled Redis ended after the last flush had returned,
+// and its units, given back to a cell nobody would write again, were lost
+// uncounted.
+//
+// A pass that fails sends nothing more, but the flush still waits for the
+// writes in flight, so that the caller's count of what is left unsent
+// (DropUnsent) includes what they give back.
 func (e *Engine) flushAll(ctx context.Context, o Origin) error {
+	var first error
+	for {
+		if first == nil {
+			first = e.flushPass(ctx, o)
+		}
+		ended := e.flushEndedWhen(func() bool { return e.stats.flushing.Load() > 0 })
+		if ended == nil {
+			return first
+		}
+		select {
+		case <-ended:
+		case <-ctx.Done():
+			return cmp.Or(first, ctx.Err())
+		}
+	}
+}
+
+// flushPass replays every pending delta it can take to o, once.
+func (e *Engine) flushPass(ctx context.Context, o Origin) error {
 	batch := make([]Delta, 0, replayBatch)
 	var first error
 	send := func() {
