@@ -219,11 +219,11 @@ func (b *redisBackend) use(st *state) {
 	st.engine.SetOrigin(b.engineOrigin)
 	st.setOrigin(b.origin)
 	if prev != nil && prev != b.origin && prev.Placement() != b.origin.Placement() {
-		go func() {
-			n := st.engine.Resend()
+		from, to := prev.String(), b.origin.String()
+		st.engine.ResendAsync(func(n int) {
 			b.a.logger.Info("Redis changed in a reload: writing every live key's count to the new servers",
-				zap.String("from", prev.String()), zap.String("to", b.origin.String()), zap.Int("cells", n))
-		}()
+				zap.String("from", from), zap.String("to", to), zap.Int("cells", n))
+		})
 	}
 }
 
@@ -247,13 +247,16 @@ func (b *redisBackend) letGo(st *state, flushed bool) {
 	if st.engine.Origin() != nil {
 		return
 	}
+	ctx, cancel := context.WithTimeout(context.Background(), closeTimeout)
+	defer cancel()
 	if !flushed {
-		ctx, cancel := context.WithTimeout(context.Background(), closeTimeout)
 		if err := st.engine.FlushTo(ctx, b.engineOrigin); err != nil {
 			b.a.logger.Warn("flushing rate limit counts to the origin the new config no longer uses", zap.Error(err))
 		}
-		cancel()
 	}
+	// A write still in flight gives its units back if it fails: they are
+	// among those given up, not lost unseen.
+	st.engine.AwaitWrites(ctx)
 	if lost := st.engine.DropUnsent(); lost > 0 {
 		b.a.logger.Warn("rate limit units admitted here could not be written to Redis before it was let go: the region never counts them",
 			zap.Int64("units", lost))

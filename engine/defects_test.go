@@ -545,14 +545,14 @@ func TestDetach_UnitsPastWhatTheEngineRemembersAreCountedLost(t *testing.T) {
 	}
 }
 
-// TestFlush_ALastFlushWaitsForAWriteInFlight is what a shutdown audit
-// found with Redis stalled: the last flush (a shutdown, a reload without
-// Redis) skipped a cell whose replay write was still in flight, the units
-// left were given up and counted, and then the write failed and gave its
-// units back to a cell nobody would write again: lost, uncounted. The
-// last flush now waits, within its bound, for the writes in flight, and
-// takes what they give back.
-func TestFlush_ALastFlushWaitsForAWriteInFlight(t *testing.T) {
+// TestFlush_AWriteInFlightWhenRedisIsLetGoIsCounted is what a shutdown
+// audit found with Redis stalled: the last flush (a shutdown, a reload
+// without Redis) skipped a cell whose replay write was still in flight,
+// the units left were given up and counted, and then the write failed and
+// gave its units back to a cell nobody would write again: lost, uncounted.
+// The count of what is given up now waits, within its bound, for the
+// writes in flight (AwaitWrites), as the root's letGo does.
+func TestFlush_AWriteInFlightWhenRedisIsLetGoIsCounted(t *testing.T) {
 	e, _ := newTestEngine(t, manual(Config{}))
 	o := newMemOrigin()
 	e.SetOrigin(o)
@@ -576,9 +576,43 @@ func TestFlush_ALastFlushWaitsForAWriteInFlight(t *testing.T) {
 	defer cancel()
 	_ = e.FlushTo(ctx, o) // the last flush
 	e.SetOrigin(nil)
+	if !e.AwaitWrites(ctx) {
+		t.Fatal("the write in flight did not end")
+	}
 	lost := e.DropUnsent()
 	<-replayed
 	if got := originSum(o) + lost; got != 2 {
 		t.Fatalf("the origin holds %d units and %d were counted lost: %d of the 2 admitted accounted for", originSum(o), lost, got)
+	}
+}
+
+// TestResend_EndsWhenTheOriginIsLetGo: a Resend waiting for room in full
+// replay queues (a reload to other Redis servers starts one) waited
+// forever once a next reload took Redis away, as the queues no longer
+// drain. It ends now, and the engine's Close waits for it.
+func TestResend_EndsWhenTheOriginIsLetGo(t *testing.T) {
+	e := New(Config{FastTick: time.Hour, SlowTick: time.Hour}) // nothing drains the queues
+	e.queueLen = 1
+	o := newMemOrigin()
+	e.SetOrigin(o)
+	for i := range 20 {
+		e.Decide(bg, lim("k"+strconv.Itoa(i), time.Minute, 100, 1))
+	}
+	if err := e.Flush(bg); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan int, 1)
+	e.ResendAsync(func(n int) { done <- n })
+	waitFor(t, "the Resend waiting for room", func() bool { return e.queue(Fast).len() == 1 && e.queue(Slow).len() == 1 })
+	e.SetOrigin(nil)
+	select {
+	case <-done:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the Resend still waits for the queues 5 s after the origin was let go")
+	}
+	ctx, cancel := context.WithTimeout(bg, 5*time.Second)
+	defer cancel()
+	if err := e.Close(ctx); err != nil {
+		t.Fatal(err)
 	}
 }

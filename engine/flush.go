@@ -1,7 +1,6 @@
 package engine
 
 import (
-	"cmp"
 	"context"
 	"sync/atomic"
 	"time"
@@ -317,38 +316,30 @@ func (e *Engine) flushEndedWhen(busy func() bool) <-chan struct{} {
 	}
 }
 
-// flushAll replays every pending delta of every cell, for shutdown.
-//
-// Cells with a write in flight (the replay loop's) are skipped by a pass,
-// and a write that fails gives its units back: so the flush waits, within
-// ctx, for the writes in flight to end, and takes what they gave back.
-// Once a write on a stalled Redis ended after the last flush had returned,
+// AwaitWrites waits, within ctx, until no write of the replay is in
+// flight, and reports whether none is. A write that fails gives its units
+// back to their cells: once the origin is let go (SetOrigin(nil)), no new
+// write starts, and a caller that counts what is left unsent (DropUnsent)
+// waits first. Once a write on a stalled Redis ended after that count,
 // and its units, given back to a cell nobody would write again, were lost
 // uncounted.
-//
-// A pass that fails sends nothing more, but the flush still waits for the
-// writes in flight, so that the caller's count of what is left unsent
-// (DropUnsent) includes what they give back.
-func (e *Engine) flushAll(ctx context.Context, o Origin) error {
-	var first error
+func (e *Engine) AwaitWrites(ctx context.Context) bool {
 	for {
-		if first == nil {
-			first = e.flushPass(ctx, o)
-		}
 		ended := e.flushEndedWhen(func() bool { return e.stats.flushing.Load() > 0 })
 		if ended == nil {
-			return first
+			return true
 		}
 		select {
 		case <-ended:
 		case <-ctx.Done():
-			return cmp.Or(first, ctx.Err())
+			return false
 		}
 	}
 }
 
-// flushPass replays every pending delta it can take to o, once.
-func (e *Engine) flushPass(ctx context.Context, o Origin) error {
+// flushAll replays every pending delta of every cell, for shutdown. Cells
+// with a write in flight are skipped (see AwaitWrites).
+func (e *Engine) flushAll(ctx context.Context, o Origin) error {
 	batch := make([]Delta, 0, replayBatch)
 	var first error
 	send := func() {

@@ -102,6 +102,27 @@ func (e *Engine) resendAll() {
 		e.sendUnsent()
 		return
 	}
+	e.background(func() {
+		e.Resend()
+		e.sendUnsent()
+	})
+}
+
+// ResendAsync runs Resend in the background (it may wait for room in the
+// replay queues), as the engine's own work: Close waits for it, and a
+// closed engine runs none. done, if set, gets the number of cells queued.
+func (e *Engine) ResendAsync(done func(cells int)) {
+	e.background(func() {
+		n := e.Resend()
+		if done != nil {
+			done(n)
+		}
+	})
+}
+
+// background runs f on a goroutine Close waits for, unless the engine is
+// closed.
+func (e *Engine) background(f func()) {
 	e.life.Lock()
 	defer e.life.Unlock()
 	if e.stopped {
@@ -110,8 +131,7 @@ func (e *Engine) resendAll() {
 	e.wg.Add(1)
 	go func() {
 		defer e.wg.Done()
-		e.Resend()
-		e.sendUnsent()
+		f()
 	}()
 }
 

@@ -52,13 +52,19 @@ func (e *Engine) Resend() int {
 	return n
 }
 
+// awaitQueuedStep bounds one wait of awaitQueued.
+const awaitQueuedStep = 100 * time.Millisecond
+
 // awaitQueued waits, a fast tick at a time, until c is queued for replay
 // (or with it), when both queues were full: Resend sends every live cell,
 // more than the queues hold at once. A manual engine does not wait (its
-// janitor's Sweep queues the cell again), nor does a closed one.
+// janitor's Sweep queues the cell again), nor does a closed one, nor one
+// whose origin a reload took away (the queues no longer drain; the next
+// origin gets every count, resendAll).
 func (e *Engine) awaitQueued(z *Zone, en *entry, c *cell) {
-	for !e.cfg.Manual && c.state()&(stDirty|stFlushing) == 0 && c.pending() > 0 {
-		t := time.NewTimer(time.Duration(e.fastTick.Load()))
+	for !e.cfg.Manual && e.getOrigin() != nil && c.state()&(stDirty|stFlushing) == 0 && c.pending() > 0 {
+		// A fast tick, at most awaitQueuedStep: the origin may go meanwhile.
+		t := time.NewTimer(min(time.Duration(e.fastTick.Load()), awaitQueuedStep))
 		select {
 		case <-e.stop:
 			t.Stop()
