@@ -28,7 +28,7 @@ func (e *Engine) DecideMany(ctx context.Context, ls []Limit, out []Decision) boo
 	lcs = lcs[:len(ls)]
 	now := e.nowMs()
 	o := e.getOrigin()
-	linked := o != nil || e.global.Load() != nil || e.unsent.Load()
+	linked := o != nil || e.linkAll.Load()
 	for i := range ls {
 		clampLimit(&ls[i])
 		e.locate(&lcs[i], &ls[i], now, linked)

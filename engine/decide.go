@@ -47,7 +47,7 @@ func (e *Engine) Decide(ctx context.Context, l Limit) (d Decision) {
 	clampLimit(&l)
 	now := e.nowMs()
 	o := e.getOrigin()
-	linked := o != nil || e.global.Load() != nil || e.unsent.Load()
+	linked := o != nil || e.linkAll.Load()
 	var lc located
 	if z, id := l.Zone, l.Identifier; !linked && z != nil && len(id) <= MaxIdentifierLen {
 		// The path nearly every decision of a local engine takes, the

@@ -133,6 +133,11 @@ type Engine struct {
 	// detached is set from letting an origin go until the next comes,
 	// which it tells to hand that one every count (resendAll).
 	detached atomic.Bool
+	// linkAll is set while cells are linked cells whatever the origin: a
+	// cross-region layer is attached, or unsent is set. One load on a
+	// decision's path instead of two; relink keeps it, under linkMu.
+	linkAll atomic.Bool
+	linkMu  sync.Mutex
 	// strictLive counts strict deadlines, bounded by MaxEntries.
 	strictLive atomic.Int64
 
@@ -218,6 +223,7 @@ func (e *Engine) SetOrigin(o Origin) {
 		if e.origin.Load() != nil {
 			e.unsent.Store(true)
 			e.detached.Store(true)
+			e.relink()
 		}
 		e.origin.Store(nil)
 		return

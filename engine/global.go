@@ -47,9 +47,10 @@ type globalBox struct{ g Global }
 func (e *Engine) SetGlobal(g Global) {
 	if g == nil {
 		e.global.Store(nil)
-		return
+	} else {
+		e.global.Store(&globalBox{g})
 	}
-	e.global.Store(&globalBox{g})
+	e.relink()
 }
 
 // swapGlobal replaces the cross-region layer with new only if it is old,
@@ -66,9 +67,17 @@ func (e *Engine) swapGlobal(old, new Global) bool {
 			n = &globalBox{new}
 		}
 		if e.global.CompareAndSwap(cur, n) {
+			e.relink()
 			return true
 		}
 	}
+}
+
+// relink sets linkAll from what it stands for (see Engine.linkAll).
+func (e *Engine) relink() {
+	e.linkMu.Lock()
+	defer e.linkMu.Unlock()
+	e.linkAll.Store(e.global.Load() != nil || e.unsent.Load())
 }
 
 func (e *Engine) getGlobal() Global {
