@@ -417,7 +417,8 @@ func (n *timedNode) Lease(ctx context.Context, ttl time.Duration) (string, error
 // flushes every 20 ms, queries bounded by 300 ms, so the lease (3 ×
 // mysql_flush + mysql_timeout) is 360 ms and two stalled queries outlast
 // it. Its store reports any statement whose deadline passed the lease as
-// last renewed.
+// last renewed. It holds k at its limit, the region's total with it: a
+// count worth publishing.
 func (s *setup) leaseNode() (*regionNode, *timedNode) {
 	node := &timedNode{memNode: memNode{newMemRegion(s.clk), "n1"}}
 	n := s.regionNodeWith("a", node, func(c *Config) {
@@ -429,6 +430,8 @@ func (s *setup) leaseNode() (*regionNode, *timedNode) {
 		s.t.Fatalf("lease %v: the test needs two queries' timeouts to outlast it", lease)
 	}
 	n.store.leaseEnd = func() time.Time { return time.Unix(0, node.asked.Load()).Add(lease) }
+	n.decide("k", s.limit, int(s.limit))
+	node.setTotal("k", s.limit)
 	return n, node
 }
 
@@ -441,8 +444,6 @@ func (s *setup) leaseNode() (*regionNode, *timedNode) {
 func TestRole_AStalledFlushNeverRunsPastItsLease(t *testing.T) {
 	s := newSetup(t)
 	n1, node := s.leaseNode()
-	n1.decide("k", s.limit, int(s.limit))
-	node.setTotal("k", s.limit) // a count worth publishing
 	n1.store.hang.Store(true)
 	n1.p.FlushOnce(bg)
 	if got := n1.store.statements.Load(); got < 2 {
@@ -468,10 +469,8 @@ func TestRole_AStalledFlushNeverRunsPastItsLease(t *testing.T) {
 // MySQL would otherwise never finish).
 func TestRole_ASlowFlushKeepsItsLeaseAndFinishes(t *testing.T) {
 	s := newSetup(t)
-	n1, node := s.leaseNode()
+	n1, _ := s.leaseNode()
 	n1.store.slow = 150 * time.Millisecond
-	n1.decide("k", s.limit, int(s.limit))
-	node.setTotal("k", s.limit)
 	start := time.Now()
 	n1.p.FlushOnce(bg)
 	took := time.Since(start)
@@ -499,8 +498,6 @@ func TestRole_AFlushStopsWhenItsRoleIsGone(t *testing.T) {
 	s := newSetup(t)
 	n1, node := s.leaseNode()
 	n1.store.slow = 150 * time.Millisecond
-	n1.decide("k", s.limit, int(s.limit))
-	node.setTotal("k", s.limit)
 	var sent atomic.Int64
 	n1.store.before = func() {
 		if sent.Add(1) == 1 { // n1 holds the role: its lease lapses, n2 takes it
