@@ -20,7 +20,8 @@ import (
 // units and what it imported, never comes back, whatever a node replays
 // or a region publishes later); the reset itself is a record in the
 // region's hash of overrides (overrides.go), and every node that hears of
-// it drops its own state of the key (engine.ForgetMatching). A global reset travels like an override: the
+// it drops its own state of the key and the units it had not replayed
+// (engine.DropMatching). A global reset travels like an override: the
 // role's holder writes it to MySQL, every other region's holder marks its
 // own region's cells when it first reads it (mysql_region.go) and leaves
 // it for its nodes. Published rows keep their totals (they only grow) and
@@ -80,7 +81,7 @@ func resetKey(w http.ResponseWriter, r *http.Request, st *state, zoneName, id st
 	if err != nil {
 		return caddy.APIError{HTTPStatus: http.StatusServiceUnavailable, Err: errors.Join(errOverrideStore, err)}
 	}
-	forgetHeld(st, rec)
+	forgetHeld(st, rec, false)
 	overrides.merge([]overrideRec{rec})
 	resetsTotal.WithLabelValues(scope).Inc()
 	view.logger.Info("key reset", append([]zap.Field{zap.String("by", r.RemoteAddr), zap.String("zone", zoneName),
@@ -97,9 +98,11 @@ type resetDoc struct {
 	Reset bool   `json:"reset"`
 }
 
-// resetRegionCells marks the current cell of the key in every window
-// its zone has here, and the one before it, in the region's Redis; a
-// global reset under its version, which every region marks alike.
+// resetRegionCells marks the key's cell of the reset's own window (its
+// version is when it was made) in every window its zone has here, and the
+// one before it, in the region's Redis; a global reset under its version,
+// which every region marks alike. A global reset another region hears
+// late (MySQL held it back) so never takes off units counted after it.
 func resetRegionCells(ctx context.Context, o *origin.Redis, st *state, rec overrideRec) error {
 	var version int64
 	if rec.Global {
@@ -107,7 +110,7 @@ func resetRegionCells(ctx context.Context, o *origin.Redis, st *state, rec overr
 	}
 	for _, w := range defWindows(st.zones.definitions(rec.Zone, st.apps.view().app)) {
 		key := engine.Key{Namespace: rec.Zone, Identifier: rec.Identifier, Window: w}
-		if err := o.ResetCells(ctx, key, st.engine.Now().UnixMilli()/w.Milliseconds(), version); err != nil {
+		if err := o.ResetCells(ctx, key, (rec.Version/1000)/w.Milliseconds(), version); err != nil {
 			return err
 		}
 	}
@@ -115,10 +118,18 @@ func resetRegionCells(ctx context.Context, o *origin.Redis, st *state, rec overr
 }
 
 // forgetHeld drops this process's state of the reset key in every window
-// of its zone.
-func forgetHeld(st *state, rec overrideRec) {
+// of its zone. The node that made the reset wrote its units before the
+// marks, and what it admitted since counts after them (written); a node
+// that hears of it drops the units it has not replayed (drop): admitted
+// before it heard, they would count again after the marks
+// (engine.DropMatching).
+func forgetHeld(st *state, rec overrideRec, drop bool) {
 	for _, w := range defWindows(st.zones.definitions(rec.Zone, st.apps.view().app)) {
-		st.engine.ForgetMatching(rec.Zone, w, heldMatch(st, rec))
+		if drop {
+			st.engine.DropMatching(rec.Zone, w, heldMatch(st, rec))
+		} else {
+			st.engine.ForgetMatching(rec.Zone, w, heldMatch(st, rec))
+		}
 	}
 }
 
@@ -153,7 +164,7 @@ var onResets = func(recs []overrideRec) {
 	form := st.apps.view().ids.form()
 	for _, rec := range recs {
 		if rec.ExpiresMs > now && (rec.Form == "" || rec.Form == form) {
-			forgetHeld(st, rec)
+			forgetHeld(st, rec, true)
 		}
 	}
 }

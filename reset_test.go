@@ -10,6 +10,7 @@ import (
 	"github.com/edgelimit/caddy-ratelimit/engine"
 	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
 	"github.com/edgelimit/caddy-ratelimit/origin"
+	"github.com/edgelimit/caddy-ratelimit/propagation"
 )
 
 // TestReset_RegionScopeStaysReset: a key at its limit, counted by this
@@ -116,5 +117,101 @@ func TestReset_ScopesNeedTheirBackends(t *testing.T) {
 	adminSend(t, admin, http.MethodDelete, "/ratelimit/counters?zone=ov&identifier=cust&scope=node", "").decode(t, http.StatusOK, &doc)
 	if !doc.Forgotten {
 		t.Fatalf("scope=node answered %+v", doc)
+	}
+}
+
+// TestReset_AGlobalResetHeardLateMarksTheWindowItWasMadeIn: a global reset
+// reaches another region through MySQL, and when MySQL held it back (down,
+// or frozen) it arrives there a window or more after it was made. That
+// region marks the cells of the reset's own window and the one before it,
+// never those of the window it hears it in: the units counted there after
+// the reset stay counted. Before the fix it marked the current cells, and
+// their units were taken off (14 of a limit of 20 admitted again, 24 in
+// one window, in the audit that found it).
+func TestReset_AGlobalResetHeardLateMarksTheWindowItWasMadeIn(t *testing.T) {
+	resetOverrides(t)
+	srv := redistest.Start(t)
+	global := fmt.Sprintf("\tratelimit {\n\t\tregion rs-late\n\t\tredis %s\n\t}", srv.URL())
+	startCaddy(t, overrideConfig(global))
+	st := lookupState()
+	if st == nil || st.overridesRedis() == nil {
+		t.Fatal("no state with the region's Redis")
+	}
+	rb := st.overridesRedis()
+	ctx := context.Background()
+	k := engine.Key{Namespace: "ov", Identifier: "late", Window: time.Minute}
+	now := time.Now()
+	seq := now.UnixMilli() / time.Minute.Milliseconds()
+	// Units counted in this window, after the reset, and in the reset's
+	// own window, before it.
+	if err := rb.Flush(ctx, []engine.Delta{{Key: k, Sequence: seq, Own: 2, Incarnation: 1}, {Key: k, Sequence: seq - 2, Own: 5, Incarnation: 1}}); err != nil {
+		t.Fatal(err)
+	}
+	made := now.Add(-2 * time.Minute)
+	rec := overrideRec{Zone: "ov", Identifier: "late", Reset: true, Global: true, Region: "elsewhere",
+		Version: made.UnixMicro(), ExpiresMs: now.Add(time.Minute).UnixMilli()}
+	if err := (redisRegion{o: rb, st: st}).ApplyOverrides(ctx, []propagation.OverrideRow{rec.row()}); err != nil {
+		t.Fatal(err)
+	}
+	if p, err := rb.Peek(ctx, k, seq); err != nil || p.Cur != 2 {
+		t.Fatalf("the region counts %+v (%v) in this window after a reset made two windows ago, want its 2 units", p, err)
+	}
+	if p, err := rb.Peek(ctx, k, seq-2); err != nil || p.Cur != 0 {
+		t.Fatalf("the region counts %+v (%v) in the reset's window, want 0", p, err)
+	}
+}
+
+// TestReset_ANodeCutOffDropsTheUnitsItHeld is the audit's case: a node
+// cut off from the region's Redis admits a key's units and holds them;
+// another node resets the key for the region meanwhile. When Redis is
+// back the node hears of the reset before its replay resumes (its breaker
+// waits), and the units it held, all admitted before the reset, never
+// reach the region.
+// Before the fix they did, after the reset's marks: the region counted
+// them again (2 of the limit of 2 here, 20 of 20 in the audit).
+func TestReset_ANodeCutOffDropsTheUnitsItHeld(t *testing.T) {
+	resetOverrides(t)
+	srv := redistest.Start(t)
+	proxy := redistest.StartDelayProxy(t, srv.Addr(), 0)
+	global := fmt.Sprintf("\tratelimit {\n\t\tregion rs-test\n\t\tredis %s\n\t\tfast_tick 10ms\n\t\tread_timeout 50ms\n"+
+		"\t\tbreaker_min_requests 2\n\t\tbreaker_timeout 2s\n\t}", proxy.URL())
+	_, _, base := startCaddy(t, overrideConfig(global))
+	other, err := origin.New(origin.Config{Redis: []string{srv.URL()}}, origin.Options{NodeID: "other"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = other.Close() })
+	ctx := context.Background()
+	k := engine.Key{Namespace: "ov", Identifier: "cut", Window: time.Minute}
+	seq := time.Now().UnixMilli() / time.Minute.Milliseconds()
+	proxy.SetDelay(2 * time.Second) // every call of this node times out
+	if n := admitted(t, base, "cut", 2); n != 2 {
+		t.Fatalf("cut off, admitted %d of 2 at limit 2", n)
+	}
+	st := lookupState()
+	redistest.Eventually(t, 15*time.Second, "the replay's breaker opens", func() bool {
+		o, _ := st.currentOrigin().(*origin.Redis)
+		return o != nil && o.Stats().Endpoints[0].ReplayBreaker == origin.BreakerOpen
+	})
+	// The other node's region reset, as resetKey makes it.
+	now := time.Now()
+	if err := other.ResetCells(ctx, k, seq, 0); err != nil {
+		t.Fatal(err)
+	}
+	rec := overrideRec{Zone: "ov", Identifier: "cut", Reset: true, Region: "rs-test",
+		CreatedMs: now.UnixMilli(), Version: now.UnixMicro(), ExpiresMs: now.Add(2 * time.Minute).UnixMilli()}
+	if _, err := other.PutOverrides(ctx, []origin.Override{rec.regionValue()}, false); err != nil {
+		t.Fatal(err)
+	}
+	proxy.SetDelay(0)
+	redistest.Eventually(t, 15*time.Second, "the node heard of the reset and holds nothing to replay", func() bool {
+		_, held := st.engine.Inspect(k)
+		return !held && st.engine.Stats().PendingCells == 0
+	})
+	if p, err := other.Peek(ctx, k, seq); err != nil || p.Cur != 0 {
+		t.Fatalf("the region counts %+v (%v) after the reset, want none of the units held from before it", p, err)
+	}
+	if n := admitted(t, base, "cut", 3); n != 2 {
+		t.Fatalf("after the reset, admitted %d of 3 at limit 2", n)
 	}
 }

@@ -2,6 +2,7 @@ package engine
 
 import (
 	"context"
+	"errors"
 	"strings"
 	"testing"
 	"testing/synctest"
@@ -93,4 +94,50 @@ func TestForget_WaitsForAWriteInFlight(t *testing.T) {
 			t.Fatalf("admitted %d after Forget with 4 of 5 units used; want 1", admitted)
 		}
 	})
+}
+
+// TestDropMatching_UnitsHeldBeforeAResetNeverReachTheOrigin: a process
+// cut off from Redis holds the units it admits; another process resets
+// the key meanwhile, and this one hears of it when Redis is back, before
+// its replay resumes. The units it held were admitted before the reset:
+// dropped, they never reach the origin, where they would count after the
+// reset's marks. ForgetMatching, for a process's own forget, writes them.
+// Before the fix a heard reset forgot the key as ForgetMatching does: the
+// origin got the 3 held units after the reset (the audit's 20 of 20, and
+// 40 counted for a limit of 20).
+func TestDropMatching_UnitsHeldBeforeAResetNeverReachTheOrigin(t *testing.T) {
+	for _, drop := range []bool{true, false} {
+		e, _ := newTestEngine(t, manual(Config{}))
+		o := newMemOrigin()
+		e.SetOrigin(o)
+		l := lim("k", time.Minute, 100, 1)
+		e.Decide(bg, l)
+		replayAll(t, e)
+		cut := errors.New("cut off")
+		o.flushErr.Store(&cut)
+		for range 3 {
+			e.Decide(bg, l)
+		}
+		for _, tier := range []Tier{Fast, Slow} {
+			_, _ = e.ReplayOnce(bg, tier) // fails: the units stay held
+		}
+		ks, _ := e.Inspect(l.Key)
+		seq := ks.Cells[0].Sequence
+		forget := e.ForgetMatching
+		if drop {
+			forget = e.DropMatching
+		}
+		if n := forget("zone", time.Minute, func(id string) bool { return id == "k" }); n != 1 {
+			t.Fatalf("drop %v: forgot %d keys, want 1", drop, n)
+		}
+		o.flushErr.Store(nil)
+		replayAll(t, e)
+		want := int64(4)
+		if drop {
+			want = 1
+		}
+		if got := o.total(l.Key, seq); got != want {
+			t.Fatalf("drop %v: the origin holds %d units, want %d", drop, got, want)
+		}
+	}
 }
