@@ -204,8 +204,13 @@ func putOverride(w http.ResponseWriter, r *http.Request, st *state, zoneName, id
 	if err != nil {
 		return err
 	}
+	// A change comes after the one it replaces, whatever this clock says.
+	version := now.UnixMicro()
+	if old, ok := overrides.get(zoneName, id); ok {
+		version = max(version, old.Version+1)
+	}
 	rec := overrideRec{Zone: zoneName, Identifier: id, Limit: *body.Limit, Reason: body.Reason,
-		Region: st.apps.view().region, CreatedMs: now.UnixMilli(), Version: now.UnixMicro(), Form: st.apps.view().ids.form()}
+		Region: st.apps.view().region, CreatedMs: now.UnixMilli(), Version: version, Form: st.apps.view().ids.form()}
 	if body.Expires != nil {
 		rec.ExpiresMs = body.Expires.UnixMilli()
 	}
@@ -223,7 +228,7 @@ func removeOlderForm(ctx context.Context, st *state, zoneName, id string, now ti
 	}
 	rec := overrideRec{Zone: zoneName, Identifier: id, Region: st.apps.view().region, Deleted: true,
 		CreatedMs: now.UnixMilli(), Version: max(now.UnixMicro(), old.Version+1), ExpiresMs: now.Add(tombstoneLife).UnixMilli()}
-	_, err := storeOverride(ctx, st, rec)
+	_, _, err := storeOverride(ctx, st, rec)
 	return err
 }
 
@@ -242,12 +247,15 @@ func deleteOverride(w http.ResponseWriter, r *http.Request, st *state, zoneName,
 
 // changeOverride stores a change, logs who made it and counts it.
 func changeOverride(w http.ResponseWriter, r *http.Request, st *state, rec overrideRec, what string) error {
-	scope, err := storeOverride(r.Context(), st, rec)
+	rec, scope, err := storeOverride(r.Context(), st, rec)
 	if err == nil && rec.Form != "" {
 		err = removeOlderForm(r.Context(), st, rec.Zone, rec.Identifier, time.UnixMicro(rec.Version))
 	}
 	view := st.apps.view()
 	if err != nil {
+		if ae, ok := err.(caddy.APIError); ok {
+			return ae
+		}
 		return caddy.APIError{HTTPStatus: http.StatusServiceUnavailable, Err: err}
 	}
 	overrideChanges.WithLabelValues(what, scope).Inc()

@@ -3,8 +3,11 @@ package ratelimit
 import (
 	"context"
 	"errors"
+	"fmt"
+	"net/http"
 	"time"
 
+	"github.com/caddyserver/caddy/v2"
 	"go.uber.org/zap"
 
 	"github.com/edgelimit/caddy-ratelimit/origin"
@@ -38,25 +41,45 @@ func overrideScope(st *state) string {
 // was stored anywhere.
 var errOverrideStore = errors.New("the region's Redis did not take the change")
 
-// storeOverride stores a change where its scope says and applies it here.
-// With Redis the region takes it first (and queues it for MySQL when the
-// cross-region layer runs): a change the region did not take is stored
-// nowhere. Without Redis, a process of its own region queues it for MySQL.
-func storeOverride(ctx context.Context, st *state, rec overrideRec) (string, error) {
+// storeOverride stores a change where its scope says and applies it here,
+// and returns it as stored. With Redis the region takes it first (and
+// queues it for MySQL when the cross-region layer runs): a change the
+// region did not take is stored nowhere. An operator's change comes after
+// whatever the region holds of the key: when the region holds a version
+// ahead of this node's clock (made on a node whose clock runs fast, or by
+// another operator a moment before), the change is stamped past it and
+// stored again, once; a change that still does not take answers 409.
+// Without Redis, a process of its own region queues it for MySQL.
+func storeOverride(ctx context.Context, st *state, rec overrideRec) (overrideRec, string, error) {
 	scope := overrideScope(st)
 	rb := st.overridesRedis()
 	switch {
 	case rb != nil:
 		ctx, cancel := context.WithTimeout(ctx, time.Second)
 		defer cancel()
-		if _, err := rb.PutOverrides(ctx, []origin.Override{rec.regionValue()}, scope == scopeGlobal); err != nil {
-			return scope, errors.Join(errOverrideStore, err)
+		for try := 0; ; try++ {
+			n, err := rb.PutOverrides(ctx, []origin.Override{rec.regionValue()}, scope == scopeGlobal)
+			if err != nil {
+				return rec, scope, errors.Join(errOverrideStore, err)
+			}
+			if n > 0 {
+				break
+			}
+			held, _, err := rb.OverrideVersion(ctx, rec.field())
+			if err != nil {
+				return rec, scope, errors.Join(errOverrideStore, err)
+			}
+			if try > 0 {
+				return rec, scope, caddy.APIError{HTTPStatus: http.StatusConflict,
+					Err: fmt.Errorf("the region holds a newer change of this key (version %d): read it with GET and try again", held)}
+			}
+			rec.Version = max(rec.Version, held+1)
 		}
 	case scope == scopeGlobal:
 		currentProp.Load().PutOverride(rec.row())
 	}
 	overrides.merge([]overrideRec{rec})
-	return scope, nil
+	return rec, scope, nil
 }
 
 // overridesRedis is the origin in use as a store of overrides, or nil.

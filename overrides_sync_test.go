@@ -407,3 +407,37 @@ func TestOverrides_ANodeJoiningTheRegionTakesItsOverrides(t *testing.T) {
 		t.Fatalf("the node's own override of 1 still applies: admitted %d of 3 at the zone's limit 2", n)
 	}
 }
+
+// TestOverrides_AChangeWinsOverAFutureVersion: the region holds an
+// override whose version is ahead of this node's clock (made on a node
+// whose clock runs fast). An operator's change here comes after it, and
+// takes: stamped past the version it replaces, in Redis and on every node.
+// Before the fix the region kept the old override, every node applied it,
+// and the PUT answered 200 with the new limit.
+func TestOverrides_AChangeWinsOverAFutureVersion(t *testing.T) {
+	resetOverrides(t)
+	srv := redistest.Start(t)
+	global := fmt.Sprintf("\tratelimit {\n\t\tregion ov-test\n\t\tredis %s\n\t\tfast_tick 10ms\n\t}", srv.URL())
+	other, _ := otherNode(t, srv)
+	ahead := time.Now().Add(time.Minute)
+	fast := overrideRec{Zone: "ov", Identifier: "sk1", Limit: 3, Region: "ov-test", CreatedMs: ahead.UnixMilli(), Version: ahead.UnixMicro()}
+	if _, err := other.PutOverrides(context.Background(), []origin.Override{fast.regionValue()}, false); err != nil {
+		t.Fatal(err)
+	}
+	_, admin, base := startCaddy(t, overrideConfig(global))
+	var doc overrideDoc
+	adminSend(t, admin, http.MethodPut, "/ratelimit/overrides?zone=ov&identifier=sk1", `{"limit": 7}`).decode(t, http.StatusOK, &doc)
+	if doc.Limit != 7 {
+		t.Fatalf("answer %+v", doc)
+	}
+	_, all, err := other.Overrides(context.Background())
+	if err != nil || len(all) != 1 {
+		t.Fatalf("the region holds %+v (%v)", all, err)
+	}
+	if rec, ok := recOfRegion(all[0]); !ok || rec.Limit != 7 || rec.Version <= fast.Version {
+		t.Fatalf("the region holds %+v, want limit 7 stamped after version %d", rec, fast.Version)
+	}
+	if n := admitted(t, base, "sk1", 8); n != 7 {
+		t.Fatalf("admitted %d of 8 under the new limit 7", n)
+	}
+}
