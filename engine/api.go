@@ -143,8 +143,16 @@ type Delta struct {
 	// final totals: the answer may leave them out (Totals.Prev and
 	// GlobalPrev 0), which a merge ignores.
 	NoPrev bool
+	// Late tells the origin that the write comes after the other processes
+	// may have taken the cell's totals as final (see prevFinal): the cell's
+	// window ended more than a slow tick and a fast one before the write
+	// was sent (units held through an outage, or while the process ran
+	// without an origin). The origin then makes its answers about the next
+	// cell carry this one's totals again, whatever their NoPrev.
+	Late bool
 	// Totals is set by Flush: the cell's totals after the write, with the
-	// previous cell's (unless NoPrev), as a read returns them.
+	// previous cell's (unless NoPrev, and the origin has had no late write
+	// to it: see Late), as a read returns them.
 	Totals Totals
 	// Done is set by Flush for each item the origin applied.
 	Done bool

@@ -42,6 +42,13 @@ func (e *Engine) flush(ctx context.Context, o Origin, batch []Delta) error {
 	ctx, cancel := context.WithTimeout(ctx, flushTimeout)
 	defer cancel()
 	sent := e.nowMs()
+	// A cell that ended before this is late: the others may have settled
+	// it (prevFinal waits a slow tick more than this).
+	ended := sent - time.Duration(e.slowTick.Load()+e.fastTick.Load()).Milliseconds()
+	for i := range batch {
+		d := &batch[i]
+		d.Late = (d.Sequence+1)*d.Key.Window.Milliseconds() <= ended
+	}
 	err := o.Flush(ctx, batch)
 	now := e.nowMs()
 	failed := false
@@ -349,8 +356,11 @@ func (e *Engine) flushAll(ctx context.Context, o Origin) error {
 		batch = batch[:0]
 	}
 	// Queued cells first: an evicted or long rotated cell is only there.
+	// Those queued now, once: a write that fails queues its cells again
+	// (settle), and popping them again would loop for as long as the
+	// origin fails (a shutdown with Redis down spun forever).
 	for _, q := range []*queue{e.queue(Fast), e.queue(Slow)} {
-		for {
+		for n := q.len(); n > 0 && ctx.Err() == nil; n-- {
 			d, ok := q.pop()
 			if !ok {
 				break

@@ -1,6 +1,9 @@
 package engine
 
 import (
+	"context"
+	"errors"
+	"fmt"
 	"testing"
 	"time"
 )
@@ -124,5 +127,74 @@ func TestFlush_LeavesThePreviousCellOutOnceItIsFinal(t *testing.T) {
 	}
 	if n := go2.noPrev.Load(); n != 0 {
 		t.Fatalf("with a cross-region layer %d writes left the previous cell out", n)
+	}
+}
+
+// TestFlush_AWriteAfterTheOthersMaySettleIsLate: the others take a cell's
+// totals as final a flush period (two slow ticks and a fast one) into the
+// next window (prevFinal); a write of the cell sent more than a slow tick
+// and a fast one after its end is marked late (Delta.Late), so that the
+// origin tells them, and one sent before is not: a write that failed then
+// is late when it goes again after that.
+func TestFlush_AWriteAfterTheOthersMaySettleIsLate(t *testing.T) {
+	e, clk := newTestEngine(t, manual(Config{}))
+	o := newMemOrigin()
+	e.SetOrigin(o)
+	w := time.Second
+	end := time.UnixMilli((epoch/w.Milliseconds() + 1) * w.Milliseconds())
+	clk.Set(end.Add(-time.Millisecond))
+	l := lim("k", w, 10, 1)
+	e.Decide(bg, l)
+	held := e.Timing().SlowTick + e.Timing().FastTick
+	clk.Set(end.Add(held - time.Millisecond))
+	fail := errors.New("unreachable")
+	o.flushErr.Store(&fail)
+	for _, tier := range []Tier{Fast, Slow} {
+		_, _ = e.ReplayOnce(bg, tier)
+	}
+	if sent, late := o.flushes.Load(), o.late.Load(); sent != 1 || late != 0 {
+		t.Fatalf("%d writes sent, %d marked late, a slow and a fast tick after the window: want 1, none late", sent, late)
+	}
+	o.flushErr.Store(nil)
+	clk.Set(end.Add(held))
+	replayAll(t, e)
+	if sent, late := o.flushes.Load(), o.late.Load(); sent != 2 || late != 1 {
+		t.Fatalf("%d writes sent, %d marked late, once the window had ended a slow and a fast tick before: want the second late", sent, late)
+	}
+	if got := o.total(l.Key, end.UnixMilli()/w.Milliseconds()-1); got != 1 {
+		t.Fatalf("the origin holds %d units of the cell, want 1", got)
+	}
+}
+
+// TestClose_ReturnsWithTheOriginDown: the last flush of a process whose
+// Redis is down fails, and the failed write queues its cells again; the
+// flush sends each cell it found queued once, and returns the failure.
+// Before the fix it popped the cells its own failure queued again, and
+// Close spun for as long as the origin failed: a shutdown with Redis down
+// never ended (the reference test's runs hung at their Close).
+func TestClose_ReturnsWithTheOriginDown(t *testing.T) {
+	e, _ := newTestEngine(t, manual(Config{}))
+	o := newMemOrigin()
+	e.SetOrigin(o)
+	for i := range 300 { // more than a batch
+		e.Decide(bg, lim(fmt.Sprint("k", i), time.Minute, 100, 1))
+	}
+	o.down.Store(true)
+	done := make(chan error, 1)
+	go func() {
+		ctx, cancel := context.WithTimeout(bg, time.Minute)
+		defer cancel()
+		done <- e.Close(ctx)
+	}()
+	select {
+	case err := <-done:
+		if err == nil {
+			t.Fatal("Close reported the last flush done with the origin down")
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("Close did not return within 30 s with the origin down")
+	}
+	if sent := o.flushes.Load(); sent > 4 {
+		t.Fatalf("%d writes for 300 cells: the flush sent cells again", sent)
 	}
 }

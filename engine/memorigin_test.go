@@ -19,8 +19,9 @@ type memOrigin struct {
 	node string
 
 	reads, flushes, reserves atomic.Int64
-	// noPrev counts the writes that asked for no previous cell.
-	noPrev atomic.Int64
+	// noPrev counts the writes that asked for no previous cell, late the
+	// writes sent marked late.
+	noPrev, late atomic.Int64
 	// readErr, flushErr and reserveErr, when set, fail the next calls.
 	readErr, flushErr, reserveErr atomic.Pointer[error]
 	// gate, when set, blocks reads and reservations until it is closed,
@@ -123,6 +124,11 @@ func (m *memOrigin) raise(id cellID, inc uint32, own int64) {
 
 func (m *memOrigin) Flush(ctx context.Context, batch []Delta) error {
 	m.flushes.Add(1)
+	for i := range batch {
+		if batch[i].Late {
+			m.late.Add(1)
+		}
+	}
 	if g := m.flushGate.Load(); g != nil {
 		<-*g
 	}

@@ -172,9 +172,16 @@ func (ep *endpoint) write(ctx context.Context, todo []int, item func(int) *engin
 	cmds := make([]*redis.Cmd, 0, (len(todo)+chunk-1)/chunk)
 	for lo := 0; lo < len(todo); lo += chunk {
 		part := todo[lo:min(lo+chunk, len(todo))]
-		cmds = append(cmds, pipe.Do(ctx, ep.manyArgs(cellsScript, len(part), func(i int) (engine.Key, int64, bool) {
+		cmds = append(cmds, pipe.Do(ctx, ep.manyArgs(cellsScript, len(part), func(i int) (engine.Key, int64, cellFlags) {
 			d := item(part[i])
-			return d.Key, d.Sequence, !d.NoPrev
+			var f cellFlags
+			if !d.NoPrev {
+				f = withPrev
+			}
+			if d.Late {
+				f |= markNext
+			}
+			return d.Key, d.Sequence, f
 		}, func(b []byte, i int) []byte {
 			d := item(part[i])
 			b = strconv.AppendUint(b, uint64(d.Incarnation), 10)

@@ -40,20 +40,35 @@ func cellKeys(prefix string, key engine.Key, seq int64) (cur, prev string) {
 	return cur, prev
 }
 
-// appendCellKeys appends the keys a call about the cell (key, seq) names,
-// the cell's and, when prev, the previous cell's, and returns where each
-// ends in b (without prev both ends are the cell key's).
-func appendCellKeys(b []byte, prefix string, key engine.Key, seq int64, prev bool) ([]byte, [2]int) {
+// cellFlags tell what a call about a cell names beside the cell itself.
+type cellFlags uint8
+
+const (
+	// withPrev: the previous cell too, whose totals the answer carries.
+	withPrev cellFlags = 1 << iota
+	// markNext: the next cell, which a late write marks (see cellsLua).
+	markNext
+)
+
+// appendCellKeys appends the keys a call about the cell (key, seq) names:
+// the cell's, then the previous cell's when f has withPrev and the next
+// cell's when it has markNext. It returns where each ends in b; a key left
+// out ends where the one before it does.
+func appendCellKeys(b []byte, prefix string, key engine.Key, seq int64, f cellFlags) ([]byte, [3]int) {
 	from := len(b)
 	b = appendStem(b, prefix, key)
 	stem := len(b)
-	var ends [2]int
+	var ends [3]int
 	b = appendCell(b, seq)
 	ends[0] = len(b)
-	if prev {
+	if f&withPrev != 0 {
 		b = appendCell(append(b, b[from:stem]...), seq-1)
 	}
 	ends[1] = len(b)
+	if f&markNext != 0 {
+		b = appendCell(append(b, b[from:stem]...), seq+1)
+	}
+	ends[2] = len(b)
 	return b, ends
 }
 

@@ -2,6 +2,7 @@ package origin
 
 import (
 	"fmt"
+	"math/bits"
 	"strings"
 	"unsafe"
 
@@ -32,43 +33,39 @@ func (ep *endpoint) chunk() int {
 }
 
 // manyArgs returns one EVALSHA of script over n cells: per cell i, named by
-// cell(i), its key and, when prev, the previous cell's key; then the node
-// ID and one string of each cell's numbers, written by nums(b, i), each
-// followed by its prev flag (1 or 0), separated by spaces. The keys share
-// one string, and the command refers to them by pointer, which go-redis
-// writes as strings without a value per key.
-func (ep *endpoint) manyArgs(script *redis.Script, n int, cell func(i int) (k engine.Key, seq int64, prev bool), nums func(b []byte, i int) []byte) []any {
+// cell(i), its key and the keys its flags name (appendCellKeys); then the
+// node ID and one string of each cell's numbers, written by nums(b, i),
+// each followed by its flags as one digit, separated by spaces. The keys
+// share one string, and the command refers to them by pointer, which
+// go-redis writes as strings without a value per key.
+func (ep *endpoint) manyArgs(script *redis.Script, n int, cell func(i int) (k engine.Key, seq int64, f cellFlags), nums func(b []byte, i int) []byte) []any {
 	// The keys' bytes as a capacity: a key's stem plus room for the window,
 	// the sequence and the suffix (an identifier that needs escaping grows
-	// the buffer once), and a second key for a cell with its previous one.
+	// the buffer once), once more for each other cell a cell's flags name.
 	size, nkeys := 0, 0
 	for i := range n {
-		k, _, prev := cell(i)
-		each := len(ep.r.prefix) + len(k.Namespace) + len(k.Identifier) + 32
-		size += each
-		nkeys++
-		if prev {
-			size += each
-			nkeys++
-		}
+		k, _, f := cell(i)
+		m := 1 + bits.OnesCount8(uint8(f))
+		size += m * (len(ep.r.prefix) + len(k.Namespace) + len(k.Identifier) + 32)
+		nkeys += m
 	}
 	kb, nb := make([]byte, 0, size), make([]byte, 0, 32*n)
 	ends := make([]int, 0, nkeys)
 	for i := range n {
-		k, seq, prev := cell(i)
-		var e [2]int
-		kb, e = appendCellKeys(kb, ep.r.prefix, k, seq, prev)
+		k, seq, f := cell(i)
+		var e [3]int
+		kb, e = appendCellKeys(kb, ep.r.prefix, k, seq, f)
 		ends = append(ends, e[0])
+		if f&withPrev != 0 {
+			ends = append(ends, e[1])
+		}
+		if f&markNext != 0 {
+			ends = append(ends, e[2])
+		}
 		if i > 0 {
 			nb = append(nb, ' ')
 		}
-		nb = nums(nb, i)
-		if prev {
-			ends = append(ends, e[1])
-			nb = append(nb, " 1"...)
-		} else {
-			nb = append(nb, " 0"...)
-		}
+		nb = append(nums(nb, i), ' ', '0'+byte(f))
 	}
 	// kb and nb are never written again: the keys can share kb's bytes,
 	// and the numbers' argument is nb's.

@@ -50,16 +50,22 @@ func TestTotalsOf_NamesTheScriptsNumbers(t *testing.T) {
 
 func TestAppendCellKeys_MatchesTheKeysOfOneCell(t *testing.T) {
 	k := engine.Key{Namespace: "api", Identifier: "a b:{c}%", Window: time.Minute}
-	b, ends := appendCellKeys([]byte("xyz"), DefaultPrefix, k, 42, true)
 	cur, prev := cellKeys(DefaultPrefix, k, 42)
-	got := []string{string(b[3:ends[0]]), string(b[ends[0]:ends[1]])}
-	if want := []string{cur, prev}; !reflect.DeepEqual(got, want) || ends[1] != len(b) {
-		t.Fatalf("keys %q (ends %v, len %d), want %q", got, ends, len(b), want)
-	}
-	// Without the previous cell, the cell's key alone.
-	b, ends = appendCellKeys([]byte("xyz"), DefaultPrefix, k, 42, false)
-	if got := string(b[3:ends[0]]); got != cur || ends[1] != ends[0] || ends[0] != len(b) {
-		t.Fatalf("key %q (ends %v, len %d), want %q alone", got, ends, len(b), cur)
+	next, _ := cellKeys(DefaultPrefix, k, 43)
+	for _, c := range []struct {
+		f    cellFlags
+		want []string
+	}{
+		{0, []string{cur, "", ""}},
+		{withPrev, []string{cur, prev, ""}},
+		{markNext, []string{cur, "", next}},
+		{withPrev | markNext, []string{cur, prev, next}},
+	} {
+		b, ends := appendCellKeys([]byte("xyz"), DefaultPrefix, k, 42, c.f)
+		got := []string{string(b[3:ends[0]]), string(b[ends[0]:ends[1]]), string(b[ends[1]:ends[2]])}
+		if !reflect.DeepEqual(got, c.want) || ends[2] != len(b) {
+			t.Fatalf("flags %d: keys %q (ends %v, len %d), want %q", c.f, got, ends, len(b), c.want)
+		}
 	}
 }
 

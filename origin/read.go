@@ -205,8 +205,8 @@ func (ep *endpoint) readBatch(batch []*readReq) {
 
 // sendReads queues the call of cellsScript that reads part on pipe.
 func (ep *endpoint) sendReads(ctx context.Context, pipe redis.Pipeliner, part []*readReq) *redis.Cmd {
-	return pipe.Do(ctx, ep.manyArgs(cellsScript, len(part), func(i int) (engine.Key, int64, bool) {
-		return part[i].key, part[i].seq, true // a read takes the previous cell too
+	return pipe.Do(ctx, ep.manyArgs(cellsScript, len(part), func(i int) (engine.Key, int64, cellFlags) {
+		return part[i].key, part[i].seq, withPrev // a read takes the previous cell too
 	}, func(b []byte, i int) []byte {
 		b = strconv.AppendUint(b, uint64(part[i].incarnation), 10)
 		b = append(b, " 0 "...) // a read registers the record, with no units

@@ -15,6 +15,9 @@ import "github.com/redis/go-redis/v9"
 //	                  reset never come back, however often they are written
 //	<node>.<inc>      one record per process and incarnation of the cell in
 //	                  it: that incarnation's own total, every unit it added
+//	l                 "1" once a late write reached the previous cell (see
+//	                  cellsLua): every answer about this cell then carries
+//	                  the previous cell's totals
 //
 // A write carries the incarnation's own total for the cell (Own); the
 // script raises the record to it and adds the difference to t. So a
@@ -69,7 +72,7 @@ const raiseLua = `
 local max = 9007199254740991
 local fmt, tonumber, call, find = string.format, tonumber, redis.call, string.find
 local function raise(h, f, own, at)
-  local v = call('HMGET', h, f, 't', 'g', 'n', 'r', 'rg')
+  local v = call('HMGET', h, f, 't', 'g', 'n', 'r', 'rg', 'l')
   local ms, ts, ns = v[1], v[2], v[4]
   local mine, t, n, made = 0, 0, 0, not ts
   if ms then mine = tonumber(ms) end
@@ -114,42 +117,63 @@ end
 // at their first round trip, before either has replayed a unit) and writes
 // alike: a replay refreshes everything a decision weighs, as a read would,
 // but the previous cell when the process has its final totals
-// (engine.Delta.NoPrev: flag 0), which saves a command a write. A cell
+// (engine.Delta.NoPrev: flag 0), which saves a command a write. Those
+// totals are final only if every process's units of the previous cell
+// arrived in time: a write that comes later than that (engine.Delta.Late:
+// units held through an outage, or by a process that ran without Redis
+// for a while) marks the cell after it (l), and every answer about a
+// marked cell carries the previous cell's totals again, so that the
+// processes that had settled it weigh the late units from their next round
+// trip on, instead of never in that window. A cell
 // whose commands Redis refuses (a key holding another type) fails alone:
 // the chunk runs under one protected call, and when that fails it runs
 // again with one per cell. Running a cell twice is harmless, as every
 // write is: the second run finds its record raised and changes nothing.
 //
-//	KEYS per cell in order: the cell, then, when its flag is 1, the cell
-//	before it (a write that leaves the previous cell out names only its
-//	own: a key less to build, send and parse)
-//	ARGV[1] node ID, ARGV[2] "<incarnation> <Own> <expiry> <flag> …",
-//	four numbers per cell, decimal; flag 1 reads the previous cell
+//	KEYS per cell in order: the cell, then, when its flags have 1, the
+//	cell before it (a write that leaves the previous cell out names only
+//	its own: a key less to build, send and parse), then, when they have 2,
+//	the cell after it, which a late write marks (the previous cell of a
+//	marked cell is named by no flag: the script derives its key)
+//	ARGV[1] node ID, ARGV[2] "<incarnation> <Own> <expiry> <flags> …",
+//	four numbers per cell, decimal; flags 1 reads the previous cell, 2
+//	marks the next one (cellFlags), 3 both
 //	returns one string, per cell in order either "<t> <previous t> <the
 //	record> <n> <g> <previous g>" or "e", separated by spaces: one bulk
 //	reply the client reads without a value per number
 const cellsLua = raiseLua + `
-local function cell(h, p, f, own, at, wp)
+local function cell(h, p, nx, f, own, at)
   local v, t, mine, n, ts, ms, ns, made = raise(h, f, own, at)
   local r, g = v[5], v[3]
   if r and tonumber(r) > 0 then ts = fmt('%d', math.max(t - tonumber(r), 0)) elseif not made then ts = text(ts) end
   if ms ~= own then ms = text(ms) end
   local gs, pt, pg = '0', '0', '0'
   if g and tonumber(g) > 0 then gs = fmt('%d', math.max(tonumber(g) - tonumber(v[6] or '0'), 0)) end
-  if wp == '1' then
+  if not p and v[7] then
+    -- A late write reached the previous cell: read it whatever the flags.
+    local stem, seq = string.match(h, '^(.*:)(%d+):c$')
+    if stem then p = stem .. fmt('%d', tonumber(seq) - 1) .. ':c' end
+  end
+  if p then
     local pv = call('HMGET', p, 't', 'g', 'r', 'rg')
     pt, pg = text(pv[1], pv[3]), text(pv[2], pv[4])
+  end
+  if nx then
+    call('HSET', nx, 'l', '1')
+    if call('PTTL', nx) == -1 then call('PEXPIREAT', nx, at) end
   end
   return ts, pt, ms, text(ns), gs, pg
 end
 local node, out = ARGV[1] .. '.', {}
 local function run(each)
   local o, k = 0, 1
-  for inc, own, at, wp in string.gmatch(ARGV[2], '(%d+) (%d+) (%d+) (%d)') do
-    local h, p = KEYS[k], nil
-    if wp == '1' then p, k = KEYS[k+1], k + 2 else k = k + 1 end
+  for inc, own, at, fl in string.gmatch(ARGV[2], '(%d+) (%d+) (%d+) (%d)') do
+    local h, p, nx = KEYS[k], nil, nil
+    k = k + 1
+    if fl == '1' or fl == '3' then p, k = KEYS[k], k + 1 end
+    if fl == '2' or fl == '3' then nx, k = KEYS[k], k + 1 end
     if each then
-      local ok, a, b, c, d, e, f = pcall(cell, h, p, node .. inc, own, at, wp)
+      local ok, a, b, c, d, e, f = pcall(cell, h, p, nx, node .. inc, own, at)
       if ok then
         out[o+1], out[o+2], out[o+3], out[o+4], out[o+5], out[o+6] = a, b, c, d, e, f
         o = o + 6
@@ -158,7 +182,7 @@ local function run(each)
         out[o] = 'e'
       end
     else
-      out[o+1], out[o+2], out[o+3], out[o+4], out[o+5], out[o+6] = cell(h, p, node .. inc, own, at, wp)
+      out[o+1], out[o+2], out[o+3], out[o+4], out[o+5], out[o+6] = cell(h, p, nx, node .. inc, own, at)
       o = o + 6
     end
   end

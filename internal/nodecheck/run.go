@@ -3,6 +3,7 @@ package nodecheck
 import (
 	"context"
 	"fmt"
+	"math"
 	"slices"
 	"strings"
 	"time"
@@ -60,8 +61,10 @@ type Trace func(format string, args ...any)
 // stays within limit + slack, where the slack is what the other nodes
 // admitted that the deciding node cannot know yet: their admissions since
 // its view of the key was taken (its last read or replay, KeyState's
-// ViewedAt), and those they had not replayed then, a slow tick and a fast
-// one's worth. A request is never denied while that count with its cost is
+// ViewedAt), and those they had not replayed then: a slow tick and a fast
+// one's worth, and every unit a node admitted while it could not replay
+// (the origin unreachable, or the node reloaded without it), which
+// reaches the origin within a flush period of its return. A request is never denied while that count with its cost is
 // within the limit: no node counts a unit that was not admitted. After a
 // fault (the origin restarted empty or unreachable, a node's clock
 // stepped, a node reloaded without the origin and with it again), the
@@ -168,13 +171,13 @@ func (r *runner) check(op, i int, k Key, cost int64, allowed bool) error {
 	eff := r.effective(k, at)
 	quiet := r.now <= r.quietTill || r.down || slices.Contains(r.detached, true)
 	// The node's view of the key was taken at its last read or replay: what
-	// the others admitted since, and what they had not replayed then, is
-	// what its decision cannot weigh.
-	since := r.now - slowMs - fastMs
+	// the others had not replayed by then is what its decision cannot
+	// weigh.
+	view := r.now
 	if ks, ok := r.c.Engine(i).Inspect(engine.Key{Namespace: Zone, Identifier: k.ID, Window: k.Window}); ok && !ks.ViewedAt.IsZero() {
-		since = min(since, ks.ViewedAt.UnixMilli()-r.base.UnixMilli()-r.offsets[i].Milliseconds()-slowMs-fastMs)
+		view = min(view, ks.ViewedAt.UnixMilli()-r.base.UnixMilli()-r.offsets[i].Milliseconds())
 	}
-	slack := r.recent.others(i, k.ID, since)
+	slack := r.recent.others(i, k.ID, view)
 	if !quiet && allowed && eff+cost-k.Limit > r.res.Over {
 		r.res.Over, r.res.OverSlack = eff+cost-k.Limit, slack
 	}
@@ -200,7 +203,11 @@ func (r *runner) check(op, i int, k Key, cost int64, allowed bool) error {
 	if allowed {
 		w := k.Window.Milliseconds()
 		r.central[cellID{k.ID, w, (r.base.UnixMilli() + at) / w}] += cost
-		r.recent.add(i, k.ID, r.now, cost)
+		reach := r.now + slowMs + fastMs
+		if r.down || r.detached[i] {
+			reach = held // until the node can replay again
+		}
+		r.recent.add(i, k.ID, r.now, reach, cost)
 	}
 	return nil
 }
@@ -237,6 +244,7 @@ func (r *runner) do(op int, o Op) error {
 		r.c.Reload(i)
 		if r.detached[i] {
 			r.detached[i] = false
+			r.released()
 			r.fault(r.now + flushPeriod)
 		}
 	case OpDetach:
@@ -244,8 +252,10 @@ func (r *runner) do(op int, o Op) error {
 			r.c.Reload(i)
 		} else {
 			r.c.Detach(i)
+			r.recent.hold(func(node int) bool { return node == i }, r.now)
 		}
 		r.detached[i] = !r.detached[i]
+		r.released()
 		r.fault(r.now + flushPeriod)
 	case OpStep:
 		if r.offsets[i] == 0 {
@@ -262,6 +272,10 @@ func (r *runner) do(op int, o Op) error {
 	case OpDown:
 		r.down = !r.down
 		r.c.SetDown(r.down)
+		if r.down {
+			r.recent.hold(func(int) bool { return true }, r.now)
+		}
+		r.released()
 		r.fault(r.now + flushPeriod)
 	}
 	return nil
@@ -309,33 +323,67 @@ func (r *runner) tick() {
 	}
 }
 
+// released gives the units held by nodes that can replay again (the
+// origin reachable, the node not detached) the time by which they reach
+// the origin: within a flush period from now.
+func (r *runner) released() {
+	if r.down {
+		return
+	}
+	for _, list := range r.recent {
+		for j := range list {
+			if list[j].reach == held && !r.detached[list[j].node] {
+				list[j].reach = r.now + flushPeriod
+			}
+		}
+	}
+}
+
+// held is the reach of a unit whose node cannot replay it yet.
+const held = math.MaxInt64
+
 // admissions remembers what each node admitted of each key lately, for the
 // slack of a check.
 type admissions map[string][]admission
 
 type admission struct {
-	node     int
-	at, cost int64
+	node int
+	// reach is when the unit is at the origin at the latest: a slow tick
+	// and a fast one after it was admitted, or, for a unit its node could
+	// not replay, a flush period after it can (held until then).
+	reach, cost int64
 }
 
-func (a admissions) add(node int, id string, at, cost int64) {
+func (a admissions) add(node int, id string, at, reach, cost int64) {
 	list := a[id]
 	i := 0
-	for i < len(list) && list[i].at < at-5000 { // far beyond any view's age
+	for i < len(list) && list[i].reach < at-5000 { // far beyond any view's age
 		i++
 	}
-	a[id] = append(list[i:], admission{node, at, cost})
+	a[id] = append(list[i:], admission{node, reach, cost})
+}
+
+// hold marks the units of the nodes whose(node) that have not reached the
+// origin by now as held: those nodes cannot replay them for a while.
+func (a admissions) hold(whose func(node int) bool, now int64) {
+	for _, list := range a {
+		for j := range list {
+			if whose(list[j].node) && list[j].reach > now {
+				list[j].reach = held
+			}
+		}
+	}
 }
 
 // others is the slack a decision of node on id is allowed: what the other
-// nodes admitted of the key after since. Their units reach the origin
-// within a replay interval, and this node's view within its next read or
-// replay; until then no decision of it, local or at the origin, can weigh
-// them.
-func (a admissions) others(node int, id string, since int64) int64 {
+// nodes admitted of the key that had not reached the origin when this
+// node's view of it was taken (view). Until its next read or replay after
+// they reach the origin, no decision of it, local or at the origin, can
+// weigh them.
+func (a admissions) others(node int, id string, view int64) int64 {
 	var n int64
 	for _, x := range a[id] {
-		if x.node != node && x.at > since {
+		if x.node != node && x.reach > view {
 			n += x.cost
 		}
 	}

@@ -58,7 +58,13 @@ type Hash struct {
 	T, G int64
 	// Expires is when the cell goes (Unix ms).
 	Expires int64
-	recs    []record
+	// Late is the scripts' l: a late write reached the previous cell, so
+	// every answer about this one carries that cell's totals.
+	Late bool
+	recs []record
+	// marked: the hash holds only a late write's mark, and the expiry that
+	// write gave it; the first write sets the cell's own (raise's made).
+	marked bool
 }
 
 // Records is the number of process records in the cell (field n).
@@ -227,6 +233,9 @@ func (h *Hash) rec(node string, inc uint32) *record {
 // HSET (with PEXPIREAT for a new cell) when it wrote.
 func (r *Redis) raise(id CellID, node string, inc uint32, own int64) (*Hash, int64) {
 	h, made := r.hash(id)
+	if h.marked {
+		h.marked, h.Expires, made = false, expireAt(id.Key, id.Seq), true
+	}
 	rec := h.rec(node, inc)
 	wrote := rec == nil || own > rec.own
 	if rec == nil {
@@ -324,14 +333,25 @@ func (o *originConn) Flush(_ context.Context, batch []engine.Delta) error {
 	for i := range batch {
 		d := &batch[i]
 		id := CellID{d.Key, d.Sequence}
-		_, cmds := r.raise(id, o.node, d.Incarnation, d.Own)
+		h, cmds := r.raise(id, o.node, d.Incarnation, d.Own)
 		r.cost.Processed += cmds
-		if !d.NoPrev {
+		withPrev := !d.NoPrev || h.Late
+		if withPrev {
 			r.cost.Processed++ // HMGET of the previous cell
+		}
+		if d.Late {
+			// HSET and PTTL of the next cell, and PEXPIREAT when that made it.
+			next, made := r.hash(CellID{d.Key, d.Sequence + 1})
+			next.Late = true
+			r.cost.Processed += 2
+			if made {
+				next.Expires, next.marked = h.Expires, true
+				r.cost.Processed++
+			}
 		}
 		if err == nil {
 			d.Totals, d.Done = r.totals(id, o.node, d.Incarnation), true
-			if d.NoPrev {
+			if !withPrev {
 				d.Totals.Prev, d.Totals.GlobalPrev = 0, 0
 			}
 		}
