@@ -358,7 +358,8 @@ func (e *Engine) flushAll(ctx context.Context, o Origin) error {
 	// Queued cells first: an evicted or long rotated cell is only there.
 	// Those queued now, once: a write that fails queues its cells again
 	// (settle), and popping them again would loop for as long as the
-	// origin fails (a shutdown with Redis down spun forever).
+	// origin fails (with Redis down, a shutdown spun on a core until the
+	// process exited without it).
 	for _, q := range []*queue{e.queue(Fast), e.queue(Slow)} {
 		for n := q.len(); n > 0 && ctx.Err() == nil; n-- {
 			d, ok := q.pop()

@@ -170,8 +170,9 @@ func TestFlush_AWriteAfterTheOthersMaySettleIsLate(t *testing.T) {
 // Redis is down fails, and the failed write queues its cells again; the
 // flush sends each cell it found queued once, and returns the failure.
 // Before the fix it popped the cells its own failure queued again, and
-// Close spun for as long as the origin failed: a shutdown with Redis down
-// never ended (the reference test's runs hung at their Close).
+// Close spun for as long as the origin failed: the reference test's runs
+// hung at their Close, and a Caddy process stopped with Redis down spun
+// on a core until it exited without the flush (10 s to exit against 6).
 func TestClose_ReturnsWithTheOriginDown(t *testing.T) {
 	e, _ := newTestEngine(t, manual(Config{}))
 	o := newMemOrigin()
