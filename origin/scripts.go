@@ -41,7 +41,7 @@ import "github.com/redis/go-redis/v9"
 // and incarnation) of the cell h to own (a decimal string), adds the
 // difference to t (saturated), registers f when it is new (n + 1), sets the
 // expiry at (Unix ms) when the cell is new, and returns the fields HMGET
-// read (v: the record, t, g, n, r, rg as stored, nil where absent), t, the
+// read (v: the record, t, g, n, r, rg, l as stored, nil where absent), t, the
 // record and n as numbers, then t, the record and n as strings (t and g
 // as stored: the cell says t − r and g − rg) and made, true when raise
 // formatted t itself. text(v, mark) is what the stored count v says as a
