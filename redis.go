@@ -249,13 +249,21 @@ func (b *redisBackend) letGo(st *state, flushed bool) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), closeTimeout)
 	defer cancel()
-	if !flushed {
-		if err := st.engine.FlushTo(ctx, b.engineOrigin); err != nil {
-			b.a.logger.Warn("flushing rate limit counts to the origin the new config no longer uses", zap.Error(err))
+	// The replay's writes still in flight end first: the last flush passes
+	// over their cells, and the units those cells took meanwhile (or got
+	// back from a write that failed) would wait for a replay that no
+	// longer runs. Then every unit left goes out through this origin, once
+	// more if a flush at the app's stop (flushed) went before, and what a
+	// write of that gives back is among the units given up, never lost
+	// unseen.
+	st.engine.AwaitWrites(ctx)
+	if err := st.engine.FlushTo(ctx, b.engineOrigin); err != nil {
+		msg := "flushing rate limit counts to the origin the new config no longer uses"
+		if flushed {
+			msg = "flushing rate limit counts to the origin on stop"
 		}
+		b.a.logger.Warn(msg, zap.Error(err))
 	}
-	// A write still in flight gives its units back if it fails: they are
-	// among those given up, not lost unseen.
 	st.engine.AwaitWrites(ctx)
 	if lost := st.engine.DropUnsent(); lost > 0 {
 		b.a.logger.Warn("rate limit units admitted here could not be written to Redis before it was let go: the region never counts them",

@@ -191,3 +191,31 @@ func TestStop_RedisStalledLosesNothingUncounted(t *testing.T) {
 		t.Fatalf("%d admitted units are neither in Redis nor given up and logged", ok-got-lost)
 	}
 }
+
+// TestStop_SlowRedisUnderLoadEveryAdmittedUnitReachesRedis: Redis healthy
+// but slow (each reply 150 ms), a node under load stopped. A replay write
+// is in flight at the last flush, which passes over its cell; units the
+// cell took meanwhile were left to a replay that no longer ran once Redis
+// was let go, and given up with Redis healthy (the CI run of 2026-11-27
+// gave up 6 of 133 on a fast Redis, one stop in six). Now the node waits
+// for the writes in flight, then writes what they left, before it gives
+// anything up.
+func TestStop_SlowRedisUnderLoadEveryAdmittedUnitReachesRedis(t *testing.T) {
+	srv := redisAndCaddy(t, "runs Caddy processes on Redis")
+	proxy := redistest.StartDelayProxy(t, srv.Addr(), 150*time.Millisecond)
+	for run := range 3 {
+		n := startNode(t, "\t\tredis "+proxy.URL()+"\n\t\tread_timeout 1s", stopSite)
+		key := fmt.Sprintf("slowstop%d-%d", run, time.Now().UnixNano())
+		stop := make(chan struct{})
+		wait := loadUntil(n, key, 8, stop)
+		redistest.Eventually(t, 20*time.Second, "the node admitted some load", func() bool { return redisCount(t, srv, key) > 100 })
+		took := terminate(t, n)
+		close(stop)
+		ok := wait()
+		got, lost := redisCount(t, srv, key), givenUp(n.log.String())
+		t.Logf("stop %d: %s; %d admitted, Redis holds %d, %d given up", run, took.Round(time.Millisecond), ok, got, lost)
+		if got != ok || lost != 0 {
+			t.Fatalf("stop %d: Redis holds %d of the %d units admitted, %d logged as given up, with Redis slow but healthy", run, got, ok, lost)
+		}
+	}
+}
