@@ -68,20 +68,32 @@ func resetKey(w http.ResponseWriter, r *http.Request, st *state, zoneName, id st
 	// This node's unreplayed units go out before the cells are marked, and
 	// it forgets the key only once the region took the reset: a reset
 	// that fails (503) changes nothing here. What it admits between the
-	// two writes lands after the mark, and counts after the reset.
-	err := flushHeld(st, rec)
+	// two writes is dropped with the key, as on the nodes that hear of it.
 	ctx, cancel := context.WithTimeout(r.Context(), time.Second)
 	defer cancel()
+	// The reset comes after the region's last change of the key (made on a
+	// node whose clock runs ahead): its record would not take, and the
+	// nodes would never hear of it.
+	held, _, err := rb.OverrideVersion(ctx, rec.field())
+	rec.Version = max(rec.Version, held+1)
+	if err == nil {
+		err = flushHeld(st, rec)
+	}
 	if err == nil {
 		err = resetRegionCells(ctx, rb, st, rec)
 	}
+	took := 0
 	if err == nil {
-		_, err = rb.PutOverrides(ctx, []origin.Override{rec.regionValue()}, rec.Global)
+		took, err = rb.PutOverrides(ctx, []origin.Override{rec.regionValue()}, rec.Global)
 	}
 	if err != nil {
 		return caddy.APIError{HTTPStatus: http.StatusServiceUnavailable, Err: errors.Join(errOverrideStore, err)}
 	}
-	forgetHeld(st, rec, false)
+	if took == 0 {
+		return caddy.APIError{HTTPStatus: http.StatusConflict,
+			Err: errors.New("the region took a newer change of this key meanwhile: send the reset again")}
+	}
+	forgetHeld(st, rec)
 	overrides.merge([]overrideRec{rec})
 	resetsTotal.WithLabelValues(scope).Inc()
 	view.logger.Info("key reset", append([]zap.Field{zap.String("by", r.RemoteAddr), zap.String("zone", zoneName),
@@ -110,7 +122,7 @@ func resetRegionCells(ctx context.Context, o *origin.Redis, st *state, rec overr
 	}
 	for _, w := range defWindows(st.zones.definitions(rec.Zone, st.apps.view().app)) {
 		key := engine.Key{Namespace: rec.Zone, Identifier: rec.Identifier, Window: w}
-		if err := o.ResetCells(ctx, key, (rec.Version/1000)/w.Milliseconds(), version); err != nil {
+		if err := o.ResetCells(ctx, key, resetSeq(rec, w), version); err != nil {
 			return err
 		}
 	}
@@ -118,19 +130,21 @@ func resetRegionCells(ctx context.Context, o *origin.Redis, st *state, rec overr
 }
 
 // forgetHeld drops this process's state of the reset key in every window
-// of its zone. The node that made the reset wrote its units before the
-// marks, and what it admitted since counts after them (written); a node
-// that hears of it drops the units it has not replayed (drop): admitted
-// before it heard, they would count again after the marks
-// (engine.DropMatching).
-func forgetHeld(st *state, rec overrideRec, drop bool) {
+// of its zone, and the units it has not replayed of the reset's window and
+// the one before it, the cells the reset marks: admitted before it heard
+// of the reset (the node that made it wrote those before the marks), they
+// would count again after the marks (engine.DropMatching). Units of a
+// later window are written.
+func forgetHeld(st *state, rec overrideRec) {
 	for _, w := range defWindows(st.zones.definitions(rec.Zone, st.apps.view().app)) {
-		if drop {
-			st.engine.DropMatching(rec.Zone, w, heldMatch(st, rec))
-		} else {
-			st.engine.ForgetMatching(rec.Zone, w, heldMatch(st, rec))
-		}
+		st.engine.DropMatching(rec.Zone, w, heldMatch(st, rec), resetSeq(rec, w))
 	}
+}
+
+// resetSeq is the sequence of the window of length w a reset was made in:
+// its version is when.
+func resetSeq(rec overrideRec, w time.Duration) int64 {
+	return (rec.Version / 1000) / w.Milliseconds()
 }
 
 // flushHeld writes what this process has not replayed yet of the reset
@@ -164,7 +178,7 @@ var onResets = func(recs []overrideRec) {
 	form := st.apps.view().ids.form()
 	for _, rec := range recs {
 		if rec.ExpiresMs > now && (rec.Form == "" || rec.Form == form) {
-			forgetHeld(st, rec, true)
+			forgetHeld(st, rec)
 		}
 	}
 }

@@ -215,3 +215,29 @@ func TestReset_ANodeCutOffDropsTheUnitsItHeld(t *testing.T) {
 		t.Fatalf("after the reset, admitted %d of 3 at limit 2", n)
 	}
 }
+
+// TestReset_AResetAfterAFutureVersionIsRecorded: the region holds the
+// record of an earlier reset of the key whose version is ahead of this
+// node's clock (made on a node whose clock runs fast). A reset here comes
+// after it: it is stamped past that version, so its record takes and the
+// region's nodes hear of it. Before the fix the record did not take, the
+// other nodes never dropped their counts, and the answer said reset.
+func TestReset_AResetAfterAFutureVersionIsRecorded(t *testing.T) {
+	resetOverrides(t)
+	srv := redistest.Start(t)
+	global := fmt.Sprintf("\tratelimit {\n\t\tregion rs-test\n\t\tredis %s\n\t}", srv.URL())
+	other, _ := otherNode(t, srv)
+	ahead := time.Now().Add(time.Minute)
+	fast := overrideRec{Zone: "ov", Identifier: "fr", Reset: true, Region: "rs-test",
+		CreatedMs: ahead.UnixMilli(), Version: ahead.UnixMicro(), ExpiresMs: ahead.Add(2 * time.Minute).UnixMilli()}
+	if _, err := other.PutOverrides(context.Background(), []origin.Override{fast.regionValue()}, false); err != nil {
+		t.Fatal(err)
+	}
+	_, admin, _ := startCaddy(t, overrideConfig(global))
+	var doc resetDoc
+	adminSend(t, admin, http.MethodDelete, "/ratelimit/counters?zone=ov&identifier=fr&scope=region", "").decode(t, http.StatusOK, &doc)
+	held, ok, err := other.OverrideVersion(context.Background(), fast.field())
+	if err != nil || !ok || held <= fast.Version {
+		t.Fatalf("the region's reset record has version %d (%v, %v), want past %d", held, ok, err, fast.Version)
+	}
+}

@@ -3,6 +3,7 @@ package engine
 import (
 	"context"
 	"errors"
+	"math"
 	"sync/atomic"
 	"time"
 )
@@ -15,7 +16,7 @@ func (e *Engine) Forget(key Key) bool {
 	if !ok {
 		return false
 	}
-	return e.forget(z, id, false)
+	return e.forget(z, id, noDrop)
 }
 
 // ForgetMatching forgets, as Forget does, every key of the zone namespace
@@ -24,24 +25,29 @@ func (e *Engine) Forget(key Key) bool {
 // named as it left the process (an HMAC, a hashed long identifier), as a
 // region's reset names it; it scans the zone.
 func (e *Engine) ForgetMatching(namespace string, window time.Duration, match func(id string) bool) int {
-	return e.forgetMatching(namespace, window, match, false)
+	return e.forgetMatching(namespace, window, match, noDrop)
 }
 
-// DropMatching forgets the keys ForgetMatching would, for a reset another
-// process made: the units this process has not replayed of them are
-// dropped, not written. They were admitted before it heard of the reset,
-// nearly all of them before the reset itself (the others hear of it
-// within a round trip or two), and a reset takes off every unit before
-// it; written now, after the reset's marks, they would count again.
-// Units held through an outage of Redis would count in full: the reset
-// reaches such a process when Redis does, before its replay resumes (the
-// breaker's wait). What it had written stays written (the marks take it
-// off); a write on its way lands as it would.
-func (e *Engine) DropMatching(namespace string, window time.Duration, match func(id string) bool) int {
-	return e.forgetMatching(namespace, window, match, true)
+// DropMatching forgets the keys ForgetMatching would, for a reset made in
+// the window of sequence upTo: the units this process has not replayed of
+// their cells up to that one are dropped, not written. They were admitted
+// before it heard of the reset, nearly all of them before the reset itself
+// (the others hear of it within a round trip or two), and a reset takes
+// off every unit of those cells before it; written now, after the reset's
+// marks, they would count again. Units held through an outage of Redis
+// would count in full: the reset reaches such a process when Redis does,
+// before its replay resumes (the breaker's wait). Units of later windows,
+// which no mark covers, are written as Forget writes them; what it had
+// written stays written (the marks take it off); a write on its way lands
+// as it would.
+func (e *Engine) DropMatching(namespace string, window time.Duration, match func(id string) bool, upTo int64) int {
+	return e.forgetMatching(namespace, window, match, upTo)
 }
 
-func (e *Engine) forgetMatching(namespace string, window time.Duration, match func(id string) bool, drop bool) int {
+// noDrop is forget's upTo when it drops nothing: below every sequence.
+const noDrop = math.MinInt64
+
+func (e *Engine) forgetMatching(namespace string, window time.Duration, match func(id string) bool, upTo int64) int {
 	z, ok := e.lookupZone(Key{Namespace: namespace, Window: window})
 	if !ok {
 		return 0
@@ -55,7 +61,7 @@ func (e *Engine) forgetMatching(namespace string, window time.Duration, match fu
 	})
 	n := 0
 	for _, id := range ids {
-		if e.forget(z, id, drop) {
+		if e.forget(z, id, upTo) {
 			n++
 		}
 	}
@@ -140,21 +146,21 @@ func (e *Engine) flushHeld(o Origin, z *Zone, id string) error {
 	return err
 }
 
-// forget drops the entry and strict deadline of the normalized id; drop
-// drops its unreplayed units too (DropMatching).
-func (e *Engine) forget(z *Zone, id string, drop bool) bool {
+// forget drops the entry and strict deadline of the normalized id, and
+// the unreplayed units of its cells up to sequence upTo (DropMatching;
+// noDrop for none).
+func (e *Engine) forget(z *Zone, id string, upTo int64) bool {
 	found := false
-	if drop {
-		if en, ok := z.entries.Load(id); ok {
-			for _, c := range [2]*cell{en.cur.Load(), en.prev.Load()} {
-				if c != tombstone {
-					if x := c.linksOrNil(); x != nil {
-						x.pending.Store(0)
-					}
+	if en, ok := z.entries.Load(id); ok && upTo != noDrop {
+		for _, c := range [2]*cell{en.cur.Load(), en.prev.Load()} {
+			if c != nil && c != tombstone && c.seq() <= upTo {
+				if x := c.links(); x != nil {
+					x.pending.Store(0)
 				}
 			}
 		}
-	} else if o := e.getOrigin(); o != nil {
+	}
+	if o := e.getOrigin(); o != nil {
 		// The units this process has not replayed yet go out first: the
 		// key's next request here reads the origin, which must hold them,
 		// or it would admit them again.

@@ -99,14 +99,24 @@ func TestForget_WaitsForAWriteInFlight(t *testing.T) {
 // TestDropMatching_UnitsHeldBeforeAResetNeverReachTheOrigin: a process
 // cut off from Redis holds the units it admits; another process resets
 // the key meanwhile, and this one hears of it when Redis is back, before
-// its replay resumes. The units it held were admitted before the reset:
-// dropped, they never reach the origin, where they would count after the
-// reset's marks. ForgetMatching, for a process's own forget, writes them.
-// Before the fix a heard reset forgot the key as ForgetMatching does: the
-// origin got the 3 held units after the reset (the audit's 20 of 20, and
-// 40 counted for a limit of 20).
+// its replay resumes. The units it held in the reset's window were
+// admitted before the reset: dropped, they never reach the origin, where
+// they would count after the reset's marks. Units of a later window than
+// the reset's, which no mark covers, are written; ForgetMatching, for a
+// process's own forget, writes them all. Before the fix a heard reset
+// forgot the key as ForgetMatching does: the origin got the 3 held units
+// after the reset (the audit's 20 of 20, and 40 counted for a limit of 20).
 func TestDropMatching_UnitsHeldBeforeAResetNeverReachTheOrigin(t *testing.T) {
-	for _, drop := range []bool{true, false} {
+	for _, c := range []struct {
+		name string
+		drop bool
+		at   int64 // the reset's window, relative to the units'
+		want int64
+	}{
+		{"a reset of their window drops them", true, 0, 1},
+		{"a reset of the window before writes them", true, -1, 4},
+		{"a forget writes them", false, 0, 4},
+	} {
 		e, _ := newTestEngine(t, manual(Config{}))
 		o := newMemOrigin()
 		e.SetOrigin(o)
@@ -123,21 +133,20 @@ func TestDropMatching_UnitsHeldBeforeAResetNeverReachTheOrigin(t *testing.T) {
 		}
 		ks, _ := e.Inspect(l.Key)
 		seq := ks.Cells[0].Sequence
-		forget := e.ForgetMatching
-		if drop {
-			forget = e.DropMatching
+		match := func(id string) bool { return id == "k" }
+		var n int
+		if c.drop {
+			n = e.DropMatching("zone", time.Minute, match, seq+c.at)
+		} else {
+			n = e.ForgetMatching("zone", time.Minute, match)
 		}
-		if n := forget("zone", time.Minute, func(id string) bool { return id == "k" }); n != 1 {
-			t.Fatalf("drop %v: forgot %d keys, want 1", drop, n)
+		if n != 1 {
+			t.Fatalf("%s: forgot %d keys, want 1", c.name, n)
 		}
 		o.flushErr.Store(nil)
 		replayAll(t, e)
-		want := int64(4)
-		if drop {
-			want = 1
-		}
-		if got := o.total(l.Key, seq); got != want {
-			t.Fatalf("drop %v: the origin holds %d units, want %d", drop, got, want)
+		if got := o.total(l.Key, seq); got != c.want {
+			t.Fatalf("%s: the origin holds %d units, want %d", c.name, got, c.want)
 		}
 	}
 }
