@@ -143,8 +143,8 @@ type Delta struct {
 	// final totals: the answer may leave them out (Totals.Prev and
 	// GlobalPrev 0), which a merge ignores.
 	NoPrev bool
-	// Late tells the origin that the write comes after the other processes
-	// may have taken the cell's totals as final (see prevFinal): the cell's
+	// Late tells the origin that the write may land after the other
+	// processes took the cell's totals as final (see prevFinal): the cell's
 	// window ended more than a slow tick and a fast one before the write
 	// was sent (units held through an outage, or while the process ran
 	// without an origin). The origin then makes its answers about the next

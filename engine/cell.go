@@ -177,10 +177,11 @@ const (
 	// replay takes pending, whose write carries them all.
 	stUnsure
 	// stPrevSettled: an answer read the previous cell once nothing more
-	// could reach it (a flush period into this cell's window, after any
-	// suspect period, without a cross-region layer, whose imports arrive
-	// later): the replays of this cell leave it out (Delta.NoPrev), a
-	// command less each in Redis. Reads and reservations still bring it.
+	// could reach it in time (a flush period and a write's bound into this
+	// cell's window, after any suspect period, without a cross-region
+	// layer, whose imports arrive later): the replays of this cell leave it
+	// out (Delta.NoPrev), a command less each in Redis, unless a late write
+	// marked the cell (Delta.Late). Reads and reservations still bring it.
 	stPrevSettled
 	// stBuried: the cell is among the graves (buryCell), once.
 	stBuried

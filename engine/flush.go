@@ -43,7 +43,8 @@ func (e *Engine) flush(ctx context.Context, o Origin, batch []Delta) error {
 	defer cancel()
 	sent := e.nowMs()
 	// A cell that ended before this is late: the others may have settled
-	// it (prevFinal waits a slow tick more than this).
+	// it once a write sent now could still land (prevFinal waits a slow
+	// tick and a write's bound more than this).
 	ended := sent - time.Duration(e.slowTick.Load()+e.fastTick.Load()).Milliseconds()
 	for i := range batch {
 		d := &batch[i]

@@ -99,8 +99,9 @@ func TestFlush_FlushToWritesToTheOriginGiven(t *testing.T) {
 
 // TestFlush_LeavesThePreviousCellOutOnceItIsFinal: a replay reads the
 // previous cell (a command in Redis) only until the process has its final
-// totals, a flush period into the window after an answer that held them;
-// never with a cross-region layer, whose imports of it come later.
+// totals, a flush period and a write's bound (1.21 s) into the window
+// after an answer that held them; never with a cross-region layer, whose
+// imports of it come later.
 func TestFlush_LeavesThePreviousCellOutOnceItIsFinal(t *testing.T) {
 	e, clk, o := withOrigin(t, Config{})
 	l := lim("k", time.Minute, 1000, 1)
@@ -109,7 +110,13 @@ func TestFlush_LeavesThePreviousCellOutOnceItIsFinal(t *testing.T) {
 	if n := o.noPrev.Load(); n != 0 {
 		t.Fatalf("%d writes left the previous cell out at the window's start", n)
 	}
-	clk.Advance(time.Second) // well past a flush period (210 ms)
+	clk.Advance(time.Second) // within a flush period and a write's bound
+	e.Decide(bg, l)
+	replayAll(t, e)
+	if n := o.noPrev.Load(); n != 0 {
+		t.Fatalf("%d writes left the previous cell out a second into the window", n)
+	}
+	clk.Advance(time.Second) // past them
 	e.Decide(bg, l)
 	replayAll(t, e) // its answer holds the previous cell's final totals
 	e.Decide(bg, l)
@@ -131,8 +138,8 @@ func TestFlush_LeavesThePreviousCellOutOnceItIsFinal(t *testing.T) {
 }
 
 // TestFlush_AWriteAfterTheOthersMaySettleIsLate: the others take a cell's
-// totals as final a flush period (two slow ticks and a fast one) into the
-// next window (prevFinal); a write of the cell sent more than a slow tick
+// totals as final a flush period (two slow ticks and a fast one) and a
+// write's bound into the next window (prevFinal); a write of the cell sent more than a slow tick
 // and a fast one after its end is marked late (Delta.Late), so that the
 // origin tells them, and one sent before is not: a write that failed then
 // is late when it goes again after that.

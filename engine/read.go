@@ -350,12 +350,15 @@ func (e *Engine) merge(en *entry, c *cell, t Totals, sent, w int64, withPrev boo
 }
 
 // prevFinal reports whether an answer sent at sent holds the final totals
-// of c's previous cell: every process replays its units of a cell within a
-// flush period (two slow ticks and a fast one) of the cell's end, so an
-// answer sent that long into c's window, and after any suspect period
-// (whose late replays may still come), has them all. With a cross-region
-// layer the previous cell's imported count keeps growing for longer.
+// of c's previous cell: every process sends its units of a cell within a
+// slow tick and a fast one of the cell's end, or marks them late
+// (Delta.Late), and a write sent then has landed or failed within its
+// bound (flushTimeout); so an answer sent a slow tick more than that into
+// c's window (room for clocks a little apart), and after any suspect
+// period (whose late replays may still come), has them all, or a mark
+// that brings them. With a cross-region layer the previous cell's imported
+// count keeps growing for longer.
 func (e *Engine) prevFinal(c *cell, sent, w int64) bool {
-	settle := time.Duration(2*e.slowTick.Load() + e.fastTick.Load()).Milliseconds()
+	settle := (time.Duration(2*e.slowTick.Load()+e.fastTick.Load()) + flushTimeout).Milliseconds()
 	return e.getGlobal() == nil && sent >= c.seq()*w+settle && sent >= e.untrusted.Load()
 }

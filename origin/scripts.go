@@ -29,8 +29,8 @@ import "github.com/redis/go-redis/v9"
 // record's instead of hiding below it, so what a process has added never
 // shrinks. A warm write costs Redis two commands, HMGET of the cell and
 // HSET of the record and the total, and a third, HMGET of the previous
-// cell, until the process has that cell's final totals (a flush period into
-// the window); the cell's expiry is set by the script that makes it, so a
+// cell, until the process has that cell's final totals (a flush period and
+// a write's bound into the window); the cell's expiry is set by the script that makes it, so a
 // cell never exists without one.
 //
 // Counts saturate at 2^53 − 1 (engine.MaxCount): Lua numbers are doubles.
