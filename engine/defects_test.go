@@ -616,3 +616,48 @@ func TestResend_EndsWhenTheOriginIsLetGo(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestStale_ANodeThatHasNotMetTheOthersReadsFirstUnderASmallLimit is the
+// audit's case with real processes: node A counts a key alone (its last
+// answer showed no other process), then node B takes the key to its limit
+// of 100 while A's view goes stale. A's next requests found the key far
+// from its limit in A's stale view and not shared, and passed locally
+// until A's own replay a slow tick later brought the region's count back:
+// 48 more of 100 admitted with curl, 99 with a faster client. A stale view
+// of a limit that is not far above one request is now read first, as a
+// cold cell is; a limit at least unreadShare times the cost still passes
+// on its own count (the cost stated in the README).
+func TestStale_ANodeThatHasNotMetTheOthersReadsFirstUnderASmallLimit(t *testing.T) {
+	a, b, clk, _ := twoNodes(t)
+	l := lim("k", time.Minute, 100, 1)
+	if !a.Decide(bg, l).Allowed {
+		t.Fatal("A's first request denied")
+	}
+	replayAll(t, a) // A's answer: alone in the key
+	clk.Advance(2 * time.Second)
+	for i := range 99 {
+		if !b.Decide(bg, l).Allowed {
+			t.Fatalf("B's request %d denied below the limit", i)
+		}
+	}
+	replayAll(t, b)
+	admitted := 0
+	for range 10 {
+		if a.Decide(bg, l).Allowed {
+			admitted++
+		}
+	}
+	if admitted != 0 {
+		t.Fatalf("A admitted %d more with the region at the limit of 100, its view of the key stale", admitted)
+	}
+	// A limit far above one request passes on a stale view, unread.
+	big := lim("big", time.Minute, 1<<20, 1)
+	a.Decide(bg, big)
+	replayAll(t, a)
+	clk.Advance(2 * time.Second)
+	reads := a.Stats().Reads
+	a.Decide(bg, big)
+	if got := a.Stats().Reads; got != reads {
+		t.Fatalf("a stale view of a limit of 2^20 read %d times before a request of cost 1", got-reads)
+	}
+}

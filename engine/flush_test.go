@@ -104,7 +104,7 @@ func TestFlush_FlushToWritesToTheOriginGiven(t *testing.T) {
 // imports of it come later.
 func TestFlush_LeavesThePreviousCellOutOnceItIsFinal(t *testing.T) {
 	e, clk, o := withOrigin(t, Config{})
-	l := lim("k", time.Minute, 1000, 1)
+	l := lim("k", time.Minute, 1<<20, 1) // far above a request: its replays refresh it
 	e.Decide(bg, l) // the cold read, at the window's start
 	replayAll(t, e)
 	if n := o.noPrev.Load(); n != 0 {

@@ -87,10 +87,12 @@ func TestStrictKeys_SortedUntilTheirDeadline(t *testing.T) {
 // 1795598073465871912 judged a rotated key as never viewed).
 func TestInspect_ARotatedKeyWasViewedWhenItsPreviousCellWas(t *testing.T) {
 	e, clk, _ := withOrigin(t, Config{})
-	l := lim("k", time.Second, 20, 1)
-	e.Decide(bg, l) // the cold read: the key's view
+	// A limit far above one request: the rotated cell decides unread.
+	l := lim("k", time.Second, 20<<10, 21)
+	e.Decide(bg, l) // the cold read (a cost over 1/1024 of the limit): the key's view
 	viewed := clk.Now()
 	clk.Advance(time.Second)
+	l.Cost = 1
 	e.Decide(bg, l)
 	ks, _ := e.Inspect(l.Key)
 	if len(ks.Cells) != 2 || !ks.ViewedAt.Equal(viewed) {

@@ -170,12 +170,19 @@ func (e *Engine) converge(o Origin, lc *located, l *Limit, now int64) *flight {
 		// far from the limit in this process's view is not far from it in
 		// the region's.
 		return e.syncRead(o, lc)
-	case l.Cost > 0:
+	case l.Cost > 0 && l.Cost <= l.Limit/unreadShare && strictUntil(lc.zone, lc.id) <= now:
 		// Far from the limit, on a cell no other process has shown units
-		// in, this request passes and its units replay within a tick; the
-		// replay brings both cells back as a read would, so a read now
-		// would only repeat it.
+		// in, under a limit far above one request (as unread has it), this
+		// request passes and its units replay within a tick; the replay
+		// brings both cells back as a read would, so a read now would only
+		// repeat it.
 		return nil
+	case l.Cost > 0:
+		// Under a smaller limit a stale view may be far behind the region:
+		// another process this one has not met yet (its last answer showed
+		// none) may have taken the key to its limit since. Read first, as
+		// a cold cell does.
+		return e.syncRead(o, lc)
 	}
 	if _, started := e.startRead(o, lc, false); started {
 		e.stats.backgroundReads.Add(1)

@@ -114,9 +114,13 @@ func TestTiers_StaleKeyAtHalfRefreshesSynchronously(t *testing.T) {
 	}
 }
 
+// TestTiers_StaleKeyBelowHalfIsRefreshedByItsOwnReplay: a stale key far
+// below its limit, under a limit far above one request, passes on its own
+// count, and its replay refreshes it; under a smaller limit it reads first
+// (TestStale_ANodeThatHasNotMetTheOthersReadsFirstUnderASmallLimit).
 func TestTiers_StaleKeyBelowHalfIsRefreshedByItsOwnReplay(t *testing.T) {
 	e, clk, o := withOrigin(t, Config{})
-	l := lim("k", time.Minute, 1000, 1)
+	l := lim("k", time.Minute, 1<<20, 1)
 	seq := clk.UnixMilli() / time.Minute.Milliseconds()
 	e.Decide(bg, l) // cold: one read
 	clk.Advance(2 * time.Second)
