@@ -104,8 +104,9 @@ func TestFlush_FlushToWritesToTheOriginGiven(t *testing.T) {
 // imports of it come later.
 func TestFlush_LeavesThePreviousCellOutOnceItIsFinal(t *testing.T) {
 	e, clk, o := withOrigin(t, Config{})
-	l := lim("k", time.Minute, 1<<20, 1) // far above a request: its replays refresh it
-	e.Decide(bg, l) // the cold read, at the window's start
+	// A limit far above a request: its replays refresh it.
+	l := lim("k", time.Minute, 1<<20, 1)
+	e.Decide(bg, l) // at the window's start: its replay reads both cells
 	replayAll(t, e)
 	if n := o.noPrev.Load(); n != 0 {
 		t.Fatalf("%d writes left the previous cell out at the window's start", n)
