@@ -218,6 +218,17 @@ func (r *Redis) hash(id CellID) (*Hash, bool) {
 	return h, true
 }
 
+// written is hash for a write of the cell's own (a process's or an
+// import): a hash that holds only a late write's mark is new to it, as
+// the scripts see a hash without t, and takes the cell's own expiry.
+func (r *Redis) written(id CellID) (*Hash, bool) {
+	h, made := r.hash(id)
+	if h.marked {
+		h.marked, h.Expires, made = false, expireAt(id.Key, id.Seq), true
+	}
+	return h, made
+}
+
 func (h *Hash) rec(node string, inc uint32) *record {
 	for i := range h.recs {
 		if h.recs[i].node == node && h.recs[i].inc == inc {
@@ -232,10 +243,7 @@ func (h *Hash) rec(node string, inc uint32) *record {
 // It returns the cell and the commands the script body ran: HMGET, and
 // HSET (with PEXPIREAT for a new cell) when it wrote.
 func (r *Redis) raise(id CellID, node string, inc uint32, own int64) (*Hash, int64) {
-	h, made := r.hash(id)
-	if h.marked {
-		h.marked, h.Expires, made = false, expireAt(id.Key, id.Seq), true
-	}
+	h, made := r.written(id)
 	rec := h.rec(node, inc)
 	wrote := rec == nil || own > rec.own
 	if rec == nil {
@@ -421,7 +429,7 @@ func (r *Redis) land(now int64) {
 	i := 0
 	for ; i < len(r.imports) && r.imports[i].at <= now; i++ {
 		im := r.imports[i]
-		h, _ := r.hash(im.id)
+		h, _ := r.written(im.id)
 		if im.count > h.G {
 			h.G = im.count
 			r.notify(im.id, h, im.at)

@@ -77,3 +77,27 @@ func TestRedis_DownFailsEveryCall(t *testing.T) {
 		t.Fatalf("%d calls counted, want the one that reached Redis", c.Calls)
 	}
 }
+
+// TestRedis_AMarkedCellTakesItsOwnExpiryFromItsFirstWrite: a late write
+// marks the next cell, which then expires with the late cell, as the
+// scripts leave it; the first write of the cell's own, a process's or an
+// import, gives it the cell's expiry, as the scripts treat a hash without
+// t as new. Before the fix an import kept the mark's, a window early.
+func TestRedis_AMarkedCellTakesItsOwnExpiryFromItsFirstWrite(t *testing.T) {
+	clk := &clock{ms: 60_000}
+	r := NewRedis(clk.now, 1, Link{}, DefaultTimeouts)
+	late := []engine.Delta{{Key: key, Sequence: 1, Incarnation: 1, Own: 2, Late: true}}
+	if err := r.Origin("a").Flush(bg, late); err != nil || !late[0].Done {
+		t.Fatalf("flush: %v", err)
+	}
+	next := CellID{key, 2}
+	if h, ok := r.Cell(next); !ok || h.Expires != expireAt(key, 1) {
+		t.Fatalf("the marked cell %+v (%v), want the late cell's expiry %d", h, ok, expireAt(key, 1))
+	}
+	r.mu.Lock()
+	r.sendImport(clk.ms, next, 3)
+	r.mu.Unlock()
+	if h, ok := r.Cell(next); !ok || h.G != 3 || h.Expires != expireAt(key, 2) {
+		t.Fatalf("after an import the cell is %+v (%v), want g 3 and its own expiry %d", h, ok, expireAt(key, 2))
+	}
+}
