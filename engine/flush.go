@@ -346,8 +346,36 @@ func (e *Engine) AwaitWrites(ctx context.Context) bool {
 }
 
 // flushAll replays every pending delta of every cell, for shutdown. Cells
-// with a write in flight are skipped (see AwaitWrites).
+// with a write in flight are skipped (see AwaitWrites). A pass that fails
+// is tried again after a pause, at most flushPasses in all, within ctx:
+// one failed write must not give up the cells only the queues hold
+// (evicted keys, long rotated cells), and an origin that keeps failing
+// must not hold the caller for longer than the passes.
 func (e *Engine) flushAll(ctx context.Context, o Origin) error {
+	var err error
+	for pass := 1; ; pass++ {
+		if err = e.flushPass(ctx, o); err == nil || pass == flushPasses || ctx.Err() != nil {
+			return err
+		}
+		t := time.NewTimer(flushRetryPause)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return err
+		case <-t.C:
+		}
+	}
+}
+
+const (
+	// flushPasses bounds flushAll's passes.
+	flushPasses = 3
+	// flushRetryPause is flushAll's pause between passes.
+	flushRetryPause = 100 * time.Millisecond
+)
+
+// flushPass is one pass of flushAll, and returns its first error.
+func (e *Engine) flushPass(ctx context.Context, o Origin) error {
 	batch := make([]Delta, 0, replayBatch)
 	var first error
 	send := func() {
@@ -358,9 +386,9 @@ func (e *Engine) flushAll(ctx context.Context, o Origin) error {
 	}
 	// Queued cells first: an evicted or long rotated cell is only there.
 	// Those queued now, once: a write that fails queues its cells again
-	// (settle), and popping them again would loop for as long as the
-	// origin fails (with Redis down, a shutdown spun on a core until the
-	// process exited without it).
+	// (settle), for the next pass; popping them again in this one would
+	// loop for as long as the origin fails (with Redis down, a shutdown
+	// spun on a core until the process exited without it).
 	for _, q := range []*queue{e.queue(Fast), e.queue(Slow)} {
 		for n := q.len(); n > 0 && ctx.Err() == nil; n-- {
 			d, ok := q.pop()

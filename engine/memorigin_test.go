@@ -22,6 +22,8 @@ type memOrigin struct {
 	// noPrev counts the writes that asked for no previous cell, late the
 	// writes sent marked late.
 	noPrev, late atomic.Int64
+	// flakyFlushes is how many of the next writes fail (below 0: none).
+	flakyFlushes atomic.Int64
 	// readErr, flushErr and reserveErr, when set, fail the next calls.
 	readErr, flushErr, reserveErr atomic.Pointer[error]
 	// gate, when set, blocks reads and reservations until it is closed,
@@ -135,7 +137,7 @@ func (m *memOrigin) Flush(ctx context.Context, batch []Delta) error {
 	if p := m.flushErr.Load(); p != nil {
 		return *p
 	}
-	if m.down.Load() {
+	if m.down.Load() || m.flakyFlushes.Add(-1) >= 0 {
 		return errOriginDown
 	}
 	m.mu.Lock()
