@@ -114,6 +114,11 @@ type Totals struct {
 	// when they first read it, so that two processes starting on one key at
 	// once know of each other before either has replayed a unit.
 	Shared bool
+	// Processes is how many process records the origin holds in the cell
+	// (each process and incarnation that read or wrote it), 0 when the
+	// origin does not say: near the limit each process keeps what it
+	// admits unseen to its share of the room (see nearLimit).
+	Processes int64
 	// Global and GlobalPrev are what other regions counted in the cell and
 	// in the previous cell, as the region's cross-region role left them at
 	// the origin: the engine raises its imported counts to them.

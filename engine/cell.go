@@ -83,6 +83,9 @@ type cellLinks struct {
 	// inc is the cell's incarnation (Delta.Incarnation), set at allocation;
 	// a plain cell never writes to an origin.
 	inc uint32
+	// procs is the process records the origin's last answer showed in the
+	// cell (Totals.Processes), 0 before one; in the word inc leaves free.
+	procs atomic.Uint32
 }
 
 // linkedCell is a linked cell: a cell with its links, in one allocation of
@@ -293,6 +296,9 @@ func (c *cell) raiseCount(base int64) {
 // an origin upgrade theirs, see upgrade), but a plain cell would only lose
 // the step, an estimate.
 func (c *cell) observe(t Totals, now, tick int64) {
+	if x := c.links(); x != nil && t.Processes > 0 {
+		x.procs.Store(uint32(min(t.Processes, 1<<32-1)))
+	}
 	if f := t.Cur - t.Mine; f > 0 {
 		if x := c.links(); x != nil {
 			// It runs before the answer is merged, so the other processes'

@@ -86,7 +86,7 @@ func (m *memOrigin) peer(node string) *memOrigin { return &memOrigin{memStore: m
 // origin's HLEN does.
 func (m *memOrigin) totalsLocked(id cellID, inc uint32) Totals {
 	h := m.fields[id]
-	t := Totals{Cur: m.totals[id], Prev: m.totals[cellID{id.key, id.seq - 1}], Mine: h[writer{m.node, inc}], Shared: len(h) > 1}
+	t := Totals{Cur: m.totals[id], Prev: m.totals[cellID{id.key, id.seq - 1}], Mine: h[writer{m.node, inc}], Shared: len(h) > 1, Processes: int64(len(h))}
 	if m.global != nil {
 		t.Global, _ = m.global(id)
 		t.GlobalPrev, _ = m.global(cellID{id.key, id.seq - 1})

@@ -130,7 +130,7 @@ func nextCount(s string) (v int64, rest string, ok bool) {
 // totalsOf reads a cell's numbers as the scripts return them: t, the
 // previous t, the record, n, g and the previous g.
 func totalsOf(v [6]int64) engine.Totals {
-	return engine.Totals{Cur: v[0], Prev: v[1], Mine: v[2], Shared: v[3] > 1, Global: v[4], GlobalPrev: v[5]}
+	return engine.Totals{Cur: v[0], Prev: v[1], Mine: v[2], Shared: v[3] > 1, Processes: v[3], Global: v[4], GlobalPrev: v[5]}
 }
 
 // refusedCells is the error of a script that refused some cells: their

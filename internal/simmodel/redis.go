@@ -283,7 +283,7 @@ func (r *Redis) totals(id CellID, node string, inc uint32) engine.Totals {
 	h := r.cells[id]
 	var t engine.Totals
 	if h != nil {
-		t.Cur, t.Global, t.Shared = h.T, h.G, len(h.recs) > 1
+		t.Cur, t.Global, t.Shared, t.Processes = h.T, h.G, len(h.recs) > 1, int64(len(h.recs))
 		if rec := h.rec(node, inc); rec != nil {
 			t.Mine = rec.own
 		}
