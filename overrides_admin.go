@@ -248,10 +248,15 @@ func deleteOverride(w http.ResponseWriter, r *http.Request, st *state, zoneName,
 // changeOverride stores a change, logs who made it and counts it.
 func changeOverride(w http.ResponseWriter, r *http.Request, st *state, rec overrideRec, what string) error {
 	rec, scope, err := storeOverride(r.Context(), st, rec)
-	if err == nil && rec.Form != "" {
-		err = removeOlderForm(r.Context(), st, rec.Zone, rec.Identifier, time.UnixMicro(rec.Version))
-	}
 	view := st.apps.view()
+	if err == nil && rec.Form != "" {
+		// The change took and wins over the older form's record already;
+		// removing that one only keeps it from coming back should this
+		// change be removed.
+		if ferr := removeOlderForm(r.Context(), st, rec.Zone, rec.Identifier, time.UnixMicro(rec.Version)); ferr != nil {
+			view.logger.Warn("runtime override "+what+", but the override of the key by a build before identifier forms stays", zap.Error(ferr))
+		}
+	}
 	if err != nil {
 		if ae, ok := err.(caddy.APIError); ok {
 			return ae
