@@ -94,7 +94,10 @@ func TestFlush_OldAndNewScriptsShareACell(t *testing.T) {
 			write = oldWrite
 		}
 		for i, got := range write(step.own) {
-			want := engine.Totals{Cur: step.cur, Prev: int64(40 + i), Mine: step.mine, Shared: step.shared}
+			want := engine.Totals{Cur: step.cur, Prev: int64(40 + i), Mine: step.mine, Shared: step.shared, Processes: 1}
+			if step.shared {
+				want.Processes = 2
+			}
 			if got != want {
 				t.Fatalf("%s writes %d, cell %d: %+v, want %+v", step.who, step.own, i, got, want)
 			}

@@ -134,7 +134,7 @@ func (ep *endpoint) flush(ctx context.Context, batch []engine.Delta, idx []int) 
 	}
 
 	var errs []error
-	err := ep.replay.guard(func() error {
+	err := ep.replay.guard(len(todo), func() error {
 		var err error
 		for attempt := 0; attempt < 2 && len(todo) > 0; attempt++ {
 			var again []int

@@ -203,7 +203,7 @@ func TestFlush_ManyCellsGoInChunksAndFailAlone(t *testing.T) {
 			if i == bad {
 				continue
 			}
-			want := engine.Totals{Cur: 1000 + int64(i+1), Prev: int64(7 * i), Mine: int64(i + 1), Shared: false}
+			want := engine.Totals{Cur: 1000 + int64(i+1), Prev: int64(7 * i), Mine: int64(i + 1), Shared: false, Processes: 1}
 			if !d.Done || d.Totals != want {
 				t.Fatalf("round %d, cell %d: done=%v totals %+v, want %+v", round, i, d.Done, d.Totals, want)
 			}
@@ -295,12 +295,12 @@ func TestFlush_StoredCountsOfAnyFormComeBackAsCounts(t *testing.T) {
 				t.Fatalf("stored %q: done=%v totals %+v, err %v; want the cell refused", tc.stored, batch[0].Done, batch[0].Totals, err)
 			}
 		} else {
-			want := engine.Totals{Cur: tc.want, Prev: tc.want, Mine: 5}
+			want := engine.Totals{Cur: tc.want, Prev: tc.want, Mine: 5, Processes: 1}
 			if err != nil || !batch[0].Done || batch[0].Totals != want {
 				t.Fatalf("stored %q: done=%v totals %+v, err %v; want %+v", tc.stored, batch[0].Done, batch[0].Totals, err, want)
 			}
 		}
-		if want := (engine.Totals{Cur: 3, Mine: 3}); !batch[1].Done || batch[1].Totals != want {
+		if want := (engine.Totals{Cur: 3, Mine: 3, Processes: 1}); !batch[1].Done || batch[1].Totals != want {
 			t.Fatalf("stored %q: the next cell done=%v totals %+v, want %+v", tc.stored, batch[1].Done, batch[1].Totals, want)
 		}
 	}
@@ -457,7 +457,7 @@ func TestFlush_ChunkMixesCellsWithAndWithoutThePreviousCell(t *testing.T) {
 		t.Fatal(err)
 	}
 	for i, d := range batch {
-		want := engine.Totals{Cur: int64(i + 1), Mine: int64(i + 1)}
+		want := engine.Totals{Cur: int64(i + 1), Mine: int64(i + 1), Processes: 1}
 		if !d.NoPrev {
 			want.Prev = int64(100 + i)
 		}
@@ -503,7 +503,7 @@ func TestFlush_ChunkRunAgainAfterARefusedCellRegistersAndCountsOnce(t *testing.T
 		if i == bad {
 			continue
 		}
-		want := engine.Totals{Cur: d.Own, Mine: d.Own}
+		want := engine.Totals{Cur: d.Own, Mine: d.Own, Processes: 1}
 		if !d.Done || d.Totals != want {
 			t.Fatalf("cell %d: done=%v totals %+v, want %+v (one process, its units once)", i, d.Done, d.Totals, want)
 		}

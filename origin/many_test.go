@@ -39,7 +39,7 @@ func TestParseMany_ReadsCellsInOrderAndStopsAtAMalformedReply(t *testing.T) {
 
 func TestTotalsOf_NamesTheScriptsNumbers(t *testing.T) {
 	got := totalsOf([6]int64{10, 20, 3, 2, 40, 50})
-	want := engine.Totals{Cur: 10, Prev: 20, Mine: 3, Shared: true, Global: 40, GlobalPrev: 50}
+	want := engine.Totals{Cur: 10, Prev: 20, Mine: 3, Shared: true, Processes: 2, Global: 40, GlobalPrev: 50}
 	if got != want {
 		t.Fatalf("totalsOf = %+v, want %+v", got, want)
 	}

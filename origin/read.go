@@ -171,7 +171,7 @@ func (ep *endpoint) readBatch(batch []*readReq) {
 	defer cancel()
 	chunk := ep.chunk()
 	cmds := make([]*redis.Cmd, 0, (len(batch)+chunk-1)/chunk)
-	err := ep.requests.guard(func() error {
+	err := ep.requests.guard(len(batch), func() error {
 		var err error
 		for attempt := 0; attempt < 2; attempt++ {
 			pipe := ep.client.Pipeline()

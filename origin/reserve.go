@@ -36,7 +36,7 @@ func (ep *endpoint) reserve(ctx context.Context, res *engine.Reservation) error 
 		return err
 	}
 	var vals []any
-	err = ep.requests.guard(func() error {
+	err = ep.requests.guard(1, func() error {
 		ep.roundTrips.Add(1)
 		// Run sends EVALSHA, and EVAL when Redis lost the script: a
 		// NOSCRIPT reply means nothing ran, so the retry charges once.
