@@ -132,19 +132,27 @@ func givenUp(log string) int64 {
 func TestStop_UnderLoadEveryAdmittedUnitReachesRedis(t *testing.T) {
 	srv := redisAndCaddy(t, "runs Caddy processes on Redis")
 	for run := range 6 {
-		n := startNode(t, "\t\tredis "+srv.URL(), stopSite)
-		key := fmt.Sprintf("stop%d-%d", run, time.Now().UnixNano())
-		stop := make(chan struct{})
-		wait := loadUntil(n, key, 8, stop)
-		redistest.Eventually(t, 10*time.Second, "the node admitted some load", func() bool { return redisCount(t, srv, key) > 100 })
-		took := terminate(t, n)
-		close(stop)
-		ok := wait()
-		got, lost := redisCount(t, srv, key), givenUp(n.log.String())
-		t.Logf("stop %d: %s; %d admitted, Redis holds %d, %d given up", run, took.Round(time.Millisecond), ok, got, lost)
-		if got != ok || lost != 0 {
-			t.Fatalf("stop %d: Redis holds %d of the %d units admitted, %d logged as given up, with Redis healthy", run, got, ok, lost)
-		}
+		stopUnderLoad(t, srv, "\t\tredis "+srv.URL(), fmt.Sprintf("stop%d", run), 10*time.Second)
+	}
+}
+
+// stopUnderLoad starts a node with global, loads a new key named after
+// name until Redis holds 100 of its units (within wait), stops the node
+// and checks that Redis holds every unit it admitted and it gave up none.
+func stopUnderLoad(t *testing.T, srv *redistest.Server, global, name string, wait time.Duration) {
+	t.Helper()
+	n := startNode(t, global, stopSite)
+	key := fmt.Sprintf("%s-%d", name, time.Now().UnixNano())
+	stop := make(chan struct{})
+	admitted := loadUntil(n, key, 8, stop)
+	redistest.Eventually(t, wait, "the node admitted some load", func() bool { return redisCount(t, srv, key) > 100 })
+	took := terminate(t, n)
+	close(stop)
+	ok := admitted()
+	got, lost := redisCount(t, srv, key), givenUp(n.log.String())
+	t.Logf("%s: stopped in %s; %d admitted, Redis holds %d, %d given up", name, took.Round(time.Millisecond), ok, got, lost)
+	if got != ok || lost != 0 {
+		t.Fatalf("%s: Redis holds %d of the %d units admitted, %d logged as given up, with Redis healthy", name, got, ok, lost)
 	}
 }
 
@@ -204,18 +212,6 @@ func TestStop_SlowRedisUnderLoadEveryAdmittedUnitReachesRedis(t *testing.T) {
 	srv := redisAndCaddy(t, "runs Caddy processes on Redis")
 	proxy := redistest.StartDelayProxy(t, srv.Addr(), 150*time.Millisecond)
 	for run := range 3 {
-		n := startNode(t, "\t\tredis "+proxy.URL()+"\n\t\tread_timeout 1s", stopSite)
-		key := fmt.Sprintf("slowstop%d-%d", run, time.Now().UnixNano())
-		stop := make(chan struct{})
-		wait := loadUntil(n, key, 8, stop)
-		redistest.Eventually(t, 20*time.Second, "the node admitted some load", func() bool { return redisCount(t, srv, key) > 100 })
-		took := terminate(t, n)
-		close(stop)
-		ok := wait()
-		got, lost := redisCount(t, srv, key), givenUp(n.log.String())
-		t.Logf("stop %d: %s; %d admitted, Redis holds %d, %d given up", run, took.Round(time.Millisecond), ok, got, lost)
-		if got != ok || lost != 0 {
-			t.Fatalf("stop %d: Redis holds %d of the %d units admitted, %d logged as given up, with Redis slow but healthy", run, got, ok, lost)
-		}
+		stopUnderLoad(t, srv, "\t\tredis "+proxy.URL()+"\n\t\tread_timeout 1s", fmt.Sprintf("slowstop%d", run), 20*time.Second)
 	}
 }
