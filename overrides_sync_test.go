@@ -115,6 +115,21 @@ func TestOverrides_AChangeArrivesOnItsNoticeAndAnIdleNodeRarelyAsks(t *testing.T
 
 // otherNode is another node of region ov-test on srv, and a function that
 // stores, as that node, an override of zone ov's identifier id.
+// putAhead stores rec in the region as a node whose clock runs a minute
+// ahead made it, and returns it as stored.
+func putAhead(t *testing.T, other *origin.Redis, rec overrideRec) overrideRec {
+	t.Helper()
+	ahead := time.Now().Add(time.Minute)
+	rec.CreatedMs, rec.Version = ahead.UnixMilli(), ahead.UnixMicro()
+	if rec.Reset {
+		rec.ExpiresMs = ahead.Add(2 * time.Minute).UnixMilli()
+	}
+	if _, err := other.PutOverrides(context.Background(), []origin.Override{rec.regionValue()}, false); err != nil {
+		t.Fatal(err)
+	}
+	return rec
+}
+
 func otherNode(t *testing.T, srv *redistest.Server) (*origin.Redis, func(id string, limit int64)) {
 	other, err := origin.New(origin.Config{Redis: []string{srv.URL()}}, origin.Options{NodeID: "other"})
 	if err != nil {
@@ -419,11 +434,7 @@ func TestOverrides_AChangeWinsOverAFutureVersion(t *testing.T) {
 	srv := redistest.Start(t)
 	global := fmt.Sprintf("\tratelimit {\n\t\tregion ov-test\n\t\tredis %s\n\t\tfast_tick 10ms\n\t}", srv.URL())
 	other, _ := otherNode(t, srv)
-	ahead := time.Now().Add(time.Minute)
-	fast := overrideRec{Zone: "ov", Identifier: "sk1", Limit: 3, Region: "ov-test", CreatedMs: ahead.UnixMilli(), Version: ahead.UnixMicro()}
-	if _, err := other.PutOverrides(context.Background(), []origin.Override{fast.regionValue()}, false); err != nil {
-		t.Fatal(err)
-	}
+	fast := putAhead(t, other, overrideRec{Zone: "ov", Identifier: "sk1", Limit: 3, Region: "ov-test"})
 	_, admin, base := startCaddy(t, overrideConfig(global))
 	var doc overrideDoc
 	adminSend(t, admin, http.MethodPut, "/ratelimit/overrides?zone=ov&identifier=sk1", `{"limit": 7}`).decode(t, http.StatusOK, &doc)

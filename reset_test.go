@@ -227,12 +227,7 @@ func TestReset_AResetAfterAFutureVersionIsRecorded(t *testing.T) {
 	srv := redistest.Start(t)
 	global := fmt.Sprintf("\tratelimit {\n\t\tregion rs-test\n\t\tredis %s\n\t}", srv.URL())
 	other, _ := otherNode(t, srv)
-	ahead := time.Now().Add(time.Minute)
-	fast := overrideRec{Zone: "ov", Identifier: "fr", Reset: true, Region: "rs-test",
-		CreatedMs: ahead.UnixMilli(), Version: ahead.UnixMicro(), ExpiresMs: ahead.Add(2 * time.Minute).UnixMilli()}
-	if _, err := other.PutOverrides(context.Background(), []origin.Override{fast.regionValue()}, false); err != nil {
-		t.Fatal(err)
-	}
+	fast := putAhead(t, other, overrideRec{Zone: "ov", Identifier: "fr", Reset: true, Region: "rs-test"})
 	_, admin, _ := startCaddy(t, overrideConfig(global))
 	var doc resetDoc
 	adminSend(t, admin, http.MethodDelete, "/ratelimit/counters?zone=ov&identifier=fr&scope=region", "").decode(t, http.StatusOK, &doc)
