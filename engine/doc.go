@@ -24,7 +24,7 @@
 //	janitor: idle entries, the entry cap     janitor.go
 //	operators: Stats                         stats.go
 //	  Inspect, Overlay, Scan, StrictKeys     inspect.go
-//	  Forget, ForgetMatching                 forget.go
+//	  Forget, ForgetMatching, DropMatching   forget.go
 //	cross-region layer: entry creation and   global.go (SetGlobal, ScanCells,
 //	  first denials out, imports in            ImportGlobal, MarkPublished)
 //
