@@ -104,19 +104,27 @@ http://127.0.0.1:%d {
 
 func (n *node) url(path string) string { return fmt.Sprintf("http://127.0.0.1:%d%s", n.port, path) }
 
-func (n *node) stop() {
-	if n.cmd.Process == nil || n.cmd.ProcessState != nil {
-		return
-	}
-	_ = n.cmd.Process.Signal(os.Interrupt)
+// signalAndWait sends sig to n's process and waits for it to exit, killing
+// it after within; it reports whether it exited on its own.
+func (n *node) signalAndWait(sig os.Signal, within time.Duration) bool {
+	_ = n.cmd.Process.Signal(sig)
 	done := make(chan struct{})
 	go func() { _ = n.cmd.Wait(); close(done) }()
 	select {
 	case <-done:
-	case <-time.After(10 * time.Second):
+		return true
+	case <-time.After(within):
 		_ = n.cmd.Process.Kill()
 		<-done
+		return false
 	}
+}
+
+func (n *node) stop() {
+	if n.cmd.Process == nil || n.cmd.ProcessState != nil {
+		return
+	}
+	n.signalAndWait(os.Interrupt, 10*time.Second)
 	if n.t.Failed() {
 		n.t.Logf("caddy on :%d log tail:\n%s", n.port, tail(n.log.String(), 2000))
 	}

@@ -34,16 +34,7 @@ const stopSite = `	ratelimit {
 func terminate(t *testing.T, n *node) time.Duration {
 	t.Helper()
 	start := time.Now()
-	if err := n.cmd.Process.Signal(syscall.SIGTERM); err != nil {
-		t.Fatal(err)
-	}
-	done := make(chan struct{})
-	go func() { _ = n.cmd.Wait(); close(done) }()
-	select {
-	case <-done:
-	case <-time.After(60 * time.Second):
-		_ = n.cmd.Process.Kill()
-		<-done
+	if !n.signalAndWait(syscall.SIGTERM, 60*time.Second) {
 		t.Fatal("caddy did not exit within 60 s of SIGTERM")
 	}
 	return time.Since(start)
