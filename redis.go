@@ -182,6 +182,11 @@ func provisionRedis(a *App) (backend, error) {
 	return b, nil
 }
 
+// processesInterval is how often a node renews its record among the
+// region's processes in Redis and reads how many there are (see
+// origin.WatchProcesses).
+const processesInterval = time.Second
+
 // start watches the region's runtime overrides (overrides_sync.go) and
 // sets the origin watching its servers for a restart: Redis
 // restarted empty lost every process's units, and the engine sends its
@@ -193,6 +198,11 @@ func (b *redisBackend) start() {
 	b.stopOverrides = make(chan struct{})
 	go b.watchOverrides(b.stopOverrides)
 	st := b.a.state
+	b.origin.WatchProcesses(processesInterval, func(n int64) {
+		if st.currentOrigin() == originView(b.origin) {
+			st.engine.SetProcesses(n)
+		}
+	})
 	b.origin.WatchRestarts(b.timing.SlowTick, func() {
 		if st.currentOrigin() == originView(b.origin) {
 			n := st.engine.Resend()

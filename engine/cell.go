@@ -15,7 +15,7 @@ import (
 // cells, the cells made while the engine has an origin or a global layer:
 // such a cell is allocated as a linkedCell and carries stLinked. A
 // local-only engine, which never uses them, pays 24 bytes a cell instead of
-// 96. Read those counters through links(): a plain cell has none, and reads
+// 104. Read those counters through links(): a plain cell has none, and reads
 // them as 0. A plain cell made before an origin or a global layer was
 // attached is replaced by a linked copy when next touched (see
 // Engine.upgrade).
@@ -86,10 +86,32 @@ type cellLinks struct {
 	// procs is the process records the origin's last answer showed in the
 	// cell (Totals.Processes), 0 before one; in the word inc leaves free.
 	procs atomic.Uint32
+	// first is when (Unix ms) the first origin call whose answer the cell
+	// merged was sent: its cold read, or its first write; 0 before one,
+	// grownUp in a cell rotated from one that was no longer young (see
+	// young).
+	first atomic.Int64
+}
+
+// grownUp is the first of a cell that is not young from the start: a
+// time so far back that every answer is from long after it.
+const grownUp = -1 << 62
+
+// young reports whether no answer has reached the cell yet to a call sent
+// two fast ticks or more after its first (its cold read, or its first
+// write): the processes that met the key at about the same moment as this
+// one have all registered in the cell by then, and that answer counts
+// them. Two ticks, so that their reads, and their first writes, which a
+// tick may hold, are in. youth is the freshness an answer gives and the
+// two ticks (Engine.youth): an answer sent at s left fresh at s +
+// freshness.
+func (x *cellLinks) young(youth int64) bool {
+	first := x.first.Load()
+	return first == 0 || x.fresh.Load()-first < youth
 }
 
 // linkedCell is a linked cell: a cell with its links, in one allocation of
-// 96 bytes (no pointer either). Everything holds it as a *cell, its first
+// 104 bytes (no pointer either). Everything holds it as a *cell, its first
 // field.
 type linkedCell struct {
 	cell
@@ -188,11 +210,15 @@ const (
 	stPrevSettled
 	// stBuried: the cell is among the graves (buryCell), once.
 	stBuried
+	// stReserved: the cell has sent a reservation, and its answer has not
+	// shown it alone (a shared cell keeps it for the rest of its window;
+	// see nearLimit).
+	stReserved
 )
 
 // The st* bits fit below a cell's sequence (a negative constant would not
 // compile).
-const _ uint32 = 1<<seqShift - 2*stBuried
+const _ uint32 = 1<<seqShift - 2*stReserved
 
 // setBits sets bits in the state and reports whether this call set any of
 // them (false when all were already set).

@@ -158,6 +158,9 @@ type Engine struct {
 	// untrusted ends the suspect period that starts then (read.go).
 	failing   atomic.Bool
 	untrusted atomic.Int64
+	// processes is how many processes the origin records as live in the
+	// region, this one included (SetProcesses); 0 when it does not say.
+	processes atomic.Int64
 
 	// The Timing values, in nanoseconds.
 	readTimeout, freshness, slowTick, fastTick atomic.Int64
@@ -234,6 +237,16 @@ func (e *Engine) SetOrigin(o Origin) {
 		e.resendAll()
 	}
 }
+
+// SetProcesses tells the engine how many processes share its origin, this
+// one included, as the origin's own record of them says (n ≤ 0: unknown).
+// A cell this process has not written yet counts that many processes near
+// its limit (see nearLimit): the processes that meet a key in one burst
+// have each read it, but the first to read it found none of the others.
+func (e *Engine) SetProcesses(n int64) { e.processes.Store(max(n, 0)) }
+
+// Processes returns what SetProcesses last set, 0 when nothing did.
+func (e *Engine) Processes() int64 { return e.processes.Load() }
 
 // Origin returns the current origin, or nil when local-only.
 func (e *Engine) Origin() Origin { return e.getOrigin() }

@@ -15,7 +15,7 @@ import (
 // the cell, plain or linked. A decision on a key whose first cell is
 // current reads one or two cache lines for both, and the collector finds
 // cur pointing back into the slab it already marked. The first cell stays
-// with the entry when a rotation or an upgrade replaces it: 24 bytes (96
+// with the entry when a rotation or an upgrade replaces it: 24 bytes (104
 // linked) that an entry past its first window carries until it is
 // forgotten. A linked first cell was an object of its own while each
 // entry was one (128-byte objects the collector scans, against 96-byte
@@ -159,8 +159,9 @@ var tombstone = newCell(-1, false)
 // is a linked cell when linked is set (the engine has an origin or a
 // global layer). dropped are the cells a rotation let go (neither current nor
 // previous any more), for the engine to remember (see bury): they weigh
-// nothing now, unless the clock has jumped.
-func (en *entry) current(seq int64, linked bool) (c *cell, dropped [2]*cell) {
+// nothing now, unless the clock has jumped. youth is the span of a young
+// cell (see cellLinks.young).
+func (en *entry) current(seq int64, linked bool, youth int64) (c *cell, dropped [2]*cell) {
 	for {
 		c := en.cur.Load()
 		if c == tombstone {
@@ -186,6 +187,13 @@ func (en *entry) current(seq int64, linked bool) (c *cell, dropped [2]*cell) {
 		n.orState(c.state() & inherit)
 		if x, cx := n.links(), c.links(); x != nil && cx != nil {
 			x.step.Store(cx.step.Load())
+			// The processes on the key stay those it had, and a key that
+			// had heard from them all goes on without counting the
+			// region's (see Engine.young).
+			x.procs.Store(cx.procs.Load())
+			if c.seq() == seq-1 && !cx.young(youth) {
+				x.first.Store(grownUp)
+			}
 		}
 		var np *cell
 		if c.seq() == seq-1 {

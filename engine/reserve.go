@@ -15,29 +15,53 @@ import (
 // shared cell's effective count, plus the others' expected growth until
 // their units reach this process, plus this process's own units that have
 // not reached the origin yet once more (see nearLimit), reaches 90 % of
-// the limit (or the key is in strict mode), a request that would pass
-// asks the origin, which admits
-// it only if the region's count allows, and charges it in the same atomic
-// step.
+// the limit (or the key is in strict mode), a request that would pass asks
+// the origin, which admits it only if the region's count allows, and
+// charges it in the same atomic step. A cell that has asked once keeps
+// asking for the rest of its window. Whether a cell is touched by this
+// process only is not known at once: processes that meet a key together
+// each find only those that read it before them, so in a region of several
+// processes a cell counts them all until an answer has come from after
+// they met it (young).
 //
-// At most one reservation per cell is in flight in a process; requests that
-// arrive meanwhile form the next one, sent when it returns, which decides
-// them all in one round trip (see group). Denials never wait. On timeout, error or an open breaker the
-// decision is local. The reservation carries this process's pending units
-// too (as an idempotent write of its absolute total), so the origin judges
-// the request against everything this process has admitted.
+// At most one reservation per cell is in flight in a process; requests
+// that arrive meanwhile form the next one, sent when it returns, which
+// decides them all in one round trip (see group). Denials never wait. On
+// timeout, error or an open breaker the decision is local. The reservation
+// carries this process's pending units too (as an idempotent write of its
+// absolute total), so the origin judges the request against everything
+// this process has admitted.
 
-// nearLimit reports whether a would-allow decision of a shared cell at
-// (cur, prev) must be made at the origin: in strict mode, or when the
-// effective count with the cost, plus the other processes' expected growth,
-// plus this process's units not yet handed over once more for each other
-// process in the cell, reaches 90 % of the limit.
+// nearLimit reports whether a would-allow decision of a shared or young
+// cell at (cur, prev) must be made at the origin: in strict mode, once the
+// cell has gone to the origin (see below), or when the effective count
+// with the cost, plus the other processes' expected growth, plus this
+// process's units not yet handed over once more for each other process,
+// reaches 90 % of the limit; a young cell also when those units, counted
+// once for each other process, reach a tenth of it.
 func (e *Engine) nearLimit(lc *located, l *Limit, cur, prev, now int64) bool {
 	c := lc.cur
-	if c.state()&stShared == 0 {
+	x := c.links()
+	st := c.state()
+	shared, reserved := st&stShared != 0, st&stReserved != 0
+	// A young cell (see young), in a region of several processes, may not
+	// know yet of every process that met its key at about the same moment:
+	// each read registers its process in the cell, so the first to read
+	// found none of the others there, the second one, and so on. It counts
+	// as many others as the region has (Engine.SetProcesses), shared or
+	// not.
+	region := e.processes.Load()
+	young := region > 1 && x != nil && x.young(e.youth())
+	if !shared && !reserved && !young {
 		return false
 	}
-	if strictUntil(lc.zone, lc.id) > now {
+	// A cell that has gone to the origin stays with it: what it handed
+	// over is no longer among its unseen units below, but the others still
+	// hold theirs, which its count does not show, and deciding locally
+	// again at once, four processes took 1.24 × the limit in a burst. Until
+	// the reservation's answer tells the cell whether it is shared, and for
+	// the rest of its window when it is.
+	if reserved || strictUntil(lc.zone, lc.id) > now {
 		return true
 	}
 	effective := SatAdd(SatAdd(cur, weighted(prev, lc.w, lc.r)), l.Cost)
@@ -52,13 +76,29 @@ func (e *Engine) nearLimit(lc *located, l *Limit, cur, prev, now int64) bool {
 	// keep what they admit unseen to a share of the room each, whatever
 	// pace they measured: counted twice only, four processes meeting a key
 	// in a burst took about 45 % each, 1.9 × the limit.
-	unseen := SatAdd(l.Cost, lc.cur.pending())
+	unseen := SatAdd(l.Cost, c.pending())
 	others := int64(1)
-	if x := lc.cur.links(); x != nil {
+	if x != nil {
 		others = max(others, int64(x.procs.Load())-1)
 	}
-	return pressureAtLeast(SatAdd(SatAdd(effective, satMul(unseen, others)), e.foreignGrowth(lc, now)), l.Limit, 9, 10)
+	if young {
+		others = max(others, region-1)
+	}
+	if pressureAtLeast(SatAdd(SatAdd(effective, satMul(unseen, others)), e.foreignGrowth(lc, now)), l.Limit, 9, 10) {
+		return true
+	}
+	// A share of 90 % each is not enough while the processes meet the key:
+	// one whose view is from its read, before the others' units reached
+	// the origin, still admits its share after they took the region to the
+	// limit there. So a young cell keeps its unseen units, counted for
+	// each other process, to a tenth of the limit: all the processes'
+	// together then stay within the last tenth that the origin decides.
+	return young && pressureAtLeast(satMul(unseen, others), l.Limit, 1, 10)
 }
+
+// youth is the span of a young cell (see cellLinks.young): the freshness
+// an answer gives, and two fast ticks.
+func (e *Engine) youth() int64 { return e.freshnessMs() + 2*e.fastTickMs() }
 
 // foreignGrowth estimates the units other processes admit to lc's cell
 // between this process's last view of the origin and the moment their
@@ -269,6 +309,11 @@ func (e *Engine) sendGroup(ctx context.Context, o Origin, lc *located, l *Limit,
 	for _, cost := range n.costs {
 		sum = SatAdd(sum, cost)
 	}
+	// From here the requests that would pass wait for the origin too (see
+	// nearLimit): what this one hands over leaves the count they weigh.
+	if c.state()&stReserved == 0 {
+		c.setBits(stReserved)
+	}
 	// Hand the origin every unit this process has admitted to the cell,
 	// and the costs, as one absolute total. own rises first, so that a
 	// flush overlapping the call never writes a total below it.
@@ -298,6 +343,9 @@ func (e *Engine) sendGroup(ctx context.Context, o Origin, lc *located, l *Limit,
 		err = errors.New("the origin returned no verdict for the joined requests")
 	}
 	if err != nil {
+		// Decided locally: the units go back to pending, and the next
+		// request weighs them as before.
+		c.clearBits(stReserved)
 		e.reservationFailed(lc, n, d, sum)
 		dl.expired = true
 		return Decision{}, false
@@ -310,6 +358,9 @@ func (e *Engine) sendGroup(ctx context.Context, o Origin, lc *located, l *Limit,
 	e.merge(lc.en, c, r.Totals, sent, lc.w, true)
 	n.totals, n.global, n.globalPrev = r.Totals, r.Global, r.GlobalPrev
 	n.decided = true
+	if c.state()&stShared == 0 {
+		c.clearBits(stReserved) // alone: local again (see nearLimit)
+	}
 	return e.memberDecision(lc, l, n, 0)
 }
 

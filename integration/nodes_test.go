@@ -31,6 +31,7 @@ func newRedisCluster(t *testing.T, srv *redistest.Server, n int, prefix string) 
 	for i := range n {
 		clk := testclock.New(time.Now())
 		c.engines = append(c.engines, engine.New(nodecheck.EngineConfig(clk.Now)))
+		c.engines[i].SetProcesses(int64(n)) // as the region's heartbeats count them
 		c.clocks = append(c.clocks, clk)
 		c.origins = append(c.origins, nil)
 		c.Reload(i)

@@ -28,6 +28,9 @@ type Redis struct {
 	events   chan stateEvent // breaker transitions for OnStateChange (breaker.go)
 	dropped  atomic.Uint64
 	restarts atomic.Uint64 // run ID changes seen (restart.go)
+	// processes is the region's live processes, as the last Heartbeat
+	// counted them (processes.go).
+	processes atomic.Int64
 	// notices is whether WatchOverrides is subscribed (overrides.go).
 	notices atomic.Bool
 	// runIDChecks counts the watch's checks, for tests to await one.

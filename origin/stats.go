@@ -118,6 +118,10 @@ type Stats struct {
 	// OverrideNotices tells whether this process is subscribed to the
 	// region's notices of override changes (see WatchOverrides).
 	OverrideNotices bool `json:"override_notices"`
+	// Processes is how many processes the region's record counted live
+	// at the last heartbeat, this one included (see WatchProcesses); 0
+	// before one answered.
+	Processes int64 `json:"processes"`
 }
 
 // EndpointStats is a snapshot of one endpoint.
@@ -148,7 +152,7 @@ type EndpointStats struct {
 
 // Stats returns a snapshot for operators.
 func (r *Redis) Stats() Stats {
-	st := Stats{Endpoints: make([]EndpointStats, len(r.endpoints)), Restarts: r.restarts.Load(), OverrideNotices: r.OverrideNotices()}
+	st := Stats{Endpoints: make([]EndpointStats, len(r.endpoints)), Restarts: r.restarts.Load(), OverrideNotices: r.OverrideNotices(), Processes: r.Processes()}
 	for i, ep := range r.endpoints {
 		st.Endpoints[i] = ep.stats()
 	}

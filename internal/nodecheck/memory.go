@@ -31,6 +31,7 @@ func NewMemoryCluster(n int) *MemoryCluster {
 		clk := testclock.New(time.Unix(0, 0))
 		e := engine.New(EngineConfig(clk.Now))
 		e.SetOrigin(c.store.Origin(strconv.Itoa(i)))
+		e.SetProcesses(int64(n)) // as the region's heartbeats count them
 		c.engines = append(c.engines, e)
 		c.clocks = append(c.clocks, clk)
 	}

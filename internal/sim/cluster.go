@@ -116,6 +116,7 @@ func (s *sim) addNode(r *region, j int) error {
 	// machine (a collection of a large heap) never decides differently.
 	n.eng = engine.New(engine.Config{Now: s.clk.Now, Manual: true, ReadTimeout: time.Hour})
 	n.eng.SetOrigin(r.redis.Origin(n.id))
+	n.eng.SetProcesses(int64(c.Nodes)) // as the region's heartbeats count them
 	n.zone = n.eng.Zone(Namespace, c.Window)
 	def := propagation.Config{}.WithDefaults()
 	cfg := propagation.Config{
