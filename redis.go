@@ -191,7 +191,9 @@ const processesInterval = time.Second
 // sets the origin watching its servers for a restart: Redis
 // restarted empty lost every process's units, and the engine sends its
 // cells' totals again (engine.Resend) while this origin is the one in use.
-// Checked every slow tick, so within a flush period.
+// Checked every slow tick, so within a flush period. It also records this
+// node among the region's processes in Redis every processesInterval and
+// tells the engine how many there are (engine.SetProcesses).
 func (b *redisBackend) start() {
 	b.started = true
 	startedOrigin(b.origin)

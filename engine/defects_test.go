@@ -669,25 +669,13 @@ func TestStale_ANodeThatHasNotMetTheOthersReadsFirstUnderASmallLimit(t *testing.
 // counted its own unreplayed units twice before it asked the origin (room
 // for two processes), so three or four each decided locally to about 45 %
 // of the limit: 127 and 129 of a limit of 100 here, 1.3 to 2.3 × with four
-// Caddy processes and faster bursts. Now they count once more for each
-// other process the origin records in the cell.
+// Caddy processes and faster bursts. Then they counted once more for each
+// other process the origin records in the cell: 102 to 104, the units a
+// process decided locally again once it had handed its own to the origin;
+// a shared cell that has asked the origin now stays with it.
 func TestBurst_NodesMeetAKeyAtOnce(t *testing.T) {
-	for _, c := range []struct{ nodes, most int }{{2, 103}, {3, 104}, {4, 105}} {
-		clk := testclock.New(time.UnixMilli(epoch))
-		o := newMemOrigin()
-		var es []*Engine
-		for i := range c.nodes {
-			e, _ := newTestEngine(t, manual(Config{Now: clk.Now}))
-			e.SetOrigin(o.peer("n" + strconv.Itoa(i)))
-			es = append(es, e)
-		}
-		l := lim("k", time.Minute, 100, 1)
-		admitted := 0
-		for _, e := range es {
-			if e.Decide(bg, l).Allowed {
-				admitted++
-			}
-		}
+	for _, c := range []struct{ nodes, most int }{{2, 100}, {3, 100}, {4, 100}} {
+		es, clk, l, admitted := meet(t, c.nodes, 0)
 		replayAll(t, es...) // every answer shows every process
 		// 10,000 requests a second, the fast tick's replays every 10 ms.
 		for i := range 400 {
@@ -710,30 +698,37 @@ func TestBurst_NodesMeetAKeyAtOnce(t *testing.T) {
 	}
 }
 
-// burst is a burst of requests for one new key spread over n processes
-// on one origin: each process reads the key first, one after another (the
-// first finds no other process in the cell, the second one, and so on),
-// then every request of the burst comes, every gap apart, replays on every
-// fast tick of 10 ms. region is what each engine is told of the region's
-// processes (0: nothing). It returns what the processes admitted and how
-// many reservations they sent.
-func burst(t *testing.T, n int, region int64, gap time.Duration, requests int) (admitted int, reservations int64) {
+// meet returns n engines on one origin, each told that the region has
+// region processes (0: nothing), that have read key k's cell (a limit of
+// 100 a minute) one after another with a request each: the first found no
+// other process in the cell, the second one, and so on. It returns their
+// clock, the limit and what those requests admitted.
+func meet(t *testing.T, n int, region int64) (es []*Engine, clk *testclock.Clock, l Limit, admitted int) {
 	t.Helper()
-	clk := testclock.New(time.UnixMilli(epoch))
+	clk = testclock.New(time.UnixMilli(epoch))
 	o := newMemOrigin()
-	var es []*Engine
 	for i := range n {
 		e, _ := newTestEngine(t, manual(Config{Now: clk.Now}))
 		e.SetOrigin(o.peer("n" + strconv.Itoa(i)))
 		e.SetProcesses(region)
 		es = append(es, e)
 	}
-	l := lim("k", time.Minute, 100, 1)
+	l = lim("k", time.Minute, 100, 1)
 	for _, e := range es {
 		if e.Decide(bg, l).Allowed {
 			admitted++
 		}
 	}
+	return es, clk, l, admitted
+}
+
+// burst is a burst of requests for one new key spread over n processes
+// that met it (see meet): every request comes a gap after the one before,
+// and the processes replay on every fast tick of 10 ms. It returns what
+// the processes admitted and how many reservations they sent.
+func burst(t *testing.T, n int, region int64, gap time.Duration, requests int) (admitted int, reservations int64) {
+	t.Helper()
+	es, clk, l, admitted := meet(t, n, region)
 	var since time.Duration
 	for i := range requests {
 		clk.Advance(gap)
@@ -790,21 +785,7 @@ func TestBurst_ProcessesMeetAKeyOneAfterAnother(t *testing.T) {
 // local again while the others still held their shares: 124 of a limit of
 // 100. A shared cell that has reserved now stays with the origin.
 func TestBurst_ACellThatReservedStaysAtTheOrigin(t *testing.T) {
-	clk := testclock.New(time.UnixMilli(epoch))
-	o := newMemOrigin()
-	var es []*Engine
-	for i := range 4 {
-		e, _ := newTestEngine(t, manual(Config{Now: clk.Now}))
-		e.SetOrigin(o.peer("n" + strconv.Itoa(i)))
-		es = append(es, e)
-	}
-	l := lim("k", time.Minute, 100, 1)
-	admitted := 0
-	for _, e := range es {
-		if e.Decide(bg, l).Allowed {
-			admitted++
-		}
-	}
+	es, clk, l, admitted := meet(t, 4, 0)
 	replayAll(t, es...) // every answer shows every process
 	for i := range 400 {
 		clk.Advance(time.Microsecond)

@@ -240,9 +240,9 @@ func (e *Engine) SetOrigin(o Origin) {
 
 // SetProcesses tells the engine how many processes share its origin, this
 // one included, as the origin's own record of them says (n ≤ 0: unknown).
-// A cell this process has not written yet counts that many processes near
-// its limit (see nearLimit): the processes that meet a key in one burst
-// have each read it, but the first to read it found none of the others.
+// A young cell (see cellLinks.young) counts that many processes near its
+// limit (see nearLimit): the processes that meet a key in one burst have
+// each read it, but the first to read it found none of the others there.
 func (e *Engine) SetProcesses(n int64) { e.processes.Store(max(n, 0)) }
 
 // Processes returns what SetProcesses last set, 0 when nothing did.

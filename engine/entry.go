@@ -189,7 +189,7 @@ func (en *entry) current(seq int64, linked bool, youth int64) (c *cell, dropped 
 			x.step.Store(cx.step.Load())
 			// The processes on the key stay those it had, and a key that
 			// had heard from them all goes on without counting the
-			// region's (see Engine.young).
+			// region's (see cellLinks.young).
 			x.procs.Store(cx.procs.Load())
 			if c.seq() == seq-1 && !cx.young(youth) {
 				x.first.Store(grownUp)

@@ -46,6 +46,20 @@ func (n *node) metric(t *testing.T, name string, match ...string) float64 {
 	return sum
 }
 
+// keyedSite is a site block with one zone keyed by the X-Key header, no
+// rate limit headers, and "ok" for a request it admits.
+func keyedSite(zone string, limit int, window time.Duration) string {
+	return fmt.Sprintf(`	ratelimit {
+		zone %s {
+			key    {http.request.header.X-Key}
+			limit  %d
+			window %dms
+		}
+		headers off
+	}
+	respond "ok"`, zone, limit, window.Milliseconds())
+}
+
 // TestTwoCaddyProcesses_ExactNearASmallLimit is the scenario that showed two
 // nodes over-admitting by 18 %: one key, limit 100 per 20 s or so, 300 requests
 // alternated between two Caddy processes on one Redis by one client at
@@ -63,15 +77,7 @@ func TestTwoCaddyProcesses_ExactNearASmallLimit(t *testing.T) {
 		t.Fatal("no window length in [20s, 120s] leaves room for the test")
 	}
 	windowEnd := time.UnixMilli((time.Now().UnixMilli()/window.Milliseconds() + 1) * window.Milliseconds())
-	site := fmt.Sprintf(`	ratelimit {
-		zone small {
-			key    {http.request.header.X-Key}
-			limit  100
-			window %dms
-		}
-		headers off
-	}
-	respond "ok"`, window.Milliseconds())
+	site := keyedSite("small", 100, window)
 	global := "\t\tredis " + srv.URL()
 	nodes := []*node{startNode(t, global, site), startNode(t, global, site)}
 	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 4}, Timeout: 5 * time.Second}
