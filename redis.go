@@ -200,9 +200,19 @@ func (b *redisBackend) start() {
 	b.stopOverrides = make(chan struct{})
 	go b.watchOverrides(b.stopOverrides)
 	st := b.a.state
+	counting := true
 	b.origin.WatchProcesses(processesInterval, func(n int64) {
 		if st.currentOrigin() == originView(b.origin) {
 			st.engine.SetProcesses(n)
+		}
+		if n > 0 && !counting {
+			counting = true
+			b.a.logger.Info("counting the region's processes in Redis again", zap.Int64("processes", n))
+		}
+	}, func(err error) {
+		if counting {
+			counting = false
+			b.a.logger.Warn("could not count the region's processes in Redis: a key several processes meet at once is decided as before until it can", zap.Error(err))
 		}
 	})
 	b.origin.WatchRestarts(b.timing.SlowTick, func() {
@@ -228,6 +238,7 @@ func (b *redisBackend) start() {
 func (b *redisBackend) use(st *state) {
 	prev, _ := st.currentOrigin().(*origin.Redis)
 	st.engine.SetTiming(b.timing)
+	st.engine.SetProcesses(b.origin.Processes()) // 0 until its first heartbeat: not the last origin's region
 	st.engine.SetOrigin(b.engineOrigin)
 	st.setOrigin(b.origin)
 	if prev != nil && prev != b.origin && prev.Placement() != b.origin.Placement() {

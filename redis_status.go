@@ -35,7 +35,7 @@ var originStats = statSet[origin.Stats]{stats: []stat[origin.Stats]{
 	{json: "override_notices", metric: "origin_override_notices", gauge: true, value: func(s *origin.Stats) any { return s.OverrideNotices },
 		help: "1 while this node is subscribed to the region's notices of runtime override changes (it checks the region's change counter each slow_tick), 0 while not (each fast_tick)."},
 	{json: "processes", metric: "origin_processes", gauge: true, value: func(s *origin.Stats) any { return s.Processes },
-		help: "The region's processes that share this Redis, this one included, as their records in it counted them at this node's last heartbeat (every second): a key this node has not written yet counts that many near its limit."},
+		help: "The region's processes that share this Redis, this one included, as their records in it counted them at this node's last heartbeat (every second; 0 before one answered and after 5 s of failures): a young key (one that has not heard from Redis since the processes that met it with this node registered) counts that many near its limit."},
 }}
 
 // redisStatus is the status's origin section: null when local-only.

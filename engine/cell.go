@@ -86,28 +86,68 @@ type cellLinks struct {
 	// procs is the process records the origin's last answer showed in the
 	// cell (Totals.Processes), 0 before one; in the word inc leaves free.
 	procs atomic.Uint32
-	// first is when (Unix ms) the first origin call whose answer the cell
-	// merged was sent: its cold read, or its first write; 0 before one,
-	// grownUp in a cell rotated from one that was no longer young (see
-	// young).
-	first atomic.Int64
+	// times holds two moments, Unix ms modulo 2^32 (0: none): in its low
+	// half when the cell's first origin call whose answer it merged was
+	// sent (its cold read, or its first write), until the cell grows up
+	// (stGrown); in its high half when its last reservation at the origin
+	// began (see sticky).
+	times atomic.Uint64
 }
 
-// grownUp is the first of a cell that is not young from the start: a
-// time so far back that every answer is from long after it.
-const grownUp = -1 << 62
+// ms32 is t (Unix ms) as times holds it: modulo 2^32, 0 taken as 1.
+func ms32(t int64) uint32 { return max(uint32(t), 1) }
 
-// young reports whether no answer has reached the cell yet to a call sent
-// two fast ticks or more after its first (its cold read, or its first
-// write): the processes that met the key at about the same moment as this
-// one have all registered in the cell by then, and that answer counts
-// them. Two ticks, so that their reads, and their first writes, which a
-// tick may hold, are in. youth is the freshness an answer gives and the
-// two ticks (Engine.youth): an answer sent at s left fresh at s +
-// freshness.
-func (x *cellLinks) young(youth int64) bool {
-	first := x.first.Load()
-	return first == 0 || x.fresh.Load()-first < youth
+// since32 returns how long after the moment m (from times) t is, in ms:
+// negative when t is earlier (a clock stepped back). Moments 24 days apart
+// or more read as some other span.
+func since32(t int64, m uint32) int64 { return int64(int32(uint32(t) - m)) }
+
+// setTime stores m in the half of times that shift selects (0 or 32),
+// leaving the other half as it is; keep, when set, stores only over a 0.
+func (x *cellLinks) setTime(shift uint, m uint32, keep bool) {
+	for {
+		old := x.times.Load()
+		if keep && uint32(old>>shift) != 0 {
+			return
+		}
+		v := old&^(uint64(1<<32-1)<<shift) | uint64(m)<<shift
+		if x.times.CompareAndSwap(old, v) {
+			return
+		}
+	}
+}
+
+// heard records, for the answer to a call sent at sent, when the cell's
+// first call was sent; once an answer comes to a call sent youth ms or
+// more after that one, the cell grows up (stGrown): the processes that met
+// the key at about the same moment as this one have all registered in it
+// by then, and that answer counts them. youth is two fast ticks, so that
+// their reads, and their first writes, which a tick may hold, are in.
+func (c *cell) heard(x *cellLinks, sent, youth int64) {
+	if c.state()&stGrown != 0 {
+		return
+	}
+	first := uint32(x.times.Load())
+	if first == 0 {
+		x.setTime(0, ms32(sent), true)
+		return
+	}
+	if since32(sent, first) >= youth {
+		c.setBits(stGrown)
+	}
+}
+
+// sticky reports whether, at now, the cell is still within two fast ticks
+// (tick ms each) of the start of its last reservation: what the other
+// processes had admitted unseen by then has reached the origin after
+// that, by their next replay.
+func (x *cellLinks) sticky(now, tick int64) bool {
+	m := uint32(x.times.Load() >> 32)
+	if m == 0 {
+		return false
+	}
+	d := since32(now, m)
+	return d >= 0 && d < 2*tick
 }
 
 // linkedCell is a linked cell: a cell with its links, in one allocation of
@@ -210,15 +250,17 @@ const (
 	stPrevSettled
 	// stBuried: the cell is among the graves (buryCell), once.
 	stBuried
-	// stReserved: the cell has sent a reservation, and its answer has not
-	// shown it alone (a shared cell keeps it for the rest of its window;
-	// see nearLimit).
+	// stReserved: a reservation of the cell is in flight (see nearLimit).
 	stReserved
+	// stGrown: the cell is no longer young: an answer has come to a call
+	// sent two fast ticks or more after its first (see heard). A cell
+	// rotated from the window just before takes it from that cell.
+	stGrown
 )
 
 // The st* bits fit below a cell's sequence (a negative constant would not
 // compile).
-const _ uint32 = 1<<seqShift - 2*stReserved
+const _ uint32 = 1<<seqShift - 2*stGrown
 
 // setBits sets bits in the state and reports whether this call set any of
 // them (false when all were already set).

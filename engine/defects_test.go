@@ -2,6 +2,7 @@ package engine
 
 import (
 	"context"
+	"errors"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -783,7 +784,8 @@ func TestBurst_ProcessesMeetAKeyOneAfterAnother(t *testing.T) {
 // unseen units to its share and then handed them to the origin with its
 // first reservation; with nothing unseen left, its next requests were
 // local again while the others still held their shares: 124 of a limit of
-// 100. A shared cell that has reserved now stays with the origin.
+// 100. A shared cell now stays with the origin for two fast ticks after a
+// reservation began, by when the others' units have reached it.
 func TestBurst_ACellThatReservedStaysAtTheOrigin(t *testing.T) {
 	es, clk, l, admitted := meet(t, 4, 0)
 	replayAll(t, es...) // every answer shows every process
@@ -837,5 +839,114 @@ func TestBurst_AYoungCellAloneGoesBackToDecidingLocally(t *testing.T) {
 	decide(300)
 	if got := e.Stats().Reservations - young; got != 0 {
 		t.Errorf("a cell rotated from one that had heard from the region sent %d reservations", got)
+	}
+}
+
+// TestSticky_EndsTwoTicksAfterTheReservation: the review of the sticky
+// reservations. A shared cell that stayed with the origin for the rest of
+// its window once it had reserved paid a round trip per request far below
+// its limit: two processes, 950 of a limit of 1,000 in one window,
+// reservations at the start of the next, then in its second half (the
+// last window's weight down to 30–60 %) 149 reservations for 150
+// requests. Now two fast ticks after the last
+// reservation began, the cell decides locally again below 90 %.
+func TestSticky_EndsTwoTicksAfterTheReservation(t *testing.T) {
+	a, b, clk, _ := twoNodes(t)
+	l := lim("k", time.Minute, 1000, 1)
+	es := []*Engine{a, b}
+	for i := range 950 {
+		es[i%2].Decide(bg, l)
+		if i%50 == 49 {
+			clk.Advance(10 * time.Millisecond)
+			replayAll(t, a, b)
+		}
+	}
+	// The next window: at its start the last one weighs 950, and the
+	// requests that pass go to the origin; then to its second half.
+	clk.Set(time.UnixMilli(epoch + 60_000))
+	replayAll(t, a, b)
+	for i := range 20 {
+		clk.Advance(time.Millisecond)
+		es[i%2].Decide(bg, l)
+	}
+	if a.Stats().Reservations == 0 || b.Stats().Reservations == 0 {
+		t.Fatal("no reservation at the start of the window, at 95 % of the limit")
+	}
+	clk.Set(time.UnixMilli(epoch + 90_000))
+	replayAll(t, a, b)
+	before := a.Stats().Reservations + b.Stats().Reservations
+	for i := range 150 {
+		clk.Advance(10 * time.Millisecond)
+		if !es[i%2].Decide(bg, l).Allowed {
+			t.Fatalf("request %d denied at about half the limit", i)
+		}
+		if i%10 == 9 {
+			replayAll(t, a, b)
+		}
+	}
+	got := a.Stats().Reservations + b.Stats().Reservations - before
+	t.Logf("%d reservations for 150 requests at half the limit", got)
+	if got > 4 {
+		t.Errorf("%d reservations for 150 requests of a shared key at half its limit", got)
+	}
+}
+
+// TestYoung_ACellGrowsUpOnceAndForAll: the review of young cells. A cell
+// was young until an answer came to a call sent two fast ticks after its
+// first, judged by its freshness deadline: a key whose cold read and
+// first reservation went out in the same millisecond stayed young, and a
+// clock stepped back made grown cells young again (a round trip per
+// request far below the limit). Now a cell grows up once (stGrown), with
+// the first answer to a call sent two ticks after its first.
+func TestYoung_ACellGrowsUpOnceAndForAll(t *testing.T) {
+	e, clk, _ := withOrigin(t, Config{})
+	e.SetProcesses(4)
+	l := lim("k", time.Minute, 10, 1)
+	// A limit of 10 in a region of four: every request of a young cell
+	// goes to the origin (three others' tenth is under one unit).
+	e.Decide(bg, l)
+	if got := e.Stats().Reservations; got != 1 {
+		t.Fatalf("the first request of a young cell: %d reservations", got)
+	}
+	clk.Advance(time.Second)
+	e.Decide(bg, l) // its answer comes from a call sent a second after the first
+	r := e.Stats().Reservations
+	for range 3 {
+		clk.Advance(time.Second)
+		e.Decide(bg, l)
+	}
+	if got := e.Stats().Reservations - r; got != 0 {
+		t.Errorf("a grown cell alone sent %d reservations", got)
+	}
+	clk.Advance(-20 * time.Second) // the clock steps back
+	for range 3 {
+		clk.Advance(time.Millisecond)
+		e.Decide(bg, l)
+	}
+	if got := e.Stats().Reservations - r; got != 0 {
+		t.Errorf("after the clock stepped back a grown cell alone sent %d reservations", got)
+	}
+}
+
+// TestYoung_NotWhileTheOriginFails: with the origin failing, a young cell
+// tried a reservation on every request, each waiting for its call to
+// fail (the read timeout each, with Redis hung), where an old cell
+// decides locally after one failed call. The young rule now waits for the
+// origin to answer again.
+func TestYoung_NotWhileTheOriginFails(t *testing.T) {
+	e, clk, o := withOrigin(t, Config{})
+	e.SetProcesses(4)
+	l := lim("k", time.Minute, 20, 1)
+	e.Decide(bg, l) // read while the origin answers
+	fail := errors.New("origin down")
+	o.failReserves(fail)
+	o.failReads(fail)
+	o.failFlushes(fail)
+	for range 10 {
+		clk.Advance(time.Millisecond)
+		e.Decide(bg, l)
+	}
+	if got := e.Stats().ReservationErrors; got > 1 {
+		t.Errorf("a young cell tried %d reservations while the origin failed; want at most the first", got)
 	}
 }

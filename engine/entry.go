@@ -159,9 +159,8 @@ var tombstone = newCell(-1, false)
 // is a linked cell when linked is set (the engine has an origin or a
 // global layer). dropped are the cells a rotation let go (neither current nor
 // previous any more), for the engine to remember (see bury): they weigh
-// nothing now, unless the clock has jumped. youth is the span of a young
-// cell (see cellLinks.young).
-func (en *entry) current(seq int64, linked bool, youth int64) (c *cell, dropped [2]*cell) {
+// nothing now, unless the clock has jumped.
+func (en *entry) current(seq int64, linked bool) (c *cell, dropped [2]*cell) {
 	for {
 		c := en.cur.Load()
 		if c == tombstone {
@@ -177,23 +176,19 @@ func (en *entry) current(seq int64, linked bool, youth int64) (c *cell, dropped 
 		// read again now or in the background. A key idle for a window or
 		// more (or whose clock jumped) knows nothing of the new window:
 		// others may have counted it near its limit meanwhile, so it waits
-		// for a cold read, as a first touch does. A key that
-		// several processes use stays shared across windows, and the
-		// others' pace carries over as the first estimate.
+		// for a cold read, as a first touch does, and is young again
+		// (see heard): processes may meet it together as they met a new
+		// one. A key that several processes use stays shared across
+		// windows, and the others' pace and number carry over as the
+		// first estimates.
 		inherit := stShared
 		if c.seq() == seq-1 {
-			inherit |= stRead
+			inherit |= stRead | stGrown
 		}
 		n.orState(c.state() & inherit)
 		if x, cx := n.links(), c.links(); x != nil && cx != nil {
 			x.step.Store(cx.step.Load())
-			// The processes on the key stay those it had, and a key that
-			// had heard from them all goes on without counting the
-			// region's (see cellLinks.young).
-			x.procs.Store(cx.procs.Load())
-			if c.seq() == seq-1 && !cx.young(youth) {
-				x.first.Store(grownUp)
-			}
+			x.procs.Store(cx.procs.Load()) // the processes on the key stay those it had
 		}
 		var np *cell
 		if c.seq() == seq-1 {

@@ -302,7 +302,7 @@ func (e *Engine) ImportGlobal(key Key, seq, total int64, create bool) bool {
 			}
 			en = e.insert(z, id, now, true)
 		}
-		cur, gone := en.current(seq, true, e.youth())
+		cur, gone := en.current(seq, true)
 		if gone[0] != nil || gone[1] != nil {
 			e.buryCells(z, en, gone)
 		}

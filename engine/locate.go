@@ -78,7 +78,7 @@ func (e *Engine) locate(lc *located, l *Limit, now int64, linked bool) {
 // fresh entry may already stand in its place.
 func (e *Engine) rotate(z *Zone, id string, en *entry, now, w int64, linked bool) *cell {
 	seq := now / w
-	c, gone := en.current(seq, linked, e.youth())
+	c, gone := en.current(seq, linked)
 	if gone[0] != nil || gone[1] != nil {
 		e.buryCells(z, en, gone)
 	}

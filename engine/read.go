@@ -328,8 +328,8 @@ func (e *Engine) readCell(o Origin, key Key, en *entry, c *cell) {
 // w is the window in ms; withPrev tells that t holds the previous cell's
 // totals, which settle it (see stPrevSettled) once they are final.
 func (e *Engine) merge(en *entry, c *cell, t Totals, sent, w int64, withPrev bool) {
-	if x := c.links(); x != nil && x.first.Load() == 0 {
-		x.first.CompareAndSwap(0, sent)
+	if x := c.links(); x != nil {
+		c.heard(x, sent, 2*e.fastTickMs())
 	}
 	c.observe(t, e.nowMs(), e.fastTickMs())
 	c.mergeAnswer(t.Cur, t.Mine)

@@ -17,12 +17,12 @@ import (
 // not reached the origin yet once more (see nearLimit), reaches 90 % of
 // the limit (or the key is in strict mode), a request that would pass asks
 // the origin, which admits it only if the region's count allows, and
-// charges it in the same atomic step. A cell that has asked once keeps
-// asking for the rest of its window. Whether a cell is touched by this
-// process only is not known at once: processes that meet a key together
-// each find only those that read it before them, so in a region of several
-// processes a cell counts them all until an answer has come from after
-// they met it (young).
+// charges it in the same atomic step, and so for two fast ticks after a
+// reservation began. Whether a cell is touched by this process only is not
+// known at once: processes that meet a key together each find only those
+// that read it before them, so in a region of several processes a cell
+// counts them all until an answer has come from after they met it (a
+// young cell, see heard).
 //
 // At most one reservation per cell is in flight in a process; requests
 // that arrive meanwhile form the next one, sent when it returns, which
@@ -33,8 +33,8 @@ import (
 // this process has admitted.
 
 // nearLimit reports whether a would-allow decision of a shared or young
-// cell at (cur, prev) must be made at the origin: in strict mode, once the
-// cell has gone to the origin (see below), or when the effective count
+// cell at (cur, prev) must be made at the origin: in strict mode, while a
+// reservation is in flight or just began (see below), or when the effective count
 // with the cost, plus the other processes' expected growth, plus this
 // process's units not yet handed over once more for each other process,
 // reaches 90 % of the limit; a young cell also when those units, counted
@@ -43,25 +43,27 @@ func (e *Engine) nearLimit(lc *located, l *Limit, cur, prev, now int64) bool {
 	c := lc.cur
 	x := c.links()
 	st := c.state()
-	shared, reserved := st&stShared != 0, st&stReserved != 0
-	// A young cell (see young), in a region of several processes, may not
+	shared, inFlight := st&stShared != 0, st&stReserved != 0
+	// A young cell (see heard), in a region of several processes, may not
 	// know yet of every process that met its key at about the same moment:
 	// each read registers its process in the cell, so the first to read
 	// found none of the others there, the second one, and so on. It counts
 	// as many others as the region has (Engine.SetProcesses), shared or
-	// not.
+	// not; but not while the origin fails, when it would only wait for
+	// calls that fail.
 	region := e.processes.Load()
-	young := region > 1 && x != nil && x.young(e.youth())
-	if !shared && !reserved && !young {
+	young := region > 1 && x != nil && st&stGrown == 0 && !e.failing.Load()
+	if !shared && !inFlight && !young {
 		return false
 	}
-	// A cell that has gone to the origin stays with it: what it handed
-	// over is no longer among its unseen units below, but the others still
-	// hold theirs, which its count does not show, and deciding locally
-	// again at once, four processes took 1.24 × the limit in a burst. Until
-	// the reservation's answer tells the cell whether it is shared, and for
-	// the rest of its window when it is.
-	if reserved || strictUntil(lc.zone, lc.id) > now {
+	// While a reservation is in flight, what it handed over is no longer
+	// among this process's unseen units below, but the others still hold
+	// theirs, which its count does not show: the requests that would pass
+	// wait for the origin too. So for two fast ticks after a shared cell's
+	// reservation began, until the others' units from before it have
+	// reached the origin: deciding locally again at once, four processes
+	// took 1.24 × the limit in a burst.
+	if inFlight || strictUntil(lc.zone, lc.id) > now || shared && x != nil && x.sticky(now, e.fastTickMs()) {
 		return true
 	}
 	effective := SatAdd(SatAdd(cur, weighted(prev, lc.w, lc.r)), l.Cost)
@@ -95,10 +97,6 @@ func (e *Engine) nearLimit(lc *located, l *Limit, cur, prev, now int64) bool {
 	// together then stay within the last tenth that the origin decides.
 	return young && pressureAtLeast(satMul(unseen, others), l.Limit, 1, 10)
 }
-
-// youth is the span of a young cell (see cellLinks.young): the freshness
-// an answer gives, and two fast ticks.
-func (e *Engine) youth() int64 { return e.freshnessMs() + 2*e.fastTickMs() }
 
 // foreignGrowth estimates the units other processes admit to lc's cell
 // between this process's last view of the origin and the moment their
@@ -311,8 +309,13 @@ func (e *Engine) sendGroup(ctx context.Context, o Origin, lc *located, l *Limit,
 	}
 	// From here the requests that would pass wait for the origin too (see
 	// nearLimit): what this one hands over leaves the count they weigh.
+	// A reservation that begins while none was recent starts the two
+	// ticks of sticky.
 	if c.state()&stReserved == 0 {
 		c.setBits(stReserved)
+	}
+	if now := e.nowMs(); !x.sticky(now, e.fastTickMs()) {
+		x.setTime(32, ms32(now), false)
 	}
 	// Hand the origin every unit this process has admitted to the cell,
 	// and the costs, as one absolute total. own rises first, so that a
@@ -358,9 +361,7 @@ func (e *Engine) sendGroup(ctx context.Context, o Origin, lc *located, l *Limit,
 	e.merge(lc.en, c, r.Totals, sent, lc.w, true)
 	n.totals, n.global, n.globalPrev = r.Totals, r.Global, r.GlobalPrev
 	n.decided = true
-	if c.state()&stShared == 0 {
-		c.clearBits(stReserved) // alone: local again (see nearLimit)
-	}
+	c.clearBits(stReserved)
 	return e.memberDecision(lc, l, n, 0)
 }
 

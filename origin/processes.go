@@ -2,7 +2,6 @@ package origin
 
 import (
 	"context"
-	"strconv"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -11,45 +10,50 @@ import (
 // The region's processes. Processes that meet a key at the same moment
 // each read it before deciding, and each read registers its process in the
 // key's cell, so the first to read finds none of the others there, the
-// second one, and so on: until their first replays, the early readers
-// count too few processes near the limit and decide alone what the others
-// decide too (four Caddy processes took 130 of a limit of 100 in a burst).
-// So each process also records itself in one sorted set of the region,
-// every WatchProcesses interval, scored by when its record lapses, and the
-// same call counts the live records: the engine counts that many processes
-// in a cell it has not written yet (engine.SetProcesses).
+// second one, and so on: until they hear from the origin again, the early
+// readers count too few processes near the limit and decide alone what
+// the others decide too (four Caddy processes took a median of 156 of a
+// limit of 100 in a burst). So each process also records itself in one
+// sorted set of the region, every WatchProcesses interval, scored by when
+// its record lapses, and the same call counts the live records: the engine
+// counts that many processes in a young cell (engine.SetProcesses).
 //
 //	<prefix>:{processes}   node ID → Unix ms its record lapses
 //
-// on the endpoint of the role (roleEndpoint).
-//
-// Times are the callers' clocks: a process whose clock runs ahead is
-// counted a little longer, one whose clock runs behind by more than the
-// lapse a little less. A record lapses processesLapse intervals after
-// its last renewal, so a process that stops is counted for that long.
+// on the endpoint of the role (roleEndpoint). Times are Redis's own
+// (TIME), so the nodes' clocks play no part: a node whose clock ran ahead
+// would otherwise drop every other record on each renewal, and one whose
+// clock ran behind would never be counted. A record lapses processesLapse
+// intervals after its last renewal, so a process that stops (or restarts
+// under a new ID) is counted for that long.
 
 // processesLapse is how many intervals a record outlives its renewal: a
 // renewal that a slow Redis delays does not drop the process.
 const processesLapse = 5
 
+// processesScript renews ARGV[1]'s record until ARGV[2] ms from Redis's
+// clock, drops the records that lapsed, and returns how many are live.
+// Reading the clock makes the script's effects what a replica replays
+// (the only way since Redis 7; asked for before).
 var processesScript = redis.NewScript(`
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
-redis.call('ZADD', KEYS[1], ARGV[2], ARGV[3])
-redis.call('PEXPIRE', KEYS[1], ARGV[4])
+if redis.replicate_commands then pcall(redis.replicate_commands) end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local lapse = tonumber(ARGV[2])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+redis.call('ZADD', KEYS[1], string.format('%d', now + lapse), ARGV[1])
+redis.call('PEXPIRE', KEYS[1], lapse)
 return redis.call('ZCARD', KEYS[1])
 `)
 
 func (r *Redis) processesKey() string { return r.prefix + ":{processes}" }
 
-// Heartbeat records this process in the region's set until lapse from now,
-// drops the records that lapsed, and returns how many are live, this
-// process's included.
+// Heartbeat records this process in the region's set until lapse from now
+// (Redis's clock), drops the records that lapsed, and returns how many are
+// live, this process's included.
 func (r *Redis) Heartbeat(ctx context.Context, lapse time.Duration) (int64, error) {
 	k := r.processesKey()
-	ep := r.roleEndpoint()
-	now := time.Now().UnixMilli()
-	n, err := processesScript.Run(ctx, ep.client, []string{k},
-		now, strconv.FormatInt(now+lapse.Milliseconds(), 10), r.nodeID, lapse.Milliseconds()).Int64()
+	n, err := processesScript.Run(ctx, r.roleEndpoint().client, []string{k}, r.nodeID, lapse.Milliseconds()).Int64()
 	if err != nil {
 		return 0, err
 	}
@@ -58,27 +62,42 @@ func (r *Redis) Heartbeat(ctx context.Context, lapse time.Duration) (int64, erro
 }
 
 // Processes returns the live processes the last Heartbeat counted, 0
-// before one answered.
+// before one answered or once renewals have failed for as long as a record
+// lasts.
 func (r *Redis) Processes() int64 { return r.processes.Load() }
 
 // WatchProcesses renews this process's record every interval until Close,
 // the first time at once, and calls onCount, on the watching goroutine,
 // with each count Redis returns. A failed renewal is skipped: the record
-// outlives it, and the last count stands. Call it once, when the origin
-// goes to work: Provision must not start goroutines.
-func (r *Redis) WatchProcesses(interval time.Duration, onCount func(n int64)) {
+// outlives it, and the last count stands, until renewals have failed for
+// as long as a record lasts, when the count is 0 (unknown) until one
+// succeeds again; onErr, if set, gets each failure. Call it once, when the
+// origin goes to work: Provision must not start goroutines.
+func (r *Redis) WatchProcesses(interval time.Duration, onCount func(n int64), onErr func(error)) {
 	if interval <= 0 || onCount == nil {
 		return
 	}
+	lapse := processesLapse * interval
 	go func() {
 		t := time.NewTicker(interval)
 		defer t.Stop()
+		last := time.Now()
 		for {
 			ctx, cancel := context.WithTimeout(context.Background(), interval)
-			n, err := r.Heartbeat(ctx, processesLapse*interval)
+			n, err := r.Heartbeat(ctx, lapse)
 			cancel()
-			if err == nil {
+			switch {
+			case err == nil:
+				last = time.Now()
 				onCount(n)
+			case time.Since(last) >= lapse:
+				r.processes.Store(0)
+				onCount(0)
+				fallthrough
+			default:
+				if onErr != nil && !r.closed.Load() {
+					onErr(err)
+				}
 			}
 			select {
 			case <-r.done:

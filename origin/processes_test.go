@@ -58,10 +58,54 @@ func TestWatchProcesses_RenewsUntilClose(t *testing.T) {
 		t.Fatal(err)
 	}
 	var counted atomic.Int64
-	a.WatchProcesses(10*time.Millisecond, func(n int64) { counted.Store(n) })
-	b.WatchProcesses(10*time.Millisecond, func(int64) {})
+	a.WatchProcesses(10*time.Millisecond, func(n int64) { counted.Store(n) }, nil)
+	b.WatchProcesses(10*time.Millisecond, func(int64) {}, nil)
 	redistest.Eventually(t, 5*time.Second, "a counts both", func() bool { return counted.Load() == 2 })
 	_ = b.Close()
 	// b's record lapses processesLapse intervals after its last renewal.
 	redistest.Eventually(t, 5*time.Second, "a counts itself alone", func() bool { return counted.Load() == 1 })
+}
+
+// TestHeartbeat_RedisClockNotTheNodes: a record lapses by Redis's clock,
+// so a node whose clock runs ahead no longer drops the others' records on
+// each renewal (and one whose clock runs behind is counted): the scores
+// are Redis's time plus the lapse, whatever the node's clock says.
+func TestHeartbeat_RedisClockNotTheNodes(t *testing.T) {
+	srv := redistest.Start(t)
+	a := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "a"})
+	if _, err := a.Heartbeat(ctxT(t), time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	now, err := srv.Client().Time(ctxT(t)).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	score, err := srv.Client().ZScore(ctxT(t), a.processesKey(), "a").Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d := time.UnixMilli(int64(score)).Sub(now.Add(time.Minute)); d > 0 || d < -time.Second {
+		t.Errorf("the record lapses at %v, %v from Redis's time plus the lapse", time.UnixMilli(int64(score)), d)
+	}
+}
+
+// TestWatchProcesses_UnknownOnceRenewalsFail: with Redis gone, the last
+// count stands while a record would, then the count is 0 (unknown): the
+// engine stops counting processes it can no longer see, and each failure
+// reaches onErr.
+func TestWatchProcesses_UnknownOnceRenewalsFail(t *testing.T) {
+	srv := redistest.Start(t)
+	a := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "a"})
+	var counted, failures atomic.Int64
+	counted.Store(-1)
+	a.WatchProcesses(20*time.Millisecond, func(n int64) { counted.Store(n) }, func(error) { failures.Add(1) })
+	redistest.Eventually(t, 5*time.Second, "a counts itself", func() bool { return counted.Load() == 1 })
+	srv.Stop()
+	redistest.Eventually(t, 10*time.Second, "the count is unknown", func() bool { return counted.Load() == 0 })
+	if failures.Load() < processesLapse {
+		t.Errorf("the count went unknown after %d failed renewals; want %d", failures.Load(), processesLapse)
+	}
+	if got := a.Processes(); got != 0 {
+		t.Errorf("Processes() = %d with Redis gone", got)
+	}
 }
