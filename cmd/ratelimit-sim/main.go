@@ -5,11 +5,15 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"math"
 	"os"
 	"runtime/pprof"
+	"slices"
+	"strings"
 	"time"
 
 	"github.com/edgelimit/caddy-ratelimit/internal/sim"
+	"github.com/edgelimit/caddy-ratelimit/propagation"
 )
 
 func main() {
@@ -24,8 +28,11 @@ type options struct {
 	profile string
 }
 
-// parse reads a command line (without the command's name); flag's own
-// errors and the usage go to stderr.
+// parse reads a command line (without the command's name) and checks it:
+// every flag's value must mean what it says, since a zero or an
+// out-of-range value reaching sim.Config would quietly become a default or
+// a run of something else. flag's own errors and the usage go to stderr,
+// and come back as a printedError.
 func parse(args []string, stderr io.Writer) (options, error) {
 	var o options
 	c := &o.cfg
@@ -51,31 +58,114 @@ func parse(args []string, stderr io.Writer) (options, error) {
 	fs.DurationVar(&c.GlobalSync, "global-sync", 5*time.Second, "global_sync")
 	fs.DurationVar(&c.BlocklistSync, "blocklist-sync", 10*time.Second, "blocklist_sync")
 	fs.Float64Var(&c.PublishFloor, "publish-floor", 0.2, "publish_floor")
-	fs.Float64Var(&c.RedisLoss, "redis-loss", 0, "share of Redis calls lost")
+	fs.Float64Var(&c.RedisLoss, "redis-loss", 0, "share of Redis calls lost, 0 to 1")
 	fs.StringVar(&o.profile, "cpuprofile", "", "write a CPU profile of the run to this file")
-	fs.StringVar(&o.table, "table", "", "print one of the README's tables instead of one run: "+fmt.Sprint(sim.TableNames()))
+	fs.StringVar(&o.table, "table", "", "print one of the README's tables instead of one run: "+fmt.Sprint(sim.TableNames())+
+		"; each row sets its own fleet, traffic and settings, so only -seed and -cpuprofile go with it")
 	if err := fs.Parse(args); err != nil {
-		return o, err
+		return o, printedError{err}
+	}
+	if fs.NArg() > 0 {
+		return o, fmt.Errorf("unexpected argument %q: the command takes flags only, and reads none after an argument", fs.Arg(0))
+	}
+	if o.table != "" {
+		return o, checkTable(fs, o.table)
+	}
+	bad := func(name, want string) error {
+		return fmt.Errorf("-%s %s: %s", name, fs.Lookup(name).Value, want)
+	}
+	const maxMinutes = float64(math.MaxInt64 / int64(time.Minute))
+	finite := func(f float64) bool { return !math.IsNaN(f) && !math.IsInf(f, 0) }
+	switch {
+	case c.Regions < 1:
+		return o, bad("regions", "want at least 1 region")
+	case c.Nodes < 1:
+		return o, bad("nodes", "want at least 1 node per region")
+	case c.Keys < 1:
+		return o, bad("keys", "want at least 1 key")
+	case c.Hot == 0:
+		return o, bad("hot", "want at least 1 hot key, or a negative number for none")
+	case c.Hot > c.Keys:
+		return o, bad("hot", fmt.Sprintf("more hot keys than -keys %d", c.Keys))
+	case !slices.Contains(sim.Scenarios, sim.Scenario(scenario)):
+		return o, fmt.Errorf("-scenario %q: want one of %v", scenario, sim.Scenarios)
+	case c.Limit < 1:
+		return o, bad("limit", "want a positive limit")
+	case c.Window < time.Millisecond:
+		return o, bad("window", "want at least 1ms")
+	case !(minutes > 0) || minutes > maxMinutes:
+		return o, bad("minutes", fmt.Sprintf("want a positive number of minutes, at most %g", maxMinutes))
+	case time.Duration(minutes*float64(time.Minute)) < c.Window:
+		return o, bad("minutes", fmt.Sprintf("shorter than -window %s", c.Window))
+	case !(c.Load > 0) || !finite(c.Load):
+		return o, bad("load", "want a positive multiple of the limit's rate")
+	case c.Background == 0 || !finite(c.Background):
+		return o, bad("background", "want a positive rate, or a negative one for none")
+	case c.CrossRTT <= 0:
+		return o, bad("cross-rtt", "want a positive round trip")
+	case c.ReplicaLag <= 0:
+		return o, bad("replica-lag", "want a positive lag")
+	case c.Flush < propagation.MinInterval:
+		return o, bad("mysql-flush", fmt.Sprintf("want at least %s", propagation.MinInterval))
+	case c.GlobalSync < propagation.MinInterval:
+		return o, bad("global-sync", fmt.Sprintf("want at least %s", propagation.MinInterval))
+	case c.BlocklistSync < propagation.MinInterval:
+		return o, bad("blocklist-sync", fmt.Sprintf("want at least %s", propagation.MinInterval))
+	case !(c.PublishFloor > 0 && c.PublishFloor <= 1):
+		return o, bad("publish-floor", "want a share of the limit above 0 and at most 1")
+	case !(c.RedisLoss >= 0 && c.RedisLoss <= 1):
+		return o, bad("redis-loss", "want a probability from 0 to 1")
 	}
 	c.Duration = time.Duration(minutes * float64(time.Minute))
 	c.Scenario = sim.Scenario(scenario)
 	return o, nil
 }
 
+// checkTable checks a command line that asks for a table: a known name,
+// and no flag but -seed and -cpuprofile beside it, since the table's rows
+// set everything else themselves (a -regions beside -table regions could
+// only be ignored or contradict the table).
+func checkTable(fs *flag.FlagSet, name string) error {
+	if !slices.Contains(sim.TableNames(), name) {
+		return fmt.Errorf("-table %q: want one of %v", name, sim.TableNames())
+	}
+	var extra []string
+	fs.Visit(func(f *flag.Flag) {
+		switch f.Name {
+		case "table", "seed", "cpuprofile":
+		default:
+			extra = append(extra, "-"+f.Name)
+		}
+	})
+	if len(extra) > 0 {
+		return fmt.Errorf("-table %s sets each row's fleet, traffic and settings itself: %s would not apply (only -seed and -cpuprofile go with -table)", name, strings.Join(extra, ", "))
+	}
+	return nil
+}
+
+// printedError is an error flag's parser has already printed, with the
+// usage.
+type printedError struct{ error }
+
+func (e printedError) Unwrap() error { return e.error }
+
 // run runs the command line args, printing the run or the table to
 // stdout and errors to stderr, and returns the exit status: 2 for an
 // error, as flag's own.
 func run(args []string, stdout, stderr io.Writer) int {
-	o, err := parse(args, stderr)
-	switch {
-	case errors.Is(err, flag.ErrHelp):
-		return 0
-	case err != nil:
-		return 2
-	}
 	fail := func(err error) int {
 		fmt.Fprintln(stderr, "ratelimit-sim:", err)
 		return 2
+	}
+	o, err := parse(args, stderr)
+	var printed printedError
+	switch {
+	case errors.Is(err, flag.ErrHelp):
+		return 0
+	case errors.As(err, &printed):
+		return 2
+	case err != nil:
+		return fail(err)
 	}
 	if o.profile != "" {
 		f, err := os.Create(o.profile)

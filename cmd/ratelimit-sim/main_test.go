@@ -24,14 +24,83 @@ func TestParse_FlagsFillTheConfig(t *testing.T) {
 	if !reflect.DeepEqual(o, options{cfg: want}) {
 		t.Fatalf("defaults %+v, want %+v", o.cfg, want)
 	}
-	o, err = parse(strings.Fields("-regions 3 -nodes 2 -minutes 1.5 -scenario burst -no-replicas -publish-floor 0.05 -redis-loss 0.01 -table regions -seed 9"), io.Discard)
+	o, err = parse(strings.Fields("-regions 3 -nodes 2 -minutes 1.5 -scenario burst -no-replicas -publish-floor 0.05 -redis-loss 0.01 -hot -1 -background -1 -seed 9"), io.Discard)
 	if err != nil {
 		t.Fatal(err)
 	}
 	c := o.cfg
 	if c.Regions != 3 || c.Nodes != 2 || c.Duration != 90*time.Second || c.Scenario != sim.Burst || !c.NoReplicas ||
-		c.PublishFloor != 0.05 || c.RedisLoss != 0.01 || c.Seed != 9 || o.table != "regions" {
+		c.PublishFloor != 0.05 || c.RedisLoss != 0.01 || c.Hot != -1 || c.Background != -1 || c.Seed != 9 || o.table != "" {
 		t.Fatalf("flags gave %+v, table %q", c, o.table)
+	}
+	// A table takes its seed (and a profile), as `make sim` passes them.
+	o, err = parse(strings.Fields("-table regions -seed 9 -cpuprofile cpu.out"), io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if o.table != "regions" || o.cfg.Seed != 9 || o.profile != "cpu.out" {
+		t.Fatalf("table flags gave %+v", o)
+	}
+}
+
+// TestRun_RejectsWhatItCannotMean: a value that would become a default,
+// fall outside its range, or be ignored exits 2 before any run starts,
+// with a message naming the flag and what it wants; nothing goes to
+// stdout.
+func TestRun_RejectsWhatItCannotMean(t *testing.T) {
+	for _, tc := range []struct {
+		args string
+		says []string
+	}{
+		{"-regions 0", []string{"-regions 0", "at least 1 region"}},
+		{"-nodes 0", []string{"-nodes 0", "at least 1 node"}},
+		{"-nodes -3", []string{"-nodes -3", "at least 1 node"}},
+		{"-keys 0", []string{"-keys 0", "at least 1 key"}},
+		{"-hot 0", []string{"-hot 0", "negative number for none"}},
+		{"-keys 10 -hot 11", []string{"-hot 11", "more hot keys than -keys 10"}},
+		{"-minutes 0", []string{"-minutes 0", "positive number of minutes"}},
+		{"-minutes -2", []string{"-minutes -2", "positive number of minutes"}},
+		{"-minutes NaN", []string{"-minutes NaN", "positive number of minutes"}},
+		{"-minutes 1e300", []string{"-minutes 1e+300", "at most"}},
+		{"-minutes 0.5", []string{"-minutes 0.5", "shorter than -window 1m0s"}},
+		{"-scenario sideways", []string{`-scenario "sideways"`, "want one of"}},
+		{"-scenario=", []string{`-scenario ""`, "want one of"}},
+		{"-limit 0", []string{"-limit 0", "positive limit"}},
+		{"-limit -1", []string{"-limit -1", "positive limit"}},
+		{"-window 0", []string{"-window 0s", "at least 1ms"}},
+		{"-window -1m", []string{"-window -1m0s", "at least 1ms"}},
+		{"-load 0", []string{"-load 0", "positive multiple"}},
+		{"-load -1", []string{"-load -1", "positive multiple"}},
+		{"-load +Inf", []string{"-load +Inf", "positive multiple"}},
+		{"-background 0", []string{"-background 0", "negative one for none"}},
+		{"-background NaN", []string{"-background NaN", "negative one for none"}},
+		{"-cross-rtt 0", []string{"-cross-rtt 0s", "positive round trip"}},
+		{"-cross-rtt -1s", []string{"-cross-rtt -1s", "positive round trip"}},
+		{"-replica-lag 0", []string{"-replica-lag 0s", "positive lag"}},
+		{"-replica-lag -1s", []string{"-replica-lag -1s", "positive lag"}},
+		{"-mysql-flush 0", []string{"-mysql-flush 0s", "at least 10ms"}},
+		{"-global-sync -5s", []string{"-global-sync -5s", "at least 10ms"}},
+		{"-blocklist-sync 5ms", []string{"-blocklist-sync 5ms", "at least 10ms"}},
+		{"-publish-floor 0", []string{"-publish-floor 0", "above 0 and at most 1"}},
+		{"-publish-floor 1.5", []string{"-publish-floor 1.5", "above 0 and at most 1"}},
+		{"-redis-loss 1.5", []string{"-redis-loss 1.5", "probability from 0 to 1"}},
+		{"-redis-loss -0.1", []string{"-redis-loss -0.1", "probability from 0 to 1"}},
+		{"foo -regions 3", []string{`unexpected argument "foo"`}},
+		{"-regions 3 foo", []string{`unexpected argument "foo"`}},
+		{"-table nope", []string{`-table "nope"`, "want one of"}},
+		{"-table regions -regions 3 -nodes 2", []string{"-table regions", "-nodes, -regions would not apply"}},
+		{"-table bars -minutes 1", []string{"-table bars", "-minutes would not apply"}},
+		{"-table failure -scenario even", []string{"-table failure", "-scenario would not apply"}},
+	} {
+		var stdout, stderr strings.Builder
+		code := run(strings.Fields(tc.args), &stdout, &stderr)
+		ok := code == 2 && stdout.Len() == 0 && strings.HasPrefix(stderr.String(), "ratelimit-sim: ")
+		for _, s := range tc.says {
+			ok = ok && strings.Contains(stderr.String(), s)
+		}
+		if !ok {
+			t.Errorf("%s: exit %d, stderr %q, stdout %q; want exit 2 saying %q", tc.args, code, stderr.String(), stdout.String(), tc.says)
+		}
 	}
 }
 
@@ -65,9 +134,9 @@ func TestRun_ExitStatus(t *testing.T) {
 	}{
 		{"-h", 0, "-regions"},
 		{"-bogus", 2, "flag provided but not defined"},
-		{"-limit -1", 2, "ratelimit-sim: limit -1"},
-		{"-scenario sideways", 2, `ratelimit-sim: scenario "sideways"`},
-		{"-table nope", 2, `ratelimit-sim: no table "nope"`},
+		{"-limit -1", 2, "ratelimit-sim: -limit -1"},
+		{"-scenario sideways", 2, `ratelimit-sim: -scenario "sideways"`},
+		{"-table nope", 2, `ratelimit-sim: -table "nope"`},
 	} {
 		var stdout, stderr strings.Builder
 		code := run(strings.Fields(tc.args), &stdout, &stderr)

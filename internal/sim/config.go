@@ -2,6 +2,7 @@ package sim
 
 import (
 	"fmt"
+	"math"
 	"time"
 
 	"github.com/edgelimit/caddy-ratelimit/internal/simmodel"
@@ -210,8 +211,12 @@ func (c Config) Validate() error {
 		return fmt.Errorf("duration %s is shorter than a window (%s)", c.Duration, c.Window)
 	case c.Limit < 1 || c.Window < time.Millisecond:
 		return fmt.Errorf("limit %d per %s: want a positive limit and window", c.Limit, c.Window)
-	case c.Load < 0:
-		return fmt.Errorf("load %g: want no negative rate", c.Load)
+	case !(c.Load >= 0) || math.IsInf(c.Load, 0) || math.IsNaN(c.Background) || math.IsInf(c.Background, 1):
+		return fmt.Errorf("load %g, background %g: want finite rates, the load not negative", c.Load, c.Background)
+	case c.CrossRTT < 0 || c.LocalRTT < 0 || c.ReplicaLag < 0:
+		return fmt.Errorf("cross-region round trip %s, local %s, replica lag %s: want none negative", c.CrossRTT, c.LocalRTT, c.ReplicaLag)
+	case !(c.RedisLoss >= 0 && c.RedisLoss <= 1):
+		return fmt.Errorf("redis loss %g: want a probability from 0 to 1", c.RedisLoss)
 	}
 	known := false
 	for _, s := range Scenarios {

@@ -1,6 +1,7 @@
 package sim
 
 import (
+	"math"
 	"strings"
 	"testing"
 	"time"
@@ -43,6 +44,12 @@ func TestConfig_ValidateNamesWhatIsWrong(t *testing.T) {
 		{func(c *Config) { c.Duration = 30 * time.Second }, "shorter than a window"},
 		{func(c *Config) { c.Limit = -5 }, "limit"},
 		{func(c *Config) { c.Load = -1 }, "load"},
+		{func(c *Config) { c.Load = math.NaN() }, "load"},
+		{func(c *Config) { c.Background = math.Inf(1) }, "background"},
+		{func(c *Config) { c.CrossRTT = -time.Second }, "round trip"},
+		{func(c *Config) { c.ReplicaLag = -time.Second }, "replica lag"},
+		{func(c *Config) { c.RedisLoss = 1.5 }, "redis loss"},
+		{func(c *Config) { c.RedisLoss = -0.1 }, "redis loss"},
 		{func(c *Config) { c.Scenario = "sideways" }, "scenario"},
 		{func(c *Config) { c.Faults = []Fault{{Kind: RedisOutage, Region: 10}} }, "fault in region 10"},
 	} {
