@@ -17,7 +17,9 @@
 //
 // Off the engine's path, restart.go (WatchRestarts) sees a Redis restarted
 // empty by its run IDs, so that the owner sends every live cell's total
-// again.
+// again, and processes.go (WatchProcesses) records the process among the
+// region's in Redis every second and counts them, for the engine's young
+// cells (engine.SetProcesses).
 //
 // For the cross-region layer, role.go keeps the region's role in Redis (a
 // lease, the registry of cells to publish, first denials, the holder's
