@@ -200,20 +200,18 @@ func (b *redisBackend) start() {
 	b.stopOverrides = make(chan struct{})
 	go b.watchOverrides(b.stopOverrides)
 	st := b.a.state
-	counting := true
+	lost := false // the watch calls both on its one goroutine
 	b.origin.WatchProcesses(processesInterval, func(n int64) {
 		if st.currentOrigin() == originView(b.origin) {
 			st.engine.SetProcesses(n)
 		}
-		if n > 0 && !counting {
-			counting = true
+		if n > 0 && lost {
+			lost = false
 			b.a.logger.Info("counting the region's processes in Redis again", zap.Int64("processes", n))
 		}
 	}, func(err error) {
-		if counting {
-			counting = false
-			b.a.logger.Warn("could not count the region's processes in Redis: a key several processes meet at once is decided as before until it can", zap.Error(err))
-		}
+		lost = true
+		b.a.logger.Warn("could not count the region's processes in Redis: keys that several processes meet at once are decided as before until it can", zap.Error(err))
 	})
 	b.origin.WatchRestarts(b.timing.SlowTick, func() {
 		if st.currentOrigin() == originView(b.origin) {

@@ -130,10 +130,15 @@ func (c *cell) heard(x *cellLinks, sent, youth int64) {
 	first := uint32(x.times.Load())
 	if first == 0 {
 		x.setTime(0, ms32(sent), true)
-		return
+		first = uint32(x.times.Load())
 	}
-	if since32(sent, first) >= youth {
+	switch d := since32(sent, first); {
+	case d >= youth:
 		c.setBits(stGrown)
+	case d < 0:
+		// The clock stepped back since the first call (or the call came
+		// 24 days after it): that call is no measure any more, this one is.
+		x.setTime(0, ms32(sent), false)
 	}
 }
 

@@ -926,6 +926,21 @@ func TestYoung_ACellGrowsUpOnceAndForAll(t *testing.T) {
 	if got := e.Stats().Reservations - r; got != 0 {
 		t.Errorf("after the clock stepped back a grown cell alone sent %d reservations", got)
 	}
+	// A clock stepped back while a cell is young: the first call no longer
+	// measures its age; the next one does, and the one after it grows the
+	// cell up (the second review: every request of the step's ten minutes
+	// went to the origin).
+	k := lim("young", time.Hour, 30, 1)
+	e.Decide(bg, k)
+	r = e.Stats().Reservations
+	clk.Advance(-10 * time.Minute)
+	for range 10 {
+		clk.Advance(30 * time.Second)
+		e.Decide(bg, k)
+	}
+	if got := e.Stats().Reservations - r; got > 2 {
+		t.Errorf("a young cell whose clock stepped back sent %d reservations for 10 requests far below its limit", got)
+	}
 }
 
 // TestYoung_NotWhileTheOriginFails: with the origin failing, a young cell
@@ -948,5 +963,66 @@ func TestYoung_NotWhileTheOriginFails(t *testing.T) {
 	}
 	if got := e.Stats().ReservationErrors; got > 1 {
 		t.Errorf("a young cell tried %d reservations while the origin failed; want at most the first", got)
+	}
+}
+
+// TestSticky_AReservationInFlightChainsNoOthers: the second review of the
+// sticky reservations. While a reservation was in flight every request that
+// would pass joined the next one, sent when it returned, which started the
+// sticky ticks again: at a few requests a round trip a key far below its
+// limit went to the origin for the rest of its window (265 reservations
+// and 2,815 of 2,923 requests waiting in one second). Now the units in
+// flight count among the unseen ones instead, and only a reservation made
+// for its count starts the ticks.
+func TestSticky_AReservationInFlightChainsNoOthers(t *testing.T) {
+	a, b, clk, o := twoNodes(t)
+	l := lim("k", time.Minute, 1000, 1)
+	a.Decide(bg, l)
+	b.Decide(bg, l)
+	replayAll(t, a, b) // shared
+	for range 80 {     // b at a pace of 5 a tick, which a's replays measure
+		a.Decide(bg, l)
+		for range 5 {
+			b.Decide(bg, l)
+		}
+		clk.Advance(10 * time.Millisecond)
+		replayAll(t, a, b)
+	}
+	// a admits without replaying until its unseen units, once more for b,
+	// take it to 90 %: a reservation for its count, which starts the ticks.
+	for a.Stats().Reservations == 0 {
+		if !a.Decide(bg, l).Allowed {
+			t.Fatal("denied below 90 % of the limit")
+		}
+	}
+	// Within the ticks a request goes to the origin, which hangs.
+	gate := make(chan struct{})
+	o.gate.Store(&gate)
+	clk.Advance(15 * time.Millisecond)
+	stuck := make(chan struct{})
+	go func() { a.Decide(bg, l); close(stuck) }()
+	for o.reserves.Load() < 2 { // the reservation reached the origin
+		time.Sleep(time.Millisecond)
+	}
+	// Past the ticks, with that reservation still in flight: requests far
+	// below the limit decide locally.
+	clk.Advance(15 * time.Millisecond)
+	done := make(chan struct{})
+	go func() {
+		for range 20 {
+			a.Decide(bg, l)
+		}
+		close(done)
+	}()
+	select {
+	case <-done:
+	case <-time.After(2 * time.Second):
+		t.Error("requests far below the limit waited for a reservation in flight")
+	}
+	close(gate)
+	<-stuck
+	<-done
+	if got := a.Stats().Reservations; got != 2 {
+		t.Errorf("%d reservations; want the one for the count and the one within its ticks", got)
 	}
 }

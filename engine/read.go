@@ -233,8 +233,10 @@ func (e *Engine) convergeAll(ctx context.Context, o Origin, lcs []located, ls []
 		f := e.converge(o, &lcs[i], &ls[i], now)
 		if f == nil && ls[i].Cost > 0 {
 			_, cur, prev := lcs[i].snapshot()
-			if fits(cur, prev, ls[i].Cost, ls[i].Limit, lcs[i].w, lcs[i].r) && e.nearLimit(&lcs[i], &ls[i], cur, prev, now) {
-				f = e.syncRead(o, &lcs[i])
+			if fits(cur, prev, ls[i].Cost, ls[i].Limit, lcs[i].w, lcs[i].r) {
+				if near, _ := e.nearLimit(&lcs[i], &ls[i], cur, prev, now, true); near {
+					f = e.syncRead(o, &lcs[i])
+				}
 			}
 		}
 		if f != nil {
@@ -328,10 +330,10 @@ func (e *Engine) readCell(o Origin, key Key, en *entry, c *cell) {
 // w is the window in ms; withPrev tells that t holds the previous cell's
 // totals, which settle it (see stPrevSettled) once they are final.
 func (e *Engine) merge(en *entry, c *cell, t Totals, sent, w int64, withPrev bool) {
-	if x := c.links(); x != nil {
-		c.heard(x, sent, 2*e.fastTickMs())
-	}
 	c.observe(t, e.nowMs(), e.fastTickMs())
+	if x := c.links(); x != nil {
+		c.heard(x, sent, 2*e.fastTickMs()) // after observe: a grown cell has the processes it counts
+	}
 	c.mergeAnswer(t.Cur, t.Mine)
 	c.importGlobal(t.Global)
 	if t.Prev > 0 || t.GlobalPrev > 0 {

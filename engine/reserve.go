@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -33,17 +34,20 @@ import (
 // this process has admitted.
 
 // nearLimit reports whether a would-allow decision of a shared or young
-// cell at (cur, prev) must be made at the origin: in strict mode, while a
-// reservation is in flight or just began (see below), or when the effective count
-// with the cost, plus the other processes' expected growth, plus this
-// process's units not yet handed over once more for each other process,
-// reaches 90 % of the limit; a young cell also when those units, counted
-// once for each other process, reach a tenth of it.
-func (e *Engine) nearLimit(lc *located, l *Limit, cur, prev, now int64) bool {
+// cell at (cur, prev) must be made at the origin: in strict mode, when the
+// effective count with the cost, plus the other processes' expected
+// growth, plus this process's units not yet handed over once more for
+// each other process, reaches 90 % of the limit, for a young cell also
+// when those units, counted once for each other process, reach a tenth of
+// it, and for two fast ticks after a reservation so started (sticky). arms
+// tells that the reservation starts those two ticks again: any reason but
+// sticky. A batch (all-or-nothing, which reads the origin's count as its
+// check rather than reserving) asks only whether the count is near.
+func (e *Engine) nearLimit(lc *located, l *Limit, cur, prev, now int64, batch bool) (near, arms bool) {
 	c := lc.cur
 	x := c.links()
 	st := c.state()
-	shared, inFlight := st&stShared != 0, st&stReserved != 0
+	shared := st&stShared != 0
 	// A young cell (see heard), in a region of several processes, may not
 	// know yet of every process that met its key at about the same moment:
 	// each read registers its process in the cell, so the first to read
@@ -53,18 +57,11 @@ func (e *Engine) nearLimit(lc *located, l *Limit, cur, prev, now int64) bool {
 	// calls that fail.
 	region := e.processes.Load()
 	young := region > 1 && x != nil && st&stGrown == 0 && !e.failing.Load()
-	if !shared && !inFlight && !young {
-		return false
+	if !shared && !young {
+		return false, false
 	}
-	// While a reservation is in flight, what it handed over is no longer
-	// among this process's unseen units below, but the others still hold
-	// theirs, which its count does not show: the requests that would pass
-	// wait for the origin too. So for two fast ticks after a shared cell's
-	// reservation began, until the others' units from before it have
-	// reached the origin: deciding locally again at once, four processes
-	// took 1.24 × the limit in a burst.
-	if inFlight || strictUntil(lc.zone, lc.id) > now || shared && x != nil && x.sticky(now, e.fastTickMs()) {
-		return true
+	if strictUntil(lc.zone, lc.id) > now {
+		return true, true
 	}
 	effective := SatAdd(SatAdd(cur, weighted(prev, lc.w, lc.r)), l.Cost)
 	// The units this process has admitted since it last handed them over
@@ -77,8 +74,17 @@ func (e *Engine) nearLimit(lc *located, l *Limit, cur, prev, now int64) bool {
 	// (no pace yet). Counted so, N processes that decide locally at once
 	// keep what they admit unseen to a share of the room each, whatever
 	// pace they measured: counted twice only, four processes meeting a key
-	// in a burst took about 45 % each, 1.9 × the limit.
+	// in a burst took about 45 % each, 1.9 × the limit. The units of a
+	// reservation in flight count among them until it returns: handed
+	// over, they left pending, but the others have not seen them either,
+	// and deciding locally meanwhile four processes took 1.16 to 1.43 ×
+	// the limit in a burst.
 	unseen := SatAdd(l.Cost, c.pending())
+	if st&stReserved != 0 {
+		if g, ok := e.reservations.Load(c); ok {
+			unseen = SatAdd(unseen, g.handed.Load())
+		}
+	}
 	others := int64(1)
 	if x != nil {
 		others = max(others, int64(x.procs.Load())-1)
@@ -87,7 +93,10 @@ func (e *Engine) nearLimit(lc *located, l *Limit, cur, prev, now int64) bool {
 		others = max(others, region-1)
 	}
 	if pressureAtLeast(SatAdd(SatAdd(effective, satMul(unseen, others)), e.foreignGrowth(lc, now)), l.Limit, 9, 10) {
-		return true
+		return true, true
+	}
+	if batch {
+		return false, false
 	}
 	// A share of 90 % each is not enough while the processes meet the key:
 	// one whose view is from its read, before the others' units reached
@@ -95,7 +104,17 @@ func (e *Engine) nearLimit(lc *located, l *Limit, cur, prev, now int64) bool {
 	// limit there. So a young cell keeps its unseen units, counted for
 	// each other process, to a tenth of the limit: all the processes'
 	// together then stay within the last tenth that the origin decides.
-	return young && pressureAtLeast(satMul(unseen, others), l.Limit, 1, 10)
+	if young && pressureAtLeast(satMul(unseen, others), l.Limit, 1, 10) {
+		return true, true
+	}
+	// After a reservation the others still hold what they admitted unseen
+	// before it, which this process's count does not show and its own
+	// unseen units (handed over) no longer stand for: deciding locally
+	// again at once, four processes took 1.24 × the limit in a burst. For
+	// two fast ticks, until the others' replays have brought those units
+	// to the origin, a shared cell's requests go there too; a reservation
+	// made only for that starts no new ticks.
+	return shared && x.sticky(now, e.fastTickMs()), false
 }
 
 // foreignGrowth estimates the units other processes admit to lc's cell
@@ -135,15 +154,17 @@ func (e *Engine) decideAtOrigin(ctx context.Context, d *Decision, o Origin, lc *
 			e.deny(d, lc, l, cur, prev)
 			return
 		}
-		if !local && e.nearLimit(lc, l, cur, prev, now) {
-			if od, decided := e.reserveAtOrigin(ctx, o, lc, l, dl); decided {
-				*d = od
-				return
+		if !local {
+			if near, arms := e.nearLimit(lc, l, cur, prev, now, false); near {
+				if od, decided := e.reserveAtOrigin(ctx, o, lc, l, dl, arms); decided {
+					*d = od
+					return
+				}
+				// Joined another request's reservation, or the origin
+				// failed: look again, locally once the deadline has passed.
+				local = dl.expired
+				continue
 			}
-			// Joined another request's reservation, or the origin failed:
-			// look again, locally once the deadline has passed.
-			local = dl.expired
-			continue
 		}
 		if charge(lc.cur, n, l.Cost) {
 			e.allow(d, lc, l, ok, cur, prev)
@@ -167,6 +188,14 @@ type group struct {
 	sent     bool    // no member joins any more
 	finished bool    // no longer in flight: next, if any, is
 	next     *group
+	// arms: a member came for a reason other than sticky (see
+	// nearLimit), so sending the group starts the sticky ticks again.
+	arms bool
+
+	// handed is what the group hands the origin of this process's units
+	// (pending and the costs) while it is in flight; nearLimit counts it
+	// among the unseen units.
+	handed atomic.Int64
 
 	// Set before done is closed.
 	decided            bool // false: the reservation failed or was given up
@@ -175,8 +204,8 @@ type group struct {
 	global, globalPrev int64
 }
 
-func newGroup(l *Limit) *group {
-	return &group{limit: l.Limit, done: make(chan struct{}), costs: []int64{l.Cost}}
+func newGroup(l *Limit, arms bool) *group {
+	return &group{limit: l.Limit, done: make(chan struct{}), costs: []int64{l.Cost}, arms: arms}
 }
 
 // reserveAtOrigin decides l at the origin: it sends a reservation, or joins
@@ -188,12 +217,12 @@ func newGroup(l *Limit) *group {
 // cost. One that runs out after (the round trip outlasted its read
 // timeout) decides locally, and the origin may have charged it too: an
 // over-count by its cost, on the strict side.
-func (e *Engine) reserveAtOrigin(ctx context.Context, o Origin, lc *located, l *Limit, dl *deadline) (Decision, bool) {
+func (e *Engine) reserveAtOrigin(ctx context.Context, o Origin, lc *located, l *Limit, dl *deadline, arms bool) (Decision, bool) {
 	c := lc.cur
 	for {
 		g, ok := e.reservations.Load(c)
 		if !ok {
-			n := newGroup(l)
+			n := newGroup(l, arms)
 			n.sent = true // in flight at once: joiners go behind it
 			if _, loaded := e.reservations.LoadOrStore(c, n); loaded {
 				continue // another request won the race: join it
@@ -207,7 +236,7 @@ func (e *Engine) reserveAtOrigin(ctx context.Context, o Origin, lc *located, l *
 		}
 		n := g.next
 		if n == nil {
-			n = newGroup(l)
+			n = newGroup(l, arms)
 			g.next = n
 			g.mu.Unlock()
 			e.stats.reservationWaits.Add(1)
@@ -228,6 +257,7 @@ func (e *Engine) reserveAtOrigin(ctx context.Context, o Origin, lc *located, l *
 		}
 		i := len(n.costs)
 		n.costs = append(n.costs, l.Cost)
+		n.arms = n.arms || arms
 		n.mu.Unlock()
 		e.stats.reservationWaits.Add(1)
 		if !dl.wait(ctx, e, n.done) {
@@ -307,20 +337,20 @@ func (e *Engine) sendGroup(ctx context.Context, o Origin, lc *located, l *Limit,
 	for _, cost := range n.costs {
 		sum = SatAdd(sum, cost)
 	}
-	// From here the requests that would pass wait for the origin too (see
-	// nearLimit): what this one hands over leaves the count they weigh.
-	// A reservation that begins while none was recent starts the two
-	// ticks of sticky.
-	if c.state()&stReserved == 0 {
-		c.setBits(stReserved)
-	}
-	if now := e.nowMs(); !x.sticky(now, e.fastTickMs()) {
-		x.setTime(32, ms32(now), false)
+	if n.arms { // n.sent is set (under n.mu): no member sets arms any more
+		x.setTime(32, ms32(e.nowMs()), false)
 	}
 	// Hand the origin every unit this process has admitted to the cell,
 	// and the costs, as one absolute total. own rises first, so that a
-	// flush overlapping the call never writes a total below it.
+	// flush overlapping the call never writes a total below it. The
+	// requests decided meanwhile count the units handed over as unseen
+	// still (see nearLimit).
+	n.handed.Store(SatAdd(x.pending.Load(), sum))
+	if c.state()&stReserved == 0 {
+		c.setBits(stReserved)
+	}
 	d := x.pending.Swap(0)
+	n.handed.Store(SatAdd(d, sum))
 	own := x.own.Add(d + sum)
 	r := Reservation{
 		Key:         lc.key(),

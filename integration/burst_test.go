@@ -20,10 +20,9 @@ import (
 // a few). The processes each read the key first, and each read registered
 // its process in the key's cell, so the first to read found no other
 // process there and decided alone, the second counted one other, and so
-// on: a median of 130 of a limit of 100 (102 to 210 in 14 runs). Now each
+// on: a median of 156 of a limit of 100 (100 to 185 in 14 runs). Now each
 // process counts the region's processes (their records in Redis) in a
-// cell it has not written yet, and a cell that has gone to Redis stays
-// with it for the rest of its window.
+// young cell, and keeps its unseen units within a tenth of the limit.
 //
 // RATELIMIT_BURST_RUNS sets the number of runs (default 8).
 func TestFourCaddyProcesses_BurstOnANewKey(t *testing.T) {
@@ -91,11 +90,15 @@ func TestFourCaddyProcesses_BurstOnANewKey(t *testing.T) {
 	}
 	slices.Sort(admittedRuns)
 	t.Logf("admitted per run, sorted: %v", admittedRuns)
-	// Within a replay interval every process decides its last tenth at
-	// Redis: a run may admit what a process had decided locally and not
-	// handed over when the count reached the limit, a few units.
-	if most := admittedRuns[len(admittedRuns)-1]; most > 105 {
-		t.Errorf("a burst admitted %d at a limit of 100, want at most 105", most)
+	// Each process keeps its units unseen by the others, counted once for
+	// each of them, within a tenth of the limit: what they admitted and
+	// had not handed over when Redis's count reached the limit is at most
+	// that tenth, and most runs admit the limit exactly.
+	if most := admittedRuns[len(admittedRuns)-1]; most > 110 {
+		t.Errorf("a burst admitted %d at a limit of 100, want at most 110", most)
+	}
+	if median := admittedRuns[len(admittedRuns)/2]; median > 102 {
+		t.Errorf("the bursts' median admitted %d at a limit of 100, want at most 102", median)
 	}
 	if least := admittedRuns[0]; least < 95 {
 		t.Errorf("a burst admitted %d at a limit of 100, want at least 95", least)

@@ -70,10 +70,11 @@ func (r *Redis) Processes() int64 { return r.processes.Load() }
 // the first time at once, and calls onCount, on the watching goroutine,
 // with each count Redis returns. A failed renewal is skipped: the record
 // outlives it, and the last count stands, until renewals have failed for
-// as long as a record lasts, when the count is 0 (unknown) until one
-// succeeds again; onErr, if set, gets each failure. Call it once, when the
-// origin goes to work: Provision must not start goroutines.
-func (r *Redis) WatchProcesses(interval time.Duration, onCount func(n int64), onErr func(error)) {
+// as long as a record lasts: then the count is 0 (unknown) until one
+// succeeds again, and onLost, if set, gets the last error, once a run of
+// failures. Call it once, when the origin goes to work: Provision must
+// not start goroutines.
+func (r *Redis) WatchProcesses(interval time.Duration, onCount func(n int64), onLost func(error)) {
 	if interval <= 0 || onCount == nil {
 		return
 	}
@@ -81,22 +82,21 @@ func (r *Redis) WatchProcesses(interval time.Duration, onCount func(n int64), on
 	go func() {
 		t := time.NewTicker(interval)
 		defer t.Stop()
-		last := time.Now()
+		last, lost := time.Now(), false
 		for {
 			ctx, cancel := context.WithTimeout(context.Background(), interval)
 			n, err := r.Heartbeat(ctx, lapse)
 			cancel()
 			switch {
 			case err == nil:
-				last = time.Now()
+				last, lost = time.Now(), false
 				onCount(n)
-			case time.Since(last) >= lapse:
+			case !lost && time.Since(last) >= lapse && !r.closed.Load():
+				lost = true
 				r.processes.Store(0)
 				onCount(0)
-				fallthrough
-			default:
-				if onErr != nil && !r.closed.Load() {
-					onErr(err)
+				if onLost != nil {
+					onLost(err)
 				}
 			}
 			select {

@@ -90,22 +90,29 @@ func TestHeartbeat_RedisClockNotTheNodes(t *testing.T) {
 }
 
 // TestWatchProcesses_UnknownOnceRenewalsFail: with Redis gone, the last
-// count stands while a record would, then the count is 0 (unknown): the
-// engine stops counting processes it can no longer see, and each failure
-// reaches onErr.
+// count stands while a record would, then the count is 0 (unknown), and
+// onLost hears of it once; the first renewal that succeeds counts again.
 func TestWatchProcesses_UnknownOnceRenewalsFail(t *testing.T) {
 	srv := redistest.Start(t)
 	a := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "a"})
-	var counted, failures atomic.Int64
+	const interval = 20 * time.Millisecond
+	var counted, lost atomic.Int64
 	counted.Store(-1)
-	a.WatchProcesses(20*time.Millisecond, func(n int64) { counted.Store(n) }, func(error) { failures.Add(1) })
+	a.WatchProcesses(interval, func(n int64) { counted.Store(n) }, func(error) { lost.Add(1) })
 	redistest.Eventually(t, 5*time.Second, "a counts itself", func() bool { return counted.Load() == 1 })
 	srv.Stop()
+	stopped := time.Now()
 	redistest.Eventually(t, 10*time.Second, "the count is unknown", func() bool { return counted.Load() == 0 })
-	if failures.Load() < processesLapse {
-		t.Errorf("the count went unknown after %d failed renewals; want %d", failures.Load(), processesLapse)
+	// The last success came at most an interval before the stop.
+	if d := time.Since(stopped); d < (processesLapse-1)*interval {
+		t.Errorf("the count went unknown %v after Redis stopped; a record lasts %v", d, processesLapse*interval)
 	}
 	if got := a.Processes(); got != 0 {
 		t.Errorf("Processes() = %d with Redis gone", got)
+	}
+	srv.Restart()
+	redistest.Eventually(t, 10*time.Second, "a counts itself again", func() bool { return counted.Load() == 1 })
+	if got := lost.Load(); got != 1 {
+		t.Errorf("onLost called %d times for one run of failures", got)
 	}
 }
