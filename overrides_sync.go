@@ -126,10 +126,12 @@ func loadRegionOverrides(ctx context.Context, o *origin.Redis, take func([]overr
 // notice costs) and the fast tick while it is not: an idle node sends ten
 // commands a second rather than a hundred, and a change arrives within a
 // round trip rather than within a fast tick. When the region lost its
-// overrides, the node writes back those it holds (regionWatch.look).
-func (b *redisBackend) watchOverrides(stop <-chan struct{}) {
+// overrides, the node writes back those it holds (regionWatch.look). st
+// is the app's state when the watch began: the app's own field is cleared
+// by its Cleanup, which may run while a look is under way.
+func (b *redisBackend) watchOverrides(st *state, stop <-chan struct{}) {
 	w := &regionWatch{o: b.origin, log: b.a.logger, readTimeout: b.timing.ReadTimeout,
-		global: func() bool { return overrideScope(b.a.state) == scopeGlobal }}
+		global: func() bool { return overrideScope(st) == scopeGlobal }}
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	wake := make(chan struct{}, 1)

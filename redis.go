@@ -198,8 +198,8 @@ func (b *redisBackend) start() {
 	b.started = true
 	startedOrigin(b.origin)
 	b.stopOverrides = make(chan struct{})
-	go b.watchOverrides(b.stopOverrides)
 	st := b.a.state
+	go b.watchOverrides(st, b.stopOverrides)
 	lost := false // the watch calls both on its one goroutine
 	b.origin.WatchProcesses(processesInterval, func(n int64) {
 		if st.currentOrigin() == originView(b.origin) {
