@@ -110,8 +110,8 @@ type resetDoc struct {
 	Reset bool   `json:"reset"`
 }
 
-// resetRegionCells marks the key's cell of the reset's own window (its
-// version is when it was made) in every window its zone has here, and the
+// resetRegionCells marks the key's cell of the reset's own window (see
+// resetSeq) in every window its zone has here, and the
 // one before it, in the region's Redis; a global reset under its version,
 // which every region marks alike. A global reset another region hears
 // late (MySQL held it back) so never takes off units counted after it.
@@ -142,9 +142,17 @@ func forgetHeld(st *state, rec overrideRec) {
 }
 
 // resetSeq is the sequence of the window of length w a reset was made in:
-// its version is when.
+// when it was made, not its version, which comes after the region's
+// newest change of the key and may lie windows ahead (made on a node whose
+// clock runs ahead): the reset then cleared windows to come and left the
+// current one. A record without the time (a global reset from another
+// region's row) says it by its version.
 func resetSeq(rec overrideRec, w time.Duration) int64 {
-	return (rec.Version / 1000) / w.Milliseconds()
+	made := rec.CreatedMs
+	if made <= 0 {
+		made = rec.Version / 1000
+	}
+	return made / w.Milliseconds()
 }
 
 // flushHeld writes what this process has not replayed yet of the reset

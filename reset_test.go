@@ -236,3 +236,31 @@ func TestReset_AResetAfterAFutureVersionIsRecorded(t *testing.T) {
 		t.Fatalf("the region's reset record has version %d (%v, %v), want past %d", held, ok, err, fast.Version)
 	}
 }
+
+// TestReset_AfterAFarFutureVersionClearsTheWindowItWasMadeIn: a reset is
+// stamped past the region's newest change of the key, which a node whose
+// clock runs ahead may have made minutes from now; the windows it clears
+// were taken from that stamp, so it cleared windows to come and left the
+// current one as it was (a helper's reading of reset.go). The windows are
+// now those of when the reset was made.
+func TestReset_AfterAFarFutureVersionClearsTheWindowItWasMadeIn(t *testing.T) {
+	resetOverrides(t)
+	srv := redistest.Start(t)
+	global := fmt.Sprintf("\tratelimit {\n\t\tregion rs-test\n\t\tredis %s\n\t}", srv.URL())
+	other, _ := otherNode(t, srv)
+	ahead := time.Now().Add(5 * time.Minute) // five of the zone's one-minute windows
+	fast := overrideRec{Zone: "ov", Identifier: "far", Reset: true, Region: "rs-test",
+		CreatedMs: ahead.UnixMilli(), Version: ahead.UnixMicro(), ExpiresMs: ahead.Add(2 * time.Minute).UnixMilli()}
+	if _, err := other.PutOverrides(context.Background(), []origin.Override{fast.regionValue()}, false); err != nil {
+		t.Fatal(err)
+	}
+	_, admin, base := startCaddy(t, overrideConfig(global))
+	if got := admitted(t, base, "far", 3); got != 2 {
+		t.Fatalf("admitted %d of 3 at a limit of 2 before the reset", got)
+	}
+	var doc resetDoc
+	adminSend(t, admin, http.MethodDelete, "/ratelimit/counters?zone=ov&identifier=far&scope=region", "").decode(t, http.StatusOK, &doc)
+	if got := admitted(t, base, "far", 3); got != 2 {
+		t.Errorf("after the reset the key admitted %d of 3 at a limit of 2; want the limit again", got)
+	}
+}
