@@ -982,9 +982,7 @@ func TestSticky_AReservationInFlightChainsNoOthers(t *testing.T) {
 	replayAll(t, a, b) // shared
 	for range 80 {     // b at a pace of 5 a tick, which a's replays measure
 		a.Decide(bg, l)
-		for range 5 {
-			b.Decide(bg, l)
-		}
+		decideN(b, l, 5)
 		clk.Advance(10 * time.Millisecond)
 		replayAll(t, a, b)
 	}
@@ -1009,9 +1007,7 @@ func TestSticky_AReservationInFlightChainsNoOthers(t *testing.T) {
 	clk.Advance(15 * time.Millisecond)
 	done := make(chan struct{})
 	go func() {
-		for range 20 {
-			a.Decide(bg, l)
-		}
+		decideN(a, l, 20)
 		close(done)
 	}()
 	select {

@@ -245,9 +245,6 @@ func (e *Engine) SetOrigin(o Origin) {
 // each read it, but the first to read it found none of the others there.
 func (e *Engine) SetProcesses(n int64) { e.processes.Store(max(n, 0)) }
 
-// Processes returns what SetProcesses last set, 0 when nothing did.
-func (e *Engine) Processes() int64 { return e.processes.Load() }
-
 // Origin returns the current origin, or nil when local-only.
 func (e *Engine) Origin() Origin { return e.getOrigin() }
 
