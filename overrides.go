@@ -122,15 +122,32 @@ func recOfRegion(o origin.Override) (overrideRec, bool) {
 	return r, true
 }
 
+// row is r as ratelimit_overrides holds it. A reset has no limit: its
+// row's limit column carries when it was made (Unix ms), which its
+// version does not say when the reset had to come after a newer change
+// of the key (made on a node whose clock runs ahead); the windows it
+// clears are those of when it was made (resetSeq). A row without it (a
+// build before) is read as made at its version.
 func (r *overrideRec) row() propagation.OverrideRow {
-	return propagation.OverrideRow{Namespace: r.bookZone(), Identifier: r.Identifier, Limit: r.Limit, ExpiresMs: r.ExpiresMs,
+	limit := r.Limit
+	if r.Reset {
+		limit = r.CreatedMs
+	}
+	return propagation.OverrideRow{Namespace: r.bookZone(), Identifier: r.Identifier, Limit: limit, ExpiresMs: r.ExpiresMs,
 		Reason: r.Reason, Region: r.Region, Version: r.Version, Deleted: r.Deleted}
 }
 
 func recOfRow(o *propagation.OverrideRow) overrideRec {
 	zone, reset, form := fromBookZone(o.Namespace)
-	return overrideRec{Zone: zone, Identifier: o.Identifier, Limit: o.Limit, ExpiresMs: o.ExpiresMs,
-		Reason: o.Reason, Region: o.Region, CreatedMs: o.Version / 1000, Version: o.Version, Deleted: o.Deleted, Reset: reset, Form: form}
+	limit, created := o.Limit, o.Version/1000
+	if reset {
+		if limit > 0 {
+			created = limit
+		}
+		limit = 0
+	}
+	return overrideRec{Zone: zone, Identifier: o.Identifier, Limit: limit, ExpiresMs: o.ExpiresMs,
+		Reason: o.Reason, Region: o.Region, CreatedMs: created, Version: o.Version, Deleted: o.Deleted, Reset: reset, Form: form}
 }
 
 // overrideKey names an override in the book.

@@ -145,8 +145,8 @@ func forgetHeld(st *state, rec overrideRec) {
 // when it was made, not its version, which comes after the region's
 // newest change of the key and may lie windows ahead (made on a node whose
 // clock runs ahead): the reset then cleared windows to come and left the
-// current one. A record without the time (a global reset from another
-// region's row) says it by its version.
+// current one. A record without the time (written by a build before
+// records carried it) says it by its version.
 func resetSeq(rec overrideRec, w time.Duration) int64 {
 	made := rec.CreatedMs
 	if made <= 0 {

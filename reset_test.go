@@ -264,3 +264,58 @@ func TestReset_AfterAFarFutureVersionClearsTheWindowItWasMadeIn(t *testing.T) {
 		t.Errorf("after the reset the key admitted %d of 3 at a limit of 2; want the limit again", got)
 	}
 }
+
+// TestReset_AGlobalResetAfterAFarFutureVersionMarksTheWindowItWasMadeIn:
+// a global reset stamped past a far future version of the key (made on a
+// node whose clock runs ahead) reaches another region as a MySQL row.
+// Its time went with it only in the region's own record, so the other
+// region took the windows from the stamp: it marked cells minutes to
+// come and left the current one, whose units counted on after the reset
+// (2 here). The row now carries when the reset was made.
+func TestReset_AGlobalResetAfterAFarFutureVersionMarksTheWindowItWasMadeIn(t *testing.T) {
+	resetOverrides(t)
+	srv := redistest.Start(t)
+	global := fmt.Sprintf("\tratelimit {\n\t\tregion rs-far\n\t\tredis %s\n\t}", srv.URL())
+	startCaddy(t, overrideConfig(global))
+	st := lookupState()
+	if st == nil || st.overridesRedis() == nil {
+		t.Fatal("no state with the region's Redis")
+	}
+	rb := st.overridesRedis()
+	ctx := context.Background()
+	k := engine.Key{Namespace: "ov", Identifier: "farglobal", Window: time.Minute}
+	now := time.Now()
+	seq := now.UnixMilli() / time.Minute.Milliseconds()
+	if err := rb.Flush(ctx, []engine.Delta{{Key: k, Sequence: seq, Own: 2, Incarnation: 1}}); err != nil {
+		t.Fatal(err)
+	}
+	ahead := now.Add(5 * time.Minute)
+	rec := overrideRec{Zone: "ov", Identifier: "farglobal", Reset: true, Global: true, Region: "elsewhere",
+		CreatedMs: now.UnixMilli(), Version: ahead.UnixMicro(), ExpiresMs: now.Add(2 * time.Minute).UnixMilli()}
+	row := rec.row() // as the other region's holder writes it to MySQL
+	if got := recOfRow(&row); got.CreatedMs != rec.CreatedMs || got.Limit != 0 {
+		t.Errorf("a reset's row reads back made at %d with limit %d, want %d and 0", got.CreatedMs, got.Limit, rec.CreatedMs)
+	}
+	if err := (redisRegion{o: rb, st: st}).ApplyOverrides(ctx, []propagation.OverrideRow{row}); err != nil {
+		t.Fatal(err)
+	}
+	if p, err := rb.Peek(ctx, k, seq); err != nil || p.Cur != 0 {
+		t.Fatalf("the region counts %+v (%v) in the window the reset was made in, want 0", p, err)
+	}
+	_, all, err := rb.Overrides(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	found := false
+	for _, o := range all {
+		if got, ok := recOfRegion(o); ok && got.Reset && got.Identifier == rec.Identifier {
+			found = true
+			if got.CreatedMs != rec.CreatedMs {
+				t.Errorf("the region's record of the reset was made at %d, want %d", got.CreatedMs, rec.CreatedMs)
+			}
+		}
+	}
+	if !found {
+		t.Error("the region holds no record of the reset")
+	}
+}
