@@ -6,6 +6,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"go.uber.org/zap"
 
@@ -302,6 +303,17 @@ func (b *redisBackend) close() {
 		b.stopOverrides = nil
 	}
 	retireOrigin(b.origin)
+	if b.started && caddy.Exiting() {
+		// The process exits: the region counts it no more from now, not
+		// five seconds from now (a node restarted in a deploy would be
+		// counted twice meanwhile). A reload's next origin goes on under
+		// the same node ID, so a reload leaves its record be.
+		ctx, cancel := context.WithTimeout(context.Background(), processesInterval)
+		if err := b.origin.Leave(ctx); err != nil {
+			b.a.logger.Debug("leaving the region's processes in Redis: the record lapses in 5 s", zap.Error(err))
+		}
+		cancel()
+	}
 	if err := b.origin.Close(); err != nil {
 		b.a.logger.Warn("closing the rate limit origin", zap.Error(err))
 	}

@@ -3,11 +3,13 @@ package integration
 import (
 	"bytes"
 	"fmt"
+	"io"
 	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -43,6 +45,8 @@ type node struct {
 	log   *bytes.Buffer
 	admin int
 	port  int
+	// config is the Caddyfile it runs.
+	config string
 }
 
 // extraEnv is added to the environment of the Caddy processes started next
@@ -76,6 +80,7 @@ http://127.0.0.1:%d {
 %s
 }
 `, n.admin, n.port, global, n.port, site)
+	n.config = cfg
 	file := filepath.Join(dir, "Caddyfile")
 	if err := os.WriteFile(file, []byte(cfg), 0o600); err != nil {
 		t.Fatal(err)
@@ -103,6 +108,26 @@ http://127.0.0.1:%d {
 }
 
 func (n *node) url(path string) string { return fmt.Sprintf("http://127.0.0.1:%d%s", n.port, path) }
+
+// reload loads n's Caddyfile again through the admin API, as an operator's
+// reload does (forced: the config is the same), and returns the status
+// and body.
+func (n *node) reload(t *testing.T) (int, string) {
+	t.Helper()
+	req, err := http.NewRequest(http.MethodPost, fmt.Sprintf("http://127.0.0.1:%d/load", n.admin), strings.NewReader(n.config))
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set("Content-Type", "text/caddyfile")
+	req.Header.Set("Cache-Control", "must-revalidate")
+	resp, err := (&http.Client{Timeout: 30 * time.Second}).Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	body, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(body)
+}
 
 // signalAndWait sends sig to n's process and waits for it to exit, killing
 // it after within; it reports whether it exited on its own.

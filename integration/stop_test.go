@@ -206,3 +206,41 @@ func TestStop_SlowRedisUnderLoadEveryAdmittedUnitReachesRedis(t *testing.T) {
 		stopUnderLoad(t, srv, "\t\tredis "+proxy.URL()+"\n\t\tread_timeout 1s", fmt.Sprintf("slowstop%d", run), 20*time.Second)
 	}
 }
+
+// TestStoppedProcessLeavesTheRegionsProcesses: a Caddy process that exits
+// takes its record out of the region's processes as it goes, so a node
+// restarted in a deploy is counted once at once. Before, the record lived
+// on until it lapsed, 5 s after its last renewal, and the region counted
+// one process more meanwhile (each young key near its limit with it). A
+// reload keeps the record: the process goes on.
+func TestStoppedProcessLeavesTheRegionsProcesses(t *testing.T) {
+	srv := redisAndCaddy(t, "builds Caddy and runs two processes")
+	global := fmt.Sprintf("\t\tredis %s", srv.URL())
+	a := startNode(t, global, stopSite)
+	b := startNode(t, global, stopSite)
+	records := func() int64 {
+		t.Helper()
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		keys, err := srv.Client().Keys(ctx, "*{processes}").Result()
+		if err != nil || len(keys) != 1 {
+			t.Fatalf("the region's processes: keys %q (%v), want one", keys, err)
+		}
+		n, err := srv.Client().ZCard(ctx, keys[0]).Result()
+		if err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	redistest.Eventually(t, 10*time.Second, "both processes recorded", func() bool { return records() == 2 })
+	if code, body := a.reload(t); code != http.StatusOK {
+		t.Fatalf("reload: %d %s", code, body)
+	}
+	if n := records(); n != 2 {
+		t.Fatalf("after a reload of one process the region records %d processes, want 2", n)
+	}
+	terminate(t, b)
+	if n := records(); n != 1 {
+		t.Errorf("right after one of two processes exited the region records %d, want 1", n)
+	}
+}

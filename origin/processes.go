@@ -2,6 +2,7 @@ package origin
 
 import (
 	"context"
+	"errors"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -25,7 +26,9 @@ import (
 // would otherwise drop every other record on each renewal, and one whose
 // clock ran behind would never be counted. A record lapses processesLapse
 // intervals after its last renewal, so a process that stops (or restarts
-// under a new ID) is counted for that long.
+// under a new ID) is counted for that long, unless it leaves as it exits
+// (Leave): a node restarted in a deploy is then counted once, not twice
+// for those seconds.
 
 // processesLapse is how many intervals a record outlives its renewal: a
 // renewal that a slow Redis delays does not drop the process.
@@ -52,6 +55,11 @@ func (r *Redis) processesKey() string { return r.prefix + ":{processes}" }
 // (Redis's clock), drops the records that lapsed, and returns how many are
 // live, this process's included.
 func (r *Redis) Heartbeat(ctx context.Context, lapse time.Duration) (int64, error) {
+	r.beat.Lock()
+	defer r.beat.Unlock()
+	if r.left {
+		return 0, ErrLeft
+	}
 	k := r.processesKey()
 	n, err := processesScript.Run(ctx, r.roleEndpoint().client, []string{k}, r.nodeID, lapse.Milliseconds()).Int64()
 	if err != nil {
@@ -59,6 +67,22 @@ func (r *Redis) Heartbeat(ctx context.Context, lapse time.Duration) (int64, erro
 	}
 	r.processes.Store(n)
 	return n, nil
+}
+
+// ErrLeft: Heartbeat after Leave.
+var ErrLeft = errors.New("this process left the region's processes")
+
+// Leave takes this process's record out of the region's processes at
+// once, and no heartbeat renews it again: call it when the process exits
+// (not on a config reload, whose next origin goes on under the same node
+// ID). A renewal under way ends first, so it cannot record the process
+// again after it left. Failing, the record lapses as a stopped process's
+// does.
+func (r *Redis) Leave(ctx context.Context) error {
+	r.beat.Lock()
+	defer r.beat.Unlock()
+	r.left = true
+	return r.roleEndpoint().client.ZRem(ctx, r.processesKey(), r.nodeID).Err()
 }
 
 // Processes returns the live processes the last Heartbeat counted, 0
@@ -72,8 +96,8 @@ func (r *Redis) Processes() int64 { return r.processes.Load() }
 // outlives it, and the last count stands, until renewals have failed for
 // as long as a record lasts: then the count is 0 (unknown) until one
 // succeeds again, and onLost, if set, gets the last error, once a run of
-// failures. Call it once, when the origin goes to work: Provision must
-// not start goroutines.
+// failures. It stops with Close or Leave. Call it once, when the origin
+// goes to work: Provision must not start goroutines.
 func (r *Redis) WatchProcesses(interval time.Duration, onCount func(n int64), onLost func(error)) {
 	if interval <= 0 || onCount == nil {
 		return
@@ -88,6 +112,8 @@ func (r *Redis) WatchProcesses(interval time.Duration, onCount func(n int64), on
 			n, err := r.Heartbeat(ctx, lapse)
 			cancel()
 			switch {
+			case errors.Is(err, ErrLeft):
+				return
 			case err == nil:
 				last, lost = time.Now(), false
 				onCount(n)

@@ -116,3 +116,31 @@ func TestWatchProcesses_UnknownOnceRenewalsFail(t *testing.T) {
 		t.Errorf("onLost called %d times for one run of failures", got)
 	}
 }
+
+// TestLeave_TheRegionCountsTheProcessNoMore: a process that leaves as it
+// exits is out of the count at the next heartbeat of any other, not
+// processesLapse intervals later (a node restarted in a deploy counted
+// twice for five seconds), and its watch renews it no more.
+func TestLeave_TheRegionCountsTheProcessNoMore(t *testing.T) {
+	srv := redistest.Start(t)
+	a := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "a"})
+	b := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "b"})
+	var counted atomic.Int64
+	b.WatchProcesses(10*time.Millisecond, func(n int64) { counted.Store(n) }, nil)
+	if _, err := a.Heartbeat(ctxT(t), time.Hour); err != nil {
+		t.Fatal(err)
+	}
+	redistest.Eventually(t, 5*time.Second, "b counts both", func() bool { return counted.Load() == 2 })
+	if err := b.Leave(ctxT(t)); err != nil {
+		t.Fatalf("Leave: %v", err)
+	}
+	if n, err := a.Heartbeat(ctxT(t), time.Hour); err != nil || n != 1 {
+		t.Fatalf("after b left, a counts %d (%v), want itself alone", n, err)
+	}
+	if _, err := b.Heartbeat(ctxT(t), time.Hour); err != ErrLeft {
+		t.Fatalf("a heartbeat after Leave returned %v, want ErrLeft", err)
+	}
+	if n, err := a.Heartbeat(ctxT(t), time.Hour); err != nil || n != 1 {
+		t.Errorf("b's watch recorded it again: a counts %d (%v)", n, err)
+	}
+}

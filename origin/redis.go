@@ -31,6 +31,11 @@ type Redis struct {
 	// processes is the region's live processes, as the last Heartbeat
 	// counted them (processes.go).
 	processes atomic.Int64
+	// beat is held across a renewal of this process's record and by
+	// Leave, so that no renewal under way records it again after Leave;
+	// left (under beat) stops them.
+	beat sync.Mutex
+	left bool
 	// notices is whether WatchOverrides is subscribed (overrides.go).
 	notices atomic.Bool
 	// runIDChecks counts the watch's checks, for tests to await one.
