@@ -188,6 +188,9 @@ func provisionRedis(a *App) (backend, error) {
 // origin.WatchProcesses).
 const processesInterval = time.Second
 
+// leaveTimeout bounds the exiting process's removal of its record.
+const leaveTimeout = 250 * time.Millisecond
+
 // start watches the region's runtime overrides (overrides_sync.go) and
 // sets the origin watching its servers for a restart: Redis
 // restarted empty lost every process's units, and the engine sends its
@@ -307,8 +310,9 @@ func (b *redisBackend) close() {
 		// The process exits: the region counts it no more from now, not
 		// five seconds from now (a node restarted in a deploy would be
 		// counted twice meanwhile). A reload's next origin goes on under
-		// the same node ID, so a reload leaves its record be.
-		ctx, cancel := context.WithTimeout(context.Background(), processesInterval)
+		// the same node ID, so a reload leaves its record be. Bounded
+		// short: a Redis that does not answer must not hold up the exit.
+		ctx, cancel := context.WithTimeout(context.Background(), leaveTimeout)
 		if err := b.origin.Leave(ctx); err != nil {
 			b.a.logger.Debug("leaving the region's processes in Redis: the record lapses in 5 s", zap.Error(err))
 		}
