@@ -122,6 +122,31 @@ func TestHandler_JSONShapes(t *testing.T) {
 	}
 }
 
+// TestOptions_AValueSplitAtASpaceIsNotQuoted: a line of one value given
+// two (a password with a space, unquoted) fails naming the line, and never
+// quotes the token after the first, which is part of the password or the
+// secret (Caddy's own argument count error quoted it).
+func TestOptions_AValueSplitAtASpaceIsNotQuoted(t *testing.T) {
+	for _, line := range []string{
+		"redis redis://:hunter2 secret-part@127.0.0.1:6379",
+		"mysql root:hunter2 secret-part@tcp(127.0.0.1:3306)/db",
+		"mysql_read root:hunter2 secret-part@tcp(127.0.0.1:3306)/db",
+		"identifier_secret correct horse secret-part staple",
+	} {
+		src := "{\n\tratelimit {\n\t\t" + line + "\n\t\tregion r\n\t}\n}\n:8080 {\n\trespond ok\n}\n"
+		_, err := adapt(t, src)
+		if err == nil {
+			t.Fatalf("%q adapted without error", line)
+		}
+		if strings.Contains(err.Error(), "secret-part") || strings.Contains(err.Error(), "horse") {
+			t.Fatalf("error quotes part of the password: %v", err)
+		}
+		if !strings.Contains(err.Error(), "Caddyfile:3") {
+			t.Fatalf("error does not name the line: %v", err)
+		}
+	}
+}
+
 // TestRedisOption_ErrorsNeverQuoteAPassword adapts bad Redis lines that
 // carry a password: the error names the line, never the password.
 func TestRedisOption_ErrorsNeverQuoteAPassword(t *testing.T) {

@@ -118,14 +118,19 @@ func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	return nil
 }
 
-// oneArg returns the single argument of the current line.
+// oneArg returns the single argument of the current line. Given more, its
+// error quotes none of them: Caddy's ArgErr quotes the next token, which
+// for a Redis URL, a DSN or a secret split at a space is part of a password.
 func oneArg(d *caddyfile.Dispenser) (string, error) {
+	name := d.Val()
 	if !d.NextArg() {
 		return "", d.ArgErr()
 	}
 	v := d.Val()
-	if d.NextArg() {
-		return "", d.ArgErr()
+	if extra := d.RemainingArgs(); len(extra) > 0 {
+		return "", d.Errf("wrong argument count: %s takes one argument, got %d "+
+			"(quote a value that holds spaces; the arguments are not repeated here, "+
+			"as they may hold a password)", name, 1+len(extra))
 	}
 	return v, nil
 }
