@@ -289,6 +289,9 @@ func (a *AdminAPI) handleStrict(w http.ResponseWriter, r *http.Request) error {
 		return err
 	}
 	zoneName, byZone := q["zone"]
+	if byZone && zoneName == "" {
+		return badRequest("the zone parameter is empty: name a zone, or leave the parameter out for every zone")
+	}
 	if byZone && len(st.zones.definitions(zoneName, nil)) == 0 {
 		return errNoZone(zoneName)
 	}

@@ -11,6 +11,7 @@ import (
 	"slices"
 	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/caddyserver/caddy/v2"
 	"go.uber.org/zap"
@@ -140,6 +141,10 @@ func readOverrideBody(r *http.Request, now time.Time) (overrideBody, error) {
 			return body, badRequest(fmt.Sprintf("the body is over %d bytes", maxOverrideBody))
 		}
 		return body, badRequest("reading the body: " + err.Error())
+	}
+	if !utf8.Valid(raw) {
+		// encoding/json would store each bad byte of the reason as U+FFFD.
+		return body, badRequest("the body is not UTF-8 (JSON text is; the reason would be stored altered)")
 	}
 	dec := json.NewDecoder(bytes.NewReader(raw))
 	dec.DisallowUnknownFields()

@@ -61,6 +61,8 @@ func TestOverrides_BadInputIsRefusedAndStoresNothing(t *testing.T) {
 		{"expiry not a time", http.MethodPut, path, `{"limit": 1, "expires": "tomorrow"}`, 400},
 		{"reason too long", http.MethodPut, path, `{"limit": 1, "reason": "` + strings.Repeat("r", 513) + `"}`, 400},
 		{"body over 64 KiB", http.MethodPut, path, `{"limit": 1, "reason": "` + strings.Repeat("r", 70<<10) + `"}`, 400},
+		{"reason not UTF-8", http.MethodPut, path, "{\"limit\": 1, \"reason\": \"a\xffb\"}", 400},
+		{"strict listing of an empty zone", http.MethodGet, "/ratelimit/strict?zone=", "", 400},
 		{"no identifier", http.MethodPut, "/ratelimit/overrides?zone=ov", `{"limit": 1}`, 400},
 		{"empty identifier", http.MethodPut, "/ratelimit/overrides?zone=ov&identifier=", `{"limit": 1}`, 400},
 		{"unknown parameter", http.MethodPut, path + "&scope=global", `{"limit": 1}`, 400},
