@@ -81,7 +81,7 @@ func (e *Engine) refused(lcs []located, ls []Limit, out []Decision) {
 		lc.passed(&out[i], ls[i].Limit, cur, prev)
 		if !ok {
 			out[i].Allowed = false
-			out[i].RetryAfter = retryAfter(cur, prev, ls[i].Cost, ls[i].Limit, lc.w, lc.r)
+			out[i].RetryAfter = lc.retryAfter(cur, prev, ls[i].Cost, ls[i].Limit)
 		}
 	}
 }
@@ -121,7 +121,7 @@ func (e *Engine) reserve(lc *located, l *Limit) bool {
 		if charge(lc.cur, n, l.Cost) {
 			lc.wouldDeny = !ok
 			if !ok {
-				lc.dryRetry = retryAfter(cur, prev, l.Cost, l.Limit, lc.w, lc.r)
+				lc.dryRetry = lc.retryAfter(cur, prev, l.Cost, l.Limit)
 			}
 			return true
 		}

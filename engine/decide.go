@@ -137,7 +137,7 @@ func (e *Engine) allow(d *Decision, lc *located, l *Limit, ok bool, cur, prev in
 	lc.passed(d, l.Limit, after, prev)
 	if !ok {
 		d.Allowed = false
-		d.RetryAfter = retryAfter(cur, prev, l.Cost, l.Limit, lc.w, lc.r)
+		d.RetryAfter = lc.retryAfter(cur, prev, l.Cost, l.Limit)
 	}
 }
 
@@ -147,8 +147,22 @@ func (lc *located) passed(d *Decision, limit, cur, prev int64) {
 	d.Allowed = true
 	d.Limit = limit
 	d.Remaining = remaining(cur, prev, limit, lc.w, lc.r)
-	d.Reset = msDuration(lc.w - lc.r)
+	d.Reset = lc.reset()
 	d.RetryAfter = 0
+}
+
+// reset is the time until the end of lc's cell's window.
+func (lc *located) reset() time.Duration { return msDuration(lc.w - lc.r + lc.ahead) }
+
+// retryAfter is the Retry-After of a denial of lc at (cur, prev), or
+// Never: counted from now, also when the cell's window has not begun
+// (lc.ahead), for its counts weigh whole until it has.
+func (lc *located) retryAfter(cur, prev, cost, limit int64) time.Duration {
+	d := retryAfter(cur, prev, cost, limit, lc.w, lc.r)
+	if d != Never && lc.ahead > 0 {
+		d += msDuration(lc.ahead)
+	}
+	return d
 }
 
 // retryAfter is the Retry-After of a denial at (cur, prev), or Never.
@@ -169,8 +183,8 @@ func (e *Engine) deny(d *Decision, lc *located, l *Limit, cur, prev int64) {
 	d.Allowed = false
 	d.Limit = l.Limit
 	d.Remaining = remaining(cur, prev, l.Limit, lc.w, lc.r)
-	d.Reset = msDuration(lc.w - lc.r)
-	d.RetryAfter = retryAfter(cur, prev, l.Cost, l.Limit, lc.w, lc.r)
+	d.Reset = lc.reset()
+	d.RetryAfter = lc.retryAfter(cur, prev, l.Cost, l.Limit)
 	if e.origin.Load() != nil {
 		e.markStrict(lc.zone, lc.id, lc.cur.seq()*lc.w+lc.r+lc.w)
 	}

@@ -12,6 +12,11 @@ type located struct {
 	en   *entry
 	cur  *cell
 	w, r int64
+	// ahead is how many milliseconds the cell's window begins after now:
+	// 0, but for a cell one window ahead of a clock that stepped back
+	// (r is 0 then). Nothing in the cell weighs less before it has passed,
+	// so Reset and Retry-After count it.
+	ahead int64
 	// wouldDeny and dryRetry record, for a dry-run limit of a batch, the
 	// denial it would have been.
 	wouldDeny bool
@@ -61,11 +66,11 @@ func (e *Engine) locate(lc *located, l *Limit, now int64, linked bool) {
 				x.limit.Store(l.Limit)
 			}
 		}
-		r := now - c.seq()*w
+		r, ahead := now-c.seq()*w, int64(0)
 		if r < 0 {
-			r = 0
+			r, ahead = 0, -r
 		}
-		lc.zone, lc.id, lc.en, lc.cur, lc.w, lc.r = z, id, en, c, w, r
+		lc.zone, lc.id, lc.en, lc.cur, lc.w, lc.r, lc.ahead = z, id, en, c, w, r, ahead
 		return
 	}
 }
