@@ -129,15 +129,7 @@ func TestReset_ScopesNeedTheirBackends(t *testing.T) {
 // their units were taken off (14 of a limit of 20 admitted again, 24 in
 // one window, in the audit that found it).
 func TestReset_AGlobalResetHeardLateMarksTheWindowItWasMadeIn(t *testing.T) {
-	resetOverrides(t)
-	srv := redistest.Start(t)
-	global := fmt.Sprintf("\tratelimit {\n\t\tregion rs-late\n\t\tredis %s\n\t}", srv.URL())
-	startCaddy(t, overrideConfig(global))
-	st := lookupState()
-	if st == nil || st.overridesRedis() == nil {
-		t.Fatal("no state with the region's Redis")
-	}
-	rb := st.overridesRedis()
+	st, rb := regionOnRedis(t, "rs-late")
 	ctx := context.Background()
 	k := engine.Key{Namespace: "ov", Identifier: "late", Window: time.Minute}
 	now := time.Now()
@@ -273,15 +265,7 @@ func TestReset_AfterAFarFutureVersionClearsTheWindowItWasMadeIn(t *testing.T) {
 // come and left the current one, whose units counted on after the reset
 // (2 here). The row now carries when the reset was made.
 func TestReset_AGlobalResetAfterAFarFutureVersionMarksTheWindowItWasMadeIn(t *testing.T) {
-	resetOverrides(t)
-	srv := redistest.Start(t)
-	global := fmt.Sprintf("\tratelimit {\n\t\tregion rs-far\n\t\tredis %s\n\t}", srv.URL())
-	startCaddy(t, overrideConfig(global))
-	st := lookupState()
-	if st == nil || st.overridesRedis() == nil {
-		t.Fatal("no state with the region's Redis")
-	}
-	rb := st.overridesRedis()
+	st, rb := regionOnRedis(t, "rs-far")
 	ctx := context.Background()
 	k := engine.Key{Namespace: "ov", Identifier: "farglobal", Window: time.Minute}
 	now := time.Now()
@@ -318,4 +302,18 @@ func TestReset_AGlobalResetAfterAFarFutureVersionMarksTheWindowItWasMadeIn(t *te
 	if !found {
 		t.Error("the region holds no record of the reset")
 	}
+}
+
+// regionOnRedis starts Caddy in region on a private Redis, with the
+// overrides' zones, and returns its state and the region's Redis.
+func regionOnRedis(t *testing.T, region string) (*state, *origin.Redis) {
+	t.Helper()
+	resetOverrides(t)
+	srv := redistest.Start(t)
+	startCaddy(t, overrideConfig(fmt.Sprintf("\tratelimit {\n\t\tregion %s\n\t\tredis %s\n\t}", region, srv.URL())))
+	st := lookupState()
+	if st == nil || st.overridesRedis() == nil {
+		t.Fatal("no state with the region's Redis")
+	}
+	return st, st.overridesRedis()
 }
