@@ -41,6 +41,32 @@ func overrideScope(st *state) string {
 // was stored anywhere.
 var errOverrideStore = errors.New("the region's Redis did not take the change")
 
+// errOverrideUnknown is a change whose write failed in a way that does
+// not say whether Redis ran it (its reply came too late, the connection
+// broke), and that could not be read back: the region may hold it.
+var errOverrideUnknown = errors.New("the region's Redis did not answer, and may hold the change: it was not applied here; send it again (a repeat changes nothing more)")
+
+// tookAnyway reads back, within a second of its own, whether the region
+// holds rec in its version after a write of it that failed: Redis may
+// have run a write whose reply came after the call's deadline, and its
+// other nodes then apply the change. It reports whether the region holds
+// it, and the read's error.
+func tookAnyway(o *origin.Redis, rec overrideRec) (bool, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	held, ok, err := o.OverrideVersion(ctx, rec.field())
+	return err == nil && ok && held == rec.Version, err
+}
+
+// storeFailed is the error of a change that did not take: stored nowhere
+// when the read back answered, unknown when it did not either.
+func storeFailed(readBack error) error {
+	if readBack != nil {
+		return errOverrideUnknown
+	}
+	return errOverrideStore
+}
+
 // storeOverride stores a change where its scope says and applies it here,
 // and returns it as stored. With Redis the region takes it first (and
 // queues it for MySQL when the cross-region layer runs): a change the
@@ -60,7 +86,11 @@ func storeOverride(ctx context.Context, st *state, rec overrideRec) (overrideRec
 		for try := 0; ; try++ {
 			n, err := rb.PutOverrides(ctx, []origin.Override{rec.regionValue()}, scope == scopeGlobal)
 			if err != nil {
-				return rec, scope, errors.Join(errOverrideStore, err)
+				took, rerr := tookAnyway(rb, rec)
+				if !took {
+					return rec, scope, errors.Join(storeFailed(rerr), err)
+				}
+				n = 1
 			}
 			if n > 0 {
 				break

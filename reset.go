@@ -83,11 +83,19 @@ func resetKey(w http.ResponseWriter, r *http.Request, st *state, zoneName, id st
 		err = resetRegionCells(ctx, rb, st, rec)
 	}
 	took := 0
-	if err == nil {
-		took, err = rb.PutOverrides(ctx, []origin.Override{rec.regionValue()}, rec.Global)
+	if err != nil {
+		err = errors.Join(errOverrideStore, err)
+	} else if took, err = rb.PutOverrides(ctx, []origin.Override{rec.regionValue()}, rec.Global); err != nil {
+		// Redis may have run it, and its reply come too late: the
+		// region's nodes then forget the key, and so must this one.
+		if ok, rerr := tookAnyway(rb, rec); ok {
+			took, err = 1, nil
+		} else {
+			err = errors.Join(storeFailed(rerr), err)
+		}
 	}
 	if err != nil {
-		return caddy.APIError{HTTPStatus: http.StatusServiceUnavailable, Err: errors.Join(errOverrideStore, err)}
+		return caddy.APIError{HTTPStatus: http.StatusServiceUnavailable, Err: err}
 	}
 	if took == 0 {
 		return caddy.APIError{HTTPStatus: http.StatusConflict,
