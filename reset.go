@@ -156,11 +156,16 @@ func forgetHeld(st *state, rec overrideRec) {
 // current one. A record without the time (written by a build before
 // records carried it) says it by its version.
 func resetSeq(rec overrideRec, w time.Duration) int64 {
-	made := rec.CreatedMs
-	if made <= 0 {
-		made = rec.Version / 1000
+	return resetMadeMs(rec) / w.Milliseconds()
+}
+
+// resetMadeMs is when a reset was made (Unix ms), by its version when
+// its record does not say (resetSeq).
+func resetMadeMs(rec overrideRec) int64 {
+	if rec.CreatedMs > 0 {
+		return rec.CreatedMs
 	}
-	return made / w.Milliseconds()
+	return rec.Version / 1000
 }
 
 // flushHeld writes what this process has not replayed yet of the reset
@@ -185,6 +190,10 @@ func heldMatch(st *state, rec overrideRec) func(id string) bool {
 
 // onResets is what the book does with resets it had not heard of: this
 // process forgets the keys (a reset that lapsed already is left alone).
+// A reset made before the engine was is left alone too: every unit the
+// engine holds was admitted after it, and the region must count them (a
+// node started while Redis did not answer it hears of an earlier reset
+// when Redis is back; dropping its units let it admit the limit again).
 var onResets = func(recs []overrideRec) {
 	st := lookupState()
 	if st == nil {
@@ -193,7 +202,7 @@ var onResets = func(recs []overrideRec) {
 	now := time.Now().UnixMilli()
 	form := st.apps.view().ids.form()
 	for _, rec := range recs {
-		if rec.ExpiresMs > now && (rec.Form == "" || rec.Form == form) {
+		if rec.ExpiresMs > now && resetMadeMs(rec) >= st.startedMs && (rec.Form == "" || rec.Form == form) {
 			forgetHeld(st, rec)
 		}
 	}

@@ -45,6 +45,9 @@ type state struct {
 	// sized is the config the engine was made with: what sizes it for the
 	// life of the process (sizeFields).
 	sized engine.Config
+	// startedMs is when the engine was made (Unix ms): a reset made
+	// before it has none of its units to take off (onResets).
+	startedMs int64
 }
 
 // acquireState returns the process's state, creating its engine if this is
@@ -62,6 +65,7 @@ func acquireState(a *App) (*state, error) {
 		st.obs.observeEngine(&cfg)
 		st.sized = cfg
 		st.engine = engine.New(cfg)
+		st.startedMs = time.Now().UnixMilli()
 		return st, nil
 	})
 	if err != nil {
