@@ -317,3 +317,65 @@ func regionOnRedis(t *testing.T, region string) (*state, *origin.Redis) {
 	}
 	return st, st.overridesRedis()
 }
+
+// TestReset_ANodeStartedAfterAResetKeepsItsUnits: another node reset a
+// key for the region; this node starts afterwards while Redis does not
+// answer it (a slow or cut-off Redis: its first load of the region's
+// records times out) and admits the key's limit on its own. When Redis
+// answers again it reads the reset's record, made before it started.
+// Every unit it holds was admitted after that reset: they must reach the
+// region, and the node must not admit the limit a second time.
+func TestReset_ANodeStartedAfterAResetKeepsItsUnits(t *testing.T) {
+	resetOverrides(t)
+	srv := redistest.Start(t)
+	proxy := redistest.StartDelayProxy(t, srv.Addr(), 0)
+	global := fmt.Sprintf("\tratelimit {\n\t\tregion rs-test\n\t\tredis %s\n\t\tfast_tick 10ms\n\t\tread_timeout 50ms\n"+
+		"\t\tbreaker_min_requests 2\n\t\tbreaker_timeout 2s\n\t}", proxy.URL())
+	other, err := origin.New(origin.Config{Redis: []string{srv.URL()}}, origin.Options{NodeID: "other"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = other.Close() })
+	ctx := context.Background()
+	k := engine.Key{Namespace: "ov", Identifier: "late", Window: time.Minute}
+	seq := time.Now().UnixMilli() / time.Minute.Milliseconds()
+	// The other node's region reset, as resetKey makes it, before this
+	// node starts.
+	now := time.Now()
+	if err := other.ResetCells(ctx, k, seq, 0); err != nil {
+		t.Fatal(err)
+	}
+	rec := overrideRec{Zone: "ov", Identifier: "late", Reset: true, Region: "rs-test",
+		CreatedMs: now.UnixMilli(), Version: now.UnixMicro(), ExpiresMs: now.Add(2 * time.Minute).UnixMilli()}
+	if _, err := other.PutOverrides(ctx, []origin.Override{rec.regionValue()}, false); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(50 * time.Millisecond)
+	proxy.SetDelay(2 * time.Second) // every call of this node times out
+	_, _, base := startCaddy(t, overrideConfig(global))
+	if n := admitted(t, base, "late", 2); n != 2 {
+		t.Fatalf("cut off, admitted %d of 2 at limit 2", n)
+	}
+	st := lookupState()
+	redistest.Eventually(t, 15*time.Second, "the replay's breaker opens", func() bool {
+		o, _ := st.currentOrigin().(*origin.Redis)
+		return o != nil && o.Stats().Endpoints[0].ReplayBreaker == origin.BreakerOpen
+	})
+	proxy.SetDelay(0)
+	redistest.Eventually(t, 15*time.Second, "the node read the region's records", func() bool {
+		overrides.mu.Lock()
+		_, ok := overrides.recs[overrideKey{rec.bookZone(), "late"}]
+		overrides.mu.Unlock()
+		return ok
+	})
+	redistest.Eventually(t, 15*time.Second, "nothing left to replay", func() bool { return st.engine.Stats().PendingCells == 0 })
+	p, err := other.Peek(ctx, k, seq)
+	n := admitted(t, base, "late", 2)
+	t.Logf("the region counts %+v (%v); admitted %d more", p, err, n)
+	if err != nil || p.Cur != 2 {
+		t.Errorf("the region counts %+v (%v), want the 2 units admitted after the reset", p, err)
+	}
+	if n != 0 {
+		t.Errorf("admitted %d more at limit 2 after 2 admitted since the reset", n)
+	}
+}
