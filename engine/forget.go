@@ -65,6 +65,9 @@ func (e *Engine) forgetMatching(namespace string, window time.Duration, match fu
 			n++
 		}
 	}
+	if upTo != noDrop {
+		e.graves.dropReset(z, match, upTo)
+	}
 	return n
 }
 
@@ -171,6 +174,13 @@ func (e *Engine) forget(z *Zone, id string, upTo int64) bool {
 		if e.origin.Load() != nil {
 			e.requeue(z, en) // pending units still reach the origin
 		}
+		if upTo != noDrop {
+			// The reset took off what its cells held here: a Redis that
+			// restarts empty, losing its marks, must not get it again.
+			for _, c := range [2]*cell{en.cur.Load(), en.prev.Load()} {
+				resetCell(c, upTo)
+			}
+		}
 		e.bury(z, en) // and those of an origin gone reach the next (sendUnsent)
 		if c := en.cur.Swap(tombstone); c != tombstone {
 			e.live.Add(-1)
@@ -181,4 +191,32 @@ func (e *Engine) forget(z *Zone, id string, upTo int64) bool {
 		found = true
 	}
 	return found
+}
+
+// resetCell takes off c's own total and pending units when c is a cell of
+// a reset's windows (its sequence up to upTo): a Redis restarted empty
+// loses the reset's marks, and Resend, which sends every cell's own total
+// again, would count what the reset took off after it.
+func resetCell(c *cell, upTo int64) {
+	if c == nil || c == tombstone || c.seq() > upTo {
+		return
+	}
+	if x := c.links(); x != nil {
+		x.pending.Store(0)
+		x.own.Store(0)
+	}
+}
+
+// dropReset takes off, as resetCell, the totals of the cells among the
+// graves that a reset of z's identifiers match, up to sequence upTo: a
+// key forgotten or evicted earlier in the reset's windows left them
+// there.
+func (g *graveyard) dropReset(z *Zone, match func(id string) bool, upTo int64) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	for _, d := range g.cells {
+		if d.zone == z && match(d.en.id()) {
+			resetCell(d.cell, upTo)
+		}
+	}
 }

@@ -72,6 +72,19 @@ func (c *redisCluster) Reload(i int) {
 	c.origins[i] = o
 }
 
+// ResetCells marks the cells through a client of its own, as the
+// operator's node does: the node that resets may run without Redis.
+func (c *redisCluster) ResetCells(key engine.Key, seq int64) error {
+	o, err := origin.New(origin.Config{Redis: []string{c.srv.URL()}, Prefix: c.prefix}, origin.Options{NodeID: "operator"})
+	if err != nil {
+		return err
+	}
+	defer o.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	return o.ResetCells(ctx, key, seq, 0)
+}
+
 func (c *redisCluster) close() {
 	for i, e := range c.engines {
 		_ = e.Close(context.Background())
@@ -90,7 +103,7 @@ func (c *redisCluster) close() {
 func TestProperty_NodesOnRedis(t *testing.T) {
 	requireBinary(t, "redis-server")
 	srv := redistest.Start(t)
-	faults := nodecheck.Faults{Restart: true, Step: true, Detach: true}
+	faults := nodecheck.Faults{Restart: true, Step: true, Detach: true, Reset: true}
 	run := func(ops []nodecheck.Op, prefix string) nodecheck.Result {
 		c := newRedisCluster(t, srv, nodecheck.Nodes(ops), prefix)
 		defer c.close()

@@ -62,6 +62,11 @@ func (c *MemoryCluster) Detach(i int) { c.engines[i].SetOrigin(nil) }
 // Restart implements Cluster.
 func (c *MemoryCluster) Restart() { c.store.Restart() }
 
+// ResetCells implements Cluster.
+func (c *MemoryCluster) ResetCells(key engine.Key, seq int64) error {
+	return c.store.ResetCells(key, seq)
+}
+
 // SetDown implements Cluster.
 func (c *MemoryCluster) SetDown(down bool) { c.store.SetDown(down) }
 

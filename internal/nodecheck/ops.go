@@ -75,6 +75,7 @@ const (
 	OpRestart             // the origin restarts empty
 	OpDown                // the origin becomes unreachable, or reachable again
 	OpDetach              // a node's reload takes the origin out, or puts it back
+	OpReset               // a node resets a key for the region (the admin API's scope=region)
 )
 
 // Op is one operation; its fields are read by its kind.
@@ -109,6 +110,8 @@ func (o Op) String() string {
 		return "the origin becomes unreachable, or reachable again"
 	case OpDetach:
 		return fmt.Sprintf("node %d reloads without the origin, or with it again", o.Node)
+	case OpReset:
+		return fmt.Sprintf("node %d resets %s for the region", o.Node, Keys[o.Key].ID)
 	}
 	return "?"
 }
@@ -117,16 +120,23 @@ func (o Op) String() string {
 // that the in-memory one does cheaply.
 type Faults struct {
 	Restart, Down, Step, Detach bool
+	// Reset draws operators' region resets too (OpReset: an action, not
+	// a fault, drawn apart so that a list without them is the one its
+	// seed made before they were).
+	Reset bool
 }
 
-// AllFaults is every fault.
-var AllFaults = Faults{Restart: true, Down: true, Step: true, Detach: true}
+// AllFaults is every fault, and resets.
+var AllFaults = Faults{Restart: true, Down: true, Step: true, Detach: true, Reset: true}
 
 // Gen draws n operations from seed. The list starts with a tick whose node
 // is the number of nodes less one (2 to 5 nodes), so a shrunk list keeps
 // its node count.
 func Gen(seed uint64, n int, faults Faults) []Op {
 	rng := rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15))
+	// Resets come from a stream of their own: a list without them is the
+	// list a seed made before they were drawn.
+	resets := rand.New(rand.NewPCG(seed^0x7265736574, seed))
 	nodes := 2 + rng.IntN(4)
 	ops := make([]Op, 0, n+1)
 	ops = append(ops, Op{Kind: OpTick, Node: nodes - 1})
@@ -184,6 +194,9 @@ func Gen(seed uint64, n int, faults Faults) []Op {
 			o.Kind = OpDown
 		}
 		ops = append(ops, o)
+		if faults.Reset && resets.IntN(1000) < 6 {
+			ops = append(ops, Op{Kind: OpReset, Node: resets.IntN(nodes), Key: resets.IntN(hotKeys)})
+		}
 	}
 	return ops
 }

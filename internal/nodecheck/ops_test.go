@@ -44,21 +44,35 @@ func TestGen_OnlyTheFaultsAskedFor(t *testing.T) {
 		return n
 	}
 	none := count(Gen(7, 5000, Faults{}))
-	if none[OpRestart]+none[OpDown]+none[OpStep] != 0 || none[OpDecide] == 0 {
+	if none[OpRestart]+none[OpDown]+none[OpStep]+none[OpDetach]+none[OpReset] != 0 || none[OpDecide] == 0 {
 		t.Fatalf("no faults asked for: %v", none)
 	}
 	all := count(Gen(7, 5000, AllFaults))
-	for k := OpDecide; k <= OpDown; k++ {
+	for k := OpDecide; k <= OpReset; k++ {
 		if all[k] == 0 {
 			t.Errorf("no %s in 5000 operations", Op{Kind: k})
 		}
+	}
+	// Resets are drawn apart: without them a seed's list is the one it
+	// made before they were, so a seed that found a defect still runs it.
+	noResets := AllFaults
+	noResets.Reset = false
+	before := Gen(7, 5000, noResets)
+	var kept []Op
+	for _, o := range Gen(7, 5000, AllFaults) {
+		if o.Kind != OpReset {
+			kept = append(kept, o)
+		}
+	}
+	if !reflect.DeepEqual(kept, before[:len(kept)]) {
+		t.Error("drawing resets changed the other operations of the list")
 	}
 }
 
 // TestOp_StringNamesEveryKind: every operation reads as a sentence in a
 // failure's list, naming its node and keys.
 func TestOp_StringNamesEveryKind(t *testing.T) {
-	for k := OpDecide; k <= OpDown; k++ {
+	for k := OpDecide; k <= OpReset; k++ {
 		if s := (Op{Kind: k, Node: 3, Key: 1, Key2: 2, Cost: 2}).String(); s == "?" || s == "" {
 			t.Errorf("kind %d reads %q", k, s)
 		}

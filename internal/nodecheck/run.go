@@ -30,6 +30,9 @@ type Cluster interface {
 	Restart()
 	// SetDown makes the origin unreachable, or reachable again.
 	SetDown(down bool)
+	// ResetCells marks the key's cell seq and the one before it as reset
+	// for the region (origin.Redis.ResetCells with version 0).
+	ResetCells(key engine.Key, seq int64) error
 	// Settle returns once the engines' background work (reads started
 	// without waiting) has finished, or as soon as it can.
 	Settle()
@@ -269,6 +272,8 @@ func (r *runner) do(op int, o Op) error {
 		r.c.Restart()
 		r.resendAt = r.now + slowMs
 		r.fault(r.resendAt + flushPeriod)
+	case OpReset:
+		return r.reset(op, i, Keys[o.Key])
 	case OpDown:
 		r.down = !r.down
 		r.c.SetDown(r.down)
@@ -278,6 +283,46 @@ func (r *runner) do(op int, o Op) error {
 		r.released()
 		r.fault(r.now + flushPeriod)
 	}
+	return nil
+}
+
+// reset runs an OpReset as the admin API makes a region reset (the root's
+// reset.go): node i writes what it has not replayed of the key, the
+// origin marks the key's cell of node i's window and the one before it,
+// and every node drops its state of the key and its units of those cells
+// not replayed yet (it hears of the reset; here at once). The central
+// count of both cells starts over: the marks take off what the origin
+// holds, the drops what it does not. A reset needs the region: while the
+// origin is down, or node i runs without it, it is refused and changes
+// nothing. While another node runs without the origin (it hears of no
+// reset, and replays its units into the marked cells later) or a clock
+// runs an hour off, the reset is made and the check waits two windows.
+func (r *runner) reset(op, i int, k Key) error {
+	if r.down || r.detached[i] {
+		return nil
+	}
+	key := limitOf(k, 0).Key
+	match := func(id string) bool { return id == k.ID }
+	e := r.c.Engine(i)
+	if err := e.FlushMatching(Zone, k.Window, match); err != nil {
+		return fmt.Errorf("operation %d: node %d could not write its units of %s before a reset: %v", op, i, k.ID, err)
+	}
+	w := k.Window.Milliseconds()
+	seq := (r.base.UnixMilli() + r.nodeNow(i)) / w
+	if err := r.c.ResetCells(key, seq); err != nil {
+		return fmt.Errorf("operation %d: the origin refused node %d's reset of %s: %v", op, i, k.ID, err)
+	}
+	for j := range r.n {
+		if !r.detached[j] {
+			r.c.Engine(j).DropMatching(Zone, k.Window, match, seq)
+		}
+	}
+	if slices.Contains(r.detached, true) || slices.ContainsFunc(r.offsets, func(d time.Duration) bool { return d != 0 }) {
+		r.fault(r.now + 2*maxWindow)
+	}
+	delete(r.central, cellID{k.ID, w, seq})
+	delete(r.central, cellID{k.ID, w, seq - 1})
+	delete(r.recent, k.ID)
 	return nil
 }
 

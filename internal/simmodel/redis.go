@@ -61,7 +61,10 @@ type Hash struct {
 	// Late is the scripts' l: a late write reached the previous cell, so
 	// every answer about this one carries that cell's totals.
 	Late bool
-	recs []record
+	// R and RG are a region reset's marks (origin/reset.go): what T and G
+	// were when an operator reset the key. The cell says T − R and G − RG.
+	R, RG int64
+	recs  []record
 	// marked: the hash holds only a late write's mark, and the expiry that
 	// write gave it; the first write sets the cell's own (raise's made).
 	marked bool
@@ -278,20 +281,46 @@ func (r *Redis) notify(id CellID, h *Hash, at int64) {
 	r.watch(id, Hash{T: h.T, G: h.G, Expires: h.Expires}, prev, at)
 }
 
+// says is what the cell says of the region's count and the imported one:
+// T and G less a reset's marks.
+func (h *Hash) says() (cur, global int64) { return max(h.T-h.R, 0), max(h.G-h.RG, 0) }
+
 // totals is what a read returns for the record (node, inc) of id.
 func (r *Redis) totals(id CellID, node string, inc uint32) engine.Totals {
 	h := r.cells[id]
 	var t engine.Totals
 	if h != nil {
-		t.Cur, t.Global, t.Shared, t.Processes = h.T, h.G, len(h.recs) > 1, int64(len(h.recs))
+		t.Cur, t.Global = h.says()
+		t.Shared, t.Processes = len(h.recs) > 1, int64(len(h.recs))
 		if rec := h.rec(node, inc); rec != nil {
 			t.Mine = rec.own
 		}
 	}
 	if p := r.cells[CellID{id.Key, id.Seq - 1}]; p != nil {
-		t.Prev, t.GlobalPrev = p.T, p.G
+		t.Prev, t.GlobalPrev = p.says()
 	}
 	return t
+}
+
+// ResetCells is a region reset of key (origin.Redis.ResetCells with
+// version 0): the cell seq and the one before it, where they exist, say
+// nothing of what they held before it, whatever is written to them
+// later of that.
+func (r *Redis) ResetCells(key engine.Key, seq int64) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	applied, err := r.call(r.timeouts.Read)
+	if !applied {
+		return err
+	}
+	r.cost.Calls++
+	for _, s := range []int64{seq, seq - 1} {
+		if h := r.cells[CellID{key, s}]; h != nil && !h.marked {
+			h.R, h.RG = h.T, h.G
+			r.cost.Processed += 2 // HMGET, HSET
+		}
+	}
+	return err
 }
 
 // Origin returns node's connection to r: what one process's engine uses.
@@ -383,14 +412,15 @@ func (o *originConn) Reserve(_ context.Context, res *engine.Reservation) error {
 	r.cost.Processed += 1 + cmds + 1
 	var pt, pg int64
 	if p := r.cells[CellID{res.Key, res.Sequence - 1}]; p != nil {
-		pt, pg = p.T, p.G
+		pt, pg = p.says()
 	}
-	imported := max(res.Global, h.G)
+	cur, g := h.says()
+	imported := max(res.Global, g)
 	weighed := engine.SatAdd(pt, max(res.GlobalPrev, pg))
 	w := res.Key.Window.Milliseconds()
 	var charged int64
 	admit := func(cost int64) bool {
-		room := res.Limit - engine.SatAdd(engine.SatAdd(h.T, charged), imported) - cost
+		room := res.Limit - engine.SatAdd(engine.SatAdd(cur, charged), imported) - cost
 		if room < 0 || (weighed != 0 && res.Elapsed < w && weighed*(w-res.Elapsed) >= (room+1)*w) {
 			return false
 		}
