@@ -403,9 +403,24 @@ func (e *Engine) sendGroup(ctx context.Context, o Origin, lc *located, l *Limit,
 // that carried those costs and reached the origin first made the
 // reservation charge them again (and a refused cost stayed counted): one
 // write or reservation of a cell at a time, as writes already are.
+//
+// While the origin fails it does not wait: a write in flight on a hung
+// origin lasts its own timeout, longer than the request's, and the replay
+// sends a hot cell again every fast tick, so each request for the key
+// waited its whole read timeout to decide locally in the end, breaker
+// open or not, for as long as the origin hung. It decides locally at once
+// (dl.expired), as the read path does after a failure.
 func (e *Engine) holdWrites(ctx context.Context, c *cell, dl *deadline) bool {
 	for !c.setBits(stFlushing) {
-		if ch := e.flushEndedWhile(c); ch != nil && !dl.wait(ctx, e, ch) {
+		ch := e.flushEndedWhile(c)
+		if ch == nil {
+			continue
+		}
+		if e.failing.Load() {
+			dl.expired = true
+			return false
+		}
+		if !dl.wait(ctx, e, ch) {
 			return false
 		}
 	}
