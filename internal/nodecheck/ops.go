@@ -76,6 +76,7 @@ const (
 	OpDown                // the origin becomes unreachable, or reachable again
 	OpDetach              // a node's reload takes the origin out, or puts it back
 	OpReset               // a node resets a key for the region (the admin API's scope=region)
+	OpLimit               // an operator changes a key's limit (a runtime override), or restores it
 )
 
 // Op is one operation; its fields are read by its kind.
@@ -84,6 +85,8 @@ type Op struct {
 	Node        int
 	Key, Key2   int
 	Cost, Cost2 int64
+	// Limit is an OpLimit's new limit.
+	Limit int64
 }
 
 func (o Op) String() string {
@@ -112,6 +115,8 @@ func (o Op) String() string {
 		return fmt.Sprintf("node %d reloads without the origin, or with it again", o.Node)
 	case OpReset:
 		return fmt.Sprintf("node %d resets %s for the region", o.Node, Keys[o.Key].ID)
+	case OpLimit:
+		return fmt.Sprintf("an operator sets %s's limit to %d", Keys[o.Key].ID, o.Limit)
 	}
 	return "?"
 }
@@ -120,9 +125,9 @@ func (o Op) String() string {
 // that the in-memory one does cheaply.
 type Faults struct {
 	Restart, Down, Step, Detach bool
-	// Reset draws operators' region resets too (OpReset: an action, not
-	// a fault, drawn apart so that a list without them is the one its
-	// seed made before they were).
+	// Reset draws operators' actions too, region resets and limit changes
+	// (OpReset, OpLimit: actions, not faults, drawn apart so that a list
+	// without them is the one its seed made before they were).
 	Reset bool
 }
 
@@ -194,8 +199,18 @@ func Gen(seed uint64, n int, faults Faults) []Op {
 			o.Kind = OpDown
 		}
 		ops = append(ops, o)
-		if faults.Reset && resets.IntN(1000) < 6 {
+		if !faults.Reset || len(ops) > n {
+			continue
+		}
+		switch x := resets.IntN(1000); {
+		case x < 6:
 			ops = append(ops, Op{Kind: OpReset, Node: resets.IntN(nodes), Key: resets.IntN(hotKeys)})
+		case x < 10:
+			// Half the Caddyfile's limit, the same (the override removed),
+			// or twice it; never 0, which blocks every request, cost 0 too.
+			k := resets.IntN(hotKeys)
+			l := [3]int64{max(Keys[k].Limit/2, 1), Keys[k].Limit, 2 * Keys[k].Limit}[resets.IntN(3)]
+			ops = append(ops, Op{Kind: OpLimit, Key: k, Limit: l})
 		}
 	}
 	return ops

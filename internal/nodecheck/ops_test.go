@@ -20,7 +20,8 @@ func TestGen_OneSeedOneList(t *testing.T) {
 			t.Fatalf("seed %d: %d operations, header %+v", seed, len(ops), ops[0])
 		}
 		for i, o := range ops[1:] {
-			if o.Node < 0 || o.Node >= n || o.Key < 0 || o.Key >= len(Keys) || o.Cost < 0 || o.Cost > maxCost {
+			if o.Node < 0 || o.Node >= n || o.Key < 0 || o.Key >= len(Keys) || o.Cost < 0 || o.Cost > maxCost ||
+				(o.Kind == OpLimit) != (o.Limit > 0) {
 				t.Fatalf("seed %d, operation %d: %+v", seed, i+1, o)
 			}
 			if o.Kind == OpBatch && o.Key == o.Key2 {
@@ -44,11 +45,11 @@ func TestGen_OnlyTheFaultsAskedFor(t *testing.T) {
 		return n
 	}
 	none := count(Gen(7, 5000, Faults{}))
-	if none[OpRestart]+none[OpDown]+none[OpStep]+none[OpDetach]+none[OpReset] != 0 || none[OpDecide] == 0 {
+	if none[OpRestart]+none[OpDown]+none[OpStep]+none[OpDetach]+none[OpReset]+none[OpLimit] != 0 || none[OpDecide] == 0 {
 		t.Fatalf("no faults asked for: %v", none)
 	}
 	all := count(Gen(7, 5000, AllFaults))
-	for k := OpDecide; k <= OpReset; k++ {
+	for k := OpDecide; k <= OpLimit; k++ {
 		if all[k] == 0 {
 			t.Errorf("no %s in 5000 operations", Op{Kind: k})
 		}
@@ -60,7 +61,7 @@ func TestGen_OnlyTheFaultsAskedFor(t *testing.T) {
 	before := Gen(7, 5000, noResets)
 	var kept []Op
 	for _, o := range Gen(7, 5000, AllFaults) {
-		if o.Kind != OpReset {
+		if o.Kind != OpReset && o.Kind != OpLimit {
 			kept = append(kept, o)
 		}
 	}
@@ -72,7 +73,7 @@ func TestGen_OnlyTheFaultsAskedFor(t *testing.T) {
 // TestOp_StringNamesEveryKind: every operation reads as a sentence in a
 // failure's list, naming its node and keys.
 func TestOp_StringNamesEveryKind(t *testing.T) {
-	for k := OpDecide; k <= OpReset; k++ {
+	for k := OpDecide; k <= OpLimit; k++ {
 		if s := (Op{Kind: k, Node: 3, Key: 1, Key2: 2, Cost: 2}).String(); s == "?" || s == "" {
 			t.Errorf("kind %d reads %q", k, s)
 		}

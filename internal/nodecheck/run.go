@@ -74,7 +74,7 @@ type Trace func(format string, args ...any)
 // bound holds again within one flush period.
 func Run(c Cluster, ops []Op, base time.Time, trace Trace) Result {
 	r := &runner{c: c, base: base, trace: trace, n: Nodes(ops),
-		quietTill: -1, resendAt: -1, central: map[cellID]int64{}, recent: admissions{}}
+		quietTill: -1, resendAt: -1, central: map[cellID]int64{}, recent: admissions{}, limits: map[string]int64{}}
 	r.offsets = make([]time.Duration, r.n)
 	r.detached = make([]bool, r.n)
 	for i := range r.n {
@@ -133,6 +133,10 @@ type runner struct {
 	n       int
 	offsets []time.Duration
 	res     Result
+
+	// limits are the keys' limits an operator changed (OpLimit), by
+	// identifier: every node applies a change from its next decision.
+	limits map[string]int64
 
 	now       int64 // the true clock, ms since base
 	ticks     int
@@ -221,7 +225,7 @@ func (r *runner) do(op int, o Op) error {
 	e := r.c.Engine(i)
 	switch o.Kind {
 	case OpDecide:
-		k := Keys[o.Key]
+		k := r.key(o.Key)
 		d := e.Decide(bg, limitOf(k, o.Cost))
 		r.res.Decisions++
 		return r.check(op, i, k, o.Cost, d.Allowed)
@@ -274,6 +278,8 @@ func (r *runner) do(op int, o Op) error {
 		r.fault(r.resendAt + flushPeriod)
 	case OpReset:
 		return r.reset(op, i, Keys[o.Key])
+	case OpLimit:
+		r.limits[Keys[o.Key].ID] = o.Limit
 	case OpDown:
 		r.down = !r.down
 		r.c.SetDown(r.down)
@@ -326,12 +332,21 @@ func (r *runner) reset(op, i int, k Key) error {
 	return nil
 }
 
+// key is Keys[i] with the limit an operator gave it, if any.
+func (r *runner) key(i int) Key {
+	k := Keys[i]
+	if l, ok := r.limits[k.ID]; ok {
+		k.Limit = l
+	}
+	return k
+}
+
 // batch runs an OpBatch. A batch reads instead of reserving: it may
 // over-admit by what the others admit until their next replay, within the
 // same slack. Its denial may come from the other limit, so only an
 // admission is judged.
 func (r *runner) batch(op, i int, o Op) error {
-	k1, k2 := Keys[o.Key], Keys[o.Key2]
+	k1, k2 := r.key(o.Key), r.key(o.Key2)
 	out := make([]engine.Decision, 2)
 	ok := r.c.Engine(i).DecideMany(bg, []engine.Limit{limitOf(k1, o.Cost), limitOf(k2, o.Cost2)}, out)
 	r.res.Decisions++
