@@ -92,6 +92,14 @@ func fromBookZone(z string) (zone string, reset bool, form string) {
 // it before it lapses.
 const tombstoneLife = 24 * time.Hour
 
+// after reports whether r is a later change than old: a newer version,
+// or the same one made in a region whose name sorts after old's (two
+// regions' operators who changed the key at once past the same held
+// version), as MySQL and the region's Redis order them.
+func (r *overrideRec) after(old *overrideRec) bool {
+	return r.Version > old.Version || r.Version == old.Version && r.Region > old.Region
+}
+
 // live reports whether r applies at now (Unix ms).
 func (r *overrideRec) live(now int64) bool {
 	return !r.Deleted && (r.ExpiresMs == 0 || r.ExpiresMs > now)
@@ -250,7 +258,7 @@ func (b *overrideBook) merge(recs []overrideRec) int {
 	var resets []overrideRec
 	for _, r := range recs {
 		k := overrideKey{r.bookZone(), r.Identifier}
-		if old, ok := b.recs[k]; ok && old.Version >= r.Version {
+		if old, ok := b.recs[k]; ok && !r.after(&old) {
 			continue
 		}
 		b.recs[k] = r

@@ -403,3 +403,58 @@ func globalResetUnderTraffic(t *testing.T, bAfter bool) {
 			fmt.Sprintf("%d admitted since; rows %v", since, got)
 	})
 }
+
+// overrideLimit returns the limit of the runtime override a node holds of
+// the key, or -1 when it holds none.
+func (n *regionNode) overrideLimit(key string) int64 {
+	var d struct {
+		Limit int64 `json:"limit"`
+	}
+	if n.adminGet("/ratelimit/overrides?zone=global&identifier="+urlQueryEscape(key), &d) != nil {
+		return -1
+	}
+	return d.Limit
+}
+
+// TestRegions_TwoOperatorsPastAFutureVersionEndOnOneChange: the key's
+// override carries a version minutes ahead (made on a node whose clock
+// ran ahead, here written as that region's holder would have). Operators
+// of regions A and B change the key at once: each change is stamped past
+// the held version, so both carry the same one. Every region must end on
+// the same change, the one MySQL keeps.
+func TestRegions_TwoOperatorsPastAFutureVersionEndOnOneChange(t *testing.T) {
+	c := startCluster(t, clusterSpec{regions: 2, nodes: 1, limit: 3, window: pickWindow(2 * time.Minute)})
+	a, b := c.regions[0][0], c.regions[1][0]
+	key := freshKey("tie")
+	db := mysqltest.Open(t, c.dsn)
+	future := time.Now().Add(10 * time.Minute).UnixMicro()
+	if _, err := db.Exec(`INSERT INTO ratelimit_overrides
+		(namespace, identifier, limit_units, expires_ms, reason, origin_region, version, deleted, updated_ms)
+		VALUES (?, ?, 1000, 0, '', 'region-z', ?, 0, ROUND(UNIX_TIMESTAMP(NOW(3)) * 1000))`,
+		[]byte("global"), []byte(key), future); err != nil {
+		t.Fatal(err)
+	}
+	for _, n := range []*regionNode{a, b} {
+		redistest.Eventually(t, 10*time.Second, "the future version in every region", func() bool { return n.overrideLimit(key) == 1000 })
+	}
+	path := "/ratelimit/overrides?zone=global&identifier=" + urlQueryEscape(key)
+	var wg sync.WaitGroup
+	for i, n := range []*regionNode{a, b} {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if s := n.adminSend(t, http.MethodPut, path, fmt.Sprintf(`{"limit": %d}`, 5+2*i)); s != http.StatusOK {
+				t.Errorf("PUT in %s: %d", n.region, s)
+			}
+		}()
+	}
+	wg.Wait()
+	var kept int64
+	redistest.EventuallyShow(t, 10*time.Second, "both regions on MySQL's change", func() (bool, string) {
+		if err := db.QueryRow(`SELECT limit_units FROM ratelimit_overrides WHERE identifier = ?`, []byte(key)).Scan(&kept); err != nil {
+			return false, err.Error()
+		}
+		la, lb := a.overrideLimit(key), b.overrideLimit(key)
+		return la == kept && lb == kept, fmt.Sprintf("MySQL keeps limit %d; region A applies %d, region B %d", kept, la, lb)
+	})
+}

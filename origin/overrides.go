@@ -39,24 +39,47 @@ type Override struct {
 	Field string
 	// Version orders changes of a field: the newer replaces the older.
 	Version int64
-	// Value is the override, opaque here.
+	// Value is the override, opaque here but for one thing: of two
+	// changes of one version (made in two regions past the same held
+	// version), the one whose JSON member "region" sorts after the other's,
+	// byte by byte, wins, as it does in MySQL, so that every region ends on
+	// the same one.
 	Value string
 }
 
 var (
 	// overridePutScript sets each field ARGV[3i+1] of KEYS[1] to
 	// "ARGV[3i+2] ARGV[3i+3]" when its version ARGV[3i+2] is newer than the
-	// one held, queues it in KEYS[3] when ARGV[#ARGV] is "1", and bumps
+	// one held, or the same and its region after the held one's (see
+	// Override), queues it in KEYS[3] when ARGV[#ARGV] is "1", and bumps
 	// KEYS[2] once if any changed, publishing its new value on the channel
-	// KEYS[2] where the user may; returns how many changed.
+	// KEYS[2] where the user may; returns how many changed. Regions compare
+	// byte by byte, as MySQL's VARBINARY does (Lua's < follows the
+	// server's locale).
 	overridePutScript = redis.NewScript(`
+local function region(v)
+  local ok, o = pcall(cjson.decode, v)
+  if ok and type(o) == 'table' and type(o.region) == 'string' then return o.region end
+  return ''
+end
+local function after(a, b)
+  for j = 1, math.min(#a, #b) do
+    local x, y = string.byte(a, j), string.byte(b, j)
+    if x ~= y then return x > y end
+  end
+  return #a > #b
+end
 local changed = 0
 local queue = ARGV[#ARGV] == '1'
 for i = 1, #ARGV - 1, 3 do
   local old = redis.call('HGET', KEYS[1], ARGV[i])
-  local ov = -1
-  if old then ov = tonumber(string.match(old, '^(%-?%d+)')) or -1 end
-  if tonumber(ARGV[i+1]) > ov then
+  local ov, oldval = -1, nil
+  if old then
+    ov = tonumber(string.match(old, '^(%-?%d+)')) or -1
+    oldval = string.match(old, '^%-?%d+ (.*)$')
+  end
+  local nv = tonumber(ARGV[i+1])
+  if nv > ov or (nv == ov and oldval ~= nil and after(region(ARGV[i+2]), region(oldval))) then
     redis.call('HSET', KEYS[1], ARGV[i], ARGV[i+1] .. ' ' .. ARGV[i+2])
     if queue then redis.call('RPUSH', KEYS[3], ARGV[i]) end
     changed = changed + 1

@@ -386,8 +386,11 @@ func (s *sqlStore) showLag(ctx context.Context, q string) (sql.NullInt64, bool, 
 }
 
 // UpsertOverrides writes overrides, sorted by key, each replacing the row
-// only when its version is newer: the assignments run left to right, so
-// version, compared by the others, is set last.
+// only when its version is newer, or the same and its region after the
+// row's (two regions' operators stamped past the same held version: the
+// regions' Redis and the nodes' books break the tie alike, so every region
+// ends on one change): the assignments run left to right, so
+// origin_region and version, compared by the others, are set last.
 func (s *sqlStore) UpsertOverrides(ctx context.Context, rows []*OverrideRow) error {
 	if len(rows) == 0 {
 		return nil
@@ -401,7 +404,7 @@ func (s *sqlStore) UpsertOverrides(ctx context.Context, rows []*OverrideRow) err
 		args = append(args, []byte(r.Namespace), []byte(r.Identifier), r.Limit, r.ExpiresMs, []byte(r.Reason),
 			[]byte(r.Region), r.Version, del)
 	}
-	newer := `VALUES(version) > version`
+	newer := `(VALUES(version) > version OR VALUES(version) = version AND VALUES(origin_region) > origin_region)`
 	q := `INSERT INTO ratelimit_overrides
   (namespace, identifier, limit_units, expires_ms, reason, origin_region, version, deleted, updated_ms)
 VALUES ` + placeholders(len(rows), 8, ","+dbNowMs) + `
@@ -410,8 +413,8 @@ ON DUPLICATE KEY UPDATE
   limit_units = IF(` + newer + `, VALUES(limit_units), limit_units),
   expires_ms = IF(` + newer + `, VALUES(expires_ms), expires_ms),
   reason = IF(` + newer + `, VALUES(reason), reason),
-  origin_region = IF(` + newer + `, VALUES(origin_region), origin_region),
   deleted = IF(` + newer + `, VALUES(deleted), deleted),
+  origin_region = IF(` + newer + `, VALUES(origin_region), origin_region),
   version = GREATEST(version, VALUES(version))`
 	if _, err := s.write.ExecContext(ctx, q, args...); err != nil {
 		return fmt.Errorf("upsert %d overrides: %w", len(rows), err)
