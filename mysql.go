@@ -247,6 +247,7 @@ func provisionMySQL(a *App) (backend, error) {
 	}
 	cfg.Region = a.rowRegion()
 	cfg.MapID = a.ids.mapper()
+	cfg.Windows = func(ns string) []time.Duration { return defWindows(a.state.zones.definitions(ns, a)) }
 	if o := a.Origin; o != nil {
 		// The breaker lines given apply here too; those not given keep
 		// the write breaker's own defaults (it sees far fewer calls than

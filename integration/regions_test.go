@@ -59,6 +59,9 @@ type clusterSpec struct {
 	beforeNodes func(dsn string)
 	// flush, globalSync and blocklistSync replace the test intervals.
 	flush, globalSync, blocklistSync time.Duration
+	// windows, if set, gives region r's zone windows[r] in place of window
+	// (a fleet whose regions disagree).
+	windows []time.Duration
 	// replica gives the cluster a MariaDB primary and a replica of it
 	// (its own pair); the regions after the first pull from the replica
 	// (mysql_read), as regions far from the primary do.
@@ -165,7 +168,11 @@ func (c *cluster) globalLines(r int) string {
 	return b.String()
 }
 
-func (c *cluster) site() string {
+func (c *cluster) site(r int) string {
+	window := c.spec.window
+	if r < len(c.spec.windows) {
+		window = c.spec.windows[r]
+	}
 	return fmt.Sprintf(`	ratelimit {
 		zone global {
 			key    %s
@@ -174,7 +181,7 @@ func (c *cluster) site() string {
 		}
 		headers off
 	}
-	respond "ok"`, c.spec.key, c.spec.limit, c.spec.window)
+	respond "ok"`, c.spec.key, c.spec.limit, window)
 }
 
 // startNode starts one node of region r (it serves once startNode
@@ -219,7 +226,7 @@ http://127.0.0.1:%d {
 	bind 127.0.0.1
 %s
 }
-`, n.admin, n.port, c.globalLines(r), n.port, c.site())
+`, n.admin, n.port, c.globalLines(r), n.port, c.site(r))
 }
 
 func (c *cluster) all() []*regionNode {
@@ -575,4 +582,34 @@ func TestRegions_IdentifierSecretBurstDeniedAtB(t *testing.T) {
 	if err := db.QueryRow(`SELECT COUNT(*) FROM ratelimit_blocklist WHERE identifier = ?`, []byte(key)).Scan(&n); err != nil || n != 0 {
 		t.Fatalf("%d rows hold the raw identifier (%v)", n, err)
 	}
+}
+
+// TestRegions_AZoneOverAnotherWindowElsewhereIsLogged: region B defines
+// the zone over another window than A. A's counts name cells no request
+// of B weighs, so B admits its whole limit beside A's; the fleet's
+// operator must hear of it from B's holder, naming the zone and both
+// windows (before, nothing said so: the regions admitted twice the
+// limit in silence).
+func TestRegions_AZoneOverAnotherWindowElsewhereIsLogged(t *testing.T) {
+	const limit = 4
+	w := pickWindow(time.Minute)
+	c := startCluster(t, clusterSpec{regions: 2, nodes: 1, limit: limit, window: w, windows: []time.Duration{w, w + time.Minute}})
+	a, b := c.regions[0][0], c.regions[1][0]
+	key := freshKey("window")
+	for range limit {
+		if s := sendKey(loadClient, a.url("/"), key); s != http.StatusOK {
+			t.Fatalf("A's units: %d", s)
+		}
+	}
+	want := "another region counts a zone over a window this region does not"
+	redistest.EventuallyShow(t, 5*time.Second, "B's holder says the zone's windows differ", func() (bool, string) {
+		return strings.Contains(b.log.String(), want), tail(b.log.String(), 1500)
+	})
+	admitted := 0
+	for range limit {
+		if sendKey(loadClient, b.url("/"), key) == http.StatusOK {
+			admitted++
+		}
+	}
+	t.Logf("B admitted %d of the key A holds at its limit of %d (the regions count the zone apart)", admitted, limit)
 }

@@ -98,6 +98,11 @@ type Config struct {
 	// under identifier_secret); rows then never hold a raw identifier, and
 	// receivers find entries through an index built at entry creation.
 	MapID func(string) string
+	// Windows, if set, returns the windows a zone (a row's namespace)
+	// counts over here, none for a zone this config does not define. A
+	// foreign row of a zone defined here over another window counts
+	// nowhere here: the holder logs it (windowMismatch).
+	Windows func(namespace string) []time.Duration
 }
 
 // WithDefaults returns c with every unset field at its default.

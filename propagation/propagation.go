@@ -136,6 +136,7 @@ type Propagator struct {
 	syncs       [tables]int           // syncs since the table's last whole read
 	ovPending   map[Cell]*OverrideRow // overrides changed here or in the region, not yet written
 	onOverrides func([]OverrideRow)
+	mismatched  map[zoneWindow]bool // zones over another window here, logged once (pull.go)
 	recentOut   []BlocklistRow
 	recentIn    []BlocklistRow
 	importCount atomic.Int64

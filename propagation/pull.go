@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"math"
+	"slices"
 	"time"
 
 	"go.uber.org/zap"
@@ -202,6 +203,51 @@ type update struct {
 	wait bool
 }
 
+// zoneWindow is a zone and a window length (ms) another region counts
+// it over.
+type zoneWindow struct {
+	ns string
+	w  int64
+}
+
+// maxMismatched bounds the zone windows windowMismatch remembers.
+const maxMismatched = 1024
+
+// windowMismatch logs, once per zone and window, a foreign row of a zone
+// this config counts over other windows: the cell it names is one no
+// request here weighs, so the regions count the zone apart and together
+// admit each region's limit, and without a word that said why.
+func (p *Propagator) windowMismatch(ns string, windowMs int64, region string) {
+	if p.cfg.Windows == nil || region == p.cfg.Region {
+		return
+	}
+	k := zoneWindow{ns, windowMs}
+	p.mu.Lock()
+	seen := p.mismatched[k]
+	p.mu.Unlock()
+	if seen {
+		return
+	}
+	here := p.cfg.Windows(ns)
+	w := time.Duration(windowMs) * time.Millisecond
+	if len(here) == 0 || slices.Contains(here, w) {
+		return
+	}
+	p.mu.Lock()
+	if p.mismatched == nil {
+		p.mismatched = map[zoneWindow]bool{}
+	}
+	first := !p.mismatched[k] && len(p.mismatched) < maxMismatched
+	if first {
+		p.mismatched[k] = true
+	}
+	p.mu.Unlock()
+	if first {
+		p.log.Warn("another region counts a zone over a window this region does not: its counts of the zone count nowhere here, and the regions together admit each one's limit; give the zone the same window in every region",
+			zap.String("zone", ns), zap.String("region", region), zap.Duration("window", w), zap.Durations("windows_here", here))
+	}
+}
+
 // applyCounts merges published counts into the imports.
 func (p *Propagator) applyCounts(rows []CountRow, now int64) {
 	var ups []update
@@ -210,6 +256,7 @@ func (p *Propagator) applyCounts(rows []CountRow, now int64) {
 		if r.ExpiresMs <= now || r.WindowMs < p.cfg.MinWindow.Milliseconds() {
 			continue
 		}
+		p.windowMismatch(r.Namespace, r.WindowMs, r.Region)
 		// The lock is taken per row: EntryCreated takes it on the request
 		// path and must never wait for a whole page.
 		p.mu.Lock()
@@ -232,6 +279,7 @@ func (p *Propagator) applyBlocklist(rows []BlocklistRow, now int64) {
 		if r.ExpiresMs <= now || r.WindowMs < p.cfg.MinWindow.Milliseconds() {
 			continue
 		}
+		p.windowMismatch(r.Namespace, r.WindowMs, r.Region)
 		p.mu.Lock() // per row, as in applyCounts
 		applied := false
 		if u, ok := p.mergeLocked(r.cell(), r.Region, regionPart{denied: r.CountCur}, r.ExpiresMs); ok {
