@@ -148,7 +148,7 @@ func (p *Propagator) pruneMember(now int64) {
 // regionFailed logs a failed call to the region's Redis: one line per
 // streak start, then one per hundred (the metrics count every one).
 func (p *Propagator) regionFailed(what string, err error) {
-	if errors.Is(err, errLeaseLost) {
+	if errors.Is(err, errLeaseLost) || p.stopped(err) {
 		return
 	}
 	if c := p.stats.regionErrors.Add(1); c == 1 || c%100 == 0 {

@@ -239,7 +239,7 @@ func (p *Propagator) writeCounts(ctx context.Context, cands []candidate, fix ...
 // writeFailed counts and logs a failed write: one line per streak start,
 // then one per hundred (the metrics count every dropped batch).
 func (p *Propagator) writeFailed(what string, n int, err error) {
-	if errors.Is(err, errLeaseLost) {
+	if errors.Is(err, errLeaseLost) || p.stopped(err) {
 		return
 	}
 	p.stats.droppedBatches.Add(1)

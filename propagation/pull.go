@@ -183,7 +183,7 @@ func newer(a, b *RowKey) bool {
 }
 
 func (p *Propagator) readFailed(what string, err error) {
-	if errors.Is(err, errLeaseLost) {
+	if errors.Is(err, errLeaseLost) || p.stopped(err) {
 		return
 	}
 	if c := p.stats.readErrors.Add(1); c == 1 || c%100 == 0 {

@@ -167,6 +167,9 @@ func (p *Propagator) holdRole(ctx context.Context) (held, taken bool) {
 		holder, err = p.region.Lease(ctx, p.leaseTTL())
 		return err
 	})
+	if p.stopped(err) {
+		return false, false // the layer stops: its role is as it was, for releaseRole
+	}
 	if err != nil {
 		if c := p.stats.leaseErrors.Add(1); c == 1 || c%100 == 0 {
 			p.log.Warn("the region's Redis did not answer the role's lease: publication pauses until it does",

@@ -2,6 +2,7 @@ package propagation
 
 import (
 	"context"
+	"errors"
 	"math/rand/v2"
 	"time"
 
@@ -156,7 +157,7 @@ func (p *Propagator) checkLag(ctx context.Context) {
 		p.stats.replicaLagMs.Store(ms)
 		return err
 	})
-	if err != nil {
+	if err != nil && !p.stopped(err) {
 		p.stats.replicaLagMs.Store(-1)
 		if c := p.stats.lagErrors.Add(1); c == 1 {
 			p.log.Warn("cannot read the replica's lag (SHOW REPLICA STATUS failed: the replica does not answer, or its user lacks REPLICATION CLIENT, SLAVE MONITOR on MariaDB): the status shows the newest row's age only",
@@ -230,6 +231,23 @@ func (p *Propagator) loop(first, interval time.Duration, fn func(context.Context
 			t.Reset(jitter(interval))
 		}
 	}()
+}
+
+// stopped reports whether err is a query that Stop cancelled: the loops'
+// queries in flight when a reload (or shutdown) stops the layer. That is
+// no failure of MySQL or of the region's Redis, and is neither counted
+// nor logged as one (a reload once counted and logged "mysql read
+// failed ... context canceled"); the write breaker leaves it out too.
+func (p *Propagator) stopped(err error) bool {
+	if !errors.Is(err, context.Canceled) {
+		return false
+	}
+	select {
+	case <-p.stop:
+		return true
+	default:
+		return false
+	}
 }
 
 // jitter spreads d by ±jitterShare, so the nodes of a fleet do not query
