@@ -9,6 +9,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -268,6 +269,7 @@ func provisionMySQL(a *App) (backend, error) {
 	a.eachBackend(func(b backend) {
 		if rb, ok := b.(*redisBackend); ok {
 			opts.Region = redisRegion{o: rb.origin, st: a.state}
+			opts.RoleHeld = &processRole
 		}
 	})
 	// Without Redis the process is its own region: runtime overrides come
@@ -286,6 +288,11 @@ func provisionMySQL(a *App) (backend, error) {
 	}
 	return &mysqlBackend{a: a, prop: p, ownsLoad: owns}, nil
 }
+
+// processRole is whether this process holds its region's cross-region
+// role, whichever config's layer took it: a reload's new layer takes the
+// role the process holds, which is no role change (propagation.Options).
+var processRole atomic.Bool
 
 // resolveDSN replaces runtime placeholders in the DSN. Errors never quote
 // it.
@@ -347,6 +354,9 @@ func (b *mysqlBackend) close() {
 	ctx, cancel := context.WithTimeout(context.Background(), closeTimeout)
 	defer cancel()
 	b.prop.Stop(ctx)
+	if cur := currentProp.Load(); cur == nil || !cur.HasRegion() {
+		processRole.Store(false) // its role went with the last layer that had one
+	}
 	retireProp(b.prop.Stats())
 	b.prop = nil
 }

@@ -224,3 +224,50 @@ func metricValue(t *testing.T, admin int, series string) float64 {
 	}
 	return 0
 }
+
+// TestCaddy_AReloadIsNoRoleChange reloads Caddy with Redis and MySQL: the
+// node holds the region's cross-region role throughout, so no reload is a
+// role change. Each reload's new layer counted taking the role again
+// (propagation_role_changes_total{change="taken"} 21 after 20 reloads of
+// one node, with "took the region's cross-region role" logged at each),
+// which an alert on role changes reads as a flapping role.
+func TestCaddy_AReloadIsNoRoleChange(t *testing.T) {
+	srv := mysqltest.Start(t)
+	t.Setenv("RATELIMIT_TEST_MYSQL_DSN", srv.NewDatabase(t))
+	t.Setenv("RATELIMIT_TEST_ROLE_REDIS", redistest.Start(t).URL())
+	global := func(flush string) string {
+		return `	ratelimit {
+		region  test-a
+		redis   {env.RATELIMIT_TEST_ROLE_REDIS}
+		mysql   {env.RATELIMIT_TEST_MYSQL_DSN}
+		mysql_flush ` + flush + `
+		global_sync 50ms
+		blocklist_sync 50ms
+		min_window 1s
+	}`
+	}
+	_, admin, _ := startCaddy(t, mysqlConfig(global("20ms")))
+	const held = `caddy_ratelimit_propagation_role_held`
+	taken := `caddy_ratelimit_propagation_role_changes_total{change="taken"}`
+	lost := `caddy_ratelimit_propagation_role_changes_total{change="lost"}`
+	redistest.Eventually(t, 30*time.Second, "the node holds the role", func() bool {
+		return metricValue(t, admin, held) == 1
+	})
+	// Metrics add up across configs (and tests): compare with before.
+	taken0, lost0 := metricValue(t, admin, taken), metricValue(t, admin, lost)
+	const reloads = 6
+	for i := range reloads {
+		flush := []string{"20ms", "25ms"}[i%2] // changed, and (but the port) unchanged
+		if err := loadCaddyfile(t, admin, mysqlConfig(global(flush))); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	redistest.Eventually(t, 30*time.Second, "the node holds the role after the reloads", func() bool {
+		return metricValue(t, admin, held) == 1
+	})
+	time.Sleep(200 * time.Millisecond) // flushes of the last config
+	if dt, dl := metricValue(t, admin, taken)-taken0, metricValue(t, admin, lost)-lost0; dt != 0 || dl != 0 {
+		t.Errorf("%d reloads of a node that held the role counted it taken %g and lost %g times, want 0", reloads, dt, dl)
+	}
+}

@@ -154,6 +154,10 @@ type Propagator struct {
 	stopOnce sync.Once
 	wg       sync.WaitGroup
 	started  atomic.Bool
+
+	// roleHeld is whether the process holds the region's role
+	// (Options.RoleHeld): what role changes are counted and logged by.
+	roleHeld *atomic.Bool
 }
 
 // cursor is where a table's next pull of changes starts: the newest row
@@ -235,6 +239,13 @@ type Options struct {
 	// the wall clock, which would make a simulated outage end at a time
 	// that depends on the machine's speed). Nil: the breaker.
 	WriteGate func(write func() error) error
+	// RoleHeld, if set, is whether the process holds the region's role,
+	// shared by the propagators it makes in turn (each reload makes one,
+	// which runs beside the old one for a moment): a new propagator that
+	// finds the role with its process's node neither counts nor logs
+	// taking it, and the one that sees it go counts and logs that once.
+	// Nil: the propagator's own.
+	RoleHeld *atomic.Bool
 }
 
 // New builds a Propagator around eng without any I/O: `caddy validate`
@@ -269,6 +280,7 @@ func New(cfg Config, eng Engine, opts Options) (*Propagator, error) {
 		addr:        addr,
 		now:         now,
 		gate:        opts.WriteGate,
+		roleHeld:    opts.RoleHeld,
 		denials:     make(chan engine.GlobalDenial, denialQueue),
 		pending:     make(map[Cell]*BlocklistRow),
 		taken:       make(map[Cell]BlocklistRow),
@@ -281,6 +293,9 @@ func New(cfg Config, eng Engine, opts Options) (*Propagator, error) {
 		onOverrides: opts.OnOverrides,
 		fullPull:    [tables]bool{true, true, true},
 		stop:        make(chan struct{}),
+	}
+	if p.roleHeld == nil {
+		p.roleHeld = new(atomic.Bool)
 	}
 	p.stats.replicaLagMs.Store(-1)
 	p.member.registered = make(map[engineCell]registration)

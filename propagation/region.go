@@ -179,15 +179,20 @@ func (p *Propagator) holdRole(ctx context.Context) (held, taken bool) {
 	p.holder.Store(&holder)
 	held = err == nil && holder == p.region.NodeID()
 	was := p.role.Load() == roleHolder
+	// The role changes when the process's holding does: a reload's new
+	// propagator takes the role its process holds (was is false), and
+	// once counted and logged that as taking it at every reload.
 	switch {
-	case held && !was:
-		p.role.Store(roleHolder)
+	case held && !p.roleHeld.Swap(true):
 		p.stats.roleTaken.Add(1)
 		p.log.Info("took the region's cross-region role: this node talks to MySQL for the region", zap.String("node", holder))
-		return true, true
-	case !held && was:
+	case !held && p.roleHeld.Swap(false):
 		p.stats.roleLost.Add(1)
 		p.log.Info("the region's cross-region role passed to another node", zap.String("holder", holder))
+	}
+	if held && !was {
+		p.role.Store(roleHolder)
+		return true, true
 	}
 	if !held {
 		p.role.Store(roleMember)
