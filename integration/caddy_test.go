@@ -42,7 +42,7 @@ const nodeStartTimeout = 30 * time.Second
 type node struct {
 	t     *testing.T
 	cmd   *exec.Cmd
-	log   *bytes.Buffer
+	log   *logBuffer
 	admin int
 	port  int
 	// config is the Caddyfile it runs.
@@ -61,7 +61,7 @@ func startNode(t *testing.T, global, site string) *node {
 	if err != nil {
 		t.Fatal(err)
 	}
-	n := &node{t: t, log: new(bytes.Buffer), admin: redistest.MustFreePort(t), port: redistest.MustFreePort(t)}
+	n := &node{t: t, log: new(logBuffer), admin: redistest.MustFreePort(t), port: redistest.MustFreePort(t)}
 	dir := t.TempDir()
 	cfg := fmt.Sprintf(`{
 	admin localhost:%d
@@ -105,6 +105,25 @@ http://127.0.0.1:%d {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+}
+
+// logBuffer is a Caddy process's output, which a test may read while the
+// process writes it.
+type logBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *logBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *logBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
 }
 
 func (n *node) url(path string) string { return fmt.Sprintf("http://127.0.0.1:%d%s", n.port, path) }

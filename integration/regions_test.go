@@ -1,7 +1,6 @@
 package integration
 
 import (
-	"bytes"
 	"cmp"
 	"encoding/json"
 	"fmt"
@@ -193,7 +192,7 @@ func (c *cluster) startNode(r int) *regionNode {
 	if err != nil {
 		t.Fatal(err)
 	}
-	n := &regionNode{node: &node{t: t, log: new(bytes.Buffer), admin: redistest.MustFreePort(t), port: redistest.MustFreePort(t)}, region: regionName(r)}
+	n := &regionNode{node: &node{t: t, log: new(logBuffer), admin: redistest.MustFreePort(t), port: redistest.MustFreePort(t)}, region: regionName(r)}
 	dir := t.TempDir()
 	n.file = filepath.Join(dir, "Caddyfile")
 	if err := os.WriteFile(n.file, []byte(c.caddyfile(r, n.node)), 0o600); err != nil {
