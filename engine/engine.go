@@ -152,6 +152,8 @@ type Engine struct {
 	// flushEnded, when set, is closed when the next write of deltas
 	// ends: what a forget waits on for a cell in flight (forget.go).
 	flushEnded atomic.Pointer[chan struct{}]
+	// forgets are the keys a forget is writing (forget.go).
+	forgets forgetting
 	// graves are recently dropped cells, for Resend (janitor.go).
 	graves graveyard
 	// failing is set by a failed origin call, cleared by the next success;

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"math"
+	"sync"
 	"sync/atomic"
 	"time"
 )
@@ -126,17 +127,30 @@ func (e *Engine) flushHeld(o Origin, z *Zone, id string) error {
 	if !ok {
 		return nil
 	}
+	return e.flushCells(o, z, en, [2]*cell{en.cur.Load(), en.prev.Load()})
+}
+
+// flushCells writes the units of cells, en's, as flushHeld does.
+func (e *Engine) flushCells(o Origin, z *Zone, en *entry, cells [2]*cell) error {
 	batch := make([]Delta, 0, 2)
 	var err error
-	for _, c := range [2]*cell{en.cur.Load(), en.prev.Load()} {
+	for _, c := range cells {
 		if c == nil || c == tombstone {
 			continue
 		}
-		if !e.awaitFlush(c) {
-			err = errStillFlushing
-			continue
+		for {
+			if !e.awaitFlush(c) {
+				err = errStillFlushing
+				break
+			}
+			n := len(batch)
+			if batch = e.take(batch, z, en, c, true); len(batch) > n || c.state()&stFlushing == 0 {
+				break
+			}
+			// A write of the replay took the cell between the wait and
+			// the take: its units reach the origin with that write, which
+			// this one must not end before.
 		}
-		batch = e.take(batch, z, en, c, true)
 	}
 	if ferr := e.flush(context.Background(), o, batch); ferr != nil {
 		err = ferr
@@ -152,45 +166,120 @@ func (e *Engine) flushHeld(o Origin, z *Zone, id string) error {
 // forget drops the entry and strict deadline of the normalized id, and
 // the unreplayed units of its cells up to sequence upTo (DropMatching;
 // noDrop for none).
+//
+// With an origin, the units this process has not replayed yet go out
+// first: the key's next request here reads the origin, which must hold
+// them, or it would admit them again. The entry is let go before that
+// write, not after: kept in place during the write's round trip, it took
+// every request that came meanwhile, whose units reached the replay queue
+// after the write and the origin after the key's next read (see
+// TestForget_UnitsAdmittedDuringItsWriteAreReadBack). A read of the key
+// made meanwhile, for the entry that takes its place, waits for the write
+// (see forgetting).
 func (e *Engine) forget(z *Zone, id string, upTo int64) bool {
 	found := false
-	if en, ok := z.entries.Load(id); ok && upTo != noDrop {
-		for _, c := range [2]*cell{en.cur.Load(), en.prev.Load()} {
-			if c != nil && c != tombstone && c.seq() <= upTo {
-				if x := c.links(); x != nil {
-					x.pending.Store(0)
-				}
-			}
-		}
-	}
-	if o := e.getOrigin(); o != nil {
-		// The units this process has not replayed yet go out first: the
-		// key's next request here reads the origin, which must hold them,
-		// or it would admit them again.
-		_ = e.flushHeld(o, z, id)
+	o := e.getOrigin()
+	if o != nil {
+		defer e.forgets.begin(z.key(id))()
 	}
 	if en, ok := z.entries.LoadAndDelete(id); ok {
 		found = true
+		// A request that still holds the entry sees the tombstone and
+		// looks the key up again.
+		cur := en.cur.Swap(tombstone)
+		if cur != tombstone {
+			e.live.Add(-1)
+		}
+		cells := [2]*cell{cur, en.prev.Load()}
+		if upTo != noDrop {
+			for _, c := range cells {
+				if c != nil && c != tombstone && c.seq() <= upTo {
+					if x := c.links(); x != nil {
+						x.pending.Store(0)
+					}
+				}
+			}
+		}
+		if o != nil {
+			_ = e.flushCells(o, z, en, cells)
+		}
 		if e.origin.Load() != nil {
-			e.requeue(z, en) // pending units still reach the origin
+			e.requeueCells(z, en, cells) // units charged since still reach the origin
 		}
 		if upTo != noDrop {
 			// The reset took off what its cells held here: a Redis that
 			// restarts empty, losing its marks, must not get it again.
-			for _, c := range [2]*cell{en.cur.Load(), en.prev.Load()} {
+			for _, c := range cells {
 				resetCell(c, upTo)
 			}
 		}
-		e.bury(z, en) // and those of an origin gone reach the next (sendUnsent)
-		if c := en.cur.Swap(tombstone); c != tombstone {
-			e.live.Add(-1)
-		}
+		e.buryCells(z, en, cells) // and those of an origin gone reach the next (sendUnsent)
 	}
 	if _, ok := z.strict.LoadAndDelete(id); ok {
 		e.strictLive.Add(-1)
 		found = true
 	}
 	return found
+}
+
+// forgetting holds the keys whose forget is writing their units (see
+// forget): a read of such a key waits for the write, at most a read
+// timeout. Reads look at the map only while a forget is under way.
+type forgetting struct {
+	n  atomic.Int64
+	mu sync.Mutex
+	m  map[Key]*forgetWait
+}
+
+// forgetWait is the forgets of one key under way, and the channel that
+// the last of them closes.
+type forgetWait struct {
+	n    int
+	done chan struct{}
+}
+
+// begin records a forget of k under way, and returns its end.
+func (f *forgetting) begin(k Key) (end func()) {
+	f.mu.Lock()
+	if f.m == nil {
+		f.m = map[Key]*forgetWait{}
+	}
+	w := f.m[k]
+	if w == nil {
+		w = &forgetWait{done: make(chan struct{})}
+		f.m[k] = w
+	}
+	w.n++
+	f.n.Add(1)
+	f.mu.Unlock()
+	return func() {
+		f.mu.Lock()
+		if w.n--; w.n == 0 {
+			delete(f.m, k)
+			close(w.done)
+		}
+		f.n.Add(-1)
+		f.mu.Unlock()
+	}
+}
+
+// wait waits, at most timeout, until no forget of k is under way.
+func (f *forgetting) wait(k Key, timeout time.Duration) {
+	if f.n.Load() == 0 {
+		return
+	}
+	f.mu.Lock()
+	w := f.m[k]
+	f.mu.Unlock()
+	if w == nil {
+		return
+	}
+	t := time.NewTimer(timeout)
+	defer t.Stop()
+	select {
+	case <-w.done:
+	case <-t.C:
+	}
 }
 
 // resetCell takes off c's own total and pending units when c is a cell of

@@ -204,3 +204,37 @@ func TestDropMatching_AResetsCellsAreNotSentAgain(t *testing.T) {
 		}
 	}
 }
+
+// TestForget_UnitsAdmittedDuringItsWriteAreReadBack: a forget writes the
+// key's unreplayed units before it drops the key; the requests that
+// arrive while that write is on its way must count too. Before, the key
+// stayed in place during the write: those requests were charged to the
+// cell being forgotten, their units went to the replay queue after the
+// write, and the key's next read, made at once, found the origin without
+// them and admitted them again (2 decided before the forget, 3 during its
+// write, then 3 more of a limit of 5: 8 admitted).
+func TestForget_UnitsAdmittedDuringItsWriteAreReadBack(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		e, _, o := withOrigin(t, Config{})
+		l := lim("k", time.Hour, 5, 1)
+		decideN(e, l, 2)
+		gate := make(chan struct{})
+		o.flushGate.Store(&gate)
+		forgot := make(chan bool)
+		go func() { forgot <- e.Forget(l.Key) }()
+		synctest.Wait() // its write waits at the gate
+		o.flushGate.Store(nil)
+		during := make(chan int)
+		go func() { during <- admittedOf(e, l, 3) }()
+		synctest.Wait()
+		close(gate)
+		if !<-forgot {
+			t.Fatal("Forget found nothing to forget")
+		}
+		admitted := 2 + <-during
+		admitted += admittedOf(e, l, 5)
+		if admitted != 5 {
+			t.Fatalf("admitted %d for a limit of 5 around a forget", admitted)
+		}
+	})
+}

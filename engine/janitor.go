@@ -221,8 +221,13 @@ func (e *Engine) Sweep() int {
 // queue, and reports whether every such cell is now queued (or with the
 // replay): false when a full queue refused one.
 func (e *Engine) requeue(z *Zone, en *entry) bool {
+	return e.requeueCells(z, en, [2]*cell{en.cur.Load(), en.prev.Load()})
+}
+
+// requeueCells is requeue of cells, en's.
+func (e *Engine) requeueCells(z *Zone, en *entry, cells [2]*cell) bool {
 	all := true
-	for _, x := range [2]*cell{en.cur.Load(), en.prev.Load()} {
+	for _, x := range cells {
 		if x == nil || x == tombstone || x.pending() == 0 || x.state()&(stDirty|stFlushing) != 0 {
 			continue
 		}

@@ -302,6 +302,9 @@ func (e *Engine) startRead(o Origin, lc *located, wait bool) (*flight, bool) {
 // readCell performs one origin read of c and the cell before it and merges
 // the totals.
 func (e *Engine) readCell(o Origin, key Key, en *entry, c *cell) {
+	// A forget of the key writing its units: the origin lacks them until
+	// it is done.
+	e.forgets.wait(key, e.readTimeoutD())
 	ctx, cancel := context.WithTimeout(context.Background(), e.readTimeoutD())
 	defer cancel()
 	start := e.nowMs()
