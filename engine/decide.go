@@ -85,14 +85,33 @@ func (e *Engine) decideLocated(ctx context.Context, d *Decision, l *Limit, o Ori
 	}
 	var dl deadline
 	defer dl.stop()
-	if f := e.converge(o, &lc, l, now); f != nil {
-		e.stats.syncReads.Add(1)
-		if !dl.wait(ctx, e, f.done) {
-			e.stats.readWaitTimeouts.Add(1)
+	for i := 0; ; i++ {
+		if f := e.converge(o, &lc, l, now); f != nil {
+			e.stats.syncReads.Add(1)
+			if !dl.wait(ctx, e, f.done) {
+				e.stats.readWaitTimeouts.Add(1)
+			}
 		}
+		// The key's entry let go (forgotten, evicted) while this request
+		// waited for a read or a reservation: its units were written, or
+		// queued, and the entry in its place reads them. Charged to the
+		// cell let go, the request would count where no read of the key
+		// looks any more: the key's next entry admitted it again.
+		relocate := i < maxRelocations
+		if relocate && lc.en.cur.Load() == tombstone {
+			e.locate(&lc, l, now, linked)
+			continue
+		}
+		if e.decideAtOrigin(ctx, d, o, &lc, l, now, &dl, relocate) {
+			return
+		}
+		e.locate(&lc, l, now, linked)
 	}
-	e.decideAtOrigin(ctx, d, o, &lc, l, now, &dl)
 }
+
+// maxRelocations bounds how often a decision locates its key again after
+// the key's entry was let go while it waited for a read.
+const maxRelocations = 2
 
 // decideLocal decides lc on local counts alone, into d.
 func (e *Engine) decideLocal(d *Decision, lc *located, l *Limit) {

@@ -238,3 +238,33 @@ func TestForget_UnitsAdmittedDuringItsWriteAreReadBack(t *testing.T) {
 		}
 	})
 }
+
+// TestForget_RequestsWaitingForAReadCountInTheKeysNextEntry: requests wait
+// for the read of a key's new entry, and the key is forgotten meanwhile.
+// Once the read returns they must be decided in the entry that takes its
+// place, which reads the origin again: charged to the cell let go, their
+// units reached the origin only with the next replay, after that entry's
+// read, and were admitted again (102 admitted for a limit of 100).
+func TestForget_RequestsWaitingForAReadCountInTheKeysNextEntry(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		e, _, o := withOrigin(t, Config{})
+		l := lim("k", time.Hour, 100, 1)
+		gate := make(chan struct{})
+		o.gate.Store(&gate)
+		waiting := make(chan int)
+		for range 2 {
+			go func() { waiting <- admittedOf(e, l, 1) }()
+		}
+		synctest.Wait() // both wait for the key's read, held at the gate
+		if !e.Forget(l.Key) {
+			t.Fatal("Forget found nothing to forget")
+		}
+		o.gate.Store(nil)
+		close(gate)
+		admitted := <-waiting + <-waiting
+		admitted += admittedOf(e, l, 110)
+		if admitted != 100 {
+			t.Fatalf("admitted %d for a limit of 100", admitted)
+		}
+	})
+}

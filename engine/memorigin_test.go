@@ -34,9 +34,9 @@ type memOrigin struct {
 	// flushGate, when set, blocks writes until it is closed, before they
 	// reach the store (a write in flight).
 	flushGate atomic.Pointer[chan struct{}]
-	// reserveDelay, when set, is how long each reservation takes (a round
-	// trip).
-	reserveDelay atomic.Int64
+	// reserveDelay and flushDelay, when set, are how long each reservation
+	// and each write takes (a round trip).
+	reserveDelay, flushDelay atomic.Int64
 	// global, when set, is what other regions counted in a cell, as the
 	// region's cross-region role leaves it at the origin.
 	global func(id cellID) (int64, bool)
@@ -133,6 +133,9 @@ func (m *memOrigin) Flush(ctx context.Context, batch []Delta) error {
 	}
 	if g := m.flushGate.Load(); g != nil {
 		<-*g
+	}
+	if d := m.flushDelay.Load(); d > 0 {
+		time.Sleep(time.Duration(d))
 	}
 	if p := m.flushErr.Load(); p != nil {
 		return *p

@@ -145,20 +145,26 @@ func (e *Engine) foreignGrowth(lc *located, now int64) int64 {
 
 // decideAtOrigin decides lc with an origin attached: locally, or for a
 // shared cell near its limit at the origin, within the decision's deadline.
-func (e *Engine) decideAtOrigin(ctx context.Context, d *Decision, o Origin, lc *located, l *Limit, now int64, dl *deadline) {
+// With relocate set it returns false, having decided nothing, when the
+// key's entry was let go while a reservation was awaited (see
+// decideLocated).
+func (e *Engine) decideAtOrigin(ctx context.Context, d *Decision, o Origin, lc *located, l *Limit, now int64, dl *deadline, relocate bool) bool {
 	local := l.DryRun || l.Cost == 0 // they charge whatever the origin says, or nothing
 	for {
 		n, cur, prev := lc.snapshot()
 		ok := fits(cur, prev, l.Cost, l.Limit, lc.w, lc.r)
 		if !ok && !l.DryRun {
 			e.deny(d, lc, l, cur, prev)
-			return
+			return true
 		}
 		if !local {
 			if near, arms := e.nearLimit(lc, l, cur, prev, now, false); near {
 				if od, decided := e.reserveAtOrigin(ctx, o, lc, l, dl, arms); decided {
 					*d = od
-					return
+					return true
+				}
+				if relocate && lc.en.cur.Load() == tombstone {
+					return false
 				}
 				// Joined another request's reservation, or the origin
 				// failed: look again, locally once the deadline has passed.
@@ -168,7 +174,7 @@ func (e *Engine) decideAtOrigin(ctx context.Context, d *Decision, o Origin, lc *
 		}
 		if charge(lc.cur, n, l.Cost) {
 			e.allow(d, lc, l, ok, cur, prev)
-			return
+			return true
 		}
 	}
 }
