@@ -36,6 +36,10 @@ const processesLapse = 5
 
 // processesScript renews ARGV[1]'s record until ARGV[2] ms from Redis's
 // clock, drops the records that lapsed, and returns how many are live.
+// The set's expiry only ever grows: a process renewing with a shorter
+// lapse (another build's) must not take the others' records with the set
+// before theirs lapse (a heartbeat with a lapse of 1 ms dropped every
+// record a millisecond later).
 // Reading the clock makes the script's effects what a replica replays
 // (the only way since Redis 7; asked for before).
 var processesScript = redis.NewScript(`
@@ -45,7 +49,7 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local lapse = tonumber(ARGV[2])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 redis.call('ZADD', KEYS[1], string.format('%d', now + lapse), ARGV[1])
-redis.call('PEXPIRE', KEYS[1], lapse)
+if redis.call('PTTL', KEYS[1]) < lapse then redis.call('PEXPIRE', KEYS[1], lapse) end
 return redis.call('ZCARD', KEYS[1])
 `)
 

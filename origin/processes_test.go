@@ -36,9 +36,26 @@ func TestHeartbeat_CountsTheRegionsProcesses(t *testing.T) {
 	if n := beat(other, time.Minute); n != 1 {
 		t.Fatalf("a process under another prefix counts %d", n)
 	}
-	// c's record lapses at once: the next heartbeat of anyone drops it.
-	beat(c, time.Millisecond)
-	redistest.Eventually(t, 5*time.Second, "c's record lapsed", func() bool { return beat(b, time.Minute) == 2 })
+	// c's record lapses 50 ms on, by Redis's clock, with no heartbeat
+	// meanwhile: the next heartbeat of anyone drops it, and only it. The
+	// set's expiry is the longest lapse, not the last one's: before, the
+	// set went with c's record a moment later, and a's and b's with it
+	// (b then counted itself alone; a flake when no heartbeat came within
+	// c's lapse, as under the race detector in CI).
+	redisNow := func() time.Time {
+		t.Helper()
+		now, err := srv.Client().Time(ctxT(t)).Result()
+		if err != nil {
+			t.Fatal(err)
+		}
+		return now
+	}
+	beat(c, 50*time.Millisecond)
+	lapsed := redisNow().Add(50 * time.Millisecond)
+	redistest.Eventually(t, 5*time.Second, "Redis's clock passed c's lapse", func() bool { return redisNow().After(lapsed) })
+	if n := beat(b, time.Minute); n != 2 {
+		t.Fatalf("after c's record lapsed, b counts %d processes, want a and b", n)
+	}
 	if got := a.Processes(); got != 2 {
 		t.Errorf("a.Processes() = %d after its last heartbeat counted 2", got)
 	}
