@@ -132,7 +132,22 @@ func (e *Engine) flushHeld(o Origin, z *Zone, id string) error {
 
 // flushCells writes the units of cells, en's, as flushHeld does.
 func (e *Engine) flushCells(o Origin, z *Zone, en *entry, cells [2]*cell) error {
-	batch := make([]Delta, 0, 2)
+	batch, err := e.takeCells(make([]Delta, 0, 2), z, en, cells)
+	if ferr := e.flush(context.Background(), o, batch); ferr != nil {
+		err = ferr
+	}
+	for i := range batch {
+		if !batch[i].Done && err == nil {
+			err = errNotWritten
+		}
+	}
+	return err
+}
+
+// takeCells appends the units of cells, en's, to batch, once any write of
+// theirs already on its way has ended (errStillFlushing when one has not
+// within a write's own bound).
+func (e *Engine) takeCells(batch []Delta, z *Zone, en *entry, cells [2]*cell) ([]Delta, error) {
 	var err error
 	for _, c := range cells {
 		if c == nil || c == tombstone {
@@ -152,15 +167,7 @@ func (e *Engine) flushCells(o Origin, z *Zone, en *entry, cells [2]*cell) error 
 			// this one must not end before.
 		}
 	}
-	if ferr := e.flush(context.Background(), o, batch); ferr != nil {
-		err = ferr
-	}
-	for i := range batch {
-		if !batch[i].Done && err == nil {
-			err = errNotWritten
-		}
-	}
-	return err
+	return batch, err
 }
 
 // forget drops the entry and strict deadline of the normalized id, and

@@ -4,6 +4,7 @@ import (
 	"strconv"
 	"sync"
 	"testing"
+	"testing/synctest"
 	"time"
 )
 
@@ -151,4 +152,37 @@ func TestSweep_KeepsAnEntryWhoseUnitsNoQueueTook(t *testing.T) {
 	if n := e.Stats().Entries; n != 0 {
 		t.Fatalf("%d entries left after their units reached the origin", n)
 	}
+}
+
+// TestEvict_UnitsOfAnEvictedKeyAreReadBack: a key evicted while it holds
+// units not replayed yet, its requests coming back while the eviction's
+// write is on its way (held at a gate). The key's next entry reads the
+// origin, which must hold them first: queued for the replay instead, they
+// reached it after that read and were admitted again (2 before the
+// eviction, then 5 more of a limit of 5: 7 admitted).
+func TestEvict_UnitsOfAnEvictedKeyAreReadBack(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		e, _, o := withOrigin(t, Config{MaxEntries: 1})
+		l := lim("k", time.Hour, 5, 1)
+		decideN(e, l, 2)
+		decideN(e, lim("heavier", time.Hour, 10, 1), 5) // k is the lighter: evicted
+		gate := make(chan struct{})
+		o.flushGate.Store(&gate)
+		evicted := make(chan int)
+		go func() { evicted <- e.Evict() }()
+		synctest.Wait() // its write, if any, waits at the gate
+		o.flushGate.Store(nil)
+		if _, ok := e.Zone(l.Namespace, l.Window).entries.Load(l.Identifier); ok {
+			close(gate)
+			t.Fatal("k was not evicted")
+		}
+		after := make(chan int)
+		go func() { after <- admittedOf(e, l, 5) }()
+		synctest.Wait()
+		close(gate)
+		<-evicted
+		if admitted := 2 + <-after; admitted != 5 {
+			t.Fatalf("admitted %d for a limit of 5 around an eviction", admitted)
+		}
+	})
 }
