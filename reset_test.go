@@ -167,6 +167,7 @@ func TestReset_ANodeCutOffDropsTheUnitsItHeld(t *testing.T) {
 	proxy := redistest.StartDelayProxy(t, srv.Addr(), 0)
 	global := fmt.Sprintf("\tratelimit {\n\t\tregion rs-test\n\t\tredis %s\n\t\tfast_tick 10ms\n\t\tread_timeout 50ms\n"+
 		"\t\tbreaker_min_requests 2\n\t\tbreaker_timeout 2s\n\t}", proxy.URL())
+	clearOfAMinuteEdge(t, 40*time.Second)
 	_, _, base := startCaddy(t, overrideConfig(global))
 	other, err := origin.New(origin.Config{Redis: []string{srv.URL()}}, origin.Options{NodeID: "other"})
 	if err != nil {
@@ -338,21 +339,25 @@ func TestReset_ANodeStartedAfterAResetKeepsItsUnits(t *testing.T) {
 	t.Cleanup(func() { _ = other.Close() })
 	ctx := context.Background()
 	k := engine.Key{Namespace: "ov", Identifier: "late", Window: time.Minute}
-	seq := time.Now().UnixMilli() / time.Minute.Milliseconds()
-	// The other node's region reset, as resetKey makes it, before this
-	// node starts.
-	now := time.Now()
+	clearOfAMinuteEdge(t, 40*time.Second)
+	proxy.SetDelay(2 * time.Second) // every call of this node times out
+	_, _, base := startCaddy(t, overrideConfig(global))
+	// The other node's region reset, as resetKey makes it, made before
+	// this process's engine began (a test binary's engine may outlive one
+	// test: the reset is placed before it, whenever that was).
+	made := time.UnixMilli(lookupState().startedMs - 1)
+	seq := made.UnixMilli() / time.Minute.Milliseconds()
+	if now := time.Now().UnixMilli() / time.Minute.Milliseconds(); now != seq {
+		t.Fatalf("the engine began in window %d, before this one (%d): it is not this test's", seq, now)
+	}
 	if err := other.ResetCells(ctx, k, seq, 0); err != nil {
 		t.Fatal(err)
 	}
 	rec := overrideRec{Zone: "ov", Identifier: "late", Reset: true, Region: "rs-test",
-		CreatedMs: now.UnixMilli(), Version: now.UnixMicro(), ExpiresMs: now.Add(2 * time.Minute).UnixMilli()}
+		CreatedMs: made.UnixMilli(), Version: made.UnixMicro(), ExpiresMs: time.Now().Add(2 * time.Minute).UnixMilli()}
 	if _, err := other.PutOverrides(ctx, []origin.Override{rec.regionValue()}, false); err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(50 * time.Millisecond)
-	proxy.SetDelay(2 * time.Second) // every call of this node times out
-	_, _, base := startCaddy(t, overrideConfig(global))
 	if n := admitted(t, base, "late", 2); n != 2 {
 		t.Fatalf("cut off, admitted %d of 2 at limit 2", n)
 	}
@@ -390,6 +395,7 @@ func TestReset_ANodeStartedAfterAResetKeepsItsUnits(t *testing.T) {
 func TestReset_RedisRestartedEmptyAfterARegionResetKeepsTheKeyReset(t *testing.T) {
 	resetOverrides(t)
 	srv := redistest.Start(t)
+	clearOfAMinuteEdge(t, 20*time.Second)
 	_, admin, base := startCaddy(t, overrideConfig(fmt.Sprintf("\tratelimit {\n\t\tregion rs-restart\n\t\tredis %s\n\t}", srv.URL())))
 	st := lookupState()
 	if got := admitted(t, base, "rr", 3); got != 2 {
@@ -426,4 +432,20 @@ func TestReset_RedisRestartedEmptyAfterARegionResetKeepsTheKeyReset(t *testing.T
 	if got := region(); got != 1 {
 		t.Fatalf("after Redis restarted empty the region counts %d of the reset key, want the 1 unit admitted after the reset", got)
 	}
+}
+
+// clearOfAMinuteEdge waits, when less than need is left of the current
+// minute (the window of the tests' zone), until the next one begins: a
+// test that counts a key's units in one window must not see them land in
+// the next (a flake under the race detector in CI: the units counted, in
+// the minute after the one the test looked at).
+func clearOfAMinuteEdge(t *testing.T, need time.Duration) {
+	t.Helper()
+	left := func() time.Duration {
+		return time.Minute - time.Duration(time.Now().UnixMilli()%time.Minute.Milliseconds())*time.Millisecond
+	}
+	if left() >= need {
+		return
+	}
+	redistest.Eventually(t, need+5*time.Second, "the next minute begins", func() bool { return left() >= need })
 }
