@@ -273,7 +273,7 @@ func (h *Handler) limits(r *http.Request, repl *caddy.Replacer, lims []engine.Li
 	ownLimits = true
 	for i := range h.zones {
 		z := &h.zones[i]
-		id := z.key.eval(r, repl)
+		id := z.key.evalKey(r, repl, z.v4, z.v6)
 		if id == "" {
 			switch h.onMissing {
 			case missingSkip:
@@ -283,8 +283,6 @@ func (h *Handler) limits(r *http.Request, repl *caddy.Replacer, lims []engine.Li
 				z.metrics.missingKey.Inc()
 				return lims, zi, ownLimits, i
 			}
-		} else {
-			id = maskIP(id, z.v4, z.v6)
 		}
 		limit, ok := runtimeLimit(r.Context(), z.name, id)
 		if !ok && z.overrides != nil {

@@ -184,7 +184,7 @@ func (h *Handler) compile() {
 	for i, zc := range h.Zones {
 		z := &h.zones[i]
 		z.name = zc.Name
-		z.key = newTemplate(zc.Key)
+		z.key = newKeyTemplate(zc.Key)
 		z.limit = zc.Limit
 		z.window = time.Duration(zc.Window)
 		z.cost = newTemplate(string(zc.Cost))

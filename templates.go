@@ -6,6 +6,7 @@ package ratelimit
 // resolved once at provisioning.
 
 import (
+	"errors"
 	"fmt"
 	"net"
 	"net/http"
@@ -31,6 +32,21 @@ type template struct {
 	direct directKind
 	// field is the canonical header name or the variable name of direct.
 	field string
+	// parts is set for a key that is neither a literal nor exactly one
+	// placeholder (a composite such as "{a}:{b}" or "ip-{client_ip}"): its
+	// placeholders' values are masked and escaped one by one (evalKey).
+	parts *keyParts
+}
+
+// keyParts is how a composite key keeps its placeholders' values apart.
+// Each value is percent-encoded: '%' and the first byte of
+// each text between two placeholders become %XX. A value then never holds
+// the text that ends it, so the key parses back to its values: ("t:u","v")
+// and ("t","u:v") under "{a}:{b}" are "t%3Au:v" and "t:u%3Av", never one
+// bucket. Two placeholders with nothing between them could not be told
+// apart ("x"+"yz" and "xy"+"z"), so such a key is rejected (keyGlue).
+type keyParts struct {
+	escape [256]bool
 }
 
 // directKind names the placeholders that keys use most, read directly.
@@ -42,6 +58,49 @@ const (
 	directVar                   // {http.vars.NAME}, e.g. {client_ip}
 	directRemoteHost            // {http.request.remote.host}
 )
+
+// keyGlue returns the bytes a composite key escapes in its values: '%'
+// and the first byte of every text between two placeholders, none with
+// fewer than two placeholders. err says why a key cannot keep its values
+// apart: two placeholders that touch, or a NUL in its text (the mark that
+// finds the placeholders here).
+func keyGlue(raw string) ([]byte, error) {
+	const mark = "\x00"
+	if strings.Contains(raw, mark) {
+		return nil, errors.New("key has a NUL byte")
+	}
+	marked, err := caddy.NewReplacer().ReplaceFunc(raw, func(string, any) (any, error) { return mark, nil })
+	if err != nil {
+		return nil, err
+	}
+	segs := strings.Split(marked, mark)
+	if len(segs) < 3 {
+		return nil, nil
+	}
+	glue := []byte{'%'}
+	for _, g := range segs[1 : len(segs)-1] {
+		if g == "" {
+			return nil, fmt.Errorf("key %q has two placeholders with nothing between them, so two requests whose values differ only in where one ends (\"x\"+\"yz\" and \"xy\"+\"z\") would share a count: put a separator between them, e.g. {a}:{b}", raw)
+		}
+		glue = append(glue, g[0])
+	}
+	return glue, nil
+}
+
+// newKeyTemplate is newTemplate for a zone's key: a composite key (neither
+// a literal nor exactly one placeholder) gets its keyParts.
+func newKeyTemplate(raw string) template {
+	t := newTemplate(raw)
+	if t.literal || t.single != "" {
+		return t
+	}
+	glue, _ := keyGlue(raw) // Zone.validate rejects a key it cannot keep apart
+	t.parts = new(keyParts)
+	for _, c := range glue {
+		t.parts.escape[c] = true
+	}
+	return t
+}
 
 // newTemplate prepares raw for evaluation: a literal, a single placeholder
 // (looked up by name, or read straight from the request for the common
@@ -70,6 +129,53 @@ func newTemplate(raw string) template {
 		}
 	}
 	return t
+}
+
+// evalKey evaluates a zone's key for request r: an identifier that is an
+// IP address is masked to its prefix (v4 or v6 bits). In a composite key
+// each placeholder's value is escaped (keyParts).
+func (t *template) evalKey(r *http.Request, repl *caddy.Replacer, v4, v6 int) string {
+	if t.parts == nil {
+		id := t.eval(r, repl)
+		if id == "" {
+			return ""
+		}
+		return maskIP(id, v4, v6)
+	}
+	if repl == nil {
+		return ""
+	}
+	id, _ := repl.ReplaceFunc(t.raw, func(_ string, v any) (any, error) {
+		return t.parts.escapeValue(caddy.ToString(v)), nil
+	})
+	if id == "" {
+		return ""
+	}
+	return maskIP(id, v4, v6)
+}
+
+// escapeValue percent-encodes the bytes of s that the key escapes.
+func (p *keyParts) escapeValue(s string) string {
+	n := 0
+	for i := 0; i < len(s); i++ {
+		if p.escape[s[i]] {
+			n++
+		}
+	}
+	if n == 0 {
+		return s
+	}
+	const hex = "0123456789ABCDEF"
+	b := make([]byte, 0, len(s)+2*n)
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		if p.escape[c] {
+			b = append(b, '%', hex[c>>4], hex[c&0x0f])
+			continue
+		}
+		b = append(b, c)
+	}
+	return string(b)
 }
 
 // eval evaluates the template for request r, whose replacer is repl.

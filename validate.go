@@ -60,6 +60,9 @@ func (z *Zone) validate() error {
 	if err := validatePlaceholders("key", z.Key); err != nil {
 		return err
 	}
+	if _, err := keyGlue(z.Key); err != nil {
+		return err
+	}
 	if err := validateLimit(z.Limit); err != nil {
 		return err
 	}
