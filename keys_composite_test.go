@@ -47,3 +47,19 @@ func TestZone_TouchingPlaceholdersAreRejected(t *testing.T) {
 		}
 	}
 }
+
+// TestHandler_CompositeKeyMasksItsAddresses: an IP address inside a
+// composite key was counted whole, so "{client_ip}-{tenant}" counted each
+// /128 of a client's /64 (or each IPv4 address under ipv4_prefix 24)
+// apart: a free bypass of the prefix.
+func TestHandler_CompositeKeyMasksItsAddresses(t *testing.T) {
+	useClock(t, 0)
+	z := compositeZone("comp_ip", "{test.a}-{test.b}")
+	z.IPv4Prefix = 24
+	h := provisionTest(t, nil, &Handler{Zones: []*Zone{z}})
+	wantStatus(t, serve(h, map[string]string{"a": "2001:db8:1:2::1", "b": "t"}), http.StatusOK)
+	wantStatus(t, serve(h, map[string]string{"a": "2001:db8:1:2::2", "b": "t"}), http.StatusTooManyRequests)
+	wantStatus(t, serve(h, map[string]string{"a": "192.0.2.1", "b": "t"}), http.StatusOK)
+	wantStatus(t, serve(h, map[string]string{"a": "192.0.2.9", "b": "t"}), http.StatusTooManyRequests)
+	wantStatus(t, serve(h, map[string]string{"a": "192.0.2.9", "b": "u"}), http.StatusOK)
+}

@@ -39,7 +39,8 @@ type template struct {
 }
 
 // keyParts is how a composite key keeps its placeholders' values apart.
-// Each value is percent-encoded: '%' and the first byte of
+// Each value is masked to its prefix when it is an IP address, as a key of
+// one placeholder is, and then percent-encoded: '%' and the first byte of
 // each text between two placeholders become %XX. A value then never holds
 // the text that ends it, so the key parses back to its values: ("t:u","v")
 // and ("t","u:v") under "{a}:{b}" are "t%3Au:v" and "t:u%3Av", never one
@@ -133,7 +134,7 @@ func newTemplate(raw string) template {
 
 // evalKey evaluates a zone's key for request r: an identifier that is an
 // IP address is masked to its prefix (v4 or v6 bits). In a composite key
-// each placeholder's value is escaped (keyParts).
+// each placeholder's value is masked and escaped (keyParts).
 func (t *template) evalKey(r *http.Request, repl *caddy.Replacer, v4, v6 int) string {
 	if t.parts == nil {
 		id := t.eval(r, repl)
@@ -146,12 +147,9 @@ func (t *template) evalKey(r *http.Request, repl *caddy.Replacer, v4, v6 int) st
 		return ""
 	}
 	id, _ := repl.ReplaceFunc(t.raw, func(_ string, v any) (any, error) {
-		return t.parts.escapeValue(caddy.ToString(v)), nil
+		return t.parts.escapeValue(maskIP(caddy.ToString(v), v4, v6)), nil
 	})
-	if id == "" {
-		return ""
-	}
-	return maskIP(id, v4, v6)
+	return id
 }
 
 // escapeValue percent-encodes the bytes of s that the key escapes.
