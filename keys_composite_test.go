@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"errors"
 	"net/http"
 	"strings"
 	"testing"
@@ -62,4 +63,19 @@ func TestHandler_CompositeKeyMasksItsAddresses(t *testing.T) {
 	wantStatus(t, serve(h, map[string]string{"a": "192.0.2.1", "b": "t"}), http.StatusOK)
 	wantStatus(t, serve(h, map[string]string{"a": "192.0.2.9", "b": "t"}), http.StatusTooManyRequests)
 	wantStatus(t, serve(h, map[string]string{"a": "192.0.2.9", "b": "u"}), http.StatusOK)
+}
+
+// TestHandler_CompositeKeyOfEmptyPlaceholdersIsMissing: "{a}:{b}" with
+// both placeholders empty evaluated to ":", never empty, so
+// on_missing_key deny admitted such requests into one shared bucket.
+func TestHandler_CompositeKeyOfEmptyPlaceholdersIsMissing(t *testing.T) {
+	useClock(t, 0)
+	h := provisionTest(t, nil, &Handler{Zones: []*Zone{compositeZone("comp_miss", "{test.a}:{test.b}")}, OnMissingKey: "deny"})
+	r := serve(h, nil)
+	wantStatus(t, r, http.StatusTooManyRequests)
+	if !errors.Is(r.err, ErrMissingKey) {
+		t.Fatalf("error %v, want ErrMissingKey", r.err)
+	}
+	// One part present is a key.
+	wantStatus(t, serve(h, map[string]string{"b": "v"}), http.StatusOK)
 }

@@ -134,7 +134,9 @@ func newTemplate(raw string) template {
 
 // evalKey evaluates a zone's key for request r: an identifier that is an
 // IP address is masked to its prefix (v4 or v6 bits). In a composite key
-// each placeholder's value is masked and escaped (keyParts).
+// each placeholder's value is masked and escaped (keyParts), and a key
+// whose placeholders are all empty is missing (""), as a key of one empty
+// placeholder is.
 func (t *template) evalKey(r *http.Request, repl *caddy.Replacer, v4, v6 int) string {
 	if t.parts == nil {
 		id := t.eval(r, repl)
@@ -146,9 +148,18 @@ func (t *template) evalKey(r *http.Request, repl *caddy.Replacer, v4, v6 int) st
 	if repl == nil {
 		return ""
 	}
+	present := false
 	id, _ := repl.ReplaceFunc(t.raw, func(_ string, v any) (any, error) {
-		return t.parts.escapeValue(maskIP(caddy.ToString(v), v4, v6)), nil
+		s := caddy.ToString(v)
+		if s == "" {
+			return "", nil
+		}
+		present = true
+		return t.parts.escapeValue(maskIP(s, v4, v6)), nil
 	})
+	if !present {
+		return ""
+	}
 	return id
 }
 
