@@ -332,11 +332,7 @@ func TestReset_ANodeStartedAfterAResetKeepsItsUnits(t *testing.T) {
 	proxy := redistest.StartDelayProxy(t, srv.Addr(), 0)
 	global := fmt.Sprintf("\tratelimit {\n\t\tregion rs-test\n\t\tredis %s\n\t\tfast_tick 10ms\n\t\tread_timeout 50ms\n"+
 		"\t\tbreaker_min_requests 2\n\t\tbreaker_timeout 2s\n\t}", proxy.URL())
-	other, err := origin.New(origin.Config{Redis: []string{srv.URL()}}, origin.Options{NodeID: "other"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = other.Close() })
+	other, _ := otherNode(t, srv)
 	ctx := context.Background()
 	k := engine.Key{Namespace: "ov", Identifier: "late", Window: time.Minute}
 	clearOfAMinuteEdge(t, 40*time.Second)
@@ -378,6 +374,7 @@ func TestReset_ANodeStartedAfterAResetKeepsItsUnits(t *testing.T) {
 	// to wait for. Units dropped never arrive.
 	var p engine.Totals
 	redistest.EventuallyShow(t, 15*time.Second, "the region counts the 2 units admitted after the reset", func() (bool, string) {
+		var err error
 		p, err = other.Peek(ctx, k, seq)
 		return err == nil && p.Cur == 2, fmt.Sprintf("%+v (%v)", p, err)
 	})
