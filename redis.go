@@ -150,8 +150,9 @@ type redisBackend struct {
 	// timing is the config's read timeout, freshness and ticks, which the
 	// engine follows while the origin is its.
 	timing engine.Timing
-	// stopOverrides ends the watch of the region's runtime overrides.
-	stopOverrides chan struct{}
+	// stopOverrides ends the watch of the region's runtime overrides;
+	// watchEnded is closed when it has.
+	stopOverrides, watchEnded chan struct{}
 	// ownsLoad: provisioning began the process's first load of the
 	// overrides, which the watch ends once started; started: it did.
 	ownsLoad, started bool
@@ -201,9 +202,12 @@ const leaveTimeout = 250 * time.Millisecond
 func (b *redisBackend) start() {
 	b.started = true
 	startedOrigin(b.origin)
-	b.stopOverrides = make(chan struct{})
+	b.stopOverrides, b.watchEnded = make(chan struct{}), make(chan struct{})
 	st := b.a.state
-	go b.watchOverrides(st, b.stopOverrides)
+	go func() {
+		defer close(b.watchEnded)
+		b.watchOverrides(st, b.stopOverrides)
+	}()
 	lost := false // the watch calls both on its one goroutine
 	b.origin.WatchProcesses(processesInterval, func(n int64) {
 		if st.currentOrigin() == originView(b.origin) {
@@ -304,6 +308,16 @@ func (b *redisBackend) close() {
 	if b.stopOverrides != nil {
 		close(b.stopOverrides)
 		b.stopOverrides = nil
+		// A look under way ends within its read timeout: after the
+		// config is gone, it would still write the process's book (its
+		// source, the records it read) over the next config's.
+		t := time.NewTimer(closeTimeout)
+		select {
+		case <-b.watchEnded:
+		case <-t.C:
+			b.a.logger.Warn("the watch of the region's runtime overrides did not end within 5 s of its config's unload")
+		}
+		t.Stop()
 	}
 	retireOrigin(b.origin)
 	if b.started && caddy.Exiting() {
