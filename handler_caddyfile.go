@@ -298,6 +298,9 @@ var zoneLines = map[string]func(d *caddyfile.Dispenser, z *Zone, sub string) err
 		if err := validatePlaceholders("key", v); err != nil {
 			return d.Errf("zone %q: %w", z.Name, err)
 		}
+		if _, err := keyGlue(v); err != nil {
+			return d.Errf("zone %q: %w", z.Name, err)
+		}
 		z.Key = v
 		return nil
 	},
