@@ -235,6 +235,19 @@ func provisionMySQL(a *App) (backend, error) {
 		return nil, fmt.Errorf("region changed from %q to %q: restart Caddy to change it (rows this process wrote as %q would count as another region's)",
 			prev, a.Region, prev)
 	}
+	// Without Redis a node writes its rows as its own region
+	// (region/node), with Redis as the region: a reload that adds or
+	// removes Redis would leave the rows this engine wrote under the other
+	// name, and the units they carry, still in its cells or the region's
+	// Redis, would come back as another region's and count twice.
+	if prev := a.state.rowsAs.Load(); prev != nil && *prev != a.rowRegion() {
+		was, now := "with Redis", "without Redis"
+		if a.Origin != nil {
+			was, now = now, was
+		}
+		return nil, fmt.Errorf("this process writes its rows in MySQL as %q (%s) and this config would write them as %q (%s): restart Caddy to add or remove Redis where mysql is set (the units its rows carry would count twice, as another region's)",
+			*prev, was, a.rowRegion(), now)
+	}
 	cfg := a.MySQL.propagationConfig()
 	dsn, err := resolveDSN("mysql", cfg.DSN)
 	if err != nil {
@@ -314,6 +327,8 @@ func (b *mysqlBackend) start() {
 	processRegion.Lock()
 	processRegion.region = b.a.Region
 	processRegion.Unlock()
+	rows := b.a.rowRegion()
+	b.a.state.rowsAs.CompareAndSwap(nil, &rows) // provisioning checked it against one set before
 	b.prop.Start()
 	if !b.prop.HasRegion() {
 		// Its own pointer: close may clear b.prop while it loads.

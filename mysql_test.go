@@ -12,6 +12,7 @@ import (
 
 	"github.com/edgelimit/caddy-ratelimit/internal/mysqltest"
 	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
+	"github.com/edgelimit/caddy-ratelimit/internal/testclock"
 )
 
 func mysqlConfig(global string) func(admin, port int) string {
@@ -269,5 +270,95 @@ func TestCaddy_AReloadIsNoRoleChange(t *testing.T) {
 	time.Sleep(200 * time.Millisecond) // flushes of the last config
 	if dt, dl := metricValue(t, admin, taken)-taken0, metricValue(t, admin, lost)-lost0; dt != 0 || dl != 0 {
 		t.Errorf("%d reloads of a node that held the role counted it taken %g and lost %g times, want 0", reloads, dt, dl)
+	}
+}
+
+// TestCaddy_AReloadAddingOrRemovingRedisCountsNoUnitTwice: with MySQL, a
+// node without Redis writes its rows as its own region (region/node), a
+// node with Redis as the region. A reload that added or removed Redis
+// changed the name the running engine's rows go under, so the rows it had
+// written came back as another region's, and the units they carry, still
+// in the engine's cells (or the region's Redis), were counted twice: 3
+// admitted of a limit of 5, then none more (want 2) in both directions.
+// Such a reload is refused now, as one changing the region is: a restart
+// starts the engine, and its counts, over.
+func TestCaddy_AReloadAddingOrRemovingRedisCountsNoUnitTwice(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts Caddy, MariaDB and Redis")
+	}
+	window, ok := testclock.FreshWindow(time.Now(), time.Minute, 2*time.Minute, 45*time.Second)
+	if !ok {
+		t.Fatal("no window length in [1m, 2m] leaves 45 s")
+	}
+	srv := mysqltest.Start(t)
+	for _, redisFirst := range []bool{true, false} {
+		t.Run(fmt.Sprintf("redis first %v", redisFirst), func(t *testing.T) {
+			dsn := srv.NewDatabase(t)
+			t.Setenv("RATELIMIT_TEST_MYSQL_DSN", dsn)
+			t.Setenv("RATELIMIT_TEST_ROWS_REDIS", redistest.Start(t).URL())
+			port := 0
+			cfg := func(withRedis bool) func(admin, p int) string {
+				redis := ""
+				if withRedis {
+					redis = "\t\tredis {env.RATELIMIT_TEST_ROWS_REDIS}\n"
+				}
+				return func(admin, p int) string {
+					if port == 0 {
+						port = p
+					}
+					return caddyConfig(admin, port, "\tratelimit {\n\t\tregion test-a\n"+redis+`		mysql {env.RATELIMIT_TEST_MYSQL_DSN}
+		mysql_flush 20ms
+		global_sync 50ms
+		blocklist_sync 50ms
+		min_window 1s
+	}`, fmt.Sprintf(`
+	handle {
+		ratelimit {
+			zone rows_reload {
+				key    {http.request.header.X-Key}
+				limit  5
+				window %s
+			}
+		}
+		respond "ok"
+	}`, window))
+				}
+			}
+			_, admin, base := startCaddy(t, cfg(redisFirst))
+			db := mysqltest.Open(t, dsn)
+			send := func(n int) (admitted int) {
+				for range n {
+					req, _ := http.NewRequest(http.MethodGet, base+"/", nil)
+					req.Header.Set("X-Key", "flip")
+					resp, err := http.DefaultClient.Do(req)
+					if err != nil {
+						t.Fatal(err)
+					}
+					_, _ = io.Copy(io.Discard, resp.Body)
+					resp.Body.Close()
+					if resp.StatusCode == http.StatusOK {
+						admitted++
+					}
+				}
+				return admitted
+			}
+			if got := send(3); got != 3 {
+				t.Fatalf("admitted %d of the first 3, want 3", got)
+			}
+			redistest.Eventually(t, 20*time.Second, "the 3 units published", func() bool {
+				var n int64
+				err := db.QueryRow(`SELECT COALESCE(SUM(count), 0) FROM ratelimit_global_counts WHERE identifier = 'flip'`).Scan(&n)
+				return err == nil && n == 3
+			})
+			// Refused: the running config, and the name its rows go under,
+			// stay.
+			if err := loadCaddyfile(t, admin, cfg(!redisFirst)); err == nil || !strings.Contains(err.Error(), "restart Caddy to add or remove Redis") {
+				t.Errorf("the reload adding or removing Redis: %v, want it refused", err)
+			}
+			time.Sleep(time.Second) // pulls every 50 ms
+			if got := send(3); got != 2 {
+				t.Fatalf("after the reload %d of 3 more admitted, want 2 (limit 5, 3 admitted before it)", got)
+			}
+		})
 	}
 }

@@ -48,6 +48,10 @@ type state struct {
 	// startedMs is when the engine was made (Unix ms): a reset made
 	// before it has none of its units to take off (onResets).
 	startedMs int64
+	// rowsAs is the name the engine's rows in MySQL are written under
+	// (App.rowRegion), set when the first config's cross-region layer
+	// starts: a reload may not change it (provisionMySQL).
+	rowsAs atomic.Pointer[string]
 }
 
 // acquireState returns the process's state, creating its engine if this is
