@@ -43,7 +43,7 @@ type state struct {
 	// origin is the origin the engine uses now (redis.go).
 	origin originInUse
 	// sized is the config the engine was made with: what sizes it for the
-	// life of the process (sizeFields).
+	// life of the process (sizeChanges).
 	sized engine.Config
 	// startedMs is when the engine was made (Unix ms): a reset made
 	// before it has none of its units to take off (onResets).
@@ -89,14 +89,31 @@ func acquireState(a *App) (*state, error) {
 func (s *state) sizeChanges(a *App) []zap.Field {
 	want := newEngineConfig()
 	a.configureEngine(&want)
+	hasEntries, hasWorkers := engineSizes(s.sized)
+	wantEntries, wantWorkers := engineSizes(want)
 	var f []zap.Field
-	if want.MaxEntries != s.sized.MaxEntries {
-		f = append(f, zap.Int("max_entries", s.sized.MaxEntries), zap.Int("config_max_entries", want.MaxEntries))
+	if wantEntries != hasEntries {
+		f = append(f, zap.Int("max_entries", hasEntries), zap.Int("config_max_entries", wantEntries))
 	}
-	if want.ReplayWorkers != s.sized.ReplayWorkers {
-		f = append(f, zap.Int("replay_workers", s.sized.ReplayWorkers), zap.Int("config_replay_workers", want.ReplayWorkers))
+	if wantWorkers != hasWorkers {
+		f = append(f, zap.Int("replay_workers", hasWorkers), zap.Int("config_replay_workers", wantWorkers))
 	}
 	return f
+}
+
+// engineSizes are the entry cap and the replay workers an engine made
+// with cfg has, the engine's defaults in place of those cfg leaves out: a
+// config without Redis sets no replay_workers, and its engine has the
+// default all the same, as does one that writes max_entries 1000000.
+func engineSizes(cfg engine.Config) (maxEntries, replayWorkers int) {
+	maxEntries, replayWorkers = cfg.MaxEntries, cfg.ReplayWorkers
+	if maxEntries <= 0 {
+		maxEntries = engine.DefaultMaxEntries
+	}
+	if replayWorkers <= 0 {
+		replayWorkers = engine.DefaultReplayWorkers
+	}
+	return maxEntries, replayWorkers
 }
 
 // releaseState drops one reference; the last one closes the engine.

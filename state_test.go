@@ -8,6 +8,7 @@ import (
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 
+	"github.com/edgelimit/caddy-ratelimit/engine"
 	"github.com/edgelimit/caddy-ratelimit/origin"
 )
 
@@ -89,8 +90,33 @@ func TestState_SizeChangesAreNamed(t *testing.T) {
 	for _, x := range f {
 		got[x.Key] = x.Integer
 	}
-	want := map[string]int64{"max_entries": 50, "config_max_entries": 3, "replay_workers": int64(cfg.ReplayWorkers), "config_replay_workers": 2}
+	want := map[string]int64{"max_entries": 50, "config_max_entries": 3, "replay_workers": engine.DefaultReplayWorkers, "config_replay_workers": 2}
 	if !maps.Equal(got, want) {
 		t.Fatalf("changes %v, want %v", got, want)
+	}
+}
+
+// TestState_DefaultSizesAreNoChange: a size left out is the engine's
+// default, the same engine as one written out. A local-only engine (no
+// replay_workers) reloaded into a config with Redis and the default
+// replay_workers, or max_entries 1000000 written in one config and left
+// out in the next, changed nothing, yet the warning fired with
+// replay_workers 0 against 8 (the engine ran with 8 all along).
+func TestState_DefaultSizesAreNoChange(t *testing.T) {
+	local := newEngineConfig()
+	(&App{}).configureEngine(&local)
+	st := &state{sized: local}
+	withRedis := &App{Origin: &origin.Config{Redis: []string{"redis://127.0.0.1:6379"}}}
+	if f := st.sizeChanges(withRedis); len(f) != 0 {
+		t.Fatalf("a local-only engine reloaded into Redis with the default replay_workers: changes reported %v", f)
+	}
+	if f := st.sizeChanges(&App{MaxEntries: engine.DefaultMaxEntries}); len(f) != 0 {
+		t.Fatalf("max_entries written as its default: changes reported %v", f)
+	}
+	redis := newEngineConfig()
+	withRedis.configureEngine(&redis)
+	st = &state{sized: redis}
+	if f := st.sizeChanges(&App{}); len(f) != 0 {
+		t.Fatalf("an engine made with Redis reloaded into a local-only config: changes reported %v", f)
 	}
 }
