@@ -241,7 +241,7 @@ var engineStats = statSet[engineSnapshot]{stats: []stat[engineSnapshot]{
 	{json: "shared_reads", metric: "shared_reads_total", value: func(s *engineSnapshot) any { return s.SharedReads },
 		help: "Decisions that joined an origin read already in flight instead of starting one."},
 	{json: "sync_reads", metric: "sync_reads_total", value: func(s *engineSnapshot) any { return s.SyncReads },
-		help: "Decisions that waited for an origin read (a cold key, or a stale one at half its limit or more): request-path round trips."},
+		help: "Decisions that waited for an origin read (a cold key; a stale key at half its limit or more, counted by other processes too, or of a limit under 1,024 times the request's cost; any key whose view predates the origin's return from an outage): request-path round trips."},
 	{json: "background_reads", metric: "background_reads_total", value: func(s *engineSnapshot) any { return s.BackgroundReads },
 		help: "Origin reads started in the background, without holding up a request."},
 	{json: "unread_decisions", metric: "unread_decisions_total", value: func(s *engineSnapshot) any { return s.UnreadDecisions },

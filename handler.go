@@ -271,6 +271,7 @@ func allAllowed(decs []engine.Decision) bool {
 // -1 when none. repl is the request's replacer (nil without one).
 func (h *Handler) limits(r *http.Request, repl *caddy.Replacer, lims []engine.Limit, zi []int) (_ []engine.Limit, _ []int, ownLimits bool, missing int) {
 	ownLimits = true
+	first := len(lims)
 	for i := range h.zones {
 		z := &h.zones[i]
 		id := z.key.evalKey(r, repl, z.v4, z.v6)
@@ -293,18 +294,23 @@ func (h *Handler) limits(r *http.Request, repl *caddy.Replacer, lims []engine.Li
 		} else {
 			limit = z.limit
 		}
-		cost, clamp := z.costOf(r, repl)
-		if clamp.bound != "" {
-			h.costClamped(z, id, cost, clamp)
-		}
 		lims = append(lims, engine.Limit{
 			Key:    engine.Key{Namespace: z.name, Identifier: id, Window: z.window},
 			Zone:   z.handle,
 			Limit:  limit,
-			Cost:   cost,
 			DryRun: h.DryRun,
 		})
 		zi = append(zi, i)
+	}
+	// Costs once every key is known: a request denied for a missing key
+	// counts no zone's invalid or clamped cost.
+	for k := first; k < len(lims); k++ {
+		z := &h.zones[zi[k]]
+		cost, clamp := z.costOf(r, repl)
+		if clamp.bound != "" {
+			h.costClamped(z, lims[k].Key.Identifier, cost, clamp)
+		}
+		lims[k].Cost = cost
 	}
 	return lims, zi, ownLimits, -1
 }

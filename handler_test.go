@@ -332,3 +332,29 @@ func growStack(kib int) byte {
 	}
 	return growStack(kib-1) + pad[0]
 }
+
+// TestHandler_MissingKeyCountsNoZonesCost: under on_missing_key deny a
+// request whose later zone has no key is denied with nothing counted, and
+// that includes an earlier zone's invalid or clamped cost.
+func TestHandler_MissingKeyCountsNoZonesCost(t *testing.T) {
+	useClock(t, 0)
+	h := provisionTest(t, nil, &Handler{OnMissingKey: "deny", Zones: []*Zone{
+		{Name: "mk_cost", Key: "tenant", Limit: 100, Window: caddy.Duration(time.Minute), Cost: "{test.cost}", MaxCost: int64p(5)},
+		{Name: "mk_key", Key: "{test.k}", Limit: 100, Window: caddy.Duration(time.Minute)},
+	}})
+	invalid := invalidCostsTotal.WithLabelValues("mk_cost")
+	clamped := clampedCostsTotal.WithLabelValues("mk_cost", boundMax)
+	invalidBefore, clampedBefore := counterValue(t, invalid), counterValue(t, clamped)
+	for _, cost := range []string{"lots", "50"} {
+		wantStatus(t, serve(h, map[string]string{"cost": cost}), http.StatusTooManyRequests)
+	}
+	if i, c := counterValue(t, invalid)-invalidBefore, counterValue(t, clamped)-clampedBefore; i != 0 || c != 0 {
+		t.Fatalf("requests denied for a missing key counted %v invalid and %v clamped costs, want none", i, c)
+	}
+	for _, cost := range []string{"lots", "50"} {
+		wantStatus(t, serve(h, map[string]string{"k": "a", "cost": cost}), http.StatusOK)
+	}
+	if i, c := counterValue(t, invalid)-invalidBefore, counterValue(t, clamped)-clampedBefore; i != 1 || c != 1 {
+		t.Fatalf("requests with their keys counted %v invalid and %v clamped costs, want 1 and 1", i, c)
+	}
+}

@@ -174,7 +174,7 @@ func (b *redisBackend) watchOverrides(st *state, stop <-chan struct{}) {
 	err := w.start(time.Now())
 	overrides.endLoad()
 	if err != nil {
-		w.log.Warn("loading the region's runtime overrides: retried each fast tick", zap.Error(err))
+		w.log.Warn("loading the region's runtime overrides: retried each fast tick, or each slow tick while the subscription to change notices is live", zap.Error(err))
 	}
 	timer := time.NewTimer(b.timing.FastTick)
 	defer timer.Stop()
