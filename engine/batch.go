@@ -9,12 +9,17 @@ import "context"
 // len(ls). It reports whether the request passes.
 //
 // With an origin, the limits' reads are made in parallel and waited for
-// together, within one read timeout. A batch does not reserve at the
-// origin: a shared limit near its limit reads the origin's count (a check
-// without charging) and its units reach the origin by replay, on the fast
-// tick. So a batch can admit past a limit by what other processes admit
-// between that read and their next replay (see the README's accuracy
-// bound).
+// together, within one read timeout. A limit that a lone Decide would
+// decide at the origin (a shared or young cell in its last tenth, or in
+// strict mode) is decided there here too, once every other limit of the
+// batch fits: the batch then admits the request only if the origin did,
+// and the others reserve after it. A limit the origin admitted stays
+// charged if a later one of the batch denies (another limit at the origin,
+// or a local one that a concurrent request filled meanwhile): an
+// over-count on the strict side, never an admission past a limit. Before,
+// a batch only read the origin's count, so what the other processes had
+// admitted and not replayed was never weighed: four processes in a burst
+// took up to 4 × the limit (TestDecideMany_BurstOverProcesses).
 func (e *Engine) DecideMany(ctx context.Context, ls []Limit, out []Decision) bool {
 	if len(ls) == 1 {
 		out[0] = e.Decide(ctx, ls[0])
@@ -34,7 +39,18 @@ func (e *Engine) DecideMany(ctx context.Context, ls []Limit, out []Decision) boo
 		e.locate(&lcs[i], &ls[i], now, linked)
 	}
 	if o != nil {
-		e.convergeAll(ctx, o, lcs, ls, now)
+		var dl deadline
+		defer dl.stop()
+		e.convergeAll(ctx, o, lcs, ls, now, &dl)
+		var flags [8]bool
+		atOrigin := flags[:0]
+		if len(ls) > len(flags) {
+			atOrigin = make([]bool, len(ls))
+		}
+		atOrigin = atOrigin[:len(ls)]
+		if e.originLimits(lcs, ls, now, atOrigin) {
+			return e.decideManyAtOrigin(ctx, o, lcs, ls, out, now, &dl, atOrigin)
+		}
 	}
 	reserved := 0
 	for i := range ls {
@@ -49,6 +65,91 @@ func (e *Engine) DecideMany(ctx context.Context, ls []Limit, out []Decision) boo
 		return false
 	}
 	e.commitAll(lcs, ls, out)
+	return true
+}
+
+// originLimits marks in atOrigin the limits of a batch that Decide would
+// decide at the origin now: a charge that fits locally, in a shared or
+// young cell near its limit or in strict mode (see nearLimit). It reports
+// whether there is one.
+func (e *Engine) originLimits(lcs []located, ls []Limit, now int64, atOrigin []bool) bool {
+	any := false
+	for i := range ls {
+		l := &ls[i]
+		if l.Cost == 0 || l.DryRun {
+			continue // they charge nothing, or whatever the origin says
+		}
+		_, cur, prev := lcs[i].snapshot()
+		if !fits(cur, prev, l.Cost, l.Limit, lcs[i].w, lcs[i].r) {
+			continue // denied locally: a denial never waits
+		}
+		if near, _ := e.nearLimit(&lcs[i], l, cur, prev, now); near {
+			atOrigin[i], any = true, true
+		}
+	}
+	return any
+}
+
+// decideManyAtOrigin is DecideMany when some limits (atOrigin) are to be
+// decided at the origin. Every other limit must fit first (a denial never
+// waits); then the marked ones are decided at the origin one after the
+// other, each charged when admitted, within the batch's deadline; then the
+// others reserve and commit as a batch does.
+func (e *Engine) decideManyAtOrigin(ctx context.Context, o Origin, lcs []located, ls []Limit, out []Decision, now int64, dl *deadline, atOrigin []bool) bool {
+	for i := range ls {
+		if atOrigin[i] || ls[i].DryRun {
+			continue
+		}
+		_, cur, prev := lcs[i].snapshot()
+		if !fits(cur, prev, ls[i].Cost, ls[i].Limit, lcs[i].w, lcs[i].r) {
+			e.refused(lcs, ls, out) // nothing charged yet
+			return false
+		}
+	}
+	for i := range ls {
+		if !atOrigin[i] {
+			continue
+		}
+		e.decideAtOrigin(ctx, &out[i], o, &lcs[i], &ls[i], now, dl, false)
+		if !out[i].Allowed {
+			// The origin (or the local count it brought back) denied:
+			// the limits decided before it stay charged, the others
+			// charge nothing.
+			for j := i + 1; j < len(ls); j++ {
+				e.refuse(&lcs[j], &ls[j], &out[j])
+			}
+			for j := 0; j < i; j++ {
+				if !atOrigin[j] {
+					e.refuse(&lcs[j], &ls[j], &out[j])
+				}
+			}
+			return false
+		}
+	}
+	for i := range ls {
+		if atOrigin[i] {
+			continue
+		}
+		if !e.reserve(&lcs[i], &ls[i]) {
+			// A concurrent request took the room meanwhile.
+			for j := 0; j < i; j++ {
+				if !atOrigin[j] {
+					rollBack(lcs[j:j+1], ls[j:j+1])
+				}
+			}
+			for j := range ls {
+				if !atOrigin[j] {
+					e.refuse(&lcs[j], &ls[j], &out[j])
+				}
+			}
+			return false
+		}
+	}
+	for i := range ls {
+		if !atOrigin[i] {
+			e.commit(&lcs[i], &ls[i], &out[i])
+		}
+	}
 	return true
 }
 
@@ -70,19 +171,24 @@ func rollBack(lcs []located, ls []Limit) {
 // limit's own, on the counts without the batch's units.
 func (e *Engine) refused(lcs []located, ls []Limit, out []Decision) {
 	for i := range ls {
-		lc := &lcs[i]
-		_, cur, prev := lc.snapshot()
-		ok := fits(cur, prev, ls[i].Cost, ls[i].Limit, lc.w, lc.r)
-		if !ok && !ls[i].DryRun {
-			e.deny(&out[i], lc, &ls[i], cur, prev)
-			continue
-		}
-		// A dry-run limit reports its verdict and records nothing.
-		lc.passed(&out[i], ls[i].Limit, cur, prev)
-		if !ok {
-			out[i].Allowed = false
-			out[i].RetryAfter = lc.retryAfter(cur, prev, ls[i].Cost, ls[i].Limit)
-		}
+		e.refuse(&lcs[i], &ls[i], &out[i])
+	}
+}
+
+// refuse writes to d the verdict of lc, a limit l of a batch that does not
+// pass, on the counts without the batch's units.
+func (e *Engine) refuse(lc *located, l *Limit, d *Decision) {
+	_, cur, prev := lc.snapshot()
+	ok := fits(cur, prev, l.Cost, l.Limit, lc.w, lc.r)
+	if !ok && !l.DryRun {
+		e.deny(d, lc, l, cur, prev)
+		return
+	}
+	// A dry-run limit reports its verdict and records nothing.
+	lc.passed(d, l.Limit, cur, prev)
+	if !ok {
+		d.Allowed = false
+		d.RetryAfter = lc.retryAfter(cur, prev, l.Cost, l.Limit)
 	}
 }
 
@@ -90,17 +196,22 @@ func (e *Engine) refused(lcs []located, ls []Limit, out []Decision) {
 // units for replay and writes the verdicts to out.
 func (e *Engine) commitAll(lcs []located, ls []Limit, out []Decision) {
 	for i := range ls {
-		lc := &lcs[i]
-		// Commit: the reservation stops being speculative. count already
-		// holds it, so the committed count only grows.
-		lc.cur.spec.Add(-ls[i].Cost)
-		_, cur, prev := lc.snapshot()
-		e.committed(lc, ls[i].Cost, SatAdd(cur, weighted(prev, lc.w, lc.r)), ls[i].Limit)
-		lc.passed(&out[i], ls[i].Limit, cur, prev)
-		if lc.wouldDeny {
-			out[i].Allowed = false
-			out[i].RetryAfter = lc.dryRetry
-		}
+		e.commit(&lcs[i], &ls[i], &out[i])
+	}
+}
+
+// commit commits lc's reservation of l, queues its units for replay and
+// writes its verdict to d.
+func (e *Engine) commit(lc *located, l *Limit, d *Decision) {
+	// Commit: the reservation stops being speculative. count already
+	// holds it, so the committed count only grows.
+	lc.cur.spec.Add(-l.Cost)
+	_, cur, prev := lc.snapshot()
+	e.committed(lc, l.Cost, SatAdd(cur, weighted(prev, lc.w, lc.r)), l.Limit)
+	lc.passed(d, l.Limit, cur, prev)
+	if lc.wouldDeny {
+		d.Allowed = false
+		d.RetryAfter = lc.dryRetry
 	}
 }
 

@@ -137,3 +137,47 @@ func TestDecideMany_RollbackRacingAMergeLeavesNoUnits(t *testing.T) {
 		t.Fatalf("a counts %d after a rolled-back batch, want 0", got)
 	}
 }
+
+// TestDecideMany_BurstOverProcesses is TestBurst_ProcessesMeetAKeyOneAfterAnother
+// with a second limit in the directive (a per-key zone beside a zone far
+// from its limit): the batch read the origin's count as its check and
+// never reserved, so what the processes admitted and had not replayed was
+// never weighed. Four Caddy processes on one Redis admitted 123 to 227 of
+// a limit of 100 in a burst with two zones, 87 to 101 with one; here,
+// with no replay before the burst ends, each process took the limit.
+func TestDecideMany_BurstOverProcesses(t *testing.T) {
+	for _, c := range []struct {
+		n      int
+		region int64
+		gap    time.Duration
+	}{
+		{4, 4, time.Microsecond},
+		{4, 4, 20 * time.Microsecond},
+		{4, 4, 100 * time.Microsecond},
+		{2, 2, 20 * time.Microsecond},
+	} {
+		es, clk, l, admitted := meet(t, c.n, c.region)
+		other := lim("everyone", time.Minute, 1_000_000, 1)
+		other.Namespace = "other"
+		var since time.Duration
+		out := make([]Decision, 2)
+		for i := range 400 {
+			clk.Advance(c.gap)
+			if since += c.gap; since >= 10*time.Millisecond {
+				since = 0
+				for _, e := range es {
+					if _, err := e.ReplayOnce(bg, Fast); err != nil {
+						t.Fatal(err)
+					}
+				}
+			}
+			if es[i%c.n].DecideMany(bg, []Limit{l, other}, out) {
+				admitted++
+			}
+		}
+		t.Logf("%d processes (region %d), a request every %v: %d admitted of a limit of 100", c.n, c.region, c.gap, admitted)
+		if admitted != 100 {
+			t.Errorf("%d processes (region %d), a request every %v: %d admitted at a limit of 100 with a second limit beside it", c.n, c.region, c.gap, admitted)
+		}
+	}
+}

@@ -221,25 +221,14 @@ func (e *Engine) unread(lc *located, l *Limit, now int64) bool {
 }
 
 // convergeAll converges every limit of a batch, reads in parallel, and
-// waits for them together within one read timeout. A shared limit near its
-// limit (or in strict mode) reads the origin's count as its check: batches
-// do not reserve.
-func (e *Engine) convergeAll(ctx context.Context, o Origin, lcs []located, ls []Limit, now int64) {
-	var dl deadline
-	defer dl.stop()
+// waits for them together within the batch's deadline dl. A limit near its
+// limit in a shared cell is then decided at the origin (DecideMany), whose
+// answer brings its count: it reads nothing more here.
+func (e *Engine) convergeAll(ctx context.Context, o Origin, lcs []located, ls []Limit, now int64, dl *deadline) {
 	var stack [8]*flight
 	fs := stack[:0]
 	for i := range ls {
-		f := e.converge(o, &lcs[i], &ls[i], now)
-		if f == nil && ls[i].Cost > 0 {
-			_, cur, prev := lcs[i].snapshot()
-			if fits(cur, prev, ls[i].Cost, ls[i].Limit, lcs[i].w, lcs[i].r) {
-				if near, _ := e.nearLimit(&lcs[i], &ls[i], cur, prev, now, true); near {
-					f = e.syncRead(o, &lcs[i])
-				}
-			}
-		}
-		if f != nil {
+		if f := e.converge(o, &lcs[i], &ls[i], now); f != nil {
 			e.stats.syncReads.Add(1)
 			fs = append(fs, f)
 		}

@@ -41,9 +41,8 @@ import (
 // when those units, counted once for each other process, reach a tenth of
 // it, and for two fast ticks after a reservation so started (sticky). arms
 // tells that the reservation starts those two ticks again: any reason but
-// sticky. A batch (all-or-nothing, which reads the origin's count as its
-// check rather than reserving) asks only whether the count is near.
-func (e *Engine) nearLimit(lc *located, l *Limit, cur, prev, now int64, batch bool) (near, arms bool) {
+// sticky. A batch (DecideMany) asks it of each limit, as Decide does.
+func (e *Engine) nearLimit(lc *located, l *Limit, cur, prev, now int64) (near, arms bool) {
 	c := lc.cur
 	x := c.links()
 	st := c.state()
@@ -94,9 +93,6 @@ func (e *Engine) nearLimit(lc *located, l *Limit, cur, prev, now int64, batch bo
 	}
 	if pressureAtLeast(SatAdd(SatAdd(effective, satMul(unseen, others)), e.foreignGrowth(lc, now)), l.Limit, 9, 10) {
 		return true, true
-	}
-	if batch {
-		return false, false
 	}
 	// A share of 90 % each is not enough while the processes meet the key:
 	// one whose view is from its read, before the others' units reached
@@ -158,7 +154,7 @@ func (e *Engine) decideAtOrigin(ctx context.Context, d *Decision, o Origin, lc *
 			return true
 		}
 		if !local {
-			if near, arms := e.nearLimit(lc, l, cur, prev, now, false); near {
+			if near, arms := e.nearLimit(lc, l, cur, prev, now); near {
 				if od, decided := e.reserveAtOrigin(ctx, o, lc, l, dl, arms); decided {
 					*d = od
 					return true

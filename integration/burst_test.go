@@ -1,6 +1,8 @@
 package integration
 
 import (
+	"context"
+	"fmt"
 	"net/http"
 	"os"
 	"slices"
@@ -10,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
 	"github.com/edgelimit/caddy-ratelimit/internal/testclock"
 )
 
@@ -102,5 +105,111 @@ func TestFourCaddyProcesses_BurstOnANewKey(t *testing.T) {
 	}
 	if least := admittedRuns[0]; least < 95 {
 		t.Errorf("a burst admitted %d at a limit of 100, want at least 95", least)
+	}
+}
+
+// TestFourCaddyProcesses_BurstBesideASecondZone is the burst above with a
+// second zone in the directive, keyed by a constant and far from its
+// limit (a cap on everyone beside a per-key limit). Such a directive is
+// decided all or nothing, and until 2026-11-27 it never reserved at
+// Redis: it read Redis's count, which lacked what the other processes had
+// admitted and not replayed, and four processes admitted 123 to 227 of a
+// limit of 100 in two sittings of six runs (87 to 101 with the per-key
+// zone alone). Now
+// the per-key zone is decided at Redis as it is alone. Whatever the
+// per-key zone denied charged the other zone nothing: Redis's count of
+// the second zone is what the processes admitted.
+func TestFourCaddyProcesses_BurstBesideASecondZone(t *testing.T) {
+	srv := redisAndCaddy(t, "builds Caddy and runs four processes")
+	const runs = 6
+	window, fits := testclock.FreshWindow(time.Now(), 60*time.Second, 600*time.Second, 4*nodeStartTimeout+runs*3*time.Second)
+	if !fits {
+		t.Fatal("no window length in [60s, 600s] leaves room for the test")
+	}
+	site := fmt.Sprintf(`	@keyed header X-Key *
+	ratelimit @keyed {
+		zone burst {
+			key    {http.request.header.X-Key}
+			limit  100
+			window %[1]dms
+		}
+		zone everyone {
+			key    everyone
+			limit  1000000
+			window %[1]dms
+		}
+		headers off
+	}
+	respond "ok"`, window.Milliseconds())
+	global := "\t\tredis " + srv.URL()
+	var nodes []*node
+	for range 4 {
+		nodes = append(nodes, startNode(t, global, site))
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for _, n := range nodes {
+		for n.metric(t, "caddy_ratelimit_origin_processes", "") != 4 {
+			if time.Now().After(deadline) {
+				t.Fatalf("node :%d counts %v processes, want 4", n.port, n.metric(t, "caddy_ratelimit_origin_processes", ""))
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	}
+	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 100, MaxConnsPerHost: 100}, Timeout: 5 * time.Second}
+	var admittedRuns []int
+	total := 0
+	for run := range runs {
+		key := freshKey("beside-" + strconv.Itoa(run))
+		var next, admitted atomic.Int64
+		var failed atomic.Value
+		var wg sync.WaitGroup
+		for range 100 {
+			wg.Go(func() {
+				for {
+					i := next.Add(1) - 1
+					if i >= 300 {
+						return
+					}
+					switch code := sendKey(client, nodes[i%4].url("/"), key); code {
+					case http.StatusOK:
+						admitted.Add(1)
+					case http.StatusTooManyRequests:
+					default:
+						failed.Store(code)
+					}
+				}
+			})
+		}
+		wg.Wait()
+		if code := failed.Load(); code != nil {
+			t.Fatalf("run %d: status %v", run, code)
+		}
+		admittedRuns = append(admittedRuns, int(admitted.Load()))
+		total += int(admitted.Load())
+	}
+	slices.Sort(admittedRuns)
+	t.Logf("admitted per run, sorted: %v", admittedRuns)
+	if most := admittedRuns[len(admittedRuns)-1]; most > 110 {
+		t.Errorf("a burst admitted %d at a limit of 100 beside a second zone, want at most 110", most)
+	}
+	if median := admittedRuns[len(admittedRuns)/2]; median > 102 {
+		t.Errorf("the bursts' median admitted %d at a limit of 100 beside a second zone, want at most 102", median)
+	}
+	if least := admittedRuns[0]; least < 95 {
+		t.Errorf("a burst admitted %d at a limit of 100 beside a second zone, want at least 95", least)
+	}
+	// The second zone's count reaches Redis by replay: every admitted
+	// request, and not one that was denied.
+	var inRedis int
+	redistest.Eventually(t, 5*time.Second, "the second zone's count in Redis", func() bool {
+		keys, err := srv.Client().Keys(context.Background(), "*{everyone:everyone}*").Result()
+		if err != nil || len(keys) != 1 {
+			return false
+		}
+		inRedis, err = srv.Client().HGet(context.Background(), keys[0], "t").Int()
+		return err == nil && inRedis >= total
+	})
+	if inRedis != total {
+		t.Errorf("Redis counts %d in the second zone, want the %d admitted", inRedis, total)
 	}
 }
