@@ -197,13 +197,22 @@ func retryAfter(cur, prev, cost, limit, w, r int64) time.Duration {
 
 // deny builds a denial into d and records what a denial records: strict
 // mode and the cell's first denial. It never waits and never calls the
-// origin.
+// origin. An oversized request, one whose cost is above the limit (no
+// count lets it pass) or that meets the key under half its limit, is
+// denied for its size, not for the key's use: it records neither, so it
+// sends no later request of the key to the origin (strict mode) and the
+// key's first denial at its limit is still counted, logged and written as
+// a denial row (a cell writes one at most, and none for a region under
+// half the limit).
 func (e *Engine) deny(d *Decision, lc *located, l *Limit, cur, prev int64) {
 	d.Allowed = false
 	d.Limit = l.Limit
 	d.Remaining = remaining(cur, prev, l.Limit, lc.w, lc.r)
 	d.Reset = lc.reset()
 	d.RetryAfter = lc.retryAfter(cur, prev, l.Cost, l.Limit)
+	if l.Cost > l.Limit || d.Remaining > l.Limit/2 {
+		return // oversized: the request's size, not the key's use
+	}
 	if e.origin.Load() != nil {
 		e.markStrict(lc.zone, lc.id, lc.cur.seq()*lc.w+lc.r+lc.w)
 	}

@@ -329,3 +329,32 @@ func TestDecide_ANamedZoneDecidesAsALookedUpOne(t *testing.T) {
 		t.Fatalf("only %d of 20000 decisions found their key's cell of now: the warm path was hardly tried", warm)
 	}
 }
+
+// TestDecide_AnOversizedRequestLeavesTheKeyAsItWas: a request denied for
+// its own size (a cost above the limit, or a key under half its limit)
+// neither puts the key in strict mode nor uses up its first denial, so
+// the key's denial at its limit is still counted, notified and shown.
+func TestDecide_AnOversizedRequestLeavesTheKeyAsItWas(t *testing.T) {
+	var notified atomic.Int64
+	e, _, _ := withOrigin(t, Config{OnFirstDenial: func(Denial) { notified.Add(1) }})
+	small := lim("k", time.Hour, 100, 1)
+	decideN(e, small, 10)
+	for _, cost := range []int64{101, 1 << 40, 95} {
+		big := small
+		big.Cost = cost
+		if e.Decide(bg, big).Allowed {
+			t.Fatalf("a cost of %d passed at 10 of 100", cost)
+		}
+	}
+	ks, _ := e.Inspect(small.Key)
+	if s := e.Stats(); notified.Load() != 0 || s.FirstDenials != 0 || s.StrictKeys != 0 || ks.Cells[0].Blocked {
+		t.Fatalf("oversized requests at 10 of 100: %d notified, %+v, blocked %v; want the key untouched", notified.Load(), s, ks.Cells[0].Blocked)
+	}
+	if n := admittedOf(e, small, 95); n != 90 {
+		t.Fatalf("admitted %d of 95 after the oversized requests, want the 90 left", n)
+	}
+	ks, _ = e.Inspect(small.Key)
+	if s := e.Stats(); notified.Load() != 1 || s.FirstDenials != 1 || s.StrictKeys != 1 || !ks.Cells[0].Blocked {
+		t.Fatalf("at the limit: %d notified, %+v, blocked %v; want one first denial and the key in strict mode", notified.Load(), s, ks.Cells[0].Blocked)
+	}
+}

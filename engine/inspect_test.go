@@ -65,8 +65,9 @@ func TestOverlay_RaisesTheKeyToTheRegionsTotals(t *testing.T) {
 func TestStrictKeys_SortedUntilTheirDeadline(t *testing.T) {
 	e, clk, _ := withOrigin(t, Config{})
 	for _, id := range []string{"b", "a"} {
-		if e.Decide(bg, lim(id, time.Minute, 0, 1)).Allowed {
-			t.Fatal("a limit of 0 admitted")
+		e.Decide(bg, lim(id, time.Minute, 1, 1))
+		if e.Decide(bg, lim(id, time.Minute, 1, 1)).Allowed {
+			t.Fatal("a limit of 1 admitted two")
 		}
 	}
 	until := clk.Now().Add(time.Minute)
