@@ -500,10 +500,14 @@ func (p *Propagator) prune(now int64) {
 }
 
 // ForeignCounts returns, for the cell (key, seq), what each foreign region
-// counted, as imported; nil when nothing was. A region that published a
-// global reset counts from its mark (count − base), as the region's Redis
-// weighs it once this region marked the same reset.
+// counted, as imported; nil when nothing was, or when another node of
+// the region holds the role (only the holder pulls the rows). A region
+// that published a global reset counts from its mark (count − base), as
+// the region's Redis weighs it once this region marked the same reset.
 func (p *Propagator) ForeignCounts(key engine.Key, seq int64) map[string]int64 {
+	if p.role.Load() == roleMember {
+		return nil // the holder pulls the rows: what this node pulled when it held the role is stale
+	}
 	c := Cell{key.Namespace, p.rowID(key.Identifier), key.Window.Milliseconds(), seq}
 	p.mu.Lock()
 	defer p.mu.Unlock()

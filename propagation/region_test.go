@@ -613,3 +613,32 @@ func TestRole_ARegionThatLostItsRegistryGetsItsCellsAgain(t *testing.T) {
 		t.Fatalf("after the region lost its registry it holds %d cells, want k registered again", got)
 	}
 }
+
+// TestRole_AFormerHolderShowsNoSplitByRegion: only the holder pulls the
+// published rows, so only its split of a cell's global count by region
+// (ForeignCounts, the admin API's global_by_region) is current. A node
+// whose role passed to another kept showing the split it last pulled
+// beside a global count that moved on; now it shows none, as any member.
+func TestRole_AFormerHolderShowsNoSplitByRegion(t *testing.T) {
+	s := newSetup(t)
+	mem := newMemRegion(s.clk)
+	n := s.regionNode("a", "n1", mem)
+	b := s.region("b")
+	b.decide("k", 100, 55)
+	b.p.FlushOnce(bg)
+	b.p.GlobalSyncOnce(bg)
+	n.p.FlushOnce(bg)
+	if got := n.p.ForeignCounts(key("k"), seq0); got["b"] != 55 {
+		t.Fatalf("the holder's split = %v, want b's 55", got)
+	}
+	mem.mu.Lock() // another node took the role
+	mem.holder, mem.until = "n2", s.clk.ms.Load()+60_000
+	mem.mu.Unlock()
+	n.p.FlushOnce(bg)
+	if st := n.p.Stats(); st.Role != "member" {
+		t.Fatalf("n1 is %q, want a member", st.Role)
+	}
+	if got := n.p.ForeignCounts(key("k"), seq0); got != nil {
+		t.Fatalf("a former holder's split = %v, want none (it no longer pulls the rows)", got)
+	}
+}
