@@ -49,6 +49,11 @@ type Decision struct {
 	// (DecideMany) it reports the limit's own verdict; the batch passes only
 	// when every limit allows.
 	Allowed bool
+	// ChargedAnyway reports, for a batch that did not pass, a limit the
+	// origin admitted and charged before another limit of the batch
+	// denied: its units stay counted (a charge at the origin is not taken
+	// back). False everywhere else.
+	ChargedAnyway bool
 	// Limit is the limit the decision was made against.
 	Limit int64
 	// Remaining is floor(max(0, limit − effective)) after the decision, where

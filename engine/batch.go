@@ -1,6 +1,10 @@
 package engine
 
-import "context"
+import (
+	"cmp"
+	"context"
+	"slices"
+)
 
 // DecideMany decides several limits all-or-nothing: every cost is reserved
 // speculatively, and either every reservation commits (the request passes
@@ -13,9 +17,10 @@ import "context"
 // decide at the origin (a shared or young cell in its last tenth, or in
 // strict mode) is decided there here too, once every other limit of the
 // batch fits: the batch then admits the request only if the origin did,
-// and the others reserve after it. A limit the origin admitted stays
-// charged if a later one of the batch denies (another limit at the origin,
-// or a local one that a concurrent request filled meanwhile): an
+// and the others reserve after it; the one nearest its limit goes first.
+// A limit the origin admitted stays charged if a later one of the batch
+// denies (another limit at the origin, or a local one that a concurrent
+// request filled meanwhile), and its Decision says so (ChargedAnyway): an
 // over-count on the strict side, never an admission past a limit. Before,
 // a batch only read the origin's count, so what the other processes had
 // admitted and not replayed was never weighed: four processes in a burst
@@ -35,6 +40,7 @@ func (e *Engine) DecideMany(ctx context.Context, ls []Limit, out []Decision) boo
 	o := e.getOrigin()
 	linked := o != nil || e.linkAll.Load()
 	for i := range ls {
+		out[i].ChargedAnyway = false
 		clampLimit(&ls[i])
 		e.locate(&lcs[i], &ls[i], now, linked)
 	}
@@ -106,25 +112,39 @@ func (e *Engine) decideManyAtOrigin(ctx context.Context, o Origin, lcs []located
 			return false
 		}
 	}
+	// The limit nearest its limit first: the one most likely to deny is
+	// decided before any other is charged.
+	var stack [8]int
+	order := stack[:0]
 	for i := range ls {
-		if !atOrigin[i] {
+		if atOrigin[i] {
+			order = append(order, i)
+		}
+	}
+	pressure := func(i int) float64 {
+		_, cur, prev := lcs[i].snapshot()
+		return float64(SatAdd(SatAdd(cur, weighted(prev, lcs[i].w, lcs[i].r)), ls[i].Cost)) / float64(max(ls[i].Limit, 1))
+	}
+	if len(order) > 1 {
+		slices.SortStableFunc(order, func(a, b int) int { return cmp.Compare(pressure(b), pressure(a)) })
+	}
+	for k, i := range order {
+		e.decideAtOrigin(ctx, &out[i], o, &lcs[i], &ls[i], now, dl, false)
+		if out[i].Allowed {
 			continue
 		}
-		e.decideAtOrigin(ctx, &out[i], o, &lcs[i], &ls[i], now, dl, false)
-		if !out[i].Allowed {
-			// The origin (or the local count it brought back) denied:
-			// the limits decided before it stay charged, the others
-			// charge nothing.
-			for j := i + 1; j < len(ls); j++ {
+		// The origin (or the local count it brought back) denied: the
+		// limits it admitted before stay charged, the others charge
+		// nothing.
+		for _, j := range order[:k] {
+			out[j].ChargedAnyway = true
+		}
+		for j := range ls {
+			if !atOrigin[j] || slices.Contains(order[k+1:], j) {
 				e.refuse(&lcs[j], &ls[j], &out[j])
 			}
-			for j := 0; j < i; j++ {
-				if !atOrigin[j] {
-					e.refuse(&lcs[j], &ls[j], &out[j])
-				}
-			}
-			return false
 		}
+		return false
 	}
 	for i := range ls {
 		if atOrigin[i] {
@@ -138,7 +158,9 @@ func (e *Engine) decideManyAtOrigin(ctx context.Context, o Origin, lcs []located
 				}
 			}
 			for j := range ls {
-				if !atOrigin[j] {
+				if atOrigin[j] {
+					out[j].ChargedAnyway = true
+				} else {
 					e.refuse(&lcs[j], &ls[j], &out[j])
 				}
 			}

@@ -181,3 +181,33 @@ func TestDecideMany_BurstOverProcesses(t *testing.T) {
 		}
 	}
 }
+
+// TestDecideMany_TheLimitNearestItsLimitGoesToTheOriginFirst: two limits
+// of a batch both decided at the origin (young keys shared by two
+// processes), one of which the origin denies. The one nearest its limit
+// goes first, so its denial leaves the other uncharged; when the other
+// went first, its units stayed counted at the origin for a request that
+// was denied.
+func TestDecideMany_TheLimitNearestItsLimitGoesToTheOriginFirst(t *testing.T) {
+	es, _, _, _ := meet(t, 2, 2)
+	a, b := es[0], es[1]
+	tight := lim("tight", time.Minute, 5, 2)
+	wide := lim("wide", time.Minute, 20, 3)
+	for _, e := range es {
+		e.Decide(bg, wide) // both processes meet wide: young and shared
+	}
+	a.Decide(bg, tight)
+	tight.Cost = 3
+	b.Decide(bg, tight) // the region holds 5 of tight's 5; a saw 2
+	out := make([]Decision, 2)
+	if a.DecideMany(bg, []Limit{wide, tight}, out) {
+		t.Fatal("the batch passed at 5 + 3 of tight's 5")
+	}
+	if out[0].ChargedAnyway || out[1].ChargedAnyway {
+		t.Fatalf("a limit stayed charged: %+v", out)
+	}
+	ks, _ := a.Inspect(wide.Key)
+	if got := ks.Cells[0].Regional; got != 3 {
+		t.Fatalf("wide's count here = %d after the denied batch, want its lone decision's 3", got)
+	}
+}

@@ -341,16 +341,24 @@ func (r *runner) key(i int) Key {
 	return k
 }
 
-// batch runs an OpBatch. A batch reads instead of reserving: it may
-// over-admit by what the others admit until their next replay, within the
-// same slack. Its denial may come from the other limit, so only an
-// admission is judged.
+// batch runs an OpBatch. Its denial may come from the other limit, so
+// only an admission is judged. A limit the origin admitted and charged
+// before the other denied (ChargedAnyway) is judged and counted as an
+// admission: its units are in the region's count.
 func (r *runner) batch(op, i int, o Op) error {
 	k1, k2 := r.key(o.Key), r.key(o.Key2)
 	out := make([]engine.Decision, 2)
 	ok := r.c.Engine(i).DecideMany(bg, []engine.Limit{limitOf(k1, o.Cost), limitOf(k2, o.Cost2)}, out)
 	r.res.Decisions++
 	if !ok {
+		if out[0].ChargedAnyway {
+			if err := r.check(op, i, k1, o.Cost, true); err != nil {
+				return err
+			}
+		}
+		if out[1].ChargedAnyway {
+			return r.check(op, i, k2, o.Cost2, true)
+		}
 		return nil
 	}
 	if err := r.check(op, i, k1, o.Cost, true); err != nil {
