@@ -240,18 +240,28 @@ func (b *redisBackend) start() {
 // the old servers is not in the new ones, where any node that reads a key
 // (one started since, or one whose view lapsed) would have admitted it
 // again. Writes are idempotent, so a key the new servers already hold
-// from this process counts once.
+// from this process counts once. So does a reload that changes
+// identifier_secret: every key's name in Redis is its HMAC.
 func (b *redisBackend) use(st *state) {
 	prev, _ := st.currentOrigin().(*origin.Redis)
 	st.engine.SetTiming(b.timing)
 	st.engine.SetProcesses(b.origin.Processes()) // 0 until its first heartbeat: not the last origin's region
 	st.engine.SetOrigin(b.engineOrigin)
 	st.setOrigin(b.origin)
-	if prev != nil && prev != b.origin && prev.Placement() != b.origin.Placement() {
+	form := b.a.ids.form()
+	prevForm := st.originForm.Swap(&form)
+	switch {
+	case prev == nil || prev == b.origin:
+	case prev.Placement() != b.origin.Placement():
 		from, to := prev.String(), b.origin.String()
 		st.engine.ResendAsync(func(n int) {
 			b.a.logger.Info("Redis changed in a reload: writing every live key's count to the new servers",
 				zap.String("from", from), zap.String("to", to), zap.Int("cells", n))
+		})
+	case prevForm != nil && *prevForm != form:
+		st.engine.ResendAsync(func(n int) {
+			b.a.logger.Info("identifier_secret changed in a reload: writing every live key's count under its new name in Redis",
+				zap.Int("cells", n))
 		})
 	}
 }

@@ -304,3 +304,54 @@ func TestCaddy_ReloadToAnotherRedisCarriesTheCounts(t *testing.T) {
 	}
 	holds(b, 5, "Redis B holds dave's 5 units once the node has Redis again")
 }
+
+// TestCaddy_ReloadToAnotherSecretCarriesTheCounts: a reload that changes
+// identifier_secret renames every key in Redis (its name holds the
+// identifier's HMAC). The node's units were under the old names, so a
+// node reading the key under its new name (one started since, or one
+// whose view lapsed) admitted it all again: before the fix Redis held
+// none of erin's 4 units under the new name.
+func TestCaddy_ReloadToAnotherSecretCarriesTheCounts(t *testing.T) {
+	window, ok := testclock.FreshWindow(time.Now(), time.Minute, 2*time.Minute, 30*time.Second)
+	if !ok {
+		t.Fatal("no window length in [1m, 2m] leaves 30 s")
+	}
+	srv := redistest.Start(t)
+	t.Setenv("RATELIMIT_TEST_REDIS_URL", srv.URL())
+	admin, port := e2eAdminPort(t), redistest.MustFreePort(t)
+	base := fmt.Sprintf("http://127.0.0.1:%d/", port)
+	tester := caddytest.NewTester(t).WithDefaultOverrides(caddytest.Config{AdminPort: admin})
+	withSecret := func(secret string) string {
+		return redisConfig(admin, port, `	ratelimit {
+		redis {env.RATELIMIT_TEST_REDIS_URL}
+		prefix renamed
+		identifier_secret `+secret+`
+	}`, window)
+	}
+	const first, second = "first-secret-of-32-bytes-or-more!", "second-secret-of-32-bytes-or-more"
+	keyUnder := func(secret string) string {
+		return "renamed:{e2e_redis:" + identifierHMAC([]byte(secret), "erin") + "}:" + strconv.FormatInt(window.Milliseconds(), 10) + ":" +
+			strconv.FormatInt(time.Now().UnixMilli()/window.Milliseconds(), 10) + ":c"
+	}
+	holds := func(key string, want int64, what string) {
+		t.Helper()
+		redistest.Eventually(t, 10*time.Second, what, func() bool {
+			n, err := srv.Client().HGet(context.Background(), key, "t").Int64()
+			return err == nil && n == want
+		})
+	}
+	tester.InitServer(withSecret(first), "caddyfile")
+	if t.Failed() {
+		t.FailNow()
+	}
+	defer tester.InitServer(e2eConfig(admin, port, ""), "caddyfile") // unload: the next test starts without an engine
+	for range 4 {
+		get(t, tester, base, "X-Key", "erin").expect(t, 200, "ok")
+	}
+	holds(keyUnder(first), 4, "Redis holds erin's 4 units under the first secret's name")
+	tester.InitServer(withSecret(second), "caddyfile")
+	if t.Failed() {
+		t.FailNow()
+	}
+	holds(keyUnder(second), 4, "Redis holds erin's 4 units under the second secret's name after the reload")
+}

@@ -51,7 +51,12 @@ type state struct {
 	// rowsAs is the name the engine's rows in MySQL are written under
 	// (App.rowRegion), set when the first config's cross-region layer
 	// starts: a reload may not change it (provisionMySQL).
-	rowsAs atomic.Pointer[string]
+	// originForm is how the identifiers of the origin last in use reach
+	// its keys (identities.form: the identifier_secret's mark, "" for none):
+	// a reload that changes it moves every key, as other servers do
+	// (redisBackend.use).
+	originForm atomic.Pointer[string]
+	rowsAs     atomic.Pointer[string]
 }
 
 // acquireState returns the process's state, creating its engine if this is
