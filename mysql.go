@@ -220,6 +220,9 @@ type mysqlBackend struct {
 	// ownsLoad, started: as redisBackend's, for a process that is its own
 	// region (its overrides come from MySQL).
 	ownsLoad, started bool
+	// dest is where its rows go and under which identifiers: the DSN and
+	// the identifier form (state.publishedTo).
+	dest string
 }
 
 // provisionMySQL resolves the DSN and builds the propagator without any
@@ -261,6 +264,13 @@ func provisionMySQL(a *App) (backend, error) {
 	}
 	cfg.Region = a.rowRegion()
 	cfg.MapID = a.ids.mapper()
+	// A reload to another database, or to another identifier_secret (the
+	// rows' identifiers are HMACs under it), publishes every cell again:
+	// the engine marks those it published, which the new rows lack.
+	dest := cfg.DSN + "\x00" + a.ids.form()
+	if prev := a.state.publishedTo.Load(); prev != nil && *prev != dest {
+		cfg.Republish = true
+	}
 	cfg.Windows = func(ns string) []time.Duration { return defWindows(a.state.zones.definitions(ns, a)) }
 	if o := a.Origin; o != nil {
 		// The breaker lines given apply here too; those not given keep
@@ -299,7 +309,7 @@ func provisionMySQL(a *App) (backend, error) {
 		}
 		return nil, err
 	}
-	return &mysqlBackend{a: a, prop: p, ownsLoad: owns}, nil
+	return &mysqlBackend{a: a, prop: p, ownsLoad: owns, dest: dest}, nil
 }
 
 // processRole is whether this process holds its region's cross-region
@@ -329,6 +339,7 @@ func (b *mysqlBackend) start() {
 	processRegion.Unlock()
 	rows := b.a.rowRegion()
 	b.a.state.rowsAs.CompareAndSwap(nil, &rows) // provisioning checked it against one set before
+	b.a.state.publishedTo.Store(&b.dest)
 	b.prop.Start()
 	if !b.prop.HasRegion() {
 		// Its own pointer: close may clear b.prop while it loads.

@@ -56,7 +56,10 @@ type state struct {
 	// a reload that changes it moves every key, as other servers do
 	// (redisBackend.use).
 	originForm atomic.Pointer[string]
-	rowsAs     atomic.Pointer[string]
+	// publishedTo is where the cross-region layer last started publishing
+	// the engine's cells: its DSN and identifier form (mysqlBackend.dest).
+	publishedTo atomic.Pointer[string]
+	rowsAs      atomic.Pointer[string]
 }
 
 // acquireState returns the process's state, creating its engine if this is

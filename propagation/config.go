@@ -98,6 +98,13 @@ type Config struct {
 	// under identifier_secret); rows then never hold a raw identifier, and
 	// receivers find entries through an index built at entry creation.
 	MapID func(string) string
+	// Republish makes the first whole push publish every cell worth
+	// publishing, those the engine marks as published included: they
+	// went to another database, or under other identifiers (a reload that
+	// changed the DSN or identifier_secret of a process that is its own
+	// region; a region's holder publishes every cell when it takes the
+	// role, as a reload's new propagator does).
+	Republish bool
 	// Windows, if set, returns the windows a zone (a row's namespace)
 	// counts over here, none for a zone this config does not define. A
 	// foreign row of a zone defined here over another window counts

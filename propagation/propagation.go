@@ -132,6 +132,7 @@ type Propagator struct {
 	dbClock     dbClock               // the database's clock, as last read (pull.go)
 	fullPull    [tables]bool          // the next pull of the table reads it whole
 	fullPush    bool                  // the next push publishes every grown cell
+	republish   bool                  // and every published one (Config.Republish), until a whole push is done
 	fullTake    bool                  // the next take reads every registration
 	syncs       [tables]int           // syncs since the table's last whole read
 	ovPending   map[Cell]*OverrideRow // overrides changed here or in the region, not yet written
@@ -292,6 +293,8 @@ func New(cfg Config, eng Engine, opts Options) (*Propagator, error) {
 		ovPending:   make(map[Cell]*OverrideRow),
 		onOverrides: opts.OnOverrides,
 		fullPull:    [tables]bool{true, true, true},
+		fullPush:    cfg.Republish,
+		republish:   cfg.Republish,
 		stop:        make(chan struct{}),
 	}
 	if p.roleHeld == nil {

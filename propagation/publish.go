@@ -172,12 +172,12 @@ func (p *Propagator) importSum(c Cell) int64 {
 // cells that grew on every flush, every cell worth it at a global sync.
 func (p *Propagator) publishScanned(ctx context.Context) {
 	p.mu.Lock()
-	full := p.fullPush
+	full, again := p.fullPush, p.republish
 	p.mu.Unlock()
 	var cands []candidate
 	p.eng.ScanCells(p.cfg.MinWindow, func(v *engine.CellView) bool {
 		worth, hot, pressure := p.worth(v)
-		if !worth || v.Regional <= v.Published || !(hot || full) {
+		if !worth || (v.Regional <= v.Published && !again) || !(hot || full) {
 			return true
 		}
 		w := v.Key.Window.Milliseconds()
@@ -199,7 +199,7 @@ func (p *Propagator) publishScanned(ctx context.Context) {
 	}
 	if full && !more {
 		p.mu.Lock()
-		p.fullPush = false
+		p.fullPush, p.republish = false, false
 		p.mu.Unlock()
 	}
 }

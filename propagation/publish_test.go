@@ -3,8 +3,10 @@ package propagation
 import (
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/edgelimit/caddy-ratelimit/internal/mysqltest"
+	"go.uber.org/zap"
 )
 
 func TestPublishedCounts_EvenTrafficIsCountedOnce(t *testing.T) {
@@ -106,5 +108,35 @@ func TestPublish_WeighsEachCellAgainstItsDecisionsLimit(t *testing.T) {
 	}
 	if n := countRows(t, s.dsn, "ratelimit_global_counts", "WHERE identifier = ?", "loose"); n != 0 {
 		t.Fatalf("%d published rows for the key at 60 of 200, want none before a full sync", n)
+	}
+}
+
+// TestPublish_ARepublishingPropagatorWritesWhatWasPublishedElsewhere: a
+// reload moved a process that is its own region to another database (or
+// changed identifier_secret, which renames its rows). The engine marks
+// the cells it published, so the new propagator skipped them until they
+// grew: the new database held none of an idle key's count. With
+// Republish its first push writes them all.
+func TestPublish_ARepublishingPropagatorWritesWhatWasPublishedElsewhere(t *testing.T) {
+	s := newSetup(t)
+	a := s.region("a")
+	a.decide("k", 10, 6) // 60 %: worth publishing
+	a.p.GlobalSyncOnce(bg)
+	a.p.FlushOnce(bg)
+	if n := countRows(t, s.dsn, "ratelimit_global_counts", "WHERE identifier = 'k' AND count = 6"); n != 1 {
+		t.Fatalf("the first database holds %d rows of k's 6, want 1", n)
+	}
+	for _, again := range []bool{false, true} {
+		dsn := shared.Get(t).NewDatabase(t)
+		p := s.start(a.eng, Config{DSN: dsn, Region: "a", Batch: 100, Timeout: 5 * time.Second, Republish: again},
+			Options{Now: s.clk.Now, Logger: zap.NewNop()})
+		p.FlushOnce(bg)
+		want := 0
+		if again {
+			want = 1
+		}
+		if n := countRows(t, dsn, "ratelimit_global_counts", "WHERE identifier = 'k' AND count = 6"); n != want {
+			t.Fatalf("Republish %v: the new database holds %d rows of k's 6 after a flush, want %d", again, n, want)
+		}
 	}
 }
