@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"net/http"
-	"slices"
 	"strconv"
 	"time"
 
@@ -201,15 +200,16 @@ func regionView(ctx context.Context, st *state, key engine.Key) (engine.KeyState
 func listKeys(st *state, zoneName, prefix string, max int, defs []zoneDef) keyListDoc {
 	ids := st.apps.view().ids
 	doc := keyListDoc{Zone: zoneName, Prefix: prefix, Max: max, Keys: []keyDoc{}}
+	// Keys of a window no loaded config uses any more linger until the
+	// janitor drops them; they are not the zone's, and take no place.
 	windows := defWindows(defs)
-	found := st.engine.Scan(zoneName, prefix, max+1)
+	if len(windows) == 0 {
+		return doc
+	}
+	found := st.engine.Scan(zoneName, prefix, max+1, windows...)
 	doc.Truncated = len(found) > max
 	for _, ks := range found[:min(len(found), max)] {
-		// Keys of a window no loaded config uses any more linger until the
-		// janitor drops them; they are not the zone's.
-		if slices.Contains(windows, ks.Key.Window) {
-			doc.Keys = append(doc.Keys, keyDocOf(ks, defs, ids))
-		}
+		doc.Keys = append(doc.Keys, keyDocOf(ks, defs, ids))
 	}
 	return doc
 }

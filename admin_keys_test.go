@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"context"
 	"errors"
 	"net/http"
 	"strings"
@@ -152,5 +153,44 @@ func TestCounters_MalformedUTF8IdentifiersStayApart(t *testing.T) {
 	adminSend(t, admin, http.MethodPut, "/ratelimit/overrides?zone=ov&identifier=a%80", `{"limit": 7}`).decode(t, http.StatusOK, &ov)
 	if ov.IdentifierHex != "6180" {
 		t.Fatalf("the override of a\\x80 shows as %q, hex %q", ov.Identifier, ov.IdentifierHex)
+	}
+}
+
+// TestListKeys_AnOldWindowsKeysTakeNoPlace: keys of a window no loaded
+// config uses linger until the janitor drops them. A listing dropped them
+// after taking its max, so it showed fewer keys than there were (none,
+// here) and said it was truncated.
+func TestListKeys_AnOldWindowsKeysTakeNoPlace(t *testing.T) {
+	st, err := acquireState(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		if err := releaseState(); err != nil {
+			t.Error(err)
+		}
+	}()
+	decide := func(id string, w time.Duration) {
+		st.engine.Decide(context.Background(), engine.Limit{Key: engine.Key{Namespace: "lk", Identifier: id, Window: w}, Limit: 10, Cost: 1})
+	}
+	for _, id := range []string{"a", "b", "c"} {
+		decide(id, time.Hour) // the window of an earlier config
+	}
+	decide("d", time.Minute)
+	decide("e", time.Minute)
+	defs := []zoneDef{{handler: &Handler{zones: []zone{{name: "lk", limit: 10, window: time.Minute}}}, window: time.Minute}}
+	for _, c := range []struct {
+		max       int
+		keys      string
+		truncated bool
+	}{{2, "d e", false}, {1, "d", true}} {
+		doc := listKeys(st, "lk", "", c.max, defs)
+		var got []string
+		for _, k := range doc.Keys {
+			got = append(got, k.Identifier)
+		}
+		if strings.Join(got, " ") != c.keys || doc.Truncated != c.truncated {
+			t.Errorf("max %d: keys %v, truncated %v; want %s, %v", c.max, got, doc.Truncated, c.keys, c.truncated)
+		}
 	}
 }

@@ -153,17 +153,17 @@ func cellState(c *cell) CellState {
 }
 
 // Scan returns up to max keys of the namespace whose identifier starts with
-// prefix, sorted by identifier and window (all of them when max < 0). It
-// keeps only the first max while it scans, so a listing of a few keys costs
-// no sort of every key.
-func (e *Engine) Scan(namespace, prefix string, max int) []KeyState {
+// prefix, sorted by identifier and window (all of them when max < 0); of
+// the given windows only, when there are any. It keeps only the first max
+// while it scans, so a listing of a few keys costs no sort of every key.
+func (e *Engine) Scan(namespace, prefix string, max int, windows ...time.Duration) []KeyState {
 	if max == 0 {
 		return nil
 	}
 	now := e.nowMs()
 	var top keyHeap
 	e.rangeZones(func(z *Zone) bool {
-		if z.name != namespace {
+		if z.name != namespace || (len(windows) > 0 && !slices.Contains(windows, z.window)) {
 			return true
 		}
 		z.entries.Range(func(id string, en *entry) bool {
