@@ -44,52 +44,20 @@ func TestFourCaddyProcesses_BurstOnANewKey(t *testing.T) {
 	for range 4 {
 		nodes = append(nodes, startNode(t, global, site))
 	}
-	// Each node has counted the others once its heartbeat has.
-	deadline := time.Now().Add(10 * time.Second)
-	for _, n := range nodes {
-		for n.metric(t, "caddy_ratelimit_origin_processes", "") != 4 {
-			if time.Now().After(deadline) {
-				t.Fatalf("node :%d counts %v processes, want 4", n.port, n.metric(t, "caddy_ratelimit_origin_processes", ""))
-			}
-			time.Sleep(10 * time.Millisecond)
-		}
-	}
+	countEachOther(t, nodes)
 	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 100, MaxConnsPerHost: 100}, Timeout: 5 * time.Second}
 	var admittedRuns []int
 	for run := range runs {
 		key := freshKey("burst-" + strconv.Itoa(run))
-		var next, admitted atomic.Int64
-		var failed atomic.Value
 		start := time.Now()
-		var wg sync.WaitGroup
-		for range 100 {
-			wg.Go(func() {
-				for {
-					i := next.Add(1) - 1
-					if i >= 300 {
-						return
-					}
-					switch code := sendKey(client, nodes[i%4].url("/"), key); code {
-					case http.StatusOK:
-						admitted.Add(1)
-					case http.StatusTooManyRequests:
-					default:
-						failed.Store(code)
-					}
-				}
-			})
-		}
-		wg.Wait()
+		admitted := burstOf(t, client, nodes, key, 300)
 		took := time.Since(start)
-		if code := failed.Load(); code != nil {
-			t.Fatalf("run %d: status %v", run, code)
-		}
 		var reservations float64
 		for _, n := range nodes {
 			reservations += n.metric(t, "caddy_ratelimit_reservations_total", "")
 		}
-		t.Logf("run %d: %d of 300 admitted at a limit of 100 in %v; %v decisions made at Redis so far", run, admitted.Load(), took.Round(time.Millisecond), reservations)
-		admittedRuns = append(admittedRuns, int(admitted.Load()))
+		t.Logf("run %d: %d of 300 admitted at a limit of 100 in %v; %v decisions made at Redis so far", run, admitted, took.Round(time.Millisecond), reservations)
+		admittedRuns = append(admittedRuns, admitted)
 	}
 	slices.Sort(admittedRuns)
 	t.Logf("admitted per run, sorted: %v", admittedRuns)
@@ -146,46 +114,15 @@ func TestFourCaddyProcesses_BurstBesideASecondZone(t *testing.T) {
 	for range 4 {
 		nodes = append(nodes, startNode(t, global, site))
 	}
-	deadline := time.Now().Add(10 * time.Second)
-	for _, n := range nodes {
-		for n.metric(t, "caddy_ratelimit_origin_processes", "") != 4 {
-			if time.Now().After(deadline) {
-				t.Fatalf("node :%d counts %v processes, want 4", n.port, n.metric(t, "caddy_ratelimit_origin_processes", ""))
-			}
-			time.Sleep(10 * time.Millisecond)
-		}
-	}
+	countEachOther(t, nodes)
 	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 100, MaxConnsPerHost: 100}, Timeout: 5 * time.Second}
 	var admittedRuns []int
 	total := 0
 	for run := range runs {
 		key := freshKey("beside-" + strconv.Itoa(run))
-		var next, admitted atomic.Int64
-		var failed atomic.Value
-		var wg sync.WaitGroup
-		for range 100 {
-			wg.Go(func() {
-				for {
-					i := next.Add(1) - 1
-					if i >= 300 {
-						return
-					}
-					switch code := sendKey(client, nodes[i%4].url("/"), key); code {
-					case http.StatusOK:
-						admitted.Add(1)
-					case http.StatusTooManyRequests:
-					default:
-						failed.Store(code)
-					}
-				}
-			})
-		}
-		wg.Wait()
-		if code := failed.Load(); code != nil {
-			t.Fatalf("run %d: status %v", run, code)
-		}
-		admittedRuns = append(admittedRuns, int(admitted.Load()))
-		total += int(admitted.Load())
+		admitted := burstOf(t, client, nodes, key, 300)
+		admittedRuns = append(admittedRuns, admitted)
+		total += admitted
 	}
 	slices.Sort(admittedRuns)
 	t.Logf("admitted per run, sorted: %v", admittedRuns)
@@ -212,4 +149,52 @@ func TestFourCaddyProcesses_BurstBesideASecondZone(t *testing.T) {
 	if inRedis != total {
 		t.Errorf("Redis counts %d in the second zone, want the %d admitted", inRedis, total)
 	}
+}
+
+// countEachOther waits until each node counts every node of nodes among
+// the region's processes (each has heartbeated).
+func countEachOther(t *testing.T, nodes []*node) {
+	t.Helper()
+	want := float64(len(nodes))
+	deadline := time.Now().Add(10 * time.Second)
+	for _, n := range nodes {
+		for n.metric(t, "caddy_ratelimit_origin_processes", "") != want {
+			if time.Now().After(deadline) {
+				t.Fatalf("node :%d counts %v processes, want %v", n.port, n.metric(t, "caddy_ratelimit_origin_processes", ""), want)
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	}
+}
+
+// burstOf sends requests for key from 100 clients at once, spread evenly
+// over nodes, as fast as they answer, and returns how many were admitted;
+// any status but 200 and 429 fails the test.
+func burstOf(t *testing.T, client *http.Client, nodes []*node, key string, requests int64) int {
+	t.Helper()
+	var next, admitted atomic.Int64
+	var failed atomic.Value
+	var wg sync.WaitGroup
+	for range 100 {
+		wg.Go(func() {
+			for {
+				i := next.Add(1) - 1
+				if i >= requests {
+					return
+				}
+				switch code := sendKey(client, nodes[i%int64(len(nodes))].url("/"), key); code {
+				case http.StatusOK:
+					admitted.Add(1)
+				case http.StatusTooManyRequests:
+				default:
+					failed.Store(code)
+				}
+			}
+		})
+	}
+	wg.Wait()
+	if code := failed.Load(); code != nil {
+		t.Fatalf("a request answered %v", code)
+	}
+	return int(admitted.Load())
 }
