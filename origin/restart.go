@@ -16,8 +16,10 @@ import (
 // rest of its window: the other processes would admit them again. So the
 // origin watches each server's run ID (INFO server), which a restart
 // changes, and tells its owner, who sends every live cell's total again
-// (engine.Resend). A failover to a replica changes the run ID too; the
-// replica has the data, and sending the totals again is a no-op then.
+// (engine.Resend). A failover to a replica changes the run ID too (in a
+// Cluster, the address of the slots' master): the replica may have missed
+// the last writes, and sending the totals again re-adds exactly those, a
+// no-op when it has them all.
 // The runtime overrides were lost with the totals: their owner's watch
 // of them reads Restarts, as well as the region's mark of them
 // (OverridesState), and writes back those its node holds.
@@ -67,16 +69,54 @@ func (r *Redis) RunIDChecks() uint64 { return r.runIDChecks.Load() }
 type restartWatch struct {
 	r    *Redis
 	seen map[string]string // server address → run ID
+	// masters holds, per Cluster endpoint, the addresses of the masters
+	// that served its slots at the last check that read the slot map.
+	masters map[*endpoint]map[string]bool
 }
 
 // check reads every server's run ID and reports whether one changed. A
 // server seen for the first time, or restarted, is asked whether it may
 // evict keys (Options.OnEvicting).
+//
+// In a Cluster a failover promotes a replica at another address, which
+// the watch has never read: that is a change too, whatever its run ID,
+// since the replica may have missed the last writes its master took (an
+// asynchronous replica always may). So is any master that was not one at
+// the last check, a former master failed over back to among them: its
+// run ID may be the one seen before it lost its slots, with writes it
+// never got. A master given slots by a resharding counts as well; the
+// resend that follows costs writes and changes no count.
 func (w *restartWatch) check() bool {
 	changed := false
 	for _, ep := range w.r.endpoints {
 		ctx, cancel := context.WithTimeout(context.Background(), runIDTimeout)
-		for addr, srv := range runIDs(ctx, ep) {
+		ids, masters := runIDs(ctx, ep)
+		if masters != nil {
+			if w.masters == nil {
+				w.masters = map[*endpoint]map[string]bool{}
+			}
+			prev, checked := w.masters[ep]
+			next := map[string]bool{}
+			for addr := range masters {
+				_, answered := ids[addr]
+				switch {
+				case answered && checked && !prev[addr]:
+					changed = true
+					next[addr] = true
+				case answered, prev[addr], !checked:
+					// A new master that does not answer yet stays new
+					// until it does.
+					next[addr] = true
+				}
+			}
+			for addr := range prev {
+				if !masters[addr] {
+					delete(w.seen, addr) // met again as a master, it is new
+				}
+			}
+			w.masters[ep] = next
+		}
+		for addr, srv := range ids {
 			old, ok := w.seen[addr]
 			if ok && old != srv.id {
 				changed = true
@@ -101,25 +141,36 @@ type server struct {
 }
 
 // runIDs returns the run ID of the endpoint's server, or of each master of
-// a Cluster, by address; servers that do not answer are left out.
-func runIDs(ctx context.Context, ep *endpoint) map[string]server {
+// a Cluster, by address; servers that do not answer are left out. For a
+// Cluster it also returns the address of every master that serves slots,
+// answering or not (nil when the slot map could not be read, and for
+// other endpoints).
+func runIDs(ctx context.Context, ep *endpoint) (map[string]server, map[string]bool) {
 	out := map[string]server{}
 	if c, ok := ep.client.(*redis.ClusterClient); ok {
 		var mu sync.Mutex
-		_ = c.ForEachMaster(ctx, func(ctx context.Context, m *redis.Client) error {
+		masters := map[string]bool{}
+		err := c.ForEachMaster(ctx, func(ctx context.Context, m *redis.Client) error {
+			addr := m.Options().Addr
+			mu.Lock()
+			masters[addr] = true
+			mu.Unlock()
 			if id := runID(ctx, m); id != "" {
 				mu.Lock()
-				out[m.Options().Addr] = server{id, m}
+				out[addr] = server{id, m}
 				mu.Unlock()
 			}
 			return nil
 		})
-		return out
+		if err != nil || len(masters) == 0 {
+			masters = nil
+		}
+		return out, masters
 	}
 	if id := runID(ctx, ep.client); id != "" {
 		out[ep.address] = server{id, ep.client}
 	}
-	return out
+	return out, nil
 }
 
 // runID returns the server's run ID, or "" when it does not answer.

@@ -2,6 +2,8 @@ package origin
 
 import (
 	"context"
+	"fmt"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -115,4 +117,109 @@ func TestRestart_IdleKeysGetTheirTotalsBack(t *testing.T) {
 	if admitted != 10 {
 		t.Fatalf("a new node admitted %d after the restart, want the 10 left", admitted)
 	}
+}
+
+// TestWatchRestarts_ClusterFailoverToAReplicaThatMissedWrites: a Cluster
+// master dies and its replica, which missed its last writes (replication
+// is asynchronous), takes its slots at another address. The watch read
+// run IDs by address, and the replica's address had never been a master's,
+// so nothing was seen: a key no request touched kept 10 of its 60 units
+// for the rest of its window, and a new node admitted 90 more of a limit
+// of 100 where 40 were left. The promoted replica now counts as a
+// restart: the node sends its totals again and the new node admits 40.
+func TestWatchRestarts_ClusterFailoverToAReplicaThatMissedWrites(t *testing.T) {
+	cl := redistest.StartCluster(t, 3)
+	master := cl.Nodes[0]
+	replica := cl.AddReplica(t, master)
+	ctx := context.Background()
+	clk := testclock.New(time.UnixMilli(windowStart(time.Minute) + 1000))
+	seq := clk.UnixMilli() / time.Minute.Milliseconds()
+	// A key whose slot the master that fails serves.
+	var k engine.Key
+	for i := 0; ; i++ {
+		k = engine.Key{Namespace: "api", Identifier: "idle-" + strconv.Itoa(i), Window: time.Minute}
+		slot, err := master.Client().ClusterKeySlot(ctx, cellKey(DefaultPrefix, k, seq)).Result()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if servedBy(t, master, slot) {
+			break
+		}
+	}
+	lim := engine.Limit{Key: k, Limit: 100, Cost: 1}
+	newNode := func() *node {
+		n := &node{o: newOrigin(t, Config{Cluster: &ClusterConfig{Addrs: cl.Addrs()}}, Options{NodeID: t.Name() + strconv.FormatInt(nodesMade.Add(1), 10)})}
+		n.e = engine.New(engine.Config{Now: clk.Now})
+		n.e.SetOrigin(n.o)
+		closeAtCleanup(t, n.e, 5*time.Second)
+		return n
+	}
+	admit := func(n *node, count int) int {
+		admitted := 0
+		for range count {
+			if n.e.Decide(ctx, lim).Allowed {
+				admitted++
+			}
+		}
+		if err := n.e.Flush(ctx); err != nil {
+			t.Fatal(err)
+		}
+		return admitted
+	}
+	a := newNode()
+	var restarts atomic.Int64
+	a.o.WatchRestarts(20*time.Millisecond, func() { restarts.Add(1); a.e.Resend() })
+	admit(a, 10)
+	if err := master.Client().Do(ctx, "WAIT", 1, 5000).Err(); err != nil {
+		t.Fatal(err)
+	}
+	// The replica stops taking the stream; what the master writes now,
+	// only the master holds.
+	replica.Pause()
+	if err := master.Client().Do(ctx, "CLIENT", "KILL", "TYPE", "replica").Err(); err != nil {
+		t.Fatal(err)
+	}
+	admit(a, 50)
+	if got, err := cellTotal(ctx, master.Client(), DefaultPrefix, k, seq); err != nil || got != 60 {
+		t.Fatalf("the master holds %d (%v), want 60", got, err)
+	}
+	redistest.Eventually(t, 5*time.Second, "the watch read the masters", func() bool { return a.o.RunIDChecks() > 1 })
+	master.Stop()
+	replica.Resume()
+	if err := replica.Client().Do(ctx, "CLUSTER", "FAILOVER", "TAKEOVER").Err(); err != nil {
+		t.Fatal(err)
+	}
+	redistest.Eventually(t, 10*time.Second, "every master knows the replica took the slots", func() bool {
+		return servedBy(t, cl.Nodes[1], -1, replica) && servedBy(t, cl.Nodes[2], -1, replica)
+	})
+	total := func() int64 {
+		v, _ := cellTotal(ctx, replica.Client(), DefaultPrefix, k, seq)
+		return v
+	}
+	redistest.EventuallyShow(t, 5*time.Second, "the node sends its totals to the promoted replica", func() (bool, string) {
+		return total() == 60, fmt.Sprintf("the replica holds %d, restarts seen %d", total(), restarts.Load())
+	})
+	if got := admit(newNode(), 100); got != 40 {
+		t.Fatalf("a new node admitted %d after the failover, want the 40 left of 100", got)
+	}
+}
+
+// servedBy reports whether node's slot map gives slot to node itself, or
+// with slot -1, whether it gives slot 0 to owner[0].
+func servedBy(t *testing.T, node *redistest.Server, slot int64, owner ...*redistest.Server) bool {
+	t.Helper()
+	want := node.Addr()
+	if slot < 0 {
+		slot, want = 0, owner[0].Addr()
+	}
+	slots, err := node.Client().ClusterSlots(context.Background()).Result()
+	if err != nil {
+		return false
+	}
+	for _, s := range slots {
+		if int64(s.Start) <= slot && slot <= int64(s.End) && len(s.Nodes) > 0 {
+			return s.Nodes[0].Addr == want
+		}
+	}
+	return false
 }
