@@ -414,6 +414,21 @@ func (c *mysqlClient) DeleteExpired(_ context.Context, t propagation.Table, now 
 	return n, nil
 }
 
+// Clock is the holder's read of the database's clock at each global sync
+// (propagation.ClockStore, SELECT of NOW(3)): one statement on the
+// primary, whichever database the region pulls from, that reads no row.
+// It returns the primary's clock when the statement arrives there, the
+// clock that stamps updated_ms.
+func (c *mysqlClient) Clock(context.Context) (int64, error) {
+	var ms int64
+	if err := c.onPrimary(func(_, at int64) { ms = at }); err != nil {
+		return 0, err
+	}
+	return ms, nil
+}
+
+var _ propagation.ClockStore = (*mysqlClient)(nil)
+
 func (c *mysqlClient) ReplicaLag(context.Context) (time.Duration, bool, error) {
 	if !c.r.Replica {
 		return 0, false, nil

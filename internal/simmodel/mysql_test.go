@@ -84,3 +84,33 @@ func TestMySQL_PrimaryDownRefusesWrites(t *testing.T) {
 		t.Fatalf("write after the outage: %v", err)
 	}
 }
+
+// TestMySQL_ClientReadsThePrimarysClock: the real store reads the
+// database's clock at every global sync (propagation.ClockStore, SELECT of
+// NOW(3) on the database writes go to, a replica or not), a statement the
+// model must count on the primary; the clock is the primary's, the one
+// that stamps updated_ms.
+func TestMySQL_ClientReadsThePrimarysClock(t *testing.T) {
+	clk := &clock{ms: 1000}
+	m := newTestMySQL(clk, 500)
+	tick := &Tick{}
+	tick.Begin(clk.ms)
+	cs, ok := m.Client(1, tick).(propagation.ClockStore)
+	if !ok {
+		t.Fatal("the model's store reads no clock: the real one sends a statement to the primary each global sync")
+	}
+	ms, err := cs.Clock(bg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ms != 1050 {
+		t.Fatalf("clock %d, want the primary's when the statement arrived (1050)", ms)
+	}
+	if c := m.Cost(1); c.Statements != 1 || c.ReplicaStatements != 0 || c.RowsRead != 0 {
+		t.Fatalf("cost %+v: want one statement on the primary, none on the replica", c)
+	}
+	m.SetPrimaryDown(Span{From: 0, To: 5000})
+	if _, err := cs.Clock(bg); !errors.Is(err, ErrDown) {
+		t.Fatalf("clock of a primary that is down: %v", err)
+	}
+}
