@@ -118,7 +118,46 @@ func parse(args []string, stderr io.Writer) (options, error) {
 	}
 	c.Duration = time.Duration(minutes * float64(time.Minute))
 	c.Scenario = sim.Scenario(scenario)
-	return o, nil
+	return o, tooBig(c)
+}
+
+// The bounds of one run: the simulator holds every node's engine and
+// every key's name in memory (200 regions × 10 nodes of 100,000 keys took
+// 12 GB) and decides about 10,000 requests a second of wall clock, so a
+// run past them would die of an allocation or not end.
+const (
+	maxNodes    = 20_000
+	maxKeys     = 10_000_000
+	maxRequests = 1e9
+)
+
+// tooBig reports a run beyond any machine: a fleet, a keyspace or a
+// number of requests past the bounds.
+func tooBig(c *sim.Config) error {
+	if c.Regions > maxNodes/c.Nodes {
+		return fmt.Errorf("-regions %d × -nodes %d: want at most %d nodes in all (each runs its own engine in memory)", c.Regions, c.Nodes, maxNodes)
+	}
+	if c.Keys > maxKeys {
+		return fmt.Errorf("-keys %d: want at most %d keys", c.Keys, maxKeys)
+	}
+	// The hot keys' rate: Load × the limit's (ten times that when abusive;
+	// a burst is ten times the limit's), and the background's.
+	hot := c.Load
+	switch c.Scenario {
+	case sim.Abuse:
+		hot *= 10
+	case sim.Burst:
+		hot = 10
+	}
+	perSecond := max(c.Background, 0)
+	if c.Hot > 0 {
+		perSecond += float64(c.Hot) * hot * float64(c.Limit) / c.Window.Seconds()
+	}
+	if n := perSecond * c.Duration.Seconds(); !(n <= maxRequests) {
+		return fmt.Errorf("about %.3g requests (%.3g a second for %s): want at most %g; lower -load, -limit, -background, -hot or -minutes, or lengthen -window",
+			n, perSecond, c.Duration, maxRequests)
+	}
+	return nil
 }
 
 // checkTable checks a command line that asks for a table: a known name,

@@ -145,3 +145,40 @@ func TestRun_ExitStatus(t *testing.T) {
 		}
 	}
 }
+
+// TestParse_RejectsARunBeyondAnyMachine: a fleet, a keyspace or a number
+// of requests no machine holds or finishes is an error naming the flags,
+// before anything runs; such runs once died of an allocation of 32 GB
+// (-keys 2000000000: "fatal error: out of memory" and every goroutine's
+// stack) or ran for ever (-load 1e300).
+func TestParse_RejectsARunBeyondAnyMachine(t *testing.T) {
+	for _, tc := range []struct {
+		args string
+		says []string
+	}{
+		{"-keys 2000000000 -hot 5", []string{"-keys 2000000000", "at most 10000000"}},
+		{"-regions 100000000 -nodes 1", []string{"-regions 100000000 × -nodes 1", "at most 20000"}},
+		{"-regions 1 -nodes 100000000", []string{"-regions 1 × -nodes 100000000", "at most 20000"}},
+		{"-regions 9223372036854775807 -nodes 2", []string{"-regions 9223372036854775807 × -nodes 2", "at most 20000"}},
+		{"-load 1e300", []string{"requests", "at most 1e+09"}},
+		{"-limit 9000000000000000000", []string{"requests", "at most 1e+09"}},
+		{"-background 1e300", []string{"requests", "at most 1e+09"}},
+		{"-window 1ms -minutes 10", []string{"requests", "at most 1e+09"}},
+		{"-minutes 153722867 -window 2562047h", []string{"requests", "at most 1e+09"}},
+	} {
+		_, err := parse(strings.Fields(tc.args), io.Discard)
+		ok := err != nil
+		for _, s := range tc.says {
+			ok = ok && strings.Contains(err.Error(), s)
+		}
+		if !ok {
+			t.Errorf("%s: %v; want an error saying %q", tc.args, err, tc.says)
+		}
+	}
+	// The tables' largest runs stay within the bounds.
+	for _, args := range []string{"-regions 200 -nodes 10 -keys 100000", "-regions 10 -nodes 50 -keys 100000", "-regions 50 -nodes 10 -keys 100000 -scenario abuse"} {
+		if _, err := parse(strings.Fields(args), io.Discard); err != nil {
+			t.Errorf("%s: %v", args, err)
+		}
+	}
+}
