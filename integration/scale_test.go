@@ -3,7 +3,6 @@
 package integration
 
 import (
-	"context"
 	"fmt"
 	"os"
 	"strconv"
@@ -11,7 +10,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
 	"github.com/edgelimit/caddy-ratelimit/internal/sim"
 )
 
@@ -69,27 +67,6 @@ func (c *cluster) costs(t *testing.T) costs {
 	return s
 }
 
-// redisCommands is INFO's total_commands_processed.
-func redisCommands(t *testing.T, rs *redistest.Server) float64 {
-	t.Helper()
-	cl := rs.Client()
-	info, err := cl.Info(context.Background(), "stats").Result()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, line := range strings.Split(info, "\n") {
-		if v, ok := strings.CutPrefix(strings.TrimSpace(line), "total_commands_processed:"); ok {
-			n, err := strconv.ParseFloat(v, 64)
-			if err != nil {
-				t.Fatal(err)
-			}
-			return n
-		}
-	}
-	t.Fatalf("no total_commands_processed in INFO of %s", rs.Addr())
-	return 0
-}
-
 // rates are the cost per second from s0 to s1: MySQL statements and rows
 // read on the primary and on the replica.
 func rates(s0, s1 costs) (stmts, rows, replStmts, replRows float64) {
@@ -102,7 +79,7 @@ func rates(s0, s1 costs) (stmts, rows, replStmts, replRows float64) {
 // printed next to the measured ones. internal/sim's agreement test keeps
 // the simulator within ± 3 % of the limit and ± 25 % of MySQL's load of
 // what this harness measured.
-const compareHeader = "| regions × nodes | scenario | admitted / limit: real · simulated | MySQL statements/s on the primary: real · simulated | on the replica, per region reading it: real · simulated | MySQL rows read/s, primary + replica: real · simulated |\n| --- | --- | --- | --- | --- | --- |\n"
+const compareHeader = "| regions × nodes | scenario | admitted / limit: real · simulated | MySQL statements/s on the primary: real · simulated | on the replica, per region reading it: real · simulated | MySQL rows read/s, primary + replica: real · simulated | Redis commands/s per region: real · simulated |\n| --- | --- | --- | --- | --- | --- | --- |\n"
 
 // compareRow runs the simulator on the harness's load and formats it
 // beside the real figures.
@@ -115,9 +92,15 @@ func compareRow(t *testing.T, size, scenario string, regions, nodes int, shares 
 	f := res.Figures()
 	stmts, rows, replStmts, replRows := rates(s0, s1)
 	readers := float64(max(regions-1, 1))
-	return fmt.Sprintf("| %s | %s | %.2f · %.2f | %.1f · %.1f | %.1f · %.1f | %.0f + %.0f · %.0f + %.0f |\n", size, scenario,
+	d := s1.at.Sub(s0.at).Seconds()
+	var real, simulated []string
+	for i := range s1.redis {
+		real = append(real, fmt.Sprintf("%.0f", (s1.redis[i]-s0.redis[i])/d))
+		simulated = append(simulated, fmt.Sprintf("%.0f", f.Redis[i]))
+	}
+	return fmt.Sprintf("| %s | %s | %.2f · %.2f | %.1f · %.1f | %.1f · %.1f | %.0f + %.0f · %.0f + %.0f | %s · %s |\n", size, scenario,
 		admitted, f.Admitted, stmts, f.Statements, replStmts/readers, f.ReplicaStatements,
-		rows, replRows, f.RowsRead, f.ReplicaRowsRead*readers)
+		rows, replRows, f.RowsRead, f.ReplicaRowsRead*readers, strings.Join(real, " / "), strings.Join(simulated, " / "))
 }
 
 // since formats the cost per second from s0 to s1: MySQL statements/s

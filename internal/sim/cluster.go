@@ -25,6 +25,13 @@ const (
 	sweepMs    = int64(engine.DefaultJanitorInterval / time.Millisecond)
 )
 
+// The region's processes (origin/processes.go, redis.go): each node
+// renews its record every second, the record lapsing after five.
+const (
+	heartbeatMs      = 1000
+	heartbeatLapseMs = 5 * heartbeatMs
+)
+
 type region struct {
 	index int
 	name  string
@@ -44,6 +51,11 @@ type node struct {
 	gate   *simmodel.Gate
 	tick   simmodel.Tick
 	slow   int64 // the fast tick, of ten, at which its slow tick runs
+	// beat is the slow tick, of ten, at which its heartbeat runs;
+	// beatOK when one last succeeded, lost once it stopped counting.
+	beat   int64
+	beatOK int64
+	lost   bool
 }
 
 // rtt is region i's round trip to the primary (region 0): by its distance
@@ -109,6 +121,7 @@ func (s *sim) addNode(r *region, j int) error {
 	c := s.cfg
 	n := &node{index: len(s.nodes), id: fmt.Sprintf("%s-n%02d", r.name, j), region: r}
 	n.slow = int64(n.index/int(slowTickMs/fastTickMs)) % (slowTickMs / fastTickMs)
+	n.beat = int64(n.index) % (heartbeatMs / slowTickMs)
 	// The read timeout is the engine's one bound on the wall clock: how
 	// long a decision waits for a read's goroutine. Reads here are in
 	// memory and the model fails those slower than the real timeout in
@@ -116,7 +129,12 @@ func (s *sim) addNode(r *region, j int) error {
 	// machine (a collection of a large heap) never decides differently.
 	n.eng = engine.New(engine.Config{Now: s.clk.Now, Manual: true, ReadTimeout: time.Hour})
 	n.eng.SetOrigin(r.redis.Origin(n.id))
-	n.eng.SetProcesses(int64(c.Nodes)) // as the region's heartbeats count them
+	// The fleet started before the run: every node's record is in the
+	// region's set, and the engine counts them all; the heartbeats of the
+	// run keep the count (replay).
+	n.eng.SetProcesses(int64(c.Nodes))
+	_, _ = r.redis.Heartbeat(n.id, heartbeatLapseMs, heartbeatMs)
+	n.beatOK = s.base
 	n.zone = n.eng.Zone(Namespace, c.Window)
 	def := propagation.Config{}.WithDefaults()
 	cfg := propagation.Config{

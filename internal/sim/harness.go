@@ -83,6 +83,18 @@ func HarnessSteady(nodes int) Config {
 	return c
 }
 
+// HarnessIdle is one region of nodes with no traffic at all: what the
+// region costs its Redis and MySQL by its loops alone (the restart
+// watch, the runtime overrides' looks, the heartbeats, the role and its
+// pulls), measured over 10 s once the fleet has taken its role.
+func HarnessIdle(nodes int) Config {
+	c := harnessNet(Config{Regions: 1, Nodes: nodes, Seed: 1})
+	c.Requests = []Request{} // a trace of none
+	c.Measure = simmodel.Span{From: harnessStart.Milliseconds(), To: (harnessStart + 10*time.Second).Milliseconds()}
+	c.Duration = harnessStart + 11*time.Second
+	return c
+}
+
 // HarnessFigures are a run's figures as the harness prints them.
 type HarnessFigures struct {
 	// Admitted is admitted / limit.

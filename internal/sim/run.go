@@ -171,8 +171,10 @@ func (s *sim) arm(k winKey, first int) {
 	}
 }
 
-// replay runs the replay ticks of the nodes of one phase, and on their
-// slow tick the origin's check of Redis's run ID.
+// replay runs the replay ticks of the nodes of one phase; on their slow
+// tick the origin's check of Redis's run ID and the node's look at the
+// region's runtime overrides (overrides_sync.go), and every tenth slow
+// tick its heartbeat.
 func (s *sim) replay(at int64, phase int) {
 	tick := (at - s.base) / fastTickMs
 	for _, n := range s.phases[phase] {
@@ -180,9 +182,29 @@ func (s *sim) replay(at int64, phase int) {
 		if tick%(slowTickMs/fastTickMs) == n.slow {
 			_, _ = n.eng.ReplayOnce(bg, engine.Slow)
 			_ = n.region.redis.Info()
+			_ = n.region.redis.OverridesState()
+			if slow := tick / (slowTickMs / fastTickMs); slow%(heartbeatMs/slowTickMs) == n.beat {
+				s.heartbeat(n, at)
+			}
 		}
 	}
 	s.q.push(at+fastTickMs, evReplay, phase)
+}
+
+// heartbeat renews n's record among its region's processes and tells its
+// engine how many there are, as redis.go does: a node that could not
+// renew for a lapse counts none (0: the engine decides young cells as it
+// does without the count) until a renewal succeeds.
+func (s *sim) heartbeat(n *node, at int64) {
+	count, err := n.region.redis.Heartbeat(n.id, heartbeatLapseMs, heartbeatMs)
+	switch {
+	case err == nil:
+		n.beatOK, n.lost = at, false
+		n.eng.SetProcesses(count)
+	case !n.lost && at-n.beatOK >= heartbeatLapseMs:
+		n.lost = true
+		n.eng.SetProcesses(0)
+	}
 }
 
 // propagate runs one of a node's cross-region ticks; the next starts a

@@ -25,9 +25,12 @@ type Redis struct {
 	timeouts Timeouts
 	cells    map[CellID]*Hash
 	role     roleState
-	imports  []landing // the role's imports on their way, by when they land
-	cost     RedisCost
-	watch    func(id CellID, cur, prev Hash, at int64)
+	// processes is the region's set of processes (origin/processes.go):
+	// node → when its record lapses (ms).
+	processes map[string]int64
+	imports   []landing // the role's imports on their way, by when they land
+	cost      RedisCost
+	watch     func(id CellID, cur, prev Hash, at int64)
 }
 
 // Timeouts are the callers' bounds on calls, in milliseconds: a call
@@ -83,8 +86,10 @@ type record struct {
 type RedisCost struct {
 	// Calls are the commands clients sent: a script call, one command of
 	// a pipeline. Reads, Reserves, Flushes (script calls of replays),
-	// Role and Info split them.
-	Calls, Reads, Reserves, Flushes, Role, Info int64
+	// Role, Info, Overrides (the nodes' looks at the region's runtime
+	// overrides) and Heartbeats (their records among the region's
+	// processes) split them.
+	Calls, Reads, Reserves, Flushes, Role, Info, Overrides, Heartbeats int64
 	// Processed is what Redis counts in total_commands_processed: the
 	// commands clients sent and those the scripts ran.
 	Processed int64
@@ -98,6 +103,8 @@ func (c *RedisCost) Add(o RedisCost) {
 	c.Flushes += o.Flushes
 	c.Role += o.Role
 	c.Info += o.Info
+	c.Overrides += o.Overrides
+	c.Heartbeats += o.Heartbeats
 	c.Processed += o.Processed
 }
 
@@ -109,7 +116,7 @@ const manyChunk = 64
 // whose random draws come from seed.
 func NewRedis(now func() int64, seed uint64, link Link, t Timeouts) *Redis {
 	return &Redis{now: now, rng: newRand(seed, 1), link: link, timeouts: t,
-		cells: map[CellID]*Hash{}, role: newRoleState()}
+		cells: map[CellID]*Hash{}, role: newRoleState(), processes: map[string]int64{}}
 }
 
 // SetDown makes Redis unreachable, or reachable again, whatever its Link
@@ -125,6 +132,7 @@ func (r *Redis) Restart() {
 	r.mu.Lock()
 	r.cells = map[CellID]*Hash{}
 	r.role = newRoleState()
+	r.processes = map[string]int64{}
 	r.imports = nil
 	r.mu.Unlock()
 }
@@ -193,6 +201,52 @@ func (r *Redis) Info() error {
 	r.cost.Info++
 	r.cost.Processed++
 	return nil
+}
+
+// OverridesState counts one look of a node at the region's runtime
+// overrides (origin.Redis.OverridesState): a pipeline of GET of the change
+// counter and HGET of the region's mark, which every node sends each
+// slow_tick while it is subscribed to their notices (overrides_sync.go),
+// bounded by the read timeout. The model keeps no overrides: the counter
+// never moves, and no look reads more.
+func (r *Redis) OverridesState() error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	applied, err := r.call(r.timeouts.Read)
+	if applied {
+		r.cost.Calls += 2
+		r.cost.Overrides += 2
+		r.cost.Processed += 2
+	}
+	return err
+}
+
+// Heartbeat renews node's record among the region's processes until lapse
+// ms from now, drops the records that lapsed and returns how many are
+// live, this one included (origin/processes.go): one script call, which
+// runs TIME, ZREMRANGEBYSCORE, ZADD, PTTL, PEXPIRE and ZCARD. timeout
+// bounds the call (ms; the real one, the heartbeat's interval).
+func (r *Redis) Heartbeat(node string, lapse, timeout float64) (int64, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	applied, err := r.call(timeout)
+	if !applied {
+		return 0, err
+	}
+	r.cost.Calls++
+	r.cost.Heartbeats++
+	r.cost.Processed += 7
+	now := r.now()
+	for n, until := range r.processes {
+		if until <= now {
+			delete(r.processes, n)
+		}
+	}
+	r.processes[node] = now + int64(lapse)
+	if err != nil {
+		return 0, err
+	}
+	return int64(len(r.processes)), nil
 }
 
 // call draws the fate of one call with timeout; applied reports whether
@@ -492,5 +546,7 @@ func (c *RedisCost) Sub(o RedisCost) {
 	c.Flushes -= o.Flushes
 	c.Role -= o.Role
 	c.Info -= o.Info
+	c.Overrides -= o.Overrides
+	c.Heartbeats -= o.Heartbeats
 	c.Processed -= o.Processed
 }

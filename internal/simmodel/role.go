@@ -310,6 +310,32 @@ func (c *regionConn) Import(_ context.Context, ims []propagation.RegionImport) e
 	})
 }
 
+// TakeOverrides is the holder's take of the region's override changes
+// (origin.Redis.TakeOverrides), every flush: one script call that runs
+// LRANGE of the queue (and LTRIM and an HGET per change, of which the
+// model has none); on taking the role, a pipeline of GET and HGETALL.
+// The simulator changes no override: it returns none.
+func (c *regionConn) TakeOverrides(_ context.Context, all bool) ([]propagation.OverrideRow, error) {
+	return roleCall(c, func(int64) ([]propagation.OverrideRow, int64, int64) {
+		if all {
+			return nil, 2, 2
+		}
+		return nil, 1, 2
+	})
+}
+
+// ApplyOverrides leaves overrides read from MySQL in the region: one
+// script call writing each (origin.Redis.PutOverrides). The model keeps
+// none; the simulator's MySQL holds none to apply.
+func (c *regionConn) ApplyOverrides(_ context.Context, rows []propagation.OverrideRow) error {
+	if len(rows) == 0 {
+		return nil
+	}
+	return c.do(func(int64) (int64, int64) { return 1, 1 + 2*int64(len(rows)) })
+}
+
+var _ propagation.OverrideRegion = (*regionConn)(nil)
+
 // Registered reports whether the region's registry holds cell.
 func (r *Redis) Registered(cell propagation.Cell) bool {
 	r.mu.Lock()

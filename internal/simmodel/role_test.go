@@ -87,3 +87,29 @@ func TestRegion_TakeRegisteredReadsTheQueueOrTheWholeRegistry(t *testing.T) {
 		t.Fatalf("whole take at 80000: %q, a registered %v; want b alone, a deleted", got, r.Registered(a.Cell))
 	}
 }
+
+// TestRegion_HolderTakesTheRegionsOverridesEachFlush: the real region
+// (mysql_region.go) carries overrides (propagation.OverrideRegion), and
+// the holder takes the region's queue of changes on every flush: one
+// script call (EVALSHA and its LRANGE), or on taking the role a pipeline
+// of GET and HGETALL. The model keeps none, but the calls are made.
+func TestRegion_HolderTakesTheRegionsOverridesEachFlush(t *testing.T) {
+	clk := &clock{ms: 60_000}
+	r := NewRedis(clk.now, 1, Link{}, DefaultTimeouts)
+	reg, ok := r.Region("a", nil).(propagation.OverrideRegion)
+	if !ok {
+		t.Fatal("the model's region carries no overrides: the real holder takes them from Redis every flush")
+	}
+	if rows, err := reg.TakeOverrides(bg, false); err != nil || len(rows) != 0 {
+		t.Fatalf("take: %v, %v", rows, err)
+	}
+	if c := r.Cost(); c.Calls != 1 || c.Role != 1 || c.Processed != 2 {
+		t.Fatalf("cost of a take %+v: want one call, two commands run", c)
+	}
+	if _, err := reg.TakeOverrides(bg, true); err != nil {
+		t.Fatal(err)
+	}
+	if c := r.Cost(); c.Calls != 3 || c.Processed != 4 {
+		t.Fatalf("cost after a whole take %+v: want two calls more, two commands", c)
+	}
+}
