@@ -1,6 +1,7 @@
 package sim
 
 import (
+	"math/bits"
 	"slices"
 	"sort"
 	"time"
@@ -23,7 +24,8 @@ import (
 type ref struct{ seq, cur, prev int64 }
 
 // fits is the engine's verdict (engine/window.go): cur + ⌊prev × (w −
-// r) / w⌋ + cost ≤ limit.
+// r) / w⌋ + cost ≤ limit, with the products in 128 bits as the engine's,
+// which a limit times a window past 2⁶³ would overflow in 64.
 func fits(cur, prev, cost, limit, w, r int64) bool {
 	room := limit - cur - cost
 	if room < 0 {
@@ -32,7 +34,9 @@ func fits(cur, prev, cost, limit, w, r int64) bool {
 	if prev == 0 || r >= w {
 		return true
 	}
-	return prev*(w-r) < (room+1)*w
+	h1, l1 := bits.Mul64(uint64(prev), uint64(w-r))
+	h2, l2 := bits.Mul64(uint64(room)+1, uint64(w))
+	return h1 < h2 || (h1 == h2 && l1 < l2)
 }
 
 type winKey struct {

@@ -32,6 +32,31 @@ func TestFits_IsTheSlidingWindowWithThePreviousWeightRoundedDown(t *testing.T) {
 	}
 }
 
+// TestFits_LargeLimitsAndWindowsDoNotOverflow: the engine weighs the
+// previous window in 128 bits (engine/window.go), so a limit times a
+// window past 2⁶³ (a limit of 10¹² over 3 h: 1.08 × 10²²) decides as any
+// other; the central counter must too, or it calls every admission in a
+// window after the first a false allow (a run of -limit 1000000000000
+// -window 3h with five requests a second reported 55 % false allows).
+func TestFits_LargeLimitsAndWindowsDoNotOverflow(t *testing.T) {
+	w := (3 * time.Hour).Milliseconds()
+	for _, tc := range []struct {
+		cur, prev, cost, limit, r int64
+		want                      bool
+	}{
+		{0, 1, 1, 1e12, 0, true},
+		{0, 5, 1, 1e12, w / 2, true},
+		{1e12 - 1, 1, 1, 1e12, w - 1, true}, // ⌊1 × 1 / w⌋ = 0
+		{1e12 - 2, 3, 1, 1e12, 0, false},
+		{0, 1 << 62, 1, 1 << 62, 0, false},
+		{0, 1 << 62, 1, 1 << 62, 1, true}, // the weight drops by ⌈2⁶² / w⌉
+	} {
+		if got := fits(tc.cur, tc.prev, tc.cost, tc.limit, w, tc.r); got != tc.want {
+			t.Errorf("fits(cur %d, prev %d, cost %d, limit %d, w %d, r %d) = %v, want %v", tc.cur, tc.prev, tc.cost, tc.limit, w, tc.r, got, tc.want)
+		}
+	}
+}
+
 // TestMeasure_JudgesEachDecisionAgainstTheWorldsCount: a denial with room
 // is a false denial, an admission past the limit (in this window or
 // weighed with the last) a false allow; a hot key's first denial in a
