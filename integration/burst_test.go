@@ -39,13 +39,7 @@ func TestFourCaddyProcesses_BurstOnANewKey(t *testing.T) {
 		t.Fatal("no window length in [60s, 600s] leaves room for the test")
 	}
 	site := keyedSite("burst", 100, window)
-	global := "\t\tredis " + srv.URL()
-	var nodes []*node
-	for range 4 {
-		nodes = append(nodes, startNode(t, global, site))
-	}
-	countEachOther(t, nodes)
-	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 100, MaxConnsPerHost: 100}, Timeout: 5 * time.Second}
+	nodes, client := fourNodes(t, srv, site)
 	var admittedRuns []int
 	for run := range runs {
 		key := freshKey("burst-" + strconv.Itoa(run))
@@ -59,21 +53,11 @@ func TestFourCaddyProcesses_BurstOnANewKey(t *testing.T) {
 		t.Logf("run %d: %d of 300 admitted at a limit of 100 in %v; %v decisions made at Redis so far", run, admitted, took.Round(time.Millisecond), reservations)
 		admittedRuns = append(admittedRuns, admitted)
 	}
-	slices.Sort(admittedRuns)
-	t.Logf("admitted per run, sorted: %v", admittedRuns)
 	// Each process keeps its units unseen by the others, counted once for
 	// each of them, within a tenth of the limit: what they admitted and
 	// had not handed over when Redis's count reached the limit is at most
 	// that tenth, and most runs admit the limit exactly.
-	if most := admittedRuns[len(admittedRuns)-1]; most > 110 {
-		t.Errorf("a burst admitted %d at a limit of 100, want at most 110", most)
-	}
-	if median := admittedRuns[len(admittedRuns)/2]; median > 102 {
-		t.Errorf("the bursts' median admitted %d at a limit of 100, want at most 102", median)
-	}
-	if least := admittedRuns[0]; least < 95 {
-		t.Errorf("a burst admitted %d at a limit of 100, want at least 95", least)
-	}
+	judgeBursts(t, admittedRuns, "")
 }
 
 // TestFourCaddyProcesses_BurstBesideASecondZone is the burst above with a
@@ -109,13 +93,7 @@ func TestFourCaddyProcesses_BurstBesideASecondZone(t *testing.T) {
 		headers off
 	}
 	respond "ok"`, window.Milliseconds())
-	global := "\t\tredis " + srv.URL()
-	var nodes []*node
-	for range 4 {
-		nodes = append(nodes, startNode(t, global, site))
-	}
-	countEachOther(t, nodes)
-	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 100, MaxConnsPerHost: 100}, Timeout: 5 * time.Second}
+	nodes, client := fourNodes(t, srv, site)
 	var admittedRuns []int
 	total := 0
 	for run := range runs {
@@ -124,17 +102,7 @@ func TestFourCaddyProcesses_BurstBesideASecondZone(t *testing.T) {
 		admittedRuns = append(admittedRuns, admitted)
 		total += admitted
 	}
-	slices.Sort(admittedRuns)
-	t.Logf("admitted per run, sorted: %v", admittedRuns)
-	if most := admittedRuns[len(admittedRuns)-1]; most > 110 {
-		t.Errorf("a burst admitted %d at a limit of 100 beside a second zone, want at most 110", most)
-	}
-	if median := admittedRuns[len(admittedRuns)/2]; median > 102 {
-		t.Errorf("the bursts' median admitted %d at a limit of 100 beside a second zone, want at most 102", median)
-	}
-	if least := admittedRuns[0]; least < 95 {
-		t.Errorf("a burst admitted %d at a limit of 100 beside a second zone, want at least 95", least)
-	}
+	judgeBursts(t, admittedRuns, " beside a second zone")
 	// The second zone's count reaches Redis by replay: every admitted
 	// request, and not one that was denied.
 	var inRedis int
@@ -149,6 +117,20 @@ func TestFourCaddyProcesses_BurstBesideASecondZone(t *testing.T) {
 	if inRedis != total {
 		t.Errorf("Redis counts %d in the second zone, want the %d admitted", inRedis, total)
 	}
+}
+
+// fourNodes starts four Caddy processes of site on srv, waits until each
+// counts the four among the region's processes, and returns them with a
+// client for bursts.
+func fourNodes(t *testing.T, srv *redistest.Server, site string) ([]*node, *http.Client) {
+	t.Helper()
+	global := "\t\tredis " + srv.URL()
+	var nodes []*node
+	for range 4 {
+		nodes = append(nodes, startNode(t, global, site))
+	}
+	countEachOther(t, nodes)
+	return nodes, &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 100, MaxConnsPerHost: 100}, Timeout: 5 * time.Second}
 }
 
 // countEachOther waits until each node counts every node of nodes among
@@ -197,4 +179,22 @@ func burstOf(t *testing.T, client *http.Client, nodes []*node, key string, reque
 		t.Fatalf("a request answered %v", code)
 	}
 	return int(admitted.Load())
+}
+
+// judgeBursts sorts what the bursts of 300 admitted at a limit of 100 and
+// judges it: at most 110 in any run, a median of at most 102, at least 95
+// in every run. what names the case in the messages.
+func judgeBursts(t *testing.T, admittedRuns []int, what string) {
+	t.Helper()
+	slices.Sort(admittedRuns)
+	t.Logf("admitted per run, sorted: %v", admittedRuns)
+	if most := admittedRuns[len(admittedRuns)-1]; most > 110 {
+		t.Errorf("a burst admitted %d at a limit of 100%s, want at most 110", most, what)
+	}
+	if median := admittedRuns[len(admittedRuns)/2]; median > 102 {
+		t.Errorf("the bursts' median admitted %d at a limit of 100%s, want at most 102", median, what)
+	}
+	if least := admittedRuns[0]; least < 95 {
+		t.Errorf("a burst admitted %d at a limit of 100%s, want at least 95", least, what)
+	}
 }

@@ -549,14 +549,7 @@ func TestRole_ARegionsOwnRowsNeverComeBackAsForeign(t *testing.T) {
 // regions had counted before, for the rest of the window; now a holder
 // that takes the role hands the region every import it holds.
 func TestRole_AHolderThatTakesTheRoleAgainHandsItsImportsOver(t *testing.T) {
-	s := newSetup(t)
-	mem := newMemRegion(s.clk)
-	n := s.regionNode("a", "n1", mem)
-	b := s.region("b")
-	b.decide("k", 100, 55)
-	b.p.FlushOnce(bg)
-	b.p.GlobalSyncOnce(bg)
-	n.p.FlushOnce(bg)
+	s, mem, n := holderOfBsCount(t)
 	if got := mem.importedOf("k"); got != 55 {
 		t.Fatalf("the region holds %d imported for k, want b's 55", got)
 	}
@@ -620,14 +613,7 @@ func TestRole_ARegionThatLostItsRegistryGetsItsCellsAgain(t *testing.T) {
 // whose role passed to another kept showing the split it last pulled
 // beside a global count that moved on; now it shows none, as any member.
 func TestRole_AFormerHolderShowsNoSplitByRegion(t *testing.T) {
-	s := newSetup(t)
-	mem := newMemRegion(s.clk)
-	n := s.regionNode("a", "n1", mem)
-	b := s.region("b")
-	b.decide("k", 100, 55)
-	b.p.FlushOnce(bg)
-	b.p.GlobalSyncOnce(bg)
-	n.p.FlushOnce(bg)
+	s, mem, n := holderOfBsCount(t)
 	if got := n.p.ForeignCounts(key("k"), seq0); got["b"] != 55 {
 		t.Fatalf("the holder's split = %v, want b's 55", got)
 	}
@@ -641,4 +627,19 @@ func TestRole_AFormerHolderShowsNoSplitByRegion(t *testing.T) {
 	if got := n.p.ForeignCounts(key("k"), seq0); got != nil {
 		t.Fatalf("a former holder's split = %v, want none (it no longer pulls the rows)", got)
 	}
+}
+
+// holderOfBsCount is a region a whose one node, n1, holds the role and
+// has pulled region b's 55 of key k.
+func holderOfBsCount(t *testing.T) (*setup, *memRegion, *regionNode) {
+	t.Helper()
+	s := newSetup(t)
+	mem := newMemRegion(s.clk)
+	n := s.regionNode("a", "n1", mem)
+	b := s.region("b")
+	b.decide("k", 100, 55)
+	b.p.FlushOnce(bg)
+	b.p.GlobalSyncOnce(bg)
+	n.p.FlushOnce(bg)
+	return s, mem, n
 }
