@@ -223,3 +223,83 @@ func servedBy(t *testing.T, node *redistest.Server, slot int64, owner ...*redist
 	}
 	return false
 }
+
+// TestWatchRestarts_SentinelFailoverToAReplicaThatMissedWrites: as the
+// Cluster case above, through Sentinel. The replica stopped taking the
+// master's stream after 10 of a key's 60 units, and the master died;
+// Sentinel promoted the replica. The watch sees another server answer
+// behind the same Sentinel endpoint (its run ID differs), and the node
+// sends its totals again: the promoted replica holds 60, and a new node
+// admits the 40 left of 100.
+func TestWatchRestarts_SentinelFailoverToAReplicaThatMissedWrites(t *testing.T) {
+	master, replica := redistest.Start(t), redistest.Start(t)
+	ctx := context.Background()
+	if err := replica.Client().Do(ctx, "REPLICAOF", "127.0.0.1", master.Port()).Err(); err != nil {
+		t.Fatal(err)
+	}
+	redistest.Eventually(t, 10*time.Second, "the replica in sync", func() bool {
+		info, err := replica.Client().Info(ctx, "replication").Result()
+		return err == nil && strings.Contains(info, "master_link_status:up")
+	})
+	sentinel := redistest.StartFastSentinel(t, master, time.Second)
+	redistest.Eventually(t, 15*time.Second, "Sentinel knows the replica", func() bool {
+		rs, err := sentinel.Client().Do(ctx, "SENTINEL", "REPLICAS", redistest.SentinelMaster).Slice()
+		return err == nil && len(rs) == 1
+	})
+	clk := testclock.New(time.UnixMilli(windowStart(time.Minute) + 1000))
+	seq := clk.UnixMilli() / time.Minute.Milliseconds()
+	k := engine.Key{Namespace: "api", Identifier: "idle", Window: time.Minute}
+	lim := engine.Limit{Key: k, Limit: 100, Cost: 1}
+	cfg := Config{Sentinel: &SentinelConfig{Master: redistest.SentinelMaster, Addrs: []string{"redis://" + sentinel.Addr()}}}
+	newNode := func() *node {
+		n := &node{o: newOrigin(t, cfg, Options{NodeID: t.Name() + strconv.FormatInt(nodesMade.Add(1), 10)})}
+		n.e = engine.New(engine.Config{Now: clk.Now})
+		n.e.SetOrigin(n.o)
+		closeAtCleanup(t, n.e, 5*time.Second)
+		return n
+	}
+	admit := func(n *node, count int) int {
+		admitted := 0
+		for range count {
+			if n.e.Decide(ctx, lim).Allowed {
+				admitted++
+			}
+		}
+		if err := n.e.Flush(ctx); err != nil {
+			t.Fatal(err)
+		}
+		return admitted
+	}
+	a := newNode()
+	var restarts atomic.Int64
+	a.o.WatchRestarts(20*time.Millisecond, func() { restarts.Add(1); a.e.Resend() })
+	admit(a, 10)
+	if err := master.Client().Do(ctx, "WAIT", 1, 5000).Err(); err != nil {
+		t.Fatal(err)
+	}
+	replica.Pause()
+	if err := master.Client().Do(ctx, "CLIENT", "KILL", "TYPE", "replica").Err(); err != nil {
+		t.Fatal(err)
+	}
+	admit(a, 50)
+	if got, err := cellTotal(ctx, master.Client(), DefaultPrefix, k, seq); err != nil || got != 60 {
+		t.Fatalf("the master holds %d (%v), want 60", got, err)
+	}
+	redistest.Eventually(t, 5*time.Second, "the watch read the master", func() bool { return a.o.RunIDChecks() > 1 })
+	master.Stop()
+	replica.Resume()
+	redistest.Eventually(t, 30*time.Second, "Sentinel promoted the replica", func() bool {
+		addr, err := sentinel.Client().Do(ctx, "SENTINEL", "GET-MASTER-ADDR-BY-NAME", redistest.SentinelMaster).StringSlice()
+		return err == nil && len(addr) == 2 && addr[1] == strconv.Itoa(replica.Port())
+	})
+	total := func() int64 {
+		v, _ := cellTotal(ctx, replica.Client(), DefaultPrefix, k, seq)
+		return v
+	}
+	redistest.EventuallyShow(t, 15*time.Second, "the node sends its totals to the promoted replica", func() (bool, string) {
+		return total() == 60, fmt.Sprintf("the replica holds %d, restarts seen %d", total(), restarts.Load())
+	})
+	if got := admit(newNode(), 100); got != 40 {
+		t.Fatalf("a new node admitted %d after the failover, want the 40 left of 100", got)
+	}
+}

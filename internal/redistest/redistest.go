@@ -64,6 +64,8 @@ type Server struct {
 	tlsConfig *tls.Config
 	// sentinelOf is set for a sentinel (StartSentinel).
 	sentinelOf *Server
+	// downAfter is a sentinel's down-after-milliseconds (StartFastSentinel).
+	downAfter time.Duration
 
 	mu   sync.Mutex
 	cmd  *exec.Cmd

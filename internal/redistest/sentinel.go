@@ -5,6 +5,7 @@ import (
 	"os"
 	"path/filepath"
 	"testing"
+	"time"
 )
 
 // SentinelMaster is the master name StartSentinel monitors.
@@ -17,11 +18,23 @@ func StartSentinel(t testing.TB, master *Server) *Server {
 	return Start(t, func(s *Server) { s.sentinelOf = master })
 }
 
+// StartFastSentinel is StartSentinel with a sentinel that judges the
+// master down after downAfter without an answer (StartSentinel's 5 s),
+// and so fails over within about that.
+func StartFastSentinel(t testing.TB, master *Server, downAfter time.Duration) *Server {
+	t.Helper()
+	return Start(t, func(s *Server) { s.sentinelOf, s.downAfter = master, downAfter })
+}
+
 func (s *Server) writeSentinelConf() error {
 	m := s.sentinelOf
+	downAfter := 5 * time.Second
+	if s.downAfter > 0 {
+		downAfter = s.downAfter
+	}
 	conf := fmt.Sprintf("port %d\nbind 127.0.0.1\ndir %s\nlogfile %s\n"+
-		"sentinel monitor %s 127.0.0.1 %d 1\nsentinel down-after-milliseconds %s 5000\n",
-		s.port, s.dir, filepath.Join(s.dir, "redis.log"), SentinelMaster, m.port, SentinelMaster)
+		"sentinel monitor %s 127.0.0.1 %d 1\nsentinel down-after-milliseconds %s %d\n",
+		s.port, s.dir, filepath.Join(s.dir, "redis.log"), SentinelMaster, m.port, SentinelMaster, downAfter.Milliseconds())
 	if m.password != "" {
 		conf += fmt.Sprintf("sentinel auth-pass %s %s\n", SentinelMaster, m.password)
 	}
