@@ -181,16 +181,17 @@ func (r *Result) Describe() string {
 	if c.NoReplicas {
 		replicas = "no replicas"
 	}
-	lo, hi := rtt(0, c.Regions, c.LocalRTT, c.CrossRTT), 0.0
-	for i := 1; i < c.Regions; i++ {
-		x := rtt(i, c.Regions, c.LocalRTT, c.CrossRTT)
-		lo, hi = min(lo, x), max(hi, x)
-		if i == 1 {
-			lo = x
+	trips := fmt.Sprintf("round trip to the primary %.0f ms, in its own region", rtt(0, c.Regions, c.LocalRTT, c.CrossRTT))
+	if c.Regions > 1 {
+		lo, hi := rtt(1, c.Regions, c.LocalRTT, c.CrossRTT), 0.0
+		for i := 1; i < c.Regions; i++ {
+			x := rtt(i, c.Regions, c.LocalRTT, c.CrossRTT)
+			lo, hi = min(lo, x), max(hi, x)
 		}
+		trips = fmt.Sprintf("round trip to the primary %.0f–%.0f ms from the other regions", lo, hi)
 	}
-	fmt.Fprintf(&b, "mysql_flush %s, global_sync %s, blocklist_sync %s, publish_floor %g; round trip to the primary %.0f–%.0f ms from the other regions, %s",
-		c.Flush, c.GlobalSync, c.BlocklistSync, c.PublishFloor, lo, hi, replicas)
+	fmt.Fprintf(&b, "mysql_flush %s, global_sync %s, blocklist_sync %s, publish_floor %g; %s, %s",
+		c.Flush, c.GlobalSync, c.BlocklistSync, c.PublishFloor, trips, replicas)
 	return b.String()
 }
 

@@ -84,3 +84,21 @@ func TestResult_PrintShowsEveryRegionAndTheTotal(t *testing.T) {
 		t.Errorf("a trace's description: %q", d)
 	}
 }
+
+// TestResult_DescribeTheRoundTripsOfOneRegion: with one region no other
+// region's round trip exists; the description said "1–0 ms from the
+// other regions".
+func TestResult_DescribeTheRoundTripsOfOneRegion(t *testing.T) {
+	for _, c := range []struct {
+		regions int
+		want    string
+	}{
+		{1, "round trip to the primary 1 ms, in its own region"},
+		{4, "round trip to the primary 160–250 ms from the other regions"},
+	} {
+		cfg := Config{Regions: c.regions, Nodes: 1, Seed: 9, LocalRTT: time.Millisecond, CrossRTT: 250 * time.Millisecond}.Defaults()
+		if d := (&Result{Config: cfg}).Describe(); !strings.Contains(d, c.want) {
+			t.Errorf("%d regions: no %q in %q", c.regions, c.want, d)
+		}
+	}
+}
