@@ -47,7 +47,14 @@ func (e *Engine) DecideMany(ctx context.Context, ls []Limit, out []Decision) boo
 	if o != nil {
 		var dl deadline
 		defer dl.stop()
-		e.convergeAll(ctx, o, lcs, ls, now, &dl)
+		// A key let go while the batch waited for its read is decided in
+		// the entry in its place, which reads again (as Decide does).
+		for i := 0; ; i++ {
+			e.convergeAll(ctx, o, lcs, ls, now, &dl)
+			if i >= maxRelocations || !e.relocateGone(lcs, ls, now, linked) {
+				break
+			}
+		}
 		var flags [8]bool
 		atOrigin := flags[:0]
 		if len(ls) > len(flags) {
@@ -72,6 +79,21 @@ func (e *Engine) DecideMany(ctx context.Context, ls []Limit, out []Decision) boo
 	}
 	e.commitAll(lcs, ls, out)
 	return true
+}
+
+// relocateGone locates again each limit of a batch whose key's entry was
+// let go (forgotten, evicted) since it was located, and reports whether
+// there was one: charged to the cell let go, the request would count
+// where no read of the key looks any more.
+func (e *Engine) relocateGone(lcs []located, ls []Limit, now int64, linked bool) bool {
+	gone := false
+	for i := range lcs {
+		if lcs[i].en.cur.Load() == tombstone {
+			e.locate(&lcs[i], &ls[i], now, linked)
+			gone = true
+		}
+	}
+	return gone
 }
 
 // originLimits marks in atOrigin the limits of a batch that Decide would

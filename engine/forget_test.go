@@ -268,3 +268,42 @@ func TestForget_RequestsWaitingForAReadCountInTheKeysNextEntry(t *testing.T) {
 		}
 	})
 }
+
+// TestForget_BatchesWaitingForAReadCountInTheKeysNextEntry is the test
+// above for a directive of two zones: batches wait for the reads of a
+// key's new entry, and the key is forgotten meanwhile. A batch charged
+// the cell let go, and the key's next entry admitted its units again.
+func TestForget_BatchesWaitingForAReadCountInTheKeysNextEntry(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		e, _, o := withOrigin(t, Config{})
+		l := lim("k", time.Hour, 100, 1)
+		other := lim("everyone", time.Hour, 1_000_000, 1)
+		other.Namespace = "other"
+		batch := func(n int) (admitted int) {
+			out := make([]Decision, 2)
+			for range n {
+				if e.DecideMany(bg, []Limit{l, other}, out) {
+					admitted++
+				}
+			}
+			return admitted
+		}
+		gate := make(chan struct{})
+		o.gate.Store(&gate)
+		waiting := make(chan int)
+		for range 2 {
+			go func() { waiting <- batch(1) }()
+		}
+		synctest.Wait() // both wait for the key's read, held at the gate
+		if !e.Forget(l.Key) {
+			t.Fatal("Forget found nothing to forget")
+		}
+		o.gate.Store(nil)
+		close(gate)
+		admitted := <-waiting + <-waiting
+		admitted += batch(110)
+		if admitted != 100 {
+			t.Fatalf("admitted %d for a limit of 100", admitted)
+		}
+	})
+}
