@@ -78,6 +78,20 @@ func identifierHMAC(secret []byte, id string) string {
 	return hex.EncodeToString(m.Sum(sum[:0])[:hmacHexLen/2])
 }
 
+// isHMAC reports whether id has the shape of an identifierHMAC: hmacHexLen
+// lower-case hex digits.
+func isHMAC(id string) bool {
+	if len(id) != hmacHexLen {
+		return false
+	}
+	for i := 0; i < len(id); i++ {
+		if c := id[i]; (c < '0' || c > '9') && (c < 'a' || c > 'f') {
+			return false
+		}
+	}
+	return true
+}
+
 // form names the secret identifiers are HMACs under, "" without one: the
 // first 32 bits of an HMAC of a fixed text, enough to tell one secret
 // from another without saying anything of it. A runtime override carries

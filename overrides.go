@@ -306,9 +306,19 @@ func (b *overrideBook) olderForm(zone, id string) (overrideRec, bool) {
 }
 
 // applies reports whether r is of the book's form, or of no form (a
-// build before forms).
+// build before forms). Under a secret, a record of no form applies only
+// when its identifier could be an HMAC: one stored raw (set before the
+// secret was added, or in a region without it) never matches a request,
+// which is looked up by its HMAC, and listing it would show the raw
+// identifier.
 func (b *overrideBook) applies(r *overrideRec) bool {
-	return r.Form == "" || r.Form == b.form
+	switch r.Form {
+	case b.form:
+		return true
+	case "":
+		return isHMAC(r.Identifier)
+	}
+	return false
 }
 
 // live returns the live overrides of zone whose stored identifier starts

@@ -6,6 +6,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"net/http"
 	"os"
 	"path/filepath"
 	"strings"
@@ -196,4 +197,48 @@ func findLine(lines []map[string]any, msg string) map[string]any {
 		}
 	}
 	return nil
+}
+
+// TestPrivacy_OverridesSetWithoutTheSecretAreNotListedUnderIt: an override
+// set before identifier_secret was added (or pulled from a region without
+// one) is stored with the raw identifier and no form. Under the secret it
+// never matches (requests are looked up by HMAC), and the listing must not
+// show it: that would put the raw identifier in the admin output. An
+// override of no form that is an HMAC (a build before forms, under the
+// secret) still applies and is listed.
+func TestPrivacy_OverridesSetWithoutTheSecretAreNotListedUnderIt(t *testing.T) {
+	resetOverrides(t)
+	const (
+		secret = "0123456789abcdef0123"
+		id     = "sk_live_SECRETMARKER123"
+	)
+	tester, admin, base := startCaddy(t, overrideConfig(""))
+	port := portOf(t, base)
+	var doc overrideDoc
+	adminSend(t, admin, http.MethodPut, "/ratelimit/overrides?zone=ov&identifier="+id, `{"limit": 9}`).decode(t, http.StatusOK, &doc)
+	if doc.Identifier != id {
+		t.Fatalf("without a secret the override is named %q", doc.Identifier)
+	}
+
+	tester.InitServer(overrideConfig("\tratelimit {\n\t\tidentifier_secret "+secret+"\n\t}")(admin, port), "caddyfile")
+	old := overrideRec{Zone: "ov", Identifier: identifierHMAC([]byte(secret), "carol"), Limit: 0,
+		CreatedMs: time.Now().UnixMilli(), Version: time.Now().UnixMicro()}
+	overrides.merge([]overrideRec{old})
+	for _, q := range []string{"", "&prefix=sk_"} {
+		r := adminDo(t, admin, http.MethodGet, "/ratelimit/overrides?zone=ov"+q)
+		if r.status != http.StatusOK || strings.Contains(string(r.body), id) {
+			t.Fatalf("under the secret the listing%s shows the raw identifier: %d %s", q, r.status, r.body)
+		}
+	}
+	var list overrideListDoc
+	adminDo(t, admin, http.MethodGet, "/ratelimit/overrides?zone=ov").decode(t, http.StatusOK, &list)
+	if len(list.Overrides) != 1 || list.Overrides[0].Identifier != old.Identifier {
+		t.Fatalf("under the secret the listing is %+v, want carol's HMAC only", list.Overrides)
+	}
+	if n := overrides.active(); n != 1 {
+		t.Fatalf("%d overrides active under the secret, want 1 (the raw one cannot match)", n)
+	}
+	if n := admitted(t, base, id, 3); n != 2 {
+		t.Fatalf("under the secret the raw override applied: admitted %d of 3, want the zone's 2", n)
+	}
 }
