@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"net/http"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -139,8 +140,9 @@ func propagationStatusDoc() any {
 
 // blocklistDoc is GET /ratelimit/blocklist: the denial rows this node
 // wrote and applied most recently. Identifiers are as rows hold them (an
-// HMAC under identifier_secret); without a secret they are shown as the
-// admin API shows identifiers.
+// HMAC under identifier_secret, which leaves out the rows of raw
+// identifiers written without it); without a secret they are shown as
+// the admin API shows identifiers.
 type blocklistDoc struct {
 	Region  string                     `json:"region"`
 	Emitted []propagation.BlocklistRow `json:"emitted"`
@@ -154,7 +156,8 @@ func handleBlocklist(w http.ResponseWriter, r *http.Request) error {
 	if _, err := parseQuery(r); err != nil {
 		return err
 	}
-	if _, err := runningState(); err != nil {
+	st, err := runningState()
+	if err != nil {
 		return err
 	}
 	p := currentProp.Load()
@@ -162,6 +165,12 @@ func handleBlocklist(w http.ResponseWriter, r *http.Request) error {
 		return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: errNoPropagation}
 	}
 	out, in := p.Recent()
+	if st.apps.view().ids.hashed() {
+		// Rows written without the secret (by a region without it, or
+		// before it was added) hold raw identifiers: they match no key
+		// here, and showing them would show the identifier.
+		out, in = hmacRows(out), hmacRows(in)
+	}
 	if out == nil {
 		out = []propagation.BlocklistRow{}
 	}
@@ -169,6 +178,11 @@ func handleBlocklist(w http.ResponseWriter, r *http.Request) error {
 		in = []propagation.BlocklistRow{}
 	}
 	return writeJSON(w, blocklistDoc{Region: p.Region(), Emitted: out, Applied: in})
+}
+
+// hmacRows keeps the rows whose identifier is an HMAC.
+func hmacRows(rows []propagation.BlocklistRow) []propagation.BlocklistRow {
+	return slices.DeleteFunc(rows, func(r propagation.BlocklistRow) bool { return !isHMAC(r.Identifier) })
 }
 
 var errNoPropagation = errString("the cross-region layer is not configured (no mysql line in the ratelimit global option)")

@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/edgelimit/caddy-ratelimit/internal/mysqltest"
 	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
 )
 
@@ -240,5 +241,52 @@ func TestPrivacy_OverridesSetWithoutTheSecretAreNotListedUnderIt(t *testing.T) {
 	}
 	if n := admitted(t, base, id, 3); n != 2 {
 		t.Fatalf("under the secret the raw override applied: admitted %d of 3, want the zone's 2", n)
+	}
+}
+
+// TestPrivacy_BlocklistShowsNoRawIdentifierUnderTheSecret: denial rows
+// written without identifier_secret (by another region, or by this one
+// before the secret was added) hold raw identifiers. Under the secret
+// they never match a key here, and GET /ratelimit/blocklist must not show
+// them: only rows whose identifier is an HMAC.
+func TestPrivacy_BlocklistShowsNoRawIdentifierUnderTheSecret(t *testing.T) {
+	const (
+		secret = "identifier-secret-0123456789"
+		id     = "sk_live_SECRETMARKER123"
+	)
+	srv := mysqltest.Start(t)
+	dsn := srv.NewDatabase(t)
+	t.Setenv("RATELIMIT_PRIVACY_MYSQL_DSN", dsn)
+	t.Setenv("RATELIMIT_PRIVACY_SECRET", secret)
+	_, admin, _ := startCaddy(t, mysqlConfig(`	ratelimit {
+		region  test-a
+		identifier_secret {env.RATELIMIT_PRIVACY_SECRET}
+		mysql   {env.RATELIMIT_PRIVACY_MYSQL_DSN}
+		mysql_flush 20ms
+		global_sync 50ms
+		blocklist_sync 50ms
+		min_window 1s
+	}`))
+	db := mysqltest.Open(t, dsn)
+	redistest.Eventually(t, 20*time.Second, "schema migrated", func() bool {
+		var n int
+		err := db.QueryRow(`SELECT COUNT(*) FROM information_schema.tables WHERE table_schema = DATABASE() AND table_name LIKE 'ratelimit_%'`).Scan(&n)
+		return err == nil && n == 3
+	})
+	hmac := identifierHMAC([]byte(secret), "carol")
+	now := time.Now().UnixMilli()
+	for _, rid := range []string{id, hmac} {
+		if _, err := db.Exec(`INSERT INTO ratelimit_blocklist (namespace, identifier, window_ms, sequence, origin_region, limit_units, count_cur, count_prev, expires_ms, updated_ms)
+			VALUES ('e2e_mysql', ?, 60000, ?, 'test-b', 5, 6, 0, ?, ROUND(UNIX_TIMESTAMP(NOW(3)) * 1000))`, rid, now/60000, now+120000); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var r adminReply
+	redistest.Eventually(t, 20*time.Second, "the HMAC's row is applied", func() bool {
+		r = adminDo(t, admin, http.MethodGet, "/ratelimit/blocklist")
+		return r.status == http.StatusOK && bytes.Contains(r.body, []byte(hmac))
+	})
+	if bytes.Contains(r.body, []byte(id)) {
+		t.Fatalf("under the secret the blocklist shows the raw identifier: %s", r.body)
 	}
 }
