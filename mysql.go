@@ -264,6 +264,9 @@ func provisionMySQL(a *App) (backend, error) {
 	}
 	cfg.Region = a.rowRegion()
 	cfg.MapID = a.ids.mapper()
+	if a.ids.hashed() {
+		cfg.OwnID = isHMAC
+	}
 	// A reload to another database, or to another identifier_secret (the
 	// rows' identifiers are HMACs under it), publishes every cell again:
 	// the engine marks those it published, which the new rows lack.

@@ -98,6 +98,12 @@ type Config struct {
 	// under identifier_secret); rows then never hold a raw identifier, and
 	// receivers find entries through an index built at entry creation.
 	MapID func(string) string
+	// OwnID, if set, reports whether a row's identifier is one MapID could
+	// have made (an HMAC's shape): a row of another identifier form (a
+	// region without identifier_secret) names keys no entry here has, and
+	// would put its raw identifier into the region's Redis. Such rows are
+	// skipped, and the first of each region logged.
+	OwnID func(string) bool
 	// Republish makes the first whole push publish every cell worth
 	// publishing, those the engine marks as published included: they
 	// went to another database, or under other identifiers (a reload that

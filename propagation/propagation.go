@@ -133,6 +133,7 @@ type Propagator struct {
 	fullPull    [tables]bool          // the next pull of the table reads it whole
 	fullPush    bool                  // the next push publishes every grown cell
 	republish   bool                  // and every published one (Config.Republish), until a whole push is done
+	otherForms  map[string]bool       // regions whose rows name identifiers of another form, logged (otherForm)
 	fullTake    bool                  // the next take reads every registration
 	syncs       [tables]int           // syncs since the table's last whole read
 	ovPending   map[Cell]*OverrideRow // overrides changed here or in the region, not yet written

@@ -248,12 +248,35 @@ func (p *Propagator) windowMismatch(ns string, windowMs int64, region string) {
 	}
 }
 
+// otherForm reports whether a row's identifier is of another form than
+// this config's (Config.OwnID), and logs the first such row of each
+// region: its region has no identifier_secret, or another one.
+func (p *Propagator) otherForm(id, region string) bool {
+	if p.cfg.OwnID == nil || p.cfg.OwnID(id) {
+		return false
+	}
+	p.mu.Lock()
+	if p.otherForms == nil {
+		p.otherForms = map[string]bool{}
+	}
+	first := !p.otherForms[region] && len(p.otherForms) < maxMismatched
+	if first {
+		p.otherForms[region] = true
+	}
+	p.mu.Unlock()
+	if first {
+		p.log.Warn("another region's rows name identifiers that are not HMACs under this region's identifier_secret: its counts are skipped here; give every region the same secret",
+			zap.String("region", region))
+	}
+	return true
+}
+
 // applyCounts merges published counts into the imports.
 func (p *Propagator) applyCounts(rows []CountRow, now int64) {
 	var ups []update
 	for i := range rows {
 		r := &rows[i]
-		if r.ExpiresMs <= now || r.WindowMs < p.cfg.MinWindow.Milliseconds() {
+		if r.ExpiresMs <= now || r.WindowMs < p.cfg.MinWindow.Milliseconds() || p.otherForm(r.Identifier, r.Region) {
 			continue
 		}
 		p.windowMismatch(r.Namespace, r.WindowMs, r.Region)
@@ -276,7 +299,7 @@ func (p *Propagator) applyBlocklist(rows []BlocklistRow, now int64) {
 	var ups []update
 	for i := range rows {
 		r := &rows[i]
-		if r.ExpiresMs <= now || r.WindowMs < p.cfg.MinWindow.Milliseconds() {
+		if r.ExpiresMs <= now || r.WindowMs < p.cfg.MinWindow.Milliseconds() || p.otherForm(r.Identifier, r.Region) {
 			continue
 		}
 		p.windowMismatch(r.Namespace, r.WindowMs, r.Region)

@@ -404,3 +404,31 @@ func TestPull_ADatabaseClockSteppedBackLosesNoChange(t *testing.T) {
 		t.Fatalf("a flush after c's count rose, b's cell = %+v, want 75: the cursor stayed ahead of the clock", got)
 	}
 }
+
+// TestImport_RowsOfAnotherIdentifierFormAreSkipped: a region under
+// identifier_secret pulls rows of a region without it (a misconfigured
+// rollout). Their raw identifiers name no key here, and a holder put them
+// into its region's Redis as they were: now they are skipped, and the
+// region's rows of its own form still count.
+func TestImport_RowsOfAnotherIdentifierFormAreSkipped(t *testing.T) {
+	s := newSetup(t)
+	s.limit = 20
+	hex32 := func(id string) bool { return len(id) == 32 && strings.Trim(id, "0123456789abcdef") == "" }
+	a := s.region("a", func(c *Config) { c.OwnID = hex32 })
+	b := s.region("b")
+	own := strings.Repeat("ab", 16) // an identifier of a's form
+	for _, id := range []string{"k", own} {
+		a.decide(id, 20, 1)
+		b.decide(id, 20, 12) // published at 60 %
+	}
+	b.p.FlushOnce(bg)
+	b.p.GlobalSyncOnce(bg)
+	a.p.GlobalSyncOnce(bg)
+	a.p.FlushOnce(bg)
+	if c := a.cell(t, "k", seq0); c.Global != 0 {
+		t.Fatalf("a imported %d of b's raw identifier, want none", c.Global)
+	}
+	if c := a.cell(t, own, seq0); c.Global != 12 {
+		t.Fatalf("a imported %d of b's row of its own form, want 12", c.Global)
+	}
+}
