@@ -146,26 +146,7 @@ func TestWatchRestarts_ClusterFailoverToAReplicaThatMissedWrites(t *testing.T) {
 			break
 		}
 	}
-	lim := engine.Limit{Key: k, Limit: 100, Cost: 1}
-	newNode := func() *node {
-		n := &node{o: newOrigin(t, Config{Cluster: &ClusterConfig{Addrs: cl.Addrs()}}, Options{NodeID: t.Name() + strconv.FormatInt(nodesMade.Add(1), 10)})}
-		n.e = engine.New(engine.Config{Now: clk.Now})
-		n.e.SetOrigin(n.o)
-		closeAtCleanup(t, n.e, 5*time.Second)
-		return n
-	}
-	admit := func(n *node, count int) int {
-		admitted := 0
-		for range count {
-			if n.e.Decide(ctx, lim).Allowed {
-				admitted++
-			}
-		}
-		if err := n.e.Flush(ctx); err != nil {
-			t.Fatal(err)
-		}
-		return admitted
-	}
+	newNode, admit := failoverNodes(t, Config{Cluster: &ClusterConfig{Addrs: cl.Addrs()}}, clk, engine.Limit{Key: k, Limit: 100, Cost: 1})
 	a := newNode()
 	var restarts atomic.Int64
 	a.o.WatchRestarts(20*time.Millisecond, func() { restarts.Add(1); a.e.Resend() })
@@ -249,27 +230,8 @@ func TestWatchRestarts_SentinelFailoverToAReplicaThatMissedWrites(t *testing.T) 
 	clk := testclock.New(time.UnixMilli(windowStart(time.Minute) + 1000))
 	seq := clk.UnixMilli() / time.Minute.Milliseconds()
 	k := engine.Key{Namespace: "api", Identifier: "idle", Window: time.Minute}
-	lim := engine.Limit{Key: k, Limit: 100, Cost: 1}
 	cfg := Config{Sentinel: &SentinelConfig{Master: redistest.SentinelMaster, Addrs: []string{"redis://" + sentinel.Addr()}}}
-	newNode := func() *node {
-		n := &node{o: newOrigin(t, cfg, Options{NodeID: t.Name() + strconv.FormatInt(nodesMade.Add(1), 10)})}
-		n.e = engine.New(engine.Config{Now: clk.Now})
-		n.e.SetOrigin(n.o)
-		closeAtCleanup(t, n.e, 5*time.Second)
-		return n
-	}
-	admit := func(n *node, count int) int {
-		admitted := 0
-		for range count {
-			if n.e.Decide(ctx, lim).Allowed {
-				admitted++
-			}
-		}
-		if err := n.e.Flush(ctx); err != nil {
-			t.Fatal(err)
-		}
-		return admitted
-	}
+	newNode, admit := failoverNodes(t, cfg, clk, engine.Limit{Key: k, Limit: 100, Cost: 1})
 	a := newNode()
 	var restarts atomic.Int64
 	a.o.WatchRestarts(20*time.Millisecond, func() { restarts.Add(1); a.e.Resend() })
@@ -302,4 +264,31 @@ func TestWatchRestarts_SentinelFailoverToAReplicaThatMissedWrites(t *testing.T) 
 	if got := admit(newNode(), 100); got != 40 {
 		t.Fatalf("a new node admitted %d after the failover, want the 40 left of 100", got)
 	}
+}
+
+// failoverNodes returns, for the failover tests, a maker of nodes (an
+// origin on cfg and an engine on clk) and a function that decides lim
+// count times on a node, flushes it and returns how many it admitted.
+func failoverNodes(t *testing.T, cfg Config, clk *testclock.Clock, lim engine.Limit) (newNode func() *node, admit func(n *node, count int) int) {
+	newNode = func() *node {
+		n := &node{o: newOrigin(t, cfg, Options{NodeID: t.Name() + strconv.FormatInt(nodesMade.Add(1), 10)})}
+		n.e = engine.New(engine.Config{Now: clk.Now})
+		n.e.SetOrigin(n.o)
+		closeAtCleanup(t, n.e, 5*time.Second)
+		return n
+	}
+	admit = func(n *node, count int) int {
+		t.Helper()
+		admitted := 0
+		for range count {
+			if n.e.Decide(context.Background(), lim).Allowed {
+				admitted++
+			}
+		}
+		if err := n.e.Flush(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+		return admitted
+	}
+	return newNode, admit
 }
