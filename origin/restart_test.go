@@ -147,26 +147,7 @@ func TestWatchRestarts_ClusterFailoverToAReplicaThatMissedWrites(t *testing.T) {
 		}
 	}
 	newNode, admit := failoverNodes(t, Config{Cluster: &ClusterConfig{Addrs: cl.Addrs()}}, clk, engine.Limit{Key: k, Limit: 100, Cost: 1})
-	a := newNode()
-	var restarts atomic.Int64
-	a.o.WatchRestarts(20*time.Millisecond, func() { restarts.Add(1); a.e.Resend() })
-	admit(a, 10)
-	if err := master.Client().Do(ctx, "WAIT", 1, 5000).Err(); err != nil {
-		t.Fatal(err)
-	}
-	// The replica stops taking the stream; what the master writes now,
-	// only the master holds.
-	replica.Pause()
-	if err := master.Client().Do(ctx, "CLIENT", "KILL", "TYPE", "replica").Err(); err != nil {
-		t.Fatal(err)
-	}
-	admit(a, 50)
-	if got, err := cellTotal(ctx, master.Client(), DefaultPrefix, k, seq); err != nil || got != 60 {
-		t.Fatalf("the master holds %d (%v), want 60", got, err)
-	}
-	redistest.Eventually(t, 5*time.Second, "the watch read the masters", func() bool { return a.o.RunIDChecks() > 1 })
-	master.Stop()
-	replica.Resume()
+	restarts := missWrites(t, master, replica, newNode, admit, k, seq)
 	if err := replica.Client().Do(ctx, "CLUSTER", "FAILOVER", "TAKEOVER").Err(); err != nil {
 		t.Fatal(err)
 	}
@@ -232,24 +213,7 @@ func TestWatchRestarts_SentinelFailoverToAReplicaThatMissedWrites(t *testing.T) 
 	k := engine.Key{Namespace: "api", Identifier: "idle", Window: time.Minute}
 	cfg := Config{Sentinel: &SentinelConfig{Master: redistest.SentinelMaster, Addrs: []string{"redis://" + sentinel.Addr()}}}
 	newNode, admit := failoverNodes(t, cfg, clk, engine.Limit{Key: k, Limit: 100, Cost: 1})
-	a := newNode()
-	var restarts atomic.Int64
-	a.o.WatchRestarts(20*time.Millisecond, func() { restarts.Add(1); a.e.Resend() })
-	admit(a, 10)
-	if err := master.Client().Do(ctx, "WAIT", 1, 5000).Err(); err != nil {
-		t.Fatal(err)
-	}
-	replica.Pause()
-	if err := master.Client().Do(ctx, "CLIENT", "KILL", "TYPE", "replica").Err(); err != nil {
-		t.Fatal(err)
-	}
-	admit(a, 50)
-	if got, err := cellTotal(ctx, master.Client(), DefaultPrefix, k, seq); err != nil || got != 60 {
-		t.Fatalf("the master holds %d (%v), want 60", got, err)
-	}
-	redistest.Eventually(t, 5*time.Second, "the watch read the master", func() bool { return a.o.RunIDChecks() > 1 })
-	master.Stop()
-	replica.Resume()
+	restarts := missWrites(t, master, replica, newNode, admit, k, seq)
 	redistest.Eventually(t, 30*time.Second, "Sentinel promoted the replica", func() bool {
 		addr, err := sentinel.Client().Do(ctx, "SENTINEL", "GET-MASTER-ADDR-BY-NAME", redistest.SentinelMaster).StringSlice()
 		return err == nil && len(addr) == 2 && addr[1] == strconv.Itoa(replica.Port())
@@ -291,4 +255,35 @@ func failoverNodes(t *testing.T, cfg Config, clk *testclock.Clock, lim engine.Li
 		return admitted
 	}
 	return newNode, admit
+}
+
+// missWrites is the failover tests' fault: a node that watches for
+// restarts (resending its totals on one) admits 10 of k's units, which
+// reach the replica; the replica stops taking the master's stream, the
+// node admits 50 more, which only the master holds, and the master dies.
+// It returns the restarts the node has seen.
+func missWrites(t *testing.T, master, replica *redistest.Server, newNode func() *node, admit func(*node, int) int, k engine.Key, seq int64) *atomic.Int64 {
+	t.Helper()
+	ctx := context.Background()
+	a := newNode()
+	restarts := new(atomic.Int64)
+	a.o.WatchRestarts(20*time.Millisecond, func() { restarts.Add(1); a.e.Resend() })
+	admit(a, 10)
+	if err := master.Client().Do(ctx, "WAIT", 1, 5000).Err(); err != nil {
+		t.Fatal(err)
+	}
+	// The replica stops taking the stream; what the master writes now,
+	// only the master holds.
+	replica.Pause()
+	if err := master.Client().Do(ctx, "CLIENT", "KILL", "TYPE", "replica").Err(); err != nil {
+		t.Fatal(err)
+	}
+	admit(a, 50)
+	if got, err := cellTotal(ctx, master.Client(), DefaultPrefix, k, seq); err != nil || got != 60 {
+		t.Fatalf("the master holds %d (%v), want 60", got, err)
+	}
+	redistest.Eventually(t, 5*time.Second, "the watch read the master", func() bool { return a.o.RunIDChecks() > 1 })
+	master.Stop()
+	replica.Resume()
+	return restarts
 }
