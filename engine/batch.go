@@ -136,33 +136,32 @@ func (e *Engine) decideManyAtOrigin(ctx context.Context, o Origin, lcs []located
 	}
 	// The limit nearest its limit first: the one most likely to deny is
 	// decided before any other is charged.
-	var stack [8]int
+	var stack [8]ranked
 	order := stack[:0]
 	for i := range ls {
 		if atOrigin[i] {
-			order = append(order, i)
+			_, cur, prev := lcs[i].snapshot()
+			used := SatAdd(SatAdd(cur, weighted(prev, lcs[i].w, lcs[i].r)), ls[i].Cost)
+			order = append(order, ranked{i, float64(used) / float64(max(ls[i].Limit, 1))})
 		}
 	}
-	pressure := func(i int) float64 {
-		_, cur, prev := lcs[i].snapshot()
-		return float64(SatAdd(SatAdd(cur, weighted(prev, lcs[i].w, lcs[i].r)), ls[i].Cost)) / float64(max(ls[i].Limit, 1))
-	}
-	if len(order) > 1 {
-		slices.SortStableFunc(order, func(a, b int) int { return cmp.Compare(pressure(b), pressure(a)) })
-	}
-	for k, i := range order {
-		e.decideAtOrigin(ctx, &out[i], o, &lcs[i], &ls[i], now, dl, false)
-		if out[i].Allowed {
+	slices.SortStableFunc(order, func(a, b ranked) int { return cmp.Compare(b.pressure, a.pressure) })
+	for k, r := range order {
+		e.decideAtOrigin(ctx, &out[r.i], o, &lcs[r.i], &ls[r.i], now, dl, false)
+		if out[r.i].Allowed {
 			continue
 		}
 		// The origin (or the local count it brought back) denied: the
 		// limits it admitted before stay charged, the others charge
 		// nothing.
-		for _, j := range order[:k] {
-			out[j].ChargedAnyway = true
+		for _, d := range order[:k] {
+			out[d.i].ChargedAnyway = true
+		}
+		for _, u := range order[k+1:] {
+			e.refuse(&lcs[u.i], &ls[u.i], &out[u.i])
 		}
 		for j := range ls {
-			if !atOrigin[j] || slices.Contains(order[k+1:], j) {
+			if !atOrigin[j] {
 				e.refuse(&lcs[j], &ls[j], &out[j])
 			}
 		}
@@ -195,6 +194,13 @@ func (e *Engine) decideManyAtOrigin(ctx context.Context, o Origin, lcs []located
 		}
 	}
 	return true
+}
+
+// ranked is a limit of a batch (its index) and its pressure: the share of
+// its limit its count and the request's cost take.
+type ranked struct {
+	i        int
+	pressure float64
 }
 
 // rollBack gives back the reservations of lcs, whose limits are ls. It
