@@ -246,6 +246,14 @@ func TestForget_UnitsAdmittedDuringItsWriteAreReadBack(t *testing.T) {
 // units reached the origin only with the next replay, after that entry's
 // read, and were admitted again (102 admitted for a limit of 100).
 func TestForget_RequestsWaitingForAReadCountInTheKeysNextEntry(t *testing.T) {
+	forgetWhileTwoWaitForARead(t, func(e *Engine, l Limit, n int) int { return admittedOf(e, l, n) })
+}
+
+// forgetWhileTwoWaitForARead runs decide (n decisions of l, returning how
+// many were admitted) in two requests that wait for the read of l's new
+// entry, forgets the key meanwhile, and then 110 more: 100 admitted in
+// all for a limit of 100.
+func forgetWhileTwoWaitForARead(t *testing.T, decide func(e *Engine, l Limit, n int) int) {
 	synctest.Test(t, func(t *testing.T) {
 		e, _, o := withOrigin(t, Config{})
 		l := lim("k", time.Hour, 100, 1)
@@ -253,7 +261,7 @@ func TestForget_RequestsWaitingForAReadCountInTheKeysNextEntry(t *testing.T) {
 		o.gate.Store(&gate)
 		waiting := make(chan int)
 		for range 2 {
-			go func() { waiting <- admittedOf(e, l, 1) }()
+			go func() { waiting <- decide(e, l, 1) }()
 		}
 		synctest.Wait() // both wait for the key's read, held at the gate
 		if !e.Forget(l.Key) {
@@ -262,7 +270,7 @@ func TestForget_RequestsWaitingForAReadCountInTheKeysNextEntry(t *testing.T) {
 		o.gate.Store(nil)
 		close(gate)
 		admitted := <-waiting + <-waiting
-		admitted += admittedOf(e, l, 110)
+		admitted += decide(e, l, 110)
 		if admitted != 100 {
 			t.Fatalf("admitted %d for a limit of 100", admitted)
 		}
@@ -274,36 +282,15 @@ func TestForget_RequestsWaitingForAReadCountInTheKeysNextEntry(t *testing.T) {
 // key's new entry, and the key is forgotten meanwhile. A batch charged
 // the cell let go, and the key's next entry admitted its units again.
 func TestForget_BatchesWaitingForAReadCountInTheKeysNextEntry(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
-		e, _, o := withOrigin(t, Config{})
-		l := lim("k", time.Hour, 100, 1)
-		other := lim("everyone", time.Hour, 1_000_000, 1)
-		other.Namespace = "other"
-		batch := func(n int) (admitted int) {
-			out := make([]Decision, 2)
-			for range n {
-				if e.DecideMany(bg, []Limit{l, other}, out) {
-					admitted++
-				}
+	other := lim("everyone", time.Hour, 1_000_000, 1)
+	other.Namespace = "other"
+	forgetWhileTwoWaitForARead(t, func(e *Engine, l Limit, n int) (admitted int) {
+		out := make([]Decision, 2)
+		for range n {
+			if e.DecideMany(bg, []Limit{l, other}, out) {
+				admitted++
 			}
-			return admitted
 		}
-		gate := make(chan struct{})
-		o.gate.Store(&gate)
-		waiting := make(chan int)
-		for range 2 {
-			go func() { waiting <- batch(1) }()
-		}
-		synctest.Wait() // both wait for the key's read, held at the gate
-		if !e.Forget(l.Key) {
-			t.Fatal("Forget found nothing to forget")
-		}
-		o.gate.Store(nil)
-		close(gate)
-		admitted := <-waiting + <-waiting
-		admitted += batch(110)
-		if admitted != 100 {
-			t.Fatalf("admitted %d for a limit of 100", admitted)
-		}
+		return admitted
 	})
 }
