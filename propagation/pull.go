@@ -234,18 +234,26 @@ func (p *Propagator) windowMismatch(ns string, windowMs int64, region string) {
 		return
 	}
 	p.mu.Lock()
-	if p.mismatched == nil {
-		p.mismatched = map[zoneWindow]bool{}
-	}
-	first := !p.mismatched[k] && len(p.mismatched) < maxMismatched
-	if first {
-		p.mismatched[k] = true
-	}
+	first := firstOf(&p.mismatched, k)
 	p.mu.Unlock()
 	if first {
 		p.log.Warn("another region counts a zone over a window this region does not: its counts of the zone count nowhere here, and the regions together admit each one's limit; give the zone the same window in every region",
 			zap.String("zone", ns), zap.String("region", region), zap.Duration("window", w), zap.Durations("windows_here", here))
 	}
+}
+
+// firstOf records k in the set *m (made when nil) and reports whether it
+// was not there, so that what is logged once per k is; the set holds at
+// most maxMismatched keys, past which nothing is first. Callers hold p.mu.
+func firstOf[K comparable](m *map[K]bool, k K) bool {
+	if *m == nil {
+		*m = map[K]bool{}
+	}
+	if (*m)[k] || len(*m) >= maxMismatched {
+		return false
+	}
+	(*m)[k] = true
+	return true
 }
 
 // otherForm reports whether a row's identifier is of another form than
@@ -256,13 +264,7 @@ func (p *Propagator) otherForm(id, region string) bool {
 		return false
 	}
 	p.mu.Lock()
-	if p.otherForms == nil {
-		p.otherForms = map[string]bool{}
-	}
-	first := !p.otherForms[region] && len(p.otherForms) < maxMismatched
-	if first {
-		p.otherForms[region] = true
-	}
+	first := firstOf(&p.otherForms, region)
 	p.mu.Unlock()
 	if first {
 		p.log.Warn("another region's rows name identifiers that are not HMACs under this region's identifier_secret: its counts are skipped here; give every region the same secret",
