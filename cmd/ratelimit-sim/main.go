@@ -170,9 +170,7 @@ func checkTable(fs *flag.FlagSet, name string) error {
 	}
 	var extra []string
 	fs.Visit(func(f *flag.Flag) {
-		switch f.Name {
-		case "table", "seed", "cpuprofile":
-		default:
+		if !slices.Contains([]string{"table", "seed", "cpuprofile"}, f.Name) {
 			extra = append(extra, "-"+f.Name)
 		}
 	})
