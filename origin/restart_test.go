@@ -154,16 +154,7 @@ func TestWatchRestarts_ClusterFailoverToAReplicaThatMissedWrites(t *testing.T) {
 	redistest.Eventually(t, 10*time.Second, "every master knows the replica took the slots", func() bool {
 		return servedBy(t, cl.Nodes[1], -1, replica) && servedBy(t, cl.Nodes[2], -1, replica)
 	})
-	total := func() int64 {
-		v, _ := cellTotal(ctx, replica.Client(), DefaultPrefix, k, seq)
-		return v
-	}
-	redistest.EventuallyShow(t, 5*time.Second, "the node sends its totals to the promoted replica", func() (bool, string) {
-		return total() == 60, fmt.Sprintf("the replica holds %d, restarts seen %d", total(), restarts.Load())
-	})
-	if got := admit(newNode(), 100); got != 40 {
-		t.Fatalf("a new node admitted %d after the failover, want the 40 left of 100", got)
-	}
+	promotedHoldsAll(t, replica, restarts, newNode, admit, k, seq, 5*time.Second)
 }
 
 // servedBy reports whether node's slot map gives slot to node itself, or
@@ -218,16 +209,7 @@ func TestWatchRestarts_SentinelFailoverToAReplicaThatMissedWrites(t *testing.T) 
 		addr, err := sentinel.Client().Do(ctx, "SENTINEL", "GET-MASTER-ADDR-BY-NAME", redistest.SentinelMaster).StringSlice()
 		return err == nil && len(addr) == 2 && addr[1] == strconv.Itoa(replica.Port())
 	})
-	total := func() int64 {
-		v, _ := cellTotal(ctx, replica.Client(), DefaultPrefix, k, seq)
-		return v
-	}
-	redistest.EventuallyShow(t, 15*time.Second, "the node sends its totals to the promoted replica", func() (bool, string) {
-		return total() == 60, fmt.Sprintf("the replica holds %d, restarts seen %d", total(), restarts.Load())
-	})
-	if got := admit(newNode(), 100); got != 40 {
-		t.Fatalf("a new node admitted %d after the failover, want the 40 left of 100", got)
-	}
+	promotedHoldsAll(t, replica, restarts, newNode, admit, k, seq, 15*time.Second)
 }
 
 // failoverNodes returns, for the failover tests, a maker of nodes (an
@@ -286,4 +268,21 @@ func missWrites(t *testing.T, master, replica *redistest.Server, newNode func() 
 	master.Stop()
 	replica.Resume()
 	return restarts
+}
+
+// promotedHoldsAll waits (up to wait) until the promoted replica holds the
+// 60 units missWrites admitted, and checks that a new node then admits
+// the 40 left of 100.
+func promotedHoldsAll(t *testing.T, replica *redistest.Server, restarts *atomic.Int64, newNode func() *node, admit func(*node, int) int, k engine.Key, seq int64, wait time.Duration) {
+	t.Helper()
+	total := func() int64 {
+		v, _ := cellTotal(context.Background(), replica.Client(), DefaultPrefix, k, seq)
+		return v
+	}
+	redistest.EventuallyShow(t, wait, "the node sends its totals to the promoted replica", func() (bool, string) {
+		return total() == 60, fmt.Sprintf("the replica holds %d, restarts seen %d", total(), restarts.Load())
+	})
+	if got := admit(newNode(), 100); got != 40 {
+		t.Fatalf("a new node admitted %d after the failover, want the 40 left of 100", got)
+	}
 }
