@@ -50,8 +50,8 @@ func (e *Engine) DecideMany(ctx context.Context, ls []Limit, out []Decision) boo
 		// A key let go while the batch waited for its read is decided in
 		// the entry in its place, which reads again (as Decide does).
 		for i := 0; ; i++ {
-			e.convergeAll(ctx, o, lcs, ls, now, &dl)
-			if i >= maxRelocations || !e.relocateGone(lcs, ls, now, linked) {
+			e.convergeAll(ctx, o, lcs, ls, now, &dl, nil)
+			if i >= maxRelocations || !e.relocateGone(lcs, ls, now, linked, nil) {
 				break
 			}
 		}
@@ -84,10 +84,14 @@ func (e *Engine) DecideMany(ctx context.Context, ls []Limit, out []Decision) boo
 // relocateGone locates again each limit of a batch whose key's entry was
 // let go (forgotten, evicted) since it was located, and reports whether
 // there was one: charged to the cell let go, the request would count
-// where no read of the key looks any more.
-func (e *Engine) relocateGone(lcs []located, ls []Limit, now int64, linked bool) bool {
+// where no read of the key looks any more. Limits marked in skip (nil:
+// none) are left as they are.
+func (e *Engine) relocateGone(lcs []located, ls []Limit, now int64, linked bool, skip []bool) bool {
 	gone := false
 	for i := range lcs {
+		if skip != nil && skip[i] {
+			continue
+		}
 		if lcs[i].en.cur.Load() == tombstone {
 			e.locate(&lcs[i], &ls[i], now, linked)
 			gone = true
@@ -166,6 +170,12 @@ func (e *Engine) decideManyAtOrigin(ctx context.Context, o Origin, lcs []located
 			}
 		}
 		return false
+	}
+	// A key of the others let go while the origin decided: the limit is
+	// decided in the entry in its place, which reads again, as before the
+	// round trips (the origin's limits are decided, charged there).
+	for i := 0; i < maxRelocations && e.relocateGone(lcs, ls, now, true, atOrigin); i++ {
+		e.convergeAll(ctx, o, lcs, ls, now, dl, atOrigin)
 	}
 	for i := range ls {
 		if atOrigin[i] {

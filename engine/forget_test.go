@@ -7,6 +7,8 @@ import (
 	"testing"
 	"testing/synctest"
 	"time"
+
+	"github.com/edgelimit/caddy-ratelimit/internal/testclock"
 )
 
 // TestForgetMatching_FindsKeysByTheirHeldIdentifier: a key named as the
@@ -292,5 +294,70 @@ func TestForget_BatchesWaitingForAReadCountInTheKeysNextEntry(t *testing.T) {
 			}
 		}
 		return admitted
+	})
+}
+
+// TestForget_BatchesWaitingForAReservationCountInTheKeysNextEntry: a
+// batch decides one zone at the origin (a young key two processes share)
+// and another here, which it charges once the reservation is back. The
+// second zone's key is forgotten while the reservation is in flight. The
+// batch charged the cell let go, and the key's next entry admitted its
+// units again (102 for a limit of 100).
+func TestForget_BatchesWaitingForAReservationCountInTheKeysNextEntry(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		clk := testclock.New(time.UnixMilli(epoch))
+		shared := newMemOrigin()
+		var es []*Engine
+		var origins []*memOrigin
+		for _, node := range []string{"a", "b"} {
+			e, _ := newTestEngine(t, manual(Config{Now: clk.Now}))
+			o := shared.peer(node)
+			e.SetOrigin(o)
+			e.SetProcesses(2)
+			es, origins = append(es, e), append(origins, o)
+		}
+		a := es[0]
+		hot := lim("hot", time.Minute, 20, 1)
+		for _, e := range es {
+			e.Decide(bg, hot) // both processes meet hot: young and shared
+		}
+		k := lim("k", time.Hour, 100, 1)
+		k.Namespace = "other"
+		admitted := 0
+		if a.Decide(bg, k).Allowed { // k read and held here, far from its limit
+			admitted++
+		}
+		reserves := origins[0].reserves.Load()
+		gate := make(chan struct{})
+		origins[0].gate.Store(&gate)
+		waiting := make(chan int)
+		for range 2 {
+			go func() {
+				out := make([]Decision, 2)
+				if a.DecideMany(bg, []Limit{hot, k}, out) {
+					waiting <- 1
+					return
+				}
+				waiting <- 0
+			}()
+		}
+		synctest.Wait() // both batches wait for hot's reservation, held at the gate
+		if !a.Forget(k.Key) {
+			t.Fatal("Forget found nothing to forget")
+		}
+		origins[0].gate.Store(nil)
+		close(gate)
+		admitted += <-waiting + <-waiting
+		if origins[0].reserves.Load() == reserves {
+			t.Fatal("no batch reserved hot at the origin: the test no longer waits where it means to")
+		}
+		for range 110 {
+			if a.Decide(bg, k).Allowed {
+				admitted++
+			}
+		}
+		if admitted != 100 {
+			t.Fatalf("admitted %d for a limit of 100", admitted)
+		}
 	})
 }

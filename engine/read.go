@@ -223,11 +223,15 @@ func (e *Engine) unread(lc *located, l *Limit, now int64) bool {
 // convergeAll converges every limit of a batch, reads in parallel, and
 // waits for them together within the batch's deadline dl. A limit near its
 // limit in a shared cell is then decided at the origin (DecideMany), whose
-// answer brings its count: it reads nothing more here.
-func (e *Engine) convergeAll(ctx context.Context, o Origin, lcs []located, ls []Limit, now int64, dl *deadline) {
+// answer brings its count: it reads nothing more here. Limits marked in
+// skip (nil: none) are left out.
+func (e *Engine) convergeAll(ctx context.Context, o Origin, lcs []located, ls []Limit, now int64, dl *deadline, skip []bool) {
 	var stack [8]*flight
 	fs := stack[:0]
 	for i := range ls {
+		if skip != nil && skip[i] {
+			continue
+		}
 		if f := e.converge(o, &lcs[i], &ls[i], now); f != nil {
 			e.stats.syncReads.Add(1)
 			fs = append(fs, f)
