@@ -402,6 +402,8 @@ func (h *Handler) countDecisions(decs []engine.Decision, zi []int, allowed bool)
 			m.denied.Inc()
 		case allowed || h.DryRun:
 			m.allowed.Inc()
+		case decs[k].ChargedAnyway:
+			m.chargedAnyway.Inc()
 		default:
 			m.notCharged.Inc()
 		}

@@ -36,6 +36,10 @@ const (
 	// resultNotCharged: the zone admitted the request but another zone of
 	// the same directive denied it, so nothing was charged.
 	resultNotCharged = "not_charged"
+	// resultChargedAnyway: the region's Redis admitted and charged the
+	// zone, then another zone of the same directive denied the request:
+	// the units stay counted (an over-count on the strict side).
+	resultChargedAnyway = "charged_anyway"
 	// resultMissingKey: the key was empty and on_missing_key is deny.
 	resultMissingKey = "missing_key"
 )
@@ -62,7 +66,7 @@ func metricName(name string) string {
 var (
 	decisionsTotal = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: metricName("decisions_total"),
-		Help: "Decisions per zone by result: allowed, denied, dry_run_denied, skipped, not_charged (another zone of the directive denied), missing_key (on_missing_key deny).",
+		Help: "Decisions per zone by result: allowed, denied, dry_run_denied, skipped, not_charged (another zone of the directive denied), charged_anyway (Redis charged this zone, another zone denied), missing_key (on_missing_key deny).",
 	}, []string{"zone", "result"})
 
 	decisionSeconds = prometheus.NewHistogramVec(prometheus.HistogramOpts{
@@ -139,22 +143,23 @@ func registerMetrics(reg *prometheus.Registry) error {
 // zoneMetrics are one zone's counters, resolved when the handler is
 // provisioned so that counting a decision is one atomic add.
 type zoneMetrics struct {
-	allowed, denied, dryRunDenied, skipped, notCharged, missingKey prometheus.Counter
-	invalidCost, clampedMin, clampedMax                            prometheus.Counter
+	allowed, denied, dryRunDenied, skipped, notCharged, chargedAnyway, missingKey prometheus.Counter
+	invalidCost, clampedMin, clampedMax                                           prometheus.Counter
 }
 
 func newZoneMetrics(zone string) zoneMetrics {
 	c := func(result string) prometheus.Counter { return decisionsTotal.WithLabelValues(zone, result) }
 	return zoneMetrics{
-		allowed:      c(resultAllowed),
-		denied:       c(resultDenied),
-		dryRunDenied: c(resultDryRunDenied),
-		skipped:      c(resultSkipped),
-		notCharged:   c(resultNotCharged),
-		missingKey:   c(resultMissingKey),
-		invalidCost:  invalidCostsTotal.WithLabelValues(zone),
-		clampedMin:   clampedCostsTotal.WithLabelValues(zone, boundMin),
-		clampedMax:   clampedCostsTotal.WithLabelValues(zone, boundMax),
+		allowed:       c(resultAllowed),
+		denied:        c(resultDenied),
+		dryRunDenied:  c(resultDryRunDenied),
+		skipped:       c(resultSkipped),
+		notCharged:    c(resultNotCharged),
+		chargedAnyway: c(resultChargedAnyway),
+		missingKey:    c(resultMissingKey),
+		invalidCost:   invalidCostsTotal.WithLabelValues(zone),
+		clampedMin:    clampedCostsTotal.WithLabelValues(zone, boundMin),
+		clampedMax:    clampedCostsTotal.WithLabelValues(zone, boundMax),
 	}
 }
 

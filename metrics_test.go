@@ -431,3 +431,45 @@ func TestMetrics_READMEListsEveryMetric(t *testing.T) {
 		}
 	}
 }
+
+// TestMetrics_ChargedAnywayIsItsOwnResult: a zone that Redis admitted and
+// charged before another zone of the directive denied stays charged
+// (engine.Decision.ChargedAnyway). It was counted not_charged, beside the
+// zones a denial left uncharged, so the result hid units the region
+// counted.
+func TestMetrics_ChargedAnywayIsItsOwnResult(t *testing.T) {
+	h := &Handler{Zones: []*Zone{zoneOf("met_ca_origin", 5, time.Minute), zoneOf("met_ca_local", 5, time.Minute), zoneOf("met_ca_deny", 5, time.Minute)}}
+	h.compile()
+	for i, z := range h.Zones {
+		h.zones[i].metrics = newZoneMetrics(z.Name)
+	}
+	value := func(zone, result string) float64 {
+		var pb dto.Metric
+		if err := decisionsTotal.WithLabelValues(zone, result).Write(&pb); err != nil {
+			t.Fatal(err)
+		}
+		return pb.GetCounter().GetValue()
+	}
+	before := map[string]float64{}
+	results := []string{resultAllowed, resultDenied, resultNotCharged, resultChargedAnyway}
+	for _, z := range h.Zones {
+		for _, r := range results {
+			before[z.Name+"/"+r] = value(z.Name, r)
+		}
+	}
+	decs := []engine.Decision{{Allowed: true, ChargedAnyway: true}, {Allowed: true}, {Allowed: false}}
+	h.countDecisions(decs, []int{0, 1, 2}, false)
+	want := map[string]float64{
+		"met_ca_origin/" + resultChargedAnyway: 1,
+		"met_ca_local/" + resultNotCharged:     1,
+		"met_ca_deny/" + resultDenied:          1,
+	}
+	for _, z := range h.Zones {
+		for _, r := range results {
+			s := z.Name + "/" + r
+			if got := value(z.Name, r) - before[s]; got != want[s] {
+				t.Errorf("%s: +%v, want +%v", s, got, want[s])
+			}
+		}
+	}
+}
