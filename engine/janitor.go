@@ -78,9 +78,10 @@ func (e *Engine) buryCell(z *Zone, en *entry, c *cell) {
 		old := g.cells[g.next].cell
 		g.cells[g.next] = dirtyCell{z, en, c}
 		g.next = (g.next + 1) % graveCells
-		if e.origin.Load() == nil && old.state()&(stDirty|stFlushing) == 0 {
-			// Without an origin, units a let-go cell holds are only here
-			// (with one, the replay queue holds the cell): past the bound
+		if old.state()&(stDirty|stFlushing) == 0 {
+			// Units a let-go cell holds that no replay queue holds are
+			// only here (without an origin; or with one whose queues were
+			// full, as when an eviction's write failed): past the bound
 			// they are given up, and counted as lost.
 			if n := old.links().pending.Swap(0); n > 0 {
 				e.stats.lostUnits.Add(n)
@@ -293,8 +294,13 @@ func (e *Engine) Evict() int {
 			if class > threshold || (class == threshold && atThreshold <= 0) {
 				return false, false
 			}
-			if hasOrigin && !e.requeue(z, en) {
-				return false, false // units no queue could take: keep them
+			if hasOrigin {
+				// A full queue refuses the units: the write below takes
+				// them, and when it fails the graveyard holds them. Keeping
+				// the entry instead let a flood past the cap grow memory
+				// without bound while the origin was down
+				// (TestEvict_TheCapHoldsWhileTheOriginIsDown).
+				e.requeue(z, en)
 			}
 			e.bury(z, en)
 			cells := [2]*cell{c, en.prev.Load()}

@@ -186,3 +186,50 @@ func TestEvict_UnitsOfAnEvictedKeyAreReadBack(t *testing.T) {
 		}
 	})
 }
+
+// TestEvict_TheCapHoldsWhileTheOriginIsDown: a flood of new identifiers
+// while the origin is down. Every key holds a unit no write took, and once
+// the replay queues were full eviction kept every key whose units no queue
+// could take: the cap stopped holding, and memory grew with the flood
+// (1,000 keys over a cap of 100, with queues of 4 cells, before the fix;
+// 41,335 over a cap of 1,000 with the real queues). A key at its limit
+// stays denied throughout, and its units reach the origin when it is back.
+func TestEvict_TheCapHoldsWhileTheOriginIsDown(t *testing.T) {
+	e, clk := newTestEngine(t, manual(Config{MaxEntries: 100}))
+	e.queueLen = 4
+	o := newMemOrigin()
+	e.SetOrigin(o)
+	o.down.Store(true)
+	hot := lim("hot", time.Minute, 10, 1)
+	seq := clk.UnixMilli() / time.Minute.Milliseconds()
+	if n := admittedOf(e, hot, 20); n != 10 {
+		t.Fatalf("the hot key admitted %d of 20, want 10", n)
+	}
+	for i := range 1000 {
+		e.Decide(bg, lim("flood-"+strconv.Itoa(i), time.Minute, 1000, 1))
+		if i%50 == 49 {
+			_, _ = replayBoth(e) // fails: the units go back to their cells
+			e.Evict()
+			if n := e.Stats().Entries; n > 100 {
+				t.Fatalf("%d live entries after an eviction, over the cap of 100", n)
+			}
+			if e.Decide(bg, hot).Allowed {
+				t.Fatalf("the hot key at its limit was admitted after %d flood keys", i+1)
+			}
+			clk.Advance(100 * time.Millisecond)
+		}
+	}
+	if n := len(e.graves.list()); n > graveCells {
+		t.Fatalf("%d cells remembered, over %d", n, graveCells)
+	}
+	o.down.Store(false)
+	for range 3 {
+		e.Sweep()
+		if _, err := replayBoth(e); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if got := o.total(hot.Key, seq); got != 10 {
+		t.Fatalf("the origin holds %d of the hot key's 10 units", got)
+	}
+}
