@@ -49,22 +49,30 @@ func (p *Propagator) addDenial(rows map[Cell]*BlocklistRow, d engine.GlobalDenia
 	}
 }
 
-// mergeDenial merges a row into the pending ones (p.mu held).
-func (p *Propagator) mergeDenial(r BlocklistRow) {
+// mergeDenial merges a row into the pending ones (p.mu held), and
+// reports false when they are full and it was dropped.
+func (p *Propagator) mergeDenial(r BlocklistRow) bool {
 	c := r.cell()
 	if cur := p.pending[c]; cur != nil {
 		r.CountCur, r.CountPrev = max(r.CountCur, cur.CountCur), max(r.CountPrev, cur.CountPrev)
 		r.ExpiresMs = max(r.ExpiresMs, cur.ExpiresMs)
 	} else if len(p.pending) >= maxPendingDenials {
 		p.stats.denialQueueDrops.Add(1)
-		return
+		return false
 	}
 	p.pending[c] = &r
+	return true
 }
 
 // takeDenials takes the rows the region's nodes left, to write them. They
 // stay in the region until written, so a holder that dies first leaves
-// them to the next.
+// them to the next. A row the pending ones have no room for stays there
+// for a later take, and is not remembered as taken; one that expired
+// there is removed at once. The rows past the bound were remembered and
+// never removed, expired or not: the region's hashes (without expiry)
+// and the holder's memory grew with every flood of first denials that
+// MySQL did not take as fast as it came
+// (TestRole_DenialsPastTheBacklogLeaveTheRegionAtTheirExpiry).
 func (p *Propagator) takeDenials(ctx context.Context) {
 	var rows []BlocklistRow
 	err := p.query(ctx, func(ctx context.Context) error {
@@ -75,11 +83,25 @@ func (p *Propagator) takeDenials(ctx context.Context) {
 	if err != nil {
 		p.regionFailed("taking denial rows", err)
 	}
+	now := p.now().UnixMilli()
+	var expired []BlocklistRow
 	p.mu.Lock()
-	defer p.mu.Unlock()
 	for _, r := range rows {
-		p.taken[r.cell()] = r
-		p.mergeDenial(r)
+		c := r.cell()
+		if _, pending := p.pending[c]; !pending && r.ExpiresMs <= now {
+			expired = append(expired, r)
+			p.stats.denialsExpired.Add(1)
+			continue
+		}
+		if p.mergeDenial(r) {
+			p.taken[c] = r
+		}
+	}
+	p.mu.Unlock()
+	if len(expired) > 0 {
+		if err := p.query(ctx, func(ctx context.Context) error { return p.region.DenialsWritten(ctx, expired) }); err != nil {
+			p.regionFailed("removing expired denial rows", err)
+		}
 	}
 }
 

@@ -1,6 +1,7 @@
 package propagation
 
 import (
+	"strconv"
 	"testing"
 	"time"
 
@@ -72,5 +73,44 @@ func TestOutage_DenialDroppedAtExpiry(t *testing.T) {
 	p.FlushOnce(bg)
 	if st := p.Stats(); st.PendingDenials != 0 || st.DenialsExpired != 1 {
 		t.Fatalf("after expiry: %+v", st)
+	}
+}
+
+// TestRole_DenialsPastTheBacklogLeaveTheRegionAtTheirExpiry: a flood of
+// first denials while MySQL refuses writes leaves more rows in the region
+// than the holder keeps pending (maxPendingDenials). The rows past that
+// bound were taken at every flush and dropped, and never removed from the
+// region (Redis hashes without expiry), nor from the holder's memory of
+// what it took, even once they had expired: both grew with every flood
+// (10 rows left in each after their expiry, before the fix).
+func TestRole_DenialsPastTheBacklogLeaveTheRegionAtTheirExpiry(t *testing.T) {
+	s := newSetup(t)
+	mem := newMemRegion(s.clk)
+	n1 := s.regionNode("a", "n1", mem)
+	n1.store.failWrites.Store(true)
+	w := window.Milliseconds()
+	seq := s.clk.ms.Load() / w
+	const extra = 10
+	mem.mu.Lock()
+	for i := range maxPendingDenials + extra {
+		r := BlocklistRow{Namespace: "z", Identifier: "f" + strconv.Itoa(i), WindowMs: w, Sequence: seq,
+			Region: "a", Limit: 10, CountCur: 10, ExpiresMs: expiresMs(seq, w)}
+		mem.denials[r.cell()] = r
+	}
+	mem.mu.Unlock()
+	n1.p.FlushOnce(bg)
+	if st := n1.p.Stats(); st.Role != "holder" || st.PendingDenials != maxPendingDenials {
+		t.Fatalf("role %q, %d denials pending; want the holder with %d", st.Role, st.PendingDenials, maxPendingDenials)
+	}
+	s.clk.Add(3 * window) // every row expired
+	n1.p.FlushOnce(bg)
+	mem.mu.Lock()
+	left := len(mem.denials)
+	mem.mu.Unlock()
+	n1.p.mu.Lock()
+	taken := len(n1.p.taken)
+	n1.p.mu.Unlock()
+	if left != 0 || taken != 0 {
+		t.Fatalf("after every row expired: %d rows left in the region, %d remembered as taken; want none", left, taken)
 	}
 }
