@@ -58,6 +58,7 @@ func parse(args []string, stderr io.Writer) (options, error) {
 	fs.DurationVar(&c.GlobalSync, "global-sync", 5*time.Second, "global_sync")
 	fs.DurationVar(&c.BlocklistSync, "blocklist-sync", 10*time.Second, "blocklist_sync")
 	fs.Float64Var(&c.PublishFloor, "publish-floor", 0.2, "publish_floor")
+	fs.DurationVar(&c.MinWindow, "min-window", time.Minute, "min_window: a shorter -window stays in its region")
 	fs.Float64Var(&c.RedisLoss, "redis-loss", 0, "share of Redis calls lost, 0 to 1")
 	fs.StringVar(&o.profile, "cpuprofile", "", "write a CPU profile of the run to this file")
 	fs.StringVar(&o.table, "table", "", "print one of the README's tables instead of one run: "+fmt.Sprint(sim.TableNames())+
@@ -111,6 +112,8 @@ func parse(args []string, stderr io.Writer) (options, error) {
 		return o, bad("global-sync", fmt.Sprintf("want at least %s", propagation.MinInterval))
 	case c.BlocklistSync < propagation.MinInterval:
 		return o, bad("blocklist-sync", fmt.Sprintf("want at least %s", propagation.MinInterval))
+	case c.MinWindow < propagation.MinInterval:
+		return o, bad("min-window", fmt.Sprintf("want at least %s", propagation.MinInterval))
 	case !(c.PublishFloor > 0 && c.PublishFloor <= 1):
 		return o, bad("publish-floor", "want a share of the limit above 0 and at most 1")
 	case !(c.RedisLoss >= 0 && c.RedisLoss <= 1):

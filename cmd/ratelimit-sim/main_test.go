@@ -20,17 +20,17 @@ func TestParse_FlagsFillTheConfig(t *testing.T) {
 	want := sim.Config{Regions: 10, Nodes: 10, Keys: 10_000, Hot: 20, Duration: 10 * time.Minute, Seed: 1,
 		Scenario: sim.Even, Limit: 1000, Window: time.Minute, Load: 2, Background: 1000,
 		CrossRTT: 250 * time.Millisecond, ReplicaLag: time.Second, Flush: time.Second,
-		GlobalSync: 5 * time.Second, BlocklistSync: 10 * time.Second, PublishFloor: 0.2}
+		GlobalSync: 5 * time.Second, BlocklistSync: 10 * time.Second, MinWindow: time.Minute, PublishFloor: 0.2}
 	if !reflect.DeepEqual(o, options{cfg: want}) {
 		t.Fatalf("defaults %+v, want %+v", o.cfg, want)
 	}
-	o, err = parse(strings.Fields("-regions 3 -nodes 2 -minutes 1.5 -scenario burst -no-replicas -publish-floor 0.05 -redis-loss 0.01 -hot -1 -background -1 -seed 9"), io.Discard)
+	o, err = parse(strings.Fields("-regions 3 -nodes 2 -minutes 1.5 -scenario burst -no-replicas -publish-floor 0.05 -min-window 1s -redis-loss 0.01 -hot -1 -background -1 -seed 9"), io.Discard)
 	if err != nil {
 		t.Fatal(err)
 	}
 	c := o.cfg
 	if c.Regions != 3 || c.Nodes != 2 || c.Duration != 90*time.Second || c.Scenario != sim.Burst || !c.NoReplicas ||
-		c.PublishFloor != 0.05 || c.RedisLoss != 0.01 || c.Hot != -1 || c.Background != -1 || c.Seed != 9 || o.table != "" {
+		c.PublishFloor != 0.05 || c.MinWindow != time.Second || c.RedisLoss != 0.01 || c.Hot != -1 || c.Background != -1 || c.Seed != 9 || o.table != "" {
 		t.Fatalf("flags gave %+v, table %q", c, o.table)
 	}
 	// A table takes its seed (and a profile), as `make sim` passes them.
@@ -81,6 +81,8 @@ func TestRun_RejectsWhatItCannotMean(t *testing.T) {
 		{"-mysql-flush 0", []string{"-mysql-flush 0s", "at least 10ms"}},
 		{"-global-sync -5s", []string{"-global-sync -5s", "at least 10ms"}},
 		{"-blocklist-sync 5ms", []string{"-blocklist-sync 5ms", "at least 10ms"}},
+		{"-min-window 0", []string{"-min-window 0s", "at least 10ms"}},
+		{"-min-window 5ms", []string{"-min-window 5ms", "at least 10ms"}},
 		{"-publish-floor 0", []string{"-publish-floor 0", "above 0 and at most 1"}},
 		{"-publish-floor 1.5", []string{"-publish-floor 1.5", "above 0 and at most 1"}},
 		{"-redis-loss 1.5", []string{"-redis-loss 1.5", "probability from 0 to 1"}},

@@ -37,8 +37,9 @@ type region struct {
 	name  string
 	redis *simmodel.Redis
 	nodes []*node
-	// requests is the requests the region received in the measured span.
-	requests int64
+	// requests and admitted are the requests the region received in the
+	// measured span and those it admitted.
+	requests, admitted int64
 }
 
 type node struct {
@@ -140,7 +141,7 @@ func (s *sim) addNode(r *region, j int) error {
 	cfg := propagation.Config{
 		DSN: "sim", Region: r.name,
 		Flush: c.Flush, GlobalSync: c.GlobalSync, BlocklistSync: c.BlocklistSync,
-		PublishFloor: c.PublishFloor, Batch: c.Batch,
+		PublishFloor: c.PublishFloor, Batch: c.Batch, MinWindow: c.MinWindow,
 	}
 	if r.index > 0 && !c.NoReplicas {
 		cfg.ReadDSN = "sim-replica"

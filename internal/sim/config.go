@@ -96,12 +96,13 @@ type Config struct {
 	ReplicaLag time.Duration
 	NoReplicas bool
 
-	// Flush, GlobalSync, BlocklistSync, PublishFloor and Batch are the
-	// cross-region layer's settings (mysql_flush, …); zero keeps the
-	// defaults of package propagation.
-	Flush, GlobalSync, BlocklistSync time.Duration
-	PublishFloor                     float64
-	Batch                            int
+	// Flush, GlobalSync, BlocklistSync, PublishFloor, Batch and
+	// MinWindow are the cross-region layer's settings (mysql_flush, …,
+	// min_window: a window shorter than it stays in its region); zero
+	// keeps the defaults of package propagation.
+	Flush, GlobalSync, BlocklistSync, MinWindow time.Duration
+	PublishFloor                                float64
+	Batch                                       int
 
 	// Requests, when set, replace the scenario's generated traffic: the
 	// scale harness's loads, request for request.
@@ -191,6 +192,7 @@ func (c Config) Defaults() Config {
 	set(&c.Flush, d.Flush)
 	set(&c.GlobalSync, d.GlobalSync)
 	set(&c.BlocklistSync, d.BlocklistSync)
+	set(&c.MinWindow, d.MinWindow)
 	if c.PublishFloor == 0 {
 		c.PublishFloor = d.PublishFloor
 	}

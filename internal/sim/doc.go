@@ -21,6 +21,7 @@
 // and models), traffic.go (request generators), events.go (the event
 // queue), run.go (the loop), measure.go (the central counter and what is
 // measured), report.go (tables), tables.go (the README's tables),
-// harness.go (the scale harness's loads, which the simulator must agree
-// with).
+// harness.go (the scale harness's loads and the traces integration's
+// agreement tests record on real processes, which the simulator must
+// agree with).
 package sim

@@ -95,6 +95,35 @@ func HarnessIdle(nodes int) Config {
 	return c
 }
 
+// HarnessTrace replays requests recorded against real processes on this
+// machine (integration's accuracy agreement tests): regions × nodes on
+// loopback with every region reading the primary (the integration
+// cluster has no replica), one limit per window, mysql_flush flush,
+// global_sync and blocklist_sync sync and min_window 1s (the cluster's:
+// its windows of seconds cross regions), run for settle after the last
+// request. A request's At is its time from the start, the start lying on
+// a border of window wherever the trace crosses one, and the fleet needs
+// harnessStart before the first to take its roles, as the real one is
+// given before its load.
+func HarnessTrace(regions, nodes int, limit int64, window, flush, sync, settle time.Duration, reqs []Request, seed uint64) Config {
+	c := harnessNet(Config{Regions: regions, Nodes: nodes, Seed: seed})
+	c.NoReplicas = true
+	c.Limit, c.Window = limit, window
+	c.Flush, c.GlobalSync, c.BlocklistSync = flush, sync, sync
+	c.MinWindow = time.Second
+	c.Requests = reqs
+	var last time.Duration
+	for _, r := range reqs {
+		last = max(last, r.At)
+	}
+	c.Duration = last + settle
+	return c
+}
+
+// HarnessStart is how long the simulated fleet runs before a trace's
+// first request may come (see HarnessTrace).
+const HarnessStart = harnessStart
+
 // HarnessFigures are a run's figures as the harness prints them.
 type HarnessFigures struct {
 	// Admitted is admitted / limit.

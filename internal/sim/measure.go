@@ -100,13 +100,56 @@ func (m *measure) ideal(key int32, at int64) bool {
 		r = &ref{seq: at / m.w}
 		m.refs[key] = r
 	}
-	switch seq := at / m.w; {
+	return r.fits(at, m.limit, m.w)
+}
+
+// fits moves r to the window of at (Unix ms) and says whether one more
+// unit fits there.
+func (r *ref) fits(at, limit, w int64) bool {
+	switch seq := at / w; {
 	case seq == r.seq+1:
 		r.seq, r.prev, r.cur = seq, r.cur, 0
 	case seq > r.seq+1:
 		r.seq, r.prev, r.cur = seq, 0, 0
 	}
-	return fits(r.cur, r.prev, 1, m.limit, m.w, at-r.seq*m.w)
+	return fits(r.cur, r.prev, 1, limit, w, at-r.seq*w)
+}
+
+// Reference is the central counter for decisions made outside the
+// simulator (real processes' answers, recorded by a test): fed every
+// decision on one limit in the order they were made, it counts those it
+// would have made the other way, as a run's FalseAllows and FalseDenies.
+type Reference struct {
+	limit, w int64
+	refs     map[string]*ref
+	// Decisions, FalseAllows and FalseDenies are as in Result.
+	Decisions, FalseAllows, FalseDenies int64
+}
+
+// NewReference returns the central counter of a limit per window.
+func NewReference(limit int64, window time.Duration) *Reference {
+	return &Reference{limit: limit, w: window.Milliseconds(), refs: map[string]*ref{}}
+}
+
+// Judge takes one decision: a request of key at (Unix ms, windows aligned
+// to the epoch as the engine's) was allowed or denied.
+func (r *Reference) Judge(key string, at int64, allowed bool) {
+	c := r.refs[key]
+	if c == nil {
+		c = &ref{seq: at / r.w}
+		r.refs[key] = c
+	}
+	ideal := c.fits(at, r.limit, r.w)
+	r.Decisions++
+	switch {
+	case allowed && !ideal:
+		r.FalseAllows++
+	case !allowed && ideal:
+		r.FalseDenies++
+	}
+	if allowed {
+		c.cur++
+	}
 }
 
 // count adds an admitted request to the central counter.

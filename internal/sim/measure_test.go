@@ -115,3 +115,29 @@ func TestPercentile_RoundsToTheNearestRank(t *testing.T) {
 		}
 	}
 }
+
+// TestReference_JudgesOutsideDecisionsAsTheRunsCounter: decisions made
+// elsewhere are judged by the central counter a run uses: a window's
+// units past the limit are false allows (and still counted), the
+// previous window's weight rounds down, and a denial with room is a
+// false deny.
+func TestReference_JudgesOutsideDecisionsAsTheRunsCounter(t *testing.T) {
+	r := NewReference(2, time.Second)
+	const w = 1_800_000_000_000 // on a border
+	for _, d := range []struct {
+		at      int64
+		allowed bool
+	}{
+		{w, true}, {w + 1, true}, {w + 2, true}, // the third is past the limit
+		{w + 3, false},    // right
+		{w + 1000, true},  // the previous window's 3 weigh 3: false allow
+		{w + 1999, false}, // ⌊3 × 1 / 1000⌋ = 0, 1 counted: room, a false deny
+		{w + 5000, true},  // windows later, nothing weighs
+	} {
+		r.Judge("k", d.at, d.allowed)
+	}
+	r.Judge("other", w+3, true) // keys apart
+	if r.Decisions != 8 || r.FalseAllows != 2 || r.FalseDenies != 1 {
+		t.Fatalf("%d decisions, %d false allows, %d false denies; want 8, 2, 1", r.Decisions, r.FalseAllows, r.FalseDenies)
+	}
+}

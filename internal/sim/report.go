@@ -46,10 +46,12 @@ type Result struct {
 
 // RegionResult is one region's cost over the measured span.
 type RegionResult struct {
-	Name     string
-	Requests int64
-	Redis    simmodel.RedisCost
-	MySQL    simmodel.MySQLCost
+	Name string
+	// Requests and Admitted are the requests the region received and
+	// those it admitted.
+	Requests, Admitted int64
+	Redis              simmodel.RedisCost
+	MySQL              simmodel.MySQLCost
 }
 
 func (s *sim) result() *Result {
@@ -68,13 +70,14 @@ func (s *sim) result() *Result {
 	slices.Sort(res.Latencies)
 	res.Total.Name = "total"
 	for i, r := range s.regions {
-		rr := RegionResult{Name: r.name, Requests: r.requests}
+		rr := RegionResult{Name: r.name, Requests: r.requests, Admitted: r.admitted}
 		rr.Redis = s.span[1].redis[i]
 		rr.Redis.Sub(s.span[0].redis[i])
 		rr.MySQL = s.span[1].mysql[i]
 		rr.MySQL.Sub(s.span[0].mysql[i])
 		res.Regions = append(res.Regions, rr)
 		res.Total.Requests += rr.Requests
+		res.Total.Admitted += rr.Admitted
 		res.Total.Redis.Add(rr.Redis)
 		res.Total.MySQL.Add(rr.MySQL)
 	}
@@ -190,8 +193,11 @@ func (r *Result) Describe() string {
 		}
 		trips = fmt.Sprintf("round trip to the primary %.0f–%.0f ms from the other regions", lo, hi)
 	}
-	fmt.Fprintf(&b, "mysql_flush %s, global_sync %s, blocklist_sync %s, publish_floor %g; %s, %s",
-		c.Flush, c.GlobalSync, c.BlocklistSync, c.PublishFloor, trips, replicas)
+	fmt.Fprintf(&b, "mysql_flush %s, global_sync %s, blocklist_sync %s, publish_floor %g, min_window %s; %s, %s",
+		c.Flush, c.GlobalSync, c.BlocklistSync, c.PublishFloor, c.MinWindow, trips, replicas)
+	if c.Window < c.MinWindow {
+		fmt.Fprintf(&b, "\nthe window (%s) is shorter than min_window: each region counts alone", c.Window)
+	}
 	return b.String()
 }
 

@@ -149,6 +149,9 @@ func (s *sim) request(i int) {
 	d := n.eng.Decide(bg, engine.Limit{Key: s.key(req.key), Zone: n.zone, Limit: s.cfg.Limit, Cost: 1})
 	if s.measuring {
 		r.requests++
+		if d.Allowed {
+			r.admitted++
+		}
 	}
 	s.m.record(req, d.Allowed, s.arm)
 	if next, ok := s.sources[i].next(); ok {
