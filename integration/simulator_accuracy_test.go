@@ -211,20 +211,22 @@ func TestSimulator_SkewedTrafficOverSlidingWindowsAgrees(t *testing.T) {
 	if len(real.windows) != windows || len(res.Windows) != windows {
 		t.Fatalf("%d real and %d simulated windows admitted, want the load's %d", len(real.windows), len(res.Windows), windows)
 	}
-	// The slack, from six runs on a 2-core machine beside other work
-	// (2026-11-27, one under -race beside other packages' tests): the simulated worst window was 0.008–0.025 below the
-	// real one (real 1.042–1.067), the median within ± 0.017 (real
-	// 1.017–1.042), false allows within 2.2 points (real 39.8–41.5 %, a
-	// unit admitted a request early counts one at twice the limit's
-	// rate). Twice that: ± 0.05 of the limit (6 units of 120) and ± 4
-	// points. With the default min_window (1m) the simulator's regions
-	// counted apart here: 1.60 × and 71 %.
-	const windowSlack, faSlack = 0.05, 0.04
-	if d := math.Abs(res.WindowMax() - maxOf(real.windows)); d > windowSlack {
-		t.Errorf("the worst window: simulated %.3f × the limit, real %.3f (± %.2f)", res.WindowMax(), maxOf(real.windows), windowSlack)
+	// The slack, from seven runs on a 2-core machine beside other work
+	// (2026-11-27, one under -race beside other packages' tests): the
+	// simulated worst window was 0.008–0.042 below the real one (real
+	// 1.042–1.075: one sample, a noisy machine's), the median within
+	// ± 0.017 (real 1.017–1.042), false allows within 2.2 points (real
+	// 39.8–41.5 %; a unit admitted a moment early counts one at twice
+	// the limit's rate). So: the worst window ± 0.08 of the limit (10
+	// units of 120), the median ± 0.04, false allows ± 4 points. With the
+	// default min_window (1m) the simulator's regions counted apart
+	// here: 1.60 × and 71 %.
+	const maxSlack, medianSlack, faSlack = 0.08, 0.04, 0.04
+	if d := math.Abs(res.WindowMax() - maxOf(real.windows)); d > maxSlack {
+		t.Errorf("the worst window: simulated %.3f × the limit, real %.3f (± %.2f)", res.WindowMax(), maxOf(real.windows), maxSlack)
 	}
-	if d := math.Abs(res.WindowMedian() - medianOf(real.windows)); d > windowSlack {
-		t.Errorf("the median window: simulated %.3f × the limit, real %.3f (± %.2f)", res.WindowMedian(), medianOf(real.windows), windowSlack)
+	if d := math.Abs(res.WindowMedian() - medianOf(real.windows)); d > medianSlack {
+		t.Errorf("the median window: simulated %.3f × the limit, real %.3f (± %.2f)", res.WindowMedian(), medianOf(real.windows), medianSlack)
 	}
 	if d := math.Abs(simFA - realFA); d > faSlack {
 		t.Errorf("false allows: simulated %.2f %%, real %.2f %% (± %.0f points)", 100*simFA, 100*realFA, 100*faSlack)
@@ -310,7 +312,7 @@ func TestSimulator_BurstAtOneRegionBesideAnotherAgrees(t *testing.T) {
 	if len(real.windows) != keys || len(res.Windows) != keys || len(res.Latencies) != keys {
 		t.Fatalf("%d real and %d simulated windows admitted, %d simulated travel times, want one per key (%d)", len(real.windows), len(res.Windows), len(res.Latencies), keys)
 	}
-	// The slack, from ten runs on a 2-core machine beside other work
+	// The slack, from eleven runs on a 2-core machine beside other work
 	// (2026-11-27, one under -race beside other packages' tests): the simulated median key was 0–0.05 below the real
 	// one (real 1.21–1.23; the first region admits the limit exactly in
 	// both, the second 1.6 units a key more in the real runs: its
