@@ -88,6 +88,13 @@ func storeOverride(ctx context.Context, st *state, rec overrideRec) (overrideRec
 			if err != nil {
 				took, rerr := tookAnyway(rb, rec)
 				if !took {
+					if next := replacedRedis(st, rb); next != nil {
+						// A reload closed the client under the call:
+						// the same change again, on the one in use.
+						rb = next
+						try--
+						continue
+					}
 					return rec, scope, errors.Join(storeFailed(rerr), err)
 				}
 				n = 1
@@ -110,6 +117,19 @@ func storeOverride(ctx context.Context, st *state, rec overrideRec) (overrideRec
 	}
 	overrides.merge([]overrideRec{rec})
 	return rec, scope, nil
+}
+
+// replacedRedis is the region's Redis in use when a reload replaced rb
+// with it, else nil. A reload makes the origin again and closes the old
+// one, so an admin change whose call was on its way then failed with a
+// closed connection, and its read back too: a 503 for a change that the
+// region's Redis, reachable all along, would have taken. The call is
+// made again once on the new origin (a repeat changes nothing more).
+func replacedRedis(st *state, rb *origin.Redis) *origin.Redis {
+	if next := st.overridesRedis(); next != nil && next != rb {
+		return next
+	}
+	return nil
 }
 
 // overridesRedis is the origin in use as a store of overrides, or nil.

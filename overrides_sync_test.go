@@ -499,3 +499,66 @@ func TestOverrides_A503IsAChangeStoredNowhere(t *testing.T) {
 		redistest.Eventually(t, 5*time.Second, "the change applied here too", func() bool { return admitted(t, base, "blocked", 1) == 0 })
 	}
 }
+
+// TestOverrides_AChangeRacingAReloadTakes: an operator's change is on its
+// way to the region's Redis (its reply held back) when a reload makes the
+// origin again and closes the old one under the call. Redis answered all
+// along: the change must take (200), be held by the region and apply
+// here, and a region reset racing a reload likewise. Before, the closed
+// client failed the call and its read back: a 503 saying the region may
+// hold the change (1 change in 60 sent during 15 reloads, by hand).
+func TestOverrides_AChangeRacingAReloadTakes(t *testing.T) {
+	resetOverrides(t)
+	srv := redistest.Start(t)
+	proxy := redistest.StartDelayProxy(t, srv.Addr(), 0)
+	global := fmt.Sprintf("\tratelimit {\n\t\tregion ov-test\n\t\tredis %s\n\t\tfast_tick 10ms\n\t}", proxy.URL())
+	other, _ := otherNode(t, srv)
+	_, admin, _ := startCaddy(t, overrideConfig(global))
+	// A first change loads the scripts, so each call below is one round trip.
+	adminSend(t, admin, http.MethodPut, "/ratelimit/overrides?zone=ov&identifier=warm", `{"limit": 5}`).decode(t, http.StatusOK, &overrideDoc{})
+	adminSend(t, admin, http.MethodDelete, "/ratelimit/counters?zone=ov&identifier=warm&scope=region", "").decode(t, http.StatusOK, &resetDoc{})
+
+	holds := func(id string, reset bool) bool {
+		_, all, err := other.Overrides(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, o := range all {
+			if rec, ok := recOfRegion(o); ok && rec.Identifier == id && rec.Reset == reset {
+				return true
+			}
+		}
+		return false
+	}
+	// race sends the change with each of Redis's replies held for delay
+	// (within the call's second: a reset makes three round trips).
+	race := func(method, path, id string, reset bool, delay time.Duration) adminReply {
+		t.Helper()
+		before := lookupState().overridesRedis()
+		proxy.SetDelay(delay)
+		answer := make(chan adminReply, 1)
+		go func() { answer <- adminSend(t, admin, method, path, `{"limit": 0}`) }()
+		// Redis took the write; its reply is held by the proxy.
+		redistest.Eventually(t, 5*time.Second, "the write in Redis", func() bool { return holds(id, reset) })
+		proxy.SetDelay(0)
+		if err := loadCaddyfile(t, admin, overrideConfig(global)); err != nil {
+			t.Fatal(err)
+		}
+		if lookupState().overridesRedis() == before {
+			t.Fatal("the reload kept the origin: the test races nothing")
+		}
+		return <-answer
+	}
+
+	r := race(http.MethodPut, "/ratelimit/overrides?zone=ov&identifier=blocked", "blocked", false, 700*time.Millisecond)
+	if r.status != http.StatusOK {
+		t.Fatalf("a change racing a reload answered %d %s, though the region took it", r.status, r.body)
+	}
+	if got, ok := overrides.get("ov", "blocked"); !ok || got.Limit != 0 {
+		t.Fatalf("the change is not applied here: %+v %v", got, ok)
+	}
+	r = race(http.MethodDelete, "/ratelimit/counters?zone=ov&identifier=reset-me&scope=region", "reset-me", true, 250*time.Millisecond)
+	if r.status != http.StatusOK {
+		t.Fatalf("a region reset racing a reload answered %d %s, though the region took it", r.status, r.body)
+	}
+}

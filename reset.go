@@ -71,28 +71,11 @@ func resetKey(w http.ResponseWriter, r *http.Request, st *state, zoneName, id st
 	// two writes is dropped with the key, as on the nodes that hear of it.
 	ctx, cancel := context.WithTimeout(r.Context(), time.Second)
 	defer cancel()
-	// The reset comes after the region's last change of the key (made on a
-	// node whose clock runs ahead): its record would not take, and the
-	// nodes would never hear of it.
-	held, _, err := rb.OverrideVersion(ctx, rec.field())
-	rec.Version = max(rec.Version, held+1)
-	if err == nil {
-		err = flushHeld(st, rec)
-	}
-	if err == nil {
-		err = resetRegionCells(ctx, rb, st, rec)
-	}
-	took := 0
-	if err != nil {
-		err = errors.Join(errOverrideStore, err)
-	} else if took, err = rb.PutOverrides(ctx, []origin.Override{rec.regionValue()}, rec.Global); err != nil {
-		// Redis may have run it, and its reply come too late: the
-		// region's nodes then forget the key, and so must this one.
-		if ok, rerr := tookAnyway(rb, rec); ok {
-			took, err = 1, nil
-		} else {
-			err = errors.Join(storeFailed(rerr), err)
-		}
+	took, err := storeReset(ctx, st, rb, &rec)
+	if next := replacedRedis(st, rb); err != nil && next != nil {
+		// A reload closed the client under the reset: again, on the one
+		// in use (marks and record of one version are idempotent).
+		took, err = storeReset(ctx, st, next, &rec)
 	}
 	if err != nil {
 		return caddy.APIError{HTTPStatus: http.StatusServiceUnavailable, Err: err}
@@ -108,6 +91,37 @@ func resetKey(w http.ResponseWriter, r *http.Request, st *state, zoneName, id st
 		zap.String("scope", scope)}, shownFields(view.ids, rec.Identifier)...)...)
 	return writeJSON(w, resetDoc{Zone: zoneName, shownID: showID(view.ids.shown(engine.NormalizeIdentifier(maskIP(id, defs[0].v4, defs[0].v6)))),
 		Scope: scope, Reset: true})
+}
+
+// storeReset writes the reset rec to the region's Redis rb: this node's
+// unreplayed units of the key, the cells' marks, then its record. It
+// returns how many records took (0: the region holds a newer change).
+func storeReset(ctx context.Context, st *state, rb *origin.Redis, rec *overrideRec) (int, error) {
+	// The reset comes after the region's last change of the key (made on a
+	// node whose clock runs ahead): its record would not take, and the
+	// nodes would never hear of it.
+	held, _, err := rb.OverrideVersion(ctx, rec.field())
+	rec.Version = max(rec.Version, held+1)
+	if err == nil {
+		err = flushHeld(st, *rec)
+	}
+	if err == nil {
+		err = resetRegionCells(ctx, rb, st, *rec)
+	}
+	if err != nil {
+		return 0, errors.Join(errOverrideStore, err)
+	}
+	took, err := rb.PutOverrides(ctx, []origin.Override{rec.regionValue()}, rec.Global)
+	if err != nil {
+		// Redis may have run it, and its reply come too late: the
+		// region's nodes then forget the key, and so must this one.
+		ok, rerr := tookAnyway(rb, *rec)
+		if ok {
+			return 1, nil
+		}
+		return 0, errors.Join(storeFailed(rerr), err)
+	}
+	return took, nil
 }
 
 // resetDoc is the answer to a reset beyond this node.
