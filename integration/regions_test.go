@@ -186,12 +186,19 @@ func (c *cluster) site(r int) string {
 // startNode starts one node of region r (it serves once startNode
 // returns; waitReady waits for its cross-region layer).
 func (c *cluster) startNode(r int) *regionNode {
-	t := c.t
-	t.Helper()
+	c.t.Helper()
 	bin, err := caddyBinary()
 	if err != nil {
-		t.Fatal(err)
+		c.t.Fatal(err)
 	}
+	return c.startNodeOf(r, bin)
+}
+
+// startNodeOf starts one node of region r from the Caddy binary bin (a
+// build of another commit, in a rolling deploy's tests).
+func (c *cluster) startNodeOf(r int, bin string) *regionNode {
+	t := c.t
+	t.Helper()
 	n := &regionNode{node: &node{t: t, log: new(logBuffer), admin: redistest.MustFreePort(t), port: redistest.MustFreePort(t)}, region: regionName(r)}
 	dir := t.TempDir()
 	n.file = filepath.Join(dir, "Caddyfile")
