@@ -20,7 +20,7 @@
 GO       ?= go
 TIMEOUT  ?= 20m
 
-.PHONY: test vet fmt-check servers allocs bench bench-engine-vs compare loadtest pair busy soak regions property sim
+.PHONY: test vet fmt-check servers allocs bench bench-engine-vs compare loadtest pair busy soak regions mixed property sim
 
 test: vet fmt-check servers allocs
 	PATH="$$PATH:/usr/sbin:/usr/local/sbin" $(GO) test -race -count=1 -timeout $(TIMEOUT) ./...
@@ -77,6 +77,16 @@ soak: servers
 # for R regions × N nodes, and one region's MySQL load with no traffic.
 regions: servers
 	PATH="$$PATH:/usr/sbin:/usr/local/sbin" $(GO) test -tags scale -count=1 -timeout 30m -run 'TestScale_' -v ./integration
+
+# A rolling deploy (integration/mixed_test.go): cmd/caddy built at OLD (a
+# commit, in a temporary git worktree) beside this build on one Redis and
+# one MySQL.
+OLD ?= 55dbc13
+mixed: servers
+	@dir="$$(mktemp -d)"; trap 'git worktree remove --force "$$dir/src" >/dev/null 2>&1; rm -rf "$$dir"' EXIT; \
+	git worktree add --detach "$$dir/src" $(OLD) >/dev/null && \
+	(cd "$$dir/src" && $(GO) build -o "$$dir/caddy" ./cmd/caddy) && \
+	RATELIMIT_OLD_CADDY="$$dir/caddy" PATH="$$PATH:/usr/sbin:/usr/local/sbin" $(GO) test -tags mixed -count=1 -timeout 20m -run 'TestMixedBuilds_' -v ./integration
 
 # The multi-node reference test (internal/nodecheck) on new random seeds
 # for PROPERTY_DURATION; a failure prints its seed and shortest run.

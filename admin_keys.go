@@ -60,7 +60,10 @@ type cellDoc struct {
 type keyListDoc struct {
 	Zone   string `json:"zone"`
 	Prefix string `json:"prefix"`
-	Max    int    `json:"max"`
+	// PrefixHex is the prefix in hex when it is not valid UTF-8, which
+	// JSON cannot carry (as identifier_hex).
+	PrefixHex string `json:"prefix_hex,omitempty"`
+	Max       int    `json:"max"`
 	// Truncated reports that more keys matched than Max.
 	Truncated bool     `json:"truncated"`
 	Keys      []keyDoc `json:"keys"`
@@ -199,7 +202,7 @@ func regionView(ctx context.Context, st *state, key engine.Key) (engine.KeyState
 // prefix.
 func listKeys(st *state, zoneName, prefix string, max int, defs []zoneDef) keyListDoc {
 	ids := st.apps.view().ids
-	doc := keyListDoc{Zone: zoneName, Prefix: prefix, Max: max, Keys: []keyDoc{}}
+	doc := keyListDoc{Zone: zoneName, Prefix: prefix, PrefixHex: showID(prefix).IdentifierHex, Max: max, Keys: []keyDoc{}}
 	// Keys of a window no loaded config uses any more linger until the
 	// janitor drops them; they are not the zone's, and take no place.
 	windows := defWindows(defs)

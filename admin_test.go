@@ -212,6 +212,16 @@ func TestAdmin_Routes(t *testing.T) {
 		if got := identifiersOf(pre.Keys); !reflect.DeepEqual(got, []string{"198.51.100.0/24"}) || pre.Keys[0].Effective != 2 {
 			t.Fatalf("prefix: %+v", pre)
 		}
+		// A prefix that is not UTF-8 comes back in hex too: JSON carries
+		// it as U+FFFD, which names no key.
+		var binary keyListDoc
+		adminDo(t, admin, "GET", "/ratelimit/counters?zone=adm_key&prefix=%FFa").decode(t, 200, &binary)
+		if binary.PrefixHex != "ff61" || len(binary.Keys) != 0 {
+			t.Fatalf("binary prefix: %+v", binary)
+		}
+		if pre.PrefixHex != "" {
+			t.Fatalf("a UTF-8 prefix came with a hex form: %+v", pre)
+		}
 	})
 
 	t.Run("status", func(t *testing.T) {

@@ -97,7 +97,7 @@ var (
 
 	overridesActive = prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 		Name: metricName("overrides_active"),
-		Help: "Runtime overrides this process applies now, from every scope.",
+		Help: "Runtime overrides this process holds now, from every scope (those of a zone no loaded config defines included).",
 	}, func() float64 { return float64(overrides.active()) })
 
 	// engineMetrics reads the pooled engine (and origin) at scrape time.

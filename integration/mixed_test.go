@@ -1,3 +1,5 @@
+//go:build mixed
+
 package integration
 
 import (
@@ -15,14 +17,15 @@ import (
 // A rolling deploy: nodes of an earlier build of this repository run
 // beside nodes of this one on the same Redis and MySQL. The earlier build
 // is an operator's: RATELIMIT_OLD_CADDY names its binary, built from an
-// older commit (git worktree add /tmp/old <commit> && cd /tmp/old && go
-// build -o /tmp/old-caddy ./cmd/caddy). Without it the tests skip.
+// older commit. `make mixed OLD=<commit>` builds it in a git worktree and
+// runs these tests (build tag mixed, so `make test` leaves them out
+// rather than skipping them).
 
 func oldCaddy(t *testing.T) string {
 	t.Helper()
 	bin := os.Getenv("RATELIMIT_OLD_CADDY")
 	if bin == "" {
-		t.Skip("RATELIMIT_OLD_CADDY names no earlier build of cmd/caddy")
+		t.Fatal("RATELIMIT_OLD_CADDY names no earlier build of cmd/caddy: run make mixed OLD=<commit>")
 	}
 	if _, err := os.Stat(bin); err != nil {
 		t.Fatal(err)
