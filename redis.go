@@ -212,6 +212,7 @@ func (b *redisBackend) start() {
 	b.origin.WatchProcesses(processesInterval, func(n int64) {
 		if st.currentOrigin() == originView(b.origin) {
 			st.engine.SetProcesses(n)
+			b.useClock(st)
 		}
 		if n > 0 && lost {
 			lost = false
@@ -232,6 +233,33 @@ func (b *redisBackend) start() {
 	})
 }
 
+// clockWarnAt is the offset between this node's clock and Redis's from
+// which taking Redis's clock is logged as a warning, not at info level:
+// NTP keeps healthy clocks within milliseconds.
+const clockWarnAt = time.Second
+
+// useClock makes the engine decide on Redis's clock, as the origin's
+// heartbeats measured it (origin.ClockOffset): every node of the region
+// then counts in the same windows whatever its own clock says. Before the
+// origin's first measurement the engine keeps the offset it has.
+func (b *redisBackend) useClock(st *state) {
+	d, ok := b.origin.ClockOffset()
+	if !ok {
+		return
+	}
+	old := st.engine.ClockOffset()
+	if d == old {
+		return
+	}
+	st.engine.SetClockOffset(d)
+	fields := []zap.Field{zap.Duration("offset", d), zap.Duration("was", old), zap.String("redis", b.origin.String())}
+	if d.Abs() >= clockWarnAt {
+		b.a.logger.Warn("this node's clock is off Redis's: deciding on Redis's clock, as the region's other nodes do (check NTP)", fields...)
+	} else {
+		b.a.logger.Info("deciding on Redis's clock", fields...)
+	}
+}
+
 // use points the engine at the origin, with the config's timing, and
 // publishes it to the status and the metrics.
 //
@@ -246,6 +274,7 @@ func (b *redisBackend) use(st *state) {
 	prev, _ := st.currentOrigin().(*origin.Redis)
 	st.engine.SetTiming(b.timing)
 	st.engine.SetProcesses(b.origin.Processes()) // 0 until its first heartbeat: not the last origin's region
+	b.useClock(st)
 	st.engine.SetOrigin(b.engineOrigin)
 	st.setOrigin(b.origin)
 	form := b.a.ids.form()

@@ -62,7 +62,7 @@ func resetKey(w http.ResponseWriter, r *http.Request, st *state, zoneName, id st
 		return badRequest("scope global needs the cross-region layer (a mysql line): scope=region resets the key in this region")
 	}
 	view := st.apps.view()
-	now := time.Now()
+	now := st.engine.Now() // the region's clock: the reset marks the window the region counts in
 	rec := overrideRec{Zone: zoneName, Identifier: storedIdentifier(st, id, defs), Form: view.ids.form(), Reset: true, Global: scope == scopeGlobal, Region: view.region,
 		CreatedMs: now.UnixMilli(), Version: now.UnixMicro(), ExpiresMs: now.Add(resetLife(defs)).UnixMilli()}
 	// This node's unreplayed units go out before the cells are marked, and

@@ -104,9 +104,6 @@ func (e *Engine) Timing() Timing {
 	}
 }
 
-// Now is the engine's clock (Config.Now).
-func (e *Engine) Now() time.Time { return e.now() }
-
 func (e *Engine) readTimeoutD() time.Duration { return time.Duration(e.readTimeout.Load()) }
 func (e *Engine) freshnessMs() int64          { return time.Duration(e.freshness.Load()).Milliseconds() }
 func (e *Engine) fastTickMs() int64           { return time.Duration(e.fastTick.Load()).Milliseconds() }
@@ -114,8 +111,12 @@ func (e *Engine) fastTickMs() int64           { return time.Duration(e.fastTick.
 // Engine decides limits. It is safe for concurrent use; one Engine serves a
 // whole process.
 type Engine struct {
-	cfg     Config
-	now     func() time.Time
+	cfg   Config
+	clock func() time.Time // Config.Now: the process's clock
+	// offset is what the engine adds to its process's clock, in ns: the
+	// region's clock (the origin's) less the process's, as SetClockOffset
+	// was last told (0: the process's own).
+	offset  atomic.Int64
 	zones   *xsync.Map[zoneKey, *Zone]
 	live    atomic.Int64
 	flights *xsync.Map[*cell, *flight]
@@ -204,7 +205,7 @@ func New(cfg Config) *Engine {
 	orDefault(&cfg.JanitorInterval, DefaultJanitorInterval)
 	e := &Engine{
 		cfg:          cfg,
-		now:          cfg.Now,
+		clock:        cfg.Now,
 		zones:        xsync.NewMap[zoneKey, *Zone](),
 		flights:      xsync.NewMap[*cell, *flight](),
 		reservations: xsync.NewMap[*cell, *group](),
@@ -286,4 +287,33 @@ func (e *Engine) Close(ctx context.Context) error {
 	return e.Flush(ctx)
 }
 
+// now is the time the engine decides at: its process's clock, moved by the
+// offset to the region's clock (SetClockOffset).
+func (e *Engine) now() time.Time {
+	t := e.clock()
+	if d := e.offset.Load(); d != 0 {
+		t = t.Add(time.Duration(d))
+	}
+	return t
+}
+
 func (e *Engine) nowMs() int64 { return e.now().UnixMilli() }
+
+// Now is the time the engine decides at: Config.Now moved by
+// SetClockOffset. Windows that the layers above compute (a reset's) must
+// be the engine's.
+func (e *Engine) Now() time.Time { return e.now() }
+
+// SetClockOffset makes the engine decide on its process's clock plus d:
+// the origin's clock (Redis's), as the origin measured it, so that the
+// processes of a region, whatever their own clocks say, agree on the
+// windows they count in (epoch-aligned windows are only shared while the
+// clocks agree: a process whose clock ran 3 s behind the others of a
+// 10 s window counted a window of its own in the first 3 s of every
+// window, and the region admitted up to 1.6 times the limit in 10 s). A
+// change is a step of the engine's clock, which the engine is built to
+// survive (a key never moves back to an older window).
+func (e *Engine) SetClockOffset(d time.Duration) { e.offset.Store(int64(d)) }
+
+// ClockOffset is what SetClockOffset last set.
+func (e *Engine) ClockOffset() time.Duration { return time.Duration(e.offset.Load()) }

@@ -3,6 +3,7 @@ package origin
 import (
 	"context"
 	"errors"
+	"fmt"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -50,14 +51,60 @@ local lapse = tonumber(ARGV[2])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 redis.call('ZADD', KEYS[1], string.format('%d', now + lapse), ARGV[1])
 if redis.call('PTTL', KEYS[1]) < lapse then redis.call('PEXPIRE', KEYS[1], lapse) end
-return redis.call('ZCARD', KEYS[1])
+return {redis.call('ZCARD', KEYS[1]), now}
 `)
+
+// The region's clock. Windows are aligned to the Unix epoch, so the
+// processes of a region count in the same cells only while their clocks
+// agree; a process whose NTP failed counts in a window of its own for as
+// long as its clock is off (see engine.SetClockOffset). Redis's clock is
+// the one every process of the region reaches, so each heartbeat also
+// measures it: Redis's time, less the midpoint of the call on this
+// process's clock, is the offset the engine adds to its clock.
+
+// clockSampleMaxRTT is the slowest heartbeat whose reading of Redis's
+// clock is used: the midpoint of a call is off Redis's moment by at most
+// half its round trip.
+const clockSampleMaxRTT = 100 * time.Millisecond
+
+// clockDeadband is how far a new measurement must be from the offset in
+// use to replace it: a healthy fleet's clocks (a few ms apart under NTP)
+// keep offset 0, and measurements that differ by a round trip's jitter do
+// not step the engine's clock back and forth. Every step of the offset is
+// a clock step to the engine.
+const clockDeadband = 50 * time.Millisecond
+
+// observeClock records a heartbeat's reading of Redis's clock (Unix ms)
+// made between sent and recv on this process's clock.
+func (r *Redis) observeClock(redisMs int64, sent, recv time.Time) {
+	rtt := recv.Sub(sent)
+	if rtt < 0 || rtt > clockSampleMaxRTT {
+		return
+	}
+	d := time.UnixMilli(redisMs).Sub(sent.Add(rtt / 2)).Round(time.Millisecond)
+	if old := time.Duration(r.clockOffset.Load()); r.clockKnown.Load() && (d-old).Abs() <= clockDeadband {
+		return
+	}
+	if !r.clockKnown.Load() && d.Abs() <= clockDeadband {
+		d = 0
+	}
+	r.clockOffset.Store(int64(d))
+	r.clockKnown.Store(true)
+}
+
+// ClockOffset is Redis's clock less this process's (Options.Now), as the
+// heartbeats measured it, within clockDeadband; ok is false until one
+// did. Give it to engine.SetClockOffset.
+func (r *Redis) ClockOffset() (d time.Duration, ok bool) {
+	return time.Duration(r.clockOffset.Load()), r.clockKnown.Load()
+}
 
 func (r *Redis) processesKey() string { return r.prefix + ":{processes}" }
 
 // Heartbeat records this process in the region's set until lapse from now
 // (Redis's clock), drops the records that lapsed, and returns how many are
-// live, this process's included.
+// live, this process's included. It measures Redis's clock too
+// (ClockOffset).
 func (r *Redis) Heartbeat(ctx context.Context, lapse time.Duration) (int64, error) {
 	r.beat.Lock()
 	defer r.beat.Unlock()
@@ -65,10 +112,16 @@ func (r *Redis) Heartbeat(ctx context.Context, lapse time.Duration) (int64, erro
 		return 0, ErrLeft
 	}
 	k := r.processesKey()
-	n, err := processesScript.Run(ctx, r.roleEndpoint().client, []string{k}, r.nodeID, lapse.Milliseconds()).Int64()
+	sent := r.opts.Now()
+	res, err := processesScript.Run(ctx, r.roleEndpoint().client, []string{k}, r.nodeID, lapse.Milliseconds()).Int64Slice()
 	if err != nil {
 		return 0, err
 	}
+	if len(res) != 2 {
+		return 0, fmt.Errorf("heartbeat: %d values in the reply, want 2", len(res))
+	}
+	n := res[0]
+	r.observeClock(res[1], sent, r.opts.Now())
 	r.processes.Store(n)
 	return n, nil
 }

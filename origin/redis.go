@@ -9,6 +9,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/redis/go-redis/v9"
 
@@ -31,6 +32,11 @@ type Redis struct {
 	// processes is the region's live processes, as the last Heartbeat
 	// counted them (processes.go).
 	processes atomic.Int64
+	// clockOffset is Redis's clock less this process's (Options.Now), in
+	// ns, as a heartbeat measured it (processes.go); clockKnown is set
+	// once one did.
+	clockOffset atomic.Int64
+	clockKnown  atomic.Bool
 	// beat is held across a renewal of this process's record and by
 	// Leave, so that no renewal under way records it again after Leave;
 	// left (under beat) stops them.
@@ -69,6 +75,10 @@ type Options struct {
 	// noeviction. A count Redis evicts is lost to every node, with no
 	// restart for anyone to see.
 	OnEvicting func(address, policy string, maxmemory int64)
+	// Now is this process's clock, which the heartbeats measure Redis's
+	// clock against (ClockOffset): the engine's Config.Now. Default
+	// time.Now.
+	Now func() time.Time
 }
 
 // Errors returned by Read and Flush, wrapped with the endpoint's address.
@@ -98,6 +108,9 @@ func New(cfg Config, opts Options) (*Redis, error) {
 	}
 	if opts.NodeID == "" {
 		opts.NodeID = processNodeID()
+	}
+	if opts.Now == nil {
+		opts.Now = time.Now
 	}
 	r := &Redis{
 		prefix: cfg.Prefix,

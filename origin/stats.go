@@ -122,6 +122,10 @@ type Stats struct {
 	// at the last heartbeat, this one included (see WatchProcesses); 0
 	// before one answered.
 	Processes int64 `json:"processes"`
+	// ClockOffsetMs is Redis's clock less this process's in milliseconds,
+	// as the heartbeats measured it (ClockOffset): what the engine adds
+	// to its clock. 0 before one did, and while within clockDeadband.
+	ClockOffsetMs int64 `json:"clock_offset_ms"`
 }
 
 // EndpointStats is a snapshot of one endpoint.
@@ -153,6 +157,9 @@ type EndpointStats struct {
 // Stats returns a snapshot for operators.
 func (r *Redis) Stats() Stats {
 	st := Stats{Endpoints: make([]EndpointStats, len(r.endpoints)), Restarts: r.restarts.Load(), OverrideNotices: r.OverrideNotices(), Processes: r.Processes()}
+	if d, ok := r.ClockOffset(); ok {
+		st.ClockOffsetMs = d.Milliseconds()
+	}
 	for i, ep := range r.endpoints {
 		st.Endpoints[i] = ep.stats()
 	}
