@@ -288,6 +288,9 @@ func provisionMySQL(a *App) (backend, error) {
 	opts := propagation.Options{
 		Logger:          a.logger.Named("propagation"),
 		OnBreakerChange: observePropagationBreaker,
+		// The engine's clock: with Redis, the region's (Redis's), which
+		// the cells it publishes and imports are counted on.
+		Now: a.state.engine.Now,
 	}
 	// With Redis, the region's nodes share one MySQL client: the holder
 	// of the role the region's Redis leases.
