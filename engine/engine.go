@@ -113,13 +113,13 @@ func (e *Engine) fastTickMs() int64           { return time.Duration(e.fastTick.
 type Engine struct {
 	cfg   Config
 	clock func() time.Time // Config.Now: the process's clock
-	// offset is what the engine adds to its process's clock, in ns: the
+	// offsetMs is what the engine adds to its process's clock, in ms: the
 	// region's clock (the origin's) less the process's, as SetClockOffset
 	// was last told (0: the process's own).
-	offset  atomic.Int64
-	zones   *xsync.Map[zoneKey, *Zone]
-	live    atomic.Int64
-	flights *xsync.Map[*cell, *flight]
+	offsetMs atomic.Int64
+	zones    *xsync.Map[zoneKey, *Zone]
+	live     atomic.Int64
+	flights  *xsync.Map[*cell, *flight]
 	// reservations are the origin decisions in flight, one per cell.
 	reservations *xsync.Map[*cell, *group]
 	origin       atomic.Pointer[originBox]
@@ -291,13 +291,15 @@ func (e *Engine) Close(ctx context.Context) error {
 // offset to the region's clock (SetClockOffset).
 func (e *Engine) now() time.Time {
 	t := e.clock()
-	if d := e.offset.Load(); d != 0 {
-		t = t.Add(time.Duration(d))
+	if d := e.offsetMs.Load(); d != 0 {
+		t = t.Add(time.Duration(d) * time.Millisecond)
 	}
 	return t
 }
 
-func (e *Engine) nowMs() int64 { return e.now().UnixMilli() }
+// nowMs is now in Unix ms: every decision reads it, so the offset is added
+// to the milliseconds rather than to a time.Time.
+func (e *Engine) nowMs() int64 { return e.clock().UnixMilli() + e.offsetMs.Load() }
 
 // Now is the time the engine decides at: Config.Now moved by
 // SetClockOffset. Windows that the layers above compute (a reset's) must
@@ -313,7 +315,12 @@ func (e *Engine) Now() time.Time { return e.now() }
 // window, and the region admitted up to 1.6 times the limit in 10 s). A
 // change is a step of the engine's clock, which the engine is built to
 // survive (a key never moves back to an older window).
-func (e *Engine) SetClockOffset(d time.Duration) { e.offset.Store(int64(d)) }
+// The offset is kept in whole milliseconds, the engine's unit.
+func (e *Engine) SetClockOffset(d time.Duration) {
+	e.offsetMs.Store(d.Round(time.Millisecond).Milliseconds())
+}
 
 // ClockOffset is what SetClockOffset last set.
-func (e *Engine) ClockOffset() time.Duration { return time.Duration(e.offset.Load()) }
+func (e *Engine) ClockOffset() time.Duration {
+	return time.Duration(e.offsetMs.Load()) * time.Millisecond
+}
