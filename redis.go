@@ -169,7 +169,11 @@ func provisionRedis(a *App) (backend, error) {
 		return nil, err
 	}
 	routeRedisLog(a.logger)
-	o, err := origin.New(cfg, a.state.obs.originOptions())
+	opts := a.state.obs.originOptions()
+	// The heartbeats measure Redis's clock against the one the engine
+	// reads, so that the offset they find is the engine's.
+	opts.Now = a.state.engine.ProcessClock()
+	o, err := origin.New(cfg, opts)
 	if err != nil {
 		return nil, err
 	}

@@ -320,6 +320,10 @@ func (e *Engine) SetClockOffset(d time.Duration) {
 	e.offsetMs.Store(d.Round(time.Millisecond).Milliseconds())
 }
 
+// ProcessClock is the process's clock the engine reads (Config.Now),
+// without the offset: what an origin measures the region's clock against.
+func (e *Engine) ProcessClock() func() time.Time { return e.clock }
+
 // ClockOffset is what SetClockOffset last set.
 func (e *Engine) ClockOffset() time.Duration {
 	return time.Duration(e.offsetMs.Load()) * time.Millisecond
