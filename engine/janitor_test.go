@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"context"
 	"strconv"
 	"sync"
 	"testing"
@@ -231,5 +232,95 @@ func TestEvict_TheCapHoldsWhileTheOriginIsDown(t *testing.T) {
 	}
 	if got := o.total(hot.Key, seq); got != 10 {
 		t.Fatalf("the origin holds %d of the hot key's 10 units", got)
+	}
+}
+
+// TestEvict_ASlowOriginDoesNotHoldTheCapOff: a flood of new identifiers,
+// 8,000 a second for 15 s over a cap of 2,000, while every write to the
+// origin takes half a second. The eviction wrote its keys' units 256 a
+// round trip, one after another (and waited for the replay's writes of
+// its cells one by one), and the janitor evicted nothing more meanwhile:
+// each pass evicted more keys than the last and took longer, and the
+// flood grew memory far past the cap (passes 28 s apart, 65,000 live
+// entries, before the fix; 930 ms and 9,240 after). Now a pass writes
+// for at most evictBudget, several larger batches at a time, and the live
+// entries stay within the cap plus what the flood brings in a pass.
+func TestEvict_ASlowOriginDoesNotHoldTheCapOff(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		const maxEntries, perTick, tick, keys = 2_000, 80, 10 * time.Millisecond, 120_000
+		longest := time.Duration(0)
+		var last time.Time
+		passes := 0
+		onEvict := func(int) { // on the janitor's goroutine, whose passes it times
+			if !last.IsZero() {
+				longest = max(longest, time.Since(last))
+			}
+			last = time.Now()
+			passes++
+		}
+		e := New(Config{MaxEntries: maxEntries, Now: time.Now, OnEvict: onEvict})
+		o := newMemOrigin()
+		o.flushDelay.Store(int64(500 * time.Millisecond))
+		e.SetOrigin(o)
+		most := int64(0)
+		for i := range keys {
+			e.Decide(bg, lim("flood-"+strconv.Itoa(i), time.Hour, 10, 1))
+			if i%perTick == perTick-1 {
+				most = max(most, e.live.Load())
+				time.Sleep(tick)
+			}
+		}
+		ctx, cancel := context.WithTimeout(bg, time.Second)
+		defer cancel()
+		_ = e.Close(ctx)
+		// A pass lasts at most evictBudget and a write's bound; in one,
+		// the flood brings perTick keys a tick.
+		pass := evictBudget + flushTimeout
+		bound := int64(maxEntries) + int64(pass/tick+1)*perTick
+		t.Logf("%d passes, %v apart at most; at most %d live entries, bound %d", passes, longest, most, bound)
+		if most > bound {
+			t.Fatalf("%d live entries during the flood, over the cap of %d plus a pass's flood (%d)", most, maxEntries, bound)
+		}
+		if longest > pass+tick {
+			t.Fatalf("eviction passes %v apart, over %v", longest, pass)
+		}
+	})
+}
+
+// TestEvict_ManyKeysAtOnceKeepTheirUnits: more keys evicted at once than
+// the replay queues and the graveyard hold, each with a unit the origin
+// has not received. Evict buried every key's cells before writing any,
+// and past the graveyard's bound a burial gave up the units of an earlier
+// one, whose write had not begun: with a working origin, 5,808 of 10,000
+// units were counted as lost and never written (64,842 of 101,000 with
+// the real queues).
+func TestEvict_ManyKeysAtOnceKeepTheirUnits(t *testing.T) {
+	e, clk := newTestEngine(t, manual(Config{MaxEntries: 100}))
+	e.queueLen = 4
+	o := newMemOrigin()
+	e.SetOrigin(o)
+	const keys = 10_000
+	for i := range keys {
+		e.Decide(bg, lim("k-"+strconv.Itoa(i), time.Hour, 10, 1))
+	}
+	n := e.Evict()
+	if n < keys-100 {
+		t.Fatalf("evicted %d of %d keys over a cap of 100", n, keys)
+	}
+	if lost := e.Stats().LostUnits; lost != 0 {
+		t.Fatalf("%d units lost by an eviction while the origin answered", lost)
+	}
+	seq := clk.UnixMilli() / time.Hour.Milliseconds()
+	written := 0
+	for i := range keys {
+		if _, live := e.Zone("zone", time.Hour).entries.Load("k-" + strconv.Itoa(i)); live {
+			continue
+		}
+		if o.total(Key{"zone", "k-" + strconv.Itoa(i), time.Hour}, seq) == 1 {
+			written++
+		}
+	}
+	if written != n {
+		t.Fatalf("the origin holds the unit of %d of the %d keys evicted", written, n)
 	}
 }
