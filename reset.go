@@ -156,10 +156,13 @@ func resetRegionCells(ctx context.Context, o *origin.Redis, st *state, rec overr
 // the one before it, the cells the reset marks: admitted before it heard
 // of the reset (the node that made it wrote those before the marks), they
 // would count again after the marks (engine.DropMatching). Units of a
-// later window are written.
+// later window are written, and so are those of a cell this process made
+// after the reset was made (its window's sequence is resetSeq's): a node
+// cut off from Redis that met the key after the reset admitted them after
+// it, and dropped, the region admitted the limit again.
 func forgetHeld(st *state, rec overrideRec) {
 	for _, w := range defWindows(st.zones.definitions(rec.Zone, st.apps.view().app)) {
-		st.engine.DropMatching(rec.Zone, w, heldMatch(st, rec), resetSeq(rec, w))
+		st.engine.DropMatching(rec.Zone, w, heldMatch(st, rec), resetMadeMs(rec))
 	}
 }
 

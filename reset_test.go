@@ -385,6 +385,82 @@ func TestReset_ANodeStartedAfterAResetKeepsItsUnits(t *testing.T) {
 	}
 }
 
+// TestReset_ANodeCutOffMeetsAKeyAfterAResetKeepsItsUnits: this node runs
+// from before another node resets a key for the region, and is cut off
+// from Redis (every call times out) when the reset is made. It meets the
+// key only afterwards, and admits its limit on its own. When Redis
+// answers again it hears of the reset, made after the node started:
+// before, it dropped the units it had not replayed of the reset's window
+// (admitted before it heard of the reset, they were taken to be admitted
+// before the reset), though the key's cell was made after the reset; the
+// region never counted them and admitted the limit again (4 for a limit
+// of 2). The cell's own time decides now.
+func TestReset_ANodeCutOffMeetsAKeyAfterAResetKeepsItsUnits(t *testing.T) {
+	resetOverrides(t)
+	srv := redistest.Start(t)
+	proxy := redistest.StartDelayProxy(t, srv.Addr(), 0)
+	global := fmt.Sprintf("\tratelimit {\n\t\tregion rs-cut\n\t\tredis %s\n\t\tfast_tick 10ms\n\t\tread_timeout 50ms\n"+
+		"\t\tbreaker_min_requests 2\n\t\tbreaker_timeout 2s\n\t}", proxy.URL())
+	other, _ := otherNode(t, srv)
+	ctx := context.Background()
+	k := engine.Key{Namespace: "ov", Identifier: "met-late", Window: time.Minute}
+	clearOfAMinuteEdge(t, 40*time.Second)
+	_, _, base := startCaddy(t, overrideConfig(global))
+	st := lookupState()
+	if n := admitted(t, base, "warm", 1); n != 1 {
+		t.Fatalf("connected, admitted %d of 1", n)
+	}
+	proxy.SetDelay(2 * time.Second) // every call of this node times out from here
+	// The other node's region reset, as resetKey makes it, after this
+	// node's engine began.
+	made := time.Now()
+	if made.UnixMilli() <= st.startedMs {
+		t.Fatalf("the reset at %d is not after the engine began (%d)", made.UnixMilli(), st.startedMs)
+	}
+	seq := made.UnixMilli() / time.Minute.Milliseconds()
+	if err := other.ResetCells(ctx, k, seq, 0); err != nil {
+		t.Fatal(err)
+	}
+	rec := overrideRec{Zone: "ov", Identifier: k.Identifier, Reset: true, Region: "rs-cut",
+		CreatedMs: made.UnixMilli(), Version: made.UnixMicro(), ExpiresMs: made.Add(2 * time.Minute).UnixMilli()}
+	if _, err := other.PutOverrides(ctx, []origin.Override{rec.regionValue()}, false); err != nil {
+		t.Fatal(err)
+	}
+	// The key's cell is made a millisecond after the reset or later.
+	redistest.Eventually(t, time.Second, "the clock passes the reset's millisecond", func() bool {
+		return time.Now().UnixMilli() > made.UnixMilli()
+	})
+	if n := admitted(t, base, k.Identifier, 2); n != 2 {
+		t.Fatalf("cut off, admitted %d of 2 at limit 2", n)
+	}
+	heard := func() bool {
+		overrides.mu.Lock()
+		defer overrides.mu.Unlock()
+		_, ok := overrides.recs[overrideKey{rec.bookZone(), k.Identifier}]
+		return ok
+	}
+	if heard() {
+		t.Fatal("the node heard of the reset while cut off: the case is not this test's")
+	}
+	redistest.Eventually(t, 15*time.Second, "the replay's breaker opens", func() bool {
+		o, _ := st.currentOrigin().(*origin.Redis)
+		return o != nil && o.Stats().Endpoints[0].ReplayBreaker == origin.BreakerOpen
+	})
+	proxy.SetDelay(0)
+	redistest.Eventually(t, 15*time.Second, "the node read the region's records", heard)
+	var p engine.Totals
+	redistest.EventuallyShow(t, 15*time.Second, "the region counts the 2 units admitted after the reset", func() (bool, string) {
+		var err error
+		p, err = other.Peek(ctx, k, seq)
+		return err == nil && p.Cur == 2, fmt.Sprintf("%+v (%v)", p, err)
+	})
+	n := admitted(t, base, k.Identifier, 2)
+	t.Logf("the region counts %+v; admitted %d more", p, n)
+	if n != 0 {
+		t.Errorf("admitted %d more at limit 2 after 2 admitted since the reset", n)
+	}
+}
+
 // TestReset_RedisRestartedEmptyAfterARegionResetKeepsTheKeyReset: a
 // Redis restarted empty loses a reset's marks, and every process sends
 // its cells' totals again. The cells the reset took off must not go with

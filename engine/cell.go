@@ -15,7 +15,7 @@ import (
 // cells, the cells made while the engine has an origin or a global layer:
 // such a cell is allocated as a linkedCell and carries stLinked. A
 // local-only engine, which never uses them, pays 24 bytes a cell instead of
-// 104. Read those counters through links(): a plain cell has none, and reads
+// 112. Read those counters through links(): a plain cell has none, and reads
 // them as 0. A plain cell made before an origin or a global layer was
 // attached is replaced by a linked copy when next touched (see
 // Engine.upgrade).
@@ -83,6 +83,14 @@ type cellLinks struct {
 	// inc is the cell's incarnation (Delta.Incarnation), set at allocation;
 	// a plain cell never writes to an origin.
 	inc uint32
+	// made is when the cell was made to count a key's units here (Unix ms,
+	// as ms32 holds it), set before any other goroutine sees the cell; 0
+	// when not known (a plain cell's linked copy, a previous cell made
+	// for the origin's totals). A reset heard late keeps the unreplayed
+	// units of a cell made after it (see madeAfter, DropMatching): they
+	// were all admitted after it. 4 bytes, and 4 of padding: a linked
+	// cell takes 112 bytes (the size class it took at 104).
+	made uint32
 	// procs is the process records the origin's last answer showed in the
 	// cell (Totals.Processes), 0 before one; in the word inc leaves free.
 	procs atomic.Uint32
@@ -156,7 +164,7 @@ func (x *cellLinks) sticky(now, tick int64) bool {
 }
 
 // linkedCell is a linked cell: a cell with its links, in one allocation of
-// 104 bytes (no pointer either). Everything holds it as a *cell, its first
+// 112 bytes (no pointer either). Everything holds it as a *cell, its first
 // field.
 type linkedCell struct {
 	cell
@@ -173,6 +181,28 @@ func newCell(seq int64, linked bool) *cell {
 	n := &linkedCell{}
 	n.init(seq)
 	return &n.cell
+}
+
+// madeAt records, in c, a linked cell no other goroutine sees yet, that it
+// was made at now (Unix ms) to count a key's units; a plain cell has no
+// room for it. It returns c.
+func (c *cell) madeAt(now int64) *cell {
+	if x := c.links(); x != nil {
+		x.made = ms32(now)
+	}
+	return c
+}
+
+// madeAfter reports whether c is known to have been made after at (Unix
+// ms): later by the clock of this process, which made it, in the same
+// millisecond or earlier otherwise. Cells 24 days or more apart from at
+// read as either (see since32): a reset's record lives two of its zone's
+// windows, so only windows of 12 days or more meet it, and a cell read as
+// made after keeps units that a reset took off (they count again, on the
+// side of denying).
+func (c *cell) madeAfter(at int64) bool {
+	x := c.links()
+	return x != nil && x.made != 0 && since32(at, x.made) < 0
 }
 
 // init makes c, which no other goroutine sees yet, an empty plain cell for

@@ -140,7 +140,7 @@ func copyKey(t *testing.T, e *Engine, key Key, id string) {
 		t.Fatal("key not in engine")
 	}
 	src := en.cur.Load()
-	n, loaded := z.entries.LoadOrCreate(id, src.seq(), false, true)
+	n, loaded := z.entries.LoadOrCreate(id, src.seq(), 0, false, true)
 	if loaded {
 		t.Fatalf("key %q already in engine", id)
 	}

@@ -15,7 +15,7 @@ import (
 // the cell, plain or linked. A decision on a key whose first cell is
 // current reads one or two cache lines for both, and the collector finds
 // cur pointing back into the slab it already marked. The first cell stays
-// with the entry when a rotation or an upgrade replaces it: 24 bytes (104
+// with the entry when a rotation or an upgrade replaces it: 24 bytes (112
 // linked) that an entry past its first window carries until it is
 // forgotten. A linked first cell was an object of its own while each
 // entry was one (128-byte objects the collector scans, against 96-byte
@@ -35,45 +35,51 @@ const _ = uint8(len(hashedPrefix) + 2*32)
 // newEntry returns an entry named id whose current cell is a new one for
 // seq (a linked cell when linked is set), as an object of its own: what a
 // map's slab holds in a slot (see slotIn), for tests of the entry alone.
-func newEntry(id string, seq int64, linked bool) *entry { return newEntryIn(nil, 0, id, seq, linked) }
+func newEntry(id string, seq int64, linked bool) *entry {
+	return newEntryIn(nil, 0, id, seq, 0, linked)
+}
 
 // newEntryIn returns an entry named id whose current cell is a new one for
-// seq (a linked cell when linked is set), in a slot of m's slabs (see
-// slab.go), or with m nil an object of its own: 48 bytes for a local key
-// of up to 7 bytes, 64 for an IPv4 address, 80 for an identifier of 32
-// bytes; 72 more for a linked one. shard is the first open slab of the
-// key's shard (a multiple of slabKinds).
-func newEntryIn(m *entryMap, shard int, id string, seq int64, linked bool) *entry {
+// seq (a linked cell when linked is set, made at now: see madeAt; 0 for
+// not known), in a slot of m's slabs (see slab.go), or with m nil an
+// object of its own: 48 bytes for a local key of up to 7 bytes, 64 for an
+// IPv4 address, 80 for an identifier of 32 bytes; 88 more for a linked
+// one. shard is the first open slab of the key's shard (a multiple of
+// slabKinds).
+func newEntryIn(m *entryMap, shard int, id string, seq, now int64, linked bool) *entry {
 	words := (1 + len(id) + 7) / 8 // for the length and the bytes
 	switch words {
 	case 1:
-		return entryIn[[8]byte](m, shard, words, id, seq, linked)
+		return entryIn[[8]byte](m, shard, words, id, seq, now, linked)
 	case 2:
-		return entryIn[[16]byte](m, shard, words, id, seq, linked)
+		return entryIn[[16]byte](m, shard, words, id, seq, now, linked)
 	case 3:
-		return entryIn[[24]byte](m, shard, words, id, seq, linked)
+		return entryIn[[24]byte](m, shard, words, id, seq, now, linked)
 	case 4:
-		return entryIn[[32]byte](m, shard, words, id, seq, linked)
+		return entryIn[[32]byte](m, shard, words, id, seq, now, linked)
 	case 5:
-		return entryIn[[40]byte](m, shard, words, id, seq, linked)
+		return entryIn[[40]byte](m, shard, words, id, seq, now, linked)
 	case 6:
-		return entryIn[[48]byte](m, shard, words, id, seq, linked)
+		return entryIn[[48]byte](m, shard, words, id, seq, now, linked)
 	case 7:
-		return entryIn[[56]byte](m, shard, words, id, seq, linked)
+		return entryIn[[56]byte](m, shard, words, id, seq, now, linked)
 	case 8:
-		return entryIn[[64]byte](m, shard, words, id, seq, linked)
+		return entryIn[[64]byte](m, shard, words, id, seq, now, linked)
 	}
-	return entryIn[[72]byte](m, shard, 9, id, seq, linked) // a normalized identifier is at most 65 bytes
+	return entryIn[[72]byte](m, shard, 9, id, seq, now, linked) // a normalized identifier is at most 65 bytes
 }
 
 // entryIn makes an entry, its name in B (a byte array of words words) and
 // its first cell in one slot (see slotIn).
-func entryIn[B any](m *entryMap, shard, words int, id string, seq int64, linked bool) *entry {
+func entryIn[B any](m *entryMap, shard, words int, id string, seq, now int64, linked bool) *entry {
 	var en *entry
 	var b *B
 	if linked {
 		x := slotIn[linkedSlot[B]](m, shard+9+words-1)
 		x.c.init(seq)
+		if now != 0 {
+			x.c.madeAt(now)
+		}
 		en, b = &x.entry, &x.b
 		en.cur.Store(&x.c.cell)
 	} else {
@@ -157,10 +163,10 @@ var tombstone = newCell(-1, false)
 // clock is a little behind, counts in the newer cell. A cell far ahead of
 // the clock is replaced by the engine (see replaceStale). A cell made here
 // is a linked cell when linked is set (the engine has an origin or a
-// global layer). dropped are the cells a rotation let go (neither current nor
+// global layer), made at now (Unix ms, see madeAt). dropped are the cells a rotation let go (neither current nor
 // previous any more), for the engine to remember (see bury): they weigh
 // nothing now, unless the clock has jumped.
-func (en *entry) current(seq int64, linked bool) (c *cell, dropped [2]*cell) {
+func (en *entry) current(seq, now int64, linked bool) (c *cell, dropped [2]*cell) {
 	for {
 		c := en.cur.Load()
 		if c == tombstone {
@@ -170,7 +176,7 @@ func (en *entry) current(seq int64, linked bool) (c *cell, dropped [2]*cell) {
 			return c, dropped
 		}
 		p := en.prev.Load()
-		n := newCell(seq, linked)
+		n := newCell(seq, linked).madeAt(now)
 		// A cell rotated from the window just before, of a key that was
 		// read, counts as read but stale: the tiers decide whether it is
 		// read again now or in the background. A key idle for a window or
@@ -224,8 +230,8 @@ func (en *entry) current(seq int64, linked bool) (c *cell, dropped [2]*cell) {
 // the replay queue, which holds the cell itself. dropped is the previous
 // cell it let go (the one before the stale cell), for the engine to
 // remember as it remembers the stale one.
-func (en *entry) replaceStale(c *cell, seq int64, linked bool) (_, dropped *cell) {
-	n := newCell(seq, linked)
+func (en *entry) replaceStale(c *cell, seq, now int64, linked bool) (_, dropped *cell) {
+	n := newCell(seq, linked).madeAt(now)
 	n.orState(c.state() & stShared)
 	p := en.prev.Load()
 	var np *cell

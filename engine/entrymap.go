@@ -296,19 +296,19 @@ func (t *entryTable) find(h uint64, id string) *entry {
 
 // LoadOrCreate returns the entry of id, or makes one in the map's slabs
 // whose current cell is an empty cell for seq (a linked cell when linked
-// is set, marked read when read is) and returns it; loaded reports
+// is set, made at now: see madeAt; marked read when read is) and returns it; loaded reports
 // whether it was there. The entry is made before the map's lock is
 // taken (its slot claimed with one atomic addition in the open slab of
 // the hash's shard, see slotIn), so that
 // inserts of new keys hold the lock only to place one: when two callers
 // race for one key, both make one, and the loser's is out of the map at
 // once (its tombstone, see slab.dead).
-func (m *entryMap) LoadOrCreate(id string, seq int64, linked, read bool) (en *entry, loaded bool) {
+func (m *entryMap) LoadOrCreate(id string, seq, now int64, linked, read bool) (en *entry, loaded bool) {
 	h := m.seed.hash(id)
 	if en := m.table.Load().find(h, id); en != nil {
 		return en, true
 	}
-	made := newEntryIn(m, int(h>>62)*slabKinds, id, seq, linked)
+	made := newEntryIn(m, int(h>>62)*slabKinds, id, seq, now, linked)
 	if read {
 		made.cur.Load().setBits(stRead)
 	}

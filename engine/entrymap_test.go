@@ -50,12 +50,12 @@ func TestEntryMap_StoresFindsAndDeletes(t *testing.T) {
 	const n = 20_000
 	for i := 0; i < n; i++ {
 		id := "k" + strconv.Itoa(i)
-		en, loaded := m.LoadOrCreate(id, 0, false, false)
+		en, loaded := m.LoadOrCreate(id, 0, 0, false, false)
 		if loaded {
 			t.Fatalf("LoadOrCreate(%q) loaded an entry never stored", id)
 		}
 		want[id] = en
-		if again, loaded := m.LoadOrCreate(id, 0, false, false); !loaded || again != en {
+		if again, loaded := m.LoadOrCreate(id, 0, 0, false, false); !loaded || again != en {
 			t.Fatalf("second LoadOrCreate(%q) = %p, %v; want %p, true", id, again, loaded, en)
 		}
 	}
@@ -76,7 +76,7 @@ func TestEntryMap_StoresFindsAndDeletes(t *testing.T) {
 	// Deleted slots are taken again by new keys.
 	for i := 0; i < n; i += 2 {
 		id := "k" + strconv.Itoa(i)
-		en, _ := m.LoadOrCreate(id, 0, false, false)
+		en, _ := m.LoadOrCreate(id, 0, 0, false, false)
 		want[id] = en
 	}
 	settle(m)
@@ -96,7 +96,7 @@ func TestEntryMap_StoresFindsAndDeletes(t *testing.T) {
 		t.Fatalf("table of one entry has %d buckets, want %d", got, minBuckets)
 	}
 	m.LoadAndDelete("k1")
-	replacement, loaded := m.LoadOrCreate("k1", 0, false, false)
+	replacement, loaded := m.LoadOrCreate("k1", 0, 0, false, false)
 	if loaded || replacement == want["k1"] {
 		t.Fatal("a key deleted and made again has its old entry")
 	}
@@ -109,7 +109,7 @@ func TestEntryMap_StoresFindsAndDeletes(t *testing.T) {
 func TestEntryMap_DeleteMatchingStops(t *testing.T) {
 	m := newEntryMap()
 	for i := 0; i < 100; i++ {
-		m.LoadOrCreate(strconv.Itoa(i), 0, false, false)
+		m.LoadOrCreate(strconv.Itoa(i), 0, 0, false, false)
 	}
 	calls := 0
 	deleted := m.DeleteMatching(func(string, *entry) (bool, bool) {
@@ -132,7 +132,7 @@ func TestEntryMap_DeleteMatchingLetsWritersIn(t *testing.T) {
 		m := newEntryMap()
 		const n = 5000 // a table of 2,048 buckets: 8 chunks
 		for i := range n {
-			m.LoadOrCreate("k"+strconv.Itoa(i), 0, false, false)
+			m.LoadOrCreate("k"+strconv.Itoa(i), 0, 0, false, false)
 		}
 		settle(m)
 		first := m.table.Load()
@@ -148,7 +148,7 @@ func TestEntryMap_DeleteMatchingLetsWritersIn(t *testing.T) {
 				more = n // past seven eighths of the table: it is rebuilt
 			}
 			for range more {
-				m.LoadOrCreate("new"+strconv.Itoa(added), 0, false, false)
+				m.LoadOrCreate("new"+strconv.Itoa(added), 0, 0, false, false)
 				added++
 			}
 		}
@@ -198,7 +198,7 @@ func TestEntryMap_GrowsInSteps(t *testing.T) {
 	m := newEntryMap()
 	want := map[string]*entry{}
 	add := func(id string) {
-		en, loaded := m.LoadOrCreate(id, 0, false, false)
+		en, loaded := m.LoadOrCreate(id, 0, 0, false, false)
 		if loaded {
 			t.Errorf("%q was already there", id)
 		}
@@ -306,7 +306,7 @@ func TestEntryMap_InsertsEndAGrowth(t *testing.T) {
 		m := newEntryMap()
 		n := 0
 		add := func(id string) {
-			if _, loaded := m.LoadOrCreate(id, 0, false, false); loaded {
+			if _, loaded := m.LoadOrCreate(id, 0, 0, false, false); loaded {
 				t.Fatalf("%q was already there", id)
 			}
 			n++
@@ -343,7 +343,7 @@ func TestEntryMap_ReadersNeverMissAStableKey(t *testing.T) {
 	stable := make([]string, 200)
 	for i := range stable {
 		stable[i] = "stable-" + strconv.Itoa(i)
-		m.LoadOrCreate(stable[i], 0, false, false)
+		m.LoadOrCreate(stable[i], 0, 0, false, false)
 	}
 	var stop atomic.Bool
 	var wg sync.WaitGroup
@@ -355,7 +355,7 @@ func TestEntryMap_ReadersNeverMissAStableKey(t *testing.T) {
 				n := 500 * (round%5 + 1)
 				for i := 0; i < n; i++ {
 					id := "churn-" + strconv.Itoa(w) + "-" + strconv.Itoa(i)
-					m.LoadOrCreate(id, 0, false, false)
+					m.LoadOrCreate(id, 0, 0, false, false)
 				}
 				for i := 0; i < n; i++ {
 					m.LoadAndDelete("churn-" + strconv.Itoa(w) + "-" + strconv.Itoa(i))
@@ -405,7 +405,7 @@ func TestEntryMap_OneEntryPerKey(t *testing.T) {
 			defer wg.Done()
 			for i := 0; i < keys; i++ {
 				id := strconv.Itoa(i)
-				got[c][i], _ = m.LoadOrCreate(id, 0, false, false)
+				got[c][i], _ = m.LoadOrCreate(id, 0, 0, false, false)
 			}
 		}(c)
 	}
@@ -468,7 +468,7 @@ func TestEntryMap_LoadComparesEveryByte(t *testing.T) {
 		others = append(others, id[:n-1])
 		for _, other := range others {
 			m := newEntryMap()
-			en, _ := m.LoadOrCreate(id, 0, false, false)
+			en, _ := m.LoadOrCreate(id, 0, 0, false, false)
 			plant(m, m.seed.hash(other), en)
 			if got, ok := m.Load(other); ok {
 				t.Fatalf("len %d: Load(%q) found the entry of %q (%q)", n, other, id, got.id())

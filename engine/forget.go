@@ -29,26 +29,39 @@ func (e *Engine) ForgetMatching(namespace string, window time.Duration, match fu
 	return e.forgetMatching(namespace, window, match, noDrop)
 }
 
-// DropMatching forgets the keys ForgetMatching would, for a reset made in
-// the window of sequence upTo: the units this process has not replayed of
-// their cells up to that one are dropped, not written. They were admitted
-// before it heard of the reset, nearly all of them before the reset itself
-// (the others hear of it within a round trip or two), and a reset takes
-// off every unit of those cells before it; written now, after the reset's
-// marks, they would count again. Units held through an outage of Redis
-// would count in full: the reset reaches such a process when Redis does,
-// before its replay resumes (the breaker's wait). Units of later windows,
-// which no mark covers, are written as Forget writes them; what it had
-// written stays written (the marks take it off); a write on its way lands
-// as it would.
-func (e *Engine) DropMatching(namespace string, window time.Duration, match func(id string) bool, upTo int64) int {
-	return e.forgetMatching(namespace, window, match, upTo)
+// DropMatching forgets the keys ForgetMatching would, for a reset made at
+// at (Unix ms), in the window of sequence at / window: the units this
+// process has not replayed of their cells up to that one are dropped, not
+// written. They were admitted before it heard of the reset, nearly all of
+// them before the reset itself (the others hear of it within a round trip
+// or two), and a reset takes off every unit of those cells before it;
+// written now, after the reset's marks, they would count again. Units
+// held through an outage of Redis would count in full: the reset reaches
+// such a process when Redis does, before its replay resumes (the
+// breaker's wait). But a cell made after at (see madeAt) holds only units
+// admitted after the reset, which the region must count: they are written,
+// as are the units of later windows, which no mark covers, as Forget
+// writes them. Before, a process cut off from Redis that met a key after
+// a reset dropped what it admitted of the key, and the region admitted
+// the limit again. What it had written stays written (the marks take it
+// off); a write on its way lands as it would.
+func (e *Engine) DropMatching(namespace string, window time.Duration, match func(id string) bool, at int64) int {
+	return e.forgetMatching(namespace, window, match, resetDrop{upTo: at / window.Milliseconds(), at: at})
 }
 
-// noDrop is forget's upTo when it drops nothing: below every sequence.
-const noDrop = math.MinInt64
+// resetDrop is what a reset drops (DropMatching): the units of the cells
+// up to sequence upTo not made after at (Unix ms).
+type resetDrop struct{ upTo, at int64 }
 
-func (e *Engine) forgetMatching(namespace string, window time.Duration, match func(id string) bool, upTo int64) int {
+// covers reports whether the reset drops the units of c.
+func (r resetDrop) covers(c *cell) bool {
+	return c != nil && c != tombstone && c.seq() <= r.upTo && !c.madeAfter(r.at)
+}
+
+// noDrop is forget's drop when it drops nothing: below every sequence.
+var noDrop = resetDrop{upTo: math.MinInt64}
+
+func (e *Engine) forgetMatching(namespace string, window time.Duration, match func(id string) bool, drop resetDrop) int {
 	z, ok := e.lookupZone(Key{Namespace: namespace, Window: window})
 	if !ok {
 		return 0
@@ -62,12 +75,12 @@ func (e *Engine) forgetMatching(namespace string, window time.Duration, match fu
 	})
 	n := 0
 	for _, id := range ids {
-		if e.forget(z, id, upTo) {
+		if e.forget(z, id, drop) {
 			n++
 		}
 	}
-	if upTo != noDrop {
-		e.graves.dropReset(z, match, upTo)
+	if drop != noDrop {
+		e.graves.dropReset(z, match, drop)
 	}
 	return n
 }
@@ -171,8 +184,8 @@ func (e *Engine) takeCells(batch []Delta, z *Zone, en *entry, cells [2]*cell) ([
 }
 
 // forget drops the entry and strict deadline of the normalized id, and
-// the unreplayed units of its cells up to sequence upTo (DropMatching;
-// noDrop for none).
+// the unreplayed units of its cells that drop covers (DropMatching; noDrop
+// for none).
 //
 // With an origin, the units this process has not replayed yet go out
 // first: the key's next request here reads the origin, which must hold
@@ -183,7 +196,7 @@ func (e *Engine) takeCells(batch []Delta, z *Zone, en *entry, cells [2]*cell) ([
 // TestForget_UnitsAdmittedDuringItsWriteAreReadBack). A read of the key
 // made meanwhile, for the entry that takes its place, waits for the write
 // (see forgetting).
-func (e *Engine) forget(z *Zone, id string, upTo int64) bool {
+func (e *Engine) forget(z *Zone, id string, drop resetDrop) bool {
 	found := false
 	o := e.getOrigin()
 	if o != nil {
@@ -198,12 +211,10 @@ func (e *Engine) forget(z *Zone, id string, upTo int64) bool {
 			e.live.Add(-1)
 		}
 		cells := [2]*cell{cur, en.prev.Load()}
-		if upTo != noDrop {
+		if drop != noDrop {
 			for _, c := range cells {
-				if c != nil && c != tombstone && c.seq() <= upTo {
-					if x := c.links(); x != nil {
-						x.pending.Store(0)
-					}
+				if x := c.linksOrNil(); x != nil && drop.covers(c) {
+					x.pending.Store(0)
 				}
 			}
 		}
@@ -213,11 +224,11 @@ func (e *Engine) forget(z *Zone, id string, upTo int64) bool {
 		if e.origin.Load() != nil {
 			e.requeueCells(z, en, cells) // units charged since still reach the origin
 		}
-		if upTo != noDrop {
+		if drop != noDrop {
 			// The reset took off what its cells held here: a Redis that
 			// restarts empty, losing its marks, must not get it again.
 			for _, c := range cells {
-				resetCell(c, upTo)
+				resetCell(c, drop)
 			}
 		}
 		e.buryCells(z, en, cells) // and those of an origin gone reach the next (sendUnsent)
@@ -289,12 +300,12 @@ func (f *forgetting) wait(k Key, timeout time.Duration) {
 	}
 }
 
-// resetCell takes off c's own total and pending units when c is a cell of
-// a reset's windows (its sequence up to upTo): a Redis restarted empty
-// loses the reset's marks, and Resend, which sends every cell's own total
-// again, would count what the reset took off after it.
-func resetCell(c *cell, upTo int64) {
-	if c == nil || c == tombstone || c.seq() > upTo {
+// resetCell takes off c's own total and pending units when the reset drop
+// covers c: a Redis restarted empty loses the reset's marks, and Resend,
+// which sends every cell's own total again, would count what the reset
+// took off after it.
+func resetCell(c *cell, drop resetDrop) {
+	if !drop.covers(c) {
 		return
 	}
 	if x := c.links(); x != nil {
@@ -304,15 +315,14 @@ func resetCell(c *cell, upTo int64) {
 }
 
 // dropReset takes off, as resetCell, the totals of the cells among the
-// graves that a reset of z's identifiers match, up to sequence upTo: a
-// key forgotten or evicted earlier in the reset's windows left them
-// there.
-func (g *graveyard) dropReset(z *Zone, match func(id string) bool, upTo int64) {
+// graves that a reset of z's identifiers match and drop covers: a key
+// forgotten or evicted earlier in the reset's windows left them there.
+func (g *graveyard) dropReset(z *Zone, match func(id string) bool, drop resetDrop) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	for _, d := range g.cells {
 		if d.zone == z && match(d.en.id()) {
-			resetCell(d.cell, upTo)
+			resetCell(d.cell, drop)
 		}
 	}
 }

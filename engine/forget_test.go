@@ -138,7 +138,7 @@ func TestDropMatching_UnitsHeldBeforeAResetNeverReachTheOrigin(t *testing.T) {
 		match := func(id string) bool { return id == "k" }
 		var n int
 		if c.drop {
-			n = e.DropMatching("zone", time.Minute, match, seq+c.at)
+			n = e.DropMatching("zone", time.Minute, match, e.nowMs()+c.at*time.Minute.Milliseconds())
 		} else {
 			n = e.ForgetMatching("zone", time.Minute, match)
 		}
@@ -151,6 +151,55 @@ func TestDropMatching_UnitsHeldBeforeAResetNeverReachTheOrigin(t *testing.T) {
 			t.Fatalf("%s: the origin holds %d units, want %d", c.name, got, c.want)
 		}
 	}
+}
+
+// TestDropMatching_ACellMadeAfterTheResetKeepsItsUnits: a process that
+// began before a reset, cut off from Redis, meets a key after another
+// process reset it, and hears of the reset once Redis is back. The units
+// of that key's cell, made after the reset, were all admitted after it:
+// they reach the origin, and come back to it after a restart empty
+// (Resend), while those of a cell made before the reset in the same
+// window are dropped, as before. Before, both were dropped: the region
+// never counted the 3 units, and admitted the limit again (the root's
+// TestReset_ANodeCutOffMeetsAKeyAfterAResetKeepsItsUnits: 4 for a limit
+// of 2).
+func TestDropMatching_ACellMadeAfterTheResetKeepsItsUnits(t *testing.T) {
+	e, clk := newTestEngine(t, manual(Config{}))
+	o := newMemOrigin()
+	e.SetOrigin(o)
+	before, after := lim("before", time.Minute, 100, 1), lim("after", time.Minute, 100, 1)
+	seq := clk.UnixMilli() / time.Minute.Milliseconds()
+	cut := errors.New("cut off")
+	o.failReads(cut)
+	o.failFlushes(cut)
+	decideN(e, before, 3)
+	clk.Advance(time.Second)
+	at := e.nowMs() // the reset, made by another process
+	clk.Advance(time.Millisecond)
+	if n := admittedOf(e, after, 3); n != 3 {
+		t.Fatalf("cut off, admitted %d of 3", n)
+	}
+	_, _ = replayBoth(e) // fails: the units stay held
+	if n := e.DropMatching("zone", time.Minute, func(string) bool { return true }, at); n != 2 {
+		t.Fatalf("the reset forgot %d keys, want 2", n)
+	}
+	o.failReads(nil)
+	o.failFlushes(nil)
+	replayAll(t, e)
+	check := func(when string) {
+		t.Helper()
+		if got := o.total(before.Key, seq); got != 0 {
+			t.Errorf("%s: the origin holds %d units of the cell made before the reset, want 0", when, got)
+		}
+		if got := o.total(after.Key, seq); got != 3 {
+			t.Errorf("%s: the origin holds %d units of the cell made after the reset, want 3", when, got)
+		}
+	}
+	check("once Redis is back")
+	o.restart()
+	e.Resend()
+	replayAll(t, e)
+	check("after a restart empty")
 }
 
 // TestDropMatching_AResetsCellsAreNotSentAgain: a reset's marks take off
@@ -190,7 +239,7 @@ func TestDropMatching_AResetsCellsAreNotSentAgain(t *testing.T) {
 		seq := e.nowMs() / time.Minute.Milliseconds()
 		match := func(id string) bool { return id == "k" }
 		if c.drop {
-			e.DropMatching("zone", time.Minute, match, seq+c.at)
+			e.DropMatching("zone", time.Minute, match, e.nowMs()+c.at*time.Minute.Milliseconds())
 		} else {
 			e.ForgetMatching("zone", time.Minute, match)
 		}

@@ -288,7 +288,8 @@ func (e *Engine) ImportGlobal(key Key, seq, total int64, create bool) bool {
 	if !ok || total <= 0 {
 		return false
 	}
-	now := e.nowMs() / z.w
+	nowMs := e.nowMs()
+	now := nowMs / z.w
 	if seq > now || seq < now-1 {
 		return false
 	}
@@ -300,9 +301,9 @@ func (e *Engine) ImportGlobal(key Key, seq, total int64, create bool) bool {
 			if !create {
 				return false
 			}
-			en = e.insert(z, id, now, true)
+			en = e.insert(z, id, now, nowMs, true)
 		}
-		cur, gone := en.current(seq, true)
+		cur, gone := en.current(seq, nowMs, true)
 		if gone[0] != nil || gone[1] != nil {
 			e.buryCells(z, en, gone)
 		}

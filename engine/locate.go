@@ -46,7 +46,7 @@ func (e *Engine) locate(lc *located, l *Limit, now int64, linked bool) {
 	for {
 		en, ok := z.entries.Load(id)
 		if !ok {
-			en = e.insert(z, id, now/w, linked)
+			en = e.insert(z, id, now/w, now, linked)
 		}
 		// c.seq() ≥ 0 leaves out the tombstone (and the truncated division
 		// of a clock before 1970, which rotate handles as it always did).
@@ -83,7 +83,7 @@ func (e *Engine) locate(lc *located, l *Limit, now int64, linked bool) {
 // fresh entry may already stand in its place.
 func (e *Engine) rotate(z *Zone, id string, en *entry, now, w int64, linked bool) *cell {
 	seq := now / w
-	c, gone := en.current(seq, linked)
+	c, gone := en.current(seq, now, linked)
 	if gone[0] != nil || gone[1] != nil {
 		e.buryCells(z, en, gone)
 	}
@@ -96,7 +96,7 @@ func (e *Engine) rotate(z *Zone, id string, en *entry, now, w int64, linked bool
 		// past seq and keeps the cell).
 		stale := c
 		var dropped *cell
-		c, dropped = en.replaceStale(c, seq, linked)
+		c, dropped = en.replaceStale(c, seq, now, linked)
 		if c != nil {
 			e.buryCell(z, en, stale)
 		}
@@ -113,9 +113,9 @@ func (e *Engine) rotate(z *Zone, id string, en *entry, now, w int64, linked bool
 }
 
 // insert adds a new entry for id, or returns the one that won a race. Its
-// cell is a linked cell when linked is set.
-func (e *Engine) insert(z *Zone, id string, seq int64, linked bool) *entry {
-	en, loaded := z.entries.LoadOrCreate(id, seq, linked, e.origin.Load() == nil)
+// cell, for seq, is a linked cell made at now when linked is set.
+func (e *Engine) insert(z *Zone, id string, seq, now int64, linked bool) *entry {
+	en, loaded := z.entries.LoadOrCreate(id, seq, now, linked, e.origin.Load() == nil)
 	if !loaded {
 		e.entryCreated(z, id, seq)
 		if e.live.Add(1) > int64(e.cfg.MaxEntries) {

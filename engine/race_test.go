@@ -264,8 +264,7 @@ var (
 	// A region's reset of the window before: the current window's units
 	// are written, as a forget writes them.
 	opDropBefore stressOp = func(e *Engine, _ *memOrigin, l Limit) {
-		seq := e.nowMs()/l.Window.Milliseconds() - 1
-		e.DropMatching(l.Namespace, l.Window, func(id string) bool { return id == l.Identifier }, seq)
+		e.DropMatching(l.Namespace, l.Window, func(id string) bool { return id == l.Identifier }, e.nowMs()-l.Window.Milliseconds())
 	}
 	opSweep stressOp = func(e *Engine, _ *memOrigin, _ Limit) { e.Sweep() }
 	// A new key past the cap, and the janitor's eviction (the insert

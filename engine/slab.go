@@ -21,7 +21,7 @@ import (
 // on its target's span as the collector marked it.
 //
 // A slab is at most slabBytes, as many slots as fit: 10 local entries of
-// up to 7 bytes of identifier, 4 linked ones. Larger objects that hold
+// up to 7 bytes of identifier, 3 linked ones. Larger objects that hold
 // pointers carry an 8-byte header that moves them up a size class (16
 // slots of 48 bytes took 896 bytes, not 768), and the collector marks
 // small objects span by span, a cheaper path.

@@ -62,7 +62,7 @@ func TestSlab_EveryLayoutKeepsItsEntries(t *testing.T) {
 					id = slabTestID(n, i+count) // a name of its own
 				}
 				seq := int64(n*1000 + i)
-				en, loaded := m.LoadOrCreate(id, seq, linked, false)
+				en, loaded := m.LoadOrCreate(id, seq, 0, linked, false)
 				if loaded {
 					if n == 0 {
 						continue // the one empty identifier, made local
@@ -109,7 +109,7 @@ func TestSlab_DeadSlabsAreLetGo(t *testing.T) {
 	m := newEntryMap()
 	const n = 10_000
 	for i := range n {
-		m.LoadOrCreate("k"+strconv.Itoa(i), 0, false, false)
+		m.LoadOrCreate("k"+strconv.Itoa(i), 0, 0, false, false)
 	}
 	settle(m)
 	if full := len(m.slabs.full); full < n/maxSlabSlots-slabShards*2 {
@@ -118,7 +118,7 @@ func TestSlab_DeadSlabsAreLetGo(t *testing.T) {
 	held, _ := m.Load("k5") // a request holds it
 	old := m.table.Load()   // a reader is on the table of the first keys
 	for i := n; i < 2*n; i++ {
-		m.LoadOrCreate("k"+strconv.Itoa(i), 0, false, false)
+		m.LoadOrCreate("k"+strconv.Itoa(i), 0, 0, false, false)
 	}
 	settle(m)
 	if m.table.Load() == old {
@@ -178,14 +178,14 @@ func readAll(t *testing.T, tb *entryTable) int {
 func TestSlab_ReplacedTableKeepsItsOpenSlabs(t *testing.T) {
 	m := newEntryMap()
 	create := func(id string) {
-		if _, loaded := m.LoadOrCreate(id, 0, false, false); loaded {
+		if _, loaded := m.LoadOrCreate(id, 0, 0, false, false); loaded {
 			t.Fatalf("%q made twice", id)
 		}
 	}
 	for i := range 100 {
 		create("ka" + strconv.Itoa(i)) // ten full slabs of short keys
 	}
-	kb0, _ := m.LoadOrCreate("kb0", 0, false, false) // the first of an open slab
+	kb0, _ := m.LoadOrCreate("kb0", 0, 0, false, false) // the first of an open slab
 	w := weak.Make(kb0)
 	kb0 = nil
 	for i := 1; i < 5; i++ {

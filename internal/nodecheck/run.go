@@ -314,13 +314,14 @@ func (r *runner) reset(op, i int, k Key) error {
 		return fmt.Errorf("operation %d: node %d could not write its units of %s before a reset: %v", op, i, k.ID, err)
 	}
 	w := k.Window.Milliseconds()
-	seq := (r.base.UnixMilli() + r.nodeNow(i)) / w
+	at := r.base.UnixMilli() + r.nodeNow(i)
+	seq := at / w
 	if err := r.c.ResetCells(key, seq); err != nil {
 		return fmt.Errorf("operation %d: the origin refused node %d's reset of %s: %v", op, i, k.ID, err)
 	}
 	for j := range r.n {
 		if !r.detached[j] {
-			r.c.Engine(j).DropMatching(Zone, k.Window, match, seq)
+			r.c.Engine(j).DropMatching(Zone, k.Window, match, at)
 		}
 	}
 	if slices.Contains(r.detached, true) || slices.ContainsFunc(r.offsets, func(d time.Duration) bool { return d != 0 }) {
