@@ -312,7 +312,7 @@ func (e *Engine) Evict() int {
 				// now, past the graveyard's bound they gave up the
 				// units of the cells buried before them, unwritten
 				// though the origin answered (64,842 of 101,000 one-unit
-				// keys evicted at once, before 2026-11-28).
+				// keys evicted at once, before 2026-11-27).
 				end = e.forgets.begin(z.key(id))
 			} else {
 				e.bury(z, en)
