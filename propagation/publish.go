@@ -54,7 +54,12 @@ func (p *Propagator) takeRegistrations(ctx context.Context) {
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if all && err == nil {
+	switch {
+	case err != nil:
+		// A take that failed may have emptied the queues it never read
+		// the registrations of: the next take reads every one.
+		p.fullTake = true
+	case all:
 		p.fullTake = false
 	}
 	for _, c := range cells {

@@ -643,3 +643,45 @@ func holderOfBsCount(t *testing.T) (*setup, *memRegion, *regionNode) {
 	n.p.FlushOnce(bg)
 	return s, mem, n
 }
+
+// failingTake is a region whose next take of the queued registrations
+// empties the queue and then fails, as a read that fails after the pops
+// that went before it in the same take.
+type failingTake struct {
+	memNode
+	fail atomic.Bool
+}
+
+func (r *failingTake) TakeRegistered(ctx context.Context, all bool, now int64) ([]RegionCell, error) {
+	out, err := r.memNode.TakeRegistered(ctx, all, now)
+	if !all && r.fail.CompareAndSwap(true, false) {
+		return nil, errors.New("the registrations' read failed after the pops")
+	}
+	return out, err
+}
+
+// TestRole_ATakeThatFailedIsFollowedByAWholeOne: a registration popped
+// from the queue by a take that then failed is read by the next take,
+// which reads every registration; otherwise the cell waited for the
+// next whole read (ten syncs) before it was published.
+func TestRole_ATakeThatFailedIsFollowedByAWholeOne(t *testing.T) {
+	s := newSetup(t)
+	mem := newMemRegion(s.clk)
+	reg := &failingTake{memNode: memNode{mem, "n1"}}
+	n := s.regionNodeWith("a", reg)
+	n.p.FlushOnce(bg) // takes the role, and every registration: none yet
+	n.decide("k", 100, 60)
+	mem.setTotal("k", 60)
+	reg.fail.Store(true)
+	n.p.FlushOnce(bg)
+	if reg.fail.Load() {
+		t.Fatal("the flush took no queued registrations")
+	}
+	if got := countRows(t, s.dsn, "ratelimit_global_counts", "WHERE region = 'a'"); got != 0 {
+		t.Fatalf("%d rows of region a after the failed take, want none", got)
+	}
+	n.p.FlushOnce(bg)
+	if got := countRows(t, s.dsn, "ratelimit_global_counts", "WHERE region = 'a' AND identifier = 'k' AND count = 60"); got != 1 {
+		t.Fatalf("%d rows of region a's k at 60 after the next flush, want 1", got)
+	}
+}

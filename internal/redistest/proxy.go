@@ -17,6 +17,7 @@ type Proxy struct {
 	wg    sync.WaitGroup
 	mu    sync.Mutex
 	conns []net.Conn
+	sent  atomic.Int64 // chunks the clients sent
 }
 
 // StartDelayProxy listens on a free loopback port and forwards to upstream
@@ -47,7 +48,7 @@ func StartDelayProxy(t testing.TB, upstream string, delay time.Duration) *Proxy 
 			p.conns = append(p.conns, c, u)
 			p.mu.Unlock()
 			p.wg.Add(2)
-			go func() { defer p.wg.Done(); _, _ = io.Copy(u, c); u.Close() }()
+			go func() { defer p.wg.Done(); _, _ = io.Copy(u, countingReader{c, &p.sent}); u.Close() }()
 			go func() { defer p.wg.Done(); p.slowCopy(c, u); c.Close() }()
 		}
 	}()
@@ -70,6 +71,25 @@ func (p *Proxy) slowCopy(dst, src net.Conn) {
 		}
 	}
 }
+
+// countingReader counts the reads that returned data.
+type countingReader struct {
+	r io.Reader
+	n *atomic.Int64
+}
+
+func (c countingReader) Read(b []byte) (int, error) {
+	n, err := c.r.Read(b)
+	if n > 0 {
+		c.n.Add(1)
+	}
+	return n, err
+}
+
+// Sent is how many chunks the clients have sent through the proxy: the
+// round trips they made, where each waits for its answer before the next
+// (a pipeline is one write, so one chunk on loopback).
+func (p *Proxy) Sent() int64 { return p.sent.Load() }
 
 // SetDelay changes the delay of later replies.
 func (p *Proxy) SetDelay(d time.Duration) { p.delay.Store(int64(d)) }
