@@ -15,7 +15,9 @@ import (
 // lease, the registry of cells to publish with its queue of new
 // registrations, and the denial rows left for the holder, spread over
 // roleShards keys as the real ones are, so that the commands counted are
-// those the real role sends.
+// those the real role sends. A call is one round trip however many shards
+// it names, as the real calls pipeline them; a take of queued
+// registrations is two (the pops, then the registrations they name).
 
 // roleShards is the number of registry and denial keys (origin/role.go).
 const roleShards = 16
@@ -173,17 +175,33 @@ func (c *regionConn) Register(_ context.Context, cells []propagation.RegionCell)
 }
 
 func (c *regionConn) TakeRegistered(_ context.Context, all bool, now int64) ([]propagation.RegionCell, error) {
-	return roleCall(c, func(int64) ([]propagation.RegionCell, int64, int64) {
+	var queued bool
+	out, err := roleCall(c, func(int64) ([]propagation.RegionCell, int64, int64) {
 		var out []propagation.RegionCell
 		var calls int64
 		if all {
 			out, calls = c.r.role.takeAll(now)
 		} else {
+			queued = c.r.role.anyQueued()
 			out, calls = c.r.role.takeQueued(now)
 		}
 		slices.SortFunc(out, func(a, b propagation.RegionCell) int { return compareCells(a.Cell, b.Cell) })
 		return out, calls, calls
 	})
+	if queued && err == nil {
+		c.trip() // the queued cells' registrations, read once the pops answered
+	}
+	return out, err
+}
+
+// trip adds one more round trip to the call just made: a client's second
+// pipeline, sent once the first answered.
+func (c *regionConn) trip() {
+	r := c.r
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	lat, _, _ := r.link.call(r.rng, r.now(), r.timeouts.Role)
+	c.tick.add(lat)
 }
 
 // takeAll takes every registration that has not expired at now (a whole
@@ -208,6 +226,16 @@ func (s *roleState) takeAll(now int64) ([]propagation.RegionCell, int64) {
 		}
 	}
 	return out, calls
+}
+
+// anyQueued reports whether a cell was registered since the last take.
+func (s *roleState) anyQueued() bool {
+	for _, q := range s.queued {
+		if len(q) > 0 {
+			return true
+		}
+	}
+	return false
 }
 
 // takeQueued takes the registrations queued since the last take, each
