@@ -30,7 +30,7 @@ func TestSimulator_IdleRegionCostsWhatTheModelSays(t *testing.T) {
 		c := startCluster(t, clusterSpec{regions: 1, nodes: nodes, limit: 10, window: pickWindow(time.Minute), ownMySQL: true,
 			flush: 200 * time.Millisecond, globalSync: time.Second, blocklistSync: time.Second})
 		holderOf(t, c.all(), 10*time.Second)
-		time.Sleep(2 * time.Second) // every node subscribed and beating
+		steady(t, c)
 		r0, s0 := redisCommands(t, c.redis[0]), time.Now()
 		q0, _ := mysqlCounters(t, c.dsn)
 		time.Sleep(d)
@@ -52,6 +52,34 @@ func TestSimulator_IdleRegionCostsWhatTheModelSays(t *testing.T) {
 			t.Errorf("%d idle nodes: the simulator's MySQL runs %.1f statements/s, the real one %.1f (± 10 %%)", nodes, f.Statements, stmts)
 		}
 	}
+}
+
+// steady waits until every node of c's one region runs its loops as it
+// will for the rest of the test, which is what the simulator models:
+// Redis counts one subscriber per node on the channel of the region's
+// runtime override changes (until a node is subscribed it looks at the
+// change counter every fast tick, not every slow one), and every node
+// has beaten: each has its record among the region's processes, and
+// each counts them all.
+func steady(t *testing.T, c *cluster) {
+	t.Helper()
+	nodes := c.all()
+	want := int64(len(nodes))
+	rc := c.redis[0].Client()
+	const notices, processes = "ratelimit:{overrides}:v", "ratelimit:{processes}"
+	redistest.Eventually(t, 20*time.Second, "every node subscribed to the override notices", func() bool {
+		subs, err := rc.PubSubNumSub(context.Background(), notices).Result()
+		return err == nil && subs[notices] == want
+	})
+	redistest.Eventually(t, 20*time.Second, "every node's record among the region's processes", func() bool {
+		n, err := rc.ZCard(context.Background(), processes).Result()
+		return err == nil && n == want
+	})
+	var ns []*node
+	for _, n := range nodes {
+		ns = append(ns, n.node)
+	}
+	countEachOther(t, ns)
 }
 
 func within(got, want, slack float64) bool { return got >= want*(1-slack) && got <= want*(1+slack) }
