@@ -216,11 +216,17 @@ var onResets = func(recs []overrideRec) {
 	if st == nil {
 		return
 	}
-	now := time.Now().UnixMilli()
 	form := st.apps.view().ids.form()
 	for _, rec := range recs {
-		if rec.ExpiresMs > now && resetMadeMs(rec) >= st.startedMs && (rec.Form == "" || rec.Form == form) {
+		if resetTakesHeld(st, rec) && (rec.Form == "" || rec.Form == form) {
 			forgetHeld(st, rec)
 		}
 	}
+}
+
+// resetTakesHeld reports whether a reset heard of now takes off units
+// this process holds: it has not lapsed, and it was made after the
+// engine began.
+func resetTakesHeld(st *state, rec overrideRec) bool {
+	return rec.ExpiresMs > time.Now().UnixMilli() && resetMadeMs(rec) >= st.startedMs
 }
