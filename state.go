@@ -45,8 +45,10 @@ type state struct {
 	// sized is the config the engine was made with: what sizes it for the
 	// life of the process (sizeChanges).
 	sized engine.Config
-	// startedMs is when the engine was made (Unix ms): a reset made
-	// before it has none of its units to take off (onResets).
+	// startedMs is when the engine was made (Unix ms), on the process's
+	// clock (engine.ProcessClock, without the offset to the region's): a
+	// reset made before it has none of its units to take off
+	// (resetTakesHeld).
 	startedMs int64
 	// rowsAs is the name the engine's rows in MySQL are written under
 	// (App.rowRegion), set when the first config's cross-region layer
@@ -77,7 +79,7 @@ func acquireState(a *App) (*state, error) {
 		st.obs.observeEngine(&cfg)
 		st.sized = cfg
 		st.engine = engine.New(cfg)
-		st.startedMs = time.Now().UnixMilli()
+		st.startedMs = st.engine.ProcessClock()().UnixMilli()
 		return st, nil
 	})
 	if err != nil {
