@@ -368,6 +368,8 @@ func (r *Redis) takeQueued(ctx context.Context, ep *endpoint) ([roleShards]map[s
 		for i, s := range pending {
 			pops[i] = pipe.LPopCount(ctx, r.shardKey("reg", s)+":q", roleQueueBatch)
 		}
+		// Exec answers the first command's error, redis.Nil for an empty
+		// queue before a pop that failed: each pop's own is checked below.
 		if _, err := pipe.Exec(ctx); err != nil && !errors.Is(err, redis.Nil) {
 			return out, err
 		}
@@ -381,11 +383,16 @@ func (r *Redis) takeQueued(ctx context.Context, ep *endpoint) ([roleShards]map[s
 		var more []int
 		for i, s := range pending {
 			fields, err := pops[i].Result()
-			if errors.Is(err, redis.Nil) || len(fields) == 0 {
+			if errors.Is(err, redis.Nil) {
 				continue
 			}
 			if err != nil {
+				// The pop may have run: the caller reads every
+				// registration next (TestRole_AQueuedTakeReportsAShardsFailedPop).
 				return out, err
+			}
+			if len(fields) == 0 {
+				continue
 			}
 			rs = append(rs, read{s, fields, reads.HMGet(ctx, r.shardKey("reg", s), fields...)})
 			if len(fields) == roleQueueBatch {
