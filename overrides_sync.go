@@ -144,12 +144,12 @@ func (s *state) overridesRedis() *origin.Redis {
 // to take (the book's merge, or its replace when a node joins), and drops
 // those that lapsed from the region; it returns the region's change
 // counter they are as of.
-func loadRegionOverrides(ctx context.Context, o *origin.Redis, take func([]overrideRec)) (int64, error) {
+func loadRegionOverrides(ctx context.Context, o *origin.Redis, nowMs func() int64, take func([]overrideRec)) (int64, error) {
 	v, all, err := o.Overrides(ctx)
 	if err != nil {
 		return 0, err
 	}
-	now := time.Now().UnixMilli()
+	now := nowMs()
 	recs := make([]overrideRec, 0, len(all))
 	var lapsed []origin.Override
 	for _, ov := range all {
@@ -181,7 +181,7 @@ func loadRegionOverrides(ctx context.Context, o *origin.Redis, take func([]overr
 // by its Cleanup, which may run while a look is under way.
 func (b *redisBackend) watchOverrides(st *state, stop <-chan struct{}) {
 	w := &regionWatch{o: b.origin, log: b.a.logger, readTimeout: b.timing.ReadTimeout,
-		global: func() bool { return overrideScope(st) == scopeGlobal }}
+		global: func() bool { return overrideScope(st) == scopeGlobal }, regionNow: st.engine.Now}
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	wake := make(chan struct{}, 1)
@@ -258,7 +258,13 @@ type regionWatch struct {
 	// restarts are the origin's restarts answered (origin.Restarts).
 	restarts uint64
 	failing  bool // the last write-back failed (logged once in a row)
+	// regionNow is the region's clock (the engine's, Redis's with Redis);
+	// nil for time.Now.
+	regionNow func() time.Time
 }
+
+// lapseClockMs is the clock the records' lapse is judged on (Unix ms).
+func (w *regionWatch) lapseClockMs() int64 { return time.Now().UnixMilli() }
 
 // start is the first load of a watch; its first look, a fast tick or a
 // notice later, reads the region's mark.
@@ -340,8 +346,8 @@ func (w *regionWatch) load(now time.Time) error {
 func (w *regionWatch) loadInto(now time.Time, take func([]overrideRec)) error {
 	ctx, cancel := context.WithTimeout(context.Background(), max(w.readTimeout, loadTimeout/2))
 	defer cancel()
-	v, err := loadRegionOverrides(ctx, w.o, take)
-	overrides.prune(time.Now().UnixMilli())
+	v, err := loadRegionOverrides(ctx, w.o, w.lapseClockMs, take)
+	overrides.prune(w.lapseClockMs())
 	if err != nil {
 		return err
 	}
