@@ -263,8 +263,18 @@ type regionWatch struct {
 	regionNow func() time.Time
 }
 
-// lapseClockMs is the clock the records' lapse is judged on (Unix ms).
-func (w *regionWatch) lapseClockMs() int64 { return time.Now().UnixMilli() }
+// lapseClockMs is the clock the records' lapse is judged on (Unix ms):
+// the region's, which resets are stamped with (resetKey). On this node's
+// own clock, a node 30 s ahead of its Redis took a reset of a 10 s window
+// (it lives 20 s) for lapsed as it read it, and dropped it from the
+// region before the other nodes heard of it
+// (TestOverrides_ALoadJudgesLapseOnTheRegionsClock).
+func (w *regionWatch) lapseClockMs() int64 {
+	if w.regionNow != nil {
+		return w.regionNow().UnixMilli()
+	}
+	return time.Now().UnixMilli()
+}
 
 // start is the first load of a watch; its first look, a fast tick or a
 // notice later, reads the region's mark.

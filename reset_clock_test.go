@@ -1,10 +1,15 @@
 package ratelimit
 
 import (
+	"context"
 	"testing"
 	"time"
 
+	"go.uber.org/zap"
+
 	"github.com/edgelimit/caddy-ratelimit/engine"
+	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
+	"github.com/edgelimit/caddy-ratelimit/origin"
 )
 
 // TestReset_HeardLateIsJudgedOnTheRegionsClock: resets are made on the
@@ -41,5 +46,38 @@ func TestReset_HeardLateIsJudgedOnTheRegionsClock(t *testing.T) {
 				t.Errorf("resetTakesHeld = %v, want %v", got, tc.want)
 			}
 		})
+	}
+}
+
+// TestOverrides_ALoadJudgesLapseOnTheRegionsClock: a region reset is
+// stamped on the region's clock (Redis's) and lives two of its zone's
+// windows, 20 s for a 10 s window. A node whose own clock runs 30 s ahead
+// of its Redis judged the records it loaded on its own clock: it took the
+// reset for lapsed as soon as it read it and dropped it from the region,
+// whose other nodes then never heard of it (their unreplayed units of the
+// reset's cells counted again after the marks).
+func TestOverrides_ALoadJudgesLapseOnTheRegionsClock(t *testing.T) {
+	resetOverrides(t)
+	srv := redistest.Start(t)
+	node, _ := otherNode(t, srv)
+	// This node's engine, on Redis's clock: 30 s behind this node's.
+	e := engine.New(engine.Config{})
+	t.Cleanup(func() { _ = e.Close(context.Background()) })
+	e.SetClockOffset(-30 * time.Second)
+	made := e.Now()
+	rec := overrideRec{Zone: "ov", Identifier: "lapse", Reset: true, Region: "ov-test",
+		CreatedMs: made.UnixMilli(), Version: made.UnixMicro(), ExpiresMs: made.Add(20 * time.Second).UnixMilli()}
+	if _, err := node.PutOverrides(context.Background(), []origin.Override{rec.regionValue()}, false); err != nil {
+		t.Fatal(err)
+	}
+	w := &regionWatch{o: node, log: zap.NewNop(), readTimeout: time.Second, global: func() bool { return false }, regionNow: e.Now}
+	if err := w.start(time.Now()); err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := overrides.get(rec.bookZone(), rec.Identifier); !ok {
+		t.Error("the book let go of a live reset")
+	}
+	if v, ok, err := node.OverrideVersion(context.Background(), rec.field()); err != nil || !ok || v != rec.Version {
+		t.Fatalf("the region holds version %d of the live reset (held %v, %v), want %d", v, ok, err, rec.Version)
 	}
 }
