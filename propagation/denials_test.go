@@ -114,3 +114,36 @@ func TestRole_DenialsPastTheBacklogLeaveTheRegionAtTheirExpiry(t *testing.T) {
 		t.Fatalf("after every row expired: %d rows left in the region, %d remembered as taken; want none", left, taken)
 	}
 }
+
+// TestRole_ARowPastTheBacklogIsCountedNotWrittenOnce: a denial row past
+// the holder's backlog stays in the region for a later take, and is read
+// again at every flush. Each read counted it in
+// propagation_denials_not_written_total{reason="queue_full"} again, and
+// its expiry there once more (reason "expired"): three flushes of a full
+// backlog counted each of 10 rows four times.
+func TestRole_ARowPastTheBacklogIsCountedNotWrittenOnce(t *testing.T) {
+	s := newSetup(t)
+	mem := newMemRegion(s.clk)
+	n1 := s.regionNode("a", "n1", mem)
+	n1.store.failWrites.Store(true)
+	w := window.Milliseconds()
+	seq := s.clk.ms.Load() / w
+	const extra = 10
+	mem.mu.Lock()
+	for i := range maxPendingDenials + extra {
+		r := BlocklistRow{Namespace: "z", Identifier: "f" + strconv.Itoa(i), WindowMs: w, Sequence: seq,
+			Region: "a", Limit: 10, CountCur: 10, ExpiresMs: expiresMs(seq, w)}
+		mem.denials[r.cell()] = r
+	}
+	mem.mu.Unlock()
+	for range 3 {
+		n1.p.FlushOnce(bg)
+	}
+	s.clk.Add(3 * window) // every row expired
+	n1.p.FlushOnce(bg)
+	st := n1.p.Stats()
+	if got := st.DenialQueueDrops + st.DenialsExpired; got != maxPendingDenials+extra {
+		t.Fatalf("%d rows counted not written (%d queue_full, %d expired), want %d, once each",
+			got, st.DenialQueueDrops, st.DenialsExpired, maxPendingDenials+extra)
+	}
+}
