@@ -2,6 +2,8 @@ package ratelimit
 
 import (
 	"context"
+	"fmt"
+	"net/http"
 	"testing"
 	"time"
 
@@ -79,5 +81,71 @@ func TestOverrides_ALoadJudgesLapseOnTheRegionsClock(t *testing.T) {
 	}
 	if v, ok, err := node.OverrideVersion(context.Background(), rec.field()); err != nil || !ok || v != rec.Version {
 		t.Fatalf("the region holds version %d of the live reset (held %v, %v), want %d", v, ok, err, rec.Version)
+	}
+}
+
+// TestReset_ARetryAfterAReloadKeepsUnitsWrittenSinceTheMarks: a region
+// reset whose record Redis took, its reply cut by a reload (which closes
+// the old config's client), is made again on the new client. The retry
+// marked the cells again, at their totals then: the units another node
+// wrote after the first marks, admitted after the reset, were taken off
+// too, and the region admitted them again.
+func TestReset_ARetryAfterAReloadKeepsUnitsWrittenSinceTheMarks(t *testing.T) {
+	resetOverrides(t)
+	srv := redistest.Start(t)
+	proxy := redistest.StartDelayProxy(t, srv.Addr(), 0)
+	global := fmt.Sprintf("\tratelimit {\n\t\tregion rr-test\n\t\tredis %s\n\t\tfast_tick 10ms\n\t}", proxy.URL())
+	other, _ := otherNode(t, srv)
+	ctx := context.Background()
+	_, admin, _ := startCaddy(t, overrideConfig(global))
+	// A first reset loads the scripts, so each call below is one round trip.
+	adminSend(t, admin, http.MethodDelete, "/ratelimit/counters?zone=ov&identifier=warm&scope=region", "").decode(t, http.StatusOK, &resetDoc{})
+	clearOfAMinuteEdge(t, 20*time.Second)
+	k := engine.Key{Namespace: "ov", Identifier: "retried", Window: time.Minute}
+	seq := time.Now().UnixMilli() / time.Minute.Milliseconds()
+	otherWrites := func(own int64) {
+		t.Helper()
+		if err := other.Flush(ctx, []engine.Delta{{Key: k, Sequence: seq, Own: own, Incarnation: 1}}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	otherWrites(2) // before the reset
+	holds := func() bool {
+		_, all, err := other.Overrides(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, o := range all {
+			if rec, ok := recOfRegion(o); ok && rec.Identifier == k.Identifier && rec.Reset {
+				return true
+			}
+		}
+		return false
+	}
+	before := lookupState().overridesRedis()
+	proxy.SetDelay(250 * time.Millisecond)
+	answer := make(chan adminReply, 1)
+	go func() {
+		answer <- adminSend(t, admin, http.MethodDelete, "/ratelimit/counters?zone=ov&identifier=retried&scope=region", "")
+	}()
+	// Marks and record in Redis; the record's reply held by the proxy.
+	redistest.Eventually(t, 5*time.Second, "the reset's record in Redis", holds)
+	otherWrites(3) // one unit admitted after the reset
+	proxy.SetDelay(0)
+	if err := loadCaddyfile(t, admin, overrideConfig(global)); err != nil {
+		t.Fatal(err)
+	}
+	if lookupState().overridesRedis() == before {
+		t.Fatal("the reload kept the origin: the test races nothing")
+	}
+	if r := <-answer; r.status != http.StatusOK {
+		t.Fatalf("the reset answered %d %s", r.status, r.body)
+	}
+	p, err := other.Peek(ctx, k, seq)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if p.Cur != 1 {
+		t.Fatalf("the region counts %+v after the reset, want the 1 unit written after its marks", p)
 	}
 }
