@@ -9,10 +9,18 @@ import (
 )
 
 func TestEngine_LocalOnlyRunsNoReplayLoop(t *testing.T) {
+	buf := make([]byte, 1<<20)
+	// An earlier test's engine, closed, may still be returning from its
+	// loop: Close returns once the loop's deferred Done ran, inside the
+	// loop's frame (this test once failed in CI on such a goroutine).
+	waitFor(t, "the replay loops of earlier tests to end", func() bool {
+		buf = buf[:cap(buf)]
+		return !strings.Contains(string(buf[:runtime.Stack(buf, true)]), "replayLoop")
+	})
 	e := New(Config{})
 	defer func() { _ = e.Close(context.Background()) }()
 	e.Decide(bg, lim("k", time.Minute, 10, 1))
-	buf := make([]byte, 1<<20)
+	buf = buf[:cap(buf)]
 	if stacks := string(buf[:runtime.Stack(buf, true)]); strings.Contains(stacks, "replayLoop") {
 		t.Fatal("a local-only engine runs the replay loop")
 	}
