@@ -84,20 +84,8 @@ func TestOutage_DenialDroppedAtExpiry(t *testing.T) {
 // what it took, even once they had expired: both grew with every flood
 // (10 rows left in each after their expiry, before the fix).
 func TestRole_DenialsPastTheBacklogLeaveTheRegionAtTheirExpiry(t *testing.T) {
-	s := newSetup(t)
-	mem := newMemRegion(s.clk)
-	n1 := s.regionNode("a", "n1", mem)
-	n1.store.failWrites.Store(true)
-	w := window.Milliseconds()
-	seq := s.clk.ms.Load() / w
 	const extra = 10
-	mem.mu.Lock()
-	for i := range maxPendingDenials + extra {
-		r := BlocklistRow{Namespace: "z", Identifier: "f" + strconv.Itoa(i), WindowMs: w, Sequence: seq,
-			Region: "a", Limit: 10, CountCur: 10, ExpiresMs: expiresMs(seq, w)}
-		mem.denials[r.cell()] = r
-	}
-	mem.mu.Unlock()
+	s, mem, n1 := pastTheBacklog(t, extra)
 	n1.p.FlushOnce(bg)
 	if st := n1.p.Stats(); st.Role != "holder" || st.PendingDenials != maxPendingDenials {
 		t.Fatalf("role %q, %d denials pending; want the holder with %d", st.Role, st.PendingDenials, maxPendingDenials)
@@ -122,20 +110,8 @@ func TestRole_DenialsPastTheBacklogLeaveTheRegionAtTheirExpiry(t *testing.T) {
 // its expiry there once more (reason "expired"): three flushes of a full
 // backlog counted each of 10 rows four times.
 func TestRole_ARowPastTheBacklogIsCountedNotWrittenOnce(t *testing.T) {
-	s := newSetup(t)
-	mem := newMemRegion(s.clk)
-	n1 := s.regionNode("a", "n1", mem)
-	n1.store.failWrites.Store(true)
-	w := window.Milliseconds()
-	seq := s.clk.ms.Load() / w
 	const extra = 10
-	mem.mu.Lock()
-	for i := range maxPendingDenials + extra {
-		r := BlocklistRow{Namespace: "z", Identifier: "f" + strconv.Itoa(i), WindowMs: w, Sequence: seq,
-			Region: "a", Limit: 10, CountCur: 10, ExpiresMs: expiresMs(seq, w)}
-		mem.denials[r.cell()] = r
-	}
-	mem.mu.Unlock()
+	s, _, n1 := pastTheBacklog(t, extra)
 	for range 3 {
 		n1.p.FlushOnce(bg)
 	}
@@ -146,4 +122,25 @@ func TestRole_ARowPastTheBacklogIsCountedNotWrittenOnce(t *testing.T) {
 		t.Fatalf("%d rows counted not written (%d queue_full, %d expired), want %d, once each",
 			got, st.DenialQueueDrops, st.DenialsExpired, maxPendingDenials+extra)
 	}
+}
+
+// pastTheBacklog is a region whose holder's MySQL refuses writes, holding
+// extra first-denial rows more than the holder keeps pending, all of this
+// window.
+func pastTheBacklog(t *testing.T, extra int) (*setup, *memRegion, *regionNode) {
+	t.Helper()
+	s := newSetup(t)
+	mem := newMemRegion(s.clk)
+	n1 := s.regionNode("a", "n1", mem)
+	n1.store.failWrites.Store(true)
+	w := window.Milliseconds()
+	seq := s.clk.ms.Load() / w
+	mem.mu.Lock()
+	for i := range maxPendingDenials + extra {
+		r := BlocklistRow{Namespace: "z", Identifier: "f" + strconv.Itoa(i), WindowMs: w, Sequence: seq,
+			Region: "a", Limit: 10, CountCur: 10, ExpiresMs: expiresMs(seq, w)}
+		mem.denials[r.cell()] = r
+	}
+	mem.mu.Unlock()
+	return s, mem, n1
 }
