@@ -24,11 +24,7 @@ func TestClock_ANodeBehindRedisDecidesOnRedisClock(t *testing.T) {
 	if n, ok := pool.References(poolKey); ok {
 		t.Fatalf("engine pool still has %d users from an earlier test", n)
 	}
-	old := newEngineConfig
-	newEngineConfig = func() engine.Config {
-		return engine.Config{Now: func() time.Time { return time.Now().Add(-behind) }}
-	}
-	t.Cleanup(func() { newEngineConfig = old })
+	useEngineClock(t, func() time.Time { return time.Now().Add(-behind) })
 	srv := redistest.Start(t)
 	other, _ := otherNode(t, srv)
 	clearOfAMinuteEdge(t, 12*time.Second)

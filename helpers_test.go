@@ -33,10 +33,17 @@ func useClock(t *testing.T, offset time.Duration) *testclock.Clock {
 		t.Fatalf("engine pool still has %d users from an earlier test", n)
 	}
 	clk := testclock.New(windowStart.Add(offset))
-	old := newEngineConfig
-	newEngineConfig = func() engine.Config { return engine.Config{Now: clk.Now} }
-	t.Cleanup(func() { newEngineConfig = old })
+	useEngineClock(t, clk.Now)
 	return clk
+}
+
+// useEngineClock makes the engine of the next config read now as its
+// process's clock, until the test ends.
+func useEngineClock(t *testing.T, now func() time.Time) {
+	t.Helper()
+	old := newEngineConfig
+	newEngineConfig = func() engine.Config { return engine.Config{Now: now} }
+	t.Cleanup(func() { newEngineConfig = old })
 }
 
 // provisionTest provisions h against app (a fresh one if nil) without a
