@@ -225,6 +225,8 @@ var engineStats = statSet[engineSnapshot]{stats: []stat[engineSnapshot]{
 		help: "Keys in strict mode: denied recently, so a decision that would allow them reads the origin first."},
 	{json: "evictions", metric: "evictions_total", value: func(s *engineSnapshot) any { return s.Evictions },
 		help: "Keys evicted because live entries reached the cap (in local-only mode an eviction forgets a count)."},
+	{json: "evictions_deferred", metric: "evictions_deferred_total", value: func(s *engineSnapshot) any { return s.EvictionsDeferred },
+		help: "Evicted keys whose units the eviction left to the replay: its writes to a slow origin ran out of their one-second budget."},
 	{json: "first_denials", metric: "first_denials_total", value: func(s *engineSnapshot) any { return s.FirstDenials },
 		help: "Cells (key and window) that denied their first request: how many keys hit their limit."},
 	{json: "pending_cells", metric: "replay_pending_cells", gauge: true, value: func(s *engineSnapshot) any { return s.PendingCells },

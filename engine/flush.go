@@ -256,14 +256,19 @@ func (e *Engine) settle(d *Delta) {
 	}
 }
 
-// giveBack returns drained deltas to their cells unflushed.
+// giveBack returns drained deltas to their cells unflushed, and queues
+// the cells again. Left out of the queues, a cell no entry and no grave
+// held any more (evicted, its grave taken by a later one) kept its units
+// where nothing would find them: a shutdown while the slow tier flushed
+// gave back its batch, and Close's last flush left out up to 256 units,
+// counted nowhere (TestEvict_TheBudgetCountsTheKeysItDefers).
 func (e *Engine) giveBack(batch []Delta) {
 	for i := range batch {
 		d := &batch[i]
 		x := d.cell.links()
 		x.own.Add(-d.Delta)
 		x.pending.Add(d.Delta)
-		d.cell.clearBits(stFlushing)
+		e.settle(d)
 	}
 	e.stats.flushing.Add(-int64(len(batch)))
 	e.endedFlush()
@@ -400,6 +405,13 @@ func (e *Engine) flushPass(ctx context.Context, o Origin) error {
 			}
 		}
 	}
+	// Then the cells let go while the queues were full, which only the
+	// graves hold, and the live entries'.
+	for _, d := range e.unqueuedGraves() {
+		if batch = e.take(batch, d.zone, d.en, d.cell, false); len(batch) >= replayBatch {
+			send()
+		}
+	}
 	e.rangeZones(func(z *Zone) bool {
 		z.entries.Range(func(id string, en *entry) bool {
 			c := en.cur.Load()
@@ -448,6 +460,9 @@ func (e *Engine) DropUnsent() int64 {
 			d.cell.clearBits(stDirty | stFast)
 			drop(d.cell)
 		}
+	}
+	for _, d := range e.unqueuedGraves() {
+		drop(d.cell)
 	}
 	e.rangeZones(func(z *Zone) bool {
 		z.entries.Range(func(_ string, en *entry) bool {

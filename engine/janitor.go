@@ -151,11 +151,35 @@ func (e *Engine) sendUnsent() {
 		})
 		return true
 	})
-	for _, d := range e.graves.list() {
+	e.requeueGraves()
+}
+
+// requeueGraves queues the buried cells that hold units no queue holds:
+// those of a key let go while both replay queues were full (an eviction
+// whose writes the budget cut off, a forget or rotation behind a slow
+// origin), or while the engine had no origin. No entry holds them, so the
+// janitor's pass over the entries never finds them: they waited for an
+// origin to come back, and a shutdown never sent them
+// (TestEvict_TheBudgetCountsTheKeysItDefers).
+func (e *Engine) requeueGraves() {
+	for _, d := range e.unqueuedGraves() {
+		e.markDirty(d.zone, d.en, d.cell, d.cell.state()&stShared != 0)
+	}
+}
+
+// unqueuedGraves lists the buried cells holding pending units that sit in
+// no replay queue and no write.
+func (e *Engine) unqueuedGraves() []dirtyCell {
+	g := &e.graves
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	var out []dirtyCell
+	for _, d := range g.cells {
 		if c := d.cell; c.pending() > 0 && c.state()&(stDirty|stFlushing) == 0 {
-			e.markDirty(d.zone, d.en, c, c.state()&stShared != 0)
+			out = append(out, d)
 		}
 	}
+	return out
 }
 
 // evictLowWater is the fraction of MaxEntries that eviction shrinks to, so
@@ -181,7 +205,8 @@ func (e *Engine) janitorLoop() {
 
 // Sweep is one janitor pass: it drops idle entries and expired strict
 // deadlines and requeues pending deltas that a full replay queue left
-// behind. It returns the number of entries dropped.
+// behind, in live entries and in the graves. It returns the number of
+// entries dropped.
 func (e *Engine) Sweep() int {
 	now := e.nowMs()
 	hasOrigin := e.origin.Load() != nil
@@ -215,6 +240,9 @@ func (e *Engine) Sweep() int {
 		})))
 		return true
 	})
+	if hasOrigin {
+		e.requeueGraves()
+	}
 	e.live.Add(-int64(dropped))
 	return dropped
 }
@@ -413,6 +441,7 @@ func (e *Engine) writeEvicted(evicted []evictedEntry) {
 		slots <- struct{}{}
 		if time.Now().After(deadline) {
 			<-slots
+			e.stats.evictionsDeferred.Add(int64(len(evicted) - from))
 			break
 		}
 		batch := make([]Delta, 0, min(len(evicted)-from, evictBatch))

@@ -324,3 +324,136 @@ func TestEvict_ManyKeysAtOnceKeepTheirUnits(t *testing.T) {
 		t.Fatalf("the origin holds the unit of %d of the %d keys evicted", written, n)
 	}
 }
+
+// TestEvict_TheBudgetCountsTheKeysItDefers: an eviction of more keys than
+// a slow origin writes within the pass's budget leaves the rest to the
+// replay, and counts them (EvictionsDeferred), so an operator sees the
+// cap's writes falling behind; every key is written in the end, and a
+// pass whose writes all started counts none.
+func TestEvict_TheBudgetCountsTheKeysItDefers(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		const cap, keys = 100, 20_000
+		e := New(Config{MaxEntries: cap, Now: time.Now})
+		defer e.Close(bg)
+		o := newMemOrigin()
+		o.flushDelay.Store(int64(600 * time.Millisecond))
+		e.SetOrigin(o)
+		for i := range keys {
+			e.Decide(bg, lim("k-"+strconv.Itoa(i), time.Hour, 10, 1))
+		}
+		e.Evict()
+		synctest.Wait()
+		// A pass starts evictWrites writes at once, and more as each
+		// returns (0.6 s), none past the 1 s budget: it starts at most
+		// 8,192 keys' writes, so a pass over 20,000 (or the flood's own
+		// passes over fewer) leaves keys to the replay.
+		st := e.Stats()
+		if st.EvictionsDeferred == 0 || st.EvictionsDeferred > st.Evictions-evictWrites*evictBatch {
+			t.Fatalf("%d of %d evicted keys counted as deferred; the first %d writes start at once", st.EvictionsDeferred, st.Evictions, evictWrites)
+		}
+		o.flushDelay.Store(0)
+		before := st.EvictionsDeferred
+		for i := range keys {
+			e.Decide(bg, lim("again-"+strconv.Itoa(i), time.Hour, 10, 1))
+		}
+		e.Evict()
+		synctest.Wait()
+		if d := e.Stats().EvictionsDeferred; d != before {
+			t.Fatalf("evictions whose writes all started counted %d keys as deferred", d-before)
+		}
+		if err := e.Close(bg); err != nil {
+			t.Fatal(err)
+		}
+		seq := time.Now().UnixMilli() / time.Hour.Milliseconds()
+		for i := range keys {
+			if got := o.total(Key{"zone", "k-" + strconv.Itoa(i), time.Hour}, seq); got != 1 {
+				t.Fatalf("key %d: the origin holds %d units of 1 after the deferred writes; %+v", i, got, e.Stats())
+			}
+		}
+	})
+}
+
+// evictedIntoTheGraves evicts keys keys while the origin is down and
+// the replay queues hold 4 cells: the eviction's write fails, the queues
+// cannot take the units back, and only the graves hold them. It returns
+// the engine, the origin (up again) and the window's sequence.
+func evictedIntoTheGraves(t *testing.T, keys int) (*Engine, *memOrigin, int64) {
+	t.Helper()
+	e, clk := newTestEngine(t, manual(Config{MaxEntries: 100}))
+	e.queueLen = 4
+	o := newMemOrigin()
+	e.SetOrigin(o)
+	for i := range keys {
+		e.Decide(bg, lim("k-"+strconv.Itoa(i), time.Hour, 10, 1))
+	}
+	o.down.Store(true)
+	if n := e.Evict(); n < keys-100 {
+		t.Fatalf("evicted %d of %d keys over a cap of 100", n, keys)
+	}
+	o.down.Store(false)
+	if len(e.unqueuedGraves()) == 0 {
+		t.Fatal("no grave holds units outside the queues: the test sets nothing up")
+	}
+	return e, o, clk.UnixMilli() / time.Hour.Milliseconds()
+}
+
+// originHoldsEveryKey fails the test unless the origin holds each key's
+// unit.
+func originHoldsEveryKey(t *testing.T, o *memOrigin, keys int, seq int64) {
+	t.Helper()
+	missing := 0
+	for i := range keys {
+		if o.total(Key{"zone", "k-" + strconv.Itoa(i), time.Hour}, seq) != 1 {
+			missing++
+		}
+	}
+	if missing > 0 {
+		t.Fatalf("the origin lacks the unit of %d of %d keys", missing, keys)
+	}
+}
+
+// TestEvict_UnitsOnlyTheGravesHoldAreReplayed: keys evicted while the
+// origin failed and the replay queues were full keep their units in the
+// graves alone. The janitor requeued the live entries' units, never the
+// graves': they waited for another origin (a reload), and were never
+// sent to this one once it answered again.
+func TestEvict_UnitsOnlyTheGravesHoldAreReplayed(t *testing.T) {
+	const keys = 1000
+	e, o, seq := evictedIntoTheGraves(t, keys)
+	for range 2 * keys { // the queues take 4 cells a sweep
+		e.Sweep()
+		n, err := e.ReplayOnce(bg, Slow)
+		m, err2 := e.ReplayOnce(bg, Fast)
+		if err != nil || err2 != nil {
+			t.Fatal(err, err2)
+		}
+		if n+m == 0 {
+			break
+		}
+	}
+	originHoldsEveryKey(t, o, keys, seq)
+}
+
+// TestEvict_CloseSendsUnitsOnlyTheGravesHold: the last flush of a
+// shutdown sent the queues' and the live entries' units, not those only
+// the graves held; and a reload without an origin gave them up without
+// counting them as lost.
+func TestEvict_CloseSendsUnitsOnlyTheGravesHold(t *testing.T) {
+	const keys = 1000
+	e, o, seq := evictedIntoTheGraves(t, keys)
+	if err := e.Close(bg); err != nil {
+		t.Fatal(err)
+	}
+	originHoldsEveryKey(t, o, keys, seq)
+
+	e, _, _ = evictedIntoTheGraves(t, keys)
+	want := int64(0)
+	for _, d := range e.unqueuedGraves() {
+		want += d.cell.pending()
+	}
+	before := e.Stats().LostUnits
+	e.DropUnsent()
+	if lost := e.Stats().LostUnits - before; lost < want {
+		t.Fatalf("dropping the unsent units counted %d as lost; the graves alone held %d", lost, want)
+	}
+}

@@ -14,7 +14,10 @@ type counters struct {
 	reservationWaits                                 atomic.Int64
 	flushes, flushErrors                             atomic.Int64
 	replayDrops, evictions, firstDenials             atomic.Int64
-	resends, lostUnits                               atomic.Int64
+	// evictionsDeferred counts evicted keys whose write the eviction's
+	// budget did not start (see writeEvicted).
+	evictionsDeferred  atomic.Int64
+	resends, lostUnits atomic.Int64
 	// slowOverruns counts slow ticks that came while the slow tier's
 	// flush of an earlier tick still ran (see replayLoop).
 	slowOverruns atomic.Int64
@@ -29,8 +32,10 @@ type Stats struct {
 	// Entries is the number of live keys; StrictKeys the number of keys in
 	// strict mode (expired ones linger until the next sweep).
 	Entries, StrictKeys int64
-	// Evictions counts entries evicted by the cap.
-	Evictions int64
+	// Evictions counts entries evicted by the cap; EvictionsDeferred
+	// those of them whose write the eviction did not start within its
+	// budget (a slow origin): their units went to the replay's queues.
+	Evictions, EvictionsDeferred int64
 	// FirstDenials counts cells that denied their first request.
 	FirstDenials int64
 	// PendingCells is the number of cells whose units the origin may not
@@ -77,20 +82,21 @@ type Stats struct {
 func (e *Engine) Stats() Stats {
 	s := &e.stats
 	return Stats{
-		Entries:          e.live.Load(),
-		StrictKeys:       e.strictCount(),
-		Evictions:        s.evictions.Load(),
-		FirstDenials:     s.firstDenials.Load(),
-		PendingCells:     int64(e.queue(Slow).len()+e.queue(Fast).len()) + s.flushing.Load(),
-		ReplayDrops:      s.replayDrops.Load(),
-		SlowOverruns:     s.slowOverruns.Load(),
-		Reads:            s.reads.Load(),
-		ReadErrors:       s.readErrors.Load(),
-		ReadWaitTimeouts: s.readWaitTimeouts.Load(),
-		SharedReads:      s.sharedReads.Load(),
-		SyncReads:        s.syncReads.Load(),
-		BackgroundReads:  s.backgroundReads.Load(),
-		UnreadDecisions:  s.unreadDecisions.Load(),
+		Entries:           e.live.Load(),
+		StrictKeys:        e.strictCount(),
+		Evictions:         s.evictions.Load(),
+		EvictionsDeferred: s.evictionsDeferred.Load(),
+		FirstDenials:      s.firstDenials.Load(),
+		PendingCells:      int64(e.queue(Slow).len()+e.queue(Fast).len()) + s.flushing.Load(),
+		ReplayDrops:       s.replayDrops.Load(),
+		SlowOverruns:      s.slowOverruns.Load(),
+		Reads:             s.reads.Load(),
+		ReadErrors:        s.readErrors.Load(),
+		ReadWaitTimeouts:  s.readWaitTimeouts.Load(),
+		SharedReads:       s.sharedReads.Load(),
+		SyncReads:         s.syncReads.Load(),
+		BackgroundReads:   s.backgroundReads.Load(),
+		UnreadDecisions:   s.unreadDecisions.Load(),
 
 		Reservations:         s.reservations.Load(),
 		ReservationsAdmitted: s.reservationsAdmitted.Load(),
