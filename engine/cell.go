@@ -283,7 +283,9 @@ const (
 	// out (Delta.NoPrev), a command less each in Redis, unless a late write
 	// marked the cell (Delta.Late). Reads and reservations still bring it.
 	stPrevSettled
-	// stBuried: the cell is among the graves (buryCell), once.
+	// stBuried: the cell is among the graves (buryCell); cleared when a
+	// later one takes its place, so a cell the queues drop after that is
+	// buried again (markDirty).
 	stBuried
 	// stReserved: a reservation of the cell is in flight (see nearLimit).
 	stReserved

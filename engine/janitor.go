@@ -78,6 +78,9 @@ func (e *Engine) buryCell(z *Zone, en *entry, c *cell) {
 		old := g.cells[g.next].cell
 		g.cells[g.next] = dirtyCell{z, en, c}
 		g.next = (g.next + 1) % graveCells
+		// A cell queued or in a write when it leaves may come back: if
+		// the queues drop it later (markDirty), it is buried again.
+		old.clearBits(stBuried)
 		if old.state()&(stDirty|stFlushing) == 0 {
 			// Units a let-go cell holds that no replay queue holds are
 			// only here (without an origin; or with one whose queues were

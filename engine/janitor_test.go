@@ -457,3 +457,46 @@ func TestEvict_CloseSendsUnitsOnlyTheGravesHold(t *testing.T) {
 		t.Fatalf("dropping the unsent units counted %d as lost; the graves alone held %d", lost, want)
 	}
 }
+
+// TestEvict_EveryUnitIsSentOrCountedAsLost: a flood of one-off keys past
+// the cap while the origin fails, with replay queues too small for it,
+// and then the origin back and a shutdown: every unit admitted reaches
+// the origin or is counted as lost (Stats.LostUnits), none is dropped
+// unseen.
+func TestEvict_EveryUnitIsSentOrCountedAsLost(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		const keys = 30_000
+		e := New(Config{MaxEntries: 1000, Now: time.Now})
+		defer e.Close(bg)
+		e.queueLen = 64
+		e.queues.Store(&replayQueues{slow: newQueue(e.queueLen), fast: newQueue(e.queueLen)})
+		o := newMemOrigin()
+		e.SetOrigin(o)
+		for i := range keys {
+			if i == keys/4 {
+				o.down.Store(true)
+			}
+			if i == 3*keys/4 {
+				o.down.Store(false)
+			}
+			e.Decide(bg, lim("k-"+strconv.Itoa(i), time.Hour, 10, 1))
+			if i%100 == 99 {
+				time.Sleep(10 * time.Millisecond)
+			}
+		}
+		time.Sleep(time.Minute) // the janitor's sweeps and the replay's ticks
+		if err := e.Close(bg); err != nil {
+			t.Fatal(err)
+		}
+		seq := time.Now().UnixMilli() / time.Hour.Milliseconds()
+		sent := int64(0)
+		for i := range keys {
+			sent += o.total(Key{"zone", "k-" + strconv.Itoa(i), time.Hour}, seq)
+		}
+		st := e.Stats()
+		t.Logf("sent %d, lost %d, evictions %d, drops %d", sent, st.LostUnits, st.Evictions, st.ReplayDrops)
+		if sent+st.LostUnits != keys {
+			t.Fatalf("%d units sent and %d counted as lost, of %d admitted", sent, st.LostUnits, keys)
+		}
+	})
+}

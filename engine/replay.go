@@ -96,7 +96,8 @@ var emptyQueue = newQueue(1)
 // markDirty queues c for replay in the tier its pressure (or sharing) asks
 // for. A cell already queued in that tier is not queued again. Whatever
 // the queues hold, a cell with pending units ends up in a queue or, when
-// both are full, with no dirty bit, so that the janitor queues it again.
+// both are full, with no dirty bit, so that the janitor queues it again:
+// from its entry, or from the graves for a cell its entry let go.
 func (e *Engine) markDirty(z *Zone, en *entry, c *cell, fast bool) {
 	st := c.state()
 	if fast {
@@ -122,6 +123,12 @@ func (e *Engine) markDirty(z *Zone, en *entry, c *cell, fast bool) {
 	if !e.queue(Slow).push(z, en, c) {
 		c.clearBits(stDirty)
 		e.stats.replayDrops.Add(1)
+		if c != en.cur.Load() && c != en.prev.Load() {
+			// Let go (evicted, forgotten, rotated past): the janitor's
+			// pass over the entries never finds it, the graves do
+			// (TestEvict_EveryUnitIsSentOrCountedAsLost).
+			e.buryCell(z, en, c)
+		}
 	}
 }
 
