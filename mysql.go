@@ -103,12 +103,19 @@ func checkMySQLLines(a *App, d *caddyfile.Dispenser) error {
 	if a.MySQL == nil {
 		return nil
 	}
+	if a.MySQL.DSN == "" {
+		// Name the first cross-region line given, as the Redis check
+		// does: the dispenser stands on the block's closing brace here.
+		for _, l := range mysqlLines {
+			if at, ok := a.lineAt[l.name]; ok {
+				return fmt.Errorf("cross-region settings without a mysql line (%s at %s)", l.name, at)
+			}
+		}
+		return fmt.Errorf("cross-region settings without a mysql line, at %s:%d", d.File(), d.Line())
+	}
 	at := a.lineAt["mysql"]
 	if at == "" {
 		at = d.File() + ":" + strconv.Itoa(d.Line())
-	}
-	if a.MySQL.DSN == "" {
-		return fmt.Errorf("cross-region settings without a mysql line, at %s", at)
 	}
 	if a.Region == "" {
 		return fmt.Errorf("region is required with mysql (every row names the region that counted it), at %s", at)
