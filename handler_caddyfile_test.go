@@ -10,6 +10,7 @@ import (
 	"testing"
 
 	"github.com/caddyserver/caddy/v2/caddyconfig"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	_ "github.com/caddyserver/caddy/v2/modules/standard"
 )
 
@@ -94,6 +95,52 @@ func TestCaddyfileExample_Adapts(t *testing.T) {
 			t.Errorf("adapted Caddyfile.example lacks %s", want)
 		}
 	}
+}
+
+// TestREADME_CaddyfileBlocksAdapt adapts every caddyfile block of the
+// README, as a reader pastes it: a block of directives without a site goes
+// into one, and the syntax block (its <placeholders>) is left out. Each
+// must adapt, and be formatted as `caddy fmt` writes it, or `caddy adapt`
+// warns of the reader's copy.
+func TestREADME_CaddyfileBlocksAdapt(t *testing.T) {
+	b, err := os.ReadFile("README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	blocks := 0
+	for rest := string(b); ; {
+		var block string
+		var ok bool
+		if _, rest, ok = strings.Cut(rest, "\n```caddyfile\n"); !ok {
+			break
+		}
+		if block, rest, ok = strings.Cut(rest, "\n```\n"); !ok {
+			t.Fatal("a caddyfile block of the README is not closed")
+		}
+		blocks++
+		if strings.Contains(block, "<name>") {
+			continue // the directive's syntax
+		}
+		src := block + "\n"
+		if string(caddyfile.Format([]byte(src))) != src {
+			t.Errorf("README block %q is not formatted as caddy fmt writes it:\n%s", firstLine(block), caddyfile.Format([]byte(src)))
+		}
+		if first := strings.Fields(block)[0]; first != "{" && !strings.ContainsAny(first, ".:") {
+			src = ":8080 {\n" + src + "}\n" // directives without their site
+		}
+		if _, err := adapt(t, src); err != nil {
+			t.Errorf("README block %q: %v", firstLine(block), err)
+		}
+	}
+	if blocks < 10 {
+		t.Fatalf("found %d caddyfile blocks in the README, want its ten or more", blocks)
+	}
+}
+
+// firstLine is a block's first line, to name it.
+func firstLine(s string) string {
+	line, _, _ := strings.Cut(s, "\n")
+	return line
 }
 
 // TestHandler_JSONShapes loads a handler the way a JSON config does: cost as
