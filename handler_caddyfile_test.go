@@ -216,3 +216,34 @@ func TestRedisOption_ErrorsNeverQuoteAPassword(t *testing.T) {
 		}
 	}
 }
+
+// TestMySQLOption_ALiteralDSNFailsAdapt: a literal DSN the layer could not
+// open fails `caddy adapt` naming its line, never quoting the password (it
+// passed adapt and failed provisioning with no line); one held in a
+// placeholder waits for provisioning, where it is resolved.
+func TestMySQLOption_ALiteralDSNFailsAdapt(t *testing.T) {
+	for _, line := range []string{
+		"mysql root:hunter2-secret@tcp(127.0.0.1:3306)",
+		"mysql root:hunter2-secret@tcp(127.0.0.1:3306/db",
+		"mysql root:hunter2-secret@tcp(127.0.0.1:3306)/",
+		"mysql_read root:hunter2-secret@tcp(127.0.0.1:3306)/db?timeout=soon",
+	} {
+		src := "{\n\tratelimit {\n\t\t" + line + "\n\t\tregion r\n\t\tmysql_flush 1s\n\t}\n}\n:8080 {\n\trespond ok\n}\n"
+		if strings.HasPrefix(line, "mysql_read") {
+			src = strings.Replace(src, "mysql_flush 1s", "mysql {env.MYSQL_DSN}", 1)
+		}
+		_, err := adapt(t, src)
+		if err == nil {
+			t.Fatalf("%q adapted without error", line)
+		}
+		if strings.Contains(err.Error(), "hunter2-secret") {
+			t.Fatalf("error quotes the password: %v", err)
+		}
+		if !strings.Contains(err.Error(), "Caddyfile:3") {
+			t.Fatalf("error does not name the line: %v", err)
+		}
+	}
+	if _, err := adapt(t, "{\n\tratelimit {\n\t\tregion r\n\t\tmysql {env.MYSQL_DSN}\n\t\tmysql_read root:pw@tcp(127.0.0.1:3306)/db\n\t}\n}\n"); err != nil {
+		t.Fatalf("a placeholder DSN beside a good literal one: %v", err)
+	}
+}

@@ -65,18 +65,8 @@ var mysqlKind = backendKind{
 //
 // Intervals are at least propagation.MinInterval.
 var mysqlLines = []optionLine{
-	stringLine("mysql", func(v string) error {
-		if v == "" {
-			return errString("mysql: the DSN is empty")
-		}
-		return nil
-	}, func(a *App, v string) { mysqlOf(a).DSN = v }),
-	stringLine("mysql_read", func(v string) error {
-		if v == "" {
-			return errString("mysql_read: the DSN is empty")
-		}
-		return nil
-	}, func(a *App, v string) { mysqlOf(a).ReadDSN = v }),
+	stringLine("mysql", func(v string) error { return checkDSNLine(v, "mysql") }, func(a *App, v string) { mysqlOf(a).DSN = v }),
+	stringLine("mysql_read", func(v string) error { return checkDSNLine(v, "mysql_read") }, func(a *App, v string) { mysqlOf(a).ReadDSN = v }),
 	durationLine("blocklist_sync", propagation.MinInterval, func(a *App, v time.Duration) { mysqlOf(a).BlocklistSync = caddy.Duration(v) }),
 	durationLine("global_sync", propagation.MinInterval, func(a *App, v time.Duration) { mysqlOf(a).GlobalSync = caddy.Duration(v) }),
 	durationLine("mysql_flush", propagation.MinInterval, func(a *App, v time.Duration) { mysqlOf(a).Flush = caddy.Duration(v) }),
@@ -86,6 +76,20 @@ var mysqlLines = []optionLine{
 	ratioLine("publish_floor", func(a *App, r float64) { mysqlOf(a).PublishFloor = r }),
 	switchLine("mysql_migrate", func(a *App, on bool) { mysqlOf(a).Migrate = &on }),
 	switchLine("denial_gossip", func(a *App, on bool) { mysqlOf(a).DenialGossip = &on }),
+}
+
+// checkDSNLine checks a mysql or mysql_read line's DSN: a literal one is
+// parsed here, so that `caddy adapt` names the line (as it does a Redis
+// URL's); one holding a placeholder ({env.MYSQL_DSN}) waits for
+// provisioning, where it is resolved.
+func checkDSNLine(v, line string) error {
+	if v == "" {
+		return errString(line + ": the DSN is empty")
+	}
+	if strings.Contains(v, "{") {
+		return nil
+	}
+	return propagation.CheckDSN(v, line)
 }
 
 // mysqlOf returns the app's MySQL settings, made on the first line: a

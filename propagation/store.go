@@ -83,14 +83,32 @@ func openStore(cfg Config, log *zap.Logger) (*sqlStore, string, error) {
 	return s, addr, nil
 }
 
-// openDB opens one pool; line names the setting in errors.
-func openDB(dsn string, timeout time.Duration, log *zap.Logger, line string) (*sql.DB, string, error) {
+// CheckDSN parses a DSN the way the layer opens it, so that a Caddyfile
+// line with a literal DSN fails `caddy adapt` rather than provisioning;
+// line names the setting in the error, which never quotes the password.
+func CheckDSN(dsn, line string) error {
+	_, err := parseDSN(dsn, line)
+	return err
+}
+
+// parseDSN parses a DSN that must name a database; line names the setting
+// in errors.
+func parseDSN(dsn, line string) (*mysql.Config, error) {
 	c, err := mysql.ParseDSN(dsn)
 	if err != nil {
-		return nil, "", fmt.Errorf("%s: malformed DSN (want user:password@tcp(host:port)/database?params): %s", line, redact(err.Error(), dsn))
+		return nil, fmt.Errorf("%s: malformed DSN (want user:password@tcp(host:port)/database?params): %s", line, redact(err.Error(), dsn))
 	}
 	if c.DBName == "" {
-		return nil, "", fmt.Errorf("%s: the DSN names no database (…@tcp(host:port)/database)", line)
+		return nil, fmt.Errorf("%s: the DSN names no database (…@tcp(host:port)/database)", line)
+	}
+	return c, nil
+}
+
+// openDB opens one pool; line names the setting in errors.
+func openDB(dsn string, timeout time.Duration, log *zap.Logger, line string) (*sql.DB, string, error) {
+	c, err := parseDSN(dsn, line)
+	if err != nil {
+		return nil, "", err
 	}
 	for _, d := range []*time.Duration{&c.Timeout, &c.ReadTimeout, &c.WriteTimeout} {
 		if *d == 0 || *d > timeout {
