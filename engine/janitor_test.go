@@ -500,3 +500,49 @@ func TestEvict_EveryUnitIsSentOrCountedAsLost(t *testing.T) {
 		}
 	})
 }
+
+// TestEngine_EveryUnitIsSentOrCountedAsLostAcrossWindows is the same
+// account with keys that come back and windows that roll over during the
+// outage: rotated cells, evicted ones and live ones alike reach the
+// origin or are counted as lost.
+func TestEngine_EveryUnitIsSentOrCountedAsLostAcrossWindows(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		const keys, requests = 3000, 40_000
+		e := New(Config{MaxEntries: 1000, Now: time.Now})
+		defer e.Close(bg)
+		e.queueLen = 64
+		e.queues.Store(&replayQueues{slow: newQueue(e.queueLen), fast: newQueue(e.queueLen)})
+		o := newMemOrigin()
+		e.SetOrigin(o)
+		admitted := int64(0)
+		for i := range requests {
+			switch i {
+			case requests / 4:
+				o.down.Store(true)
+			case 3 * requests / 4:
+				o.down.Store(false)
+			}
+			if e.Decide(bg, lim("k-"+strconv.Itoa(i*7%keys), time.Second, 5, 1)).Allowed {
+				admitted++
+			}
+			if i%100 == 99 {
+				time.Sleep(20 * time.Millisecond)
+			}
+		}
+		time.Sleep(time.Minute)
+		if err := e.Close(bg); err != nil {
+			t.Fatal(err)
+		}
+		o.mu.Lock()
+		sent := int64(0)
+		for _, v := range o.totals {
+			sent += v
+		}
+		o.mu.Unlock()
+		st := e.Stats()
+		t.Logf("admitted %d, sent %d, lost %d, evictions %d, drops %d", admitted, sent, st.LostUnits, st.Evictions, st.ReplayDrops)
+		if sent+st.LostUnits != admitted {
+			t.Fatalf("%d units sent and %d counted as lost, of %d admitted", sent, st.LostUnits, admitted)
+		}
+	})
+}
