@@ -99,16 +99,25 @@ func (p *Propagator) PutOverride(r OverrideRow) {
 }
 
 // takeOverrides takes the region's changes for the holder to write: all
-// of them on taking the role.
+// of them on taking the role, and after another server took the
+// database's writes (checkServer).
 func (p *Propagator) takeOverrides(ctx context.Context, all bool) {
 	reg, ok := p.region.(OverrideRegion)
 	if !ok || p.overrideStore() == nil {
 		return
 	}
-	rows, err := reg.TakeOverrides(ctx, all)
+	p.mu.Lock()
+	again := p.ovTakeAll
+	p.mu.Unlock()
+	rows, err := reg.TakeOverrides(ctx, all || again)
 	if err != nil {
 		p.regionFailed("taking the region's overrides", err)
 		return
+	}
+	if again {
+		p.mu.Lock()
+		p.ovTakeAll = false
+		p.mu.Unlock()
 	}
 	for _, r := range rows {
 		p.PutOverride(r)

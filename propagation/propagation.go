@@ -130,6 +130,7 @@ type Propagator struct {
 	index       map[zoneID]string     // row identifier → raw identifier (MapID)
 	cursor      [tables]cursor        // where the next pull of changes starts
 	dbClock     dbClock               // the database's clock, as last read (pull.go)
+	server      string                // the server writes go to, as last read (checkServer)
 	fullPull    [tables]bool          // the next pull of the table reads it whole
 	fullPush    bool                  // the next push publishes every grown cell
 	republish   bool                  // and every published one (Config.Republish), until a whole push is done
@@ -137,6 +138,7 @@ type Propagator struct {
 	fullTake    bool                  // the next take reads every registration
 	syncs       [tables]int           // syncs since the table's last whole read
 	ovPending   map[Cell]*OverrideRow // overrides changed here or in the region, not yet written
+	ovTakeAll   bool                  // the next take reads every override the region holds
 	onOverrides func([]OverrideRow)
 	mismatched  map[zoneWindow]bool // zones over another window here, logged once (pull.go)
 	recentOut   []BlocklistRow

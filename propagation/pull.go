@@ -154,6 +154,7 @@ func (p *Propagator) checkClock(ctx context.Context) {
 		p.readFailed("the database's clock", err)
 		return
 	}
+	p.noteServer()
 	p.mu.Lock()
 	p.dbClock = dbClock{db: db, local: p.now().UnixMilli()}
 	var ahead int64
@@ -170,6 +171,54 @@ func (p *Propagator) checkClock(ctx context.Context) {
 			p.log.Warn("the database's clock is behind the newest change pulled (it stepped back: a failover, an NTP step): reading every table whole, then pulling changes from its clock on",
 				zap.String("database", p.addr), zap.Duration("behind", time.Duration(ahead)*time.Millisecond), zap.Int64("clock_steps", c))
 		}
+	}
+}
+
+// ServerStore is a ClockStore that names the server writes go to, as
+// its last clock read found it (MySQL's server_id; "" when unknown).
+type ServerStore interface {
+	Server() string
+}
+
+// noteServer records which server answers for the database, as the last
+// clock read found it. Another one than before is a failover, or the
+// database restored or replaced: rows the old server held may be missing
+// on the new one (a promoted replica holds what it had applied, not what
+// the primary last committed). A cell was published again only when its
+// count grew, so a count that stood still after a failover never reached
+// the new primary, and the other regions, reading it, left its units out
+// for the rest of the window. Now every cell worth publishing is
+// published again (a holder takes every registration and override of its
+// region again) and every table is read whole from the new server; the
+// upserts only raise rows, so what the new server kept counts once.
+func (p *Propagator) noteServer() {
+	ss, ok := p.store.(ServerStore)
+	if !ok {
+		return
+	}
+	id := ss.Server()
+	if id == "" {
+		return
+	}
+	p.mu.Lock()
+	was := p.server
+	p.server = id
+	changed := was != "" && id != was
+	if changed {
+		p.fullPush, p.republish = true, true
+		p.fullPull = [tables]bool{true, true, true}
+		p.cursor = [tables]cursor{}
+		if p.region != nil {
+			p.fullTake, p.ovTakeAll = true, true
+			for _, r := range p.reg {
+				r.published, r.publishedReset = 0, 0
+			}
+		}
+	}
+	p.mu.Unlock()
+	if changed {
+		p.log.Warn("another server answers for the database (a failover, a restore): publishing every cell again and reading every table whole",
+			zap.String("database", p.addr), zap.String("server_id", id), zap.String("was", was))
 	}
 }
 

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/go-sql-driver/mysql"
@@ -61,6 +62,10 @@ type sqlStore struct {
 	// checkOnly: mysql_migrate off. Migrate checks that the schema is
 	// there, whole, and changes nothing.
 	checkOnly bool
+	// server is the server_id the last clock read found (Server);
+	// noServerID, that the server refused to tell it once.
+	server     atomic.Pointer[string]
+	noServerID atomic.Bool
 }
 
 // openStore opens the pools without dialling. Every network step is
@@ -172,13 +177,44 @@ func (s *sqlStore) Close() error {
 const dbNowMs = `ROUND(UNIX_TIMESTAMP(NOW(3)) * 1000)`
 
 // Clock implements ClockStore: the clock of the database writes go to,
-// which stamps updated_ms.
+// which stamps updated_ms. The same statement reads the server's
+// server_id (Server), unless the server refused it once (a proxy that
+// does not pass @@server_id on): a server that refuses the statement and
+// answers the clock alone is not asked for it again.
 func (s *sqlStore) Clock(ctx context.Context) (int64, error) {
 	var ms int64
+	var refused bool
+	if !s.noServerID.Load() {
+		var id string
+		err := s.write.QueryRowContext(ctx, `SELECT `+dbNowMs+`, @@server_id`).Scan(&ms, &id)
+		var me *mysql.MySQLError
+		if !errors.As(err, &me) {
+			if err != nil {
+				return 0, fmt.Errorf("read the database's clock: %w", err)
+			}
+			s.server.Store(&id)
+			return ms, nil
+		}
+		refused = true
+	}
 	if err := s.write.QueryRowContext(ctx, `SELECT `+dbNowMs).Scan(&ms); err != nil {
 		return 0, fmt.Errorf("read the database's clock: %w", err)
 	}
+	if refused {
+		s.noServerID.Store(true)
+	}
 	return ms, nil
+}
+
+// Server implements ServerStore: the server_id of the server writes go
+// to, as the last clock read found it ("" before, or when the server does
+// not tell). A primary and each of its replicas have their own (they
+// could not replicate otherwise).
+func (s *sqlStore) Server() string {
+	if id := s.server.Load(); id != nil {
+		return *id
+	}
+	return ""
 }
 
 // placeholders returns n groups of k placeholders, each followed by tail

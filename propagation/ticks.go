@@ -66,7 +66,8 @@ func (p *Propagator) FlushOnce(ctx context.Context) {
 // GlobalSyncOnce is one global sync tick: the next flush publishes every
 // cell worth it that grew, not only the hot ones; every wholeEvery syncs
 // it reads the published counts whole (and a holder every registration).
-// It also forgets what expired and asks the replica how far behind it is.
+// It also forgets what expired, asks the replica how far behind it is,
+// and reads the database's clock and which server answers for it.
 func (p *Propagator) GlobalSyncOnce(ctx context.Context) {
 	now := p.now().UnixMilli()
 	p.pruneMember(now)
@@ -266,6 +267,7 @@ func (p *Propagator) migrateLoop() {
 		if err == nil {
 			p.ready.Store(true)
 			p.log.Info("mysql schema ready", zap.String("database", p.addr))
+			p.firstServer(context.Background())
 			return
 		}
 		p.stats.migrateErrors.Add(1)
@@ -290,7 +292,22 @@ func (p *Propagator) MigrateOnce(ctx context.Context) error {
 		return err
 	}
 	p.ready.Store(true)
+	p.firstServer(ctx)
 	return nil
+}
+
+// firstServer reads which server the process starts on (ServerStore), so
+// that a node that takes its region's role knows it before its first
+// global sync as holder.
+func (p *Propagator) firstServer(ctx context.Context) {
+	cs, ok := p.store.(ClockStore)
+	if !ok {
+		return
+	}
+	if err := p.query(ctx, func(ctx context.Context) error { _, err := cs.Clock(ctx); return err }); err != nil {
+		return // the first global sync reads it
+	}
+	p.noteServer()
 }
 
 // Ready reports whether the schema is known to exist.

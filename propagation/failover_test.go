@@ -1,0 +1,105 @@
+package propagation
+
+import (
+	"time"
+
+	"github.com/edgelimit/caddy-ratelimit/engine"
+
+	"testing"
+
+	"github.com/edgelimit/caddy-ratelimit/internal/mysqltest"
+)
+
+// TestFailover_PublishedCountsReachTheNewPrimary: the primary dies with a
+// row of region a the replica never applied (asynchronous replication),
+// and the replica is promoted behind the same address. a's count stood
+// still since, so nothing published it again: region b, reading the new
+// primary, never saw a's 60 units for the rest of the window and admitted
+// its whole limit on top of them. A changed server under the DSN is now
+// seen at the next global sync, and every cell is published again.
+func TestFailover_PublishedCountsReachTheNewPrimary(t *testing.T) {
+	pair := mysqltest.StartPair(t)
+	primary, _ := pair.NewDatabase(t)
+	front := pair.StartFront(t)
+	s := newSetup(t)
+	s.dsn = front.DSN(primary)
+	a := s.region("a")
+	b := s.region("b")
+	a.p.GlobalSyncOnce(bg) // reads the database's clock, as every sync does
+	b.p.GlobalSyncOnce(bg)
+	pair.WaitCaughtUp(t) // the schema
+
+	pair.StopApplying(t)
+	if n := a.decide("k", 100, 60); n != 60 {
+		t.Fatalf("a admitted %d of 60", n)
+	}
+	a.p.FlushOnce(bg) // published at 60 %, on the primary only
+	if n := countRows(t, s.dsn, "ratelimit_global_counts", ""); n != 1 {
+		t.Fatalf("%d published rows on the primary, want a's 1", n)
+	}
+
+	front.Failover(t, pair)
+	if n := countRows(t, s.dsn, "ratelimit_global_counts", ""); n != 0 {
+		t.Fatalf("%d published rows on the promoted replica, want none (it never applied a's)", n)
+	}
+	for _, r := range []*region{a, b} {
+		r.p.GlobalSyncOnce(bg)
+		r.p.FlushOnce(bg)
+	}
+	b.p.FlushOnce(bg)
+	c, ok := b.eng.Inspect(key("k"))
+	var global int64
+	if ok {
+		global = c.Cells[0].Global
+	}
+	if global != 60 {
+		t.Fatalf("b's import of a's count after the failover = %d, want 60 (rows on the new primary: %d)",
+			global, countRows(t, s.dsn, "ratelimit_global_counts", ""))
+	}
+}
+
+// TestFailover_HolderPublishesItsRegionAgain: as
+// TestFailover_PublishedCountsReachTheNewPrimary, for a region with Redis,
+// whose holder publishes the region's total of each registered cell: it
+// wrote a cell again only when the total grew.
+func TestFailover_HolderPublishesItsRegionAgain(t *testing.T) {
+	pair := mysqltest.StartPair(t)
+	primary, _ := pair.NewDatabase(t)
+	front := pair.StartFront(t)
+	s := newSetup(t)
+	s.dsn = front.DSN(primary)
+	mem := newMemRegion(s.clk)
+	// The node's store is the layer's own, which reads the server_id.
+	eng := engine.New(engine.Config{Now: s.clk.Now, Manual: true})
+	eng.Zone("z", window)
+	cfg := Config{DSN: s.dsn, Region: "a", Batch: 100, Timeout: 5 * time.Second}
+	n1 := &region{eng: eng, p: s.start(eng, cfg, Options{Now: s.clk.Now, Region: memNode{mem, "n1"}})}
+	b := s.region("b")
+	n1.p.GlobalSyncOnce(bg)
+	b.p.GlobalSyncOnce(bg)
+	pair.WaitCaughtUp(t)
+
+	pair.StopApplying(t)
+	n1.decide("k", 100, 60)
+	mem.setTotal("k", 60) // what the region's Redis would hold
+	n1.p.FlushOnce(bg)    // registers k, hot at 60 %, takes the role and publishes it
+	n1.p.FlushOnce(bg)
+	if n := countRows(t, s.dsn, "ratelimit_global_counts", "WHERE region = 'a'"); n != 1 {
+		t.Fatalf("%d published rows of region a on the primary, want 1", n)
+	}
+
+	front.Failover(t, pair)
+	n1.p.GlobalSyncOnce(bg)
+	n1.p.FlushOnce(bg)
+	b.p.GlobalSyncOnce(bg)
+	b.p.FlushOnce(bg)
+	c, ok := b.eng.Inspect(key("k"))
+	var global int64
+	if ok {
+		global = c.Cells[0].Global
+	}
+	if global != 60 {
+		t.Fatalf("b's import of region a's count after the failover = %d, want 60 (rows on the new primary: %d)",
+			global, countRows(t, s.dsn, "ratelimit_global_counts", ""))
+	}
+}
