@@ -135,7 +135,7 @@ func Migrate(ctx context.Context, db *sql.DB) error {
 }
 
 // CheckSchema reports the first table or column of the schema the
-// database lacks, for mysql_migrate off: the layer is not ready, and says
+// database lacks, or has of another type, for mysql_migrate off: the layer is not ready, and says
 // why, until an operator has made the schema (SchemaSQL, the README).
 func CheckSchema(ctx context.Context, db *sql.DB) error {
 	for _, stmt := range schema {
@@ -144,19 +144,19 @@ func CheckSchema(ctx context.Context, db *sql.DB) error {
 			continue
 		}
 		table := m[1]
-		rows, err := db.QueryContext(ctx, `SELECT column_name FROM information_schema.columns
+		rows, err := db.QueryContext(ctx, `SELECT column_name, data_type FROM information_schema.columns
   WHERE table_schema = DATABASE() AND table_name = ?`, table)
 		if err != nil {
 			return fmt.Errorf("schema check: look for %s: %w", table, err)
 		}
-		have := map[string]bool{}
+		have := map[string]string{} // column → its type
 		for rows.Next() {
-			var c string
-			if err := rows.Scan(&c); err != nil {
+			var c, typ string
+			if err := rows.Scan(&c, &typ); err != nil {
 				_ = rows.Close()
 				return fmt.Errorf("schema check: look for %s: %w", table, err)
 			}
-			have[strings.ToLower(c)] = true
+			have[strings.ToLower(c)] = strings.ToLower(typ)
 		}
 		err = rows.Err()
 		_ = rows.Close()
@@ -166,9 +166,17 @@ func CheckSchema(ctx context.Context, db *sql.DB) error {
 		if len(have) == 0 {
 			return fmt.Errorf("schema check: table %s is missing, and mysql_migrate is off: create the schema (the README's statements)", table)
 		}
+		// A byte column made as text is compared under its collation:
+		// MySQL's and MariaDB's defaults ignore case and trailing spaces,
+		// so "Key" and "key" would share a row, one identifier's count
+		// landing on the other's.
 		for _, c := range columnName.FindAllStringSubmatch(stmt, -1) {
-			if !have[c[1]] {
+			typ, ok := have[c[1]]
+			if !ok {
 				return fmt.Errorf("schema check: column %s.%s is missing, and mysql_migrate is off: make the schema as the README's statements do", table, c[1])
+			}
+			if want := strings.ToLower(c[2]); typ != want {
+				return fmt.Errorf("schema check: column %s.%s is %s, want %s, and mysql_migrate is off: make the schema as the README's statements do (a text column's collation merges identifiers that differ in case or trailing spaces)", table, c[1], typ, want)
 			}
 		}
 	}
@@ -176,10 +184,10 @@ func CheckSchema(ctx context.Context, db *sql.DB) error {
 }
 
 // tableName finds the table a CREATE TABLE statement makes, columnName
-// each of its columns.
+// each of its columns and its type.
 var (
 	tableName  = regexp.MustCompile(`CREATE TABLE IF NOT EXISTS (\w+)`)
-	columnName = regexp.MustCompile(`(?m)^  (\w+) +(?:VARBINARY|BIGINT|TINYINT)`)
+	columnName = regexp.MustCompile(`(?m)^  (\w+) +(VARBINARY|BIGINT|TINYINT)`)
 )
 
 // isDuplicate reports a column or key that another node added first.

@@ -111,3 +111,75 @@ func TestMigrate_OffChecksTheSchema(t *testing.T) {
 		t.Fatalf("with the schema whole: %v, ready %v", err, p.Stats().Ready)
 	}
 }
+
+// TestSchema_IdentifiersThatACollationWouldMergeStayApart: MariaDB's and
+// MySQL's default collations compare case-insensitively and (PAD SPACE)
+// ignore trailing spaces, so in a text column "Key" and "key", or "x" and
+// "x ", would be one primary key, and one region's count would land on the
+// other's row. The byte columns keep every such pair apart: each of two
+// regions publishes one of each pair, and a third imports all eight
+// counts, each under its own identifier.
+func TestSchema_IdentifiersThatACollationWouldMergeStayApart(t *testing.T) {
+	s := newSetup(t)
+	a, b, c := s.region("a"), s.region("b"), s.region("c")
+	pairs := [][2]string{{"Key", "key"}, {"x", "x "}, {"y", "y\x00"}, {"\xc3\xa9", "e"}, {"\xff", "\xfe"}}
+	for i, pair := range pairs {
+		n := int64(30 + 5*i) // a count of its own per pair
+		if got := a.decide(pair[0], 100, int(n)); int64(got) != n {
+			t.Fatalf("a admitted %d of %d for %q", got, n, pair[0])
+		}
+		if got := b.decide(pair[1], 100, int(n+1)); int64(got) != n+1 {
+			t.Fatalf("b admitted %d of %d for %q", got, n+1, pair[1])
+		}
+	}
+	for _, r := range []*region{a, b} {
+		r.p.GlobalSyncOnce(bg)
+		r.p.FlushOnce(bg)
+	}
+	if n := countRows(t, s.dsn, "ratelimit_global_counts", ""); n != 2*len(pairs) {
+		t.Fatalf("%d published rows, want %d: identifiers merged in the key", n, 2*len(pairs))
+	}
+	c.p.FlushOnce(bg)
+	for i, pair := range pairs {
+		n := int64(30 + 5*i)
+		for j, id := range pair {
+			if got := c.cell(t, id, seq0).Global; got != n+int64(j) {
+				t.Errorf("c's import of %q = %d, want %d", id, got, n+int64(j))
+			}
+		}
+	}
+}
+
+// TestMigrate_OffRejectsTextColumns: with mysql_migrate off the operator
+// makes the schema; a byte column made as text (VARCHAR, whose default
+// collation ignores case and trailing spaces) merged "Key" and "key" into
+// one row, one region's count landing on another identifier's. The check
+// found the columns by name only, and the layer ran on such a table; it
+// now wants each column of the type the README's statements give it.
+func TestMigrate_OffRejectsTextColumns(t *testing.T) {
+	s := newSetup(t)
+	db := mysqltest.Open(t, s.dsn)
+	if err := Migrate(bg, db); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.Exec(`ALTER TABLE ratelimit_global_counts MODIFY identifier VARCHAR(128) NOT NULL`); err != nil {
+		t.Fatal(err)
+	}
+	eng := engine.New(engine.Config{Manual: true})
+	t.Cleanup(func() { _ = eng.Close(bg) })
+	p, err := New(Config{DSN: s.dsn, Region: "a", Batch: 100, Timeout: 5 * time.Second, NoMigrate: true}, eng, Options{Logger: zap.NewNop()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { p.Stop(bg) })
+	err = p.MigrateOnce(bg)
+	if err == nil || !strings.Contains(err.Error(), "column ratelimit_global_counts.identifier is varchar, want varbinary") {
+		t.Fatalf("with a text identifier column and mysql_migrate off: %v (ready %v)", err, p.Stats().Ready)
+	}
+	if _, err := db.Exec(`ALTER TABLE ratelimit_global_counts MODIFY identifier VARBINARY(128) NOT NULL`); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.MigrateOnce(bg); err != nil || !p.Stats().Ready {
+		t.Fatalf("with the schema as the README makes it: %v, ready %v", err, p.Stats().Ready)
+	}
+}
