@@ -301,8 +301,8 @@ func (p *Propagator) MigrateOnce(ctx context.Context) error {
 // global sync as holder.
 func (p *Propagator) firstServer(ctx context.Context) {
 	cs, ok := p.store.(ClockStore)
-	if !ok {
-		return
+	if _, names := p.store.(ServerStore); !ok || !names {
+		return // a store that names no server gets no extra statement
 	}
 	if err := p.query(ctx, func(ctx context.Context) error { _, err := cs.Clock(ctx); return err }); err != nil {
 		return // the first global sync reads it
