@@ -279,7 +279,11 @@ func BenchmarkHandler_RuntimeOverrides(b *testing.B) {
 		name   string
 		loaded int
 		own    bool
-	}{{"none", 0, false}, {"10000_other_keys", 10_000, false}, {"10000_own_key", 10_000, true}} {
+		// expires: the own key's override has an expiry, which the
+		// request path judges on the region's clock.
+		expires bool
+	}{{"none", 0, false, false}, {"10000_other_keys", 10_000, false, false}, {"10000_own_key", 10_000, true, false},
+		{"10000_own_key_expiring", 10_000, true, true}} {
 		b.Run(bc.name, func(b *testing.B) {
 			overrides.mu.Lock()
 			overrides.recs = map[overrideKey]overrideRec{}
@@ -295,7 +299,11 @@ func BenchmarkHandler_RuntimeOverrides(b *testing.B) {
 				recs = append(recs, overrideRec{Zone: "a", Identifier: "other-" + strconv.Itoa(i), Limit: 1 << 50, Version: 1})
 			}
 			if bc.own {
-				recs = append(recs, overrideRec{Zone: "a", Identifier: "203.0.113.7", Limit: 1 << 50, Version: 1})
+				own := overrideRec{Zone: "a", Identifier: "203.0.113.7", Limit: 1 << 50, Version: 1}
+				if bc.expires {
+					own.ExpiresMs = time.Now().Add(time.Hour).UnixMilli()
+				}
+				recs = append(recs, own)
 			}
 			overrides.merge(recs)
 			serveOne := warmRequest(b, "off", 1)

@@ -22,9 +22,10 @@ import (
 // (ratelimit_overrides, carried by the region's role holder like the
 // counts); with Redis only, the region (a hash in its Redis, whose every
 // change is announced to the region's nodes: overrides_sync.go);
-// local-only, this process. Every change has a version (its time in µs),
-// and every copy keeps the newest, so nodes that hear changes in
-// different orders end the same.
+// local-only, this process. Every change has a version (its time in µs
+// on the region's clock: regionClock), and every copy keeps the newest,
+// so nodes that hear changes in different orders end the same. Expiry is
+// judged on the region's clock too.
 
 // overrideRec is one override, or its removal.
 type overrideRec struct {
@@ -158,6 +159,32 @@ func recOfRow(o *propagation.OverrideRow) overrideRec {
 		Reason: o.Reason, Region: o.Region, CreatedMs: created, Version: o.Version, Deleted: o.Deleted, Reset: reset, Form: form}
 }
 
+// regionClock is the clock overrides are judged and stamped on: the
+// engine's, which is the region's (Redis's, as the heartbeats measure it)
+// with Redis and the process's without, or the process's while no engine
+// runs. On the process's clock, two nodes of a region whose clocks were
+// 30 s apart disagreed for 30 s on whether an override with an expiry
+// applied: the node ahead took it for lapsed as it heard of it
+// (TestOverrides_ANodeAheadAppliesAnOverrideUntilTheRegionsExpiry), the
+// node behind applied it 30 s past it
+// (TestOverrides_ANodeBehindStopsApplyingAnOverrideAtTheRegionsExpiry).
+type regionClock struct{ e atomic.Pointer[engine.Engine] }
+
+// nowMs is the clock in Unix ms. The request path reads it when an
+// override it found has an expiry: an atomic load and the engine's clock.
+func (c *regionClock) nowMs() int64 {
+	if e := c.e.Load(); e != nil {
+		return e.NowMs()
+	}
+	return time.Now().UnixMilli()
+}
+
+// use makes e's clock the overrides' (acquireState).
+func (c *regionClock) use(e *engine.Engine) { c.e.Store(e) }
+
+// drop goes back to the process's clock when e, closed, was the one used.
+func (c *regionClock) drop(e *engine.Engine) { c.e.CompareAndSwap(e, nil) }
+
 // overrideKey names an override in the book.
 type overrideKey struct{ zone, id string }
 
@@ -169,6 +196,8 @@ type overrideSet struct {
 	// HMAC under identifier_secret); nil when stored as they are.
 	mapID func(string) string
 	n     int
+	// clock judges the overrides' expiry: the book's.
+	clock *regionClock
 }
 
 type overrideLimit struct {
@@ -211,7 +240,7 @@ func (s *overrideSet) find(zm map[string]overrideLimit, norm string) (int64, boo
 		norm = s.mapID(norm)
 	}
 	o, ok := zm[norm]
-	if !ok || (o.expiresMs != 0 && time.Now().UnixMilli() >= o.expiresMs) {
+	if !ok || (o.expiresMs != 0 && s.clock.nowMs() >= o.expiresMs) {
 		return 0, false
 	}
 	return o.limit, true
@@ -230,6 +259,9 @@ type overrideBook struct {
 	// loaded (origin.Redis.String), sourceNode while the process counts
 	// alone, "" before either.
 	from string
+
+	// clock is the region's clock, which every record is judged on.
+	clock regionClock
 
 	set atomic.Pointer[overrideSet]
 	// loading is set while a process's first load from its backends runs:
@@ -284,8 +316,8 @@ func (b *overrideBook) get(zone, id string) (overrideRec, bool) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	r, ok := b.recs[overrideKey{(&overrideRec{Zone: zone, Form: b.form}).bookZone(), id}]
-	if b.form != "" && (!ok || !r.live(time.Now().UnixMilli())) {
-		if old, found := b.recs[overrideKey{zone, id}]; found && (!ok || old.live(time.Now().UnixMilli())) {
+	if b.form != "" && (!ok || !r.live(b.clock.nowMs())) {
+		if old, found := b.recs[overrideKey{zone, id}]; found && (!ok || old.live(b.clock.nowMs())) {
 			return old, true
 		}
 	}
@@ -302,7 +334,7 @@ func (b *overrideBook) olderForm(zone, id string) (overrideRec, bool) {
 		return overrideRec{}, false
 	}
 	r, ok := b.recs[overrideKey{zone, id}]
-	return r, ok && r.live(time.Now().UnixMilli())
+	return r, ok && r.live(b.clock.nowMs())
 }
 
 // applies reports whether r is of the book's form, or of no form (a
@@ -326,7 +358,7 @@ func (b *overrideBook) applies(r *overrideRec) bool {
 func (b *overrideBook) live(zone, prefix string) []overrideRec {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	now := time.Now().UnixMilli()
+	now := b.clock.nowMs()
 	var out []overrideRec
 	for k, r := range b.recs {
 		if r.Zone == zone && !r.Reset && b.applies(&r) && strings.HasPrefix(k.id, prefix) && r.live(now) {
@@ -368,7 +400,7 @@ func (b *overrideBook) setSource(from string) {
 // version: the region's wins, older or newer. Resets it had not heard of
 // go to onResets, as merge's do.
 func (b *overrideBook) replace(recs []overrideRec, from string) int {
-	now := time.Now().UnixMilli()
+	now := b.clock.nowMs()
 	b.mu.Lock()
 	next := make(map[overrideKey]overrideRec, len(recs))
 	var resets []overrideRec
@@ -422,8 +454,8 @@ func (b *overrideBook) prune(now int64) []overrideRec {
 
 // publishLocked rebuilds the request path's set from the live overrides.
 func (b *overrideBook) publishLocked() {
-	now := time.Now().UnixMilli()
-	s := &overrideSet{zones: map[string]map[string]overrideLimit{}, mapID: b.mapID}
+	now := b.clock.nowMs()
+	s := &overrideSet{zones: map[string]map[string]overrideLimit{}, mapID: b.mapID, clock: &b.clock}
 	for k, r := range b.recs {
 		if r.Reset || !r.live(now) || !b.applies(&r) {
 			continue

@@ -101,7 +101,7 @@ func (a *AdminAPI) handleOverrides(w http.ResponseWriter, r *http.Request) error
 		return deleteOverride(w, r, st, zoneName, stored)
 	}
 	rec, ok := overrides.get(zoneName, stored)
-	if !ok || !rec.live(time.Now().UnixMilli()) {
+	if !ok || !rec.live(st.engine.NowMs()) {
 		return errNoOverride(zoneName)
 	}
 	return writeJSON(w, docOf(rec))
@@ -204,7 +204,9 @@ func checkOverrideNames(raw []byte) error {
 }
 
 func putOverride(w http.ResponseWriter, r *http.Request, st *state, zoneName, id string) error {
-	now := time.Now()
+	// The region's clock (the engine's): what the region's nodes judge
+	// the expiry on, and what orders its changes.
+	now := st.engine.Now()
 	body, err := readOverrideBody(r, now)
 	if err != nil {
 		return err
@@ -238,7 +240,7 @@ func removeOlderForm(ctx context.Context, st *state, zoneName, id string, now ti
 }
 
 func deleteOverride(w http.ResponseWriter, r *http.Request, st *state, zoneName, id string) error {
-	now := time.Now()
+	now := st.engine.Now() // the region's clock, as in putOverride
 	old, ok := overrides.get(zoneName, id)
 	if !ok || !old.live(now.UnixMilli()) {
 		return errNoOverride(zoneName)

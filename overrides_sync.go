@@ -237,8 +237,11 @@ func (b *redisBackend) watchOverrides(st *state, stop <-chan struct{}) {
 
 // writeBackMargin: a record that lapses within it is not written back.
 // It would lapse everywhere by then, and a node whose clock runs ahead
-// (a region's clocks differ by less) that dropped it from the region
-// would only see it written back again.
+// that dropped it from the region would only see it written back again.
+// Lapse is judged on the region's clock (lapseClockMs), as a load judges
+// it: the margin covers what a node's offset to the region's clock is
+// wrong by (a heartbeat's round trip, its deadband), not a node's clock
+// that runs a minute ahead.
 const writeBackMargin = time.Minute
 
 // regionWatch is what a node knows of the region's overrides between two
@@ -377,7 +380,7 @@ func (w *regionWatch) writeBack(now time.Time, why string) error {
 			zap.String("why", why), zap.Time("last_read", w.synced))
 		return nil
 	}
-	recs := overrides.unexpired(now.Add(writeBackMargin).UnixMilli())
+	recs := overrides.unexpired(w.lapseClockMs() + writeBackMargin.Milliseconds())
 	global := w.global()
 	var queued, kept []origin.Override
 	for _, r := range recs {
@@ -435,7 +438,7 @@ func mysqlOverrideHooks(opts *propagation.Options) {
 			recs[i] = recOfRow(&rows[i])
 		}
 		overrides.merge(recs)
-		overrides.prune(time.Now().UnixMilli())
+		overrides.prune(overrides.clock.nowMs())
 	}
 }
 

@@ -80,6 +80,7 @@ func acquireState(a *App) (*state, error) {
 		st.sized = cfg
 		st.engine = engine.New(cfg)
 		st.startedMs = st.engine.ProcessClock()().UnixMilli()
+		overrides.clock.use(st.engine)
 		return st, nil
 	})
 	if err != nil {
@@ -139,6 +140,7 @@ func releaseState() error {
 func (s *state) Destruct() error {
 	ctx, cancel := context.WithTimeout(context.Background(), closeTimeout)
 	defer cancel()
+	overrides.clock.drop(s.engine)
 	if err := s.engine.Close(ctx); err != nil {
 		return fmt.Errorf("closing ratelimit engine: %w", err)
 	}
