@@ -452,6 +452,16 @@ func (b *overrideBook) prune(now int64) []overrideRec {
 	return gone
 }
 
+// republish rebuilds the request path's set on the clock of now: the
+// set holds what was live when it was built, and an override that had
+// lapsed then on a clock since stepped back (a node's first measurement
+// of Redis's clock, behind its own) applies again.
+func (b *overrideBook) republish() {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.publishLocked()
+}
+
 // publishLocked rebuilds the request path's set from the live overrides.
 func (b *overrideBook) publishLocked() {
 	now := b.clock.nowMs()

@@ -159,3 +159,38 @@ func TestOverrides_ExpiryOnTheEnginesClockAllocatesNothing(t *testing.T) {
 		t.Errorf("%.1f allocations per request under an expiring override, want at most %d", got, placeholderAllocs)
 	}
 }
+
+// TestOverrides_AnOverrideHeardBeforeTheFirstHeartbeatAppliesOnceTheClockIsKnown:
+// a node whose clock runs 30 s ahead of its Redis loads the region's
+// overrides before a heartbeat has measured Redis's clock (its Redis was
+// slow: every reading too slow to use), so on its own clock, where an
+// override with 25 s to run on the region's clock has lapsed. When a
+// heartbeat then measures the offset, the node must apply the override:
+// the set the request path reads was built once, on the clock of then,
+// and left it out until the next change.
+func TestOverrides_AnOverrideHeardBeforeTheFirstHeartbeatAppliesOnceTheClockIsKnown(t *testing.T) {
+	resetOverrides(t)
+	const ahead = 30 * time.Second
+	if n, ok := pool.References(poolKey); ok {
+		t.Fatalf("engine pool still has %d users from an earlier test", n)
+	}
+	useEngineClock(t, func() time.Time { return time.Now().Add(ahead) })
+	srv := redistest.Start(t)
+	other, _ := otherNode(t, srv)
+	proxy := redistest.StartDelayProxy(t, srv.Addr(), 150*time.Millisecond)
+	global := fmt.Sprintf("\tratelimit {\n\t\tregion ov-test\n\t\tredis %s\n\t\tfast_tick 10ms\n\t}", proxy.URL())
+	_, _, base := startCaddy(t, overrideConfig(global))
+	st := lookupState()
+	putOnRegionClock(t, other, time.Now(), "first-beat", 25*time.Second) // Redis's clock is this machine's
+	if d := st.engine.ClockOffset(); d != 0 {
+		t.Fatalf("the engine took offset %s through a slow Redis: the test races nothing", d)
+	}
+	proxy.SetDelay(0)
+	redistest.EventuallyShow(t, 10*time.Second, "a heartbeat measures Redis's clock", func() (bool, string) {
+		d := st.engine.ClockOffset()
+		return (d + ahead).Abs() < 200*time.Millisecond, d.String()
+	})
+	if n := admitted(t, base, "first-beat", 1); n != 0 {
+		t.Fatalf("admitted %d of 1 for a key the region blocks for 20 s more, once the node decides on the region's clock", n)
+	}
+}

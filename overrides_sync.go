@@ -181,7 +181,8 @@ func loadRegionOverrides(ctx context.Context, o *origin.Redis, nowMs func() int6
 // by its Cleanup, which may run while a look is under way.
 func (b *redisBackend) watchOverrides(st *state, stop <-chan struct{}) {
 	w := &regionWatch{o: b.origin, log: b.a.logger, readTimeout: b.timing.ReadTimeout,
-		global: func() bool { return overrideScope(st) == scopeGlobal }, regionNow: st.engine.Now}
+		global: func() bool { return overrideScope(st) == scopeGlobal }, regionNow: st.engine.Now,
+		clockKnown: func() bool { _, ok := b.origin.ClockOffset(); return ok }}
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	wake := make(chan struct{}, 1)
@@ -238,8 +239,8 @@ func (b *redisBackend) watchOverrides(st *state, stop <-chan struct{}) {
 // writeBackMargin: a record that lapses within it is not written back.
 // It would lapse everywhere by then, and a node whose clock runs ahead
 // that dropped it from the region would only see it written back again.
-// Lapse is judged on the region's clock (lapseClockMs), as a load judges
-// it: the margin covers what a node's offset to the region's clock is
+// Lapse is judged on the region's clock (regionWatch.nowMs), as a load
+// judges it: the margin covers what a node's offset to the region's clock is
 // wrong by (a heartbeat's round trip, its deadband), not a node's clock
 // that runs a minute ahead.
 const writeBackMargin = time.Minute
@@ -264,15 +265,42 @@ type regionWatch struct {
 	// regionNow is the region's clock (the engine's, Redis's with Redis);
 	// nil for time.Now.
 	regionNow func() time.Time
+	// clockKnown tells whether regionNow is Redis's clock yet: false until
+	// a heartbeat measured it (engine.Now is this node's own clock until
+	// then). nil for known.
+	clockKnown func() bool
 }
+
+// unmeasuredLapseMargin is how long past its expiry a record must be, on
+// a node's own clock, for a load to drop it (from the book and from the
+// region) before a heartbeat measured Redis's clock. A node starts by
+// loading the region's overrides, at the time of its first heartbeat: a
+// node 30 s ahead of its Redis whose load came first dropped an
+// override with 25 s to run from the region, for every node
+// (TestOverrides_AnOverrideHeardBeforeTheFirstHeartbeatAppliesOnceTheClockIsKnown).
+// What is kept a while longer lapses all the same: each node judges a
+// record's expiry itself, and a later load, once the clock is known,
+// drops it. An hour: far past the offsets the heartbeats correct (the
+// README's 1–30 s), and a lapsed record costs only its bytes meanwhile.
+const unmeasuredLapseMargin = time.Hour
 
 // lapseClockMs is the clock the records' lapse is judged on (Unix ms):
 // the region's, which resets are stamped with (resetKey). On this node's
 // own clock, a node 30 s ahead of its Redis took a reset of a 10 s window
 // (it lives 20 s) for lapsed as it read it, and dropped it from the
 // region before the other nodes heard of it
-// (TestOverrides_ALoadJudgesLapseOnTheRegionsClock).
+// (TestOverrides_ALoadJudgesLapseOnTheRegionsClock). Until a heartbeat
+// measured Redis's clock it is an hour behind this node's own
+// (unmeasuredLapseMargin).
 func (w *regionWatch) lapseClockMs() int64 {
+	if w.clockKnown != nil && !w.clockKnown() {
+		return w.nowMs() - unmeasuredLapseMargin.Milliseconds()
+	}
+	return w.nowMs()
+}
+
+// nowMs is regionNow in Unix ms.
+func (w *regionWatch) nowMs() int64 {
 	if w.regionNow != nil {
 		return w.regionNow().UnixMilli()
 	}
@@ -380,7 +408,7 @@ func (w *regionWatch) writeBack(now time.Time, why string) error {
 			zap.String("why", why), zap.Time("last_read", w.synced))
 		return nil
 	}
-	recs := overrides.unexpired(w.lapseClockMs() + writeBackMargin.Milliseconds())
+	recs := overrides.unexpired(w.nowMs() + writeBackMargin.Milliseconds())
 	global := w.global()
 	var queued, kept []origin.Override
 	for _, r := range recs {

@@ -256,6 +256,7 @@ func (b *redisBackend) useClock(st *state) {
 		return
 	}
 	st.engine.SetClockOffset(d)
+	overrides.republish() // what is live changed with the clock
 	fields := []zap.Field{zap.Duration("offset", d), zap.Duration("was", old), zap.String("redis", b.origin.String())}
 	if d.Abs() >= clockWarnAt {
 		b.a.logger.Warn("this node's clock is off Redis's: deciding on Redis's clock, as the region's other nodes do (check NTP)", fields...)
