@@ -153,6 +153,9 @@ type redisBackend struct {
 	// stopOverrides ends the watch of the region's runtime overrides;
 	// watchEnded is closed when it has.
 	stopOverrides, watchEnded chan struct{}
+	// watchState is the state the watch began on (close reads whether
+	// that state still uses a Redis once the watch has ended).
+	watchState *state
 	// ownsLoad: provisioning began the process's first load of the
 	// overrides, which the watch ends once started; started: it did.
 	ownsLoad, started bool
@@ -208,6 +211,7 @@ func (b *redisBackend) start() {
 	startedOrigin(b.origin)
 	b.stopOverrides, b.watchEnded = make(chan struct{}), make(chan struct{})
 	st := b.a.state
+	b.watchState = st
 	go func() {
 		defer close(b.watchEnded)
 		b.watchOverrides(st, b.stopOverrides)
@@ -362,6 +366,17 @@ func (b *redisBackend) close() {
 			b.a.logger.Warn("the watch of the region's runtime overrides did not end within 5 s of its config's unload")
 		}
 		t.Stop()
+		// A reload to a config without Redis makes the book the node's
+		// (unuse) before the old config's watch stops: a load that ended
+		// in between recorded this Redis as the book's source again, and
+		// the next config with it loaded the region's overrides beside
+		// the node's own instead of joining the region, whose other
+		// nodes never saw those (TestOverrides_ANodeJoiningTheRegionTakesItsOverrides,
+		// now and then). Once the watch has ended, a state that uses no
+		// Redis has the node's book.
+		if st := b.watchState; st != nil && st.currentOrigin() == nil {
+			overrides.setSource(sourceNode)
+		}
 	}
 	retireOrigin(b.origin)
 	if b.started && caddy.Exiting() {
