@@ -204,16 +204,7 @@ func TestRedisOption_ErrorsNeverQuoteAPassword(t *testing.T) {
 		"redis_cluster redis://:hunter2-secret@127.0.0.1:7000 rediss://:other@127.0.0.1:7001",
 	} {
 		src := "{\n\tratelimit {\n\t\t" + line + "\n\t}\n}\n:8080 {\n\trespond ok\n}\n"
-		_, err := adapt(t, src)
-		if err == nil {
-			t.Fatalf("%q adapted without error", line)
-		}
-		if strings.Contains(err.Error(), "hunter2-secret") {
-			t.Fatalf("error quotes the password: %v", err)
-		}
-		if !strings.Contains(err.Error(), "Caddyfile:3") {
-			t.Fatalf("error does not name the line: %v", err)
-		}
+		failsOnLine3WithoutThePassword(t, line, src)
 	}
 }
 
@@ -232,18 +223,26 @@ func TestMySQLOption_ALiteralDSNFailsAdapt(t *testing.T) {
 		if strings.HasPrefix(line, "mysql_read") {
 			src = strings.Replace(src, "mysql_flush 1s", "mysql {env.MYSQL_DSN}", 1)
 		}
-		_, err := adapt(t, src)
-		if err == nil {
-			t.Fatalf("%q adapted without error", line)
-		}
-		if strings.Contains(err.Error(), "hunter2-secret") {
-			t.Fatalf("error quotes the password: %v", err)
-		}
-		if !strings.Contains(err.Error(), "Caddyfile:3") {
-			t.Fatalf("error does not name the line: %v", err)
-		}
+		failsOnLine3WithoutThePassword(t, line, src)
 	}
 	if _, err := adapt(t, "{\n\tratelimit {\n\t\tregion r\n\t\tmysql {env.MYSQL_DSN}\n\t\tmysql_read root:pw@tcp(127.0.0.1:3306)/db\n\t}\n}\n"); err != nil {
 		t.Fatalf("a placeholder DSN beside a good literal one: %v", err)
+	}
+}
+
+// failsOnLine3WithoutThePassword fails the test unless src, whose third
+// line is line, fails to adapt with an error that names that line and
+// does not quote the password "hunter2-secret".
+func failsOnLine3WithoutThePassword(t *testing.T, line, src string) {
+	t.Helper()
+	_, err := adapt(t, src)
+	if err == nil {
+		t.Fatalf("%q adapted without error", line)
+	}
+	if strings.Contains(err.Error(), "hunter2-secret") {
+		t.Fatalf("error quotes the password: %v", err)
+	}
+	if !strings.Contains(err.Error(), "Caddyfile:3") {
+		t.Fatalf("error does not name the line: %v", err)
 	}
 }

@@ -466,12 +466,8 @@ func TestEvict_CloseSendsUnitsOnlyTheGravesHold(t *testing.T) {
 func TestEvict_EveryUnitIsSentOrCountedAsLost(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		const keys = 30_000
-		e := New(Config{MaxEntries: 1000, Now: time.Now})
+		e, o := smallQueuesEngine()
 		defer e.Close(bg)
-		e.queueLen = 64
-		e.queues.Store(&replayQueues{slow: newQueue(e.queueLen), fast: newQueue(e.queueLen)})
-		o := newMemOrigin()
-		e.SetOrigin(o)
 		for i := range keys {
 			if i == keys/4 {
 				o.down.Store(true)
@@ -508,12 +504,8 @@ func TestEvict_EveryUnitIsSentOrCountedAsLost(t *testing.T) {
 func TestEngine_EveryUnitIsSentOrCountedAsLostAcrossWindows(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		const keys, requests = 3000, 40_000
-		e := New(Config{MaxEntries: 1000, Now: time.Now})
+		e, o := smallQueuesEngine()
 		defer e.Close(bg)
-		e.queueLen = 64
-		e.queues.Store(&replayQueues{slow: newQueue(e.queueLen), fast: newQueue(e.queueLen)})
-		o := newMemOrigin()
-		e.SetOrigin(o)
 		admitted := int64(0)
 		for i := range requests {
 			switch i {
@@ -545,4 +537,15 @@ func TestEngine_EveryUnitIsSentOrCountedAsLostAcrossWindows(t *testing.T) {
 			t.Fatalf("%d units sent and %d counted as lost, of %d admitted", sent, st.LostUnits, admitted)
 		}
 	})
+}
+
+// smallQueuesEngine is an engine on the real clock (inside a bubble),
+// capped at 1,000 keys, whose replay queues hold 64 cells, on an origin.
+func smallQueuesEngine() (*Engine, *memOrigin) {
+	e := New(Config{MaxEntries: 1000, Now: time.Now})
+	e.queueLen = 64
+	e.queues.Store(&replayQueues{slow: newQueue(e.queueLen), fast: newQueue(e.queueLen)})
+	o := newMemOrigin()
+	e.SetOrigin(o)
+	return e, o
 }
