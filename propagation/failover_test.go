@@ -47,15 +47,7 @@ func TestFailover_PublishedCountsReachTheNewPrimary(t *testing.T) {
 		r.p.FlushOnce(bg)
 	}
 	b.p.FlushOnce(bg)
-	c, ok := b.eng.Inspect(key("k"))
-	var global int64
-	if ok {
-		global = c.Cells[0].Global
-	}
-	if global != 60 {
-		t.Fatalf("b's import of a's count after the failover = %d, want 60 (rows on the new primary: %d)",
-			global, countRows(t, s.dsn, "ratelimit_global_counts", ""))
-	}
+	importsAfterFailover(t, b, s.dsn, 60)
 }
 
 // TestFailover_HolderPublishesItsRegionAgain: as
@@ -93,13 +85,20 @@ func TestFailover_HolderPublishesItsRegionAgain(t *testing.T) {
 	n1.p.FlushOnce(bg)
 	b.p.GlobalSyncOnce(bg)
 	b.p.FlushOnce(bg)
+	importsAfterFailover(t, b, s.dsn, 60)
+}
+
+// importsAfterFailover fails the test unless region b imports want for
+// key k, what region a published, from the database at dsn.
+func importsAfterFailover(t *testing.T, b *region, dsn string, want int64) {
+	t.Helper()
 	c, ok := b.eng.Inspect(key("k"))
 	var global int64
 	if ok {
 		global = c.Cells[0].Global
 	}
-	if global != 60 {
-		t.Fatalf("b's import of region a's count after the failover = %d, want 60 (rows on the new primary: %d)",
-			global, countRows(t, s.dsn, "ratelimit_global_counts", ""))
+	if global != want {
+		t.Fatalf("b's import of region a's count after the failover = %d, want %d (rows on the new primary: %d)",
+			global, want, countRows(t, dsn, "ratelimit_global_counts", ""))
 	}
 }
