@@ -77,14 +77,8 @@ func TestMigrate_IdempotentAndBinaryColumns(t *testing.T) {
 // ready at once, and every statement then failed on the missing tables.
 func TestMigrate_OffChecksTheSchema(t *testing.T) {
 	s := newSetup(t)
-	eng := engine.New(engine.Config{Manual: true})
-	t.Cleanup(func() { _ = eng.Close(bg) })
-	p, err := New(Config{DSN: s.dsn, Region: "a", Batch: 100, Timeout: 5 * time.Second, NoMigrate: true}, eng, Options{Logger: zap.NewNop()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { p.Stop(bg) })
-	err = p.MigrateOnce(bg)
+	p := noMigrate(t, s.dsn)
+	err := p.MigrateOnce(bg)
 	if err == nil || !strings.Contains(err.Error(), "table ratelimit_blocklist is missing, and mysql_migrate is off") {
 		t.Fatalf("with no tables and mysql_migrate off: %v", err)
 	}
@@ -165,14 +159,8 @@ func TestMigrate_OffRejectsTextColumns(t *testing.T) {
 	if _, err := db.Exec(`ALTER TABLE ratelimit_global_counts MODIFY identifier VARCHAR(128) NOT NULL`); err != nil {
 		t.Fatal(err)
 	}
-	eng := engine.New(engine.Config{Manual: true})
-	t.Cleanup(func() { _ = eng.Close(bg) })
-	p, err := New(Config{DSN: s.dsn, Region: "a", Batch: 100, Timeout: 5 * time.Second, NoMigrate: true}, eng, Options{Logger: zap.NewNop()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { p.Stop(bg) })
-	err = p.MigrateOnce(bg)
+	p := noMigrate(t, s.dsn)
+	err := p.MigrateOnce(bg)
 	if err == nil || !strings.Contains(err.Error(), "column ratelimit_global_counts.identifier is varchar, want varbinary") {
 		t.Fatalf("with a text identifier column and mysql_migrate off: %v (ready %v)", err, p.Stats().Ready)
 	}
@@ -182,4 +170,18 @@ func TestMigrate_OffRejectsTextColumns(t *testing.T) {
 	if err := p.MigrateOnce(bg); err != nil || !p.Stats().Ready {
 		t.Fatalf("with the schema as the README makes it: %v, ready %v", err, p.Stats().Ready)
 	}
+}
+
+// noMigrate is a propagator of region a on dsn with mysql_migrate off,
+// stopped (and its engine closed) when the test ends.
+func noMigrate(t *testing.T, dsn string) *Propagator {
+	t.Helper()
+	eng := engine.New(engine.Config{Manual: true})
+	t.Cleanup(func() { _ = eng.Close(bg) })
+	p, err := New(Config{DSN: dsn, Region: "a", Batch: 100, Timeout: 5 * time.Second, NoMigrate: true}, eng, Options{Logger: zap.NewNop()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { p.Stop(bg) })
+	return p
 }
