@@ -2,6 +2,8 @@ package origin
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"strconv"
 	"strings"
 	"sync"
@@ -20,6 +22,13 @@ import (
 // Cluster, the address of the slots' master): the replica may have missed
 // the last writes, and sending the totals again re-adds exactly those, a
 // no-op when it has them all.
+// An operator's FLUSHALL or FLUSHDB empties a server as a restart does, and
+// keeps its run ID: so the watch also keeps a mark in each server (a key
+// holding a random value, markKey), which a flush takes away, and a mark
+// missing or changed is a restart too. A mark an evicting Redis dropped
+// is one as well: it lost counts then, and sending the totals again
+// repairs those of the live cells. (Not in a Cluster, whose masters would
+// each need a key of their own slots.)
 // The runtime overrides were lost with the totals: their owner's watch
 // of them reads Restarts, as well as the region's mark of them
 // (OverridesState), and writes back those its node holds.
@@ -37,7 +46,7 @@ func (r *Redis) WatchRestarts(interval time.Duration, onRestart func()) {
 	if interval <= 0 || onRestart == nil {
 		return
 	}
-	w := &restartWatch{r: r, seen: map[string]string{}}
+	w := &restartWatch{r: r, seen: map[string]string{}, marks: map[string]string{}}
 	go func() {
 		t := time.NewTicker(interval)
 		defer t.Stop()
@@ -72,6 +81,8 @@ type restartWatch struct {
 	// masters holds, per Cluster endpoint, the addresses of the masters
 	// that served its slots at the last check that read the slot map.
 	masters map[*endpoint]map[string]bool
+	// marks holds the mark seen in each server, by address (markKey).
+	marks map[string]string
 }
 
 // check reads every server's run ID and reports whether one changed. A
@@ -122,6 +133,15 @@ func (w *restartWatch) check() bool {
 				changed = true
 			}
 			w.seen[addr] = srv.id
+			if ep.kind != KindCluster {
+				// Emptied without a restart (FLUSHALL): its mark changed.
+				if m := mark(ctx, srv.client, w.r.markKey()); m != "" {
+					if was, ok := w.marks[addr]; ok && was != m {
+						changed = true
+					}
+					w.marks[addr] = m
+				}
+			}
 			if old != srv.id && w.r.opts.OnEvicting != nil {
 				if policy, max := evictionPolicy(ctx, srv.client); max > 0 && policy != "" && policy != "noeviction" {
 					w.r.opts.OnEvicting(addr, policy, max)
@@ -132,6 +152,30 @@ func (w *restartWatch) check() bool {
 	}
 	w.r.runIDChecks.Add(1)
 	return changed
+}
+
+// markKey is the key of the watch's mark in each server.
+func (r *Redis) markKey() string { return r.prefix + ":{mark}" }
+
+// mark returns the mark the server holds at key, which it sets to a new
+// random value when the server has none; "" when the server does not
+// answer (or lost the key between the two commands: the next check reads
+// it). The key has no expiry: only a flush, a restart without persistence
+// or an eviction takes it away, and each of these lost counts.
+func mark(ctx context.Context, c redis.Cmdable, key string) string {
+	var b [8]byte
+	_, _ = rand.Read(b[:])
+	fresh := hex.EncodeToString(b[:])
+	pipe := c.Pipeline()
+	set := pipe.SetNX(ctx, key, fresh, 0)
+	get := pipe.Get(ctx, key)
+	if _, err := pipe.Exec(ctx); err != nil {
+		return ""
+	}
+	if set.Val() {
+		return fresh
+	}
+	return get.Val()
 }
 
 // server is one server of an endpoint, as the watch reads it.

@@ -286,3 +286,57 @@ func promotedHoldsAll(t *testing.T, replica *redistest.Server, restarts *atomic.
 		t.Fatalf("a new node admitted %d after the failover, want the 40 left of 100", got)
 	}
 }
+
+// TestRestart_FlushAllMidWindowGivesIdleKeysTheirTotalsBack: an operator's
+// FLUSHALL (or FLUSHDB) empties Redis as a restart does, but the run ID
+// stays: a key no node touches afterwards kept none of its units, and a
+// new node admitted them again. The watch sees the flush by its mark,
+// a key it keeps in each server, and the nodes send their totals again.
+func TestRestart_FlushAllMidWindowGivesIdleKeysTheirTotalsBack(t *testing.T) {
+	srv := redistest.Start(t)
+	clk := testclock.New(time.UnixMilli(windowStart(time.Minute) + 1000))
+	a, b := newNode(t, srv.URL(), clk), newNode(t, srv.URL(), clk)
+	for _, n := range []*node{a, b} {
+		n.o.WatchRestarts(20*time.Millisecond, func() { n.e.Resend() })
+	}
+	k := engine.Key{Namespace: "api", Identifier: "idle", Window: time.Minute}
+	lim := engine.Limit{Key: k, Limit: 60, Cost: 1}
+	seq := clk.UnixMilli() / time.Minute.Milliseconds()
+	for _, n := range []*node{a, a, a, b, b} {
+		for range 10 {
+			if !n.e.Decide(context.Background(), lim).Allowed {
+				t.Fatal("a request denied below the limit")
+			}
+		}
+	}
+	for _, n := range []*node{a, b} {
+		if err := n.e.Flush(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	total := func() int64 {
+		v, _ := cellTotal(context.Background(), srv.Client(), DefaultPrefix, k, seq)
+		return v
+	}
+	redistest.Eventually(t, 5*time.Second, "watches ready", func() bool {
+		return a.o.runIDChecks.Load() > 0 && b.o.runIDChecks.Load() > 0
+	})
+	for _, flush := range []string{"FLUSHALL", "FLUSHDB"} {
+		if err := srv.Client().Do(context.Background(), flush).Err(); err != nil {
+			t.Fatal(err)
+		}
+		redistest.EventuallyShow(t, 5*time.Second, "totals sent again after "+flush, func() (bool, string) {
+			return total() == 50, fmt.Sprintf("Redis holds %d of 50; restarts seen: a %d, b %d", total(), a.o.Restarts(), b.o.Restarts())
+		})
+	}
+	c := newNode(t, srv.URL(), clk)
+	admitted := 0
+	for range 30 {
+		if c.e.Decide(context.Background(), lim).Allowed {
+			admitted++
+		}
+	}
+	if admitted != 10 {
+		t.Fatalf("a new node admitted %d after the flushes, want the 10 left", admitted)
+	}
+}

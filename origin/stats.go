@@ -111,9 +111,9 @@ type CallInfo struct {
 // Stats is a snapshot of the origin for operators.
 type Stats struct {
 	Endpoints []EndpointStats `json:"endpoints"`
-	// Restarts counts the servers seen restarted (their run ID changed;
-	// see WatchRestarts), after each of which every live cell's total was
-	// sent again.
+	// Restarts counts the servers seen restarted (their run ID changed)
+	// or emptied (FLUSHALL: their mark is gone; see WatchRestarts), after
+	// each of which every live cell's total was sent again.
 	Restarts uint64 `json:"restarts"`
 	// OverrideNotices tells whether this process is subscribed to the
 	// region's notices of override changes (see WatchOverrides).

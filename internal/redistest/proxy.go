@@ -18,6 +18,8 @@ type Proxy struct {
 	mu    sync.Mutex
 	conns []net.Conn
 	sent  atomic.Int64 // chunks the clients sent
+	// upstream is where new connections go (SetUpstream).
+	upstream atomic.Pointer[string]
 }
 
 // StartDelayProxy listens on a free loopback port and forwards to upstream
@@ -31,6 +33,7 @@ func StartDelayProxy(t testing.TB, upstream string, delay time.Duration) *Proxy 
 	}
 	p := &Proxy{ln: ln}
 	p.delay.Store(int64(delay))
+	p.upstream.Store(&upstream)
 	p.wg.Add(1)
 	go func() {
 		defer p.wg.Done()
@@ -39,7 +42,7 @@ func StartDelayProxy(t testing.TB, upstream string, delay time.Duration) *Proxy 
 			if err != nil {
 				return
 			}
-			u, err := net.Dial("tcp", upstream)
+			u, err := net.Dial("tcp", *p.upstream.Load())
 			if err != nil {
 				c.Close()
 				continue
@@ -93,6 +96,11 @@ func (p *Proxy) Sent() int64 { return p.sent.Load() }
 
 // SetDelay changes the delay of later replies.
 func (p *Proxy) SetDelay(d time.Duration) { p.delay.Store(int64(d)) }
+
+// SetUpstream sends the connections made from now on to upstream
+// (host:port); those made before stay with the server they reach, as
+// after a DNS name moved to another server (a managed Redis's failover).
+func (p *Proxy) SetUpstream(upstream string) { p.upstream.Store(&upstream) }
 
 // URL returns a redis:// URL of the proxy.
 func (p *Proxy) URL() string { return "redis://" + p.ln.Addr().String() }
