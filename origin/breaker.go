@@ -99,7 +99,7 @@ func countsAgainst(err error) bool {
 	if !errors.As(err, &rerr) {
 		return true
 	}
-	for _, p := range []string{"LOADING", "READONLY", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "BUSY", "OOM", "NOAUTH", "WRONGPASS", "NOPERM"} {
+	for _, p := range []string{"LOADING", "READONLY", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "BUSY", "OOM", "NOAUTH", "WRONGPASS", "NOPERM", "MISCONF", "NOREPLICAS"} {
 		if redis.HasErrorPrefix(err, p) {
 			return true
 		}

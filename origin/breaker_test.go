@@ -1,9 +1,12 @@
 package origin
 
 import (
+	"context"
 	"errors"
+	"fmt"
 	"slices"
 	"sort"
+	"strings"
 	"testing"
 	"time"
 
@@ -130,5 +133,65 @@ func TestFlush_AFailingCommandDoesNotCountAgainstTheBreaker(t *testing.T) {
 	}
 	if st := o.Stats().Endpoints[0]; st.Breaker != BreakerClosed || st.ReplayBreaker != BreakerClosed {
 		t.Fatalf("one hostile key opened a breaker: %+v", st)
+	}
+}
+
+// TestBreaker_AReplicaAnsweringREADONLYOpensItAndRecovers: the configured
+// server is made a replica of another mid-run (REPLICAOF, an operator's
+// mistake or a failover the address did not follow). Every write is
+// refused with READONLY for as long as it stays one: that is Redis
+// refusing work as a whole, not one hostile key, so both breakers open
+// (decisions local at no cost, counts held) and the errors say READONLY.
+// It once failed inside the script, cell by cell, as "Redis refused N
+// cells (a key holds another type, or … out of memory)": the breakers
+// stayed closed, every cold read paid a round trip that always failed,
+// and no line named the cause. When the server is a master again, the
+// breakers close by themselves and the held units arrive.
+func TestBreaker_AReplicaAnsweringREADONLYOpensItAndRecovers(t *testing.T) {
+	srv, other := redistest.Start(t), redistest.Start(t)
+	var states stateLog
+	cfg := Config{Redis: []string{srv.URL()}, Breaker: BreakerConfig{Timeout: Duration(200 * time.Millisecond)}}
+	o := newOrigin(t, cfg, Options{NodeID: "ro", OnStateChange: states.hook})
+	k, seq := key("victor"), nowSeq()
+	flush := func(own int64) ([]engine.Delta, error) {
+		b := []engine.Delta{{Key: k, Sequence: seq, Delta: 1, Own: own}}
+		return b, o.Flush(ctxT(t), b)
+	}
+	if b, err := flush(5); err != nil || !b[0].Done {
+		t.Fatalf("healthy flush: %v", err)
+	}
+	ctx := context.Background()
+	if err := srv.Client().Do(ctx, "REPLICAOF", "127.0.0.1", other.Port()).Err(); err != nil {
+		t.Fatal(err)
+	}
+	var lastErr error
+	cold := 0
+	redistest.EventuallyShow(t, 10*time.Second, "both breakers open on READONLY", func() (bool, string) {
+		cold++
+		if err := requestRead(o, key(fmt.Sprint("cold", cold)), seq); err != nil && !errors.Is(err, ErrBreakerOpen) {
+			lastErr = err
+		}
+		if _, err := flush(9); err != nil && !errors.Is(err, ErrBreakerOpen) {
+			lastErr = err
+		}
+		st := o.Stats().Endpoints[0]
+		return st.Breaker == BreakerOpen && st.ReplayBreaker == BreakerOpen,
+			fmt.Sprintf("breakers %s/%s, last error %v", st.Breaker, st.ReplayBreaker, lastErr)
+	})
+	if lastErr == nil || !strings.Contains(lastErr.Error(), "READONLY") {
+		t.Fatalf("the errors do not name READONLY: %v", lastErr)
+	}
+	if err := srv.Client().Do(ctx, "REPLICAOF", "NO", "ONE").Err(); err != nil {
+		t.Fatal(err)
+	}
+	redistest.EventuallyShow(t, 10*time.Second, "the held units arrive and the breakers close", func() (bool, string) {
+		b, err := flush(9)
+		rerr := requestRead(o, k, seq)
+		st := o.Stats().Endpoints[0]
+		return b[0].Done && rerr == nil && st.Breaker == BreakerClosed && st.ReplayBreaker == BreakerClosed,
+			fmt.Sprintf("flush %v, read %v, breakers %s/%s", err, rerr, st.Breaker, st.ReplayBreaker)
+	})
+	if got, err := cellTotal(ctx, srv.Client(), DefaultPrefix, k, seq); err != nil || got != 9 {
+		t.Fatalf("Redis holds %d (%v), want the 9 units", got, err)
 	}
 }

@@ -42,7 +42,7 @@ func TestFlush_OldAndNewScriptsShareACell(t *testing.T) {
 	// oldWrite is a flush of every cell by a process of the earlier build.
 	oldWrite := func(own int64) []engine.Totals {
 		t.Helper()
-		args := older.endpoints[0].manyArgs(old, len(ks), func(i int) (engine.Key, int64, cellFlags) {
+		args := older.endpoints[0].manyArgs(old, "", len(ks), func(i int) (engine.Key, int64, cellFlags) {
 			return ks[i], seq, withPrev
 		}, func(b []byte, i int) []byte {
 			return fmt.Appendf(b, "0 %d %d", own, expireAt(ks[i], seq).UnixMilli())

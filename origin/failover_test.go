@@ -2,7 +2,9 @@ package origin
 
 import (
 	"context"
+	"fmt"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -212,4 +214,55 @@ func awaitTotal(ctx context.Context, c *redis.Client, cell string, want int64, d
 		}
 	}
 	return total, false
+}
+
+// TestFailover_AnAddressThatMovesToTheNewMasterIsFollowed: a managed
+// Redis fails over by moving its DNS name to the promoted replica; the
+// connections already open stay with the old master, now a replica that
+// answers every write with READONLY (here a proxy stands for the name:
+// new connections reach the new master). go-redis drops a connection
+// that answered READONLY, so that the next one is dialled anew, but the
+// script once swallowed READONLY cell by cell and the pool kept talking
+// to the old master for as long as the connections lived: every write
+// refused, the units held, forever. The writes must reach the new master
+// by themselves.
+func TestFailover_AnAddressThatMovesToTheNewMasterIsFollowed(t *testing.T) {
+	oldMaster, replica := redistest.Start(t), redistest.Start(t)
+	ctx := context.Background()
+	if err := replica.Client().Do(ctx, "REPLICAOF", "127.0.0.1", oldMaster.Port()).Err(); err != nil {
+		t.Fatal(err)
+	}
+	inSync := func(s *redistest.Server) func() bool {
+		return func() bool {
+			info, err := s.Client().Info(ctx, "replication").Result()
+			return err == nil && strings.Contains(info, "master_link_status:up")
+		}
+	}
+	redistest.Eventually(t, 10*time.Second, "the replica in sync", inSync(replica))
+	name := redistest.StartDelayProxy(t, oldMaster.Addr(), 0)
+	cfg := Config{Redis: []string{name.URL()}, Breaker: BreakerConfig{Timeout: Duration(200 * time.Millisecond)}}
+	o := newOrigin(t, cfg, Options{NodeID: "dns"})
+	k, seq := key("walter"), nowSeq()
+	flush := func(own int64) ([]engine.Delta, error) {
+		b := []engine.Delta{{Key: k, Sequence: seq, Delta: 1, Own: own}}
+		return b, o.Flush(ctxT(t), b)
+	}
+	if b, err := flush(5); err != nil || !b[0].Done {
+		t.Fatalf("flush before the failover: %v", err)
+	}
+	// The failover: the replica is promoted, the old master follows it,
+	// and the name points at the new master.
+	if err := replica.Client().Do(ctx, "REPLICAOF", "NO", "ONE").Err(); err != nil {
+		t.Fatal(err)
+	}
+	if err := oldMaster.Client().Do(ctx, "REPLICAOF", "127.0.0.1", replica.Port()).Err(); err != nil {
+		t.Fatal(err)
+	}
+	name.SetUpstream(replica.Addr())
+	redistest.Eventually(t, 10*time.Second, "the old master follows the new one", inSync(oldMaster))
+	redistest.EventuallyShow(t, 10*time.Second, "the writes reach the new master", func() (bool, string) {
+		b, err := flush(9)
+		got, _ := cellTotal(ctx, replica.Client(), DefaultPrefix, k, seq)
+		return b[0].Done && got == 9, fmt.Sprintf("flush %v; the new master holds %d", err, got)
+	})
 }

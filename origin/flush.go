@@ -17,9 +17,10 @@ import (
 // per chunk, in one pipeline per endpoint: each cell's contribution hash
 // records the own total of each process's incarnation, so the write is
 // idempotent and a Redis restarted empty is repaired by the next flush of
-// each cell, exactly. A script Redis
-// does not know (restarted, failed over) is loaded and the pipeline's
-// failed items sent again: they are idempotent too.
+// each cell, exactly. When Redis does not know the script (restarted,
+// failed over), the pipeline's failed items are sent again with its
+// source (EVAL), which loads it on the server that answers: they are
+// idempotent too.
 
 // Flush raises this process's own total in each item's cell to its Own
 // in one pipeline per endpoint, and stores the cell's totals and Done for
@@ -138,14 +139,13 @@ func (ep *endpoint) flush(ctx context.Context, batch []engine.Delta, idx []int) 
 		var err error
 		for attempt := 0; attempt < 2 && len(todo) > 0; attempt++ {
 			var again []int
-			again, err = ep.write(ctx, todo, item)
+			again, err = ep.write(ctx, todo, item, attempt > 0)
 			if len(again) == 0 {
 				break
 			}
-			// Redis lost its scripts: load and send those items again.
-			if lerr := cellsScript.Load(ctx, ep.client).Err(); lerr != nil {
-				return fmt.Errorf("load write script: %w", lerr)
-			}
+			// Redis lost its scripts: send those items again with the
+			// script's source, which loads it on the server that answers
+			// (see readBatch).
 			todo = again
 		}
 		return err
@@ -157,7 +157,7 @@ func (ep *endpoint) flush(ctx context.Context, batch []engine.Delta, idx []int) 
 }
 
 // write sends the items todo in chunks (ep.chunk), one call of cellsScript
-// per chunk, all in one pipeline; it marks the items Redis
+// per chunk (with its source when eval), all in one pipeline; it marks the items Redis
 // applied and returns those of chunks Redis refused for an unknown script.
 // A chunk's arguments are built in a few buffers, and its reply is one
 // string, so the cost per cell on this side is a few bytes copied rather
@@ -166,13 +166,13 @@ func (ep *endpoint) flush(ctx context.Context, batch []engine.Delta, idx []int) 
 // The error is the first call's error (the pipeline's), which the breaker
 // judges. A cell whose commands Redis refuses fails alone, inside the
 // script, and is reported in the error without reaching the breaker.
-func (ep *endpoint) write(ctx context.Context, todo []int, item func(int) *engine.Delta) ([]int, error) {
+func (ep *endpoint) write(ctx context.Context, todo []int, item func(int) *engine.Delta, eval bool) ([]int, error) {
 	chunk := ep.chunk()
 	pipe := ep.client.Pipeline()
 	cmds := make([]*redis.Cmd, 0, (len(todo)+chunk-1)/chunk)
 	for lo := 0; lo < len(todo); lo += chunk {
 		part := todo[lo:min(lo+chunk, len(todo))]
-		cmds = append(cmds, pipe.Do(ctx, ep.manyArgs(cellsScript, len(part), func(i int) (engine.Key, int64, cellFlags) {
+		cmds = append(cmds, pipe.Do(ctx, ep.manyArgs(cellsScript, source(eval), len(part), func(i int) (engine.Key, int64, cellFlags) {
 			d := item(part[i])
 			var f cellFlags
 			if !d.NoPrev {

@@ -32,13 +32,14 @@ func (ep *endpoint) chunk() int {
 	return manyChunk
 }
 
-// manyArgs returns one EVALSHA of script over n cells: per cell i, named by
+// manyArgs returns one EVALSHA of script over n cells, or with src (the
+// script's source) one EVAL of it: per cell i, named by
 // cell(i), its key and the keys its flags name (appendCellKeys); then the
 // node ID and one string of each cell's numbers, written by nums(b, i),
 // each followed by its flags as one digit, separated by spaces. The keys
 // share one string, and the command refers to them by pointer, which
 // go-redis writes as strings without a value per key.
-func (ep *endpoint) manyArgs(script *redis.Script, n int, cell func(i int) (k engine.Key, seq int64, f cellFlags), nums func(b []byte, i int) []byte) []any {
+func (ep *endpoint) manyArgs(script *redis.Script, src string, n int, cell func(i int) (k engine.Key, seq int64, f cellFlags), nums func(b []byte, i int) []byte) []any {
 	// The keys' bytes as a capacity: a key's stem plus room for the window,
 	// the sequence and the suffix (an identifier that needs escaping grows
 	// the buffer once), once more for each other cell a cell's flags name.
@@ -72,7 +73,11 @@ func (ep *endpoint) manyArgs(script *redis.Script, n int, cell func(i int) (k en
 	all := unsafe.String(unsafe.SliceData(kb), len(kb))
 	keys := make([]string, len(ends))
 	args := make([]any, 0, 3+len(keys)+2)
-	args = append(args, "evalsha", script.Hash(), len(keys))
+	if src != "" {
+		args = append(args, "eval", src, len(keys))
+	} else {
+		args = append(args, "evalsha", script.Hash(), len(keys))
+	}
 	from := 0
 	for i, end := range ends {
 		keys[i] = all[from:end]

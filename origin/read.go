@@ -159,7 +159,12 @@ func (ep *endpoint) take() []*readReq {
 // runs until the latest deadline in the batch (at least roundTripFloor),
 // not bound to any one caller's context: the others still wait. A Redis
 // that lost its scripts gets them loaded and the pipeline sent once more
-// (reads are idempotent).
+// (reads are idempotent), with the script's source (EVAL), which loads it
+// on the server that answers: a SCRIPT LOAD on its own may reach another
+// server than the pipeline, as a pool's connections do after a failover
+// that moved the name dialled (a stale connection to the old master,
+// now a replica, answered NOSCRIPT to every EVALSHA while the loads went
+// to the new master, and the writes never reached it).
 func (ep *endpoint) readBatch(batch []*readReq) {
 	deadline := time.Now().Add(roundTripFloor)
 	for _, q := range batch {
@@ -177,14 +182,11 @@ func (ep *endpoint) readBatch(batch []*readReq) {
 			pipe := ep.client.Pipeline()
 			cmds = cmds[:0]
 			for lo := 0; lo < len(batch); lo += chunk {
-				cmds = append(cmds, ep.sendReads(ctx, pipe, batch[lo:min(lo+chunk, len(batch))]))
+				cmds = append(cmds, ep.sendReads(ctx, pipe, batch[lo:min(lo+chunk, len(batch))], attempt > 0))
 			}
 			ep.roundTrips.Add(1)
 			if _, err = pipe.Exec(ctx); err == nil || !redis.HasErrorPrefix(err, "NOSCRIPT") {
 				return err
-			}
-			if lerr := cellsScript.Load(ctx, ep.client).Err(); lerr != nil {
-				return fmt.Errorf("load read script: %w", lerr)
 			}
 		}
 		return err
@@ -203,9 +205,10 @@ func (ep *endpoint) readBatch(batch []*readReq) {
 	}
 }
 
-// sendReads queues the call of cellsScript that reads part on pipe.
-func (ep *endpoint) sendReads(ctx context.Context, pipe redis.Pipeliner, part []*readReq) *redis.Cmd {
-	return pipe.Do(ctx, ep.manyArgs(cellsScript, len(part), func(i int) (engine.Key, int64, cellFlags) {
+// sendReads queues the call of cellsScript that reads part on pipe, with
+// the script's source when eval.
+func (ep *endpoint) sendReads(ctx context.Context, pipe redis.Pipeliner, part []*readReq, eval bool) *redis.Cmd {
+	return pipe.Do(ctx, ep.manyArgs(cellsScript, source(eval), len(part), func(i int) (engine.Key, int64, cellFlags) {
 		return part[i].key, part[i].seq, withPrev // a read takes the previous cell too
 	}, func(b []byte, i int) []byte {
 		b = strconv.AppendUint(b, uint64(part[i].incarnation), 10)

@@ -129,6 +129,15 @@ end
 // the chunk runs under one protected call, and when that fails it runs
 // again with one per cell. Running a cell twice is harmless, as every
 // write is: the second run finds its record raised and changes nothing.
+// So does a cell Redis refuses for want of memory (OOM, under
+// noeviction: its units stay pending until Redis has room). Any other
+// refusal with a code (READONLY from a replica, NOPERM, MISCONF,
+// NOREPLICAS) is Redis refusing every write, whatever the key: the call
+// fails with it, as a command outside a script would, so that the
+// breaker counts it and go-redis drops a connection that answered
+// READONLY (the name it dialled may lead to the new master now). Caught
+// cell by cell, READONLY once read as "refused cells": the breakers
+// stayed closed and the pool kept writing to a replica.
 //
 //	KEYS per cell in order: the cell, then, when its flags have 1, the
 //	cell before it (a write that leaves the previous cell out names only
@@ -164,7 +173,7 @@ local function cell(h, p, nx, f, own, at)
   end
   return ts, pt, ms, text(ns), gs, pg
 end
-local node, out = ARGV[1] .. '.', {}
+local node, out, fatal = ARGV[1] .. '.', {}, nil
 local function run(each)
   local o, k = 0, 1
   for inc, own, at, fl in string.gmatch(ARGV[2], '(%d+) (%d+) (%d+) (%d)') do
@@ -178,6 +187,14 @@ local function run(each)
         out[o+1], out[o+2], out[o+3], out[o+4], out[o+5], out[o+6] = a, b, c, d, e, f
         o = o + 6
       else
+        local why = a
+        if type(why) == 'table' then why = why.err end
+        why = tostring(why)
+        local code = string.match(why, '^(%u+) ')
+        if code and code ~= 'WRONGTYPE' and code ~= 'OOM' and code ~= 'ERR' then
+          fatal = why
+          return o
+        end
         o = o + 1
         out[o] = 'e'
       end
@@ -192,6 +209,7 @@ local ok, o = pcall(run, false)
 if not ok then
   out = {}
   o = run(true)
+  if fatal then return redis.error_reply(fatal) end
 end
 return table.concat(out, ' ', 1, o)
 `
@@ -250,6 +268,15 @@ if charged > 0 then
 end
 return {table.concat(verdicts), math.max(t - rt, 0), pt, mine, n, gv, pg}
 `
+
+// source is what a call of cellsScript sends instead of its hash: its
+// source when eval (Redis lost the script), else nothing (EVALSHA).
+func source(eval bool) string {
+	if eval {
+		return cellsLua
+	}
+	return ""
+}
 
 var (
 	cellsScript   = redis.NewScript(cellsLua)
