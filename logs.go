@@ -111,7 +111,8 @@ func (o *observer) originCall(ci origin.CallInfo) {
 			zap.String("endpoint", ci.Endpoint),
 			zap.Stringer("op", ci.Op),
 			zap.Stringer("outcome", ci.Outcome),
-			zap.Int("consecutive_failures", failureStreakLog))
+			zap.Int("consecutive_failures", failureStreakLog),
+			zap.Error(ci.Err))
 	}
 }
 

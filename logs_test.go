@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"context"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -12,6 +13,8 @@ import (
 	"go.uber.org/zap/zapcore"
 	logobserver "go.uber.org/zap/zaptest/observer"
 
+	"github.com/edgelimit/caddy-ratelimit/engine"
+	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
 	"github.com/edgelimit/caddy-ratelimit/origin"
 )
 
@@ -161,5 +164,42 @@ func TestLogs_READMEListsEveryMessage(t *testing.T) {
 	}
 	if n < 20 {
 		t.Fatalf("found only %d log calls: the pattern no longer matches them", n)
+	}
+}
+
+// TestObserver_AFailingRedisSaysWhy: a Redis that answers every write
+// with an error (here READONLY: the configured server was made a replica)
+// must say which in the log line of the failing streak and in the
+// status, or the operator sees "redis calls failing", outcome "error",
+// and has to guess among a dead server, a wrong password, a replica and
+// a full memory.
+func TestObserver_AFailingRedisSaysWhy(t *testing.T) {
+	srv, other := redistest.Start(t), redistest.Start(t)
+	o := observer{apps: new(liveApps)}
+	app, logs := observedApp(zapcore.DebugLevel, identities{})
+	o.apps.provision(app)
+	r, err := origin.New(origin.Config{Redis: []string{srv.URL()}}, o.originOptions())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = r.Close() })
+	ctx := context.Background()
+	if err := srv.Client().Do(ctx, "REPLICAOF", "127.0.0.1", other.Port()).Err(); err != nil {
+		t.Fatal(err)
+	}
+	k := engine.Key{Namespace: "api", Identifier: "why", Window: time.Minute}
+	for range failureStreakLog {
+		_ = r.Flush(ctx, []engine.Delta{{Key: k, Sequence: 1, Delta: 1, Own: 1}})
+	}
+	lines := logs.FilterMessage("redis calls failing: decisions use local counts until they recover").All()
+	if len(lines) != 1 {
+		t.Fatalf("%d streak lines, want 1: %v", len(lines), logs.All())
+	}
+	if why, _ := lines[0].ContextMap()["error"].(string); !strings.Contains(why, "READONLY") {
+		t.Fatalf("the streak line does not say why: %v", lines[0].ContextMap())
+	}
+	st := r.Stats().Endpoints[0]
+	if !strings.Contains(st.LastError, "READONLY") || st.LastErrorAt.IsZero() {
+		t.Fatalf("the status does not say why: last error %q at %v", st.LastError, st.LastErrorAt)
 	}
 }

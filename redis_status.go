@@ -26,12 +26,16 @@ var endpointStats = statSet[origin.EndpointStats]{labels: []string{"endpoint"}, 
 		help: "Request-path calls to an endpoint that answered slower than breaker_slow_call (each a failure for its breaker)."},
 	{json: "last_read", value: func(s *origin.EndpointStats) any { return s.LastRead }},
 	{json: "last_flush", value: func(s *origin.EndpointStats) any { return s.LastFlush }},
+	// Why the last failed call failed: what Redis answered (READONLY, OOM,
+	// WRONGPASS…) or what the connection did; never credentials.
+	{json: "last_error", value: func(s *origin.EndpointStats) any { return s.LastError }},
+	{json: "last_error_at", value: func(s *origin.EndpointStats) any { return s.LastErrorAt }},
 }}
 
 // originStats are the origin's own numbers.
 var originStats = statSet[origin.Stats]{stats: []stat[origin.Stats]{
 	{json: "restarts", metric: "origin_restarts_total", value: func(s *origin.Stats) any { return s.Restarts },
-		help: "Redis servers seen restarted (their run ID changed) or failed over (in a Cluster, a master that was not one at the last check), after each of which every live key's count is sent again."},
+		help: "Redis servers seen restarted (their run ID changed), emptied (FLUSHALL, FLUSHDB: their mark key is gone) or failed over (in a Cluster, a master that was not one at the last check), after each of which every live key's count is sent again."},
 	{json: "override_notices", metric: "origin_override_notices", gauge: true, value: func(s *origin.Stats) any { return s.OverrideNotices },
 		help: "1 while this node is subscribed to the region's notices of runtime override changes (it checks the region's change counter each slow_tick), 0 while not (each fast_tick)."},
 	{json: "processes", metric: "origin_processes", gauge: true, value: func(s *origin.Stats) any { return s.Processes },

@@ -30,6 +30,8 @@ type endpoint struct {
 	lastOK     [numOps]atomic.Int64 // unix nanoseconds
 	roundTrips atomic.Uint64
 	slowCalls  atomic.Uint64
+	// lastErr is the last failed call's error, for Stats.
+	lastErr atomic.Pointer[callError]
 
 	// Read batching (read.go): mu guards queue, batchers and closing; idle
 	// is signalled when the last batcher leaves.
@@ -81,12 +83,21 @@ func (ep *endpoint) record(op Op, err error, start time.Time, cells int) {
 	o := classify(err)
 	ep.calls[op][o].Add(1)
 	now := time.Now()
-	if o == OutcomeOK {
+	switch o {
+	case OutcomeOK:
 		ep.lastOK[op].Store(now.UnixNano())
+	case OutcomeError, OutcomeTimeout:
+		ep.lastErr.Store(&callError{msg: err.Error(), at: now})
 	}
 	if f := ep.r.opts.OnCall; f != nil {
-		f(CallInfo{Endpoint: ep.address, Op: op, Outcome: o, Duration: now.Sub(start), Cells: cells})
+		f(CallInfo{Endpoint: ep.address, Op: op, Outcome: o, Duration: now.Sub(start), Cells: cells, Err: err})
 	}
+}
+
+// callError is a failed call's error as Stats shows it.
+type callError struct {
+	msg string
+	at  time.Time
 }
 
 // stats is the endpoint's snapshot: its breakers and its counters.
@@ -112,6 +123,9 @@ func (ep *endpoint) stats() EndpointStats {
 	}
 	if ns := ep.lastOK[OpFlush].Load(); ns != 0 {
 		s.LastFlush = time.Unix(0, ns)
+	}
+	if e := ep.lastErr.Load(); e != nil {
+		s.LastError, s.LastErrorAt = e.msg, e.at
 	}
 	return s
 }

@@ -106,6 +106,10 @@ type CallInfo struct {
 	Duration time.Duration
 	// Cells is the number of cells read or flushed.
 	Cells int
+	// Err is why the call failed (nil when it did not): Redis's reply
+	// (READONLY, OOM, WRONGPASS…) or the connection's error. It names
+	// addresses and zones, never credentials or identifiers.
+	Err error
 }
 
 // Stats is a snapshot of the origin for operators.
@@ -152,6 +156,12 @@ type EndpointStats struct {
 	// flush (zero if none yet).
 	LastRead  time.Time `json:"last_read,omitzero"`
 	LastFlush time.Time `json:"last_flush,omitzero"`
+	// LastError is the error of the last call that failed or timed out
+	// (not one the breaker refused), and LastErrorAt when it came: what
+	// Redis answered (READONLY, OOM, WRONGPASS…) or what the connection
+	// did. Empty when none has.
+	LastError   string    `json:"last_error,omitempty"`
+	LastErrorAt time.Time `json:"last_error_at,omitzero"`
 }
 
 // Stats returns a snapshot for operators.
