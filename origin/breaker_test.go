@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/redis/go-redis/v9"
+
 	"github.com/edgelimit/caddy-ratelimit/engine"
 	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
 )
@@ -207,4 +209,61 @@ func TestBreaker_AReplicaAnsweringREADONLYOpensItAndRecovers(t *testing.T) {
 	// keys no node writes again are gone, as after a restart, and the
 	// watch, which saw its mark gone, has the nodes send them again.
 	redistest.Eventually(t, 5*time.Second, "the lost counts seen as a restart", func() bool { return restarts.Load() > 0 })
+}
+
+// TestBreaker_ABusyRedisOpensItAndRecoversAfterSCRIPTKILL: another
+// client's script runs past busy-reply-threshold, and Redis answers
+// every other command with BUSY until it ends or is killed. Each call
+// fails at once (no added latency), both breakers open, the units wait,
+// and after SCRIPT KILL the breakers close by themselves and the units
+// arrive.
+func TestBreaker_ABusyRedisOpensItAndRecoversAfterSCRIPTKILL(t *testing.T) {
+	srv := redistest.Start(t, redistest.WithArgs("--lua-time-limit", "20"))
+	cfg := Config{Redis: []string{srv.URL()}, Breaker: BreakerConfig{Timeout: Duration(200 * time.Millisecond)}}
+	o := newOrigin(t, cfg, Options{NodeID: "busy"})
+	k, seq := key("xavier"), nowSeq()
+	flush := func(own int64) ([]engine.Delta, error) {
+		b := []engine.Delta{{Key: k, Sequence: seq, Delta: 1, Own: own}}
+		return b, o.Flush(ctxT(t), b)
+	}
+	if b, err := flush(2); err != nil || !b[0].Done {
+		t.Fatalf("healthy flush: %v", err)
+	}
+	looping := srv.Client()
+	ended := make(chan error, 1)
+	go func() { ended <- looping.Eval(context.Background(), "while true do end", nil).Err() }()
+	admin := srv.Client()
+	redistest.Eventually(t, 10*time.Second, "Redis answers BUSY", func() bool {
+		return redis.HasErrorPrefix(admin.Ping(context.Background()).Err(), "BUSY")
+	})
+	var lastErr error
+	redistest.EventuallyShow(t, 10*time.Second, "both breakers open on BUSY", func() (bool, string) {
+		start := time.Now()
+		if err := requestRead(o, k, seq); err != nil && !errors.Is(err, ErrBreakerOpen) {
+			lastErr = err
+		}
+		if took := time.Since(start); took > engine.DefaultReadTimeout {
+			t.Fatalf("a read of a busy Redis took %s", took)
+		}
+		if b, err := flush(7); b[0].Done {
+			t.Fatalf("a flush to a busy Redis was done: %v", err)
+		}
+		st := o.Stats().Endpoints[0]
+		return st.Breaker == BreakerOpen && st.ReplayBreaker == BreakerOpen,
+			fmt.Sprintf("breakers %s/%s, last error %v", st.Breaker, st.ReplayBreaker, lastErr)
+	})
+	if !strings.Contains(fmt.Sprint(lastErr), "BUSY") {
+		t.Fatalf("the errors do not name BUSY: %v", lastErr)
+	}
+	if err := admin.ScriptKill(context.Background()).Err(); err != nil {
+		t.Fatal(err)
+	}
+	<-ended
+	redistest.EventuallyShow(t, 10*time.Second, "the units arrive and the breakers close", func() (bool, string) {
+		b, err := flush(7)
+		rerr := requestRead(o, k, seq)
+		st := o.Stats().Endpoints[0]
+		return b[0].Done && b[0].Totals.Cur == 7 && rerr == nil && st.Breaker == BreakerClosed && st.ReplayBreaker == BreakerClosed,
+			fmt.Sprintf("flush %v, read %v, breakers %s/%s", err, rerr, st.Breaker, st.ReplayBreaker)
+	})
 }

@@ -623,3 +623,53 @@ func BenchmarkFlush_ProbeBehindATick(b *testing.B) {
 		})
 	}
 }
+
+// TestFlush_OutOfMemoryHoldsUnitsUntilRedisHasRoom: a Redis at its memory
+// limit under noeviction refuses every write (OOM) and still answers
+// reads. That is not one that is down: a cell it already holds is read
+// as before, a new one is refused at once (no added latency), the
+// breakers stay closed so that the units go as soon as there is room,
+// the units stay pending (not Done), and the error says what may be
+// the cause. With room again (a key expired, the limit raised), the
+// next flush delivers them.
+func TestFlush_OutOfMemoryHoldsUnitsUntilRedisHasRoom(t *testing.T) {
+	srv := redistest.Start(t, redistest.WithArgs("--maxmemory-policy", "noeviction"))
+	o := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "oom"})
+	ctx := context.Background()
+	seq := nowSeq()
+	warm, fresh := key("held"), key("new")
+	if b := []engine.Delta{{Key: warm, Sequence: seq, Delta: 3, Own: 3}}; o.Flush(ctxT(t), b) != nil || !b[0].Done {
+		t.Fatal("flush before the memory limit failed")
+	}
+	// Full: every write refused from now on.
+	if err := srv.Client().ConfigSet(ctx, "maxmemory", "1").Err(); err != nil {
+		t.Fatal(err)
+	}
+	for i := range 30 {
+		b := []engine.Delta{{Key: warm, Sequence: seq, Delta: 1, Own: int64(4 + i)}, {Key: fresh, Sequence: seq, Delta: 1, Own: int64(1 + i)}}
+		err := o.Flush(ctxT(t), b)
+		if err == nil || !strings.Contains(err.Error(), "out of memory") || b[0].Done || b[1].Done {
+			t.Fatalf("flush %d at the memory limit: %v, done %v %v; want both refused, naming memory", i, err, b[0].Done, b[1].Done)
+		}
+		start := time.Now()
+		if err := requestRead(o, key(fmt.Sprint("cold", i)), seq); err == nil {
+			t.Fatalf("a new cell was read (registered) at the memory limit")
+		}
+		if took := time.Since(start); took > engine.DefaultReadTimeout {
+			t.Fatalf("a refused read took %s", took)
+		}
+		if cur, _, err := readPair(o, ctxT(t), warm, seq); err != nil || cur != 3 {
+			t.Fatalf("read of a held cell at the memory limit: %d, %v; want 3", cur, err)
+		}
+	}
+	if st := o.Stats().Endpoints[0]; st.Breaker != BreakerClosed || st.ReplayBreaker != BreakerClosed {
+		t.Fatalf("breakers %s/%s at the memory limit; want both closed", st.Breaker, st.ReplayBreaker)
+	}
+	if err := srv.Client().ConfigSet(ctx, "maxmemory", "0").Err(); err != nil {
+		t.Fatal(err)
+	}
+	b := []engine.Delta{{Key: warm, Sequence: seq, Delta: 1, Own: 33}, {Key: fresh, Sequence: seq, Delta: 1, Own: 30}}
+	if err := o.Flush(ctxT(t), b); err != nil || !b[0].Done || !b[1].Done || b[0].Totals.Cur != 33 || b[1].Totals.Cur != 30 {
+		t.Fatalf("flush with room again: %v, %+v", err, b)
+	}
+}
