@@ -27,8 +27,8 @@ import (
 // holding a random value, markKey), which a flush takes away, and a mark
 // missing or changed is a restart too. A mark an evicting Redis dropped
 // is one as well: it lost counts then, and sending the totals again
-// repairs those of the live cells. (Not in a Cluster, whose masters would
-// each need a key of their own slots.)
+// repairs those of the live cells. In a Cluster each master keeps a mark
+// of its own, in a slot it serves (clusterMarkKey).
 // The runtime overrides were lost with the totals: their owner's watch
 // of them reads Restarts, as well as the region's mark of them
 // (OverridesState), and writes back those its node holds.
@@ -101,7 +101,7 @@ func (w *restartWatch) check() bool {
 	changed := false
 	for _, ep := range w.r.endpoints {
 		ctx, cancel := context.WithTimeout(context.Background(), runIDTimeout)
-		ids, masters := runIDs(ctx, ep)
+		ids, masters := runIDs(ctx, ep, w.r.prefix)
 		if masters != nil {
 			if w.masters == nil {
 				w.masters = map[*endpoint]map[string]bool{}
@@ -133,9 +133,9 @@ func (w *restartWatch) check() bool {
 				changed = true
 			}
 			w.seen[addr] = srv.id
-			if ep.kind != KindCluster {
+			if srv.mark != "" {
 				// Emptied without a restart (FLUSHALL): its mark changed.
-				if m := mark(ctx, srv.client, w.r.markKey()); m != "" {
+				if m := mark(ctx, srv.client, srv.mark); m != "" {
 					if was, ok := w.marks[addr]; ok && was != m {
 						changed = true
 					}
@@ -154,8 +154,49 @@ func (w *restartWatch) check() bool {
 	return changed
 }
 
-// markKey is the key of the watch's mark in each server.
-func (r *Redis) markKey() string { return r.prefix + ":{mark}" }
+// markKey is the key of the watch's mark in each server outside a
+// Cluster.
+func markKey(prefix string) string { return prefix + ":{mark}" }
+
+// clusterMarkKey is the key of the watch's mark on a Cluster master that
+// serves the slots lo to hi: the first of prefix:{mark-0}, {mark-1}, …
+// whose hash tag lies in them; "" when none of the first maxMarkTags
+// does (a range of a few slots may be missed; the master then has no
+// mark). A master given other slots by a resharding gets another key,
+// and its mark counts as changed: the resend that follows costs writes
+// and changes no count.
+func clusterMarkKey(prefix string, lo, hi int) string {
+	for n := range maxMarkTags {
+		tag := "mark-" + strconv.Itoa(n)
+		if s := int(crc16(tag) % clusterSlots); lo <= s && s <= hi {
+			return prefix + ":{" + tag + "}"
+		}
+	}
+	return ""
+}
+
+const (
+	// clusterSlots is the number of a Cluster's hash slots.
+	clusterSlots = 16384
+	// maxMarkTags bounds the search for a mark key in a master's slots.
+	maxMarkTags = 1 << 16
+)
+
+// crc16 is the CRC-16/XMODEM of s, Redis Cluster's key hash.
+func crc16(s string) uint16 {
+	var crc uint16
+	for i := 0; i < len(s); i++ {
+		crc ^= uint16(s[i]) << 8
+		for range 8 {
+			if crc&0x8000 != 0 {
+				crc = crc<<1 ^ 0x1021
+			} else {
+				crc <<= 1
+			}
+		}
+	}
+	return crc
+}
 
 // mark returns the mark the server holds at key, which it sets to a new
 // random value when the server has none; "" when the server does not
@@ -182,6 +223,8 @@ func mark(ctx context.Context, c redis.Cmdable, key string) string {
 type server struct {
 	id     string
 	client redis.Cmdable
+	// mark is the key of the watch's mark on the server; "" for none.
+	mark string
 }
 
 // runIDs returns the run ID of the endpoint's server, or of each master of
@@ -189,9 +232,18 @@ type server struct {
 // Cluster it also returns the address of every master that serves slots,
 // answering or not (nil when the slot map could not be read, and for
 // other endpoints).
-func runIDs(ctx context.Context, ep *endpoint) (map[string]server, map[string]bool) {
+func runIDs(ctx context.Context, ep *endpoint, prefix string) (map[string]server, map[string]bool) {
 	out := map[string]server{}
 	if c, ok := ep.client.(*redis.ClusterClient); ok {
+		// Each master's first range of slots, for its mark.
+		marks := map[string]string{}
+		if slots, err := c.ClusterSlots(ctx).Result(); err == nil {
+			for _, sl := range slots {
+				if len(sl.Nodes) > 0 && marks[sl.Nodes[0].Addr] == "" {
+					marks[sl.Nodes[0].Addr] = clusterMarkKey(prefix, sl.Start, sl.End)
+				}
+			}
+		}
 		var mu sync.Mutex
 		masters := map[string]bool{}
 		err := c.ForEachMaster(ctx, func(ctx context.Context, m *redis.Client) error {
@@ -201,7 +253,7 @@ func runIDs(ctx context.Context, ep *endpoint) (map[string]server, map[string]bo
 			mu.Unlock()
 			if id := runID(ctx, m); id != "" {
 				mu.Lock()
-				out[addr] = server{id, m}
+				out[addr] = server{id, m, marks[addr]}
 				mu.Unlock()
 			}
 			return nil
@@ -212,7 +264,7 @@ func runIDs(ctx context.Context, ep *endpoint) (map[string]server, map[string]bo
 		return out, masters
 	}
 	if id := runID(ctx, ep.client); id != "" {
-		out[ep.address] = server{id, ep.client}
+		out[ep.address] = server{id, ep.client, markKey(prefix)}
 	}
 	return out, nil
 }

@@ -340,3 +340,65 @@ func TestRestart_FlushAllMidWindowGivesIdleKeysTheirTotalsBack(t *testing.T) {
 		t.Fatalf("a new node admitted %d after the flushes, want the 10 left", admitted)
 	}
 }
+
+// TestRestart_FlushAllOfAClusterGivesIdleKeysTheirTotalsBack: as
+// FlushAllMidWindow above, in a Cluster, where one mark cannot stand for
+// every master (a key lies in one slot, on one master): the watch keeps
+// a mark on each master, in a slot it serves.
+func TestRestart_FlushAllOfAClusterGivesIdleKeysTheirTotalsBack(t *testing.T) {
+	cl := redistest.StartCluster(t, 3)
+	ctx := context.Background()
+	clk := testclock.New(time.UnixMilli(windowStart(time.Minute) + 1000))
+	seq := clk.UnixMilli() / time.Minute.Milliseconds()
+	lim := func(i int) engine.Limit {
+		return engine.Limit{Key: engine.Key{Namespace: "api", Identifier: "idle-" + strconv.Itoa(i), Window: time.Minute}, Limit: 60, Cost: 1}
+	}
+	cfg := Config{Cluster: &ClusterConfig{Addrs: cl.Addrs()}}
+	newNode, _ := failoverNodes(t, cfg, clk, lim(0))
+	a := newNode()
+	a.o.WatchRestarts(20*time.Millisecond, func() { a.e.Resend() })
+	// Keys on every master.
+	const keys = 12
+	for i := range keys {
+		for range 50 {
+			if !a.e.Decide(ctx, lim(i)).Allowed {
+				t.Fatal("a request denied below the limit")
+			}
+		}
+	}
+	if err := a.e.Flush(ctx); err != nil {
+		t.Fatal(err)
+	}
+	held := func() (n int) {
+		for i := range keys {
+			for _, node := range cl.Nodes {
+				if v, err := cellTotal(ctx, node.Client(), DefaultPrefix, lim(i).Key, seq); err == nil && v == 50 {
+					n++
+				}
+			}
+		}
+		return n
+	}
+	if got := held(); got != keys {
+		t.Fatalf("%d of %d keys hold 50 before the flush", got, keys)
+	}
+	redistest.Eventually(t, 5*time.Second, "the watch read the masters", func() bool { return a.o.RunIDChecks() > 1 })
+	for _, node := range cl.Nodes {
+		if err := node.Client().FlushAll(ctx).Err(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	redistest.EventuallyShow(t, 5*time.Second, "totals sent again after FLUSHALL", func() (bool, string) {
+		return held() == keys, fmt.Sprintf("%d of %d keys hold their 50; restarts seen %d", held(), keys, a.o.Restarts())
+	})
+	c := newNode()
+	admitted := 0
+	for range 30 {
+		if c.e.Decide(ctx, lim(0)).Allowed {
+			admitted++
+		}
+	}
+	if admitted != 10 {
+		t.Fatalf("a new node admitted %d after the flush, want the 10 left", admitted)
+	}
+}
