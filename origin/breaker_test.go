@@ -267,3 +267,84 @@ func TestBreaker_ABusyRedisOpensItAndRecoversAfterSCRIPTKILL(t *testing.T) {
 			fmt.Sprintf("flush %v, read %v, breakers %s/%s", err, rerr, st.Breaker, st.ReplayBreaker)
 	})
 }
+
+// TestBreaker_APasswordSetMidRunOpensItAndSaysWhy: an operator sets
+// requirepass on the running Redis. The connections already
+// authenticated keep working; once they are gone (CLIENT KILL, a
+// restart of the pool), every new one is refused with NOAUTH: both
+// breakers open, the status says NOAUTH, and when the password is lifted
+// (or the node reloaded with it) the breakers close by themselves and
+// the units held arrive.
+func TestBreaker_APasswordSetMidRunOpensItAndSaysWhy(t *testing.T) {
+	srv := redistest.Start(t)
+	cfg := Config{Redis: []string{srv.URL()}, Breaker: BreakerConfig{Timeout: Duration(200 * time.Millisecond)}}
+	o := newOrigin(t, cfg, Options{NodeID: "pw"})
+	k, seq := key("yvonne"), nowSeq()
+	flush := func(own int64) ([]engine.Delta, error) {
+		b := []engine.Delta{{Key: k, Sequence: seq, Delta: 1, Own: own}}
+		return b, o.Flush(ctxT(t), b)
+	}
+	if b, err := flush(2); err != nil || !b[0].Done {
+		t.Fatalf("healthy flush: %v", err)
+	}
+	ctx := context.Background()
+	admin := srv.Client()
+	if err := admin.ConfigSet(ctx, "requirepass", "s3cret-set-mid-run").Err(); err != nil {
+		t.Fatal(err)
+	}
+	if b, err := flush(3); err != nil || !b[0].Done {
+		t.Fatalf("a connection authenticated before the password was set: %v", err)
+	}
+	if err := admin.Do(ctx, "CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes").Err(); err != nil {
+		t.Fatal(err)
+	}
+	redistest.EventuallyShow(t, 10*time.Second, "both breakers open on NOAUTH", func() (bool, string) {
+		_ = requestRead(o, k, seq)
+		_, _ = flush(7)
+		st := o.Stats().Endpoints[0]
+		return st.Breaker == BreakerOpen && st.ReplayBreaker == BreakerOpen && strings.Contains(st.LastError, "NOAUTH"),
+			fmt.Sprintf("breakers %s/%s, last error %q", st.Breaker, st.ReplayBreaker, st.LastError)
+	})
+	if st := o.Stats().Endpoints[0]; strings.Contains(st.LastError, "s3cret") {
+		t.Fatalf("the status shows the password: %q", st.LastError)
+	}
+	if err := admin.ConfigSet(ctx, "requirepass", "").Err(); err != nil {
+		t.Fatal(err)
+	}
+	redistest.EventuallyShow(t, 10*time.Second, "the units arrive and the breakers close", func() (bool, string) {
+		b, err := flush(7)
+		rerr := requestRead(o, k, seq)
+		st := o.Stats().Endpoints[0]
+		return b[0].Done && b[0].Totals.Cur == 7 && rerr == nil && st.Breaker == BreakerClosed && st.ReplayBreaker == BreakerClosed,
+			fmt.Sprintf("flush %v, read %v, breakers %s/%s", err, rerr, st.Breaker, st.ReplayBreaker)
+	})
+}
+
+// TestBreaker_KilledConnectionsCostNoCall: CLIENT KILL of every
+// connection of the module, again and again between calls (an operator
+// cleaning up, a proxy recycling): the pool notices a closed connection
+// before it uses it, so no call fails and no breaker moves.
+func TestBreaker_KilledConnectionsCostNoCall(t *testing.T) {
+	srv := redistest.Start(t)
+	var states stateLog
+	o := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "kill", OnStateChange: states.hook})
+	admin := srv.Client()
+	seq := nowSeq()
+	for i := range 200 {
+		if i%5 == 0 {
+			if err := admin.Do(context.Background(), "CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes").Err(); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := requestRead(o, key(fmt.Sprint("k", i%7)), seq); err != nil {
+			t.Fatalf("read %d after CLIENT KILL: %v", i, err)
+		}
+		b := []engine.Delta{{Key: key("w"), Sequence: seq, Delta: 1, Own: int64(i + 1)}}
+		if err := o.Flush(ctxT(t), b); err != nil || !b[0].Done {
+			t.Fatalf("flush %d after CLIENT KILL: %v", i, err)
+		}
+	}
+	if st := o.Stats().Endpoints[0]; st.Breaker != BreakerClosed || st.ReplayBreaker != BreakerClosed || len(states.transitions(BreakerName)) > 0 {
+		t.Fatalf("breakers %s/%s, transitions %v", st.Breaker, st.ReplayBreaker, states.transitions(BreakerName))
+	}
+}
