@@ -348,3 +348,41 @@ func TestBreaker_KilledConnectionsCostNoCall(t *testing.T) {
 		t.Fatalf("breakers %s/%s, transitions %v", st.Breaker, st.ReplayBreaker, states.transitions(BreakerName))
 	}
 }
+
+// TestBreaker_NOREPLICASOpensItAndRecovers: min-replicas-to-write with
+// too few replicas in sync makes Redis refuse every write with
+// NOREPLICAS, from inside the script as READONLY does: both breakers
+// open and the status names it (it was once "refused cells", breakers
+// closed), and they close by themselves when Redis takes writes again.
+func TestBreaker_NOREPLICASOpensItAndRecovers(t *testing.T) {
+	srv := redistest.Start(t)
+	cfg := Config{Redis: []string{srv.URL()}, Breaker: BreakerConfig{Timeout: Duration(200 * time.Millisecond)}}
+	o := newOrigin(t, cfg, Options{NodeID: "norep"})
+	k, seq := key("zelda"), nowSeq()
+	flush := func(own int64) ([]engine.Delta, error) {
+		b := []engine.Delta{{Key: k, Sequence: seq, Delta: 1, Own: own}}
+		return b, o.Flush(ctxT(t), b)
+	}
+	ctx := context.Background()
+	admin := srv.Client()
+	if err := admin.ConfigSet(ctx, "min-replicas-to-write", "1").Err(); err != nil {
+		t.Fatal(err)
+	}
+	redistest.EventuallyShow(t, 10*time.Second, "both breakers open on NOREPLICAS", func() (bool, string) {
+		_ = requestRead(o, key(fmt.Sprint("cold", time.Now().UnixNano())), seq)
+		_, _ = flush(4)
+		st := o.Stats().Endpoints[0]
+		return st.Breaker == BreakerOpen && st.ReplayBreaker == BreakerOpen && strings.Contains(st.LastError, "NOREPLICAS"),
+			fmt.Sprintf("breakers %s/%s, last error %q", st.Breaker, st.ReplayBreaker, st.LastError)
+	})
+	if err := admin.ConfigSet(ctx, "min-replicas-to-write", "0").Err(); err != nil {
+		t.Fatal(err)
+	}
+	redistest.EventuallyShow(t, 10*time.Second, "the units arrive and the breakers close", func() (bool, string) {
+		b, err := flush(4)
+		rerr := requestRead(o, k, seq)
+		st := o.Stats().Endpoints[0]
+		return b[0].Done && b[0].Totals.Cur == 4 && rerr == nil && st.Breaker == BreakerClosed && st.ReplayBreaker == BreakerClosed,
+			fmt.Sprintf("flush %v, read %v, breakers %s/%s", err, rerr, st.Breaker, st.ReplayBreaker)
+	})
+}
