@@ -255,11 +255,10 @@ func (b *redisBackend) useClock(st *state) {
 	if !ok {
 		return
 	}
-	old := st.engine.ClockOffset()
+	old := st.takeRegionClock(d)
 	if d == old {
 		return
 	}
-	st.engine.SetClockOffset(d)
 	overrides.republish() // what is live changed with the clock
 	fields := []zap.Field{zap.Duration("offset", d), zap.Duration("was", old), zap.String("redis", b.origin.String())}
 	if d.Abs() >= clockWarnAt {

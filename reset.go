@@ -235,15 +235,15 @@ var onResets = func(recs []overrideRec) {
 // resetTakesHeld reports whether a reset heard of now takes off units
 // this process holds: it has not lapsed, and it was made after the
 // engine began. Both are read on the region's clock, the one resetKey
-// stamps a reset with (engine.Now): startedMs is this process's clock,
-// moved by the offset the engine uses now. On this process's own clock a
-// node 30 s behind its Redis took a reset made 10 s before its engine
+// stamps a reset with (engine.Now), the engine's start as the first
+// heartbeat measured it on that clock (state.startedRegionMs). On this
+// process's own clock a node 30 s behind its Redis took a reset made 10 s before its engine
 // began for a later one, and a node 30 s ahead took a live reset of a
 // 10 s window for one that had lapsed
 // (TestReset_HeardLateIsJudgedOnTheRegionsClock). Before the first
 // heartbeat measured Redis's clock, the offset is 0 and the process's
 // clock is all there is.
 func resetTakesHeld(st *state, rec overrideRec) bool {
-	started := st.startedMs + st.engine.ClockOffset().Milliseconds()
+	started := st.startedRegionMs()
 	return rec.ExpiresMs > st.engine.Now().UnixMilli() && resetMadeMs(rec) >= started
 }

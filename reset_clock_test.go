@@ -11,6 +11,7 @@ import (
 
 	"github.com/edgelimit/caddy-ratelimit/engine"
 	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
+	"github.com/edgelimit/caddy-ratelimit/internal/testclock"
 	"github.com/edgelimit/caddy-ratelimit/origin"
 )
 
@@ -147,5 +148,53 @@ func TestReset_ARetryAfterAReloadKeepsUnitsWrittenSinceTheMarks(t *testing.T) {
 	}
 	if p.Cur != 1 {
 		t.Fatalf("the region counts %+v after the reset, want the 1 unit written after its marks", p)
+	}
+}
+
+// TestReset_AfterTheNodesClockSteppedIsJudgedOnTheRegionsClock: the
+// engine's start, against which a reset heard late is judged, is a moment
+// on the region's clock, fixed once a heartbeat first measured it; a
+// later step of this node's wall clock (NTP stepping a clock that booted
+// an hour off, a resumed VM) moves the offset the engine adds, not when
+// the engine began. The start was this node's clock at the engine's
+// creation plus the offset in use now: a node whose clock booted an hour
+// ahead and was stepped back 10 min later took its start for an hour
+// later than it was, and ignored every region reset made in that hour (it
+// kept the units the reset took off and went on denying the key); a node
+// whose clock stepped an hour forward took its start for an hour earlier,
+// and dropped units all admitted after a reset made before it began (the
+// region admitted them again).
+func TestReset_AfterTheNodesClockSteppedIsJudgedOnTheRegionsClock(t *testing.T) {
+	region := time.Date(2026, 11, 28, 2, 0, 0, 0, time.UTC)
+	for _, tc := range []struct {
+		name          string
+		atStart, step time.Duration // this node's clock less the region's at the engine's start; its step 10 min later
+		made          time.Duration // the reset's time on the region's clock, from the engine's start
+		want          bool
+	}{
+		{"booted ahead, stepped back: a reset after the start", time.Hour, -time.Hour, 11 * time.Minute, true},
+		{"stepped forward: a reset before the start", 0, time.Hour, -5 * time.Minute, false},
+		{"stepped forward: a reset after the start", 0, time.Hour, 11 * time.Minute, true},
+		{"stepped back: a reset before the start", 0, -time.Hour, -5 * time.Minute, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			clk := testclock.New(region.Add(tc.atStart))
+			st := &state{engine: engine.New(engine.Config{Now: clk.Now})}
+			t.Cleanup(func() { _ = st.engine.Close(t.Context()) })
+			st.began()
+			st.takeRegionClock(-tc.atStart) // the first heartbeat
+			clk.Advance(10 * time.Minute)
+			clk.Advance(tc.step)
+			st.takeRegionClock(-tc.atStart - tc.step) // the heartbeat after the step
+			if skew := st.engine.Now().Sub(region.Add(10 * time.Minute)); skew != 0 {
+				t.Fatalf("the engine's clock is %s off the region's", skew)
+			}
+			made := region.Add(tc.made)
+			rec := overrideRec{Zone: "z", Identifier: "k", Reset: true, CreatedMs: made.UnixMilli(),
+				Version: made.UnixMicro(), ExpiresMs: region.Add(time.Hour).UnixMilli()}
+			if got := resetTakesHeld(st, rec); got != tc.want {
+				t.Errorf("resetTakesHeld = %v, want %v", got, tc.want)
+			}
+		})
 	}
 }

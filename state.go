@@ -48,8 +48,14 @@ type state struct {
 	// startedMs is when the engine was made (Unix ms), on the process's
 	// clock (engine.ProcessClock, without the offset to the region's): a
 	// reset made before it has none of its units to take off
-	// (resetTakesHeld).
+	// (resetTakesHeld). startedAt is the same reading as a time, with the
+	// monotonic clock's reading that time.Now gives it.
 	startedMs int64
+	startedAt time.Time
+	// regionStartMs is when the engine was made on the region's clock
+	// (Unix ms), fixed by the first heartbeat that measured it
+	// (takeRegionClock); 0 until then.
+	regionStartMs atomic.Int64
 	// rowsAs is the name the engine's rows in MySQL are written under
 	// (App.rowRegion), set when the first config's cross-region layer
 	// starts: a reload may not change it (provisionMySQL).
@@ -62,6 +68,51 @@ type state struct {
 	// the engine's cells: its DSN and identifier form (mysqlBackend.dest).
 	publishedTo atomic.Pointer[string]
 	rowsAs      atomic.Pointer[string]
+}
+
+// began records when the engine was made.
+func (s *state) began() {
+	s.startedAt = s.engine.ProcessClock()()
+	s.startedMs = s.startedAt.UnixMilli()
+}
+
+// takeRegionClock makes the engine decide on the region's clock: its
+// process's clock plus d, as a heartbeat measured it. It returns the
+// offset the engine used before.
+//
+// The first measurement also fixes when the engine began on the region's
+// clock: the region's time now less the time since. Later changes of the
+// offset are steps of this process's wall clock (NTP stepping a clock
+// that booted off, a resumed VM), which move the offset but not when the
+// engine began: taken as the start on this process's clock plus the
+// offset in use, a node whose clock booted an hour ahead and was stepped
+// back took its start for an hour later than it was, and ignored the
+// region resets made in that hour, and a node whose clock stepped forward
+// took it for earlier, and dropped units admitted after a reset made
+// before it began (TestReset_AfterTheNodesClockSteppedIsJudgedOnTheRegionsClock).
+// The time since is the monotonic clock's where Config.Now is time.Now,
+// so a step between the start and the first heartbeat (Redis unreachable
+// at start) does not move it either.
+func (s *state) takeRegionClock(d time.Duration) (old time.Duration) {
+	if s.regionStartMs.Load() == 0 {
+		now := s.engine.ProcessClock()()
+		s.regionStartMs.CompareAndSwap(0, now.Add(d).UnixMilli()-now.Sub(s.startedAt).Milliseconds())
+	}
+	old = s.engine.ClockOffset()
+	if d != old {
+		s.engine.SetClockOffset(d)
+	}
+	return old
+}
+
+// startedRegionMs is when the engine was made, on the region's clock as
+// well as it is known: before a heartbeat measured it, on this process's
+// clock moved by the offset in use (0, or the last origin's).
+func (s *state) startedRegionMs() int64 {
+	if ms := s.regionStartMs.Load(); ms != 0 {
+		return ms
+	}
+	return s.startedMs + s.engine.ClockOffset().Milliseconds()
 }
 
 // acquireState returns the process's state, creating its engine if this is
@@ -79,7 +130,7 @@ func acquireState(a *App) (*state, error) {
 		st.obs.observeEngine(&cfg)
 		st.sized = cfg
 		st.engine = engine.New(cfg)
-		st.startedMs = st.engine.ProcessClock()().UnixMilli()
+		st.began()
 		overrides.clock.use(st.engine)
 		return st, nil
 	})
