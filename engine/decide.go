@@ -214,7 +214,7 @@ func (e *Engine) deny(d *Decision, lc *located, l *Limit, cur, prev int64) {
 		return // oversized: the request's size, not the key's use
 	}
 	if e.origin.Load() != nil {
-		e.markStrict(lc.zone, lc.id, lc.cur.seq()*lc.w+lc.r+lc.w)
+		e.markStrict(lc.zone, lc.id, lc.cur.seq()*lc.w+lc.r+lc.w, lc.cur.seq()*lc.w+lc.r-lc.ahead)
 	}
 	if lc.cur.state()&stBlocked == 0 && lc.cur.setBits(stBlocked) {
 		e.firstDenial(lc, l, cur, prev)

@@ -96,7 +96,7 @@ func (e *Engine) inspect(z *Zone, id string, en *entry, now int64) (KeyState, bo
 		}
 	}
 	ks.Effective = curN + weighted(prevN, w, r)
-	if s := strictUntil(z, id); s > now {
+	if s := strictUntil(z, id, now); s > now {
 		ks.StrictUntil = time.UnixMilli(s)
 	}
 	return ks, true
@@ -225,7 +225,7 @@ func (e *Engine) StrictKeys() []StrictKey {
 	var out []StrictKey
 	e.rangeZones(func(z *Zone) bool {
 		z.strict.Range(func(id string, d *atomic.Int64) bool {
-			if u := d.Load(); u > now {
+			if u := d.Load(); u > now && !strictStale(z, u, now) {
 				out = append(out, StrictKey{Key: z.key(id), Until: time.UnixMilli(u)})
 			}
 			return true

@@ -239,7 +239,8 @@ func (e *Engine) Sweep() int {
 			return en.cur.CompareAndSwap(c, tombstone), false
 		})
 		e.strictLive.Add(-int64(z.strict.DeleteMatching(func(_ string, d *atomic.Int64) (bool, bool) {
-			return d.Load() <= now, false
+			u := d.Load()
+			return u <= now || strictStale(z, u, now), false
 		})))
 		return true
 	})

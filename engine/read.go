@@ -170,7 +170,7 @@ func (e *Engine) converge(o Origin, lc *located, l *Limit, now int64) *flight {
 		// far from the limit in this process's view is not far from it in
 		// the region's.
 		return e.syncRead(o, lc)
-	case l.Cost > 0 && l.Cost <= l.Limit/unreadShare && strictUntil(lc.zone, lc.id) <= now:
+	case l.Cost > 0 && l.Cost <= l.Limit/unreadShare && strictUntil(lc.zone, lc.id, now) <= now:
 		// Far from the limit, on a cell no other process has shown units
 		// in, under a limit far above one request (as unread has it), this
 		// request passes and its units replay within a tick; the replay
@@ -217,7 +217,7 @@ func (e *Engine) unread(lc *located, l *Limit, now int64) bool {
 	if l.Cost <= 0 || l.Cost > share || SatAdd(lc.cur.count.Load(), l.Cost) > share {
 		return false
 	}
-	return strictUntil(lc.zone, lc.id) <= now
+	return strictUntil(lc.zone, lc.id, now) <= now
 }
 
 // convergeAll converges every limit of a batch, reads in parallel, and

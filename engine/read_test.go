@@ -313,7 +313,7 @@ func TestUnread_WhatStillReadsFirst(t *testing.T) {
 		{"limit 10,240, cost 11", lim("k", time.Hour, 10240, 11), nil},
 		{"cost 0", lim("k", time.Hour, 1<<40, 0), nil},
 		{"strict mode", lim("k", time.Hour, 1<<40, 1), func(e *Engine, l Limit) {
-			e.markStrict(e.Zone(l.Namespace, l.Window), l.Identifier, epoch+time.Hour.Milliseconds())
+			e.markStrict(e.Zone(l.Namespace, l.Window), l.Identifier, epoch+time.Hour.Milliseconds(), epoch)
 		}},
 	}
 	for _, tc := range cases {

@@ -59,7 +59,7 @@ func (e *Engine) nearLimit(lc *located, l *Limit, cur, prev, now int64) (near, a
 	if !shared && !young {
 		return false, false
 	}
-	if strictUntil(lc.zone, lc.id) > now {
+	if strictUntil(lc.zone, lc.id, now) > now {
 		return true, true
 	}
 	effective := SatAdd(SatAdd(cur, weighted(prev, lc.w, lc.r)), l.Cost)

@@ -10,11 +10,13 @@ import "sync/atomic"
 // refreshes from the origin. Counts only grow, so a refresh can never turn a
 // denial into an allow: denials themselves never wait.
 
-// markStrict raises id's strict deadline to until (Unix ms). The first
-// denial of a key allocates its deadline; later ones are an atomic max. New
-// keys past MaxEntries strict deadlines are not recorded: strict mode is a
-// refinement, and a flood of denied identifiers must not grow memory.
-func (e *Engine) markStrict(z *Zone, id string, until int64) {
+// markStrict raises id's strict deadline to until (Unix ms), at now (the
+// engine's clock). The first denial of a key allocates its deadline; later
+// ones are an atomic max, but for a deadline left by a clock that stepped
+// back (strictStale), which the new one replaces. New keys past MaxEntries
+// strict deadlines are not recorded: strict mode is a refinement, and a
+// flood of denied identifiers must not grow memory.
+func (e *Engine) markStrict(z *Zone, id string, until, now int64) {
 	d, ok := z.strict.Load(id)
 	if !ok {
 		if e.strictLive.Load() >= int64(e.cfg.MaxEntries) {
@@ -31,16 +33,30 @@ func (e *Engine) markStrict(z *Zone, id string, until int64) {
 	}
 	for {
 		old := d.Load()
-		if until <= old || d.CompareAndSwap(old, until) {
+		if (until <= old && !strictStale(z, old, now)) || d.CompareAndSwap(old, until) {
 			return
 		}
 	}
 }
 
-// strictUntil returns id's strict deadline in Unix ms, or 0.
-func strictUntil(z *Zone, id string) int64 {
+// strictStale reports whether the deadline until lies further ahead of now
+// than a denial can set it: a window past the end of a cell at most one
+// window ahead of now (a cell further ahead is stale and replaced; see
+// locate). Such a deadline was set while the clock ran ahead (an NTP step,
+// a resumed VM, the moments before a heartbeat measured Redis's clock
+// again), and holding it kept every request of the key that would pass
+// going to the origin first for as long as the clock had been ahead (an
+// hour's step: an hour of a round trip a request;
+// TestStrict_ADeadlineFromAClockAheadLapsesWhenTheClockComesBack).
+func strictStale(z *Zone, until, now int64) bool { return until > now+2*z.w }
+
+// strictUntil returns id's strict deadline in Unix ms at now, or 0: none,
+// or one a clock that stepped back left (strictStale).
+func strictUntil(z *Zone, id string, now int64) int64 {
 	if d, ok := z.strict.Load(id); ok {
-		return d.Load()
+		if u := d.Load(); !strictStale(z, u, now) {
+			return u
+		}
 	}
 	return 0
 }

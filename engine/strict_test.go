@@ -67,3 +67,48 @@ func TestStrict_DeadlinesAreBoundedByMaxEntries(t *testing.T) {
 		t.Fatalf("%d strict deadlines, want at most MaxEntries = 10", n)
 	}
 }
+
+// TestStrict_ADeadlineFromAClockAheadLapsesWhenTheClockComesBack: a key
+// denied while the clock ran an hour ahead (an NTP step, a resumed VM, the
+// second before a heartbeat measured Redis's clock again) got a strict
+// deadline an hour ahead. Once the clock came back, its cell from the
+// future was replaced (stale), but the deadline held: for the hour, every
+// request of the shared key that would pass went to the origin first, a
+// round trip a request, as if it had just been denied.
+func TestStrict_ADeadlineFromAClockAheadLapsesWhenTheClockComesBack(t *testing.T) {
+	e, clk, o := withOrigin(t, Config{})
+	start := clk.Now()
+	seq := clk.UnixMilli() / 60_000
+	k, c := lim("k", time.Minute, 100, 1), lim("c", time.Minute, 100, 1)
+	for _, l := range []Limit{k, c} {
+		o.add(l.Key, seq, 10) // shared from the first read
+	}
+	// An hour ahead, another process took k to its limit; this one is denied.
+	clk.Set(start.Add(time.Hour))
+	o.add(k.Key, clk.UnixMilli()/60_000, 100)
+	if e.Decide(bg, k).Allowed {
+		t.Fatal("admitted over the limit an hour ahead")
+	}
+	clk.Set(start.Add(time.Second))
+	for _, l := range []Limit{k, c} {
+		if !e.Decide(bg, l).Allowed {
+			t.Fatalf("%s denied at 11 of 100", l.Identifier)
+		}
+	}
+	replayAll(t, e)
+	count := func(l Limit) int64 {
+		before := o.reserves.Load() + o.reads.Load()
+		for range 20 {
+			if !e.Decide(bg, l).Allowed {
+				t.Fatalf("%s denied below the limit", l.Identifier)
+			}
+		}
+		return o.reserves.Load() + o.reads.Load() - before
+	}
+	if nc, nk := count(c), count(k); nk > nc {
+		t.Fatalf("the key denied an hour ahead made %d origin calls in 20 requests, the same key never denied %d", nk, nc)
+	}
+	if ks, _ := e.Inspect(k.Key); !ks.StrictUntil.IsZero() {
+		t.Fatalf("strict until %v, an hour ahead of the clock", ks.StrictUntil)
+	}
+}
