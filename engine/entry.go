@@ -197,9 +197,20 @@ func (en *entry) current(seq, now int64, linked bool) (c *cell, dropped [2]*cell
 			x.procs.Store(cx.procs.Load()) // the processes on the key stay those it had
 		}
 		var np *cell
-		if c.seq() == seq-1 {
+		switch {
+		case c.seq() == seq-1:
 			np = c
-		} else {
+		case !linked:
+			// Rotated over a gap: c weighs nothing in the new window, but
+			// a clock that jumped forward and comes back finds its window
+			// live again, and without an origin to read its count back
+			// from, only this process holds it. It stays as the entry's
+			// previous cell (previous ignores a cell that is not the one
+			// just before) until the next rotation, for replaceStale. A
+			// linked cell is let go (and remembered, see bury): the new
+			// incarnation reads the origin.
+			np = c
+		default:
 			dropped[0] = c
 		}
 		// prev first, by compare-and-swap against what was read with c, so
@@ -230,10 +241,30 @@ func (en *entry) current(seq, now int64, linked bool) (c *cell, dropped [2]*cell
 // the replay queue, which holds the cell itself. dropped is the previous
 // cell it let go (the one before the stale cell), for the engine to
 // remember as it remembers the stale one.
+//
+// Without an origin, the cell for seq itself may still be the entry's
+// previous cell, left there by the rotation over the gap (see current):
+// it comes back as the current cell, with its count. Made anew, it was
+// empty, and a key at its limit when the clock stepped an hour forward and
+// back was admitted its whole limit again
+// (TestClock_StepForwardAndBackKeepsALocalKeysCount). The cell before it
+// was let go at that rotation: its weight in the window does not come back.
 func (en *entry) replaceStale(c *cell, seq, now int64, linked bool) (_, dropped *cell) {
+	p := en.prev.Load()
+	if p != nil && p.seq() == seq && !linked && p.links() == nil {
+		// prev first, as below: a rotation past the restored cell that
+		// runs meanwhile keeps it as its previous cell.
+		if !en.prev.CompareAndSwap(p, nil) {
+			return nil, nil
+		}
+		if !en.cur.CompareAndSwap(c, p) {
+			en.prev.CompareAndSwap(nil, p) // c was rotated meanwhile: as it was
+			return nil, nil
+		}
+		return p, nil
+	}
 	n := newCell(seq, linked).madeAt(now)
 	n.orState(c.state() & stShared)
-	p := en.prev.Load()
 	var np *cell
 	if p != nil && p.seq() == seq-1 {
 		np = p

@@ -40,6 +40,40 @@ func TestClock_CellOneWindowAheadIsKept(t *testing.T) {
 	}
 }
 
+// TestClock_StepForwardAndBackKeepsALocalKeysCount: without an origin to
+// read the key's count back from, a clock that steps an hour forward and
+// back must find the key's cell of the window it left. The key, at its
+// limit of 100 when the clock stepped, was touched during the hour ahead;
+// its cell from the future was replaced by an empty one for the window the
+// clock came back to, and the key was admitted its whole limit again.
+// Before the fix: 100 more admitted.
+func TestClock_StepForwardAndBackKeepsALocalKeysCount(t *testing.T) {
+	e, clk := newTestEngine(t, manual(Config{}))
+	l := lim("k", time.Minute, 100, 1)
+	start := clk.Now().Add(10 * time.Second)
+	clk.Set(start)
+	if n := admittedOf(e, l, 100); n != 100 {
+		t.Fatalf("admitted %d of the limit of 100", n)
+	}
+	clk.Set(start.Add(time.Hour))
+	if n := admittedOf(e, l, 5); n != 5 {
+		t.Fatalf("admitted %d of 5 an hour ahead", n)
+	}
+	clk.Set(start.Add(time.Second))
+	if n := admittedOf(e, l, 300); n != 0 {
+		t.Fatalf("admitted %d more after the clock came back to a window counted to its limit of 100", n)
+	}
+	ks, _ := e.Inspect(l.Key)
+	if len(ks.Cells) == 0 || ks.Cells[0].Regional != 100 {
+		t.Fatalf("cells %+v, want the window's cell with its 100", ks.Cells)
+	}
+	// Once the clock passes that window for good, the key moves on.
+	clk.Set(start.Add(2 * time.Minute))
+	if n := admittedOf(e, l, 300); n != 100 {
+		t.Fatalf("admitted %d of 100 two windows on", n)
+	}
+}
+
 // TestRotation_AKeyIdleForAWindowReadsFirst is what the reference test
 // found on seed 1795597378052014898: a key this process last touched
 // windows ago (or before its clock jumped) rotated into a cell that
