@@ -165,8 +165,10 @@ var tombstone = newCell(-1, false)
 // is a linked cell when linked is set (the engine has an origin or a
 // global layer), made at now (Unix ms, see madeAt). dropped are the cells a rotation let go (neither current nor
 // previous any more), for the engine to remember (see bury): they weigh
-// nothing now, unless the clock has jumped.
-func (en *entry) current(seq, now int64, linked bool) (c *cell, dropped [2]*cell) {
+// nothing now, unless the clock has jumped. keep (the engine has no
+// origin) keeps a cell rotated from over a gap as the previous one
+// instead, for replaceStale.
+func (en *entry) current(seq, now int64, linked, keep bool) (c *cell, dropped [2]*cell) {
 	for {
 		c := en.cur.Load()
 		if c == tombstone {
@@ -200,15 +202,15 @@ func (en *entry) current(seq, now int64, linked bool) (c *cell, dropped [2]*cell
 		switch {
 		case c.seq() == seq-1:
 			np = c
-		case !linked:
+		case keep:
 			// Rotated over a gap: c weighs nothing in the new window, but
 			// a clock that jumped forward and comes back finds its window
 			// live again, and without an origin to read its count back
 			// from, only this process holds it. It stays as the entry's
 			// previous cell (previous ignores a cell that is not the one
-			// just before) until the next rotation, for replaceStale. A
-			// linked cell is let go (and remembered, see bury): the new
-			// incarnation reads the origin.
+			// just before) until the next rotation lets it go, for
+			// replaceStale. With an origin it is let go now (and
+			// remembered, see bury): the new incarnation reads the origin.
 			np = c
 		default:
 			dropped[0] = c
@@ -242,16 +244,16 @@ func (en *entry) current(seq, now int64, linked bool) (c *cell, dropped [2]*cell
 // cell it let go (the one before the stale cell), for the engine to
 // remember as it remembers the stale one.
 //
-// Without an origin, the cell for seq itself may still be the entry's
+// Without an origin (keep), the cell for seq itself may still be the entry's
 // previous cell, left there by the rotation over the gap (see current):
 // it comes back as the current cell, with its count. Made anew, it was
 // empty, and a key at its limit when the clock stepped an hour forward and
 // back was admitted its whole limit again
 // (TestClock_StepForwardAndBackKeepsALocalKeysCount). The cell before it
 // was let go at that rotation: its weight in the window does not come back.
-func (en *entry) replaceStale(c *cell, seq, now int64, linked bool) (_, dropped *cell) {
+func (en *entry) replaceStale(c *cell, seq, now int64, linked, keep bool) (_, dropped *cell) {
 	p := en.prev.Load()
-	if p != nil && p.seq() == seq && !linked && p.links() == nil {
+	if p != nil && p.seq() == seq && keep {
 		// prev first, as below: a rotation past the restored cell that
 		// runs meanwhile keeps it as its previous cell.
 		if !en.prev.CompareAndSwap(p, nil) {

@@ -45,10 +45,22 @@ func TestClock_CellOneWindowAheadIsKept(t *testing.T) {
 // back must find the key's cell of the window it left. The key, at its
 // limit of 100 when the clock stepped, was touched during the hour ahead;
 // its cell from the future was replaced by an empty one for the window the
-// clock came back to, and the key was admitted its whole limit again.
-// Before the fix: 100 more admitted.
+// clock came back to, and the key was admitted its whole limit again. So
+// did a node with the cross-region layer and no Redis (linked cells, no
+// origin). Before the fix: 100 more admitted.
 func TestClock_StepForwardAndBackKeepsALocalKeysCount(t *testing.T) {
+	for _, global := range []bool{false, true} {
+		t.Run(map[bool]string{false: "local", true: "cross-region layer"}[global], func(t *testing.T) {
+			stepForwardAndBackKeepsTheCount(t, global)
+		})
+	}
+}
+
+func stepForwardAndBackKeepsTheCount(t *testing.T, global bool) {
 	e, clk := newTestEngine(t, manual(Config{}))
+	if global {
+		e.SetGlobal(nopGlobal{})
+	}
 	l := lim("k", time.Minute, 100, 1)
 	start := clk.Now().Add(10 * time.Second)
 	clk.Set(start)
@@ -104,22 +116,22 @@ func TestEntry_RotationLetsGoOfCellsThatWeighNothing(t *testing.T) {
 	c9, c10 := newCell(9, true), newCell(10, true)
 	en.prev.Store(c9)
 	en.cur.Store(c10)
-	c, dropped := en.current(11, 0, true)
+	c, dropped := en.current(11, 0, true, false)
 	if c.seq() != 11 || en.cur.Load() != c || en.prev.Load() != c10 || dropped != [2]*cell{nil, c9} {
 		t.Fatalf("one window on: cur %d, prev %v, dropped %v; want 11, the cell of 10, and 9 dropped", c.seq(), en.prev.Load(), dropped)
 	}
 	if c.links() == nil {
 		t.Fatal("a rotation asked for a linked cell made a plain one")
 	}
-	c14, dropped := en.current(14, 0, true)
+	c14, dropped := en.current(14, 0, true, false)
 	if c14.seq() != 14 || en.prev.Load() != nil || dropped != [2]*cell{c, c10} {
 		t.Fatalf("over a gap: cur %d, prev %v, dropped %v; want 14, none, and 11 and 10 dropped", c14.seq(), en.prev.Load(), dropped)
 	}
-	if got, dropped := en.current(13, 0, true); got != c14 || dropped != [2]*cell{} {
+	if got, dropped := en.current(13, 0, true, false); got != c14 || dropped != [2]*cell{} {
 		t.Fatal("a sequence behind the current cell moved the key back")
 	}
 	en.cur.Store(tombstone)
-	if got, _ := en.current(15, 0, true); got != nil {
+	if got, _ := en.current(15, 0, true, false); got != nil {
 		t.Fatal("a removed entry rotated")
 	}
 }

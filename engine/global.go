@@ -303,7 +303,7 @@ func (e *Engine) ImportGlobal(key Key, seq, total int64, create bool) bool {
 			}
 			en = e.insert(z, id, now, nowMs, true)
 		}
-		cur, gone := en.current(seq, nowMs, true)
+		cur, gone := en.current(seq, nowMs, true, e.origin.Load() == nil)
 		if gone[0] != nil || gone[1] != nil {
 			e.buryCells(z, en, gone)
 		}

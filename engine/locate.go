@@ -83,7 +83,8 @@ func (e *Engine) locate(lc *located, l *Limit, now int64, linked bool) {
 // fresh entry may already stand in its place.
 func (e *Engine) rotate(z *Zone, id string, en *entry, now, w int64, linked bool) *cell {
 	seq := now / w
-	c, gone := en.current(seq, now, linked)
+	keep := e.origin.Load() == nil
+	c, gone := en.current(seq, now, linked, keep)
 	if gone[0] != nil || gone[1] != nil {
 		e.buryCells(z, en, gone)
 	}
@@ -96,7 +97,7 @@ func (e *Engine) rotate(z *Zone, id string, en *entry, now, w int64, linked bool
 		// past seq and keeps the cell).
 		stale := c
 		var dropped *cell
-		c, dropped = en.replaceStale(c, seq, now, linked)
+		c, dropped = en.replaceStale(c, seq, now, linked, keep)
 		if c != nil {
 			e.buryCell(z, en, stale)
 		}
