@@ -255,7 +255,7 @@ func (b *redisBackend) useClock(st *state) {
 	if !ok {
 		return
 	}
-	old := st.takeRegionClock(d)
+	old := st.takeRegionClock(d, b.origin.Placement())
 	if d == old {
 		return
 	}

@@ -182,10 +182,10 @@ func TestReset_AfterTheNodesClockSteppedIsJudgedOnTheRegionsClock(t *testing.T) 
 			st := &state{engine: engine.New(engine.Config{Now: clk.Now})}
 			t.Cleanup(func() { _ = st.engine.Close(t.Context()) })
 			st.began()
-			st.takeRegionClock(-tc.atStart) // the first heartbeat
+			st.takeRegionClock(-tc.atStart, "r") // the first heartbeat
 			clk.Advance(10 * time.Minute)
 			clk.Advance(tc.step)
-			st.takeRegionClock(-tc.atStart - tc.step) // the heartbeat after the step
+			st.takeRegionClock(-tc.atStart-tc.step, "r") // the heartbeat after the step
 			if skew := st.engine.Now().Sub(region.Add(10 * time.Minute)); skew != 0 {
 				t.Fatalf("the engine's clock is %s off the region's", skew)
 			}
@@ -196,5 +196,26 @@ func TestReset_AfterTheNodesClockSteppedIsJudgedOnTheRegionsClock(t *testing.T) 
 				t.Errorf("resetTakesHeld = %v, want %v", got, tc.want)
 			}
 		})
+	}
+}
+
+// TestReset_AReloadToAnotherRedisJudgesTheStartOnItsClock: the engine's
+// start is fixed on the clock of the Redis that measured it; a reload to
+// the servers of another place, whose clock is 30 s ahead, fixes it again
+// on theirs, where its resets are stamped.
+func TestReset_AReloadToAnotherRedisJudgesTheStartOnItsClock(t *testing.T) {
+	start := time.Date(2026, 11, 28, 2, 0, 0, 0, time.UTC)
+	clk := testclock.New(start)
+	st := &state{engine: engine.New(engine.Config{Now: clk.Now})}
+	t.Cleanup(func() { _ = st.engine.Close(t.Context()) })
+	st.began()
+	st.takeRegionClock(0, "a")
+	clk.Advance(time.Minute)
+	st.takeRegionClock(30*time.Second, "b") // the reload's Redis
+	made := start.Add(20 * time.Second)     // 10 s before the start on b's clock
+	rec := overrideRec{Zone: "z", Identifier: "k", Reset: true, CreatedMs: made.UnixMilli(),
+		Version: made.UnixMicro(), ExpiresMs: start.Add(time.Hour).UnixMilli()}
+	if resetTakesHeld(st, rec) {
+		t.Error("a reset made before the engine began, on the new Redis's clock, takes the units held")
 	}
 }

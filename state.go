@@ -54,8 +54,12 @@ type state struct {
 	startedAt time.Time
 	// regionStartMs is when the engine was made on the region's clock
 	// (Unix ms), fixed by the first heartbeat that measured it
-	// (takeRegionClock); 0 until then.
+	// (takeRegionClock); 0 until then. regionOf is the placement of the
+	// Redis whose clock that is (origin.Redis.Placement): another region's
+	// Redis, after a reload, fixes it again on its own clock.
 	regionStartMs atomic.Int64
+	regionMu      sync.Mutex
+	regionOf      string
 	// rowsAs is the name the engine's rows in MySQL are written under
 	// (App.rowRegion), set when the first config's cross-region layer
 	// starts: a reload may not change it (provisionMySQL).
@@ -92,12 +96,16 @@ func (s *state) began() {
 // before it began (TestReset_AfterTheNodesClockSteppedIsJudgedOnTheRegionsClock).
 // The time since is the monotonic clock's where Config.Now is time.Now,
 // so a step between the start and the first heartbeat (Redis unreachable
-// at start) does not move it either.
-func (s *state) takeRegionClock(d time.Duration) (old time.Duration) {
-	if s.regionStartMs.Load() == 0 {
+// at start, or a reload to the Redis of another place) does not move it
+// either. placement names the Redis measured (origin.Redis.Placement).
+func (s *state) takeRegionClock(d time.Duration, placement string) (old time.Duration) {
+	s.regionMu.Lock()
+	if s.regionStartMs.Load() == 0 || s.regionOf != placement {
 		now := s.engine.ProcessClock()()
-		s.regionStartMs.CompareAndSwap(0, now.Add(d).UnixMilli()-now.Sub(s.startedAt).Milliseconds())
+		s.regionStartMs.Store(now.Add(d).UnixMilli() - now.Sub(s.startedAt).Milliseconds())
+		s.regionOf = placement
 	}
+	s.regionMu.Unlock()
 	old = s.engine.ClockOffset()
 	if d != old {
 		s.engine.SetClockOffset(d)
