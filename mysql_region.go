@@ -149,15 +149,33 @@ func (r redisRegion) TakeOverrides(ctx context.Context, all bool) ([]propagation
 // region has not heard of first marks the region's cells of the key, so
 // the region's count and what it imported start over here too; the
 // region that made it, or a holder reading it again, finds it held.
+//
+// A region reset and a global one share the key's name in the hash: a
+// region reset made here after the global one (before its row arrived,
+// or while MySQL held it back) is the newer record, and the global reset
+// was once taken for one held. The region then never marked under its
+// version and published no mark of it: the other regions counted
+// nothing of the key from here for the rest of the window, and this
+// region weighed their units from before their marks
+// (TestReset_AGlobalResetHeardAfterARegionResetStillMarksTheRegion). The
+// cells are marked under its version then, and the newer record stays.
 func (r redisRegion) ApplyOverrides(ctx context.Context, rows []propagation.OverrideRow) error {
 	os := make([]origin.Override, 0, len(rows))
 	for i := range rows {
 		rec := recOfRow(&rows[i])
 		if rec.Reset {
 			rec.Global = true
-			if held, ok, err := r.o.OverrideVersion(ctx, rec.field()); err != nil {
+			if held, ok, err := r.o.HeldOverride(ctx, rec.field()); err != nil {
 				return err
-			} else if ok && held >= rec.Version {
+			} else if ok && held.Version >= rec.Version {
+				if h, known := recOfRegion(held); known && !h.Global {
+					// The region's own reset, newer: the cells still
+					// take the global one's mark (a no-op where they
+					// hold it or a newer one).
+					if err := resetRegionCells(ctx, r.o, r.st, rec); err != nil {
+						return err
+					}
+				}
 				continue
 			}
 			// Marked before it is recorded: a node that hears of it and

@@ -360,14 +360,21 @@ func parseOverride(field, raw string) (Override, bool) {
 // when it holds none): a holder checks that a change is new to the region
 // before acting on it.
 func (r *Redis) OverrideVersion(ctx context.Context, field string) (int64, bool, error) {
+	o, ok, err := r.HeldOverride(ctx, field)
+	return o.Version, ok, err
+}
+
+// HeldOverride returns what the region holds of one field, version and
+// value (false when it holds none).
+func (r *Redis) HeldOverride(ctx context.Context, field string) (Override, bool, error) {
 	ep := r.roleEndpoint()
 	raw, err := ep.client.HGet(ctx, r.overridesKey(), field).Result()
 	if errors.Is(err, redis.Nil) {
-		return 0, false, nil
+		return Override{}, false, nil
 	}
 	if err != nil {
-		return 0, false, fmt.Errorf("redis override version %s: %w", ep.address, err)
+		return Override{}, false, fmt.Errorf("redis override version %s: %w", ep.address, err)
 	}
 	o, ok := parseOverride(field, raw)
-	return o.Version, ok, nil
+	return o, ok, nil
 }

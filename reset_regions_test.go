@@ -1,0 +1,108 @@
+package ratelimit
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"testing"
+	"time"
+
+	"github.com/edgelimit/caddy-ratelimit/engine"
+	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
+	"github.com/edgelimit/caddy-ratelimit/origin"
+	"github.com/edgelimit/caddy-ratelimit/propagation"
+)
+
+// publishedPart is what a region's holder publishes of a cell (its
+// CellTotals, with the version a region that marks resets says at least),
+// as another region's holder imports it.
+func publishedPart(t *testing.T, o *origin.Redis, region string, k engine.Key, seq int64) origin.ImportPart {
+	t.Helper()
+	ts, err := o.CellTotals(context.Background(), []origin.RoleCell{{Key: k, Sequence: seq}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return origin.ImportPart{Region: region, Count: ts[0].Count, ResetVersion: max(ts[0].ResetVersion, propagation.MarksResets), ResetBase: ts[0].ResetBase}
+}
+
+// TestReset_AGlobalResetHeardAfterARegionResetStillMarksTheRegion: region
+// A resets a key globally; before the reset's row reaches region B
+// (MySQL holds it back, or the next pull is a second away), an operator
+// of B resets the key for B alone. The region reset is the newer record
+// of the key's one name in B's hash, and B's holder took the global
+// reset for one it held already: it never marked B's cells under the
+// global reset's version. B then published no mark of that reset, and A,
+// which counts nothing of a region that marks resets until its mark
+// arrives, left out every unit B admitted for the rest of the window;
+// B, its import of A taken off as of its own reset rather than A's,
+// left out A's units since A's (each region counted 2 and 4, its own,
+// where 6 were admitted since the reset).
+func TestReset_AGlobalResetHeardAfterARegionResetStillMarksTheRegion(t *testing.T) {
+	resetOverrides(t)
+	clearOfAMinuteEdge(t, 30*time.Second)
+	srvB := redistest.Start(t)
+	global := fmt.Sprintf("\tratelimit {\n\t\tregion rs-b\n\t\tredis %s\n\t}", srvB.URL())
+	_, admin, _ := startCaddy(t, overrideConfig(global))
+	st := lookupState()
+	rb := st.overridesRedis()
+	nodeB, _ := otherNode(t, srvB) // a node of B that counts the key
+	srvA := redistest.Start(t)
+	rA, err := origin.New(origin.Config{Redis: []string{srvA.URL()}}, origin.Options{NodeID: "a1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = rA.Close() })
+	ctx := context.Background()
+	k := engine.Key{Namespace: "ov", Identifier: "mixed", Window: time.Minute}
+	seq := time.Now().UnixMilli() / time.Minute.Milliseconds()
+	flush := func(o *origin.Redis, own int64) {
+		t.Helper()
+		if err := o.Flush(ctx, []engine.Delta{{Key: k, Sequence: seq, Own: own, Incarnation: 1}}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Before any reset: A counted 5, of which B imported the 3 A had
+	// published; B counted 3.
+	flush(rA, 5)
+	flush(nodeB, 3)
+	if err := rb.Import(ctx, []origin.RoleImport{{Key: k, Sequence: seq, Count: 3}}); err != nil {
+		t.Fatal(err)
+	}
+	// A's global reset, a second ago, as resetKey makes it in A.
+	made := time.Now().Add(-time.Second)
+	recA := overrideRec{Zone: "ov", Identifier: "mixed", Reset: true, Global: true, Region: "rs-a",
+		CreatedMs: made.UnixMilli(), Version: made.UnixMicro(), ExpiresMs: made.Add(2 * time.Minute).UnixMilli()}
+	if err := rA.ResetCells(ctx, k, seq, recA.Version); err != nil {
+		t.Fatal(err)
+	}
+	// B's operator resets the key for B alone, then B's holder reads A's
+	// reset from MySQL.
+	var doc resetDoc
+	adminSend(t, admin, http.MethodDelete, "/ratelimit/counters?zone=ov&identifier=mixed&scope=region", "").decode(t, http.StatusOK, &doc)
+	if err := (redisRegion{o: rb, st: st}).ApplyOverrides(ctx, []propagation.OverrideRow{recA.row()}); err != nil {
+		t.Fatal(err)
+	}
+	// After both: A admits 2, B 4. Each holder imports what the other
+	// published.
+	flush(rA, 7)
+	flush(nodeB, 7)
+	partA, partB := publishedPart(t, rA, "rs-a", k, seq), publishedPart(t, rb, "rs-b", k, seq)
+	if err := rb.Import(ctx, []origin.RoleImport{{Key: k, Sequence: seq, Count: partA.Count, Parts: []origin.ImportPart{partA}}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := rA.Import(ctx, []origin.RoleImport{{Key: k, Sequence: seq, Count: partB.Count, Parts: []origin.ImportPart{partB}}}); err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range []struct {
+		name string
+		o    *origin.Redis
+	}{{"A", rA}, {"B", rb}} {
+		p, err := r.o.Peek(ctx, k, seq)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := p.Cur + p.Global; got != 6 {
+			t.Errorf("region %s counts %d of the key (%d its own, %d imported), want the 6 admitted since the global reset (2 in A, 4 in B)", r.name, got, p.Cur, p.Global)
+		}
+	}
+}
