@@ -150,10 +150,10 @@ func (r redisRegion) TakeOverrides(ctx context.Context, all bool) ([]propagation
 // the region's count and what it imported start over here too; the
 // region that made it, or a holder reading it again, finds it held.
 //
-// A region reset and a global one share the key's name in the hash: a
-// region reset made here after the global one (before its row arrived,
-// or while MySQL held it back) is the newer record, and the global reset
-// was once taken for one held. The region then never marked under its
+// A region reset by a build before regionResetMark shares the key's name
+// in the hash with a global one: such a region reset made here after the
+// global one (before its row arrived, or while MySQL held it back) is the
+// newer record, and the global reset was once taken for one held. The region then never marked under its
 // version and published no mark of it: the other regions counted
 // nothing of the key from here for the rest of the window, and this
 // region weighed their units from before their marks

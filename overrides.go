@@ -63,10 +63,20 @@ type overrideRec struct {
 // override's place. formMark follows the zone when the identifier is an
 // HMAC, with the form after it (9 bytes: a reset's name fits MySQL's 80).
 // A build before forms takes such a name for a zone no config defines,
-// and leaves it alone.
+// and leaves it alone. regionResetMark follows resetMark in the name of
+// a reset of the region alone, which never leaves the region's hash: a
+// region reset made after a global one of the same key, before the role's
+// holder took the global one for MySQL, once replaced it under their one
+// name, and the holder, which reads what a queued name holds when it
+// takes it, found a region reset and wrote nothing: the global reset
+// reached no other region
+// (TestReset_ARegionResetRightAfterAGlobalOneLeavesItToTravel). A build
+// before this mark names region resets as global ones (their record says
+// which), and takes one named so for a zone no config defines.
 const (
-	resetMark = "\x01"
-	formMark  = "\x02"
+	resetMark       = "\x01"
+	formMark        = "\x02"
+	regionResetMark = "\x03"
 )
 
 // bookZone is the zone part of r's name.
@@ -75,18 +85,25 @@ func (r *overrideRec) bookZone() string {
 	if r.Form != "" {
 		z += formMark + r.Form
 	}
-	if r.Reset {
+	switch {
+	case r.Reset && !r.Global:
+		return resetMark + regionResetMark + z
+	case r.Reset:
 		return resetMark + z
 	}
 	return z
 }
 
 // fromBookZone splits a name's zone part into the zone, whether it names
-// a reset, and the identifier's form.
-func fromBookZone(z string) (zone string, reset bool, form string) {
+// a reset, whether the name is a region reset's (regionResetMark), and
+// the identifier's form.
+func fromBookZone(z string) (zone string, reset, regionOnly bool, form string) {
 	z, reset = strings.CutPrefix(z, resetMark)
+	if reset {
+		z, regionOnly = strings.CutPrefix(z, regionResetMark)
+	}
 	zone, form, _ = strings.Cut(z, formMark)
-	return zone, reset, form
+	return zone, reset, regionOnly, form
 }
 
 // tombstoneLife is how long a removal is kept, so that every region reads
@@ -126,7 +143,11 @@ func recOfRegion(o origin.Override) (overrideRec, bool) {
 	if !ok || json.Unmarshal([]byte(o.Value), &r) != nil || r.Zone != "" || r.Identifier != "" || r.Reset {
 		return r, false
 	}
-	r.Zone, r.Reset, r.Form = fromBookZone(zone)
+	var regionOnly bool
+	r.Zone, r.Reset, regionOnly, r.Form = fromBookZone(zone)
+	if regionOnly {
+		r.Global = false
+	}
 	r.Identifier, r.Version = id, o.Version
 	return r, true
 }
@@ -147,7 +168,7 @@ func (r *overrideRec) row() propagation.OverrideRow {
 }
 
 func recOfRow(o *propagation.OverrideRow) overrideRec {
-	zone, reset, form := fromBookZone(o.Namespace)
+	zone, reset, _, form := fromBookZone(o.Namespace)
 	limit, created := o.Limit, o.Version/1000
 	if reset {
 		if limit > 0 {
@@ -156,7 +177,7 @@ func recOfRow(o *propagation.OverrideRow) overrideRec {
 		limit = 0
 	}
 	return overrideRec{Zone: zone, Identifier: o.Identifier, Limit: limit, ExpiresMs: o.ExpiresMs,
-		Reason: o.Reason, Region: o.Region, CreatedMs: created, Version: o.Version, Deleted: o.Deleted, Reset: reset, Form: form}
+		Reason: o.Reason, Region: o.Region, CreatedMs: created, Version: o.Version, Deleted: o.Deleted, Reset: reset, Global: reset, Form: form}
 }
 
 // regionClock is the clock overrides are judged and stamped on: the

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/edgelimit/caddy-ratelimit/engine"
+	"github.com/edgelimit/caddy-ratelimit/internal/mysqltest"
 	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
 	"github.com/edgelimit/caddy-ratelimit/origin"
 	"github.com/edgelimit/caddy-ratelimit/propagation"
@@ -37,9 +38,46 @@ func publishedPart(t *testing.T, o *origin.Redis, region string, k engine.Key, s
 // B, its import of A taken off as of its own reset rather than A's,
 // left out A's units since A's (each region counted 2 and 4, its own,
 // where 6 were admitted since the reset).
+//
+// A region reset has a name of its own now (regionResetMark); one by a
+// build before it still shares the global reset's name, and the holder
+// marks the cells under the global reset's version all the same.
 func TestReset_AGlobalResetHeardAfterARegionResetStillMarksTheRegion(t *testing.T) {
+	t.Run("by this build", func(t *testing.T) {
+		globalAfterRegionReset(t, func(admin int, _ *origin.Redis) {
+			var doc resetDoc
+			adminSend(t, admin, http.MethodDelete, "/ratelimit/counters?zone=ov&identifier=mixed&scope=region", "").decode(t, http.StatusOK, &doc)
+		})
+	})
+	t.Run("by a build before its own name", func(t *testing.T) {
+		globalAfterRegionReset(t, func(_ int, rb *origin.Redis) {
+			ctx := context.Background()
+			now := time.Now()
+			k := engine.Key{Namespace: "ov", Identifier: "mixed", Window: time.Minute}
+			if err := rb.ResetCells(ctx, k, now.UnixMilli()/time.Minute.Milliseconds(), 0); err != nil {
+				t.Fatal(err)
+			}
+			rec := overrideRec{Zone: "ov", Identifier: "mixed", Reset: true, Region: "rs-b",
+				CreatedMs: now.UnixMilli(), Version: now.UnixMicro(), ExpiresMs: now.Add(2 * time.Minute).UnixMilli()}
+			v := rec.regionValue()
+			v.Field = resetMark + "ov\x00mixed" // the global reset's name, as such a build wrote it
+			if _, err := rb.PutOverrides(ctx, []origin.Override{v}, false); err != nil {
+				t.Fatal(err)
+			}
+		})
+	})
+}
+
+// globalAfterRegionReset is the scenario; regionReset makes B's reset of
+// the region alone, through B's node's admin port or its Redis.
+func globalAfterRegionReset(t *testing.T, regionReset func(admin int, rb *origin.Redis)) {
 	resetOverrides(t)
 	clearOfAMinuteEdge(t, 30*time.Second)
+	// A's reset, made a second before B's, lies in the minute the test
+	// counts in.
+	redistest.Eventually(t, 5*time.Second, "two seconds into the minute", func() bool {
+		return time.Now().UnixMilli()%time.Minute.Milliseconds() >= 2000
+	})
 	srvB := redistest.Start(t)
 	global := fmt.Sprintf("\tratelimit {\n\t\tregion rs-b\n\t\tredis %s\n\t}", srvB.URL())
 	_, admin, _ := startCaddy(t, overrideConfig(global))
@@ -77,8 +115,7 @@ func TestReset_AGlobalResetHeardAfterARegionResetStillMarksTheRegion(t *testing.
 	}
 	// B's operator resets the key for B alone, then B's holder reads A's
 	// reset from MySQL.
-	var doc resetDoc
-	adminSend(t, admin, http.MethodDelete, "/ratelimit/counters?zone=ov&identifier=mixed&scope=region", "").decode(t, http.StatusOK, &doc)
+	regionReset(admin, rb)
 	if err := (redisRegion{o: rb, st: st}).ApplyOverrides(ctx, []propagation.OverrideRow{recA.row()}); err != nil {
 		t.Fatal(err)
 	}
@@ -105,4 +142,33 @@ func TestReset_AGlobalResetHeardAfterARegionResetStillMarksTheRegion(t *testing.
 			t.Errorf("region %s counts %d of the key (%d its own, %d imported), want the 6 admitted since the global reset (2 in A, 4 in B)", r.name, got, p.Cur, p.Global)
 		}
 	}
+}
+
+// TestReset_ARegionResetRightAfterAGlobalOneLeavesItToTravel: an operator
+// resets a key globally, then for the region (a second thought, or a
+// script doing both) before the role's holder took the global reset for
+// MySQL. The holder takes the key's name from its queue and reads what
+// the region holds under it then: once the region reset, which stays in
+// the region, so the global reset reached no other region, though its
+// answer was 200 (no row in ratelimit_overrides, 15 s and five flushes
+// later).
+func TestReset_ARegionResetRightAfterAGlobalOneLeavesItToTravel(t *testing.T) {
+	resetOverrides(t)
+	srv := redistest.Start(t)
+	my := mysqltest.Start(t)
+	dsn := my.NewDatabase(t)
+	t.Setenv("RATELIMIT_TEST_MYSQL_DSN", dsn)
+	global := fmt.Sprintf("\tratelimit {\n\t\tregion test-a\n\t\tredis %s\n\t\tmysql {env.RATELIMIT_TEST_MYSQL_DSN}\n"+
+		"\t\tmysql_flush 3s\n\t\tglobal_sync 3s\n\t}", srv.URL())
+	_, admin, _ := startCaddy(t, overrideConfig(global))
+	db := mysqltest.Open(t, dsn)
+	redistest.Eventually(t, 20*time.Second, "the schema migrated", func() bool { return rowCount(t, db, "ratelimit_overrides") == 0 })
+	var doc resetDoc
+	adminSend(t, admin, http.MethodDelete, "/ratelimit/counters?zone=ov&identifier=both&scope=global", "").decode(t, http.StatusOK, &doc)
+	adminSend(t, admin, http.MethodDelete, "/ratelimit/counters?zone=ov&identifier=both&scope=region", "").decode(t, http.StatusOK, &doc)
+	redistest.Eventually(t, 15*time.Second, "the global reset's row in ratelimit_overrides", func() bool {
+		var n int
+		err := db.QueryRow("SELECT COUNT(*) FROM ratelimit_overrides WHERE namespace = ? AND identifier = ?", resetMark+"ov", "both").Scan(&n)
+		return err == nil && n == 1
+	})
 }
