@@ -236,9 +236,16 @@ func (b *redisBackend) watchOverrides(st *state, stop <-chan struct{}) {
 // that could not read the region for that long may hold an override
 // removed meanwhile, and writes nothing back.
 
-// writeBackMargin: a record that lapses within it is not written back.
-// It would lapse everywhere by then, and a node whose clock runs ahead
-// that dropped it from the region would only see it written back again.
+// writeBackMargin: an override that lapses within it is not written
+// back. It would lapse everywhere by then, and a node whose clock runs
+// ahead that dropped it from the region would only see it written back
+// again. A reset is written back until it lapses: it lives two of its
+// zone's windows, at least a minute, so one of a window of 30 s or less
+// was never written back, nor any in its last minute, and the role's
+// next holder, reading MySQL whole, found a global reset the region did
+// not hold and marked its cells again, taking off the units counted
+// since the reset in its window
+// (TestReset_RedisRestartedEmptyInAGlobalResetsLastMinuteKeepsItsRecord).
 // Lapse is judged on the region's clock (regionWatch.nowMs), as a load
 // judges it: the margin covers what a node's offset to the region's clock is
 // wrong by (a heartbeat's round trip, its deadband), not a node's clock
@@ -408,10 +415,14 @@ func (w *regionWatch) writeBack(now time.Time, why string) error {
 			zap.String("why", why), zap.Time("last_read", w.synced))
 		return nil
 	}
-	recs := overrides.unexpired(w.nowMs() + writeBackMargin.Milliseconds())
+	nowMs := w.nowMs()
+	recs := overrides.unexpired(nowMs)
 	global := w.global()
 	var queued, kept []origin.Override
 	for _, r := range recs {
+		if !r.Reset && r.ExpiresMs != 0 && r.ExpiresMs <= nowMs+writeBackMargin.Milliseconds() {
+			continue
+		}
 		if global && (!r.Reset || r.Global) {
 			queued = append(queued, r.regionValue())
 		} else {

@@ -172,3 +172,61 @@ func TestReset_ARegionResetRightAfterAGlobalOneLeavesItToTravel(t *testing.T) {
 		return err == nil && n == 1
 	})
 }
+
+// TestReset_RedisRestartedEmptyInAGlobalResetsLastMinuteKeepsItsRecord:
+// a region marked another region's global reset (of a one-minute window:
+// it lives two minutes), and its Redis restarts empty in the reset's last
+// minute. The nodes wrote back every record they held but those lapsing
+// within a minute: the reset was not written back. The role's next
+// holder (the lease went with the restart) reads MySQL whole, finds a
+// reset the region does not hold, and marks the cells again: the units
+// counted since the reset in its window, which the previous cell weighs
+// in the current one, were taken off (2 counted, 0 left).
+func TestReset_RedisRestartedEmptyInAGlobalResetsLastMinuteKeepsItsRecord(t *testing.T) {
+	resetOverrides(t)
+	// The reset, made 65 s ago, lies in the previous minute.
+	redistest.Eventually(t, 10*time.Second, "six seconds into the minute", func() bool {
+		return time.Now().UnixMilli()%time.Minute.Milliseconds() >= 6000
+	})
+	srv := redistest.Start(t)
+	global := fmt.Sprintf("\tratelimit {\n\t\tregion rs-b\n\t\tredis %s\n\t\tfast_tick 10ms\n\t\tslow_tick 50ms\n\t}", srv.URL())
+	_, admin, _ := startCaddy(t, overrideConfig(global))
+	st := lookupState()
+	rb := st.overridesRedis()
+	ctx := context.Background()
+	made := time.Now().Add(-65 * time.Second)
+	k := engine.Key{Namespace: "ov", Identifier: "lastminute", Window: time.Minute}
+	seq := made.UnixMilli() / time.Minute.Milliseconds()
+	rec := overrideRec{Zone: "ov", Identifier: "lastminute", Reset: true, Global: true, Region: "rs-a",
+		CreatedMs: made.UnixMilli(), Version: made.UnixMicro(), ExpiresMs: made.Add(2 * time.Minute).UnixMilli()}
+	row := rec.row()
+	if err := (redisRegion{o: rb, st: st}).ApplyOverrides(ctx, []propagation.OverrideRow{row}); err != nil {
+		t.Fatal(err)
+	}
+	// An override that lives on shows when the node wrote its book back.
+	adminSend(t, admin, http.MethodPut, "/ratelimit/overrides?zone=ov&identifier=kept", `{"limit": 6}`).decode(t, http.StatusOK, new(overrideDoc))
+	redistest.Eventually(t, 5*time.Second, "the node heard of the reset", func() bool {
+		overrides.mu.Lock()
+		defer overrides.mu.Unlock()
+		_, ok := overrides.recs[overrideKey{rec.bookZone(), rec.Identifier}]
+		return ok
+	})
+	srv.Restart()
+	other, _ := otherNode(t, srv)
+	redistest.EventuallyShow(t, 5*time.Second, "the node wrote its book back", func() (bool, string) {
+		got := regionRecs(t, other)
+		return got["kept"].Limit == 6, fmt.Sprintf("%+v", got)
+	})
+	// A node admitted 2 of the key after the reset, in its window, and
+	// sends them again to the restarted Redis.
+	if err := other.Flush(ctx, []engine.Delta{{Key: k, Sequence: seq, Own: 2, Incarnation: 1}}); err != nil {
+		t.Fatal(err)
+	}
+	// The role's new holder reads MySQL whole.
+	if err := (redisRegion{o: rb, st: st}).ApplyOverrides(ctx, []propagation.OverrideRow{row}); err != nil {
+		t.Fatal(err)
+	}
+	if p, err := rb.Peek(ctx, k, seq); err != nil || p.Cur != 2 {
+		t.Fatalf("the reset's window counts %+v (%v), want the 2 units admitted after the reset", p, err)
+	}
+}
