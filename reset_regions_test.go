@@ -230,3 +230,46 @@ func TestReset_RedisRestartedEmptyInAGlobalResetsLastMinuteKeepsItsRecord(t *tes
 		t.Fatalf("the reset's window counts %+v (%v), want the 2 units admitted after the reset", p, err)
 	}
 }
+
+// TestReset_AGlobalResetWhileMySQLIsDownTravelsWhenItIsBack: a global
+// reset made while MySQL is stopped, or frozen, is taken by the region
+// (200, at once: the admin call makes no MySQL statement) and reaches
+// ratelimit_overrides once MySQL answers again.
+func TestReset_AGlobalResetWhileMySQLIsDownTravelsWhenItIsBack(t *testing.T) {
+	resetOverrides(t)
+	srv := redistest.Start(t)
+	my := mysqltest.Start(t)
+	dsn := my.NewDatabase(t)
+	t.Setenv("RATELIMIT_TEST_MYSQL_DSN", dsn)
+	global := fmt.Sprintf("\tratelimit {\n\t\tregion test-a\n\t\tredis %s\n\t\tmysql {env.RATELIMIT_TEST_MYSQL_DSN}\n"+
+		"\t\tmysql_flush 50ms\n\t\tglobal_sync 200ms\n\t\tmysql_timeout 200ms\n\t}", srv.URL())
+	_, admin, _ := startCaddy(t, overrideConfig(global))
+	db := mysqltest.Open(t, dsn)
+	redistest.Eventually(t, 20*time.Second, "the schema migrated", func() bool { return rowCount(t, db, "ratelimit_overrides") == 0 })
+	row := func(id string) bool {
+		var n int
+		err := db.QueryRow("SELECT COUNT(*) FROM ratelimit_overrides WHERE namespace = ? AND identifier = ?", resetMark+"ov", id).Scan(&n)
+		return err == nil && n == 1
+	}
+	for _, c := range []struct {
+		name       string
+		down, back func()
+	}{
+		{"stopped", my.Stop, func() {
+			if err := my.Restart(); err != nil {
+				t.Fatal(err)
+			}
+		}},
+		{"frozen", my.Pause, my.Resume},
+	} {
+		c.down()
+		start := time.Now()
+		var doc resetDoc
+		adminSend(t, admin, http.MethodDelete, "/ratelimit/counters?zone=ov&identifier="+c.name+"&scope=global", "").decode(t, http.StatusOK, &doc)
+		if took := time.Since(start); took > time.Second {
+			t.Errorf("MySQL %s: the reset took %s", c.name, took)
+		}
+		c.back()
+		redistest.Eventually(t, 30*time.Second, "the reset's row once MySQL "+c.name+" answers again", func() bool { return row(c.name) })
+	}
+}
