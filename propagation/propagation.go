@@ -125,6 +125,7 @@ type Propagator struct {
 	taken       map[Cell]BlocklistRow  // denial rows taken from the region, as taken
 	reg         map[Cell]*regCell      // the region's registered cells
 	imports     map[Cell]*cellImport
+	own         map[Cell]*ownMark     // this region's published global resets (publish.go)
 	importDue   map[Cell]struct{}     // imports the region has not taken yet
 	ahead       map[Cell]update       // imports for windows not begun here yet
 	index       map[zoneID]string     // row identifier → raw identifier (MapID)
@@ -290,6 +291,7 @@ func New(cfg Config, eng Engine, opts Options) (*Propagator, error) {
 		taken:       make(map[Cell]BlocklistRow),
 		reg:         make(map[Cell]*regCell),
 		imports:     make(map[Cell]*cellImport),
+		own:         make(map[Cell]*ownMark),
 		importDue:   make(map[Cell]struct{}),
 		ahead:       make(map[Cell]update),
 		index:       make(map[zoneID]string),

@@ -25,6 +25,32 @@ type regCell struct {
 	// published is the count last written, publishedReset the reset
 	// version written with it.
 	published, publishedReset int64
+	// shift and shiftVer: the region lost its mark of the global reset
+	// shiftVer, whose base it had published as shift (see ownMark): what
+	// the region counts since is published on top of that base.
+	shift, shiftVer int64
+}
+
+// ownMark is a global reset this region published for a cell, as a
+// whole read or a pull of changes brings its own row back: its version
+// and its base (the region's count at its mark).
+//
+// A Redis restarted empty loses the cell and its marks, and the nodes
+// send their cells again less what the reset took off: the region's
+// count starts over from the units admitted since the reset. Its row
+// only grows (GREATEST), so the holder that published that count alone,
+// under no reset, left the row at its count before the restart less the
+// old base, and the other regions missed what the region admitted since
+// until its count passed the old one: up to that base (2 admitted since
+// the reset, 1 in the row, in the root's
+// TestReset_RedisRestartedEmptyAfterAGlobalResetPublishesItsUnits). Once
+// the region's cell says an older reset than its row, the holder
+// publishes its count on top of the row's base, under the row's reset,
+// and keeps doing so for the cell (a later reset's base moves by it as
+// well). A holder that took the role after a later reset was marked
+// cannot tell, and publishes what the region holds.
+type ownMark struct {
+	ver, base, expires int64
 }
 
 // candidate is a cell due to be published.
@@ -114,16 +140,33 @@ func (p *Propagator) publishRegistered(ctx context.Context, rd *regionRead) {
 	p.mu.Lock()
 	for i, c := range due {
 		r, n := p.reg[c], totals[i]
+		if r == nil {
+			continue
+		}
+		// The region lost its mark of a reset it published (ownMark). A
+		// read that failed says 0 of everything, and tells nothing.
+		if o := p.own[c]; o != nil && r.shiftVer == 0 && n.Count > 0 && n.ResetVersion < o.ver {
+			r.shift, r.shiftVer = o.base, o.ver
+		}
+		count, ver, base := n.Count, max(n.ResetVersion, MarksResets), n.ResetBase
+		if r.shiftVer > 0 {
+			count = engine.SatAdd(count, r.shift)
+			if n.ResetVersion < r.shiftVer {
+				ver, base = r.shiftVer, r.shift
+			} else {
+				base = engine.SatAdd(base, r.shift)
+			}
+		}
 		// A cell the region marked with a global reset is published
 		// although its count did not move: its base is news.
-		if r == nil || (n.Count <= r.published && n.ResetVersion <= r.publishedReset) || r.limit <= 0 {
+		if (count <= r.published && ver <= r.publishedReset) || r.limit <= 0 {
 			continue
 		}
 		level := engine.SatAdd(n.Count, p.importSum(c))
 		r.hot = r.hot || level*2 >= r.limit
 		cands = append(cands, candidate{row: &CountRow{
 			Namespace: c.Namespace, Identifier: c.Identifier, WindowMs: c.WindowMs, Sequence: c.Sequence,
-			Region: p.cfg.Region, Count: n.Count, ResetVersion: max(n.ResetVersion, MarksResets), ResetBase: n.ResetBase,
+			Region: p.cfg.Region, Count: count, ResetVersion: ver, ResetBase: base,
 			ExpiresMs: expiresMs(c.Sequence, c.WindowMs),
 		}, pressure: float64(level) / float64(r.limit)})
 	}

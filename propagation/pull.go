@@ -395,6 +395,17 @@ func (p *Propagator) mergeLocked(c Cell, region string, in regionPart, expires i
 	}
 	key := engine.Key{Namespace: c.Namespace, Identifier: raw, Window: time.Duration(c.WindowMs) * time.Millisecond}
 	if region == p.cfg.Region {
+		if p.region != nil && in.ver > MarksResets {
+			if o := p.own[c]; o != nil && o.ver <= in.ver {
+				o.base = max(o.base, in.base)
+				if o.ver < in.ver {
+					o.base = in.base
+				}
+				o.ver, o.expires = in.ver, max(o.expires, expires)
+			} else if o == nil && len(p.own) < maxImports {
+				p.own[c] = &ownMark{ver: in.ver, base: in.base, expires: expires}
+			}
+		}
 		if !known || p.region != nil || n <= 0 {
 			return update{}, false
 		}
@@ -550,6 +561,11 @@ func (p *Propagator) prune(now int64) {
 		}
 	}
 	p.importCount.Store(int64(len(p.imports)))
+	for c, o := range p.own {
+		if o.expires <= now {
+			delete(p.own, c)
+		}
+	}
 	idx := make([]zoneID, 0, len(p.index))
 	raws := make([]string, 0, len(p.index))
 	for z, raw := range p.index {
