@@ -46,7 +46,7 @@ func (r *Redis) WatchRestarts(interval time.Duration, onRestart func()) {
 	if interval <= 0 || onRestart == nil {
 		return
 	}
-	w := &restartWatch{r: r, seen: map[string]string{}, marks: map[string]string{}}
+	w := &restartWatch{r: r, seen: map[string]string{}, marks: map[string]string{}, markedAt: map[string]time.Time{}}
 	go func() {
 		t := time.NewTicker(interval)
 		defer t.Stop()
@@ -81,9 +81,17 @@ type restartWatch struct {
 	// masters holds, per Cluster endpoint, the addresses of the masters
 	// that served its slots at the last check that read the slot map.
 	masters map[*endpoint]map[string]bool
-	// marks holds the mark seen in each server, by address (markKey).
-	marks map[string]string
+	// marks holds the mark seen in each server, by address (markKey),
+	// and markedAt when the watch read it.
+	marks    map[string]string
+	markedAt map[string]time.Time
 }
+
+// markEvery is how often the watch reads each server's mark: a flush is
+// an operator's rare act, and the mark's read, every slow_tick of every
+// node, doubled what an idle node costs its Redis (31 commands a second
+// and 20 more; now 1 more).
+const markEvery = time.Second
 
 // check reads every server's run ID and reports whether one changed. A
 // server seen for the first time, or restarted, is asked whether it may
@@ -133,13 +141,14 @@ func (w *restartWatch) check() bool {
 				changed = true
 			}
 			w.seen[addr] = srv.id
-			if srv.mark != "" {
+			if srv.mark != "" && time.Since(w.markedAt[addr]) >= markEvery {
 				// Emptied without a restart (FLUSHALL): its mark changed.
 				if m := mark(ctx, srv.client, srv.mark); m != "" {
 					if was, ok := w.marks[addr]; ok && was != m {
 						changed = true
 					}
 					w.marks[addr] = m
+					w.markedAt[addr] = time.Now()
 				}
 			}
 			if old != srv.id && w.r.opts.OnEvicting != nil {
@@ -198,12 +207,20 @@ func crc16(s string) uint16 {
 	return crc
 }
 
-// mark returns the mark the server holds at key, which it sets to a new
-// random value when the server has none; "" when the server does not
+// mark returns the mark the server holds at key (one GET), which it sets
+// to a new random value when the server has none; "" when the server does not
 // answer (or lost the key between the two commands: the next check reads
 // it). The key has no expiry: only a flush, a restart without persistence
 // or an eviction takes it away, and each of these lost counts.
 func mark(ctx context.Context, c redis.Cmdable, key string) string {
+	m, err := c.Get(ctx, key).Result()
+	if err == nil {
+		return m
+	}
+	if err != redis.Nil {
+		return ""
+	}
+	// None: set one, unless another node's watch set it meanwhile.
 	var b [8]byte
 	_, _ = rand.Read(b[:])
 	fresh := hex.EncodeToString(b[:])

@@ -177,7 +177,7 @@ func (s *sim) arm(k winKey, first int) {
 // replay runs the replay ticks of the nodes of one phase; on their slow
 // tick the origin's check of Redis's run ID and the node's look at the
 // region's runtime overrides (overrides_sync.go), and every tenth slow
-// tick its heartbeat.
+// tick its heartbeat and the restart watch's read of its mark.
 func (s *sim) replay(at int64, phase int) {
 	tick := (at - s.base) / fastTickMs
 	for _, n := range s.phases[phase] {
@@ -188,6 +188,7 @@ func (s *sim) replay(at int64, phase int) {
 			_ = n.region.redis.OverridesState()
 			if slow := tick / (slowTickMs / fastTickMs); slow%(heartbeatMs/slowTickMs) == n.beat {
 				s.heartbeat(n, at)
+				n.region.redis.Mark()
 			}
 		}
 	}

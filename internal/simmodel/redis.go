@@ -189,6 +189,20 @@ func (r *Redis) Cells() int {
 	return len(r.cells)
 }
 
+// Mark counts the restart watch's read of its mark (a GET, once a
+// second: origin/restart.go), which an operator's FLUSHALL takes away.
+// Drawn with no latency or failure of its own, it leaves the model's
+// random draws as they were.
+func (r *Redis) Mark() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.down {
+		return
+	}
+	r.cost.Calls++
+	r.cost.Processed++
+}
+
 // Info counts one INFO server, the origin's check of the run ID on every
 // slow tick; it fails while Redis is unreachable.
 func (r *Redis) Info() error {
