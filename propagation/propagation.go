@@ -154,6 +154,7 @@ type Propagator struct {
 	}
 
 	stats counters
+	lost  lostSchema // a statement found the schema gone (lost.go)
 
 	stop     chan struct{}
 	stopOnce sync.Once

@@ -290,6 +290,7 @@ func (p *Propagator) writeFailed(what string, n int, err error) {
 	if errors.Is(err, errLeaseLost) || p.stopped(err) {
 		return
 	}
+	p.noteSchemaGone(err)
 	p.stats.droppedBatches.Add(1)
 	if c := p.stats.writeErrors.Add(1); c == 1 || c%100 == 0 {
 		p.log.Warn("mysql write failed: batch dropped (decisions stand locally; rows are retried)",

@@ -27,7 +27,26 @@ import (
 // pull reads table t's changes, or the whole table when due.
 func (p *Propagator) pull(ctx context.Context, t Table) {
 	if t == Counts {
-		pullTable(p, ctx, t, p.store.ReadCounts, (*CountRow).key, func(rows []CountRow) { p.applyCounts(rows, p.now().UnixMilli()) })
+		now := p.now().UnixMilli()
+		var own map[Cell]struct{} // this region's rows a whole read found
+		if s, ok := p.store.(*sqlStore); ok && !s.replica {
+			p.mu.Lock()
+			if p.fullPull[Counts] {
+				own = make(map[Cell]struct{})
+			}
+			p.mu.Unlock()
+		}
+		done := pullTable(p, ctx, t, p.store.ReadCounts, (*CountRow).key, func(rows []CountRow) {
+			for i := range rows {
+				if own != nil && rows[i].Region == p.cfg.Region {
+					own[rows[i].cell()] = struct{}{}
+				}
+			}
+			p.applyCounts(rows, p.now().UnixMilli())
+		})
+		if own != nil && done {
+			p.checkOwnRows(own, now)
+		}
 	} else {
 		pullTable(p, ctx, t, p.store.ReadDenials, (*BlocklistRow).key, func(rows []BlocklistRow) { p.applyBlocklist(rows, p.now().UnixMilli()) })
 	}
@@ -205,20 +224,30 @@ func (p *Propagator) noteServer() {
 	p.server = id
 	changed := was != "" && id != was
 	if changed {
-		p.fullPush, p.republish = true, true
-		p.fullPull = [tables]bool{true, true, true}
-		p.cursor = [tables]cursor{}
-		if p.region != nil {
-			p.fullTake, p.ovTakeAll = true, true
-			for _, r := range p.reg {
-				r.published, r.publishedReset = 0, 0
-			}
-		}
+		p.publishAgainLocked()
 	}
 	p.mu.Unlock()
 	if changed {
 		p.log.Warn("another server answers for the database (a failover, a restore): publishing every cell again and reading every table whole",
 			zap.String("database", p.addr), zap.String("server_id", id), zap.String("was", was))
+	}
+}
+
+// publishAgainLocked makes the next pushes publish every cell worth it
+// again, whether or not it grew (a holder takes every registration and
+// override of its region again), and the next pulls read every table
+// whole: the database lost rows this process wrote (noteServer,
+// remigrate). The upserts only raise rows, so what the database kept
+// counts once. p.mu is held.
+func (p *Propagator) publishAgainLocked() {
+	p.fullPush, p.republish = true, true
+	p.fullPull = [tables]bool{true, true, true}
+	p.cursor = [tables]cursor{}
+	if p.region != nil {
+		p.fullTake, p.ovTakeAll = true, true
+		for _, r := range p.reg {
+			r.published, r.publishedReset = 0, 0
+		}
 	}
 }
 
@@ -235,6 +264,7 @@ func (p *Propagator) readFailed(what string, err error) {
 	if errors.Is(err, errLeaseLost) || p.stopped(err) {
 		return
 	}
+	p.noteSchemaGone(err)
 	if c := p.stats.readErrors.Add(1); c == 1 || c%100 == 0 {
 		p.log.Warn("mysql read failed: keeping the imported counts we have",
 			zap.String("what", what), zap.String("database", p.addr), zap.Int64("read_errors", c), zap.Error(err))

@@ -15,6 +15,7 @@ type counters struct {
 	registered, registryDrops, regionErrors, leaseErrors, lagErrors atomic.Int64
 	roleTaken, roleLost, leaseRenewals, wholeReads, changeReads     atomic.Int64
 	overridesWritten, clockSteps                                    atomic.Int64
+	schemaRemade, ownRowsMissing                                    atomic.Int64
 	rowsRead                                                        [tables]atomic.Int64
 	lastPush                                                        atomic.Int64 // Unix ms
 	lastPull                                                        [tables]atomic.Int64
@@ -79,6 +80,11 @@ type Stats struct {
 	// ClockSteps the times the database's clock was found behind the
 	// newest change pulled (checkClock).
 	CountRowsRead, DenialRowsRead, ChangeReads, WholeReads, ClockSteps int64
+	// SchemaRemade counts the times a statement found a table or the
+	// database gone (dropped by hand) and the schema was made again;
+	// OwnRowsMissing the published rows of this region a whole read found
+	// deleted (emptied by hand): their cells were published again.
+	SchemaRemade, OwnRowsMissing int64
 	// OverridesWritten and OverrideRowsRead count runtime overrides
 	// written to and pulled from MySQL; PendingOverrides wait to be
 	// written.
@@ -168,6 +174,8 @@ func (s *counters) snapshot() Stats {
 		ChangeReads:       s.changeReads.Load(),
 		WholeReads:        s.wholeReads.Load(),
 		ClockSteps:        s.clockSteps.Load(),
+		SchemaRemade:      s.schemaRemade.Load(),
+		OwnRowsMissing:    s.ownRowsMissing.Load(),
 		ReplicaLag:        -1,
 		NewestRowAge:      -1,
 	}

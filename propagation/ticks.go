@@ -32,6 +32,7 @@ func (p *Propagator) FlushOnce(ctx context.Context) {
 	if p.region != nil {
 		ctx = context.WithValue(ctx, leaseKey{}, &heldLease{until: asked.Add(p.leaseTTL())})
 	}
+	p.remigrate(ctx)
 	if taken {
 		p.takeRole()
 	}

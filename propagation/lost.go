@@ -1,0 +1,119 @@
+package propagation
+
+import (
+	"context"
+	"errors"
+	"sync/atomic"
+
+	"github.com/go-sql-driver/mysql"
+	"go.uber.org/zap"
+
+	"github.com/edgelimit/caddy-ratelimit/engine"
+)
+
+// Rows lost by hand: an operator empties a table (TRUNCATE, DELETE),
+// drops one, or drops the database and makes it again empty, mid-window.
+// The process wrote a cell again only when its count grew, and migrated
+// the schema once, at start: a dropped table failed every statement
+// until the process restarted, and the rows of counts that stood still
+// never came back, so the other regions left them out for the rest of
+// their window.
+
+// MySQL's errors for a schema that is gone.
+const (
+	errNoSuchTable = 1146 // ER_NO_SUCH_TABLE
+	errBadDB       = 1049 // ER_BAD_DB_ERROR
+)
+
+// schemaGone reports an error of a statement whose table or database does
+// not exist.
+func schemaGone(err error) bool {
+	var me *mysql.MySQLError
+	return errors.As(err, &me) && (me.Number == errNoSuchTable || me.Number == errBadDB)
+}
+
+// lostSchema is whether a statement found the schema gone since the
+// last migration (noteSchemaGone); remigrate migrates it again.
+type lostSchema struct {
+	gone atomic.Bool
+}
+
+// noteSchemaGone records a statement that found a table or the database
+// gone: the next flush migrates again (remigrate).
+func (p *Propagator) noteSchemaGone(err error) {
+	if !schemaGone(err) || !p.lost.gone.CompareAndSwap(false, true) {
+		return
+	}
+	p.log.Warn("a mysql table or the database is gone (dropped by hand?): making the schema again, then publishing every cell again and reading every table whole",
+		zap.String("database", p.addr), zap.Error(err))
+}
+
+// remigrate migrates the schema again once a statement found it gone
+// (with mysql_migrate off it checks that an operator made it again), and
+// then publishes every cell again and reads every table whole. A failed
+// attempt is counted (migrate errors) and tried again on the next flush.
+func (p *Propagator) remigrate(ctx context.Context) {
+	if !p.lost.gone.Load() {
+		return
+	}
+	err := p.query(ctx, func(ctx context.Context) error { return p.store.Migrate(ctx) })
+	if err != nil {
+		if !p.stopped(err) && !errors.Is(err, errLeaseLost) {
+			if c := p.stats.migrateErrors.Add(1); c == 1 || c%100 == 0 {
+				p.log.Warn("mysql schema migration failed; retrying in the background, cross-region counts wait",
+					zap.String("database", p.addr), zap.Int64("migrate_errors", c), zap.Error(err))
+			}
+		}
+		return
+	}
+	p.lost.gone.Store(false)
+	p.stats.schemaRemade.Add(1)
+	p.mu.Lock()
+	p.publishAgainLocked()
+	p.mu.Unlock()
+	p.log.Warn("mysql schema made again: publishing every cell again and reading every table whole",
+		zap.String("database", p.addr))
+}
+
+// checkOwnRows compares this region's rows that a whole read of the
+// published counts found (own) with the cells it published whose rows
+// are still live at now: a row missing was deleted by hand, and its cell
+// is published again on the next flushes. Only for reads of the server
+// writes go to (a replica may not have applied a row just written yet).
+func (p *Propagator) checkOwnRows(own map[Cell]struct{}, now int64) {
+	var missing int64
+	if p.region != nil {
+		p.mu.Lock()
+		for c, r := range p.reg {
+			if _, ok := own[c]; !ok && r.published > 0 && expiresMs(c.Sequence, c.WindowMs) > now {
+				r.published, r.publishedReset = 0, 0
+				missing++
+			}
+		}
+		if missing > 0 {
+			p.fullPush = true
+		}
+		p.mu.Unlock()
+	} else {
+		p.eng.ScanCells(p.cfg.MinWindow, func(v *engine.CellView) bool {
+			w := v.Key.Window.Milliseconds()
+			if v.Published <= 0 || expiresMs(v.Sequence, w) <= now {
+				return true
+			}
+			if _, ok := own[Cell{v.Key.Namespace, p.rowID(v.Key.Identifier), w, v.Sequence}]; !ok {
+				missing++
+			}
+			return true
+		})
+		if missing > 0 {
+			p.mu.Lock()
+			p.fullPush, p.republish = true, true
+			p.mu.Unlock()
+		}
+	}
+	if missing > 0 {
+		c := p.stats.ownRowsMissing.Add(missing)
+		p.log.Warn("published rows of this region are missing from ratelimit_global_counts (deleted by hand?): publishing its cells again",
+			zap.String("database", p.addr), zap.Int64("missing", missing), zap.Int64("own_rows_missing", c))
+	}
+}
