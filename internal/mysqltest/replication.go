@@ -124,3 +124,17 @@ func (p *Pair) WaitCaughtUp(t testing.TB) {
 		t.Fatalf("mysqltest: the replica did not catch up within 60 s (%v, %v)", n, err)
 	}
 }
+
+// StartGranted starts a lone mariadbd that keeps its grant tables (as a
+// primary does: root without a password), for tests that need users of
+// their own, privileges and read_only; it stops when the test ends.
+func StartGranted(t testing.TB) *Server {
+	t.Helper()
+	Require(t)
+	s, err := startProcess(t.TempDir(), primary)
+	if err != nil {
+		t.Fatalf("mysqltest: %v", err)
+	}
+	t.Cleanup(s.Stop)
+	return s
+}
