@@ -6,7 +6,9 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"math"
 	"slices"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"time"
@@ -124,6 +126,18 @@ func openDB(dsn string, timeout time.Duration, log *zap.Logger, line string) (*s
 		c.Params = map[string]string{}
 	}
 	c.Params["time_zone"] = "'+00:00'"
+	// A query the client gave up on (its context ended) is not stopped on
+	// the server, which went on waiting for a row lock (50 s by default)
+	// or a table's metadata lock (a day on MariaDB, a year on MySQL) on a
+	// connection the client had closed: each flush behind a lock left one
+	// more. The sessions wait no longer than the timeout, unless the DSN
+	// says otherwise.
+	wait := strconv.FormatInt(max(1, int64(math.Ceil(timeout.Seconds()))), 10)
+	for _, v := range []string{"innodb_lock_wait_timeout", "lock_wait_timeout"} {
+		if _, set := c.Params[v]; !set {
+			c.Params[v] = wait
+		}
+	}
 	c.Logger = driverLogger{log}
 	conn, err := mysql.NewConnector(c)
 	if err != nil {
