@@ -136,6 +136,7 @@ type Propagator struct {
 	fullPush    bool                  // the next push publishes every grown cell
 	republish   bool                  // and every published one (Config.Republish), until a whole push is done
 	otherForms  map[string]bool       // regions whose rows name identifiers of another form, logged (otherForm)
+	badWindows  map[string]bool       // regions whose rows name windows no zone can have, logged (badWindow)
 	fullTake    bool                  // the next take reads every registration
 	syncs       [tables]int           // syncs since the table's last whole read
 	ovPending   map[Cell]*OverrideRow // overrides changed here or in the region, not yet written

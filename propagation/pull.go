@@ -335,6 +335,30 @@ func firstOf[K comparable](m *map[K]bool, k K) bool {
 	return true
 }
 
+// MaxRowWindow is the longest window a row may name, as a zone's window
+// may be no longer (the root's maxWindow). A longer one counts nowhere,
+// and one of 2^62 ms or more overflows a time.Duration: a row that named
+// one once became a zero-length window, by which the import divided, and
+// the panic killed the process of every region that read it.
+const MaxRowWindow = 3650 * 24 * time.Hour
+
+// badWindow reports a row whose window no zone can have, and logs the
+// first such row of each region: not written by this layer (another
+// tool, a corrupt restore).
+func (p *Propagator) badWindow(windowMs int64, region string) bool {
+	if windowMs <= MaxRowWindow.Milliseconds() {
+		return false
+	}
+	p.mu.Lock()
+	first := firstOf(&p.badWindows, region)
+	p.mu.Unlock()
+	if first {
+		p.log.Warn("a row names a window no zone can have (over ten years): its rows are skipped; something other than this layer writes the tables",
+			zap.String("region", region), zap.Int64("window_ms", windowMs))
+	}
+	return true
+}
+
 // otherForm reports whether a row's identifier is of another form than
 // this config's (Config.OwnID), and logs the first such row of each
 // region: its region has no identifier_secret, or another one.
@@ -357,7 +381,8 @@ func (p *Propagator) applyCounts(rows []CountRow, now int64) {
 	var ups []update
 	for i := range rows {
 		r := &rows[i]
-		if r.ExpiresMs <= now || r.WindowMs < p.cfg.MinWindow.Milliseconds() || p.otherForm(r.Identifier, r.Region) {
+		if r.ExpiresMs <= now || r.WindowMs < p.cfg.MinWindow.Milliseconds() || p.badWindow(r.WindowMs, r.Region) ||
+			p.otherForm(r.Identifier, r.Region) {
 			continue
 		}
 		p.windowMismatch(r.Namespace, r.WindowMs, r.Region)
@@ -380,7 +405,8 @@ func (p *Propagator) applyBlocklist(rows []BlocklistRow, now int64) {
 	var ups []update
 	for i := range rows {
 		r := &rows[i]
-		if r.ExpiresMs <= now || r.WindowMs < p.cfg.MinWindow.Milliseconds() || p.otherForm(r.Identifier, r.Region) {
+		if r.ExpiresMs <= now || r.WindowMs < p.cfg.MinWindow.Milliseconds() || p.badWindow(r.WindowMs, r.Region) ||
+			p.otherForm(r.Identifier, r.Region) {
 			continue
 		}
 		p.windowMismatch(r.Namespace, r.WindowMs, r.Region)
