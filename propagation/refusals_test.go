@@ -1,6 +1,7 @@
 package propagation
 
 import (
+	"database/sql"
 	"fmt"
 	"strings"
 	"testing"
@@ -159,4 +160,72 @@ func TestRefusal_PasswordChangedAndConnectionsKilled(t *testing.T) {
 		t.Fatal(err)
 	}
 	untilImported(t, a, b, 90)
+}
+
+// TestRefusal_MaxConnectionsReached: the server's connections are all
+// taken (max_connections, another client holding them) after the layer's
+// own were killed: it cannot connect, counts it with the server's reason
+// ("Too many connections"), and flows again once connections are free.
+func TestRefusal_MaxConnectionsReached(t *testing.T) {
+	s, root := grantedSetup(t)
+	a, logs := s.observed("a")
+	b := s.region("b")
+	rdb := mysqltest.Open(t, root)
+	a.decide("k", 100, 60)
+	untilImported(t, a, b, 60)
+
+	if _, err := rdb.Exec("SET GLOBAL max_connections = 10"); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _, _ = rdb.Exec("SET GLOBAL max_connections = 500") })
+	rows, err := rdb.Query("SELECT id FROM information_schema.processlist WHERE user = 'rl'")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var ids []int64
+	for rows.Next() {
+		var id int64
+		_ = rows.Scan(&id)
+		ids = append(ids, id)
+	}
+	rows.Close()
+	for _, id := range ids {
+		if _, err := rdb.Exec(fmt.Sprintf("KILL %d", id)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Another client of the same user takes every connection left.
+	hog := mysqltest.Open(t, s.dsn)
+	var held []*sql.Conn
+	for {
+		c, err := hog.Conn(bg)
+		if err != nil {
+			if !strings.Contains(err.Error(), "Too many connections") {
+				t.Fatal(err)
+			}
+			break
+		}
+		if err := c.PingContext(bg); err != nil {
+			t.Fatal(err)
+		}
+		held = append(held, c)
+		if len(held) > 20 {
+			t.Fatal("max_connections does not bind")
+		}
+	}
+	a.decide("k", 100, 20)
+	for range 6 {
+		a.p.FlushOnce(bg)
+	}
+	if st := a.p.Stats(); st.WriteErrors+st.ReadErrors == 0 {
+		t.Fatalf("no error counted with the connections exhausted: %+v", st)
+	}
+	if !logged(logs, "mysql ", "Too many connections") {
+		t.Fatalf("no failure logged with the server's reason")
+	}
+	for _, c := range held {
+		_ = c.Close()
+	}
+	_ = hog.Close()
+	untilImported(t, a, b, 80)
 }
