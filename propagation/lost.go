@@ -38,14 +38,24 @@ type lostSchema struct {
 	gone atomic.Bool
 }
 
-// noteSchemaGone records a statement that found a table or the database
-// gone: the next flush migrates again (remigrate).
+// noteSchemaGone records a statement of the server writes go to that
+// found a table or the database gone: the next flush migrates again
+// (remigrate). A replica's (mysql_read) does not count: one that has not
+// applied the schema yet would have every flush publish every cell again
+// while it catches up; a table dropped on the primary is seen there by
+// the cleanup within a minute, or by the next write.
 func (p *Propagator) noteSchemaGone(err error) {
-	if !schemaGone(err) || !p.lost.gone.CompareAndSwap(false, true) {
+	if errors.Is(err, errLeaseLost) || p.stopped(err) || !schemaGone(err) || !p.lost.gone.CompareAndSwap(false, true) {
 		return
 	}
 	p.log.Warn("a mysql table or the database is gone (dropped by hand?): making the schema again, then publishing every cell again and reading every table whole",
 		zap.String("database", p.addr), zap.Error(err))
+}
+
+// readsReplica reports whether pulls read a replica (mysql_read).
+func (p *Propagator) readsReplica() bool {
+	s, ok := p.store.(*sqlStore)
+	return ok && s.replica
 }
 
 // remigrate migrates the schema again once a statement found it gone

@@ -144,3 +144,35 @@ func TestOperator_TheHolderPublishesItsRegionAgainAfterATruncate(t *testing.T) {
 		t.Fatalf("c imports %d of region a's 60 units after the table was emptied", got)
 	}
 }
+
+// TestOperator_AReplicaWithoutTheSchemaYetIsNoDroppedTable: a region
+// reading a replica (mysql_read) that has not applied the schema yet
+// fails its pulls with "doesn't exist" until it does. That is the
+// replica's lag, not a table dropped: the schema is not made again and
+// the cells are not all published again at every flush.
+func TestOperator_AReplicaWithoutTheSchemaYetIsNoDroppedTable(t *testing.T) {
+	pair := mysqltest.StartPair(t)
+	primary, replica := pair.NewDatabase(t)
+	pair.StopApplying(t)
+	s := newSetup(t)
+	s.dsn = primary
+	b := s.region("b", func(c *Config) { c.ReadDSN = replica })
+	b.decide("k", 100, 60)
+	for range 3 {
+		b.p.FlushOnce(bg)
+	}
+	st := b.p.Stats()
+	if st.ReadErrors == 0 {
+		t.Fatalf("no read error from a replica without the tables: %+v", st)
+	}
+	if st.SchemaRemade != 0 || st.CountsPublished != 1 {
+		t.Fatalf("the replica's lag taken for a dropped table: schema made again %d times, %d rows published (want 0 and 1)",
+			st.SchemaRemade, st.CountsPublished)
+	}
+	pair.StartApplying(t)
+	pair.WaitCaughtUp(t)
+	b.p.FlushOnce(bg)
+	if st := b.p.Stats(); st.LastPull.IsZero() {
+		t.Fatalf("b never pulled once the replica caught up: %+v", st)
+	}
+}

@@ -101,6 +101,9 @@ func readPages[T any](p *Propagator, ctx context.Context, t Table, r Read,
 		})
 		if err != nil {
 			p.readFailed(t.what(), err)
+			if !p.readsReplica() {
+				p.noteSchemaGone(err)
+			}
 			return false
 		}
 		apply(rows)
@@ -171,6 +174,7 @@ func (p *Propagator) checkClock(ctx context.Context) {
 		return err
 	}); err != nil {
 		p.readFailed("the database's clock", err)
+		p.noteSchemaGone(err)
 		return
 	}
 	p.noteServer()
@@ -264,7 +268,6 @@ func (p *Propagator) readFailed(what string, err error) {
 	if errors.Is(err, errLeaseLost) || p.stopped(err) {
 		return
 	}
-	p.noteSchemaGone(err)
 	if c := p.stats.readErrors.Add(1); c == 1 || c%100 == 0 {
 		p.log.Warn("mysql read failed: keeping the imported counts we have",
 			zap.String("what", what), zap.String("database", p.addr), zap.Int64("read_errors", c), zap.Error(err))

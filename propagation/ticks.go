@@ -133,6 +133,7 @@ func (p *Propagator) CleanupOnce(ctx context.Context) int64 {
 			})
 			if err != nil {
 				p.readFailed("cleanup", err)
+				p.noteSchemaGone(err)
 				break
 			}
 			total += n
