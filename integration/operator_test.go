@@ -1,0 +1,237 @@
+package integration
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
+)
+
+// The control plane as an operator meets it, on real Caddy processes: the
+// answers of the admin API's routes, the README's promises about them.
+
+// adminCall is one admin request's status and body.
+func adminCall(t *testing.T, admin int, method, path, body string) (int, string) {
+	t.Helper()
+	req, err := http.NewRequest(method, fmt.Sprintf("http://localhost:%d%s", admin, path), bytes.NewBufferString(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp, err := (&http.Client{Timeout: 30 * time.Second}).Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b)
+}
+
+// operatorSite is a zone limited to 3 whose identifier is the X-Key
+// header, with a Caddyfile override of "vip" to 7.
+const operatorSite = `	ratelimit {
+		zone per_key {
+			key      {http.request.header.X-Key}
+			limit    3
+			window   10m
+			override vip 7
+		}
+		headers off
+	}
+	respond "ok"`
+
+// overrideOn reads the runtime override's limit on a node, -1 without one.
+func overrideOn(t *testing.T, admin int, zone, id string) int64 {
+	t.Helper()
+	s, b := adminCall(t, admin, http.MethodGet, "/ratelimit/overrides?zone="+zone+"&identifier="+urlQueryEscape(id), "")
+	switch s {
+	case http.StatusNotFound:
+		return -1
+	case http.StatusOK:
+		var doc struct {
+			Limit int64 `json:"limit"`
+		}
+		if err := json.Unmarshal([]byte(b), &doc); err != nil {
+			t.Fatal(err)
+		}
+		return doc.Limit
+	}
+	t.Fatalf("GET override: %d %s", s, b)
+	return 0
+}
+
+// TestOperator_BadInputChangesNothing: every malformed change of the
+// control plane is a 4xx with a JSON error, and leaves the override it
+// aimed at, in every region, as it was (README: "Nothing is stored
+// then"). Checked on a cluster of two regions × two nodes, each change
+// sent to a node of region A, the result read on a node of region B after
+// a good change sent later has arrived there (the bad ones, had they been
+// stored, would have arrived before it).
+func TestOperator_BadInputChangesNothing(t *testing.T) {
+	c := startCluster(t, clusterSpec{regions: 2, nodes: 2, limit: 3, window: pickWindow(2 * time.Minute)})
+	a, b := c.regions[0][0], c.regions[1][1]
+	key := freshKey("bad-input")
+	path := "/ratelimit/overrides?zone=global&identifier=" + urlQueryEscape(key)
+	if s, body := adminCall(t, a.admin, http.MethodPut, path, `{"limit": 5, "reason": "baseline"}`); s != http.StatusOK {
+		t.Fatalf("PUT: %d %s", s, body)
+	}
+	past := time.Now().Add(-time.Minute).UTC().Format(time.RFC3339)
+	bad := []struct {
+		method, path, body string
+		want               int
+	}{
+		{http.MethodPut, "/ratelimit/overrides?zone=nope&identifier=" + urlQueryEscape(key), `{"limit": 9}`, http.StatusNotFound},
+		{http.MethodPut, "/ratelimit/overrides?zone=global", `{"limit": 9}`, http.StatusBadRequest},
+		{http.MethodPut, "/ratelimit/overrides?zone=global&identifier=", `{"limit": 9}`, http.StatusBadRequest},
+		{http.MethodPut, path + "&identifier=other", `{"limit": 9}`, http.StatusBadRequest},
+		{http.MethodPut, path + "&scope=global", `{"limit": 9}`, http.StatusBadRequest},
+		{http.MethodPut, path, `{"limit": -1}`, http.StatusBadRequest},
+		{http.MethodPut, path, `{"limit": 9007199254740992}`, http.StatusBadRequest},
+		{http.MethodPut, path, `{"limit": 1e30}`, http.StatusBadRequest},
+		{http.MethodPut, path, `{"limit": "9"}`, http.StatusBadRequest},
+		{http.MethodPut, path, `{"limit": 9.5}`, http.StatusBadRequest},
+		{http.MethodPut, path, `{"limit": null}`, http.StatusBadRequest},
+		{http.MethodPut, path, `{}`, http.StatusBadRequest},
+		{http.MethodPut, path, ``, http.StatusBadRequest},
+		{http.MethodPut, path, `limit=9`, http.StatusBadRequest},
+		{http.MethodPut, path, `{"limit": 9, "expires": "` + past + `"}`, http.StatusBadRequest},
+		{http.MethodPut, path, `{"limit": 9, "expires": "tomorrow"}`, http.StatusBadRequest},
+		{http.MethodPut, path, `{"limit": 9, "expires": 1795833940}`, http.StatusBadRequest},
+		{http.MethodPut, path, `{"limit": 9, "plan": "gold"}`, http.StatusBadRequest},
+		{http.MethodPut, path, `{"limit": 9, "limit": 10}`, http.StatusBadRequest},
+		{http.MethodPut, path, `{"LIMIT": 9}`, http.StatusBadRequest},
+		{http.MethodPut, path, `{"limit": 9} {"limit": 10}`, http.StatusBadRequest},
+		{http.MethodPut, path, `{"limit": 9, "reason": "` + strings.Repeat("r", 513) + `"}`, http.StatusBadRequest},
+		{http.MethodPut, path, `{"limit": 9, "reason": "` + strings.Repeat("r", 70<<10) + `"}`, http.StatusBadRequest},
+		{http.MethodPut, path, "{\"limit\": 9, \"reason\": \"\xff\"}", http.StatusBadRequest},
+		{http.MethodPost, path, `{"limit": 9}`, http.StatusMethodNotAllowed},
+		{http.MethodPatch, path, `{"limit": 9}`, http.StatusMethodNotAllowed},
+		{http.MethodDelete, "/ratelimit/overrides?zone=global", "", http.StatusBadRequest},
+		{http.MethodDelete, "/ratelimit/overrides?zone=nope&identifier=" + urlQueryEscape(key), "", http.StatusNotFound},
+		{http.MethodDelete, "/ratelimit/counters?zone=global&identifier=" + urlQueryEscape(key) + "&scope=everywhere", "", http.StatusBadRequest},
+		{http.MethodDelete, "/ratelimit/counters?zone=global&identifier=" + urlQueryEscape(key) + "&scope=", "", http.StatusBadRequest},
+		{http.MethodGet, "/ratelimit/counters?zone=global&identifier=" + urlQueryEscape(key) + "&scope=global", "", http.StatusBadRequest},
+		{http.MethodPut, "/ratelimit/counters?zone=global&identifier=" + urlQueryEscape(key), "", http.StatusMethodNotAllowed},
+		{http.MethodGet, "/ratelimit/overrides?zone=global&max=0", "", http.StatusBadRequest},
+		{http.MethodGet, "/ratelimit/overrides?zone=global&max=10001", "", http.StatusBadRequest},
+		{http.MethodGet, "/ratelimit/overrides?zone=global&prefix=x&identifier=x", "", http.StatusBadRequest},
+		{http.MethodGet, "/ratelimit/overrides?zone=global&identifier=%zz", "", http.StatusBadRequest},
+	}
+	for _, x := range bad {
+		s, body := adminCall(t, a.admin, x.method, x.path, x.body)
+		var doc struct {
+			Error string `json:"error"`
+		}
+		if s != x.want || json.Unmarshal([]byte(body), &doc) != nil || doc.Error == "" {
+			t.Errorf("%s %.80s %.60q: %d %.200s, want %d with a JSON error", x.method, x.path, x.body, s, body, x.want)
+		}
+		if strings.Contains(doc.Error, key) {
+			t.Errorf("%s %.80s: the error names the identifier: %s", x.method, x.path, doc.Error)
+		}
+	}
+	// A good change after the bad ones: once region B holds it, it would
+	// hold any bad one that had been stored before it.
+	marker := freshKey("marker")
+	if s, body := adminCall(t, a.admin, http.MethodPut, "/ratelimit/overrides?zone=global&identifier="+urlQueryEscape(marker), `{"limit": 1}`); s != http.StatusOK {
+		t.Fatalf("PUT marker: %d %s", s, body)
+	}
+	redistest.Eventually(t, 10*time.Second, "the marker in region B", func() bool { return overrideOn(t, b.admin, "global", marker) == 1 })
+	for _, n := range c.all() {
+		if got := overrideOn(t, n.admin, "global", key); got != 5 {
+			t.Errorf("node of %s holds the override at %d after the bad changes, want 5", n.region, got)
+		}
+	}
+}
+
+// reloadFile loads n's Caddyfile again through POST /load, as an
+// operator's `caddy reload` does.
+func (n *regionNode) reloadFile(t *testing.T) {
+	t.Helper()
+	cfg, err := os.ReadFile(n.file)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n.config = string(cfg)
+	if s, b := n.reload(t); s != http.StatusOK {
+		t.Fatalf("reload of a node of %s: %d %s", n.region, s, b)
+	}
+}
+
+// TestOperator_GlobalResetThenAReloadAndARestart: two regions × two
+// nodes, a key at its limit everywhere. A global reset on a node of A,
+// then at once a reload of a node of B and a restart of a node of A (a
+// new process of region A in place of the old one): every node, the
+// reloaded and the new one included, starts the key over, and the
+// fleet, sent requests one at a time further apart than the cross-region
+// bound, admits the limit again and no more; every node then counts the
+// limit, no more.
+func TestOperator_GlobalResetThenAReloadAndARestart(t *testing.T) {
+	const limit = 4
+	c := startCluster(t, clusterSpec{regions: 2, nodes: 2, limit: limit, window: pickWindow(3 * time.Minute)})
+	key := freshKey("reset-reload")
+	c.dumpOnFailure(key)
+	for _, n := range c.all() {
+		for i := 0; i < limit; i++ {
+			sendKey(loadClient, n.url("/"), key)
+		}
+	}
+	reachAll(t, c.all(), key, http.StatusTooManyRequests, "the key denied everywhere")
+	replayed(t, c.all())
+	if s, b := adminCall(t, c.regions[0][0].admin, http.MethodDelete, "/ratelimit/counters?zone=global&scope=global&identifier="+urlQueryEscape(key), ""); s != http.StatusOK {
+		t.Fatalf("DELETE scope=global: %d %s", s, b)
+	}
+	c.regions[1][1].reloadFile(t)
+	c.regions[0][1].stop()
+	c.regions[0][1] = c.startNode(0)
+	c.regions[0][1].waitReady(t)
+	nodes := c.all()
+	redistest.EventuallyShow(t, 10*time.Second, "every node counts nothing of the key", func() (bool, string) {
+		for i, n := range nodes {
+			if kc, ok := n.counters(key); ok && kc.Effective != 0 {
+				return false, fmt.Sprintf("node %d (%s): %+v", i, n.region, kc)
+			}
+		}
+		return true, ""
+	})
+	bound := time.Duration(1.2 * float64(testFlush+testGlobalSync))
+	admitted := 0
+	var answers []string
+	for i := 0; i < 3*limit; i++ {
+		n := nodes[i%len(nodes)]
+		s := sendKey(loadClient, n.url("/"), key)
+		answers = append(answers, fmt.Sprintf("%s:%d", n.region, s))
+		if s == http.StatusOK {
+			admitted++
+			// What a node admitted reaches every node of both regions
+			// within the bound; wait until every node counts it, as
+			// the key's next requests would have if they came later.
+			want := int64(admitted)
+			redistest.EventuallyShow(t, 10*bound, "every node counts what the fleet admitted since the reset", func() (bool, string) {
+				for i, n := range nodes {
+					if kc, ok := n.counters(key); !ok || kc.Effective != want {
+						return false, fmt.Sprintf("%d admitted; node %d (%s): %+v (%v)", want, i, n.region, kc, ok)
+					}
+				}
+				return true, ""
+			})
+		}
+	}
+	t.Logf("after the reset: %v", answers)
+	if admitted != limit {
+		t.Fatalf("after the global reset, a reload and a restart the fleet admitted %d, want the limit of %d: %v", admitted, limit, answers)
+	}
+	redistest.EventuallyShow(t, 10*time.Second, "every node counts the limit", func() (bool, string) {
+		for i, n := range nodes {
+			if kc, ok := n.counters(key); !ok || kc.Effective != limit {
+				return false, fmt.Sprintf("node %d (%s): %+v (%v)", i, n.region, kc, ok)
+			}
+		}
+		return true, ""
+	})
+}
