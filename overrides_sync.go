@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"net/http"
 	"time"
 
@@ -58,13 +59,25 @@ func tookAnyway(o *origin.Redis, rec overrideRec) (bool, error) {
 	return err == nil && ok && held == rec.Version, err
 }
 
-// storeFailed is the error of a change that did not take: stored nowhere
-// when the read back answered, unknown when it did not either.
-func storeFailed(readBack error) error {
-	if readBack != nil {
+// storeFailed is the error of a change whose write failed with err and
+// did not take: stored nowhere when the read back answered, or when the
+// write never left this node (its connection could not be made: the
+// client makes no retries, so nothing reached Redis), unknown otherwise.
+// A Redis that is down refuses both the write and the read back, and was
+// answered "may hold the change" before 2026-11-28
+// (TestOperator_AChangeWithRedisDownIsStoredNowhere in integration/).
+func storeFailed(readBack, err error) error {
+	if readBack != nil && !neverSent(err) {
 		return errOverrideUnknown
 	}
 	return errOverrideStore
+}
+
+// neverSent reports whether err is a failure to connect: the call's
+// command was never written.
+func neverSent(err error) bool {
+	var op *net.OpError
+	return errors.As(err, &op) && op.Op == "dial"
 }
 
 // storeOverride stores a change where its scope says and applies it here,
@@ -95,7 +108,7 @@ func storeOverride(ctx context.Context, st *state, rec overrideRec) (overrideRec
 						try--
 						continue
 					}
-					return rec, scope, errors.Join(storeFailed(rerr), err)
+					return rec, scope, errors.Join(storeFailed(rerr, err), err)
 				}
 				n = 1
 			}

@@ -127,7 +127,7 @@ func storeReset(ctx context.Context, st *state, rb *origin.Redis, rec *overrideR
 		if ok {
 			return 1, nil
 		}
-		return 0, errors.Join(storeFailed(rerr), err)
+		return 0, errors.Join(storeFailed(rerr, err), err)
 	}
 	return took, nil
 }

@@ -46,6 +46,48 @@ const operatorSite = `	ratelimit {
 	}
 	respond "ok"`
 
+// TestOperator_AChangeWithRedisDownIsStoredNowhere: the region's Redis is
+// down (the process is gone: the node's connection to it is refused). A
+// runtime override's change then never reached Redis, and the README
+// promises a 503 saying it is stored nowhere; the answer said the region
+// "may hold the change", which sends an operator looking for a change
+// that cannot exist. A region reset answers the same.
+func TestOperator_AChangeWithRedisDownIsStoredNowhere(t *testing.T) {
+	srv := redisAndCaddy(t, "starts Caddy and Redis")
+	n := startNode(t, fmt.Sprintf("\t\tregion eu-west-1\n\t\tredis %s\n\t\tfast_tick 10ms", srv.URL()), operatorSite)
+	path := "/ratelimit/overrides?zone=per_key&identifier=key-alice"
+	if s, b := adminCall(t, n.admin, http.MethodPut, path, `{"limit": 5}`); s != http.StatusOK {
+		t.Fatalf("PUT with Redis up: %d %s", s, b)
+	}
+	srv.Stop()
+	for _, c := range []struct{ method, path, body string }{
+		{http.MethodPut, path, `{"limit": 50}`},
+		{http.MethodDelete, path, ""},
+		{http.MethodPut, "/ratelimit/overrides?zone=per_key&identifier=key-bob", `{"limit": 50}`},
+	} {
+		s, b := adminCall(t, n.admin, c.method, c.path, c.body)
+		t.Logf("%s %s with Redis down: %d %s", c.method, c.path, s, strings.TrimSpace(b))
+		if s != http.StatusServiceUnavailable {
+			t.Fatalf("%s with Redis down: %d %s, want 503", c.method, s, b)
+		}
+		if !strings.Contains(b, "did not take the change") || strings.Contains(b, "may hold") {
+			t.Fatalf("%s with Redis refusing connections answered %q: the change never reached Redis, and the answer must say it is stored nowhere", c.method, b)
+		}
+	}
+	// Nothing changed on the node.
+	s, b := adminCall(t, n.admin, http.MethodGet, path, "")
+	if s != http.StatusOK || !strings.Contains(b, `"limit":5,`) {
+		t.Fatalf("the override after the refused changes: %d %s, want the limit of 5", s, b)
+	}
+	if s, b := adminCall(t, n.admin, http.MethodGet, "/ratelimit/overrides?zone=per_key&identifier=key-bob", ""); s != http.StatusNotFound {
+		t.Fatalf("key-bob after its refused change: %d %s, want 404", s, b)
+	}
+	s, b = adminCall(t, n.admin, http.MethodDelete, "/ratelimit/counters?zone=per_key&identifier=key-alice&scope=region", "")
+	if s != http.StatusServiceUnavailable || strings.Contains(b, "may hold") {
+		t.Fatalf("a region reset with Redis down: %d %s, want a 503 that says it is stored nowhere", s, b)
+	}
+}
+
 // overrideOn reads the runtime override's limit on a node, -1 without one.
 func overrideOn(t *testing.T, admin int, zone, id string) int64 {
 	t.Helper()
