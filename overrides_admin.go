@@ -71,8 +71,11 @@ func docOf(r overrideRec) overrideDoc {
 
 // overrideListDoc is a listing.
 type overrideListDoc struct {
-	Zone      string        `json:"zone"`
-	Prefix    string        `json:"prefix"`
+	Zone   string `json:"zone"`
+	Prefix string `json:"prefix"`
+	// PrefixHex is the prefix's bytes in hex when it is not valid UTF-8,
+	// as in the listing of counters: JSON shows each bad byte as U+FFFD.
+	PrefixHex string        `json:"prefix_hex,omitempty"`
 	Max       int           `json:"max"`
 	Truncated bool          `json:"truncated"`
 	Overrides []overrideDoc `json:"overrides"`
@@ -123,7 +126,7 @@ func storedIdentifier(st *state, id string, defs []zoneDef) string {
 func listOverrides(zoneName, prefix string, max int) overrideListDoc {
 	recs := overrides.live(zoneName, prefix)
 	slices.SortFunc(recs, func(a, b overrideRec) int { return strings.Compare(a.Identifier, b.Identifier) })
-	doc := overrideListDoc{Zone: zoneName, Prefix: prefix, Max: max, Truncated: len(recs) > max, Overrides: []overrideDoc{}}
+	doc := overrideListDoc{Zone: zoneName, Prefix: prefix, PrefixHex: showID(prefix).IdentifierHex, Max: max, Truncated: len(recs) > max, Overrides: []overrideDoc{}}
 	for _, rec := range recs[:min(len(recs), max)] {
 		doc.Overrides = append(doc.Overrides, docOf(rec))
 	}

@@ -88,6 +88,34 @@ func TestOperator_AChangeWithRedisDownIsStoredNowhere(t *testing.T) {
 	}
 }
 
+// TestOperator_AListingsPrefixThatIsNotUTF8 (README, "Admin API"): "a
+// listing's prefix that is not valid UTF-8 comes back with prefix_hex".
+// The listing of the counters did; that of the runtime overrides showed
+// U+FFFD alone, so that prefixes a\x80 and a\x81 read alike.
+func TestOperator_AListingsPrefixThatIsNotUTF8(t *testing.T) {
+	srv := redisAndCaddy(t, "starts Caddy and Redis")
+	n := startNode(t, fmt.Sprintf("\t\tregion eu-west-1\n\t\tredis %s\n\t\tfast_tick 10ms", srv.URL()), operatorSite)
+	if s, b := adminCall(t, n.admin, http.MethodPut, "/ratelimit/overrides?zone=per_key&identifier=a%80z", `{"limit": 6}`); s != http.StatusOK {
+		t.Fatalf("PUT: %d %s", s, b)
+	}
+	for _, route := range []string{"counters", "overrides"} {
+		var doc struct {
+			Prefix    string `json:"prefix"`
+			PrefixHex string `json:"prefix_hex"`
+		}
+		s, b := adminCall(t, n.admin, http.MethodGet, "/ratelimit/"+route+"?zone=per_key&prefix=a%80", "")
+		if s != http.StatusOK {
+			t.Fatalf("GET %s: %d %s", route, s, b)
+		}
+		if err := json.Unmarshal([]byte(b), &doc); err != nil {
+			t.Fatal(err)
+		}
+		if doc.PrefixHex != "6180" {
+			t.Errorf("the %s listing of prefix a\\x80 answered %s: want prefix_hex 6180", route, b)
+		}
+	}
+}
+
 // overrideOn reads the runtime override's limit on a node, -1 without one.
 func overrideOn(t *testing.T, admin int, zone, id string) int64 {
 	t.Helper()
