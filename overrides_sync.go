@@ -66,6 +66,7 @@ func tookAnyway(o *origin.Redis, rec overrideRec) (bool, error) {
 // A Redis that is down refuses both the write and the read back, and was
 // answered "may hold the change" before 2026-11-28
 // (TestOperator_AChangeWithRedisDownIsStoredNowhere in integration/).
+// A reset passes no err: its marks went out before its record.
 func storeFailed(readBack, err error) error {
 	if readBack != nil && !neverSent(err) {
 		return errOverrideUnknown
