@@ -2,12 +2,16 @@ package integration
 
 import (
 	"bytes"
+	"database/sql"
 	"encoding/json"
 	"fmt"
 	"io"
 	"net/http"
 	"os"
+	"os/exec"
+	"regexp"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -304,4 +308,241 @@ func TestOperator_GlobalResetThenAReloadAndARestart(t *testing.T) {
 		}
 		return true, ""
 	})
+}
+
+// readmeExample is one `$ curl …` line of the README's admin API section
+// and the answer the README shows for it.
+type readmeExample struct {
+	command, answer string
+}
+
+// readmeAdminExamples reads the console blocks of the README's "Admin
+// API" section.
+func readmeAdminExamples(t *testing.T) []readmeExample {
+	t.Helper()
+	b, err := os.ReadFile("../README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := string(b)
+	start, end := strings.Index(s, "### Admin API"), strings.Index(s, "### Metrics")
+	if start < 0 || end < start {
+		t.Fatal("README.md has no Admin API section before Metrics")
+	}
+	var out []readmeExample
+	var cur *readmeExample
+	in, cont := false, false
+	for _, line := range strings.Split(s[start:end], "\n") {
+		switch {
+		case strings.HasPrefix(line, "```console"):
+			in = true
+			continue
+		case strings.HasPrefix(line, "```"):
+			in, cur = false, nil
+			continue
+		case !in:
+			continue
+		}
+		switch {
+		case cont && cur != nil:
+			cur.command += " " + strings.TrimSuffix(strings.TrimSpace(line), `\`)
+			cont = strings.HasSuffix(line, `\`)
+		case strings.HasPrefix(line, "$ "):
+			out = append(out, readmeExample{command: strings.TrimSuffix(strings.TrimPrefix(line, "$ "), `\`)})
+			cur = &out[len(out)-1]
+			cont = strings.HasSuffix(line, `\`)
+		case cur != nil:
+			cur.answer += line + "\n"
+		}
+	}
+	return out
+}
+
+// jsonNames are the object member names of a JSON text (or the README's
+// abbreviated JSON, with "…"), in a set.
+func jsonNames(s string) map[string]bool {
+	names := map[string]bool{}
+	for _, part := range strings.Split(s, `":`)[:max(0, strings.Count(s, `":`))] {
+		if i := strings.LastIndex(part, `"`); i >= 0 {
+			names[part[i+1:]] = true
+		}
+	}
+	return names
+}
+
+// readmeTime is an RFC 3339 time in a README example.
+var readmeTime = regexp.MustCompile(`\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ`)
+
+// TestOperator_TheREADMEsAdminExamplesRunAsWritten runs every curl line of
+// the README's "Admin API" section, as written but for the admin address,
+// against a Caddy process set up as the examples are (zone per_key on the
+// X-API-Key header, limit 5, a minute, region eu-west-1 with Redis and
+// MySQL, key-alice sent past its limit), and compares each answer with the
+// one the README shows: the same names (a superset where the README
+// abbreviates with "…", or shows the cross-region section as null), an
+// error where it shows one.
+func TestOperator_TheREADMEsAdminExamplesRunAsWritten(t *testing.T) {
+	requireBinary(t, "curl")
+	srv := redisAndCaddy(t, "starts Caddy, Redis and MariaDB")
+	dsn := sharedMySQL.Get(t).NewDatabase(t)
+	n := startNode(t, fmt.Sprintf("\t\tregion eu-west-1\n\t\tredis %s\n\t\tfast_tick 10ms\n\t\tmysql %s\n\t\tmysql_flush 100ms\n\t\tglobal_sync 200ms",
+		srv.URL(), dsn), `	ratelimit {
+		zone per_key {
+			key    {http.request.header.X-API-Key}
+			limit  5
+			window 1m
+		}
+	}
+	respond "ok"`)
+	rn := &regionNode{node: n, region: "eu-west-1"}
+	rn.waitReady(t)
+	for _, id := range []string{"key-alice", "key-alice", "key-alice", "key-alice", "key-alice", "key-alice", "key-bob"} {
+		req, _ := http.NewRequest(http.MethodGet, n.url("/"), nil)
+		req.Header.Set("X-API-Key", id)
+		resp, err := loadClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+	}
+	examples := readmeAdminExamples(t)
+	if len(examples) < 8 {
+		t.Fatalf("found %d examples in the README's Admin API section", len(examples))
+	}
+	for _, ex := range examples {
+		cmd := strings.ReplaceAll(ex.command, "localhost:2019", fmt.Sprintf("localhost:%d", n.admin))
+		// An expiry the calendar has passed since the README was written
+		// moves a month ahead (one in the past is a 400, rightly).
+		cmd = readmeTime.ReplaceAllStringFunc(cmd, func(ts string) string {
+			if at, err := time.Parse(time.RFC3339, ts); err == nil && at.Before(time.Now()) {
+				return time.Now().AddDate(0, 1, 0).UTC().Format(time.RFC3339)
+			}
+			return ts
+		})
+		out, err := exec.Command("sh", "-c", cmd).Output()
+		if err != nil {
+			t.Errorf("%s: %v", ex.command, err)
+			continue
+		}
+		got := string(out)
+		var v any
+		if err := json.Unmarshal(out, &v); err != nil {
+			t.Errorf("%s answered %q: not JSON", ex.command, got)
+			continue
+		}
+		want, have := jsonNames(ex.answer), jsonNames(got)
+		for name := range want {
+			if !have[name] {
+				t.Errorf("%s: the README shows %q, the answer has none:\n%s", ex.command, name, got)
+			}
+		}
+		abbreviated := strings.Contains(ex.answer, "…") || strings.Contains(ex.answer, `"propagation": null`)
+		for name := range have {
+			if !want[name] && !abbreviated {
+				t.Errorf("%s: the answer has %q, which the README does not show:\n%s", ex.command, name, got)
+			}
+		}
+		if strings.Contains(ex.answer, `"error"`) != strings.Contains(got, `"error"`) {
+			t.Errorf("%s: the README shows %s, the answer is %s", ex.command, ex.answer, got)
+		}
+		t.Logf("%s\n%s", ex.command, got)
+	}
+}
+
+// limitsEverywhere waits until every node applies want to id, as its
+// counters route shows (after a request of the key on each node, so
+// that each holds the key).
+func limitsEverywhere(t *testing.T, nodes []*regionNode, id string, want int64, what string) {
+	t.Helper()
+	for _, n := range nodes {
+		sendKey(loadClient, n.url("/"), id)
+	}
+	redistest.EventuallyShow(t, 10*time.Second, what, func() (bool, string) {
+		for i, n := range nodes {
+			if kc, ok := n.counters(id); !ok || kc.Limit != want {
+				return false, fmt.Sprintf("want %d; node %d (%s): %+v (%v)", want, i, n.region, kc, ok)
+			}
+		}
+		return true, ""
+	})
+}
+
+// TestOperator_PrecedenceAcrossAReloadAndARestart: runtime override >
+// Caddyfile override > zone limit, on every node of two regions, kept by
+// a node reloaded and by one started in place of another, and what a
+// removal leaves (the Caddyfile's override) everywhere.
+func TestOperator_PrecedenceAcrossAReloadAndARestart(t *testing.T) {
+	c := startCluster(t, clusterSpec{regions: 2, nodes: 2, limit: 2, window: pickWindow(2 * time.Minute),
+		zoneExtra: "\t\t\toverride vip 4\n"})
+	vip, plain := "vip", freshKey("plain")
+	limitsEverywhere(t, c.all(), vip, 4, "the Caddyfile's override everywhere")
+	limitsEverywhere(t, c.all(), plain, 2, "the zone's limit everywhere")
+	path := "/ratelimit/overrides?zone=global&identifier=vip"
+	if s, b := adminCall(t, c.regions[0][0].admin, http.MethodPut, path, `{"limit": 6, "reason": "precedence"}`); s != http.StatusOK {
+		t.Fatalf("PUT: %d %s", s, b)
+	}
+	limitsEverywhere(t, c.all(), vip, 6, "the runtime override over the Caddyfile's everywhere")
+	c.regions[1][1].reloadFile(t)
+	c.regions[0][1].stop()
+	c.regions[0][1] = c.startNode(0)
+	c.regions[0][1].waitReady(t)
+	limitsEverywhere(t, c.all(), vip, 6, "the runtime override after a reload and a restart")
+	limitsEverywhere(t, c.all(), plain, 2, "the zone's limit after a reload and a restart")
+	if s, b := adminCall(t, c.regions[1][0].admin, http.MethodDelete, path, ""); s != http.StatusOK {
+		t.Fatalf("DELETE on a node of B: %d %s", s, b)
+	}
+	limitsEverywhere(t, c.all(), vip, 4, "the Caddyfile's override again after the removal")
+}
+
+// TestOperator_FourOperatorsAtOnceEndOnOneChange: four operators change
+// one key's override at the same moment, one on each node of two regions.
+// Every change is answered 200 (each is a change made after the one it
+// found: last writer wins, README "Scope"), and every node of both
+// regions, and MySQL, end on one and the same of the four.
+func TestOperator_FourOperatorsAtOnceEndOnOneChange(t *testing.T) {
+	c := startCluster(t, clusterSpec{regions: 2, nodes: 2, limit: 3, window: pickWindow(2 * time.Minute)})
+	nodes := c.all()
+	for round := 0; round < 5; round++ {
+		key := freshKey(fmt.Sprintf("race-%d", round))
+		path := "/ratelimit/overrides?zone=global&identifier=" + urlQueryEscape(key)
+		var wg sync.WaitGroup
+		status := make([]int, len(nodes))
+		for i, n := range nodes {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				status[i], _ = adminCall(t, n.admin, http.MethodPut, path, fmt.Sprintf(`{"limit": %d}`, 100*(i+1)))
+			}()
+		}
+		wg.Wait()
+		for i, s := range status {
+			if s != http.StatusOK {
+				t.Fatalf("round %d: the change on node %d answered %d", round, i, s)
+			}
+		}
+		var final int64
+		redistest.EventuallyShow(t, 10*time.Second, "every node on one change", func() (bool, string) {
+			final = overrideOn(t, nodes[0].admin, "global", key)
+			for i, n := range nodes {
+				if got := overrideOn(t, n.admin, "global", key); got != final {
+					return false, fmt.Sprintf("node 0 holds %d, node %d (%s) %d", final, i, n.region, got)
+				}
+			}
+			return true, ""
+		})
+		if final < 100 || final > 400 || final%100 != 0 {
+			t.Fatalf("round %d: every node holds %d, none of the four changes", round, final)
+		}
+		db, err := sql.Open("mysql", c.dsn)
+		if err != nil {
+			t.Fatal(err)
+		}
+		redistest.Eventually(t, 10*time.Second, "MySQL on the same change", func() bool {
+			var limit int64
+			err := db.QueryRow("SELECT limit_units FROM ratelimit_overrides WHERE namespace = 'global' AND identifier = ?", key).Scan(&limit)
+			return err == nil && limit == final
+		})
+		db.Close()
+		t.Logf("round %d: every node and MySQL hold %d", round, final)
+	}
 }

@@ -50,6 +50,8 @@ type clusterSpec struct {
 	key string
 	// extra global lines.
 	extra string
+	// zoneExtra are extra lines of the zone block (an override line).
+	zoneExtra string
 	// ownMySQL gives the cluster a mariadbd of its own (a scenario that
 	// stops it).
 	ownMySQL bool
@@ -177,10 +179,10 @@ func (c *cluster) site(r int) string {
 			key    %s
 			limit  %d
 			window %s
-		}
+%s		}
 		headers off
 	}
-	respond "ok"`, c.spec.key, c.spec.limit, window)
+	respond "ok"`, c.spec.key, c.spec.limit, window, c.spec.zoneExtra)
 }
 
 // startNode starts one node of region r (it serves once startNode
@@ -318,6 +320,7 @@ func (n *regionNode) waitReady(t *testing.T) {
 // counters returns the key's counters on the node, or false when it holds
 // none.
 type keyCounters struct {
+	Limit     int64 `json:"limit"`
 	Effective int64 `json:"effective"`
 	Cells     []struct {
 		Sequence       int64            `json:"sequence"`
