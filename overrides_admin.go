@@ -99,6 +99,9 @@ func (a *AdminAPI) handleOverrides(w http.ResponseWriter, r *http.Request) error
 	stored := storedIdentifier(st, kq.id, kq.defs)
 	switch r.Method {
 	case http.MethodPut:
+		if err := checkOverrideAddress(kq.id, kq.defs); err != nil {
+			return err
+		}
 		return putOverride(w, r, st, zoneName, stored)
 	case http.MethodDelete:
 		return deleteOverride(w, r, st, zoneName, stored)
@@ -119,6 +122,26 @@ func storedIdentifier(st *state, id string, defs []zoneDef) string {
 		id = m(id)
 	}
 	return id
+}
+
+// checkOverrideAddress refuses a change of an address prefix that no
+// request's identifier can equal (one of another length than the zone
+// counts, an address inside a prefix, upper-case hex, a whole address
+// with /32), as the Caddyfile's override line does: the handler masks an
+// address to the zone's prefix and writes it as netip does. An address
+// itself is masked as the handler masks it (storedIdentifier). Before
+// 2026-11-28 such a change was stored with a 200 and never applied: an
+// operator blocking 203.0.113.0/16 in a zone counting by /24 blocked
+// nothing (TestOperator_AnAddressPrefixThatNeverMatches in
+// integration/). The error does not name the identifier.
+func checkOverrideAddress(id string, defs []zoneDef) error {
+	v4, v6 := defs[0].v4, defs[0].v6
+	if validateOverrideIP(maskIP(id, v4, v6), v4, v6) == nil {
+		return nil
+	}
+	return badRequest(fmt.Sprintf("the identifier is an address prefix that no request's identifier equals: "+
+		"the zone counts IPv4 addresses by /%d and IPv6 ones by /%d, written as a prefix's first address, in lower case, "+
+		"and a whole address without /32 or /128 (or give one address: it is masked to the zone's prefix)", v4, v6))
 }
 
 // listOverrides lists up to max live overrides of the zone, in identifier

@@ -546,3 +546,56 @@ func TestOperator_FourOperatorsAtOnceEndOnOneChange(t *testing.T) {
 		t.Logf("round %d: every node and MySQL hold %d", round, final)
 	}
 }
+
+// TestOperator_AnAddressPrefixThatNeverMatches: the zone counts IPv4
+// addresses by /24 and IPv6 ones by /64. A runtime override of a prefix
+// written in another form than the handler's (another length, an address
+// inside the prefix, upper-case hex, a whole address with /32) can never
+// match a request; the Caddyfile's override line rejects each and names
+// the form to write, and the PUT took it with a 200, so that an operator
+// blocking 203.0.113.0/16 blocked nothing. Each is a 400 now, nothing
+// stored, and the forms the handler counts still take.
+func TestOperator_AnAddressPrefixThatNeverMatches(t *testing.T) {
+	srv := redisAndCaddy(t, "starts Caddy and Redis")
+	n := startNode(t, fmt.Sprintf("\t\tregion eu-west-1\n\t\tredis %s\n\t\tfast_tick 10ms", srv.URL()), `	ratelimit {
+		zone per_ip {
+			key         {http.request.header.X-Client}
+			limit       3
+			window      10m
+			ipv4_prefix 24
+			ipv6_prefix 64
+		}
+		headers off
+	}
+	respond "ok"`)
+	for _, id := range []string{"203.0.113.0/16", "203.0.113.5/24", "2001:DB8:1:2::/64", "2001:db8:1:2::/48", "198.51.100.0/32"} {
+		s, b := adminCall(t, n.admin, http.MethodPut, "/ratelimit/overrides?zone=per_ip&identifier="+urlQueryEscape(id), `{"limit": 0}`)
+		if s != http.StatusBadRequest {
+			t.Errorf("PUT of %s, which no request's identifier equals: %d %s, want 400", id, s, b)
+		}
+	}
+	if s, b := adminCall(t, n.admin, http.MethodGet, "/ratelimit/overrides?zone=per_ip", ""); s != http.StatusOK || !strings.Contains(b, `"overrides":[]`) {
+		t.Errorf("the zone's overrides after the refused changes: %d %s, want none", s, b)
+	}
+	// The forms the handler counts take, and apply.
+	for _, c := range []struct{ put, sent string }{
+		{"203.0.113.0/24", "203.0.113.77"},
+		{"198.51.100.9", "198.51.100.200"},
+		{"2001:db8:1:2::/64", "2001:db8:1:2::99"},
+		{"2001:DB8:5:6::1", "2001:db8:5:6::2"},
+	} {
+		if s, b := adminCall(t, n.admin, http.MethodPut, "/ratelimit/overrides?zone=per_ip&identifier="+urlQueryEscape(c.put), `{"limit": 0}`); s != http.StatusOK {
+			t.Fatalf("PUT of %s: %d %s", c.put, s, b)
+		}
+		req, _ := http.NewRequest(http.MethodGet, n.url("/"), nil)
+		req.Header.Set("X-Client", c.sent)
+		resp, err := loadClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusTooManyRequests {
+			t.Errorf("a request from %s under the override of %s (limit 0): %d, want 429", c.sent, c.put, resp.StatusCode)
+		}
+	}
+}
