@@ -562,3 +562,37 @@ func TestOverrides_AChangeRacingAReloadTakes(t *testing.T) {
 		t.Fatalf("a region reset racing a reload answered %d %s, though the region took it", r.status, r.body)
 	}
 }
+
+// TestOverrides_AWriteToARedisThatIsDownWasNeverSent: the origin's error
+// for a write to a Redis that refuses connections is one neverSent takes
+// for a write that never left the node (the answer is then the 503 of a
+// change stored nowhere), and a write cut by a paused Redis (its reply
+// came too late: Redis may run it) is not.
+func TestOverrides_AWriteToARedisThatIsDownWasNeverSent(t *testing.T) {
+	srv := redistest.Start(t)
+	o, _ := otherNode(t, srv)
+	rec := overrideRec{Zone: "ov", Identifier: "down", Limit: 1, Region: "ov-test", CreatedMs: time.Now().UnixMilli(), Version: time.Now().UnixMicro()}
+	put := func(timeout time.Duration) error {
+		ctx, cancel := context.WithTimeout(context.Background(), timeout)
+		defer cancel()
+		_, err := o.PutOverrides(ctx, []origin.Override{rec.regionValue()}, false)
+		return err
+	}
+	if err := put(time.Second); err != nil {
+		t.Fatal(err)
+	}
+	srv.Pause()
+	err := put(200 * time.Millisecond)
+	srv.Resume()
+	if err == nil || neverSent(err) {
+		t.Fatalf("a write to a paused Redis: %v; neverSent %v, want an error it does not take for never sent", err, neverSent(err))
+	}
+	srv.Stop()
+	err = put(time.Second)
+	if err == nil || !neverSent(err) {
+		t.Fatalf("a write to a Redis that is down: %v; neverSent %v, want true", err, neverSent(err))
+	}
+	if got := storeFailed(err, err); got != errOverrideStore {
+		t.Fatalf("storeFailed of a write never sent, read back failing too: %v, want errOverrideStore", got)
+	}
+}
