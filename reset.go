@@ -54,6 +54,12 @@ func resetKey(w http.ResponseWriter, r *http.Request, st *state, zoneName, id st
 	default:
 		return badRequest("scope is node, region or global")
 	}
+	// An address prefix in a form the zone never counts resets nothing:
+	// it was answered 200, "reset": true, and the range stayed denied
+	// (TestOperator_AResetOfAnAddressPrefixThatNeverMatches).
+	if err := checkOverrideAddress(id, defs); err != nil {
+		return err
+	}
 	rb := st.overridesRedis()
 	switch {
 	case rb == nil:

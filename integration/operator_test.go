@@ -599,3 +599,48 @@ func TestOperator_AnAddressPrefixThatNeverMatches(t *testing.T) {
 		}
 	}
 }
+
+// TestOperator_AResetOfAnAddressPrefixThatNeverMatches: a region or
+// global reset of an address prefix in a form the zone never counts
+// (another length, an address inside the prefix) reset nothing and
+// answered 200 "reset": true, so the operator took the range for reset
+// while it stayed denied. It is a 400 now, as the override's PUT is;
+// the form the zone counts resets the range.
+func TestOperator_AResetOfAnAddressPrefixThatNeverMatches(t *testing.T) {
+	srv := redisAndCaddy(t, "starts Caddy and Redis")
+	n := startNode(t, fmt.Sprintf("\t\tregion eu-west-1\n\t\tredis %s\n\t\tfast_tick 10ms", srv.URL()), `	ratelimit {
+		zone per_ip {
+			key         {http.request.header.X-Client}
+			limit       2
+			window      10m
+			ipv4_prefix 24
+		}
+		headers off
+	}
+	respond "ok"`)
+	send := func() int {
+		req, _ := http.NewRequest(http.MethodGet, n.url("/"), nil)
+		req.Header.Set("X-Client", "203.0.113.77")
+		resp, err := loadClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		return resp.StatusCode
+	}
+	for send() == http.StatusOK {
+	}
+	for _, id := range []string{"203.0.113.0/16", "203.0.113.77/24"} {
+		s, b := adminCall(t, n.admin, http.MethodDelete, "/ratelimit/counters?zone=per_ip&scope=region&identifier="+urlQueryEscape(id), "")
+		if s != http.StatusBadRequest {
+			t.Errorf("a region reset of %s, which no request's identifier equals: %d %s, want 400", id, s, b)
+		}
+	}
+	if s := send(); s != http.StatusTooManyRequests {
+		t.Fatalf("the range after the refused resets: %d, want 429", s)
+	}
+	if s, b := adminCall(t, n.admin, http.MethodDelete, "/ratelimit/counters?zone=per_ip&scope=region&identifier=203.0.113.0/24", ""); s != http.StatusOK {
+		t.Fatalf("a region reset of 203.0.113.0/24: %d %s", s, b)
+	}
+	redistest.Eventually(t, 5*time.Second, "the range admitted after its reset", func() bool { return send() == http.StatusOK })
+}
