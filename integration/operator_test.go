@@ -382,9 +382,7 @@ var readmeTime = regexp.MustCompile(`\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ`)
 // abbreviates with "…", or shows the cross-region section as null), an
 // error where it shows one.
 func TestOperator_TheREADMEsAdminExamplesRunAsWritten(t *testing.T) {
-	if _, err := exec.LookPath("curl"); err != nil {
-		t.Skip("the README's examples are curl lines, and curl is not on PATH")
-	}
+	requireBinary(t, "curl") // the README's examples are curl lines
 	srv := redisAndCaddy(t, "starts Caddy, Redis and MariaDB")
 	dsn := sharedMySQL.Get(t).NewDatabase(t)
 	n := startNode(t, fmt.Sprintf("\t\tregion eu-west-1\n\t\tredis %s\n\t\tfast_tick 10ms\n\t\tmysql %s\n\t\tmysql_flush 100ms\n\t\tglobal_sync 200ms",

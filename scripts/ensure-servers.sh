@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Makes sure the programs the tests and the load harness start privately are
-# installed. Arguments name what to check (default: redis-server mariadbd,
-# what `make test` needs; the harness adds wrk):
+# installed. Arguments name what to check (default: redis-server mariadbd
+# curl, what `make test` needs: curl runs the README's admin examples; the
+# harness adds wrk):
 #
 #   scripts/ensure-servers.sh                          # redis-server, mariadbd
 #   scripts/ensure-servers.sh wrk redis-server mariadbd
@@ -14,7 +15,7 @@ set -euo pipefail
 PATH="$PATH:/usr/sbin:/usr/local/sbin"
 
 want=("$@")
-[ ${#want[@]} -gt 0 ] || want=(redis-server mariadbd)
+[ ${#want[@]} -gt 0 ] || want=(redis-server mariadbd curl)
 
 missing=() # Debian package names
 for prog in "${want[@]}"; do
@@ -22,8 +23,9 @@ for prog in "${want[@]}"; do
 	redis-server) pkg=redis-server ;;
 	mariadbd) pkg=mariadb-server ;;
 	wrk) pkg=wrk ;;
+	curl) pkg=curl ;;
 	*)
-		echo "ensure-servers: unknown program '$prog' (redis-server, mariadbd, wrk)" >&2
+		echo "ensure-servers: unknown program '$prog' (redis-server, mariadbd, wrk, curl)" >&2
 		exit 2
 		;;
 	esac
@@ -47,6 +49,7 @@ These programs must be on PATH (private instances of them are started):
   redis-server   Redis 6 or later            (Debian/Ubuntu package redis-server)
   mariadbd       MariaDB 10.6 or later       (Debian/Ubuntu package mariadb-server)
   wrk            wrk 4.x with LuaJIT         (Debian/Ubuntu package wrk)
+  curl           curl                        (Debian/Ubuntu package curl)
 Missing packages: ${missing[*]}
 Install them, e.g.:
   Debian/Ubuntu:  sudo apt-get install -y ${missing[*]}
