@@ -156,10 +156,7 @@ func TestBreaker_AReplicaAnsweringREADONLYOpensItAndRecovers(t *testing.T) {
 	cfg := Config{Redis: []string{srv.URL()}, Breaker: BreakerConfig{Timeout: Duration(200 * time.Millisecond)}}
 	o := newOrigin(t, cfg, Options{NodeID: "ro", OnStateChange: states.hook})
 	k, seq := key("victor"), nowSeq()
-	flush := func(own int64) ([]engine.Delta, error) {
-		b := []engine.Delta{{Key: k, Sequence: seq, Delta: 1, Own: own}}
-		return b, o.Flush(ctxT(t), b)
-	}
+	flush := oneCellFlush(t, o, k, seq)
 	if b, err := flush(5); err != nil || !b[0].Done {
 		t.Fatalf("healthy flush: %v", err)
 	}
@@ -194,13 +191,7 @@ func TestBreaker_AReplicaAnsweringREADONLYOpensItAndRecovers(t *testing.T) {
 	if err := srv.Client().Do(ctx, "REPLICAOF", "NO", "ONE").Err(); err != nil {
 		t.Fatal(err)
 	}
-	redistest.EventuallyShow(t, 10*time.Second, "the held units arrive and the breakers close", func() (bool, string) {
-		b, err := flush(9)
-		rerr := requestRead(o, k, seq)
-		st := o.Stats().Endpoints[0]
-		return b[0].Done && rerr == nil && st.Breaker == BreakerClosed && st.ReplayBreaker == BreakerClosed,
-			fmt.Sprintf("flush %v, read %v, breakers %s/%s", err, rerr, st.Breaker, st.ReplayBreaker)
-	})
+	awaitRecovery(t, o, k, seq, flush, 9)
 	if got, err := cellTotal(ctx, srv.Client(), DefaultPrefix, k, seq); err != nil || got != 9 {
 		t.Fatalf("Redis holds %d (%v), want the 9 units", got, err)
 	}
@@ -222,10 +213,7 @@ func TestBreaker_ABusyRedisOpensItAndRecoversAfterSCRIPTKILL(t *testing.T) {
 	cfg := Config{Redis: []string{srv.URL()}, Breaker: BreakerConfig{Timeout: Duration(200 * time.Millisecond)}}
 	o := newOrigin(t, cfg, Options{NodeID: "busy"})
 	k, seq := key("xavier"), nowSeq()
-	flush := func(own int64) ([]engine.Delta, error) {
-		b := []engine.Delta{{Key: k, Sequence: seq, Delta: 1, Own: own}}
-		return b, o.Flush(ctxT(t), b)
-	}
+	flush := oneCellFlush(t, o, k, seq)
 	if b, err := flush(2); err != nil || !b[0].Done {
 		t.Fatalf("healthy flush: %v", err)
 	}
@@ -259,13 +247,7 @@ func TestBreaker_ABusyRedisOpensItAndRecoversAfterSCRIPTKILL(t *testing.T) {
 		t.Fatal(err)
 	}
 	<-ended
-	redistest.EventuallyShow(t, 10*time.Second, "the units arrive and the breakers close", func() (bool, string) {
-		b, err := flush(7)
-		rerr := requestRead(o, k, seq)
-		st := o.Stats().Endpoints[0]
-		return b[0].Done && b[0].Totals.Cur == 7 && rerr == nil && st.Breaker == BreakerClosed && st.ReplayBreaker == BreakerClosed,
-			fmt.Sprintf("flush %v, read %v, breakers %s/%s", err, rerr, st.Breaker, st.ReplayBreaker)
-	})
+	awaitRecovery(t, o, k, seq, flush, 7)
 }
 
 // TestBreaker_APasswordSetMidRunOpensItAndSaysWhy: an operator sets
@@ -280,10 +262,7 @@ func TestBreaker_APasswordSetMidRunOpensItAndSaysWhy(t *testing.T) {
 	cfg := Config{Redis: []string{srv.URL()}, Breaker: BreakerConfig{Timeout: Duration(200 * time.Millisecond)}}
 	o := newOrigin(t, cfg, Options{NodeID: "pw"})
 	k, seq := key("yvonne"), nowSeq()
-	flush := func(own int64) ([]engine.Delta, error) {
-		b := []engine.Delta{{Key: k, Sequence: seq, Delta: 1, Own: own}}
-		return b, o.Flush(ctxT(t), b)
-	}
+	flush := oneCellFlush(t, o, k, seq)
 	if b, err := flush(2); err != nil || !b[0].Done {
 		t.Fatalf("healthy flush: %v", err)
 	}
@@ -311,13 +290,7 @@ func TestBreaker_APasswordSetMidRunOpensItAndSaysWhy(t *testing.T) {
 	if err := admin.ConfigSet(ctx, "requirepass", "").Err(); err != nil {
 		t.Fatal(err)
 	}
-	redistest.EventuallyShow(t, 10*time.Second, "the units arrive and the breakers close", func() (bool, string) {
-		b, err := flush(7)
-		rerr := requestRead(o, k, seq)
-		st := o.Stats().Endpoints[0]
-		return b[0].Done && b[0].Totals.Cur == 7 && rerr == nil && st.Breaker == BreakerClosed && st.ReplayBreaker == BreakerClosed,
-			fmt.Sprintf("flush %v, read %v, breakers %s/%s", err, rerr, st.Breaker, st.ReplayBreaker)
-	})
+	awaitRecovery(t, o, k, seq, flush, 7)
 }
 
 // TestBreaker_KilledConnectionsCostNoCall: CLIENT KILL of every
@@ -359,10 +332,7 @@ func TestBreaker_NOREPLICASOpensItAndRecovers(t *testing.T) {
 	cfg := Config{Redis: []string{srv.URL()}, Breaker: BreakerConfig{Timeout: Duration(200 * time.Millisecond)}}
 	o := newOrigin(t, cfg, Options{NodeID: "norep"})
 	k, seq := key("zelda"), nowSeq()
-	flush := func(own int64) ([]engine.Delta, error) {
-		b := []engine.Delta{{Key: k, Sequence: seq, Delta: 1, Own: own}}
-		return b, o.Flush(ctxT(t), b)
-	}
+	flush := oneCellFlush(t, o, k, seq)
 	ctx := context.Background()
 	admin := srv.Client()
 	if err := admin.ConfigSet(ctx, "min-replicas-to-write", "1").Err(); err != nil {
@@ -378,11 +348,28 @@ func TestBreaker_NOREPLICASOpensItAndRecovers(t *testing.T) {
 	if err := admin.ConfigSet(ctx, "min-replicas-to-write", "0").Err(); err != nil {
 		t.Fatal(err)
 	}
+	awaitRecovery(t, o, k, seq, flush, 4)
+}
+
+// oneCellFlush returns a flush of k's cell seq carrying own as this
+// process's total, and the batch it sent.
+func oneCellFlush(t *testing.T, o *Redis, k engine.Key, seq int64) func(own int64) ([]engine.Delta, error) {
+	return func(own int64) ([]engine.Delta, error) {
+		b := []engine.Delta{{Key: k, Sequence: seq, Delta: 1, Own: own}}
+		return b, o.Flush(ctxT(t), b)
+	}
+}
+
+// awaitRecovery waits until both of o's breakers have closed by
+// themselves: a flush of own lands (Redis then holds own for k) and a
+// read of k passes.
+func awaitRecovery(t *testing.T, o *Redis, k engine.Key, seq int64, flush func(int64) ([]engine.Delta, error), own int64) {
+	t.Helper()
 	redistest.EventuallyShow(t, 10*time.Second, "the units arrive and the breakers close", func() (bool, string) {
-		b, err := flush(4)
+		b, err := flush(own)
 		rerr := requestRead(o, k, seq)
 		st := o.Stats().Endpoints[0]
-		return b[0].Done && b[0].Totals.Cur == 4 && rerr == nil && st.Breaker == BreakerClosed && st.ReplayBreaker == BreakerClosed,
+		return b[0].Done && b[0].Totals.Cur == own && rerr == nil && st.Breaker == BreakerClosed && st.ReplayBreaker == BreakerClosed,
 			fmt.Sprintf("flush %v, read %v, breakers %s/%s", err, rerr, st.Breaker, st.ReplayBreaker)
 	})
 }

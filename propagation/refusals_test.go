@@ -117,22 +117,7 @@ func TestRefusal_PasswordChangedAndConnectionsKilled(t *testing.T) {
 	a, logs := s.observed("a")
 	b := s.region("b")
 	rdb := mysqltest.Open(t, root)
-	kill := func() {
-		rows, err := rdb.Query("SELECT id FROM information_schema.processlist WHERE user = 'rl'")
-		if err != nil {
-			t.Fatal(err)
-		}
-		var ids []int64
-		for rows.Next() {
-			var id int64
-			_ = rows.Scan(&id)
-			ids = append(ids, id)
-		}
-		rows.Close()
-		for _, id := range ids {
-			_, _ = rdb.Exec(fmt.Sprintf("KILL %d", id))
-		}
-	}
+	kill := func() { killConnectionsOf(t, rdb, "rl") }
 	// Connections killed alone: the pool dials again, nothing fails for
 	// long.
 	a.decide("k", 100, 60)
@@ -146,16 +131,7 @@ func TestRefusal_PasswordChangedAndConnectionsKilled(t *testing.T) {
 	}
 	kill()
 	a.decide("k", 100, 20)
-	for range 6 {
-		a.p.FlushOnce(bg)
-	}
-	st := a.p.Stats()
-	if st.WriteErrors+st.ReadErrors == 0 {
-		t.Fatalf("password changed: no error counted: %+v", st)
-	}
-	if !logged(logs, "mysql ", "Access denied") {
-		t.Fatalf("no failure logged with the server's reason: %v", logs.All())
-	}
+	flushesFailSaying(t, a, logs, "Access denied")
 	if _, err := rdb.Exec("ALTER USER 'rl'@'127.0.0.1' IDENTIFIED BY 'pw1'"); err != nil {
 		t.Fatal(err)
 	}
@@ -178,22 +154,7 @@ func TestRefusal_MaxConnectionsReached(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _, _ = rdb.Exec("SET GLOBAL max_connections = 500") })
-	rows, err := rdb.Query("SELECT id FROM information_schema.processlist WHERE user = 'rl'")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var ids []int64
-	for rows.Next() {
-		var id int64
-		_ = rows.Scan(&id)
-		ids = append(ids, id)
-	}
-	rows.Close()
-	for _, id := range ids {
-		if _, err := rdb.Exec(fmt.Sprintf("KILL %d", id)); err != nil {
-			t.Fatal(err)
-		}
-	}
+	killConnectionsOf(t, rdb, "rl")
 	// Another client of the same user takes every connection left.
 	hog := mysqltest.Open(t, s.dsn)
 	var held []*sql.Conn
@@ -214,18 +175,46 @@ func TestRefusal_MaxConnectionsReached(t *testing.T) {
 		}
 	}
 	a.decide("k", 100, 20)
-	for range 6 {
-		a.p.FlushOnce(bg)
-	}
-	if st := a.p.Stats(); st.WriteErrors+st.ReadErrors == 0 {
-		t.Fatalf("no error counted with the connections exhausted: %+v", st)
-	}
-	if !logged(logs, "mysql ", "Too many connections") {
-		t.Fatalf("no failure logged with the server's reason")
-	}
+	flushesFailSaying(t, a, logs, "Too many connections")
 	for _, c := range held {
 		_ = c.Close()
 	}
 	_ = hog.Close()
 	untilImported(t, a, b, 80)
+}
+
+// killConnectionsOf kills every connection user holds on the server rdb
+// reaches.
+func killConnectionsOf(t *testing.T, rdb *sql.DB, user string) {
+	t.Helper()
+	rows, err := rdb.Query("SELECT id FROM information_schema.processlist WHERE user = ?", user)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var ids []int64
+	for rows.Next() {
+		var id int64
+		_ = rows.Scan(&id)
+		ids = append(ids, id)
+	}
+	rows.Close()
+	for _, id := range ids {
+		_, _ = rdb.Exec(fmt.Sprintf("KILL %d", id)) // it may have ended meanwhile
+	}
+}
+
+// flushesFailSaying flushes a six times and checks that its statements
+// failed, counted, and that a failure was logged with the server's
+// reason.
+func flushesFailSaying(t *testing.T, a *region, logs *observer.ObservedLogs, reason string) {
+	t.Helper()
+	for range 6 {
+		a.p.FlushOnce(bg)
+	}
+	if st := a.p.Stats(); st.WriteErrors+st.ReadErrors == 0 {
+		t.Fatalf("%s: no error counted: %+v", reason, st)
+	}
+	if !logged(logs, "mysql ", reason) {
+		t.Fatalf("no failure logged with the server's reason (%s): %v", reason, logs.All())
+	}
 }
