@@ -24,6 +24,7 @@ type redisCluster struct {
 	engines []*engine.Engine
 	clocks  []*testclock.Clock
 	origins []*origin.Redis
+	gens    []int // each node's processes (Renew)
 }
 
 func newRedisCluster(t *testing.T, srv *redistest.Server, n int, prefix string) *redisCluster {
@@ -34,6 +35,7 @@ func newRedisCluster(t *testing.T, srv *redistest.Server, n int, prefix string) 
 		c.engines[i].SetProcesses(int64(n)) // as the region's heartbeats count them
 		c.clocks = append(c.clocks, clk)
 		c.origins = append(c.origins, nil)
+		c.gens = append(c.gens, 0)
 		c.Reload(i)
 	}
 	return c
@@ -43,6 +45,27 @@ func (c *redisCluster) Engine(i int) *engine.Engine { return c.engines[i] }
 func (c *redisCluster) SetClock(i int, t time.Time) { c.clocks[i].Set(t) }
 func (c *redisCluster) Restart()                    { c.srv.Restart() }
 func (c *redisCluster) Settle()                     {}
+
+// Flush empties Redis as an operator's FLUSHALL does (the run ID stays).
+func (c *redisCluster) Flush() {
+	if err := c.srv.Client().FlushAll(context.Background()).Err(); err != nil {
+		c.t.Fatal(err)
+	}
+}
+
+// Noticed reports the loss noticed, as the runner assumes: the origins'
+// watch (origin.WatchRestarts) does not run here.
+func (c *redisCluster) Noticed(int) bool { return true }
+
+// Renew restarts node i's process: its engine closes (writing what it
+// holds) and a new engine takes its place under a new node ID.
+func (c *redisCluster) Renew(i int) {
+	_ = c.engines[i].Close(context.Background())
+	c.gens[i]++
+	c.engines[i] = engine.New(nodecheck.EngineConfig(c.clocks[i].Now))
+	c.engines[i].SetProcesses(int64(len(c.engines)))
+	c.Reload(i)
+}
 
 // SetDown is not drawn for real Redis (Gen leaves outages out here).
 func (c *redisCluster) SetDown(bool) { c.t.Error("no outage on real Redis in this test") }
@@ -61,7 +84,7 @@ func (c *redisCluster) Detach(i int) {
 // does, and closes the one before.
 func (c *redisCluster) Reload(i int) {
 	o, err := origin.New(origin.Config{Redis: []string{c.srv.URL()}, Prefix: c.prefix},
-		origin.Options{NodeID: fmt.Sprintf("node-%d", i)})
+		origin.Options{NodeID: fmt.Sprintf("node-%d.%d", i, c.gens[i])})
 	if err != nil {
 		c.t.Fatal(err)
 	}
@@ -103,7 +126,11 @@ func (c *redisCluster) close() {
 func TestProperty_NodesOnRedis(t *testing.T) {
 	requireBinary(t, "redis-server")
 	srv := redistest.Start(t)
-	faults := nodecheck.Faults{Restart: true, Step: true, Detach: true, Reset: true}
+	// The operations added in November 2026 (FLUSHALL, a node's process
+	// restarted, a clock an hour back, h0 on a second window, costs of
+	// 2^53−1) run with RATELIMIT_PROPERTY_REDIS_MORE=1, not by default.
+	faults := nodecheck.Faults{Restart: true, Step: true, Detach: true, Reset: true,
+		More: os.Getenv("RATELIMIT_PROPERTY_REDIS_MORE") == "1"}
 	run := func(ops []nodecheck.Op, prefix string) nodecheck.Result {
 		c := newRedisCluster(t, srv, nodecheck.Nodes(ops), prefix)
 		defer c.close()

@@ -19,6 +19,8 @@ type MemoryCluster struct {
 	store   *simmodel.Redis
 	engines []*engine.Engine
 	clocks  []*testclock.Clock
+	ids     []string // each node's process ID
+	gen     int      // processes renewed
 }
 
 // NewMemoryCluster returns n engines on one in-memory origin. Close them
@@ -30,7 +32,8 @@ func NewMemoryCluster(n int) *MemoryCluster {
 	for i := range n {
 		clk := testclock.New(time.Unix(0, 0))
 		e := engine.New(EngineConfig(clk.Now))
-		e.SetOrigin(c.store.Origin(strconv.Itoa(i)))
+		c.ids = append(c.ids, strconv.Itoa(i))
+		e.SetOrigin(c.store.Origin(c.ids[i]))
 		e.SetProcesses(int64(n)) // as the region's heartbeats count them
 		c.engines = append(c.engines, e)
 		c.clocks = append(c.clocks, clk)
@@ -53,7 +56,7 @@ func (c *MemoryCluster) SetClock(i int, t time.Time) { c.clocks[i].Set(t) }
 // Reload implements Cluster.
 func (c *MemoryCluster) Reload(i int) {
 	c.engines[i].SetTiming(engine.Timing{FastTick: FastTick, SlowTick: SlowTick})
-	c.engines[i].SetOrigin(c.store.Origin(strconv.Itoa(i)))
+	c.engines[i].SetOrigin(c.store.Origin(c.ids[i]))
 }
 
 // Detach implements Cluster.
@@ -61,6 +64,24 @@ func (c *MemoryCluster) Detach(i int) { c.engines[i].SetOrigin(nil) }
 
 // Restart implements Cluster.
 func (c *MemoryCluster) Restart() { c.store.Restart() }
+
+// Flush implements Cluster: the model has no run ID, so a flush is a
+// restart.
+func (c *MemoryCluster) Flush() { c.store.Restart() }
+
+// Noticed implements Cluster: the model's loss is noticed in time.
+func (c *MemoryCluster) Noticed(int) bool { return true }
+
+// Renew implements Cluster.
+func (c *MemoryCluster) Renew(i int) {
+	_ = c.engines[i].Close(context.Background())
+	c.gen++
+	e := engine.New(EngineConfig(c.clocks[i].Now))
+	c.ids[i] = strconv.Itoa(i) + "." + strconv.Itoa(c.gen)
+	e.SetOrigin(c.store.Origin(c.ids[i]))
+	e.SetProcesses(int64(len(c.engines)))
+	c.engines[i] = e
+}
 
 // ResetCells implements Cluster.
 func (c *MemoryCluster) ResetCells(key engine.Key, seq int64) error {

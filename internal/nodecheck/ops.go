@@ -50,33 +50,47 @@ var Keys = func() []Key {
 		{"h0", time.Second, 5}, {"h1", time.Second, 20}, {"h2", 2 * time.Second, 50},
 		{"h3", 2 * time.Second, 100}, {"h4", time.Second, 1},
 	}
-	for i := 0; i < 40; i++ {
+	for i := 0; i < coldKeys; i++ {
 		ks = append(ks, Key{"c" + strconv.Itoa(i), time.Second, 10})
 	}
-	return ks
+	// Last, h0's identifier on the other window length: a key of its own
+	// (its own cells, limit and resets), drawn by Faults.More only.
+	return append(ks, Key{"h0", 2 * time.Second, 8})
 }()
 
-// hotKeys is how many of Keys are hot.
-const hotKeys = 5
+// hotKeys is how many of Keys are hot, coldKeys how many cold; twinKey is
+// the index of h0 on two seconds.
+const (
+	hotKeys  = 5
+	coldKeys = 40
+	twinKey  = hotKeys + coldKeys
+)
+
+// hugeCost is the largest cost a zone charges (2^53−1): a placeholder's
+// cost is clamped to it at most.
+const hugeCost = 1<<53 - 1
 
 // Kind is what an operation does.
 type Kind uint8
 
 // The operations.
 const (
-	OpDecide  Kind = iota // a node decides a key at a cost
-	OpBatch               // a node decides two keys together
-	OpTick                // the clock advances a fast tick; the replay ticks run
-	OpForget              // a node forgets a key (the admin API's DELETE)
-	OpEvict               // a node evicts past its entry cap
-	OpSweep               // a node's janitor sweeps
-	OpReload              // a node gets a new origin object of the same process
-	OpStep                // a node's clock steps an hour ahead, or back
-	OpRestart             // the origin restarts empty
-	OpDown                // the origin becomes unreachable, or reachable again
-	OpDetach              // a node's reload takes the origin out, or puts it back
-	OpReset               // a node resets a key for the region (the admin API's scope=region)
-	OpLimit               // an operator changes a key's limit (a runtime override), or restores it
+	OpDecide   Kind = iota // a node decides a key at a cost
+	OpBatch                // a node decides two keys together
+	OpTick                 // the clock advances a fast tick; the replay ticks run
+	OpForget               // a node forgets a key (the admin API's DELETE)
+	OpEvict                // a node evicts past its entry cap
+	OpSweep                // a node's janitor sweeps
+	OpReload               // a node gets a new origin object of the same process
+	OpStep                 // a node's clock steps an hour ahead, or back
+	OpRestart              // the origin restarts empty
+	OpDown                 // the origin becomes unreachable, or reachable again
+	OpDetach               // a node's reload takes the origin out, or puts it back
+	OpReset                // a node resets a key for the region (the admin API's scope=region)
+	OpLimit                // an operator changes a key's limit (a runtime override), or restores it
+	OpFlush                // an operator's FLUSHALL empties the origin, which keeps running
+	OpRenew                // a node's process restarts: a new process (node ID) with no state
+	OpStepBack             // a node's clock steps an hour back, or forward again
 )
 
 // Op is one operation; its fields are read by its kind.
@@ -92,13 +106,13 @@ type Op struct {
 func (o Op) String() string {
 	switch o.Kind {
 	case OpDecide:
-		return fmt.Sprintf("node %d decides %s cost %d", o.Node, Keys[o.Key].ID, o.Cost)
+		return fmt.Sprintf("node %d decides %s cost %d", o.Node, Keys[o.Key].name(), o.Cost)
 	case OpBatch:
 		return fmt.Sprintf("node %d decides %s cost %d and %s cost %d together", o.Node, Keys[o.Key].ID, o.Cost, Keys[o.Key2].ID, o.Cost2)
 	case OpTick:
 		return fmt.Sprintf("the clock advances %d ms (replay ticks)", fastMs)
 	case OpForget:
-		return fmt.Sprintf("node %d forgets %s", o.Node, Keys[o.Key].ID)
+		return fmt.Sprintf("node %d forgets %s", o.Node, Keys[o.Key].name())
 	case OpEvict:
 		return fmt.Sprintf("node %d evicts past its entry cap", o.Node)
 	case OpSweep:
@@ -114,9 +128,15 @@ func (o Op) String() string {
 	case OpDetach:
 		return fmt.Sprintf("node %d reloads without the origin, or with it again", o.Node)
 	case OpReset:
-		return fmt.Sprintf("node %d resets %s for the region", o.Node, Keys[o.Key].ID)
+		return fmt.Sprintf("node %d resets %s for the region", o.Node, Keys[o.Key].name())
 	case OpLimit:
 		return fmt.Sprintf("an operator sets %s's limit to %d", Keys[o.Key].ID, o.Limit)
+	case OpFlush:
+		return "an operator flushes the origin (FLUSHALL)"
+	case OpRenew:
+		return fmt.Sprintf("node %d's process restarts (a new process ID)", o.Node)
+	case OpStepBack:
+		return fmt.Sprintf("node %d's clock steps an hour back, or forward again", o.Node)
 	}
 	return "?"
 }
@@ -129,10 +149,26 @@ type Faults struct {
 	// (OpReset, OpLimit: actions, not faults, drawn apart so that a list
 	// without them is the one its seed made before they were).
 	Reset bool
+	// More draws the operations added since, from a stream of their own
+	// (so that a list without them is the one its seed made before): an
+	// operator's FLUSHALL (with Restart), a node's process restarted, a
+	// node's clock an hour back (with Step), h0's identifier decided,
+	// forgotten and reset (with Reset) on a second window length, and
+	// costs of 2^53−1.
+	More bool
 }
 
 // AllFaults is every fault, and resets.
-var AllFaults = Faults{Restart: true, Down: true, Step: true, Detach: true, Reset: true}
+var AllFaults = Faults{Restart: true, Down: true, Step: true, Detach: true, Reset: true, More: true}
+
+// name is the key's identifier and window, as the runner tells keys
+// apart: h0 is on two windows.
+func (k Key) name() string {
+	if k.Window == time.Second {
+		return k.ID
+	}
+	return k.ID + "/" + k.Window.String()
+}
 
 // Gen draws n operations from seed. The list starts with a tick whose node
 // is the number of nodes less one (2 to 5 nodes), so a shrunk list keeps
@@ -142,6 +178,7 @@ func Gen(seed uint64, n int, faults Faults) []Op {
 	// Resets come from a stream of their own: a list without them is the
 	// list a seed made before they were drawn.
 	resets := rand.New(rand.NewPCG(seed^0x7265736574, seed))
+	more := rand.New(rand.NewPCG(seed^0x6d6f7265, seed))
 	nodes := 2 + rng.IntN(4)
 	ops := make([]Op, 0, n+1)
 	ops = append(ops, Op{Kind: OpTick, Node: nodes - 1})
@@ -153,7 +190,7 @@ func Gen(seed uint64, n int, faults Faults) []Op {
 	}
 	key := func() int {
 		if rng.IntN(4) == 0 {
-			return hotKeys + rng.IntN(len(Keys)-hotKeys) // cold
+			return hotKeys + rng.IntN(coldKeys) // cold
 		}
 		return rng.IntN(hotKeys)
 	}
@@ -199,6 +236,31 @@ func Gen(seed uint64, n int, faults Faults) []Op {
 			o.Kind = OpDown
 		}
 		ops = append(ops, o)
+		if faults.More && len(ops) <= n {
+			node := more.IntN(nodes)
+			switch x := more.IntN(1000); {
+			case x < 3:
+				if faults.Restart {
+					ops = append(ops, Op{Kind: OpFlush})
+				}
+			case x < 6:
+				ops = append(ops, Op{Kind: OpRenew, Node: node})
+			case x < 9:
+				if faults.Step {
+					ops = append(ops, Op{Kind: OpStepBack, Node: node})
+				}
+			case x < 50:
+				ops = append(ops, Op{Kind: OpDecide, Node: node, Key: twinKey, Cost: 1 + more.Int64N(maxCost)})
+			case x < 54:
+				ops = append(ops, Op{Kind: OpDecide, Node: node, Key: more.IntN(hotKeys), Cost: hugeCost})
+			case x < 57:
+				ops = append(ops, Op{Kind: OpForget, Node: node, Key: twinKey})
+			case x < 60:
+				if faults.Reset {
+					ops = append(ops, Op{Kind: OpReset, Node: node, Key: twinKey})
+				}
+			}
+		}
 		if !faults.Reset || len(ops) > n {
 			continue
 		}

@@ -20,7 +20,7 @@ func TestGen_OneSeedOneList(t *testing.T) {
 			t.Fatalf("seed %d: %d operations, header %+v", seed, len(ops), ops[0])
 		}
 		for i, o := range ops[1:] {
-			if o.Node < 0 || o.Node >= n || o.Key < 0 || o.Key >= len(Keys) || o.Cost < 0 || o.Cost > maxCost ||
+			if o.Node < 0 || o.Node >= n || o.Key < 0 || o.Key >= len(Keys) || o.Cost < 0 || (o.Cost > maxCost && o.Cost != hugeCost) ||
 				(o.Kind == OpLimit) != (o.Limit > 0) {
 				t.Fatalf("seed %d, operation %d: %+v", seed, i+1, o)
 			}
@@ -44,12 +44,12 @@ func TestGen_OnlyTheFaultsAskedFor(t *testing.T) {
 		}
 		return n
 	}
-	none := count(Gen(7, 5000, Faults{}))
-	if none[OpRestart]+none[OpDown]+none[OpStep]+none[OpDetach]+none[OpReset]+none[OpLimit] != 0 || none[OpDecide] == 0 {
+	none := count(Gen(7, 5000, Faults{More: true}))
+	if none[OpRestart]+none[OpDown]+none[OpStep]+none[OpDetach]+none[OpReset]+none[OpLimit]+none[OpFlush]+none[OpStepBack] != 0 || none[OpDecide] == 0 || none[OpRenew] == 0 {
 		t.Fatalf("no faults asked for: %v", none)
 	}
 	all := count(Gen(7, 5000, AllFaults))
-	for k := OpDecide; k <= OpLimit; k++ {
+	for k := OpDecide; k <= OpStepBack; k++ {
 		if all[k] == 0 {
 			t.Errorf("no %s in 5000 operations", Op{Kind: k})
 		}
@@ -57,10 +57,12 @@ func TestGen_OnlyTheFaultsAskedFor(t *testing.T) {
 	// Resets are drawn apart: without them a seed's list is the one it
 	// made before they were, so a seed that found a defect still runs it.
 	noResets := AllFaults
-	noResets.Reset = false
+	noResets.Reset, noResets.More = false, false
 	before := Gen(7, 5000, noResets)
+	withResets := AllFaults
+	withResets.More = false
 	var kept []Op
-	for _, o := range Gen(7, 5000, AllFaults) {
+	for _, o := range Gen(7, 5000, withResets) {
 		if o.Kind != OpReset && o.Kind != OpLimit {
 			kept = append(kept, o)
 		}
@@ -68,12 +70,24 @@ func TestGen_OnlyTheFaultsAskedFor(t *testing.T) {
 	if !reflect.DeepEqual(kept, before[:len(kept)]) {
 		t.Error("drawing resets changed the other operations of the list")
 	}
+	// So are the operations added since (Faults.More).
+	kept = nil
+	for _, o := range Gen(7, 5000, AllFaults) {
+		switch {
+		case o.Kind == OpFlush, o.Kind == OpRenew, o.Kind == OpStepBack, o.Key == twinKey, o.Cost == hugeCost:
+		default:
+			kept = append(kept, o)
+		}
+	}
+	if all := Gen(7, 5000, withResets); !reflect.DeepEqual(kept, all[:len(kept)]) {
+		t.Error("drawing the added operations changed the others of the list")
+	}
 }
 
 // TestOp_StringNamesEveryKind: every operation reads as a sentence in a
 // failure's list, naming its node and keys.
 func TestOp_StringNamesEveryKind(t *testing.T) {
-	for k := OpDecide; k <= OpLimit; k++ {
+	for k := OpDecide; k <= OpStepBack; k++ {
 		if s := (Op{Kind: k, Node: 3, Key: 1, Key2: 2, Cost: 2}).String(); s == "?" || s == "" {
 			t.Errorf("kind %d reads %q", k, s)
 		}

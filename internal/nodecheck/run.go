@@ -28,6 +28,17 @@ type Cluster interface {
 	Detach(i int)
 	// Restart empties the origin, as a Redis restarted empty.
 	Restart()
+	// Flush empties the origin as an operator's FLUSHALL does: the
+	// server keeps running (and its run ID).
+	Flush()
+	// Noticed reports whether node i's origin has noticed that the origin
+	// lost its data (Restart or Flush) since the last loss, once it could
+	// have: the origin watches for that every slow tick.
+	Noticed(i int) bool
+	// Renew restarts node i's process: its engine closes (writing what it
+	// holds) and a new one, of a new process ID, takes its place with an
+	// origin.
+	Renew(i int)
 	// SetDown makes the origin unreachable, or reachable again.
 	SetDown(down bool)
 	// ResetCells marks the key's cell seq and the one before it as reset
@@ -74,7 +85,7 @@ type Trace func(format string, args ...any)
 // bound holds again within one flush period.
 func Run(c Cluster, ops []Op, base time.Time, trace Trace) Result {
 	r := &runner{c: c, base: base, trace: trace, n: Nodes(ops),
-		quietTill: -1, resendAt: -1, central: map[cellID]int64{}, recent: admissions{}, limits: map[string]int64{}}
+		quietTill: -1, resendAt: -1, renewedAt: -1, central: map[cellID]int64{}, recent: admissions{}, limits: map[string]int64{}}
 	r.offsets = make([]time.Duration, r.n)
 	r.detached = make([]bool, r.n)
 	for i := range r.n {
@@ -136,7 +147,7 @@ type runner struct {
 
 	// limits are the keys' limits an operator changed (OpLimit), by
 	// identifier: every node applies a change from its next decision.
-	limits map[string]int64
+	limits map[string]int64 // by Key.name
 
 	now       int64 // the true clock, ms since base
 	ticks     int
@@ -144,6 +155,7 @@ type runner struct {
 	down      bool
 	detached  []bool // nodes reloaded without the origin
 	resendAt  int64
+	renewedAt int64 // the last OpRenew, or -1
 	central   map[cellID]int64
 	recent    admissions
 }
@@ -184,7 +196,7 @@ func (r *runner) check(op, i int, k Key, cost int64, allowed bool) error {
 	if ks, ok := r.c.Engine(i).Inspect(engine.Key{Namespace: Zone, Identifier: k.ID, Window: k.Window}); ok && !ks.ViewedAt.IsZero() {
 		view = min(view, ks.ViewedAt.UnixMilli()-r.base.UnixMilli()-r.offsets[i].Milliseconds())
 	}
-	slack := r.recent.others(i, k.ID, view)
+	slack := r.recent.others(i, k.name(), view)
 	if !quiet && allowed && eff+cost-k.Limit > r.res.Over {
 		r.res.Over, r.res.OverSlack = eff+cost-k.Limit, slack
 	}
@@ -196,16 +208,16 @@ func (r *runner) check(op, i int, k Key, cost int64, allowed bool) error {
 		}
 		w := k.Window.Milliseconds()
 		seq := (r.base.UnixMilli() + at) / w
-		r.trace("op %d t=%d node %d %s cost %d allowed=%v central=%d (%d %d) slack=%d quiet=%v views=%+v", op, r.now, i, k.ID, cost, allowed, eff, r.central[cellID{k.ID, w, seq}], r.central[cellID{k.ID, w, seq - 1}], slack, quiet, views)
+		r.trace("op %d t=%d node %d %s cost %d allowed=%v central=%d (%d %d) slack=%d quiet=%v views=%+v", op, r.now, i, k.name(), cost, allowed, eff, r.central[cellID{k.ID, w, seq}], r.central[cellID{k.ID, w, seq - 1}], slack, quiet, views)
 	}
 	switch {
 	case quiet:
 	case allowed && eff+cost > k.Limit+slack:
 		return fmt.Errorf("operation %d: node %d admitted %s (cost %d) at a central count of %d: over limit %d + slack %d",
-			op, i, k.ID, cost, eff, k.Limit, slack)
+			op, i, k.name(), cost, eff, k.Limit, slack)
 	case !allowed && eff+cost <= k.Limit:
 		return fmt.Errorf("operation %d: node %d denied %s (cost %d) at a central count of %d: within limit %d",
-			op, i, k.ID, cost, eff, k.Limit)
+			op, i, k.name(), cost, eff, k.Limit)
 	}
 	if allowed {
 		w := k.Window.Milliseconds()
@@ -214,7 +226,7 @@ func (r *runner) check(op, i int, k Key, cost int64, allowed bool) error {
 		if r.down || r.detached[i] {
 			reach = held // until the node can replay again
 		}
-		r.recent.add(i, k.ID, r.now, reach, cost)
+		r.recent.add(i, k.name(), r.now, reach, cost)
 	}
 	return nil
 }
@@ -232,7 +244,7 @@ func (r *runner) do(op int, o Op) error {
 	case OpBatch:
 		return r.batch(op, i, o)
 	case OpTick:
-		r.tick()
+		return r.tick()
 	case OpForget:
 		e.Forget(limitOf(Keys[o.Key], 0).Key)
 	case OpEvict:
@@ -264,22 +276,58 @@ func (r *runner) do(op int, o Op) error {
 		r.detached[i] = !r.detached[i]
 		r.released()
 		r.fault(r.now + flushPeriod)
-	case OpStep:
-		if r.offsets[i] == 0 {
-			r.offsets[i] = time.Hour
-		} else {
+	case OpStep, OpStepBack:
+		switch {
+		case r.offsets[i] != 0:
 			r.offsets[i] = 0
+		case o.Kind == OpStep:
+			r.offsets[i] = time.Hour
+		default:
+			r.offsets[i] = -time.Hour
 		}
 		r.setClock(i)
 		r.fault(r.now + flushPeriod)
-	case OpRestart:
-		r.c.Restart()
+	case OpRestart, OpFlush:
+		if o.Kind == OpRestart {
+			r.c.Restart()
+		} else {
+			r.c.Flush()
+		}
 		r.resendAt = r.now + slowMs
 		r.fault(r.resendAt + flushPeriod)
+		if r.renewedAt >= 0 && r.now-r.renewedAt < 2*maxWindow+flushPeriod {
+			// A process that ended wrote its units, and no one holds
+			// them any more to send again: the origin lacks them until
+			// their windows end. Checked again from the window after next.
+			r.fault(r.now + 2*maxWindow)
+		}
+	case OpRenew:
+		// A process that stops writes what it holds, which it can only
+		// with the origin: a process that ends without it loses what it
+		// did not write (not drawn).
+		if r.down || r.detached[i] {
+			return nil
+		}
+		if r.resendAt >= 0 {
+			// The origin lost its data and the process ends before it
+			// is noticed: no one sends its units again. Checked again
+			// from the window after next.
+			r.fault(r.now + 2*maxWindow)
+		}
+		r.c.Renew(i)
+		r.setClock(i)
+		r.renewedAt = r.now
+		for _, list := range r.recent {
+			for j := range list {
+				if list[j].node == i && list[j].reach > r.now {
+					list[j].reach = r.now
+				}
+			}
+		}
 	case OpReset:
 		return r.reset(op, i, Keys[o.Key])
 	case OpLimit:
-		r.limits[Keys[o.Key].ID] = o.Limit
+		r.limits[Keys[o.Key].name()] = o.Limit
 	case OpDown:
 		r.down = !r.down
 		r.c.SetDown(r.down)
@@ -329,14 +377,14 @@ func (r *runner) reset(op, i int, k Key) error {
 	}
 	delete(r.central, cellID{k.ID, w, seq})
 	delete(r.central, cellID{k.ID, w, seq - 1})
-	delete(r.recent, k.ID)
+	delete(r.recent, k.name())
 	return nil
 }
 
 // key is Keys[i] with the limit an operator gave it, if any.
 func (r *runner) key(i int) Key {
 	k := Keys[i]
-	if l, ok := r.limits[k.ID]; ok {
+	if l, ok := r.limits[k.name()]; ok {
 		k.Limit = l
 	}
 	return k
@@ -369,19 +417,24 @@ func (r *runner) batch(op, i int, o Op) error {
 }
 
 // tick advances the clock a fast tick and runs the replay ticks due.
-func (r *runner) tick() {
+func (r *runner) tick() error {
 	r.now += fastMs
 	r.ticks++
 	for i := range r.n {
 		r.setClock(i)
 	}
 	if r.resendAt >= 0 && r.now >= r.resendAt {
-		// The origin's restart is noticed (its run ID) within a slow tick:
-		// every node sends its cells' totals again.
+		// The origin's loss is noticed within a slow tick (a restart by
+		// its run ID, a FLUSHALL by the mark it took away): every node
+		// sends its cells' totals again. A node running without the
+		// origin is told when it has one again (here at once).
+		r.resendAt = -1
 		for i := range r.n {
+			if !r.detached[i] && !r.down && !r.c.Noticed(i) {
+				return fmt.Errorf("at t=%d ms: node %d did not notice that the origin lost its data %d ms before", r.now, i, slowMs)
+			}
 			r.c.Engine(i).Resend()
 		}
-		r.resendAt = -1
 	}
 	for i := range r.n {
 		e := r.c.Engine(i)
@@ -390,6 +443,7 @@ func (r *runner) tick() {
 			_, _ = e.ReplayOnce(bg, engine.Slow)
 		}
 	}
+	return nil
 }
 
 // released gives the units held by nodes that can replay again (the

@@ -99,6 +99,7 @@ func TestProperty_NodesAgreeWithOneCounter(t *testing.T) {
 		}
 		faults := AllFaults
 		faults.Reset = !slices.Contains(found, seed)
+		faults.More = faults.Reset
 		ops := Gen(seed, 3000, faults)
 		res := runMemory(t, ops, nil)
 		runs++
@@ -132,6 +133,9 @@ func (c apart) Detach(i int)                { c[i].Detach(0) }
 func (c apart) Restart()                    { c[0].Restart(); c[1].Restart() }
 func (c apart) SetDown(down bool)           { c[0].SetDown(down); c[1].SetDown(down) }
 func (c apart) Settle()                     { synctest.Wait() }
+func (c apart) Flush()                      { c[0].Flush(); c[1].Flush() }
+func (c apart) Noticed(int) bool            { return true }
+func (c apart) Renew(i int)                 { c[i].Renew(0) }
 func (c apart) ResetCells(key engine.Key, seq int64) error {
 	return errors.Join(c[0].ResetCells(key, seq), c[1].ResetCells(key, seq))
 }
