@@ -24,12 +24,7 @@ func TestReset_RedisRestartedEmptyAfterAGlobalResetPublishesItsUnits(t *testing.
 	clearOfAMinuteEdge(t, 40*time.Second)
 	srv := redistest.Start(t)
 	my := mysqltest.Start(t)
-	dsn := my.NewDatabase(t)
-	t.Setenv("RATELIMIT_TEST_MYSQL_DSN", dsn)
-	global := fmt.Sprintf("\tratelimit {\n\t\tregion test-a\n\t\tredis %s\n\t\tmysql {env.RATELIMIT_TEST_MYSQL_DSN}\n"+
-		"\t\tmysql_flush 50ms\n\t\tglobal_sync 200ms\n\t\tfast_tick 10ms\n\t\tslow_tick 50ms\n\t\tpublish_floor 0.01\n\t}", srv.URL())
-	_, admin, base := startCaddy(t, overrideConfig(global))
-	db := mysqltest.Open(t, dsn)
+	db, admin, base := regionOnMySQL(t, srv, my, "\t\tmysql_flush 50ms\n\t\tglobal_sync 200ms\n\t\tfast_tick 10ms\n\t\tslow_tick 50ms\n\t\tpublish_floor 0.01\n")
 	since := func() (int64, string) {
 		var c, v, b int64
 		err := db.QueryRow("SELECT count, reset_version, reset_base FROM ratelimit_global_counts WHERE identifier = ?", "file-key").Scan(&c, &v, &b)

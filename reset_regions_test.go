@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"context"
+	"database/sql"
 	"fmt"
 	"net/http"
 	"testing"
@@ -156,12 +157,7 @@ func TestReset_ARegionResetRightAfterAGlobalOneLeavesItToTravel(t *testing.T) {
 	resetOverrides(t)
 	srv := redistest.Start(t)
 	my := mysqltest.Start(t)
-	dsn := my.NewDatabase(t)
-	t.Setenv("RATELIMIT_TEST_MYSQL_DSN", dsn)
-	global := fmt.Sprintf("\tratelimit {\n\t\tregion test-a\n\t\tredis %s\n\t\tmysql {env.RATELIMIT_TEST_MYSQL_DSN}\n"+
-		"\t\tmysql_flush 3s\n\t\tglobal_sync 3s\n\t}", srv.URL())
-	_, admin, _ := startCaddy(t, overrideConfig(global))
-	db := mysqltest.Open(t, dsn)
+	db, admin, _ := regionOnMySQL(t, srv, my, "\t\tmysql_flush 3s\n\t\tglobal_sync 3s\n")
 	redistest.Eventually(t, 20*time.Second, "the schema migrated", func() bool { return rowCount(t, db, "ratelimit_overrides") == 0 })
 	var doc resetDoc
 	adminSend(t, admin, http.MethodDelete, "/ratelimit/counters?zone=ov&identifier=both&scope=global", "").decode(t, http.StatusOK, &doc)
@@ -239,12 +235,7 @@ func TestReset_AGlobalResetWhileMySQLIsDownTravelsWhenItIsBack(t *testing.T) {
 	resetOverrides(t)
 	srv := redistest.Start(t)
 	my := mysqltest.Start(t)
-	dsn := my.NewDatabase(t)
-	t.Setenv("RATELIMIT_TEST_MYSQL_DSN", dsn)
-	global := fmt.Sprintf("\tratelimit {\n\t\tregion test-a\n\t\tredis %s\n\t\tmysql {env.RATELIMIT_TEST_MYSQL_DSN}\n"+
-		"\t\tmysql_flush 50ms\n\t\tglobal_sync 200ms\n\t\tmysql_timeout 200ms\n\t}", srv.URL())
-	_, admin, _ := startCaddy(t, overrideConfig(global))
-	db := mysqltest.Open(t, dsn)
+	db, admin, _ := regionOnMySQL(t, srv, my, "\t\tmysql_flush 50ms\n\t\tglobal_sync 200ms\n\t\tmysql_timeout 200ms\n")
 	redistest.Eventually(t, 20*time.Second, "the schema migrated", func() bool { return rowCount(t, db, "ratelimit_overrides") == 0 })
 	row := func(id string) bool {
 		var n int
@@ -272,4 +263,16 @@ func TestReset_AGlobalResetWhileMySQLIsDownTravelsWhenItIsBack(t *testing.T) {
 		c.back()
 		redistest.Eventually(t, 30*time.Second, "the reset's row once MySQL "+c.name+" answers again", func() bool { return row(c.name) })
 	}
+}
+
+// regionOnMySQL starts a Caddy of region test-a on srv and a new database
+// of my, timing the lines its ratelimit block adds, and returns the
+// database, the admin address and the site's.
+func regionOnMySQL(t *testing.T, srv *redistest.Server, my *mysqltest.Server, timing string) (*sql.DB, int, string) {
+	t.Helper()
+	dsn := my.NewDatabase(t)
+	t.Setenv("RATELIMIT_TEST_MYSQL_DSN", dsn)
+	global := fmt.Sprintf("\tratelimit {\n\t\tregion test-a\n\t\tredis %s\n\t\tmysql {env.RATELIMIT_TEST_MYSQL_DSN}\n%s\t}", srv.URL(), timing)
+	_, admin, base := startCaddy(t, overrideConfig(global))
+	return mysqltest.Open(t, dsn), admin, base
 }
