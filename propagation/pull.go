@@ -5,6 +5,7 @@ import (
 	"errors"
 	"math"
 	"slices"
+	"sync"
 	"time"
 
 	"go.uber.org/zap"
@@ -315,9 +316,7 @@ func (p *Propagator) windowMismatch(ns string, windowMs int64, region string) {
 	if len(here) == 0 || slices.Contains(here, w) {
 		return
 	}
-	p.mu.Lock()
-	first := firstOf(&p.mismatched, k)
-	p.mu.Unlock()
+	first := firstOf(&p.mu, &p.mismatched, k)
 	if first {
 		p.log.Warn("another region counts a zone over a window this region does not: its counts of the zone count nowhere here, and the regions together admit each one's limit; give the zone the same window in every region",
 			zap.String("zone", ns), zap.String("region", region), zap.Duration("window", w), zap.Durations("windows_here", here))
@@ -326,8 +325,11 @@ func (p *Propagator) windowMismatch(ns string, windowMs int64, region string) {
 
 // firstOf records k in the set *m (made when nil) and reports whether it
 // was not there, so that what is logged once per k is; the set holds at
-// most maxMismatched keys, past which nothing is first. Callers hold p.mu.
-func firstOf[K comparable](m *map[K]bool, k K) bool {
+// most maxMismatched keys, past which nothing is first. It holds mu,
+// which guards *m.
+func firstOf[K comparable](mu *sync.Mutex, m *map[K]bool, k K) bool {
+	mu.Lock()
+	defer mu.Unlock()
 	if *m == nil {
 		*m = map[K]bool{}
 	}
@@ -352,9 +354,7 @@ func (p *Propagator) badWindow(windowMs int64, region string) bool {
 	if windowMs <= MaxRowWindow.Milliseconds() {
 		return false
 	}
-	p.mu.Lock()
-	first := firstOf(&p.badWindows, region)
-	p.mu.Unlock()
+	first := firstOf(&p.mu, &p.badWindows, region)
 	if first {
 		p.log.Warn("a row names a window no zone can have (over ten years): its rows are skipped; something other than this layer writes the tables",
 			zap.String("region", region), zap.Int64("window_ms", windowMs))
@@ -369,9 +369,7 @@ func (p *Propagator) otherForm(id, region string) bool {
 	if p.cfg.OwnID == nil || p.cfg.OwnID(id) {
 		return false
 	}
-	p.mu.Lock()
-	first := firstOf(&p.otherForms, region)
-	p.mu.Unlock()
+	first := firstOf(&p.mu, &p.otherForms, region)
 	if first {
 		p.log.Warn("another region's rows name identifiers that are not HMACs under this region's identifier_secret: its counts are skipped here; give every region the same secret",
 			zap.String("region", region))
