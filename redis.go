@@ -280,6 +280,11 @@ func (b *redisBackend) useClock(st *state) {
 // identifier_secret: every key's name in Redis is its HMAC.
 func (b *redisBackend) use(st *state) {
 	prev, _ := st.currentOrigin().(*origin.Redis)
+	if prev != nil && prev.Placement() == b.origin.Placement() {
+		// The same servers: what prev's watch saw is where this one's
+		// starts, so that a restart between the two is seen.
+		b.origin.TakeWatchFrom(prev)
+	}
 	st.engine.SetTiming(b.timing)
 	st.engine.SetProcesses(b.origin.Processes()) // 0 until its first heartbeat: not the last origin's region
 	b.useClock(st)

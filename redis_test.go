@@ -355,3 +355,78 @@ func TestCaddy_ReloadToAnotherSecretCarriesTheCounts(t *testing.T) {
 	}
 	holds(keyUnder(second), 4, "Redis holds erin's 4 units under the second secret's name after the reload")
 }
+
+// TestCaddy_RedisRestartedAroundAReloadGetsTheCountsBack: a reload that
+// keeps the Redis makes a new origin, whose restart watch took the first
+// run ID (and mark) it read for its reference. A Redis that restarted
+// empty (or was flushed) after the old origin's last check and before the
+// new one's first went unseen by both: frank's 4 units were lost from
+// Redis for good, and a node reading the key there admitted them again.
+// The new origin starts from what the old one saw (TakeWatchFrom).
+func TestCaddy_RedisRestartedAroundAReloadGetsTheCountsBack(t *testing.T) {
+	window, ok := testclock.FreshWindow(time.Now(), time.Minute, 2*time.Minute, 40*time.Second)
+	if !ok {
+		t.Fatal("no window length in [1m, 2m] leaves 40 s")
+	}
+	for _, loss := range []string{"restart", "FLUSHALL"} {
+		t.Run(loss, func(t *testing.T) {
+			srv := redistest.Start(t)
+			t.Setenv("RATELIMIT_TEST_REDIS_URL", srv.URL())
+			admin, port := e2eAdminPort(t), redistest.MustFreePort(t)
+			base := fmt.Sprintf("http://127.0.0.1:%d/", port)
+			tester := caddytest.NewTester(t).WithDefaultOverrides(caddytest.Config{AdminPort: admin})
+			// The watch checks every slow tick: 2 s, far longer than a
+			// restart and a reload take.
+			withRedis := func(readTimeout string) string {
+				return redisConfig(admin, port, `	ratelimit {
+		redis {env.RATELIMIT_TEST_REDIS_URL}
+		prefix around
+		fast_tick 20ms
+		slow_tick 2s
+		read_timeout `+readTimeout+`
+	}`, window)
+			}
+			tester.InitServer(withRedis("50ms"), "caddyfile")
+			if t.Failed() {
+				t.FailNow()
+			}
+			defer tester.InitServer(e2eConfig(admin, port, ""), "caddyfile") // unload: the next test starts without an engine
+			key := "around:{e2e_redis:frank}:" + strconv.FormatInt(window.Milliseconds(), 10) + ":" +
+				strconv.FormatInt(time.Now().UnixMilli()/window.Milliseconds(), 10) + ":c"
+			holds := func(want int64, what string) {
+				t.Helper()
+				redistest.EventuallyShow(t, 10*time.Second, what, func() (bool, string) {
+					n, err := srv.Client().HGet(context.Background(), key, "t").Int64()
+					return err == nil && n == want, fmt.Sprintf("Redis holds %d (%v)", n, err)
+				})
+			}
+			for range 4 {
+				get(t, tester, base, "X-Key", "frank").expect(t, 200, "ok")
+			}
+			holds(4, "Redis holds frank's 4 units")
+			o, ok := lookupState().currentOrigin().(*origin.Redis)
+			if !ok {
+				t.Fatal("the engine has no Redis origin")
+			}
+			// Just after a check: the next is 2 s away.
+			checks := o.RunIDChecks()
+			redistest.Eventually(t, 5*time.Second, "the watch checked", func() bool { return o.RunIDChecks() > checks })
+			if loss == "restart" {
+				srv.Restart()
+			} else if err := srv.Client().FlushAll(context.Background()).Err(); err != nil {
+				t.Fatal(err)
+			}
+			tester.InitServer(withRedis("60ms"), "caddyfile") // a new origin on the same Redis
+			if t.Failed() {
+				t.FailNow()
+			}
+			if o.RunIDChecks() != checks+1 {
+				t.Fatal("the old origin checked again before the reload: it tests nothing")
+			}
+			if o2, _ := lookupState().currentOrigin().(*origin.Redis); o2 == o || o2 == nil {
+				t.Fatal("the reload kept the origin: it tests nothing")
+			}
+			holds(4, "Redis holds frank's 4 units again after the "+loss+" around the reload")
+		})
+	}
+}

@@ -29,6 +29,7 @@ type Redis struct {
 	events   chan stateEvent // breaker transitions for OnStateChange (breaker.go)
 	dropped  atomic.Uint64
 	restarts atomic.Uint64 // run ID changes seen (restart.go)
+	watch    *restartWatch
 	// processes is the region's live processes, as the last Heartbeat
 	// counted them (processes.go).
 	processes atomic.Int64
@@ -118,6 +119,7 @@ func New(cfg Config, opts Options) (*Redis, error) {
 		opts:   opts,
 		done:   make(chan struct{}),
 	}
+	r.watch = newRestartWatch(r)
 	if opts.OnStateChange != nil {
 		r.events = make(chan stateEvent, stateEventBuffer)
 		go r.notify()

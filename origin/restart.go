@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"maps"
 	"strconv"
 	"strings"
 	"sync"
@@ -39,14 +40,15 @@ const runIDTimeout = time.Second
 // WatchRestarts checks every endpoint's run IDs (every master's in a
 // Cluster) every interval until Close, and calls onRestart, on the
 // watching goroutine, when one of them changed since it was last seen.
-// The first run IDs seen are the reference; an unreachable server is
-// skipped until it answers. Call it once, when the origin goes to work:
+// The first run IDs seen are the reference, unless the origin took the
+// watch of another (TakeWatchFrom); an unreachable server is skipped
+// until it answers. Call it once, when the origin goes to work:
 // Provision must not start goroutines.
 func (r *Redis) WatchRestarts(interval time.Duration, onRestart func()) {
 	if interval <= 0 || onRestart == nil {
 		return
 	}
-	w := &restartWatch{r: r, seen: map[string]string{}, marks: map[string]string{}, markedAt: map[string]time.Time{}}
+	w := r.watch
 	go func() {
 		t := time.NewTicker(interval)
 		defer t.Stop()
@@ -56,12 +58,43 @@ func (r *Redis) WatchRestarts(interval time.Duration, onRestart func()) {
 				return
 			case <-t.C:
 			}
-			if w.check() {
-				r.restarts.Add(1)
-				onRestart()
-			}
+			w.check(onRestart)
 		}
 	}()
+}
+
+// TakeWatchFrom makes the run IDs and marks that prev's watch last saw
+// the reference of r's, and retires prev's watch until it takes them
+// back. Call it when r replaces prev, an origin of the same placement
+// (a reload that changed something else): r's watch would otherwise
+// start from the run IDs it first reads, and a Redis that restarted (or
+// was flushed) after prev's last check and before r's first went unseen
+// by both. prev's watch, no longer the one its owner acts on, would have
+// seen it and told no one (TestCaddy_RedisRestartedAroundAReloadGetsTheCountsBack).
+// A check of prev's under way when r takes over either ends before (and
+// its owner acts on what it saw) or finds prev retired and keeps nothing.
+func (r *Redis) TakeWatchFrom(prev *Redis) {
+	if prev == nil || prev == r {
+		return
+	}
+	from, to := prev.watch, r.watch
+	from.mu.Lock()
+	from.retired = true
+	seen, marks := maps.Clone(from.seen), maps.Clone(from.marks)
+	masters := map[string]map[string]bool{}
+	for addr, m := range from.masters {
+		masters[addr] = maps.Clone(m)
+	}
+	from.mu.Unlock()
+	to.mu.Lock()
+	defer to.mu.Unlock()
+	to.retired = false
+	maps.Copy(to.seen, seen)
+	maps.Copy(to.marks, marks)
+	for addr := range marks {
+		delete(to.markedAt, addr) // read at the next check
+	}
+	maps.Copy(to.masters, masters)
 }
 
 // Restarts returns how many run ID changes the watch has seen: the
@@ -76,15 +109,27 @@ func (r *Redis) RunIDChecks() uint64 { return r.runIDChecks.Load() }
 
 // restartWatch remembers the run ID of every server seen.
 type restartWatch struct {
-	r    *Redis
-	seen map[string]string // server address → run ID
-	// masters holds, per Cluster endpoint, the addresses of the masters
-	// that served its slots at the last check that read the slot map.
-	masters map[*endpoint]map[string]bool
+	r *Redis
+	// mu guards the rest, and is held while the watch compares what it
+	// read with what it saw and tells its owner (TakeWatchFrom).
+	mu sync.Mutex
+	// retired: another origin took the watch's reference (TakeWatchFrom);
+	// it reads nothing until it takes it back.
+	retired bool
+	seen    map[string]string // server address → run ID
+	// masters holds, per Cluster endpoint's address, the addresses of the
+	// masters that served its slots at the last check that read the slot
+	// map.
+	masters map[string]map[string]bool
 	// marks holds the mark seen in each server, by address (markKey),
 	// and markedAt when the watch read it.
 	marks    map[string]string
 	markedAt map[string]time.Time
+}
+
+func newRestartWatch(r *Redis) *restartWatch {
+	return &restartWatch{r: r, seen: map[string]string{}, masters: map[string]map[string]bool{},
+		marks: map[string]string{}, markedAt: map[string]time.Time{}}
 }
 
 // markEvery is how often the watch reads each server's mark: a flush is
@@ -93,9 +138,17 @@ type restartWatch struct {
 // and 20 more; now 1 more).
 const markEvery = time.Second
 
-// check reads every server's run ID and reports whether one changed. A
-// server seen for the first time, or restarted, is asked whether it may
-// evict keys (Options.OnEvicting).
+// reading is what one check read of an endpoint.
+type reading struct {
+	ep      *endpoint
+	ids     map[string]server
+	masters map[string]bool // nil outside a Cluster
+	marks   map[string]string
+}
+
+// check reads every server's run ID and, when one changed, calls
+// onRestart. A server seen for the first time, or restarted, is asked
+// whether it may evict keys (Options.OnEvicting).
 //
 // In a Cluster a failover promotes a replica at another address, which
 // the watch has never read: that is a change too, whatever its run ID,
@@ -105,61 +158,110 @@ const markEvery = time.Second
 // run ID may be the one seen before it lost its slots, with writes it
 // never got. A master given slots by a resharding counts as well; the
 // resend that follows costs writes and changes no count.
-func (w *restartWatch) check() bool {
-	changed := false
+func (w *restartWatch) check(onRestart func()) {
+	w.mu.Lock()
+	retired := w.retired
+	due := map[string]bool{}
+	for addr, at := range w.markedAt {
+		due[addr] = time.Since(at) >= markEvery
+	}
+	w.mu.Unlock()
+	if retired {
+		return
+	}
+	// Read outside the lock: a server that does not answer holds a check
+	// up to runIDTimeout, and TakeWatchFrom, in a reload, waits for none.
+	var reads []reading
 	for _, ep := range w.r.endpoints {
 		ctx, cancel := context.WithTimeout(context.Background(), runIDTimeout)
 		ids, masters := runIDs(ctx, ep, w.r.prefix)
-		if masters != nil {
-			if w.masters == nil {
-				w.masters = map[*endpoint]map[string]bool{}
-			}
-			prev, checked := w.masters[ep]
-			next := map[string]bool{}
-			for addr := range masters {
-				_, answered := ids[addr]
-				switch {
-				case answered && checked && !prev[addr]:
-					changed = true
-					next[addr] = true
-				case answered, prev[addr], !checked:
-					// A new master that does not answer yet stays new
-					// until it does.
-					next[addr] = true
-				}
-			}
-			for addr := range prev {
-				if !masters[addr] {
-					delete(w.seen, addr) // met again as a master, it is new
-				}
-			}
-			w.masters[ep] = next
-		}
+		rd := reading{ep: ep, ids: ids, masters: masters, marks: map[string]string{}}
 		for addr, srv := range ids {
-			old, ok := w.seen[addr]
-			if ok && old != srv.id {
-				changed = true
-			}
-			w.seen[addr] = srv.id
-			if srv.mark != "" && time.Since(w.markedAt[addr]) >= markEvery {
+			if d, ok := due[addr]; srv.mark != "" && (d || !ok) {
 				// Emptied without a restart (FLUSHALL): its mark changed.
 				if m := mark(ctx, srv.client, srv.mark); m != "" {
-					if was, ok := w.marks[addr]; ok && was != m {
-						changed = true
-					}
-					w.marks[addr] = m
-					w.markedAt[addr] = time.Now()
-				}
-			}
-			if old != srv.id && w.r.opts.OnEvicting != nil {
-				if policy, max := evictionPolicy(ctx, srv.client); max > 0 && policy != "" && policy != "noeviction" {
-					w.r.opts.OnEvicting(addr, policy, max)
+					rd.marks[addr] = m
 				}
 			}
 		}
 		cancel()
+		reads = append(reads, rd)
+	}
+	w.mu.Lock()
+	if w.retired {
+		w.mu.Unlock()
+		return
+	}
+	changed := false
+	var fresh []server // first seen, or restarted
+	for _, rd := range reads {
+		if w.compare(rd, &fresh) {
+			changed = true
+		}
 	}
 	w.r.runIDChecks.Add(1)
+	if changed {
+		w.r.restarts.Add(1)
+		onRestart()
+	}
+	w.mu.Unlock()
+	if w.r.opts.OnEvicting == nil {
+		return
+	}
+	for _, srv := range fresh {
+		ctx, cancel := context.WithTimeout(context.Background(), runIDTimeout)
+		if policy, max := evictionPolicy(ctx, srv.client); max > 0 && policy != "" && policy != "noeviction" {
+			w.r.opts.OnEvicting(srv.addr, policy, max)
+		}
+		cancel()
+	}
+}
+
+// compare records what a check read of one endpoint, under w.mu, and
+// reports whether a server changed since the last; it adds the servers
+// first seen or restarted to fresh.
+func (w *restartWatch) compare(rd reading, fresh *[]server) bool {
+	changed := false
+	if rd.masters != nil {
+		prev, checked := w.masters[rd.ep.address]
+		next := map[string]bool{}
+		for addr := range rd.masters {
+			_, answered := rd.ids[addr]
+			switch {
+			case answered && checked && !prev[addr]:
+				changed = true
+				next[addr] = true
+			case answered, prev[addr], !checked:
+				// A new master that does not answer yet stays new
+				// until it does.
+				next[addr] = true
+			}
+		}
+		for addr := range prev {
+			if !rd.masters[addr] {
+				delete(w.seen, addr) // met again as a master, it is new
+			}
+		}
+		w.masters[rd.ep.address] = next
+	}
+	for addr, srv := range rd.ids {
+		old, ok := w.seen[addr]
+		if ok && old != srv.id {
+			changed = true
+		}
+		w.seen[addr] = srv.id
+		if m, read := rd.marks[addr]; read {
+			if was, ok := w.marks[addr]; ok && was != m {
+				changed = true
+			}
+			w.marks[addr] = m
+			w.markedAt[addr] = time.Now()
+		}
+		if old != srv.id {
+			srv.addr = addr
+			*fresh = append(*fresh, srv)
+		}
+	}
 	return changed
 }
 
@@ -238,8 +340,8 @@ func mark(ctx context.Context, c redis.Cmdable, key string) string {
 
 // server is one server of an endpoint, as the watch reads it.
 type server struct {
-	id     string
-	client redis.Cmdable
+	id, addr string
+	client   redis.Cmdable
 	// mark is the key of the watch's mark on the server; "" for none.
 	mark string
 }
@@ -270,7 +372,7 @@ func runIDs(ctx context.Context, ep *endpoint, prefix string) (map[string]server
 			mu.Unlock()
 			if id := runID(ctx, m); id != "" {
 				mu.Lock()
-				out[addr] = server{id, m, marks[addr]}
+				out[addr] = server{id: id, client: m, mark: marks[addr]}
 				mu.Unlock()
 			}
 			return nil
@@ -281,7 +383,7 @@ func runIDs(ctx context.Context, ep *endpoint, prefix string) (map[string]server
 		return out, masters
 	}
 	if id := runID(ctx, ep.client); id != "" {
-		out[ep.address] = server{id, ep.client, markKey(prefix)}
+		out[ep.address] = server{id: id, client: ep.client, mark: markKey(prefix)}
 	}
 	return out, nil
 }

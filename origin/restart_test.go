@@ -28,6 +28,44 @@ func TestWatchRestarts_SeesARestartedServer(t *testing.T) {
 	}
 }
 
+// TestWatchRestarts_TakenOverSeesWhatHappenedBetween: an origin that
+// replaces another of the same placement (a reload) starts from the run
+// IDs and marks the other saw, so a restart between the other's last check
+// and its first is seen; the other, retired, neither reads nor tells. A
+// reload that fails hands the watch back the same way, and a FLUSHALL
+// then is seen by the origin taken back.
+func TestWatchRestarts_TakenOverSeesWhatHappenedBetween(t *testing.T) {
+	srv := redistest.Start(t)
+	cfg := Config{Redis: []string{srv.URL()}}
+	o1, o2 := newOrigin(t, cfg, Options{NodeID: "w"}), newOrigin(t, cfg, Options{NodeID: "w"})
+	var told1, told2 int
+	check := func(o *Redis, told *int) { o.watch.check(func() { *told++ }) }
+	check(o1, &told1) // o1's reference
+	srv.Restart()
+	o2.TakeWatchFrom(o1)
+	check(o2, &told2)
+	if told2 != 1 {
+		t.Fatalf("the origin that took over was told of %d restarts, want the 1 since the other's last check", told2)
+	}
+	before := o1.RunIDChecks()
+	check(o1, &told1)
+	if told1 != 0 || o1.RunIDChecks() != before {
+		t.Fatalf("the retired origin checked (%d checks, was %d) and told %d restarts, want neither", o1.RunIDChecks(), before, told1)
+	}
+	o1.TakeWatchFrom(o2) // the reload failed: o1 is the one in use again
+	if err := srv.Client().FlushAll(context.Background()).Err(); err != nil {
+		t.Fatal(err)
+	}
+	check(o2, &told2)
+	check(o1, &told1)
+	if told1 != 1 || told2 != 1 {
+		t.Fatalf("after the watch went back and a FLUSHALL: told %d (want 1) and the retired one %d (want still 1)", told1, told2)
+	}
+	if o1.Stats().Restarts != 1 || o2.Stats().Restarts != 1 {
+		t.Fatalf("restarts counted: %d and %d, want one each", o1.Stats().Restarts, o2.Stats().Restarts)
+	}
+}
+
 // TestWatchRestarts_NamesAServerThatMayEvict: a Redis with a memory limit
 // and an eviction policy may evict the limiter's counts, which no node
 // sees as a restart: the watch names it once per server it reads (and
