@@ -231,7 +231,10 @@ func (b *redisBackend) start() {
 		b.a.logger.Warn("could not count the region's processes in Redis: keys that several processes meet at once are decided as before until it can", zap.Error(err))
 	})
 	b.origin.WatchRestarts(b.timing.SlowTick, func() {
-		if st.currentOrigin() == originView(b.origin) {
+		// The origin in use, or one of the same servers that took this
+		// one's watch and is not in use yet (use: TakeWatchFrom comes
+		// first); only one of a placement's watches tells at a time.
+		if cur, _ := st.currentOrigin().(*origin.Redis); cur == b.origin || cur != nil && cur.Placement() == b.origin.Placement() {
 			n := st.engine.Resend()
 			b.a.logger.Warn("Redis restarted empty: sending every live key's count to it again", zap.Int("cells", n))
 			if p := currentProp.Load(); p != nil {

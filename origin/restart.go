@@ -38,8 +38,9 @@ import (
 const runIDTimeout = time.Second
 
 // WatchRestarts checks every endpoint's run IDs (every master's in a
-// Cluster) every interval until Close, and calls onRestart, on the
-// watching goroutine, when one of them changed since it was last seen.
+// Cluster) at once and then every interval until Close, and calls
+// onRestart, on the watching goroutine, when one of them changed since it
+// was last seen.
 // The first run IDs seen are the reference, unless the origin took the
 // watch of another (TakeWatchFrom); an unreachable server is skipped
 // until it answers. Call it once, when the origin goes to work:
@@ -53,12 +54,15 @@ func (r *Redis) WatchRestarts(interval time.Duration, onRestart func()) {
 		t := time.NewTicker(interval)
 		defer t.Stop()
 		for {
+			// The first check at once: a process started just before a
+			// restart would otherwise take the emptied server for its
+			// reference, and never send what it wrote before.
+			w.check(onRestart)
 			select {
 			case <-r.done:
 				return
 			case <-t.C:
 			}
-			w.check(onRestart)
 		}
 	}()
 }
