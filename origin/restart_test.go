@@ -28,6 +28,43 @@ func TestWatchRestarts_SeesARestartedServer(t *testing.T) {
 	}
 }
 
+// TestWatchRestarts_AProcessThatJustStartedSeesARestart: the watch took
+// its reference at its first tick, a slow tick after the process began. A
+// node that wrote its units and saw Redis restart before that took the
+// emptied server for its reference: its 20 units never went back, and
+// a node reading the key admitted them again. The first check now comes
+// as the watch starts.
+func TestWatchRestarts_AProcessThatJustStartedSeesARestart(t *testing.T) {
+	srv := redistest.Start(t)
+	clk := testclock.New(time.UnixMilli(windowStart(time.Minute) + 1000))
+	a := newNode(t, srv.URL(), clk)
+	// A tick far longer than the test takes to the restart.
+	a.o.WatchRestarts(time.Minute, func() { a.e.Resend() })
+	k := engine.Key{Namespace: "api", Identifier: "young", Window: time.Minute}
+	for range 20 {
+		if !a.e.Decide(context.Background(), engine.Limit{Key: k, Limit: 60, Cost: 1}).Allowed {
+			t.Fatal("denied below the limit")
+		}
+	}
+	if err := a.e.Flush(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	redistest.Eventually(t, 5*time.Second, "the watch's first check", func() bool { return a.o.RunIDChecks() > 0 })
+	srv.Restart()
+	if a.o.Restarts() != 0 {
+		t.Fatal("the restart was seen before it happened")
+	}
+	// The second check is a minute away: take it now, as the tick would.
+	a.o.watch.check(func() { a.e.Resend() })
+	if err := a.e.Flush(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	seq := clk.UnixMilli() / time.Minute.Milliseconds()
+	if v, _ := cellTotal(context.Background(), srv.Client(), DefaultPrefix, k, seq); v != 20 {
+		t.Fatalf("Redis holds %d after the restart, want the node's 20 back", v)
+	}
+}
+
 // TestWatchRestarts_TakenOverSeesWhatHappenedBetween: an origin that
 // replaces another of the same placement (a reload) starts from the run
 // IDs and marks the other saw, so a restart between the other's last check
