@@ -169,6 +169,7 @@ func (w *restartWatch) check(onRestart func()) {
 	for addr, at := range w.markedAt {
 		due[addr] = time.Since(at) >= markEvery
 	}
+	seen := maps.Clone(w.seen)
 	w.mu.Unlock()
 	if retired {
 		return
@@ -181,7 +182,10 @@ func (w *restartWatch) check(onRestart func()) {
 		ids, masters := runIDs(ctx, ep, w.r.prefix)
 		rd := reading{ep: ep, ids: ids, masters: masters, marks: map[string]string{}}
 		for addr, srv := range ids {
-			if d, ok := due[addr]; srv.mark != "" && (d || !ok) {
+			// A server restarted lost its mark with the rest: the one
+			// known would count the same restart again at the next read
+			// (and again in the origin a reload hands the watch to).
+			if d, ok := due[addr]; srv.mark != "" && (d || !ok || seen[addr] != srv.id) {
 				// Emptied without a restart (FLUSHALL): its mark changed.
 				if m := mark(ctx, srv.client, srv.mark); m != "" {
 					rd.marks[addr] = m

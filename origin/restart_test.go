@@ -103,6 +103,42 @@ func TestWatchRestarts_TakenOverSeesWhatHappenedBetween(t *testing.T) {
 	}
 }
 
+// TestWatchRestarts_ARestartCountsOnce: the mark is read once a second,
+// and the check that saw a restart's new run ID did not read it when it
+// was not due: the next read found the mark gone with the restart and
+// counted the same restart again, and every node sent its cells twice.
+// A new run ID now has its mark read at the same check.
+func TestWatchRestarts_ARestartCountsOnce(t *testing.T) {
+	srv := redistest.Start(t)
+	o := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "w"})
+	var seen atomic.Int64
+	o.WatchRestarts(20*time.Millisecond, func() { seen.Add(1) })
+	redistest.Eventually(t, 5*time.Second, "the watch read the mark", func() bool { return markReadAfter(o, time.Time{}) })
+	srv.Restart()
+	restarted := time.Now()
+	redistest.Eventually(t, 5*time.Second, "restart noticed", func() bool { return seen.Load() >= 1 })
+	redistest.Eventually(t, 5*time.Second, "the mark read since the restart", func() bool { return markReadAfter(o, restarted) })
+	checks := o.RunIDChecks()
+	redistest.Eventually(t, 5*time.Second, "one more check", func() bool { return o.RunIDChecks() > checks })
+	if n := seen.Load(); n != 1 || o.Stats().Restarts != 1 {
+		t.Fatalf("one restart told %d times and counted %d", n, o.Stats().Restarts)
+	}
+}
+
+// markReadAfter reports whether the watch of o read a server's mark
+// after t.
+func markReadAfter(o *Redis, t time.Time) bool {
+	w := o.watch
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	for _, at := range w.markedAt {
+		if at.After(t) {
+			return true
+		}
+	}
+	return false
+}
+
 // TestWatchRestarts_NamesAServerThatMayEvict: a Redis with a memory limit
 // and an eviction policy may evict the limiter's counts, which no node
 // sees as a restart: the watch names it once per server it reads (and
