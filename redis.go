@@ -176,6 +176,7 @@ func provisionRedis(a *App) (backend, error) {
 	// The heartbeats measure Redis's clock against the one the engine
 	// reads, so that the offset they find is the engine's.
 	opts.Now = a.state.engine.ProcessClock()
+	opts.Build = buildName()
 	o, err := origin.New(cfg, opts)
 	if err != nil {
 		return nil, err
@@ -217,7 +218,11 @@ func (b *redisBackend) start() {
 		b.watchOverrides(st, b.stopOverrides)
 	}()
 	lost := false // the watch calls both on its one goroutine
+	builds := &buildsWatch{o: b.origin, log: b.a.logger}
 	b.origin.WatchProcesses(processesInterval, func(n int64) {
+		if n > 0 {
+			builds.beat()
+		}
 		if st.currentOrigin() == originView(b.origin) {
 			st.engine.SetProcesses(n)
 			b.useClock(st)

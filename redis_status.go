@@ -40,6 +40,9 @@ var originStats = statSet[origin.Stats]{stats: []stat[origin.Stats]{
 		help: "1 while this node is subscribed to the region's notices of runtime override changes (it checks the region's change counter each slow_tick), 0 while not (each fast_tick)."},
 	{json: "processes", metric: "origin_processes", gauge: true, value: func(s *origin.Stats) any { return s.Processes },
 		help: "The region's processes that share this Redis, this one included, as their records in it counted them at this node's last heartbeat (every second; 0 before one answered and after 5 s of failures): a young key (one that has not heard from Redis since the processes that met it with this node registered) counts that many near its limit."},
+	{json: "builds", value: func(s *origin.Stats) any { return s.Builds }},
+	{metric: "origin_builds", gauge: true, value: func(s *origin.Stats) any { return int64(len(s.Builds)) },
+		help: "How many builds of the module the region's processes run, as their records in Redis name them (read every 30 s; 0 before the first read): more than 1 in a deploy, and after it when a node was left behind."},
 	{json: "clock_offset_ms", metric: "origin_clock_offset_ms", gauge: true, value: func(s *origin.Stats) any { return s.ClockOffsetMs },
 		help: "Redis's clock less this node's, in milliseconds, as its heartbeats measured it (every second; 0 within 50 ms, and before one answered): this node decides on its own clock plus this, so that the region's nodes count in the same windows whatever their own clocks say. Far from 0, this node's clock (or Redis's) is off: check NTP."},
 }}

@@ -20,7 +20,7 @@ func TestRedisStatus_SectionIsNullLocalOnlyAndListsEndpoints(t *testing.T) {
 		t.Fatalf("local-only section %v, want nil (JSON null)", s)
 	}
 	at := time.UnixMilli(1_700_000_000_000)
-	st.setOrigin(fakeView{origin.Stats{Restarts: 2, ClockOffsetMs: -2500, Endpoints: []origin.EndpointStats{{
+	st.setOrigin(fakeView{origin.Stats{Restarts: 2, ClockOffsetMs: -2500, Builds: map[string]int64{"v1": 2, "": 1}, Endpoints: []origin.EndpointStats{{
 		Address: "redis://127.0.0.1:6379/0", Kind: "standalone", Breaker: origin.BreakerClosed, ReplayBreaker: origin.BreakerOpen,
 		Calls: map[string]map[string]uint64{"flush": {"ok": 3}}, RoundTrips: 4, SlowCalls: 1, LastFlush: at,
 	}}}})
@@ -33,7 +33,7 @@ func TestRedisStatus_SectionIsNullLocalOnlyAndListsEndpoints(t *testing.T) {
 	}
 	want := `{"endpoints":[{"address":"redis://127.0.0.1:6379/0","kind":"standalone","breaker":"closed","replay_breaker":"open",` +
 		`"calls":{"flush":{"ok":3}},"round_trips":4,"slow_calls":1,"last_read":null,"last_flush":"2023-11-14T22:13:20Z","last_error":"","last_error_at":null}],"restarts":` +
-		fmt.Sprint(2+base[restartsStat]) + `,"override_notices":false,"processes":0,"clock_offset_ms":-2500}`
+		fmt.Sprint(2+base[restartsStat]) + `,"override_notices":false,"processes":0,"builds":{"":1,"v1":2},"clock_offset_ms":-2500}`
 	if string(b) != want {
 		t.Fatalf("section\n%s\nwant\n%s", b, want)
 	}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -101,6 +102,40 @@ func (r *Redis) ClockOffset() (d time.Duration, ok bool) {
 
 func (r *Redis) processesKey() string { return r.prefix + ":{processes}" }
 
+// The region's builds. A rolling deploy runs two builds in a region for a
+// while, and one that lingers (a node the deploy missed) runs beside the
+// others for good, with whatever they changed since. So each record names
+// its process's build as well: its member is the node ID, a space and the
+// build (Options.Build), and Builds counts the live records by build. A
+// record of a build that names none (before 2026-11-28) is its node ID
+// alone, and counts under "".
+
+// member is this process's record in the region's set.
+func (r *Redis) member() string {
+	if r.opts.Build == "" {
+		return r.nodeID
+	}
+	return r.nodeID + " " + r.opts.Build
+}
+
+// Builds counts the region's live processes by the build their records
+// name ("" for one that names none), as read now (one ZRANGE), and keeps
+// the count for Stats. A lapsed record is dropped by the next heartbeat
+// of any node: within a second.
+func (r *Redis) Builds(ctx context.Context) (map[string]int64, error) {
+	members, err := r.roleEndpoint().client.ZRange(ctx, r.processesKey(), 0, -1).Result()
+	if err != nil {
+		return nil, err
+	}
+	out := make(map[string]int64, 2)
+	for _, m := range members {
+		_, build, _ := strings.Cut(m, " ")
+		out[build]++
+	}
+	r.builds.Store(&out)
+	return out, nil
+}
+
 // Heartbeat records this process in the region's set until lapse from now
 // (Redis's clock), drops the records that lapsed, and returns how many are
 // live, this process's included. It measures Redis's clock too
@@ -113,7 +148,7 @@ func (r *Redis) Heartbeat(ctx context.Context, lapse time.Duration) (int64, erro
 	}
 	k := r.processesKey()
 	sent := r.opts.Now()
-	res, err := processesScript.Run(ctx, r.roleEndpoint().client, []string{k}, r.nodeID, lapse.Milliseconds()).Int64Slice()
+	res, err := processesScript.Run(ctx, r.roleEndpoint().client, []string{k}, r.member(), lapse.Milliseconds()).Int64Slice()
 	if err != nil {
 		return 0, err
 	}
@@ -139,7 +174,7 @@ func (r *Redis) Leave(ctx context.Context) error {
 	r.beat.Lock()
 	defer r.beat.Unlock()
 	r.left = true
-	return r.roleEndpoint().client.ZRem(ctx, r.processesKey(), r.nodeID).Err()
+	return r.roleEndpoint().client.ZRem(ctx, r.processesKey(), r.member()).Err()
 }
 
 // Processes returns the live processes the last Heartbeat counted, 0

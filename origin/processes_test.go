@@ -1,6 +1,7 @@
 package origin
 
 import (
+	"fmt"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -159,5 +160,48 @@ func TestLeave_TheRegionCountsTheProcessNoMore(t *testing.T) {
 	}
 	if n, err := a.Heartbeat(ctxT(t), time.Hour); err != nil || n != 1 {
 		t.Errorf("b's watch recorded it again: a counts %d (%v)", n, err)
+	}
+}
+
+// TestBuilds_CountsTheRegionsProcessesByBuild: each record names its
+// process's build, and Builds counts the live ones by build: one of a
+// build that names none counts under "", a build's spaces and control
+// characters cannot split its record, and a process that leaves is no
+// longer counted.
+func TestBuilds_CountsTheRegionsProcessesByBuild(t *testing.T) {
+	srv := redistest.Start(t)
+	cfg := Config{Redis: []string{srv.URL()}}
+	a := newOrigin(t, cfg, Options{NodeID: "a", Build: "v1.2.0"})
+	b := newOrigin(t, cfg, Options{NodeID: "b", Build: "v1.3.0 x\n"})
+	c := newOrigin(t, cfg, Options{NodeID: "c"})
+	d := newOrigin(t, cfg, Options{NodeID: "d", Build: "v1.2.0"})
+	for _, o := range []*Redis{a, b, c, d} {
+		if _, err := o.Heartbeat(ctxT(t), time.Minute); err != nil {
+			t.Fatal(err)
+		}
+	}
+	got, err := a.Builds(ctxT(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := map[string]int64{"v1.2.0": 2, "v1.3.0_x_": 1, "": 1}
+	if fmt.Sprint(got) != fmt.Sprint(want) || fmt.Sprint(a.Stats().Builds) != fmt.Sprint(want) {
+		t.Fatalf("builds %v, in the stats %v, want %v", got, a.Stats().Builds, want)
+	}
+	if err := b.Leave(ctxT(t)); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Leave(ctxT(t)); err != nil {
+		t.Fatal(err)
+	}
+	got, err = a.Builds(ctxT(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := map[string]int64{"v1.2.0": 2}; fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Fatalf("after two left: builds %v, want %v", got, want)
+	}
+	if n, err := a.Heartbeat(ctxT(t), time.Minute); err != nil || n != 2 {
+		t.Fatalf("the region counts %d processes (%v), want the 2 left", n, err)
 	}
 }

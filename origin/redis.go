@@ -30,6 +30,9 @@ type Redis struct {
 	dropped  atomic.Uint64
 	restarts atomic.Uint64 // run ID changes seen (restart.go)
 	watch    *restartWatch
+	// builds is the region's processes by build, as Builds last read
+	// them; nil before.
+	builds atomic.Pointer[map[string]int64]
 	// processes is the region's live processes, as the last Heartbeat
 	// counted them (processes.go).
 	processes atomic.Int64
@@ -76,11 +79,18 @@ type Options struct {
 	// noeviction. A count Redis evicts is lost to every node, with no
 	// restart for anyone to see.
 	OnEvicting func(address, policy string, maxmemory int64)
+	// Build names this process's build in its record among the region's
+	// processes (Builds); "" names none. A space or a control character
+	// in it is replaced with "_", and it is cut to maxBuild bytes.
+	Build string
 	// Now is this process's clock, which the heartbeats measure Redis's
 	// clock against (ClockOffset): the engine's Config.Now. Default
 	// time.Now.
 	Now func() time.Time
 }
+
+// maxBuild bounds Options.Build: it goes into a record every node reads.
+const maxBuild = 100
 
 // Errors returned by Read and Flush, wrapped with the endpoint's address.
 var (
@@ -113,6 +123,12 @@ func New(cfg Config, opts Options) (*Redis, error) {
 	if opts.Now == nil {
 		opts.Now = time.Now
 	}
+	opts.Build = strings.Map(func(c rune) rune {
+		if c <= ' ' || c == 0x7f {
+			return '_'
+		}
+		return c
+	}, opts.Build[:min(len(opts.Build), maxBuild)])
 	r := &Redis{
 		prefix: cfg.Prefix,
 		nodeID: opts.NodeID,

@@ -3,6 +3,7 @@ package origin
 import (
 	"context"
 	"errors"
+	"maps"
 	"net"
 	"os"
 	"time"
@@ -130,6 +131,9 @@ type Stats struct {
 	// as the heartbeats measured it (ClockOffset): what the engine adds
 	// to its clock. 0 before one did, and while within clockDeadband.
 	ClockOffsetMs int64 `json:"clock_offset_ms"`
+	// Builds is the region's processes by the build each names, as the
+	// last read counted them (Builds); nil before one did.
+	Builds map[string]int64 `json:"builds"`
 }
 
 // EndpointStats is a snapshot of one endpoint.
@@ -167,6 +171,9 @@ type EndpointStats struct {
 // Stats returns a snapshot for operators.
 func (r *Redis) Stats() Stats {
 	st := Stats{Endpoints: make([]EndpointStats, len(r.endpoints)), Restarts: r.restarts.Load(), OverrideNotices: r.OverrideNotices(), Processes: r.Processes()}
+	if b := r.builds.Load(); b != nil {
+		st.Builds = maps.Clone(*b)
+	}
 	if d, ok := r.ClockOffset(); ok {
 		st.ClockOffsetMs = d.Milliseconds()
 	}
