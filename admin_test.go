@@ -285,7 +285,7 @@ func TestAdmin_Routes(t *testing.T) {
 			Origin json.RawMessage `json:"origin"`
 		}
 		adminDo(t, admin, "GET", "/ratelimit/status").decode(t, 200, &doc)
-		want := fmt.Sprintf(`{"endpoints":[{"address":"redis://127.0.0.1:6379/0","kind":"standalone","breaker":"open","replay_breaker":"closed","calls":{"read":{"ok":2}},"round_trips":0,"slow_calls":0,"last_read":%q,"last_flush":null,"last_error":"","last_error_at":null}],"restarts":0,"override_notices":false,"processes":0,"clock_offset_ms":0}`,
+		want := fmt.Sprintf(`{"endpoints":[{"address":"redis://127.0.0.1:6379/0","kind":"standalone","breaker":"open","replay_breaker":"closed","calls":{"read":{"ok":2}},"round_trips":0,"slow_calls":0,"last_read":%q,"last_flush":null,"last_error":"","last_error_at":null}],"restarts":0,"override_notices":false,"processes":0,"builds":null,"clock_offset_ms":0}`,
 			now.UTC().Format(time.RFC3339Nano))
 		if string(doc.Origin) != want {
 			t.Fatalf("origin\n%s\nwant\n%s", doc.Origin, want)
