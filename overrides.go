@@ -293,6 +293,13 @@ type overrideBook struct {
 	once    bool // the first load was started
 
 	changes atomic.Int64 // changes that took, any source
+
+	// changing serialises the admin API's changes of overrides on this
+	// node, each from its precondition's check to its record in the book,
+	// so that two conditional changes of one override never both pass.
+	// It is held across the store's round trip (at most a second): admin
+	// changes are few.
+	changing sync.Mutex
 }
 
 // loadTimeout bounds how long decisions wait for the first load.

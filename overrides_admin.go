@@ -26,6 +26,9 @@ import (
 //	GET    /ratelimit/overrides?zone=Z&identifier=I
 //	DELETE /ratelimit/overrides?zone=Z&identifier=I
 //
+// A change of one override may be conditional (If-Match, If-None-Match:
+// overrides_preconditions.go).
+//
 // Identifiers are taken as the handler counts them: an IP address is
 // masked to the zone's prefix, a long one hashed, and under
 // identifier_secret only the HMAC is stored and shown.
@@ -52,6 +55,9 @@ type overrideDoc struct {
 	Reason  string     `json:"reason"`
 	Region  string     `json:"region,omitempty"`
 	Created time.Time  `json:"created"`
+	// ETag is the override's entity tag, quoted as the ETag header
+	// shows it, for If-Match.
+	ETag string `json:"etag"`
 	// Scope is where the change was stored (node, region or global), in
 	// the answer to a change.
 	Scope string `json:"scope,omitempty"`
@@ -61,7 +67,7 @@ type overrideDoc struct {
 
 func docOf(r overrideRec) overrideDoc {
 	d := overrideDoc{Zone: r.Zone, shownID: showID(r.Identifier), Limit: r.Limit, Reason: r.Reason, Region: r.Region,
-		Created: time.UnixMilli(r.CreatedMs).UTC()}
+		Created: time.UnixMilli(r.CreatedMs).UTC(), ETag: etagOf(r)}
 	if r.ExpiresMs != 0 && !r.Deleted {
 		t := time.UnixMilli(r.ExpiresMs).UTC()
 		d.Expires = &t
@@ -92,8 +98,15 @@ func (a *AdminAPI) handleOverrides(w http.ResponseWriter, r *http.Request) error
 	if r.Method != http.MethodGet && (!kq.byID || kq.id == "") {
 		return badRequest("a change names one key: the identifier parameter is required and not empty")
 	}
+	pre, err := parsePreconditions(r.Header)
+	if err != nil {
+		return err
+	}
 	zoneName, st := kq.zone, kq.st
 	if !kq.byID {
+		if pre.given() {
+			return badRequest("If-Match and If-None-Match apply to one override (give the identifier parameter): a listing has no entity tag")
+		}
 		return writeJSON(w, listOverrides(zoneName, kq.prefix, kq.max))
 	}
 	stored := storedIdentifier(st, kq.id, kq.defs)
@@ -102,13 +115,20 @@ func (a *AdminAPI) handleOverrides(w http.ResponseWriter, r *http.Request) error
 		if err := checkOverrideAddress(kq.id, kq.defs); err != nil {
 			return err
 		}
-		return putOverride(w, r, st, zoneName, stored)
+		return putOverride(w, r, pre, st, zoneName, stored)
 	case http.MethodDelete:
-		return deleteOverride(w, r, st, zoneName, stored)
+		return deleteOverride(w, r, pre, st, zoneName, stored)
 	}
 	rec, ok := overrides.get(zoneName, stored)
 	if !ok || !rec.live(st.engine.NowMs()) {
 		return errNoOverride(zoneName)
+	}
+	w.Header().Set("ETag", etagOf(rec))
+	if err := pre.check(rec, true, r.Method); err == errNotModified {
+		w.WriteHeader(http.StatusNotModified)
+		return nil
+	} else if err != nil {
+		return err
 	}
 	return writeJSON(w, docOf(rec))
 }
@@ -229,18 +249,26 @@ func checkOverrideNames(raw []byte) error {
 	return nil
 }
 
-func putOverride(w http.ResponseWriter, r *http.Request, st *state, zoneName, id string) error {
-	// The region's clock (the engine's): what the region's nodes judge
-	// the expiry on, and what orders its changes.
-	now := st.engine.Now()
-	body, err := readOverrideBody(r, now)
+func putOverride(w http.ResponseWriter, r *http.Request, pre preconditions, st *state, zoneName, id string) error {
+	// The body is checked first: a bad one is a 400 whatever the
+	// preconditions say (RFC 9110, 13.2.1).
+	body, err := readOverrideBody(r, st.engine.Now())
 	if err != nil {
 		return err
 	}
+	overrides.changing.Lock()
+	defer overrides.changing.Unlock()
+	// The region's clock (the engine's): what the region's nodes judge
+	// the expiry on, and what orders its changes.
+	now := st.engine.Now()
 	// A change comes after the one it replaces, whatever this clock says.
 	version := now.UnixMicro()
-	if old, ok := overrides.get(zoneName, id); ok {
+	old, ok := overrides.get(zoneName, id)
+	if ok {
 		version = max(version, old.Version+1)
+	}
+	if err := pre.check(old, ok && old.live(now.UnixMilli()), r.Method); err != nil {
+		return err
 	}
 	rec := overrideRec{Zone: zoneName, Identifier: id, Limit: *body.Limit, Reason: body.Reason,
 		Region: st.apps.view().region, CreatedMs: now.UnixMilli(), Version: version, Form: st.apps.view().ids.form()}
@@ -265,11 +293,17 @@ func removeOlderForm(ctx context.Context, st *state, zoneName, id string, now ti
 	return err
 }
 
-func deleteOverride(w http.ResponseWriter, r *http.Request, st *state, zoneName, id string) error {
+func deleteOverride(w http.ResponseWriter, r *http.Request, pre preconditions, st *state, zoneName, id string) error {
+	overrides.changing.Lock()
+	defer overrides.changing.Unlock()
 	now := st.engine.Now() // the region's clock, as in putOverride
 	old, ok := overrides.get(zoneName, id)
 	if !ok || !old.live(now.UnixMilli()) {
+		// A 404 whatever the preconditions say (RFC 9110, 13.2.1).
 		return errNoOverride(zoneName)
+	}
+	if err := pre.check(old, true, r.Method); err != nil {
+		return err
 	}
 	// The removal takes the name of what it removes: under a secret, the
 	// override of this form, or else one by a build before forms.
@@ -305,6 +339,7 @@ func changeOverride(w http.ResponseWriter, r *http.Request, st *state, rec overr
 	view.logger.Info("runtime override "+what, fields...)
 	doc := docOf(rec)
 	doc.Scope, doc.Removed = scope, rec.Deleted
+	w.Header().Set("ETag", doc.ETag)
 	return writeJSON(w, doc)
 }
 
