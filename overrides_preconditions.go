@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"errors"
 	"fmt"
 	"net/http"
 	"slices"
@@ -132,28 +133,24 @@ func (c condition) matches(etag string, weak bool) bool {
 // is set: nil when the request may go on, else the error to answer, a
 // 412, or for a GET a 304 when If-None-Match matches (notModified).
 func (p preconditions) check(cur overrideRec, live bool, method string) error {
-	etag := ""
-	if live {
-		etag = etagOf(cur)
-	}
-	held := "no live override"
-	if live {
-		held = "the override as " + etag
-	}
-	if p.match.given && (!live || !p.match.any && !p.match.matches(etag, false)) {
+	etag := etagOf(cur)
+	switch {
+	case p.match.given && !live:
 		return caddy.APIError{HTTPStatus: http.StatusPreconditionFailed,
-			Err: fmt.Errorf("If-Match: this node holds %s, which the header does not name; nothing was changed: read it again with GET", held)}
-	}
-	if p.noneMatch.given && live && (p.noneMatch.any || p.noneMatch.matches(etag, true)) {
+			Err: errors.New("If-Match: this node holds no live override of this identifier; nothing was changed")}
+	case p.match.given && !p.match.any && !p.match.matches(etag, false):
+		return caddy.APIError{HTTPStatus: http.StatusPreconditionFailed,
+			Err: fmt.Errorf("If-Match: this node holds the override as %s, which the header does not name (it changed since it was read?); nothing was changed: read it again with GET", etag)}
+	case p.noneMatch.given && live && (p.noneMatch.any || p.noneMatch.matches(etag, true)):
 		if method == http.MethodGet {
 			return errNotModified
 		}
 		return caddy.APIError{HTTPStatus: http.StatusPreconditionFailed,
-			Err: fmt.Errorf("If-None-Match: this node holds %s, which the header names; nothing was changed", held)}
+			Err: fmt.Errorf("If-None-Match: this node holds the override as %s, which the header names; nothing was changed", etag)}
 	}
 	return nil
 }
 
 // errNotModified answers a GET whose If-None-Match names the override
 // held: a 304 has no body.
-var errNotModified = fmt.Errorf("not modified")
+var errNotModified = errors.New("not modified")
