@@ -88,6 +88,8 @@ func TestOverrides_ChangesHonourIfMatchAndIfNoneMatch(t *testing.T) {
 		adminIf(t, admin, http.MethodDelete, path, "", "If-Match", stale).
 			wantSays(t, http.StatusPreconditionFailed, second.ETag)
 	}
+	adminIf(t, admin, http.MethodDelete, path, "", "If-None-Match", second.ETag).
+		wantSays(t, http.StatusPreconditionFailed, second.ETag)
 	wantOverride(t, admin, path, 5, second.ETag)
 	if n := admitted(t, base, "k", 6); n != 5 {
 		t.Fatalf("the override of 5 admitted %d of 6", n)
