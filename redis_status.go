@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"maps"
 	"slices"
 	"sync"
 
@@ -40,7 +41,7 @@ var originStats = statSet[origin.Stats]{stats: []stat[origin.Stats]{
 		help: "1 while this node is subscribed to the region's notices of runtime override changes (it checks the region's change counter each slow_tick), 0 while not (each fast_tick)."},
 	{json: "processes", metric: "origin_processes", gauge: true, value: func(s *origin.Stats) any { return s.Processes },
 		help: "The region's processes that share this Redis, this one included, as their records in it counted them at this node's last heartbeat (every second; 0 before one answered and after 5 s of failures): a young key (one that has not heard from Redis since the processes that met it with this node registered) counts that many near its limit."},
-	{json: "builds", value: func(s *origin.Stats) any { return s.Builds }},
+	{json: "builds", value: func(s *origin.Stats) any { return buildsDoc(s.Builds) }},
 	{metric: "origin_builds", gauge: true, value: func(s *origin.Stats) any { return int64(len(s.Builds)) },
 		help: "How many builds of the module the region's processes run, as their records in Redis name them (read every 30 s; 0 before the first read): more than 1 in a deploy, and after it when a node was left behind."},
 	{json: "clock_offset_ms", metric: "origin_clock_offset_ms", gauge: true, value: func(s *origin.Stats) any { return s.ClockOffsetMs },
@@ -264,3 +265,24 @@ func observeBreakerChange(endpoint, breaker string, to origin.BreakerState) {
 
 // Interface guards.
 var _ prometheus.Collector = redisCollector{}
+
+// buildDoc is one build of the region's processes in the status: its
+// name ("" for a build before 2026-11-28, which names none) and how many
+// processes run it.
+type buildDoc struct {
+	Build     string `json:"build"`
+	Processes int64  `json:"processes"`
+}
+
+// buildsDoc lists the builds in the order of their names; nil (null)
+// before the first read.
+func buildsDoc(builds map[string]int64) []buildDoc {
+	if builds == nil {
+		return nil
+	}
+	out := make([]buildDoc, 0, len(builds))
+	for _, b := range slices.Sorted(maps.Keys(builds)) {
+		out = append(out, buildDoc{b, builds[b]})
+	}
+	return out
+}

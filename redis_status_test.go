@@ -33,7 +33,7 @@ func TestRedisStatus_SectionIsNullLocalOnlyAndListsEndpoints(t *testing.T) {
 	}
 	want := `{"endpoints":[{"address":"redis://127.0.0.1:6379/0","kind":"standalone","breaker":"closed","replay_breaker":"open",` +
 		`"calls":{"flush":{"ok":3}},"round_trips":4,"slow_calls":1,"last_read":null,"last_flush":"2023-11-14T22:13:20Z","last_error":"","last_error_at":null}],"restarts":` +
-		fmt.Sprint(2+base[restartsStat]) + `,"override_notices":false,"processes":0,"builds":{"":1,"v1":2},"clock_offset_ms":-2500}`
+		fmt.Sprint(2+base[restartsStat]) + `,"override_notices":false,"processes":0,"builds":[{"build":"","processes":1},{"build":"v1","processes":2}],"clock_offset_ms":-2500}`
 	if string(b) != want {
 		t.Fatalf("section\n%s\nwant\n%s", b, want)
 	}
