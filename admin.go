@@ -47,10 +47,24 @@ func (*AdminAPI) CaddyModule() caddy.ModuleInfo {
 // Routes returns the routes of the rate limiter's admin API.
 func (a *AdminAPI) Routes() []caddy.AdminRoute {
 	return []caddy.AdminRoute{
-		{Pattern: "/ratelimit/status", Handler: caddy.AdminHandlerFunc(a.handleStatus)},
-		{Pattern: "/ratelimit/counters", Handler: caddy.AdminHandlerFunc(a.handleCounters)},
-		{Pattern: "/ratelimit/strict", Handler: caddy.AdminHandlerFunc(a.handleStrict)},
-		{Pattern: "/ratelimit/overrides", Handler: caddy.AdminHandlerFunc(a.handleOverrides)},
+		{Pattern: "/ratelimit/status", Handler: headAsGet(a.handleStatus)},
+		{Pattern: "/ratelimit/counters", Handler: headAsGet(a.handleCounters)},
+		{Pattern: "/ratelimit/strict", Handler: headAsGet(a.handleStrict)},
+		{Pattern: "/ratelimit/overrides", Handler: headAsGet(a.handleOverrides)},
+	}
+}
+
+// headAsGet answers HEAD as the route answers GET (RFC 9110, 9.3.2): the
+// same status and headers, ETag and Content-Length among them, and no
+// body, which the HTTP server leaves out of a HEAD's answer. A monitor
+// that checks the status with HEAD got a 405.
+func headAsGet(h caddy.AdminHandlerFunc) caddy.AdminHandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) error {
+		if r.Method == http.MethodHead {
+			r = r.Clone(r.Context())
+			r.Method = http.MethodGet
+		}
+		return h(w, r)
 	}
 }
 
@@ -97,6 +111,9 @@ func (a *AdminAPI) handleStatus(w http.ResponseWriter, r *http.Request) error {
 func allowMethods(w http.ResponseWriter, r *http.Request, methods ...string) error {
 	if slices.Contains(methods, r.Method) {
 		return nil
+	}
+	if slices.Contains(methods, http.MethodGet) {
+		methods = slices.Insert(slices.Clone(methods), 1, http.MethodHead) // headAsGet
 	}
 	w.Header().Set("Allow", strings.Join(methods, ", "))
 	return caddy.APIError{

@@ -334,10 +334,10 @@ func TestAdmin_Routes(t *testing.T) {
 			{"GET", "/ratelimit/counters?zone=adm_key&identifier=secret-id", 404, ""},
 			{"DELETE", "/ratelimit/counters?zone=adm_key&identifier=secret-id", 404, ""},
 			{"GET", "/ratelimit/strict?zone=nope", 404, ""},
-			{"POST", "/ratelimit/status", 405, "GET"},
-			{"PUT", "/ratelimit/counters?zone=adm_key&identifier=secret-id", 405, "GET, DELETE"},
-			{"POST", "/ratelimit/counters", 405, "GET, DELETE"},
-			{"DELETE", "/ratelimit/strict", 405, "GET"},
+			{"POST", "/ratelimit/status", 405, "GET, HEAD"},
+			{"PUT", "/ratelimit/counters?zone=adm_key&identifier=secret-id", 405, "GET, HEAD, DELETE"},
+			{"POST", "/ratelimit/counters", 405, "GET, HEAD, DELETE"},
+			{"DELETE", "/ratelimit/strict", 405, "GET, HEAD"},
 		} {
 			r := adminDo(t, admin, tc.method, tc.path)
 			r.wantError(t, tc.status, "secret-id")
@@ -381,5 +381,34 @@ func TestAdmin_NotRunning(t *testing.T) {
 	_, admin, _ := startCaddy(t, func(admin, port int) string { return e2eConfig(admin, port, "") })
 	for _, path := range []string{"/ratelimit/status", "/ratelimit/counters?zone=a&identifier=b", "/ratelimit/strict"} {
 		adminDo(t, admin, "GET", path).wantError(t, 503, "")
+	}
+}
+
+// TestAdmin_HeadAnswersAsGet: a HEAD of a route that answers GET got a
+// 405, so a monitor that checks the API with HEAD saw it failing. It now
+// gets GET's status and headers (an override's ETag among them) and no
+// body; a route's errors are GET's too, and a 405 lists HEAD in Allow.
+func TestAdmin_HeadAnswersAsGet(t *testing.T) {
+	resetOverrides(t)
+	_, admin, _ := startCaddy(t, overrideConfig(""))
+	adminSend(t, admin, http.MethodPut, "/ratelimit/overrides?zone=ov&identifier=head-key", `{"limit": 7}`).decode(t, http.StatusOK, new(overrideDoc))
+	for _, path := range []string{"/ratelimit/status", "/ratelimit/strict", "/ratelimit/counters?zone=ov",
+		"/ratelimit/overrides?zone=ov", "/ratelimit/overrides?zone=ov&identifier=head-key", "/ratelimit/overrides?zone=nope"} {
+		get, head := adminDo(t, admin, http.MethodGet, path), adminDo(t, admin, http.MethodHead, path)
+		if head.status != get.status || len(head.body) != 0 {
+			t.Errorf("HEAD %s: status %d with %d bytes, want GET's %d and none", path, head.status, len(head.body), get.status)
+		}
+		for _, h := range []string{"Content-Type", "ETag"} {
+			if head.header.Get(h) != get.header.Get(h) {
+				t.Errorf("HEAD %s: %s %q, GET's %q", path, h, head.header.Get(h), get.header.Get(h))
+			}
+		}
+	}
+	if etag := adminDo(t, admin, http.MethodHead, "/ratelimit/overrides?zone=ov&identifier=head-key").header.Get("ETag"); etag == "" {
+		t.Error("HEAD of one override has no ETag")
+	}
+	r := adminDo(t, admin, http.MethodPost, "/ratelimit/overrides?zone=ov&identifier=head-key")
+	if r.status != http.StatusMethodNotAllowed || r.header.Get("Allow") != "GET, HEAD, PUT, DELETE" {
+		t.Errorf("POST: %d, Allow %q, want 405 with GET, HEAD, PUT, DELETE", r.status, r.header.Get("Allow"))
 	}
 }

@@ -284,9 +284,9 @@ func (*propagationAdmin) CaddyModule() caddy.ModuleInfo {
 	}
 }
 
-// Routes returns GET /ratelimit/blocklist.
+// Routes returns GET (and HEAD) /ratelimit/blocklist.
 func (*propagationAdmin) Routes() []caddy.AdminRoute {
-	return []caddy.AdminRoute{{Pattern: "/ratelimit/blocklist", Handler: caddy.AdminHandlerFunc(handleBlocklist)}}
+	return []caddy.AdminRoute{{Pattern: "/ratelimit/blocklist", Handler: headAsGet(handleBlocklist)}}
 }
 
 // Interface guards.
