@@ -67,6 +67,9 @@ type App struct {
 	// lineAt is where each line of the global option stood
 	// ("file:line"), for errors that concern several lines.
 	lineAt map[string]string
+	// setBefore holds the JSON paths ("a.b") that earlier blocks of the
+	// global option set, when this block adds to them.
+	setBefore map[string]bool
 
 	ids     identities
 	state   *state

@@ -70,6 +70,15 @@ func parseGlobalOption(d *caddyfile.Dispenser, existing any) (any, error) {
 		if err := json.Unmarshal(prev.Value, app); err != nil {
 			return nil, fmt.Errorf("ratelimit global option: %w", err)
 		}
+		// The earlier blocks' lines are gone with their tokens; what they
+		// set is still in the JSON, and a line that sets it again is
+		// given twice.
+		var v any
+		if err := json.Unmarshal(prev.Value, &v); err != nil {
+			return nil, fmt.Errorf("ratelimit global option: %w", err)
+		}
+		app.setBefore = map[string]bool{}
+		jsonLeaves(v, "", app.setBefore)
 	}
 	if err := app.UnmarshalCaddyfile(d); err != nil {
 		return nil, err
@@ -105,6 +114,9 @@ func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		if first, twice := a.lineAt[l.name]; twice && !l.repeats {
 			return d.Errf("%s given twice (first at %s)", l.name, first)
 		}
+		if !l.repeats && a.setBefore != nil && setsAny(d, l, a.setBefore) {
+			return d.Errf("%s given twice (first in an earlier ratelimit block)", l.name)
+		}
 		a.lineAt[l.name] = d.File() + ":" + strconv.Itoa(d.Line())
 		if err := l.parse(d, a); err != nil {
 			return err
@@ -116,6 +128,50 @@ func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		}
 	}
 	return nil
+}
+
+// setsAny reports whether line l, on which d stands, sets a field of the
+// app that set holds: l runs over a copy of its tokens into an empty app,
+// whose JSON then holds only what the line sets (even when the line's own
+// check fails: checked lines store before they check). d is left where it
+// was.
+func setsAny(d *caddyfile.Dispenser, l optionLine, set map[string]bool) bool {
+	toks := []caddyfile.Token{d.Token()}
+	for d.NextArg() {
+		toks = append(toks, d.Token())
+	}
+	for range toks[1:] {
+		d.Prev()
+	}
+	ld := caddyfile.NewDispenser(toks)
+	ld.Next()
+	fresh := new(App)
+	_ = l.parse(ld, fresh) // the line's errors are the real parse's to report
+	var v any
+	if err := json.Unmarshal(caddyconfig.JSON(fresh, nil), &v); err != nil {
+		return false
+	}
+	sets := map[string]bool{}
+	jsonLeaves(v, "", sets)
+	for path := range sets {
+		if set[path] {
+			return true
+		}
+	}
+	return false
+}
+
+// jsonLeaves adds to out the path of every value in v that is not an
+// object (a list is one value), as "a.b.c".
+func jsonLeaves(v any, path string, out map[string]bool) {
+	m, ok := v.(map[string]any)
+	if !ok {
+		out[path] = true
+		return
+	}
+	for k, sub := range m {
+		jsonLeaves(sub, path+"."+k, out)
+	}
 }
 
 // oneArg returns the single argument of the current line. Given more, its

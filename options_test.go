@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -90,5 +91,42 @@ func TestOptions_ChecksRunAfterTheValueIsStored(t *testing.T) {
 	err := new(App).UnmarshalCaddyfile(d)
 	if err == nil || !strings.Contains(err.Error(), "set only one of redis, redis_cluster and redis_sentinel") || !strings.Contains(err.Error(), ":3") {
 		t.Fatalf("error %v, want the conflict at line 3", err)
+	}
+}
+
+// TestOptions_LineGivenInTwoBlocks: a second global block adds to the
+// first, but a line given in both is an error at the second, as it is
+// within one block, not the last value silently winning. Lines of
+// different names still add up across blocks.
+func TestOptions_LineGivenInTwoBlocks(t *testing.T) {
+	for _, tc := range []struct{ name, first, second string }{
+		{"region", "region eu", "region us"},
+		{"same value", "region eu", "region eu"},
+		{"max_entries", "max_entries 5", "max_entries 7"},
+		{"flag", "log_identifiers", "log_identifiers"},
+		{"origin tunable", "redis redis://a\n\t\tread_timeout 1s", "read_timeout 2s"},
+		{"switch off", "mysql \"u:p@tcp(h:1)/db\"\n\t\tregion eu\n\t\tmysql_migrate off", "mysql_migrate on"},
+		{"sentinel", "redis_sentinel m a:1", "redis_sentinel n b:1"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			src := "{\n\tratelimit {\n\t\t" + tc.first + "\n\t}\n\tratelimit {\n\t\t" + tc.second + "\n\t}\n}\n:80 {\n\trespond ok\n}\n"
+			line := strings.Count(src[:strings.LastIndex(src, tc.second)], "\n") + 1
+			out, err := adapt(t, src)
+			want := "given twice"
+			if err == nil || !strings.Contains(err.Error(), want) || !strings.Contains(err.Error(), "Caddyfile:"+strconv.Itoa(line)) {
+				t.Fatalf("adapted to %s, error %v; want %q at Caddyfile:%d", out, err, want, line)
+			}
+		})
+	}
+
+	src := "{\n\tratelimit {\n\t\tregion eu\n\t\tredis redis://a\n\t}\n\tratelimit {\n\t\tredis redis://b\n\t\tread_timeout 1s\n\t\tmysql \"u:p@tcp(h:1)/db\"\n\t}\n}\n:80 {\n\trespond ok\n}\n"
+	out, err := adapt(t, src)
+	if err != nil {
+		t.Fatalf("blocks of different lines: %v", err)
+	}
+	for _, want := range []string{`"region":"eu"`, `"redis":["redis://a","redis://b"]`, `"read_timeout":1000000000`, `"dsn":"u:p@tcp(h:1)/db"`} {
+		if !strings.Contains(string(out), want) {
+			t.Errorf("adapted %s, want %s in it", out, want)
+		}
 	}
 }
