@@ -279,6 +279,11 @@ func validateOverride(id string, limit int64) error {
 	if id == "" {
 		return errors.New("override with an empty identifier")
 	}
+	if hasPlaceholder(id) {
+		// Compared with the request's identifier as written: a placeholder
+		// here is never replaced, and the override would never match.
+		return fmt.Errorf("override %q: an override's identifier is compared as written, so a placeholder in it is never replaced; write the identifier itself ({$VAR} is replaced when the Caddyfile is adapted), or set a runtime override through the admin API", id)
+	}
 	if limit < 0 {
 		return fmt.Errorf("override %q: limit must not be negative, got %d", id, limit)
 	}
@@ -286,6 +291,22 @@ func validateOverride(id string, limit int64) error {
 		return fmt.Errorf("override %q: %w", id, err)
 	}
 	return nil
+}
+
+// hasPlaceholder reports whether s holds what Caddy's replacer takes for a
+// placeholder: a '{', a name, then a '}'.
+func hasPlaceholder(s string) bool {
+	for {
+		i := strings.IndexByte(s, '{')
+		if i < 0 {
+			return false
+		}
+		s = s[i+1:]
+		j := strings.IndexAny(s, "{}")
+		if j > 0 && s[j] == '}' {
+			return true
+		}
+	}
 }
 
 // validateOverrideIP rejects an override of an IP address or prefix

@@ -159,3 +159,28 @@ func TestZone_CostBoundsFromJSON(t *testing.T) {
 		}
 	}
 }
+
+// TestOverride_PlaceholderIsRejected: an override's identifier is compared
+// with the request's identifier as written; a placeholder in it ({env.VIP},
+// a header) is never replaced, so the override never matched and the
+// config said nothing. Both the Caddyfile and a JSON config now fail.
+func TestOverride_PlaceholderIsRejected(t *testing.T) {
+	for _, id := range []string{"{env.VIP_KEY}", "{http.request.header.X-Vip}", "vip-{env.N}"} {
+		src := ":80 {\n\tratelimit {\n\t\tzone z {\n\t\t\tkey {http.request.header.X-Key}\n\t\t\tlimit 5\n\t\t\twindow 1m\n\t\t\toverride " + id + " 100\n\t\t}\n\t}\n}\n"
+		out, err := adapt(t, src)
+		if err == nil || !strings.Contains(err.Error(), "placeholder") || !strings.Contains(err.Error(), "Caddyfile:7") {
+			t.Errorf("override %s: adapted to %s, error %v; want a placeholder error at Caddyfile:7", id, out, err)
+		}
+		z := zoneOf("z", 5, time.Minute)
+		z.Overrides = map[string]int64{id: 100}
+		if err := (&Handler{Zones: []*Zone{z}}).Validate(); err == nil || !strings.Contains(err.Error(), "placeholder") {
+			t.Errorf("override %s in JSON: Validate said %v, want a placeholder error", id, err)
+		}
+	}
+	// Braces that make no placeholder are text, compared as written.
+	z := zoneOf("z", 5, time.Minute)
+	z.Overrides = map[string]int64{"a{b": 100, "c}d": 100}
+	if err := (&Handler{Zones: []*Zone{z}}).Validate(); err != nil {
+		t.Errorf("overrides of unpaired braces: %v", err)
+	}
+}
