@@ -10,6 +10,8 @@ import (
 	"github.com/caddyserver/caddy/v2/caddyconfig"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
+
+	"github.com/edgelimit/caddy-ratelimit/origin"
 )
 
 // The global `ratelimit` option, line by line. Every line is one entry of
@@ -37,7 +39,7 @@ type optionLine struct {
 
 // minDuration is the shortest duration any line takes: the engine counts
 // in milliseconds.
-const minDuration = time.Millisecond
+const minDuration = origin.MinDuration
 
 // appLines are the app's own lines.
 var appLines = []optionLine{

@@ -15,6 +15,12 @@ import (
 // longer is one to decide without.
 const MaxReadTimeout = 10 * time.Second
 
+// MinDuration is the shortest duration any setting takes (0 is the
+// default): the engine counts in milliseconds, so a shorter tick is a
+// loop without pause and a shorter timeout or freshness is 0. The
+// Caddyfile parser says the same; this is the check of a JSON config.
+const MinDuration = time.Millisecond
+
 // MaxReplayWorkers bounds replay_workers: each is a goroutine that may
 // hold a connection of its own, started with the engine, and past a few
 // dozen more of them only queue at Redis, which runs one command at a time.
@@ -246,8 +252,11 @@ func (c Config) Validate() error {
 		{"breaker.timeout", c.Breaker.Timeout},
 		{"breaker.slow_call", c.Breaker.SlowCall},
 	} {
-		if f.v < 0 {
+		switch {
+		case f.v < 0:
 			return fmt.Errorf("%s: must not be negative, got %s", f.name, time.Duration(f.v))
+		case f.v > 0 && f.v < Duration(MinDuration):
+			return fmt.Errorf("%s: at least %s, got %s", f.name, MinDuration, time.Duration(f.v))
 		}
 	}
 	if time.Duration(c.ReadTimeout) > MaxReadTimeout {

@@ -44,3 +44,23 @@ func TestConfig_JSONAndDefaults(t *testing.T) {
 		t.Fatalf("WithDefaults: %+v", d)
 	}
 }
+
+// TestConfig_DurationsUnderAMillisecondAreRejected: the Caddyfile takes no
+// duration under 1ms (the engine counts in milliseconds), but a JSON config
+// skips its parser, and Validate took any positive duration: a fast_tick of
+// 1ns was a replay loop firing without pause, and a request near its limit
+// re-read Redis every time (the tick, in whole milliseconds, was 0).
+func TestConfig_DurationsUnderAMillisecondAreRejected(t *testing.T) {
+	a := []string{"redis://a"}
+	const ns = Duration(time.Millisecond - 1)
+	checkValidate(t, []validateCase{
+		{"read_timeout", Config{Redis: a, ReadTimeout: ns}, "read_timeout"},
+		{"freshness", Config{Redis: a, Freshness: ns}, "freshness"},
+		{"slow_tick", Config{Redis: a, SlowTick: ns, FastTick: ns}, "slow_tick"},
+		{"fast_tick", Config{Redis: a, FastTick: 1}, "fast_tick"},
+		{"breaker.interval", Config{Redis: a, Breaker: BreakerConfig{Interval: 1}}, "breaker.interval"},
+		{"breaker.timeout", Config{Redis: a, Breaker: BreakerConfig{Timeout: 1}}, "breaker.timeout"},
+		{"breaker.slow_call", Config{Redis: a, Breaker: BreakerConfig{SlowCall: 1}}, "breaker.slow_call"},
+		{"one millisecond", Config{Redis: a, FastTick: Duration(time.Millisecond), Freshness: Duration(time.Millisecond)}, ""},
+	})
+}
