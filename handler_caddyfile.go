@@ -6,6 +6,7 @@ package ratelimit
 import (
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 
@@ -347,6 +348,9 @@ func zoneCostLine(d *caddyfile.Dispenser, z *Zone, _ string) error {
 	args := d.RemainingArgs()
 	if len(args) < 1 || len(args) > 2 {
 		return d.ArgErr()
+	}
+	if slices.Contains(args, "") {
+		return errEmptyArg(d, "cost")
 	}
 	if err := validateCost(args[0]); err != nil {
 		return d.Errf("zone %q: %w", z.Name, err)

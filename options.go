@@ -190,7 +190,17 @@ func oneArg(d *caddyfile.Dispenser) (string, error) {
 			"(quote a value that holds spaces; the arguments are not repeated here, "+
 			"as they may hold a password)", name, 1+len(extra))
 	}
+	if v == "" {
+		return "", errEmptyArg(d, name)
+	}
 	return v, nil
+}
+
+// errEmptyArg reports an argument given empty. Taken as the line left out,
+// a quoted "{$SECRET}" whose variable is not set would turn identifier_secret
+// off without a word.
+func errEmptyArg(d *caddyfile.Dispenser, name string) error {
+	return d.Errf("%s: the value is empty (a {$VAR} whose environment variable is not set?): give a value, or leave the line out", name)
 }
 
 // The parsers, one per kind of value. Each takes where the value goes as a

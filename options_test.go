@@ -130,3 +130,42 @@ func TestOptions_LineGivenInTwoBlocks(t *testing.T) {
 		}
 	}
 }
+
+// TestCaddyfile_EmptyValueIsAnError: a value given empty ("" or a quoted
+// "{$VAR}" whose variable is not set) fails at its line. Before, most lines
+// took it for the line left out: `identifier_secret "{$SECRET}"` without
+// SECRET set adapted to no secret at all, and identifiers left the process
+// raw (Redis keys, MySQL rows, admin output); `cost ""` charged 1; `key ""`
+// said "missing key" at the zone's line.
+func TestCaddyfile_EmptyValueIsAnError(t *testing.T) {
+	t.Setenv("RATELIMIT_TEST_UNSET", "")
+	global := func(line string) string {
+		return "{\n\tratelimit {\n\t\tredis rediss://a\n\t\t" + line + "\n\t}\n}\n:80 {\n\trespond ok\n}\n"
+	}
+	zone := func(line string) string {
+		return ":80 {\n\tratelimit {\n\t\tzone z {\n\t\t\tkey {remote_host}\n\t\t\tlimit 5\n\t\t\twindow 1m\n\t\t\t" + line + "\n\t\t}\n\t}\n}\n"
+	}
+	handler := func(line string) string {
+		return ":80 {\n\tratelimit {\n\t\tzone z {\n\t\t\tkey {remote_host}\n\t\t\tlimit 5\n\t\t\twindow 1m\n\t\t}\n\t\t" + line + "\n\t}\n}\n"
+	}
+	for _, tc := range []struct {
+		src  string
+		line int
+	}{
+		{global(`identifier_secret ""`), 4},
+		{global(`identifier_secret "{$RATELIMIT_TEST_UNSET}"`), 4},
+		{global(`region ""`), 4},
+		{global(`tls_ca_file ""`), 4},
+		{zone(`cost ""`), 7},
+		{zone(`cost {http.request.header.C} ""`), 7},
+		{strings.Replace(zone(`min_cost 1`), "key {remote_host}", `key ""`, 1), 4},
+		{handler(`headers ""`), 8},
+		{handler(`on_missing_key ""`), 8},
+	} {
+		out, err := adapt(t, tc.src)
+		at := "Caddyfile:" + strconv.Itoa(tc.line)
+		if err == nil || !strings.Contains(err.Error(), "empty") || !strings.Contains(err.Error(), at) {
+			t.Errorf("%s\nadapted to %s, error %v; want an empty value at %s", tc.src, out, err, at)
+		}
+	}
+}

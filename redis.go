@@ -84,12 +84,9 @@ var redisLines = func() []optionLine {
 			return nil
 		}),
 		stringLine("tls_ca_file", nil, func(a *App, v string) { originOf(a).TLSCAFile = v }),
-		stringLine("prefix", func(v string) error {
-			if v == "" {
-				return errString(`prefix "" would be the default prefix: leave the line out, or give one`)
-			}
-			return nil
-		}, func(a *App, v string) { originOf(a).Prefix = v }),
+		// An empty prefix, which would be the default one, is refused as
+		// any empty value is (oneArg).
+		stringLine("prefix", nil, func(a *App, v string) { originOf(a).Prefix = v }),
 		intLine("replay_workers", 1, origin.MaxReplayWorkers, func(a *App, n int) { originOf(a).ReplayWorkers = n }),
 		intLine("breaker_min_requests", 1, 0, func(a *App, n int) { originOf(a).Breaker.MinRequests = n }),
 		ratioLine("breaker_failure_ratio", func(a *App, r float64) { originOf(a).Breaker.FailureRatio = r }),
