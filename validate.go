@@ -8,6 +8,9 @@ import (
 	"strings"
 	"time"
 
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
+
 	"github.com/edgelimit/caddy-ratelimit/origin"
 )
 
@@ -63,6 +66,9 @@ func (z *Zone) validate() error {
 	if _, err := keyGlue(z.Key); err != nil {
 		return err
 	}
+	if err := validateNoShorthand("key", z.Key); err != nil {
+		return err
+	}
 	if err := validateLimit(z.Limit); err != nil {
 		return err
 	}
@@ -70,6 +76,9 @@ func (z *Zone) validate() error {
 		return err
 	}
 	if err := validateCost(string(z.Cost)); err != nil {
+		return err
+	}
+	if err := validateNoShorthand("cost", string(z.Cost)); err != nil {
 		return err
 	}
 	if z.DefaultCost < 0 {
@@ -221,6 +230,28 @@ func validatePlaceholders(what, v string) error {
 	}
 	if open {
 		return fmt.Errorf("%s %q has an unclosed placeholder (a '{' without its '}')", what, v)
+	}
+	return nil
+}
+
+// validateNoShorthand rejects a key or cost (what says which) that uses a
+// Caddyfile shorthand such as {remote_host}. The Caddyfile adapter expands
+// them, so only a JSON config can hold one, and Caddy's replacer knows
+// none: the key would be empty for every request (one count shared by
+// every client), the cost always the default.
+func validateNoShorthand(what, v string) error {
+	if !strings.Contains(v, "{") {
+		return nil
+	}
+	// {file.NAME} is also Caddy's placeholder of a file's contents, which
+	// the replacer knows: it is left as it is.
+	const file = "{file."
+	masked := strings.ReplaceAll(v, file, "\x00file.")
+	seg := caddyfile.Segment{{Text: masked}}
+	httpcaddyfile.NewShorthandReplacer().ApplyToSegment(&seg)
+	if full := seg[0].Text; full != masked {
+		return fmt.Errorf("%s %q uses a Caddyfile shorthand, which only the Caddyfile adapter expands: in JSON write %s",
+			what, v, strings.ReplaceAll(full, "\x00file.", file))
 	}
 	return nil
 }

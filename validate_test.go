@@ -3,11 +3,13 @@ package ratelimit
 import (
 	"encoding/json"
 	"fmt"
+	"net/http/httptest"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
 
 func TestHandler_ValidateRejectsBadJSON(t *testing.T) {
@@ -182,5 +184,46 @@ func TestOverride_PlaceholderIsRejected(t *testing.T) {
 	z.Overrides = map[string]int64{"a{b": 100, "c}d": 100}
 	if err := (&Handler{Zones: []*Zone{z}}).Validate(); err != nil {
 		t.Errorf("overrides of unpaired braces: %v", err)
+	}
+}
+
+// TestZone_CaddyfileShorthandInJSONIsRejected: the Caddyfile adapter
+// expands shorthands ({remote_host}, {header.X}); a JSON config does not,
+// and Caddy's replacer knows none of them, so a JSON key of {remote_host}
+// was empty for every request: one shared count for every client (the
+// default on_missing_key), or none counted with skip. Validate now names
+// the placeholder to write.
+func TestZone_CaddyfileShorthandInJSONIsRejected(t *testing.T) {
+	// What such a key was: empty, for any client.
+	r := httptest.NewRequest("GET", "http://example.com/", nil)
+	r.RemoteAddr = "203.0.113.7:1234"
+	shorthand, full := newKeyTemplate("{remote_host}"), newKeyTemplate("{http.request.remote.host}")
+	repl := caddyhttp.NewTestReplacer(r)
+	if id := shorthand.evalKey(r, repl, 32, 64); id != "" {
+		t.Fatalf("{remote_host} in JSON evaluated to %q; the premise is that it is empty", id)
+	}
+	if id := full.evalKey(r, repl, 32, 64); id != "203.0.113.7" {
+		t.Fatalf("{http.request.remote.host} evaluated to %q", id)
+	}
+
+	for _, tc := range []struct{ key, cost, want string }{
+		{"{remote_host}", "", "{http.request.remote.host}"},
+		{"{client_ip}", "", "{http.vars.client_ip}"},
+		{"tenant-{header.X-Tenant}", "", "{http.request.header.X-Tenant}"},
+		{"{http.request.remote.host}", "{header.X-Cost}", "{http.request.header.X-Cost}"},
+	} {
+		z := zoneOf("z", 5, time.Minute)
+		z.Key = tc.key
+		z.Cost = caddyhttp.WeakString(tc.cost)
+		err := (&Handler{Zones: []*Zone{z}}).Validate()
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("key %q cost %q: Validate said %v; want it to name %s", tc.key, tc.cost, err, tc.want)
+		}
+	}
+	z := zoneOf("z", 5, time.Minute)
+	z.Key = "{http.request.header.X-Key}:{http.vars.client_ip}"
+	z.Cost = "{file.cost}" // Caddy's own placeholder of a file's contents
+	if err := (&Handler{Zones: []*Zone{z}}).Validate(); err != nil {
+		t.Errorf("full placeholders: %v", err)
 	}
 }
