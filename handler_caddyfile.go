@@ -275,14 +275,15 @@ func checkZoneBlock(d *caddyfile.Dispenser, z *Zone, costLine int) error {
 		}
 		return d.Errf("zone %q: %w", z.Name, err)
 	}
-	// Overrides of addresses are checked against the prefixes, which may
-	// come after them: each at its own line.
+	// Overrides of addresses are checked against the prefixes, and those
+	// of a composite key against the key, which may come after them: each
+	// at its own line.
 	v4, v6 := z.prefixes()
 	for d.Next() {
 		if d.Val() != "override" || !d.NextArg() {
 			continue
 		}
-		if err := validateOverrideIP(d.Val(), v4, v6); err != nil {
+		if err := validateOverrideForKey(d.Val(), z.Key, v4, v6); err != nil {
 			return d.Errf("zone %q: %w", z.Name, err)
 		}
 	}

@@ -8,6 +8,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
 
@@ -108,7 +109,7 @@ func (z *Zone) validate() error {
 		if err := validateOverride(id, l); err != nil {
 			return err
 		}
-		if err := validateOverrideIP(id, v4, v6); err != nil {
+		if err := validateOverrideForKey(id, z.Key, v4, v6); err != nil {
 			return err
 		}
 	}
@@ -338,6 +339,87 @@ func hasPlaceholder(s string) bool {
 			return true
 		}
 	}
+}
+
+// validateOverrideForKey rejects an override that the zone's key never
+// makes. A composite key masks each value, never the whole identifier,
+// which may then look like an address ("3A::A") without being one.
+func validateOverrideForKey(id, key string, v4, v6 int) error {
+	if glue, err := keyGlue(key); err == nil && glue != nil {
+		return validateOverrideKey(id, key)
+	}
+	return validateOverrideIP(id, v4, v6)
+}
+
+// validateOverrideKey rejects an override that the composite key never
+// makes (keyParts): there each placeholder's value is written with '%'
+// and the first byte of every text between placeholders as %XX, so an
+// override holding them raw inside a value (an IPv6 address under
+// "{client_ip}:{…}", a '%') is compared and never equal. A key of fewer
+// than two placeholders escapes nothing and takes any override.
+func validateOverrideKey(id, key string) error {
+	glue, err := keyGlue(key)
+	if err != nil || glue == nil {
+		return nil // a bad key is reported as such
+	}
+	const mark = "\x00"
+	marked, err := caddy.NewReplacer().ReplaceFunc(key, func(string, any) (any, error) { return mark, nil })
+	if err != nil {
+		return nil
+	}
+	texts := strings.Split(marked, mark)
+	var escape [256]bool
+	for _, c := range glue {
+		escape[c] = true
+	}
+	never := func(why string) error {
+		return fmt.Errorf("override %q never matches under key %q: %s; in a value, write '%%' and the first byte of each text between placeholders as %%XX (':' is %%3A)", id, key, why)
+	}
+	first, last := texts[0], texts[len(texts)-1]
+	if !strings.HasPrefix(id, first) || !strings.HasSuffix(id[len(first):], last) {
+		return never("the key's text around its placeholders is not there")
+	}
+	rest := id[len(first) : len(id)-len(last)]
+	present := false
+	seps := texts[1 : len(texts)-1]
+	for i := 0; ; i++ {
+		// The value runs to the next raw byte the key escapes: the
+		// separator that ends it, or, after the last one, none.
+		j := 0
+		for j < len(rest) && (rest[j] == '%' || !escape[rest[j]]) {
+			if rest[j] == '%' {
+				if j+2 >= len(rest) || !isUpperHex(rest[j+1]) || !isUpperHex(rest[j+2]) || !escape[unhex(rest[j+1])<<4|unhex(rest[j+2])] {
+					return never("a '%' in a value is not the %XX of a byte the key escapes")
+				}
+				j += 2
+			}
+			j++
+		}
+		present = present || j > 0
+		if i == len(seps) {
+			if j < len(rest) {
+				return never("a value holds a separator raw")
+			}
+			break
+		}
+		if !strings.HasPrefix(rest[j:], seps[i]) {
+			return never("a value holds a separator raw")
+		}
+		rest = rest[j+len(seps[i]):]
+	}
+	if !present {
+		return never("every value is empty, which is a missing key")
+	}
+	return nil
+}
+
+func isUpperHex(c byte) bool { return c >= '0' && c <= '9' || c >= 'A' && c <= 'F' }
+
+func unhex(c byte) byte {
+	if c >= 'A' {
+		return c - 'A' + 10
+	}
+	return c - '0'
 }
 
 // validateOverrideIP rejects an override of an IP address or prefix

@@ -227,3 +227,67 @@ func TestZone_CaddyfileShorthandInJSONIsRejected(t *testing.T) {
 		t.Errorf("full placeholders: %v", err)
 	}
 }
+
+// TestOverride_CompositeKeyOverrideThatCannotMatch: in a composite key
+// each placeholder's value has '%' and the first byte of every separator
+// written %XX, so an override written with them raw never matched: under
+// `{client_ip}:{http.request.header.X-Key}` an IPv6 client is
+// "2001%3Adb8%3A%3A/64:k", never "2001:db8::/64:k". Both the Caddyfile
+// and Validate now say so; an override written as the key is made passes,
+// and does match.
+func TestOverride_CompositeKeyOverrideThatCannotMatch(t *testing.T) {
+	const key = "{http.vars.client_ip}:{http.request.header.X-Key}"
+	for _, id := range []string{"2001:db8::/64:k", "50%:k", "a:b:c"} {
+		z := zoneOf("z", 5, time.Minute)
+		z.Key = key
+		z.Overrides = map[string]int64{id: 100}
+		if err := (&Handler{Zones: []*Zone{z}}).Validate(); err == nil || !strings.Contains(err.Error(), "never matches") {
+			t.Errorf("override %q: Validate said %v, want never matches", id, err)
+		}
+		src := ":80 {\n\tratelimit {\n\t\tzone z {\n\t\t\tkey " + key + "\n\t\t\tlimit 5\n\t\t\twindow 1m\n\t\t\toverride " + id + " 100\n\t\t}\n\t}\n}\n"
+		if out, err := adapt(t, src); err == nil || !strings.Contains(err.Error(), "never matches") || !strings.Contains(err.Error(), "Caddyfile:7") {
+			t.Errorf("override %q: adapted to %s, error %v; want never matches at Caddyfile:7", id, out, err)
+		}
+	}
+
+	// The form the key makes is accepted, and is what a request makes.
+	r := httptest.NewRequest("GET", "http://example.com/", nil)
+	r.Header.Set("X-Key", "k:1")
+	repl := caddyhttp.NewTestReplacer(r)
+	repl.Set("http.vars.client_ip", "2001:db8::7")
+	tpl := newKeyTemplate(key)
+	id := tpl.evalKey(r, repl, 32, 64)
+	z := zoneOf("z", 5, time.Minute)
+	z.Key = key
+	z.Overrides = map[string]int64{id: 100, "1%25:a": 100, "k:": 100}
+	if err := (&Handler{Zones: []*Zone{z}}).Validate(); err != nil {
+		t.Errorf("overrides %v as the key makes them: %v", z.Overrides, err)
+	}
+	if id != "2001%3Adb8%3A%3A/64:k%3A1" {
+		t.Errorf("the key made %q", id)
+	}
+
+	// Whatever values a request brings, the identifier it makes passes.
+	values := []string{"", "x", ":", "%", "%3A", "A", "3", "a::b", "%%", "1.2.3.4", "::1", "-", "--", "x-:y"}
+	for _, k := range []string{"{http.vars.a}:{http.vars.b}", "p{http.vars.a}A{http.vars.b}s", "{http.vars.a}3{http.vars.b}::{http.vars.c}", "{http.vars.a}-:{http.vars.b}"} {
+		tpl := newKeyTemplate(k)
+		for _, a := range values {
+			for _, b := range values {
+				repl := caddyhttp.NewTestReplacer(r)
+				repl.Set("http.vars.a", a)
+				repl.Set("http.vars.b", b)
+				repl.Set("http.vars.c", b+a)
+				id := tpl.evalKey(r, repl, 32, 64)
+				if id == "" {
+					continue
+				}
+				z := zoneOf("z", 5, time.Minute)
+				z.Key = k
+				z.Overrides = map[string]int64{id: 100}
+				if err := (&Handler{Zones: []*Zone{z}}).Validate(); err != nil {
+					t.Errorf("key %q, values %q %q: %v", k, a, b, err)
+				}
+			}
+		}
+	}
+}
