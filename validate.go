@@ -346,7 +346,7 @@ func hasPlaceholder(s string) bool {
 // which may then look like an address ("3A::A") without being one.
 func validateOverrideForKey(id, key string, v4, v6 int) error {
 	if glue, err := keyGlue(key); err == nil && glue != nil {
-		return validateOverrideKey(id, key)
+		return validateOverrideKey(id, key, v4, v6)
 	}
 	return validateOverrideIP(id, v4, v6)
 }
@@ -355,9 +355,11 @@ func validateOverrideForKey(id, key string, v4, v6 int) error {
 // makes (keyParts): there each placeholder's value is written with '%'
 // and the first byte of every text between placeholders as %XX, so an
 // override holding them raw inside a value (an IPv6 address under
-// "{client_ip}:{…}", a '%') is compared and never equal. A key of fewer
+// "{client_ip}:{…}", a '%') is compared and never equal, and so is one
+// whose value is an address in another form than the zone masks it to
+// (validateOverrideIP). A key of fewer
 // than two placeholders escapes nothing and takes any override.
-func validateOverrideKey(id, key string) error {
+func validateOverrideKey(id, key string, v4, v6 int) error {
 	glue, err := keyGlue(key)
 	if err != nil || glue == nil {
 		return nil // a bad key is reported as such
@@ -396,6 +398,11 @@ func validateOverrideKey(id, key string) error {
 			j++
 		}
 		present = present || j > 0
+		// A value that is an address is masked as a key of one
+		// placeholder is: the same forms are written.
+		if err := validateOverrideIP(unescapeValue(rest[:j]), v4, v6); err != nil {
+			return fmt.Errorf("override %q never matches under key %q: a value: %w", id, key, err)
+		}
 		if i == len(seps) {
 			if j < len(rest) {
 				return never("a value holds a separator raw")
@@ -411,6 +418,23 @@ func validateOverrideKey(id, key string) error {
 		return never("every value is empty, which is a missing key")
 	}
 	return nil
+}
+
+// unescapeValue undoes escapeValue on a value validateOverrideKey checked.
+func unescapeValue(v string) string {
+	if !strings.Contains(v, "%") {
+		return v
+	}
+	b := make([]byte, 0, len(v))
+	for i := 0; i < len(v); i++ {
+		if v[i] == '%' {
+			b = append(b, unhex(v[i+1])<<4|unhex(v[i+2]))
+			i += 2
+			continue
+		}
+		b = append(b, v[i])
+	}
+	return string(b)
 }
 
 func isUpperHex(c byte) bool { return c >= '0' && c <= '9' || c >= 'A' && c <= 'F' }

@@ -250,6 +250,17 @@ func TestOverride_CompositeKeyOverrideThatCannotMatch(t *testing.T) {
 		}
 	}
 
+	// A value that is an address is written as the zone masks it.
+	for id, want := range map[string]string{"203.0.113.7:k": "203.0.113.0/24", "203.0.113.0/24:k": "", "2001%3Adb8%3A%3A7:k": "2001:db8::/64"} {
+		z := zoneOf("z", 5, time.Minute)
+		z.Key, z.IPv4Prefix = key, 24
+		z.Overrides = map[string]int64{id: 100}
+		err := (&Handler{Zones: []*Zone{z}}).Validate()
+		if want == "" && err != nil || want != "" && (err == nil || !strings.Contains(err.Error(), want)) {
+			t.Errorf("override %q under ipv4_prefix 24: Validate said %v, want %q", id, err, want)
+		}
+	}
+
 	// The form the key makes is accepted, and is what a request makes.
 	r := httptest.NewRequest("GET", "http://example.com/", nil)
 	r.Header.Set("X-Key", "k:1")
