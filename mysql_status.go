@@ -107,6 +107,8 @@ var propagationStats = statSet[propagation.Stats]{stats: []stat[propagation.Stat
 		help: "Times a MySQL statement found a table or the database gone (dropped by hand) and the schema was made again: every cell was published again and every table read whole."},
 	{json: "own_rows_missing", metric: "propagation_own_rows_missing_total", value: func(s *propagation.Stats) any { return s.OwnRowsMissing },
 		help: "Rows this region had published that a whole read found deleted (a table emptied by hand): their cells were published again."},
+	{json: "override_rows_missing", metric: "propagation_override_rows_missing_total", value: func(s *propagation.Stats) any { return s.OverrideRowsMissing },
+		help: "Runtime overrides (removals and resets included) held by this process that a whole read of ratelimit_overrides lacked or found older (the table emptied by hand): they were written back, the newest version winning."},
 	{json: "replica_lag_seconds", value: func(s *propagation.Stats) any { return secondsOrNull(s.ReplicaLag) }},
 	{metric: "propagation_replica_lag_seconds", gauge: true, value: func(s *propagation.Stats) any { return seconds(s.ReplicaLag) },
 		help: "How far mysql_read's replica said it was behind at the last global sync (Seconds_Behind_Source); -1 when unknown: no replica, its SQL thread stopped, or no right to ask."},

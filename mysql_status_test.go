@@ -25,7 +25,7 @@ func TestPropagationStats_SectionKeepsItsKeys(t *testing.T) {
 		`"errors":{"write":5,"read":0,"migrate":0,"lease":7,"region":0},"imports":6,"import_drops":0,"cleanup_deleted":0,` +
 		`"role":"holder","holder":"n1","node_id":"n1","role_taken":1,"role_lost":0,"lease_renewals":10,"cells_registered":0,"denials_left":0,` +
 		`"registry_cells":0,"registry_drops":0,"imports_sent":0,"rows_read":{"blocklist":0,"global_counts":8},` +
-		`"pulls":{"changes":9,"whole":0},"clock_steps":0,"schema_remade":0,"own_rows_missing":0,"replica_lag_seconds":null,"newest_row_age_seconds":1.5}`
+		`"pulls":{"changes":9,"whole":0},"clock_steps":0,"schema_remade":0,"own_rows_missing":0,"override_rows_missing":0,"replica_lag_seconds":null,"newest_row_age_seconds":1.5}`
 	if string(b) != want {
 		t.Fatalf("section\n%s\nwant\n%s", b, want)
 	}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"sync/atomic"
+	"time"
 
 	"github.com/go-sql-driver/mysql"
 	"go.uber.org/zap"
@@ -126,4 +127,70 @@ func (p *Propagator) checkOwnRows(own map[Cell]struct{}, now int64) {
 		p.log.Warn("published rows of this region are missing from ratelimit_global_counts (deleted by hand?): publishing its cells again",
 			zap.String("database", p.addr), zap.Int64("missing", missing), zap.Int64("own_rows_missing", c))
 	}
+}
+
+// Overrides lost by hand: ratelimit_overrides emptied (TRUNCATE, DELETE)
+// while the regions hold its rows. The regions kept applying what they
+// held, but one that started afterwards loaded nothing and applied the
+// Caddyfile's limits, and a reset was lost to it. Each holder keeps the
+// newest row of each key it wrote or read until the row lapses
+// (ovHeld), and a whole read that lacks one, or holds an older version,
+// writes it back: the write keeps the newest version, so every region
+// ends on the newest change again, and a removal written back keeps an
+// older limit from coming back.
+
+// lapseMargin is how close to its lapse an override missing from a whole
+// read is left out of the write back: the cleanup of a region whose
+// clock runs ahead deletes it that much early, and writing it back would
+// only have it deleted again.
+const lapseMargin = time.Minute
+
+// holdOverrideLocked notes r as written to or read from MySQL, if it is
+// the newest of its key. Callers hold p.mu.
+func (p *Propagator) holdOverrideLocked(r OverrideRow) {
+	k := Cell{Namespace: r.Namespace, Identifier: r.Identifier}
+	if old, ok := p.ovHeld[k]; ok && old.Version >= r.Version {
+		return
+	}
+	if len(p.ovHeld) >= maxPendingOverrides {
+		return
+	}
+	r.UpdatedMs = 0
+	p.ovHeld[k] = r
+}
+
+// checkOverrideRows compares a whole read of ratelimit_overrides (rows)
+// with the overrides held here that have not lapsed at now, and queues
+// those missing or older there to be written again. Only for reads of
+// the server writes go to (a replica may not have applied a row just
+// written yet).
+func (p *Propagator) checkOverrideRows(rows []OverrideRow, now int64) {
+	there := make(map[Cell]int64, len(rows))
+	for _, r := range rows {
+		there[Cell{Namespace: r.Namespace, Identifier: r.Identifier}] = r.Version
+	}
+	var back []OverrideRow
+	p.mu.Lock()
+	for k, r := range p.ovHeld {
+		if r.ExpiresMs != 0 && r.ExpiresMs <= now {
+			delete(p.ovHeld, k)
+			continue
+		}
+		if r.ExpiresMs != 0 && r.ExpiresMs <= now+lapseMargin.Milliseconds() {
+			continue // another region's cleanup, its clock ahead, may have deleted it
+		}
+		if v, ok := there[k]; !ok || v < r.Version {
+			back = append(back, r)
+		}
+	}
+	p.mu.Unlock()
+	if len(back) == 0 {
+		return
+	}
+	for _, r := range back {
+		p.PutOverride(r)
+	}
+	c := p.stats.overrideRowsMissing.Add(int64(len(back)))
+	p.log.Warn("runtime overrides held here are missing from ratelimit_overrides (emptied by hand?): writing them back, newest version first",
+		zap.String("database", p.addr), zap.Int("missing", len(back)), zap.Int64("override_rows_missing", c))
 }

@@ -154,6 +154,7 @@ func (p *Propagator) writeOverrides(ctx context.Context) {
 			if cur := p.ovPending[k]; cur == r {
 				delete(p.ovPending, k)
 			}
+			p.holdOverrideLocked(*r)
 		}
 		p.mu.Unlock()
 		p.stats.overridesWritten.Add(int64(len(batch)))
@@ -167,10 +168,23 @@ func (p *Propagator) pullOverrides(ctx context.Context) {
 	if st == nil {
 		return
 	}
+	// A whole read of the server writes go to also checks that every
+	// override held here is still there (checkOverrideRows).
+	p.mu.Lock()
+	whole := p.fullPull[Overrides] && !p.readsReplica()
+	p.mu.Unlock()
 	var got []OverrideRow
 	if !pullTable(p, ctx, Overrides, st.ReadOverrides, (*OverrideRow).key, func(rows []OverrideRow) { got = append(got, rows...) }) {
 		return
 	}
+	if whole {
+		p.checkOverrideRows(got, p.now().UnixMilli())
+	}
+	p.mu.Lock()
+	for _, r := range got {
+		p.holdOverrideLocked(r)
+	}
+	p.mu.Unlock()
 	if len(got) == 0 {
 		return
 	}

@@ -141,6 +141,7 @@ type Propagator struct {
 	syncs       [tables]int           // syncs since the table's last whole read
 	ovPending   map[Cell]*OverrideRow // overrides changed here or in the region, not yet written
 	ovTakeAll   bool                  // the next take reads every override the region holds
+	ovHeld      map[Cell]OverrideRow  // the newest override of each key written or read, until it lapses (lost.go)
 	onOverrides func([]OverrideRow)
 	mismatched  map[zoneWindow]bool // zones over another window here, logged once (pull.go)
 	recentOut   []BlocklistRow
@@ -298,6 +299,7 @@ func New(cfg Config, eng Engine, opts Options) (*Propagator, error) {
 		ahead:       make(map[Cell]update),
 		index:       make(map[zoneID]string),
 		ovPending:   make(map[Cell]*OverrideRow),
+		ovHeld:      make(map[Cell]OverrideRow),
 		onOverrides: opts.OnOverrides,
 		fullPull:    [tables]bool{true, true, true},
 		fullPush:    cfg.Republish,

@@ -16,6 +16,7 @@ type counters struct {
 	roleTaken, roleLost, leaseRenewals, wholeReads, changeReads     atomic.Int64
 	overridesWritten, clockSteps                                    atomic.Int64
 	schemaRemade, ownRowsMissing                                    atomic.Int64
+	overrideRowsMissing                                             atomic.Int64
 	rowsRead                                                        [tables]atomic.Int64
 	lastPush                                                        atomic.Int64 // Unix ms
 	lastPull                                                        [tables]atomic.Int64
@@ -85,6 +86,11 @@ type Stats struct {
 	// OwnRowsMissing the published rows of this region a whole read found
 	// deleted (emptied by hand): their cells were published again.
 	SchemaRemade, OwnRowsMissing int64
+	// OverrideRowsMissing counts the overrides (removals and resets
+	// included) a whole read of ratelimit_overrides lacked, or found in
+	// an older version than the one written or read here (emptied by
+	// hand): they were written back.
+	OverrideRowsMissing int64
 	// OverridesWritten and OverrideRowsRead count runtime overrides
 	// written to and pulled from MySQL; PendingOverrides wait to be
 	// written.
@@ -141,42 +147,43 @@ func (p *Propagator) Stats() Stats {
 // (queues, maps, the role) is Stats' part.
 func (s *counters) snapshot() Stats {
 	return Stats{
-		LastPush:          msTime(s.lastPush.Load()),
-		LastPull:          msTime(s.lastPull[Counts].Load()),
-		LastBlocklistPull: msTime(s.lastPull[Denials].Load()),
-		DenialsEmitted:    s.denialsEmitted.Load(),
-		DenialsApplied:    s.denialsApplied.Load(),
-		DenialsFiltered:   s.denialsFiltered.Load(),
-		DenialsExpired:    s.denialsExpired.Load(),
-		DenialQueueDrops:  s.denialQueueDrops.Load(),
-		CountsPublished:   s.countsPublished.Load(),
-		CountsApplied:     s.countsApplied.Load(),
-		DroppedBatches:    s.droppedBatches.Load(),
-		WriteErrors:       s.writeErrors.Load(),
-		ReadErrors:        s.readErrors.Load(),
-		MigrateErrors:     s.migrateErrors.Load(),
-		ImportDrops:       s.importDrops.Load(),
-		WaitingApplied:    s.waitingApplied.Load(),
-		CleanupDeleted:    s.cleanupDeleted.Load(),
-		RoleTaken:         s.roleTaken.Load(),
-		RoleLost:          s.roleLost.Load(),
-		LeaseErrors:       s.leaseErrors.Load(),
-		LeaseRenewals:     s.leaseRenewals.Load(),
-		Registered:        s.registered.Load(),
-		DenialsLeft:       s.denialsLeft.Load(),
-		RegionErrors:      s.regionErrors.Load(),
-		RegistryDrops:     s.registryDrops.Load(),
-		ImportsSent:       s.importsSent.Load(),
-		CountRowsRead:     s.rowsRead[Counts].Load(),
-		DenialRowsRead:    s.rowsRead[Denials].Load(),
-		OverridesWritten:  s.overridesWritten.Load(),
-		OverrideRowsRead:  s.rowsRead[Overrides].Load(),
-		ChangeReads:       s.changeReads.Load(),
-		WholeReads:        s.wholeReads.Load(),
-		ClockSteps:        s.clockSteps.Load(),
-		SchemaRemade:      s.schemaRemade.Load(),
-		OwnRowsMissing:    s.ownRowsMissing.Load(),
-		ReplicaLag:        -1,
-		NewestRowAge:      -1,
+		LastPush:            msTime(s.lastPush.Load()),
+		LastPull:            msTime(s.lastPull[Counts].Load()),
+		LastBlocklistPull:   msTime(s.lastPull[Denials].Load()),
+		DenialsEmitted:      s.denialsEmitted.Load(),
+		DenialsApplied:      s.denialsApplied.Load(),
+		DenialsFiltered:     s.denialsFiltered.Load(),
+		DenialsExpired:      s.denialsExpired.Load(),
+		DenialQueueDrops:    s.denialQueueDrops.Load(),
+		CountsPublished:     s.countsPublished.Load(),
+		CountsApplied:       s.countsApplied.Load(),
+		DroppedBatches:      s.droppedBatches.Load(),
+		WriteErrors:         s.writeErrors.Load(),
+		ReadErrors:          s.readErrors.Load(),
+		MigrateErrors:       s.migrateErrors.Load(),
+		ImportDrops:         s.importDrops.Load(),
+		WaitingApplied:      s.waitingApplied.Load(),
+		CleanupDeleted:      s.cleanupDeleted.Load(),
+		RoleTaken:           s.roleTaken.Load(),
+		RoleLost:            s.roleLost.Load(),
+		LeaseErrors:         s.leaseErrors.Load(),
+		LeaseRenewals:       s.leaseRenewals.Load(),
+		Registered:          s.registered.Load(),
+		DenialsLeft:         s.denialsLeft.Load(),
+		RegionErrors:        s.regionErrors.Load(),
+		RegistryDrops:       s.registryDrops.Load(),
+		ImportsSent:         s.importsSent.Load(),
+		CountRowsRead:       s.rowsRead[Counts].Load(),
+		DenialRowsRead:      s.rowsRead[Denials].Load(),
+		OverridesWritten:    s.overridesWritten.Load(),
+		OverrideRowsRead:    s.rowsRead[Overrides].Load(),
+		ChangeReads:         s.changeReads.Load(),
+		WholeReads:          s.wholeReads.Load(),
+		ClockSteps:          s.clockSteps.Load(),
+		SchemaRemade:        s.schemaRemade.Load(),
+		OwnRowsMissing:      s.ownRowsMissing.Load(),
+		OverrideRowsMissing: s.overrideRowsMissing.Load(),
+		ReplicaLag:          -1,
+		NewestRowAge:        -1,
 	}
 }
