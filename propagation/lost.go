@@ -86,6 +86,65 @@ func (p *Propagator) remigrate(ctx context.Context) {
 		zap.String("database", p.addr))
 }
 
+// ownRowsMissing reports whether checkOwnRows would find a row missing
+// from own, changing nothing.
+func (p *Propagator) ownRowsMissing(own map[Cell]struct{}, now int64) bool {
+	missing := false
+	if p.region != nil {
+		p.mu.Lock()
+		for c, r := range p.reg {
+			if _, ok := own[c]; !ok && r.published > 0 && expiresMs(c.Sequence, c.WindowMs) > now {
+				missing = true
+				break
+			}
+		}
+		p.mu.Unlock()
+		return missing
+	}
+	p.eng.ScanCells(p.cfg.MinWindow, func(v *engine.CellView) bool {
+		w := v.Key.Window.Milliseconds()
+		if v.Published <= 0 || expiresMs(v.Sequence, w) <= now {
+			return true
+		}
+		_, ok := own[Cell{v.Key.Namespace, p.rowID(v.Key.Identifier), w, v.Sequence}]
+		missing = !ok
+		return ok
+	})
+	return missing
+}
+
+// ownWrittenRows reads this region's live rows of the published counts
+// from the server writes go to (with mysql_read, the whole reads go to
+// the replica), or returns nil when the read failed: nothing is taken for
+// missing then.
+func (p *Propagator) ownWrittenRows(ctx context.Context, s *sqlStore, now int64) map[Cell]struct{} {
+	own := make(map[Cell]struct{})
+	r := Read{Now: now, Limit: pageSize}
+	for range maxPages {
+		var rows []CountRow
+		err := p.query(ctx, func(ctx context.Context) error {
+			var err error
+			rows, err = s.ReadWrittenCounts(ctx, r)
+			return err
+		})
+		if err != nil {
+			p.readFailed(Counts.what(), err)
+			p.noteSchemaGone(err)
+			return nil
+		}
+		for i := range rows {
+			if rows[i].Region == p.cfg.Region {
+				own[rows[i].cell()] = struct{}{}
+			}
+		}
+		if len(rows) < r.Limit {
+			return own
+		}
+		r.After = rows[len(rows)-1].key()
+	}
+	return nil
+}
+
 // checkOwnRows compares this region's rows that a whole read of the
 // published counts found (own) with the cells it published whose rows
 // are still live at now: a row missing was deleted by hand, and its cell

@@ -30,7 +30,8 @@ func (p *Propagator) pull(ctx context.Context, t Table) {
 	if t == Counts {
 		now := p.now().UnixMilli()
 		var own map[Cell]struct{} // this region's rows a whole read found
-		if s, ok := p.store.(*sqlStore); ok && !s.replica {
+		s, isSQL := p.store.(*sqlStore)
+		if isSQL {
 			p.mu.Lock()
 			if p.fullPull[Counts] {
 				own = make(map[Cell]struct{})
@@ -46,6 +47,17 @@ func (p *Propagator) pull(ctx context.Context, t Table) {
 			p.applyCounts(rows, p.now().UnixMilli())
 		})
 		if own != nil && done {
+			if s.replica {
+				// A replica may not have applied a row just written:
+				// what it lacks is looked for on the server writes go
+				// to, and only what that lacks too is missing.
+				if !p.ownRowsMissing(own, now) {
+					return
+				}
+				if own = p.ownWrittenRows(ctx, s, now); own == nil {
+					return
+				}
+			}
 			p.checkOwnRows(own, now)
 		}
 	} else {

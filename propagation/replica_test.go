@@ -49,3 +49,72 @@ func TestReplica_PullsCatchUpWhenTheReplicaResumes(t *testing.T) {
 		t.Fatalf("b read %d tables whole and pulled changes %d times: the catch-up must be a pull of changes", st.WholeReads, st.ChangeReads)
 	}
 }
+
+// TestReplica_CountsEmptiedOnThePrimaryArePublishedAgain: region a
+// publishes to the primary and pulls from a replica (mysql_read). An
+// operator empties ratelimit_global_counts on the primary, and the
+// replica applies it. a's next whole read (from the replica) lacks its
+// rows; checked against the primary, they are missing there too, and a
+// publishes its cells again, for region b to import.
+func TestReplica_CountsEmptiedOnThePrimaryArePublishedAgain(t *testing.T) {
+	for _, empty := range []string{"TRUNCATE TABLE ratelimit_global_counts", "DELETE FROM ratelimit_global_counts"} {
+		t.Run(empty, func(t *testing.T) {
+			pair := mysqltest.StartPair(t)
+			primary, replica := pair.NewDatabase(t)
+			s := newSetup(t)
+			s.dsn = primary
+			read := func(c *Config) { c.ReadDSN = replica }
+			a, b := s.region("a", read), s.region("b", read)
+			pair.WaitCaughtUp(t) // the schema
+			if n := a.decide("k", 100, 60); n != 60 {
+				t.Fatalf("a admitted %d of 60", n)
+			}
+			a.p.FlushOnce(bg)
+			if n := countRows(t, primary, "ratelimit_global_counts", "WHERE region = 'a'"); n != 1 {
+				t.Fatalf("a's rows on the primary: %d, want 1", n)
+			}
+			db := mysqltest.Open(t, primary)
+			if _, err := db.Exec(empty); err != nil {
+				t.Fatal(err)
+			}
+			pair.WaitCaughtUp(t)
+			a.p.readWholeNext()
+			a.p.FlushOnce(bg) // finds the rows missing
+			a.p.FlushOnce(bg) // publishes them again
+			if n := countRows(t, primary, "ratelimit_global_counts", "WHERE region = 'a'"); n != 1 {
+				t.Fatalf("a's rows on the primary after the emptying and a whole read: %d, want 1 (published again)", n)
+			}
+			if st := a.p.Stats(); st.OwnRowsMissing != 1 {
+				t.Errorf("own rows missing = %d, want 1", st.OwnRowsMissing)
+			}
+			pair.WaitCaughtUp(t)
+			b.p.readWholeNext()
+			b.p.FlushOnce(bg)
+			if c := b.cell(t, "k", seq0); c.Global != 60 {
+				t.Fatalf("b's cell = %+v, want a's 60 as global", c)
+			}
+		})
+	}
+}
+
+// TestReplica_ALaggingReplicaDoesNotRepublish: rows the replica has not
+// applied yet are not taken for rows deleted: the primary holds them.
+func TestReplica_ALaggingReplicaDoesNotRepublish(t *testing.T) {
+	pair := mysqltest.StartPair(t)
+	primary, replica := pair.NewDatabase(t)
+	s := newSetup(t)
+	s.dsn = primary
+	a := s.region("a", func(c *Config) { c.ReadDSN = replica })
+	pair.WaitCaughtUp(t)
+	pair.StopApplying(t)
+	defer pair.StartApplying(t)
+	if n := a.decide("k", 100, 60); n != 60 {
+		t.Fatalf("a admitted %d of 60", n)
+	}
+	a.p.FlushOnce(bg)
+	a.p.readWholeNext()
+	a.p.FlushOnce(bg)
+	if st := a.p.Stats(); st.OwnRowsMissing != 0 {
+		t.Fatalf("own rows missing = %d behind a stopped replica, want 0: the primary holds them", st.OwnRowsMissing)
+	}
+}

@@ -330,8 +330,18 @@ func (s *sqlStore) ReadDenials(ctx context.Context, r Read) ([]BlocklistRow, err
 }
 
 func (s *sqlStore) ReadCounts(ctx context.Context, r Read) ([]CountRow, error) {
+	return readCounts(ctx, s.read, r)
+}
+
+// ReadWrittenCounts is ReadCounts on the server writes go to, whatever
+// mysql_read says.
+func (s *sqlStore) ReadWrittenCounts(ctx context.Context, r Read) ([]CountRow, error) {
+	return readCounts(ctx, s.write, r)
+}
+
+func readCounts(ctx context.Context, db *sql.DB, r Read) ([]CountRow, error) {
 	q, args := readQuery(Counts, countColumns, r)
-	rs, err := s.read.QueryContext(ctx, q, args...)
+	rs, err := db.QueryContext(ctx, q, args...)
 	if err != nil {
 		return nil, err
 	}
