@@ -220,10 +220,62 @@ func (p *Propagator) holdOverrideLocked(r OverrideRow) {
 
 // checkOverrideRows compares a whole read of ratelimit_overrides (rows)
 // with the overrides held here that have not lapsed at now, and queues
-// those missing or older there to be written again. Only for reads of
-// the server writes go to (a replica may not have applied a row just
-// written yet).
-func (p *Propagator) checkOverrideRows(rows []OverrideRow, now int64) {
+// those missing or older there to be written again. A replica
+// (mysql_read) may not have applied a row just written: what it lacks
+// is looked for on the server writes go to, and only what that lacks
+// too is written back.
+func (p *Propagator) checkOverrideRows(ctx context.Context, rows []OverrideRow, now int64) {
+	back := p.overridesMissing(rows, now)
+	if len(back) == 0 {
+		return
+	}
+	if s, ok := p.store.(*sqlStore); ok && s.replica {
+		written, done := p.writtenOverrides(ctx, s)
+		if !done {
+			return
+		}
+		if back = p.overridesMissing(written, now); len(back) == 0 {
+			return
+		}
+	}
+	for _, r := range back {
+		p.PutOverride(r)
+	}
+	c := p.stats.overrideRowsMissing.Add(int64(len(back)))
+	p.log.Warn("runtime overrides held here are missing from ratelimit_overrides (emptied by hand?): writing them back, newest version first",
+		zap.String("database", p.addr), zap.Int("missing", len(back)), zap.Int64("override_rows_missing", c))
+}
+
+// writtenOverrides reads every override from the server writes go to,
+// and reports whether it read to the end.
+func (p *Propagator) writtenOverrides(ctx context.Context, s *sqlStore) ([]OverrideRow, bool) {
+	var out []OverrideRow
+	r := Read{Limit: pageSize}
+	for range maxPages {
+		var rows []OverrideRow
+		err := p.query(ctx, func(ctx context.Context) error {
+			var err error
+			rows, err = s.ReadWrittenOverrides(ctx, r)
+			return err
+		})
+		if err != nil {
+			p.readFailed(Overrides.what(), err)
+			p.noteSchemaGone(err)
+			return nil, false
+		}
+		out = append(out, rows...)
+		if len(rows) < r.Limit {
+			return out, true
+		}
+		r.After = rows[len(rows)-1].key()
+	}
+	return nil, false
+}
+
+// overridesMissing returns the overrides held here, not lapsed at now,
+// that rows (a whole read) lacks or holds in an older version; it
+// forgets those that lapsed.
+func (p *Propagator) overridesMissing(rows []OverrideRow, now int64) []OverrideRow {
 	there := make(map[Cell]int64, len(rows))
 	for _, r := range rows {
 		there[Cell{Namespace: r.Namespace, Identifier: r.Identifier}] = r.Version
@@ -243,13 +295,5 @@ func (p *Propagator) checkOverrideRows(rows []OverrideRow, now int64) {
 		}
 	}
 	p.mu.Unlock()
-	if len(back) == 0 {
-		return
-	}
-	for _, r := range back {
-		p.PutOverride(r)
-	}
-	c := p.stats.overrideRowsMissing.Add(int64(len(back)))
-	p.log.Warn("runtime overrides held here are missing from ratelimit_overrides (emptied by hand?): writing them back, newest version first",
-		zap.String("database", p.addr), zap.Int("missing", len(back)), zap.Int64("override_rows_missing", c))
+	return back
 }

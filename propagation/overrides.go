@@ -168,17 +168,17 @@ func (p *Propagator) pullOverrides(ctx context.Context) {
 	if st == nil {
 		return
 	}
-	// A whole read of the server writes go to also checks that every
-	// override held here is still there (checkOverrideRows).
+	// A whole read also checks that every override held here is still
+	// there (checkOverrideRows).
 	p.mu.Lock()
-	whole := p.fullPull[Overrides] && !p.readsReplica()
+	whole := p.fullPull[Overrides]
 	p.mu.Unlock()
 	var got []OverrideRow
 	if !pullTable(p, ctx, Overrides, st.ReadOverrides, (*OverrideRow).key, func(rows []OverrideRow) { got = append(got, rows...) }) {
 		return
 	}
 	if whole {
-		p.checkOverrideRows(got, p.now().UnixMilli())
+		p.checkOverrideRows(ctx, got, p.now().UnixMilli())
 	}
 	p.mu.Lock()
 	for _, r := range got {

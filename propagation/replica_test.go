@@ -118,3 +118,41 @@ func TestReplica_ALaggingReplicaDoesNotRepublish(t *testing.T) {
 		t.Fatalf("own rows missing = %d behind a stopped replica, want 0: the primary holds them", st.OwnRowsMissing)
 	}
 }
+
+// TestReplica_OverridesEmptiedOnThePrimaryAreWrittenBack: with
+// mysql_read, ratelimit_overrides emptied on the primary (and so on the
+// replica) is seen on the replica's whole read, checked against the
+// primary, and the overrides written back; behind a stopped replica, an
+// override just written is not taken for one lost.
+func TestReplica_OverridesEmptiedOnThePrimaryAreWrittenBack(t *testing.T) {
+	pair := mysqltest.StartPair(t)
+	primary, replica := pair.NewDatabase(t)
+	s := newSetup(t)
+	s.dsn = primary
+	a := s.region("a", func(c *Config) { c.ReadDSN = replica })
+	pair.WaitCaughtUp(t)
+	pair.StopApplying(t)
+	a.p.PutOverride(OverrideRow{Namespace: "z", Identifier: "cust", Limit: 500, Region: "a", Version: 2000})
+	a.p.FlushOnce(bg)
+	a.p.readWholeNext()
+	a.p.FlushOnce(bg)
+	if st := a.p.Stats(); st.OverrideRowsMissing != 0 {
+		t.Fatalf("override rows missing = %d behind a stopped replica, want 0: the primary holds it", st.OverrideRowsMissing)
+	}
+	pair.StartApplying(t)
+
+	db := mysqltest.Open(t, primary)
+	if _, err := db.Exec("TRUNCATE TABLE ratelimit_overrides"); err != nil {
+		t.Fatal(err)
+	}
+	pair.WaitCaughtUp(t)
+	a.p.readWholeNext()
+	a.p.FlushOnce(bg) // finds it missing
+	a.p.FlushOnce(bg) // writes it back
+	if n := countRows(t, primary, "ratelimit_overrides", "WHERE identifier = 'cust' AND limit_units = 500"); n != 1 {
+		t.Fatalf("cust's override on the primary after the emptying and a whole read: %d rows, want 1 (written back)", n)
+	}
+	if st := a.p.Stats(); st.OverrideRowsMissing != 1 {
+		t.Errorf("override rows missing = %d, want 1", st.OverrideRowsMissing)
+	}
+}

@@ -506,6 +506,16 @@ const overrideColumns = `namespace, identifier, limit_units, expires_ms, reason,
 // in change order, or all of them in key order. Removals and lapsed ones
 // are read too: a removal must reach every region.
 func (s *sqlStore) ReadOverrides(ctx context.Context, r Read) ([]OverrideRow, error) {
+	return readOverrides(ctx, s.read, r)
+}
+
+// ReadWrittenOverrides is ReadOverrides on the server writes go to,
+// whatever mysql_read says.
+func (s *sqlStore) ReadWrittenOverrides(ctx context.Context, r Read) ([]OverrideRow, error) {
+	return readOverrides(ctx, s.write, r)
+}
+
+func readOverrides(ctx context.Context, db *sql.DB, r Read) ([]OverrideRow, error) {
 	q := `SELECT ` + overrideColumns + ` FROM ratelimit_overrides`
 	var args []any
 	order := `namespace, identifier`
@@ -529,7 +539,7 @@ func (s *sqlStore) ReadOverrides(ctx context.Context, r Read) ([]OverrideRow, er
 		q += ` WHERE ` + strings.Join(where, ` AND `)
 	}
 	q += ` ORDER BY ` + order + ` LIMIT ?`
-	rs, err := s.read.QueryContext(ctx, q, append(args, r.Limit)...)
+	rs, err := db.QueryContext(ctx, q, append(args, r.Limit)...)
 	if err != nil {
 		return nil, err
 	}
