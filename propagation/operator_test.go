@@ -176,3 +176,29 @@ func TestOperator_AReplicaWithoutTheSchemaYetIsNoDroppedTable(t *testing.T) {
 		t.Fatalf("b never pulled once the replica caught up: %+v", st)
 	}
 }
+
+// TestOperator_ABlocklistEmptiedByHandLosesNoCount: the denial rows of
+// ratelimit_blocklist are a fast path; the counts they carry are in
+// ratelimit_global_counts too. A region that starts after an operator
+// emptied the blocklist imports the denied key's count whole and admits
+// nothing more of it.
+func TestOperator_ABlocklistEmptiedByHandLosesNoCount(t *testing.T) {
+	s := newSetup(t)
+	a := s.region("a")
+	if n := a.decide("k", s.limit, 15); n != int(s.limit) {
+		t.Fatalf("a admitted %d of 15, want the limit %d", n, s.limit)
+	}
+	a.p.FlushOnce(bg)
+	if n := countRows(t, s.dsn, "ratelimit_blocklist", ""); n == 0 {
+		t.Fatal("a's denial wrote no blocklist row")
+	}
+	db := mysqltest.Open(t, s.dsn)
+	if _, err := db.Exec("TRUNCATE TABLE ratelimit_blocklist"); err != nil {
+		t.Fatal(err)
+	}
+	c := s.region("c")
+	c.p.FlushOnce(bg) // the whole read of a process's start
+	if n := c.decide("k", s.limit, 5); n != 0 {
+		t.Fatalf("c, started after the blocklist was emptied, admitted %d of k: a's %d units were lost with it", n, s.limit)
+	}
+}
