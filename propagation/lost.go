@@ -249,27 +249,16 @@ func (p *Propagator) checkOverrideRows(ctx context.Context, rows []OverrideRow, 
 // writtenOverrides reads every override from the server writes go to,
 // and reports whether it read to the end.
 func (p *Propagator) writtenOverrides(ctx context.Context, s *sqlStore) ([]OverrideRow, bool) {
-	var out []OverrideRow
-	r := Read{Limit: pageSize}
-	for range maxPages {
-		var rows []OverrideRow
-		err := p.query(ctx, func(ctx context.Context) error {
-			var err error
-			rows, err = s.ReadWrittenOverrides(ctx, r)
-			return err
-		})
-		if err != nil {
-			p.readFailed(Overrides.what(), err)
-			p.noteSchemaGone(err)
-			return nil, false
-		}
-		out = append(out, rows...)
-		if len(rows) < r.Limit {
-			return out, true
-		}
-		r.After = rows[len(rows)-1].key()
+	out, whole, err := p.readOverridePages(ctx, s.ReadWrittenOverrides)
+	if err != nil {
+		p.readFailed(Overrides.what(), err)
+		p.noteSchemaGone(err)
+		return nil, false
 	}
-	return nil, false
+	if !whole {
+		return nil, false
+	}
+	return out, true
 }
 
 // overridesMissing returns the overrides held here, not lapsed at now,
