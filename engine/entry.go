@@ -218,9 +218,14 @@ func (en *entry) current(seq, now int64, linked, keep bool) (c *cell, dropped [2
 		// prev first, by compare-and-swap against what was read with c, so
 		// a rotation that stalled cannot put back a cell that a newer one
 		// has already moved past.
-		if p != np && !en.prev.CompareAndSwap(p, np) {
-			dropped[0] = nil
-			continue
+		if p != np {
+			if !en.prev.CompareAndSwap(p, np) {
+				dropped[0] = nil
+				continue
+			}
+			if afterPrevSwap != nil {
+				afterPrevSwap()
+			}
 		}
 		if en.cur.CompareAndSwap(c, n) {
 			if p != np {
@@ -228,9 +233,20 @@ func (en *entry) current(seq, now int64, linked, keep bool) (c *cell, dropped [2
 			}
 			return n, dropped
 		}
+		if p != np {
+			// Another rotation took the current cell after this one let
+			// p go from the previous: that one found the previous cell
+			// swapped and lets nothing go, so p is this one's to report.
+			// Look again (nil), as after any rotation by another.
+			return nil, [2]*cell{nil, p}
+		}
 		dropped[0] = nil
 	}
 }
+
+// afterPrevSwap, when set (by a test), runs in current between the swap
+// of the previous cell and that of the current one.
+var afterPrevSwap func()
 
 // replaceStale replaces c, the entry's current cell, which lies more than
 // a window ahead of seq, by a new cell for seq, and returns it; nil when c

@@ -250,3 +250,43 @@ func TestClock_RetryAfterOfACellAheadCountsTheWaitForItsWindow(t *testing.T) {
 		t.Errorf("denied after waiting the Retry-After of %v: %+v", d.RetryAfter, d2)
 	}
 }
+
+// TestEntry_TwoRotationsAtOnceLetGoOfThePreviousCellOnce: of two rotations
+// of one key at once, the one whose swap of the previous cell let the old
+// one go could lose the swap of the current cell to the other, and look
+// again; the other then found the previous cell already swapped and let
+// nothing go. The old previous cell was reported by neither, so no one
+// remembered it, and units a full queue had refused it were neither
+// written nor counted as lost. The rotation that lets it go reports it,
+// whichever wins the current cell.
+func TestEntry_TwoRotationsAtOnceLetGoOfThePreviousCellOnce(t *testing.T) {
+	en := newEntry("k", 0, true)
+	c9, c10 := newCell(9, true), newCell(10, true)
+	en.prev.Store(c9)
+	en.cur.Store(c10)
+	var other [2]*cell
+	var won *cell
+	afterPrevSwap = func() {
+		afterPrevSwap = nil // the other rotation runs to its end, here
+		won, other = en.current(11, 0, true, false)
+	}
+	t.Cleanup(func() { afterPrevSwap = nil })
+	c, mine := en.current(11, 0, true, false)
+	if won == nil || en.cur.Load() != won || en.prev.Load() != c10 {
+		t.Fatalf("the other rotation did not win: cur %v, its %v, prev %v", en.cur.Load(), won, en.prev.Load())
+	}
+	if c != nil && c != won {
+		t.Fatalf("the rotation that lost returned %v, neither the winner's cell nor nil", c)
+	}
+	n := 0
+	for _, d := range append(mine[:], other[:]...) {
+		if d == c9 {
+			n++
+		} else if d != nil {
+			t.Fatalf("let go of %v, which the entry still holds or never held", d)
+		}
+	}
+	if n != 1 {
+		t.Fatalf("the cell of 9 was let go %d times by the two rotations, want once", n)
+	}
+}
