@@ -119,30 +119,22 @@ func (p *Propagator) ownRowsMissing(own map[Cell]struct{}, now int64) bool {
 // missing then.
 func (p *Propagator) ownWrittenRows(ctx context.Context, s *sqlStore, now int64) map[Cell]struct{} {
 	own := make(map[Cell]struct{})
-	r := Read{Now: now, Limit: pageSize}
-	for range maxPages {
-		var rows []CountRow
-		err := p.query(ctx, func(ctx context.Context) error {
-			var err error
-			rows, err = s.ReadWrittenCounts(ctx, r)
-			return err
-		})
-		if err != nil {
-			p.readFailed(Counts.what(), err)
-			p.noteSchemaGone(err)
-			return nil
-		}
+	whole, err := eachPage(p, ctx, Read{Now: now, Limit: pageSize}, s.ReadWrittenCounts, (*CountRow).key, func(rows []CountRow) {
 		for i := range rows {
 			if rows[i].Region == p.cfg.Region {
 				own[rows[i].cell()] = struct{}{}
 			}
 		}
-		if len(rows) < r.Limit {
-			return own
-		}
-		r.After = rows[len(rows)-1].key()
+	})
+	if err != nil {
+		p.readFailed(Counts.what(), err)
+		p.noteSchemaGone(err)
+		return nil
 	}
-	return nil
+	if !whole {
+		return nil
+	}
+	return own
 }
 
 // checkOwnRows compares this region's rows that a whole read of the
@@ -249,16 +241,15 @@ func (p *Propagator) checkOverrideRows(ctx context.Context, rows []OverrideRow, 
 // writtenOverrides reads every override from the server writes go to,
 // and reports whether it read to the end.
 func (p *Propagator) writtenOverrides(ctx context.Context, s *sqlStore) ([]OverrideRow, bool) {
-	out, whole, err := p.readOverridePages(ctx, s.ReadWrittenOverrides)
+	var out []OverrideRow
+	whole, err := eachPage(p, ctx, Read{Limit: pageSize}, s.ReadWrittenOverrides, (*OverrideRow).key,
+		func(rows []OverrideRow) { out = append(out, rows...) })
 	if err != nil {
 		p.readFailed(Overrides.what(), err)
 		p.noteSchemaGone(err)
 		return nil, false
 	}
-	if !whole {
-		return nil, false
-	}
-	return out, true
+	return out, whole
 }
 
 // overridesMissing returns the overrides held here, not lapsed at now,

@@ -211,35 +211,13 @@ func (p *Propagator) LoadOverrides(ctx context.Context) ([]OverrideRow, error) {
 	if st == nil {
 		return nil, nil
 	}
-	out, _, err := p.readOverridePages(ctx, st.ReadOverrides)
+	var out []OverrideRow
+	_, err := eachPage(p, ctx, Read{Limit: pageSize}, st.ReadOverrides, (*OverrideRow).key,
+		func(rows []OverrideRow) { out = append(out, rows...) })
 	if err != nil {
 		return out, fmt.Errorf("load overrides: %w", err)
 	}
 	return out, nil
-}
-
-// readOverridePages reads every override through read, a page at a time,
-// up to maxPages of them (whole is false when it stopped there); on an
-// error, what it read before it.
-func (p *Propagator) readOverridePages(ctx context.Context, read func(context.Context, Read) ([]OverrideRow, error)) (out []OverrideRow, whole bool, err error) {
-	r := Read{Limit: pageSize}
-	for range maxPages {
-		var rows []OverrideRow
-		err := p.query(ctx, func(ctx context.Context) error {
-			var err error
-			rows, err = read(ctx, r)
-			return err
-		})
-		if err != nil {
-			return out, false, err
-		}
-		out = append(out, rows...)
-		if len(rows) < r.Limit {
-			return out, true, nil
-		}
-		r.After = rows[len(rows)-1].key()
-	}
-	return out, false, nil
 }
 
 // Interface guards.

@@ -105,6 +105,27 @@ func pullTable[T any](p *Propagator, ctx context.Context, t Table,
 // keeping what was imported.
 func readPages[T any](p *Propagator, ctx context.Context, t Table, r Read,
 	read func(context.Context, Read) ([]T, error), key func(*T) *RowKey, apply func([]T)) bool {
+	whole, err := eachPage(p, ctx, r, read, key, func(rows []T) {
+		apply(rows)
+		p.stats.rowsRead[t].Add(int64(len(rows)))
+		advance(p, t, rows, key)
+	})
+	if err != nil {
+		p.readFailed(t.what(), err)
+		if !p.readsReplica() {
+			p.noteSchemaGone(err)
+		}
+		return false
+	}
+	return whole
+}
+
+// eachPage reads the pages of r, at most maxPages, and hands each to
+// each: the loop of a pull (readPages) and of the reads beside it, which
+// move no cursor. It reports whether it read to the end, or the error of
+// the read that failed.
+func eachPage[T any](p *Propagator, ctx context.Context, r Read,
+	read func(context.Context, Read) ([]T, error), key func(*T) *RowKey, each func([]T)) (bool, error) {
 	for range maxPages {
 		var rows []T
 		err := p.query(ctx, func(ctx context.Context) error {
@@ -113,21 +134,15 @@ func readPages[T any](p *Propagator, ctx context.Context, t Table, r Read,
 			return err
 		})
 		if err != nil {
-			p.readFailed(t.what(), err)
-			if !p.readsReplica() {
-				p.noteSchemaGone(err)
-			}
-			return false
+			return false, err
 		}
-		apply(rows)
-		p.stats.rowsRead[t].Add(int64(len(rows)))
-		advance(p, t, rows, key)
+		each(rows)
 		if len(rows) < r.Limit {
-			return true
+			return true, nil
 		}
 		r.After = key(&rows[len(rows)-1])
 	}
-	return false
+	return false, nil
 }
 
 // advance moves table t's cursor to the newest of rows, if it is newer,
