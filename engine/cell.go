@@ -302,13 +302,20 @@ const _ uint32 = 1<<seqShift - 2*stGrown
 // setBits sets bits in the state and reports whether this call set any of
 // them (false when all were already set).
 func (c *cell) setBits(bits uint32) bool {
+	_, set := c.setBitsWas(bits)
+	return set
+}
+
+// setBitsWas is setBits that also returns the state bits as they were
+// just before it set them.
+func (c *cell) setBitsWas(bits uint32) (was uint32, set bool) {
 	for {
 		old := c.word.Load()
 		if uint32(old)&bits == bits {
-			return false
+			return uint32(old), false
 		}
 		if c.word.CompareAndSwap(old, old|uint64(bits)) {
-			return true
+			return uint32(old), true
 		}
 	}
 }

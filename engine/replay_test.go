@@ -199,3 +199,54 @@ func TestReplay_SlowOverrunsCountTicksThatFindAFlushRunning(t *testing.T) {
 		}
 	})
 }
+
+// TestReplay_AFastMarkAsTheSlowReplayTakesTheCellLeavesItInNoQueue: a
+// cell marked for the fast queue, full, while the slow replay took it
+// from the slow queue kept the dirty bit that take had just cleared,
+// judged by the state read before: it sat in no queue, its write failed
+// back into pending, and nothing queued it again (the janitor skips a
+// cell marked queued), so its units never reached the origin; let go, it
+// was skipped by the graves too, neither written nor counted as lost
+// (TestEvict_EveryUnitIsSentOrCountedAsLost, a run in ten under load).
+func TestReplay_AFastMarkAsTheSlowReplayTakesTheCellLeavesItInNoQueue(t *testing.T) {
+	e, clk := newTestEngine(t, manual(Config{}))
+	e.queueLen = 1
+	o := newMemOrigin()
+	e.SetOrigin(o)
+	k := lim("k", time.Hour, 10, 1)
+	e.Decide(bg, k) // a cell's first units go to the fast queue
+	if _, err := e.ReplayOnce(bg, Fast); err != nil {
+		t.Fatal(err)
+	}
+	e.Decide(bg, k)                          // 2 of 10: the slow queue
+	e.Decide(bg, lim("f", time.Hour, 10, 1)) // fills the fast queue
+	en := entryOf(t, e, k.Key)
+	c := en.cur.Load()
+	var batch []Delta
+	beforeFastMark = func() {
+		beforeFastMark = nil
+		batch = e.drain(Slow, 1, nil) // the slow replay takes the cell
+	}
+	t.Cleanup(func() { beforeFastMark = nil })
+	c.links().pending.Add(1) // a third unit, as a commit near the limit adds it
+	e.markDirty(e.Zone("zone", time.Hour), en, c, true)
+	if len(batch) != 1 || batch[0].cell != c {
+		t.Fatalf("the slow replay took %d cells, want the key's", len(batch))
+	}
+	o.down.Store(true)
+	if err := e.flush(bg, o, batch); err == nil {
+		t.Fatal("a write to an origin that is down succeeded")
+	}
+	o.down.Store(false)
+	e.Sweep() // the janitor queues what the queues refused
+	if _, err := replayBoth(e); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := replayBoth(e); err != nil {
+		t.Fatal(err)
+	}
+	seq := clk.UnixMilli() / time.Hour.Milliseconds()
+	if got := o.total(k.Key, seq); got != 3 {
+		t.Fatalf("the origin holds %d of the key's 3 units; the cell is dirty %v with %d pending", got, c.state()&stDirty != 0, c.pending())
+	}
+}
