@@ -36,18 +36,9 @@ func (g *graveyard) list() []dirtyCell {
 	return append([]dirtyCell(nil), g.cells...)
 }
 
-// bury remembers the cells of en, forgotten or evicted from z, whose units
-// the origin holds (or will). Their age is not judged by this process's
-// clock, which may be the one that is off.
-func (e *Engine) bury(z *Zone, en *entry) {
-	for _, c := range [2]*cell{en.cur.Load(), en.prev.Load()} {
-		if c != nil {
-			e.buryCell(z, en, c)
-		}
-	}
-}
-
-// buryCells buries the cells a rotation let go.
+// buryCells remembers the cells an entry of z let go (forgotten, evicted,
+// rotated past) whose units the origin holds (or will). Their age is not
+// judged by this process's clock, which may be the one that is off.
 func (e *Engine) buryCells(z *Zone, en *entry, cs [2]*cell) {
 	for _, c := range cs {
 		if c != nil {
@@ -230,9 +221,7 @@ func (e *Engine) Sweep() int {
 			if hasOrigin && !e.requeue(z, en) {
 				return false, false // units no queue could take: keep them
 			}
-			if !hasOrigin {
-				e.bury(z, en) // units counted without an origin, for the next (sendUnsent)
-			}
+			cells := [2]*cell{c, en.prev.Load()}
 			// A request that still holds the entry sees the tombstone and
 			// looks the key up again, so nothing is counted into a dropped
 			// cell.
@@ -244,7 +233,12 @@ func (e *Engine) Sweep() int {
 				// swap, that a full queue refused while the entry still held
 				// the cell: queued now, or, refused again, in the graves
 				// (markDirty), no longer left with an entry that is gone.
-				e.requeueCells(z, en, [2]*cell{c, en.prev.Load()})
+				e.requeueCells(z, en, cells)
+			} else {
+				// Units counted without an origin, for the next
+				// (sendUnsent): buried once the entry let the cells go,
+				// with what a request charged up to then.
+				e.buryCells(z, en, cells)
 			}
 			return true, false
 		})
@@ -373,8 +367,9 @@ func (e *Engine) Evict() int {
 				// buried before, a cell that held nothing was not
 				// remembered. Its unit was then neither written nor
 				// counted as lost (TestEvict_EveryUnitIsSentOrCountedAsLost,
-				// one run in a few under load).
-				e.bury(z, en)
+				// one run in a few under load). The cells as the entry
+				// held them: it holds the tombstone now.
+				e.buryCells(z, en, cells)
 			}
 			if class == threshold {
 				atThreshold--

@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"strconv"
 	"testing"
 	"time"
 )
@@ -74,5 +75,37 @@ func TestOrigin_UnitsAdmittedWithoutItReachItWhenItComesBack(t *testing.T) {
 	replayAll(t, e)
 	if got := o.total(l.Key, seq); got != 6 {
 		t.Fatalf("the origin holds %d after one more, want 6", got)
+	}
+}
+
+// TestResend_GivesAnOriginRestartedEmptyTheUnitsOfAnEvictedKeyBack: a key
+// evicted once the origin had all its units leaves its cell in the graves,
+// so that an origin restarted empty in its window gets them back. Evict
+// buried the entry's cells after letting them go, reading them from the
+// entry, which by then held the tombstone: no evicted key whose units had
+// all been written was remembered, and a unit charged to the cell while it
+// was being let go, refused by full queues, was neither written nor
+// counted as lost (TestEvict_EveryUnitIsSentOrCountedAsLost, a run in
+// thirty under load).
+func TestResend_GivesAnOriginRestartedEmptyTheUnitsOfAnEvictedKeyBack(t *testing.T) {
+	e, clk, o := withOrigin(t, Config{MaxEntries: 10})
+	gone := lim("gone", time.Hour, 100, 1)
+	seq := clk.UnixMilli() / time.Hour.Milliseconds()
+	decideN(e, gone, 3)
+	for i := range 10 { // heavier keys: the lightest goes first
+		decideN(e, lim("busy-"+strconv.Itoa(i), time.Hour, 100, 1), 20)
+	}
+	replayAll(t, e)
+	if n := e.Evict(); n == 0 {
+		t.Fatal("nothing evicted past the cap")
+	}
+	if _, ok := e.Zone("zone", time.Hour).entries.Load("gone"); ok {
+		t.Fatal("the lightest key was not evicted")
+	}
+	o.restart()
+	e.Resend()
+	replayAll(t, e)
+	if got := o.total(gone.Key, seq); got != 3 {
+		t.Fatalf("the origin restarted empty got %d of the evicted key's 3 units back", got)
 	}
 }
