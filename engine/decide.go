@@ -145,10 +145,10 @@ func (e *Engine) allow(d *Decision, lc *located, l *Limit, ok bool, cur, prev in
 					// It came meanwhile, and its sendUnsent may have
 					// passed this cell already.
 					e.markDirty(lc.zone, lc.en, lc.cur, lc.cur.state()&stShared != 0)
-				} else if en := lc.en; en.cur.Load() != lc.cur && en.prev.Load() != lc.cur {
+				} else if !lc.en.holds(lc.cur) {
 					// Let go meanwhile (forgotten, evicted, rotated past)
 					// while it held nothing, so not remembered then.
-					e.buryCell(lc.zone, en, lc.cur)
+					e.buryCell(lc.zone, lc.en, lc.cur)
 				}
 			}
 		}

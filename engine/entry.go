@@ -153,6 +153,15 @@ func (en *entry) previous(c *cell) *cell {
 	return nil
 }
 
+// holds reports whether the entry, still in its map, holds c as its
+// current or its previous cell. A removed entry holds nothing, though it
+// still points at its previous cell: a cell let go that way is only found
+// among the graves (TestSweep_AFailedWriteOfAPreviousCellItDroppedIsRemembered).
+func (en *entry) holds(c *cell) bool {
+	cur := en.cur.Load()
+	return cur != tombstone && (c == cur || c == en.prev.Load())
+}
+
 // tombstone marks an entry removed from the map: a request that still holds
 // the entry looks it up again instead of counting into a forgotten cell.
 var tombstone = newCell(-1, false)

@@ -549,3 +549,48 @@ func smallQueuesEngine() (*Engine, *memOrigin) {
 	e.SetOrigin(o)
 	return e, o
 }
+
+// TestSweep_AFailedWriteOfAPreviousCellItDroppedIsRemembered: the janitor
+// dropped an idle entry while a write of its previous cell was in flight;
+// the write failed, and the full queues refused the units it gave back.
+// markDirty, which buries a cell its entry let go, took the cell for held:
+// the dead entry still pointed at it as its previous cell. Neither a queue
+// nor the graves nor an entry held it, and its unit was neither written
+// nor counted as lost (TestEngine_EveryUnitIsSentOrCountedAsLostAcrossWindows,
+// a run in twenty under load).
+func TestSweep_AFailedWriteOfAPreviousCellItDroppedIsRemembered(t *testing.T) {
+	e, clk := newTestEngine(t, manual(Config{}))
+	e.queueLen = 1
+	o := newMemOrigin()
+	e.SetOrigin(o)
+	k := lim("k", time.Second, 10, 1)
+	seq := clk.UnixMilli() / 1000
+	e.Decide(bg, k)
+	batch := e.drain(Fast, 1, nil) // the write of the cell, in flight
+	if len(batch) != 1 {
+		t.Fatalf("took %d cells, want the key's", len(batch))
+	}
+	clk.Advance(time.Second)
+	e.Decide(bg, k) // the cell is the previous one now
+	if _, err := e.ReplayOnce(bg, Fast); err != nil {
+		t.Fatal(err)
+	}
+	e.Decide(bg, lim("f1", time.Hour, 10, 1)) // both queues full
+	e.Decide(bg, lim("f2", time.Hour, 10, 1))
+	clk.Advance(2 * time.Second)
+	e.Sweep()
+	if _, ok := e.Zone("zone", time.Second).entries.Load("k"); ok {
+		t.Fatal("the idle entry was not dropped")
+	}
+	o.down.Store(true)
+	if err := e.flush(bg, o, batch); err == nil {
+		t.Fatal("a write to an origin that is down succeeded")
+	}
+	o.down.Store(false)
+	if err := e.Close(bg); err != nil {
+		t.Fatal(err)
+	}
+	if sent, lost := o.total(k.Key, seq), e.Stats().LostUnits; sent+lost != 1 {
+		t.Fatalf("of the cell's unit, %d reached the origin and %d were counted as lost", sent, lost)
+	}
+}

@@ -136,7 +136,7 @@ func (e *Engine) markDirty(z *Zone, en *entry, c *cell, fast bool) {
 	if !e.queue(Slow).push(z, en, c) {
 		c.clearBits(stDirty)
 		e.stats.replayDrops.Add(1)
-		if c != en.cur.Load() && c != en.prev.Load() {
+		if !en.holds(c) {
 			// Let go (evicted, forgotten, rotated past): the janitor's
 			// pass over the entries never finds it, the graves do
 			// (TestEvict_EveryUnitIsSentOrCountedAsLost).
