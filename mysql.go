@@ -63,14 +63,15 @@ var mysqlKind = backendKind{
 //	    denial_gossip  on|off            # default on
 //	}
 //
-// Intervals are at least propagation.MinInterval.
+// Intervals are at least propagation.MinInterval, and at most
+// propagation.MaxInterval (mysql_timeout propagation.MaxTimeout).
 var mysqlLines = []optionLine{
 	stringLine("mysql", func(v string) error { return checkDSNLine(v, "mysql") }, func(a *App, v string) { mysqlOf(a).DSN = v }),
 	stringLine("mysql_read", func(v string) error { return checkDSNLine(v, "mysql_read") }, func(a *App, v string) { mysqlOf(a).ReadDSN = v }),
-	durationLine("blocklist_sync", propagation.MinInterval, func(a *App, v time.Duration) { mysqlOf(a).BlocklistSync = caddy.Duration(v) }),
-	durationLine("global_sync", propagation.MinInterval, func(a *App, v time.Duration) { mysqlOf(a).GlobalSync = caddy.Duration(v) }),
-	durationLine("mysql_flush", propagation.MinInterval, func(a *App, v time.Duration) { mysqlOf(a).Flush = caddy.Duration(v) }),
-	durationLine("mysql_timeout", propagation.MinInterval, func(a *App, v time.Duration) { mysqlOf(a).Timeout = caddy.Duration(v) }),
+	durationLineIn("blocklist_sync", propagation.MinInterval, propagation.MaxInterval, func(a *App, v time.Duration) { mysqlOf(a).BlocklistSync = caddy.Duration(v) }),
+	durationLineIn("global_sync", propagation.MinInterval, propagation.MaxInterval, func(a *App, v time.Duration) { mysqlOf(a).GlobalSync = caddy.Duration(v) }),
+	durationLineIn("mysql_flush", propagation.MinInterval, propagation.MaxInterval, func(a *App, v time.Duration) { mysqlOf(a).Flush = caddy.Duration(v) }),
+	durationLineIn("mysql_timeout", propagation.MinInterval, propagation.MaxTimeout, func(a *App, v time.Duration) { mysqlOf(a).Timeout = caddy.Duration(v) }),
 	durationLine("min_window", propagation.MinInterval, func(a *App, v time.Duration) { mysqlOf(a).MinWindow = caddy.Duration(v) }),
 	intLine("mysql_batch", 1, propagation.MaxBatch, func(a *App, n int) { mysqlOf(a).Batch = n }),
 	ratioLine("publish_floor", func(a *App, r float64) { mysqlOf(a).PublishFloor = r }),

@@ -259,6 +259,11 @@ func intLine(name string, lo, hi int, set func(*App, int)) optionLine {
 // durationLine is a line of one duration of at least lo (never below
 // minDuration).
 func durationLine(name string, lo time.Duration, set func(*App, time.Duration)) optionLine {
+	return durationLineIn(name, lo, 0, set)
+}
+
+// durationLineIn is a durationLine of at most hi (0: no bound).
+func durationLineIn(name string, lo, hi time.Duration, set func(*App, time.Duration)) optionLine {
 	lo = max(lo, minDuration)
 	return optionLine{name: name, parse: func(d *caddyfile.Dispenser, a *App) error {
 		v, err := oneArg(d)
@@ -266,8 +271,11 @@ func durationLine(name string, lo time.Duration, set func(*App, time.Duration)) 
 			return err
 		}
 		dur, err := caddy.ParseDuration(v)
-		if err != nil || dur < lo {
+		switch {
+		case err != nil || dur < lo:
 			return d.Errf("%s: want a duration of at least %s, such as 1s, got %q", name, lo, v)
+		case hi > 0 && dur > hi:
+			return d.Errf("%s: want a duration of at most %s, got %q", name, hi, v)
 		}
 		set(a, dur)
 		return nil

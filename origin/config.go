@@ -15,6 +15,29 @@ import (
 // longer is one to decide without.
 const MaxReadTimeout = 10 * time.Second
 
+// The longest durations the tunables take. Past them a setting is a
+// mistake (an hour typed for a millisecond) rather than a choice, and the
+// engine's sums of them (a flush period: a slow tick and two fast ones)
+// could overflow.
+const (
+	// MaxTick bounds slow_tick and fast_tick: a node's units reach the
+	// region's other nodes a tick late, and until then they admit that
+	// long's traffic of a key unseen.
+	MaxTick = time.Minute
+	// MaxFreshness bounds freshness: a node decides on a view of the
+	// region's counts that old.
+	MaxFreshness = time.Minute
+	// MaxBreakerInterval bounds breaker_interval, the span over which a
+	// closed breaker counts failures.
+	MaxBreakerInterval = time.Hour
+	// MaxBreakerTimeout bounds breaker_timeout: a Redis that is back is
+	// not tried for that long.
+	MaxBreakerTimeout = 10 * time.Minute
+	// MaxBreakerSlowCall bounds breaker_slow_call: a call is cut at its
+	// timeout (a read's at most MaxReadTimeout) before it could be slower.
+	MaxBreakerSlowCall = MaxReadTimeout
+)
+
 // MinDuration is the shortest duration any setting takes (0 is the
 // default): the engine counts in milliseconds, so a shorter tick is a
 // loop without pause and a shorter timeout or freshness is 0. The
@@ -243,24 +266,25 @@ func (c Config) Validate() error {
 	for _, f := range []struct {
 		name string
 		v    Duration
+		max  time.Duration
+		why  string
 	}{
-		{"read_timeout", c.ReadTimeout},
-		{"freshness", c.Freshness},
-		{"slow_tick", c.SlowTick},
-		{"fast_tick", c.FastTick},
-		{"breaker.interval", c.Breaker.Interval},
-		{"breaker.timeout", c.Breaker.Timeout},
-		{"breaker.slow_call", c.Breaker.SlowCall},
+		{"read_timeout", c.ReadTimeout, MaxReadTimeout, "a request waits that long for a Redis that does not answer"},
+		{"freshness", c.Freshness, MaxFreshness, "a node would decide on a view of the region's counts that old"},
+		{"slow_tick", c.SlowTick, MaxTick, "the region's other nodes would admit that long's traffic of a key unseen"},
+		{"fast_tick", c.FastTick, MaxTick, "the region's other nodes would admit that long's traffic of a key unseen"},
+		{"breaker.interval", c.Breaker.Interval, MaxBreakerInterval, "the span over which a closed breaker counts failures"},
+		{"breaker.timeout", c.Breaker.Timeout, MaxBreakerTimeout, "a Redis that is back would not be tried for that long"},
+		{"breaker.slow_call", c.Breaker.SlowCall, MaxBreakerSlowCall, "a call is cut at its timeout before it could be slower"},
 	} {
 		switch {
 		case f.v < 0:
 			return fmt.Errorf("%s: must not be negative, got %s", f.name, time.Duration(f.v))
 		case f.v > 0 && f.v < Duration(MinDuration):
 			return fmt.Errorf("%s: at least %s, got %s", f.name, MinDuration, time.Duration(f.v))
+		case time.Duration(f.v) > f.max:
+			return fmt.Errorf("%s: at most %s, got %s: %s", f.name, f.max, time.Duration(f.v), f.why)
 		}
-	}
-	if time.Duration(c.ReadTimeout) > MaxReadTimeout {
-		return fmt.Errorf("read_timeout: at most %s, got %s: a request waits that long for a Redis that does not answer", MaxReadTimeout, time.Duration(c.ReadTimeout))
 	}
 	d := c.WithDefaults()
 	if d.FastTick > d.SlowTick {

@@ -64,3 +64,26 @@ func TestConfig_DurationsUnderAMillisecondAreRejected(t *testing.T) {
 		{"one millisecond", Config{Redis: a, FastTick: Duration(time.Millisecond), Freshness: Duration(time.Millisecond)}, ""},
 	})
 }
+
+// TestConfig_DurationsPastTheirBoundAreRejected: no tunable had an upper
+// bound but read_timeout: `slow_tick 1000000h` passed `caddy adapt`, and
+// a node so configured never sent its units to the region (nor could the
+// engine's sum of its ticks be trusted not to overflow). Each bound is
+// taken; a nanosecond past it is refused, naming the setting.
+func TestConfig_DurationsPastTheirBoundAreRejected(t *testing.T) {
+	a := []string{"redis://a"}
+	past := func(d time.Duration) Duration { return Duration(d + 1) }
+	checkValidate(t, []validateCase{
+		{"read_timeout", Config{Redis: a, ReadTimeout: past(MaxReadTimeout)}, "read_timeout: at most"},
+		{"freshness", Config{Redis: a, Freshness: past(MaxFreshness)}, "freshness: at most"},
+		{"slow_tick", Config{Redis: a, SlowTick: past(MaxTick)}, "slow_tick: at most"},
+		{"fast_tick", Config{Redis: a, SlowTick: past(MaxTick), FastTick: past(MaxTick)}, "at most"},
+		{"breaker.interval", Config{Redis: a, Breaker: BreakerConfig{Interval: past(MaxBreakerInterval)}}, "breaker.interval: at most"},
+		{"breaker.timeout", Config{Redis: a, Breaker: BreakerConfig{Timeout: past(MaxBreakerTimeout)}}, "breaker.timeout: at most"},
+		{"breaker.slow_call", Config{Redis: a, Breaker: BreakerConfig{SlowCall: past(MaxBreakerSlowCall)}}, "breaker.slow_call: at most"},
+		{"a million hours", Config{Redis: a, SlowTick: Duration(1000000 * time.Hour)}, "slow_tick: at most"},
+		{"every bound itself", Config{Redis: a, ReadTimeout: Duration(MaxReadTimeout), Freshness: Duration(MaxFreshness),
+			SlowTick: Duration(MaxTick), FastTick: Duration(MaxTick), Breaker: BreakerConfig{Interval: Duration(MaxBreakerInterval),
+				Timeout: Duration(MaxBreakerTimeout), SlowCall: Duration(MaxBreakerSlowCall)}}, ""},
+	})
+}

@@ -38,6 +38,13 @@ const (
 	// MinInterval is the shortest interval accepted: tests use tens of
 	// milliseconds; shorter would be a busy loop against the database.
 	MinInterval = 10 * time.Millisecond
+	// MaxInterval is the longest sync or flush interval accepted: the
+	// other regions see a region's counts (and its blocklist) that late,
+	// each admitting its own traffic meanwhile as if the others had none.
+	MaxInterval = time.Hour
+	// MaxTimeout bounds mysql_timeout: the flush and the sync hold their
+	// turn for that long when MySQL does not answer.
+	MaxTimeout = time.Minute
 )
 
 // Breaker configures the write breaker (see the origin's breaker settings:
@@ -162,12 +169,16 @@ func (c Config) Validate() error {
 	for _, d := range []struct {
 		name string
 		v    time.Duration
+		max  time.Duration
 	}{
-		{"blocklist_sync", c.BlocklistSync}, {"global_sync", c.GlobalSync},
-		{"mysql_flush", c.Flush}, {"mysql_timeout", c.Timeout},
+		{"blocklist_sync", c.BlocklistSync, MaxInterval}, {"global_sync", c.GlobalSync, MaxInterval},
+		{"mysql_flush", c.Flush, MaxInterval}, {"mysql_timeout", c.Timeout, MaxTimeout},
 	} {
 		if d.v < MinInterval {
 			return fmt.Errorf("%s %s is shorter than %s", d.name, d.v, MinInterval)
+		}
+		if d.v > d.max {
+			return fmt.Errorf("%s %s is longer than %s", d.name, d.v, d.max)
 		}
 	}
 	if c.MinWindow < 0 {

@@ -18,6 +18,11 @@ func TestConfig_DefaultsAreValidAndBadValuesAreNamed(t *testing.T) {
 		base.Batch != DefaultBatch || base.PublishFloor != DefaultPublishFloor || base.MinWindow != DefaultMinWindow {
 		t.Fatalf("defaults not applied: %+v", base)
 	}
+	atBounds := base
+	atBounds.Flush, atBounds.GlobalSync, atBounds.BlocklistSync, atBounds.Timeout = MaxInterval, MaxInterval, MaxInterval, MaxTimeout
+	if err := atBounds.Validate(); err != nil {
+		t.Fatalf("every interval at its bound: %v", err)
+	}
 	for _, c := range []struct {
 		mod  func(*Config)
 		want string
@@ -33,6 +38,12 @@ func TestConfig_DefaultsAreValidAndBadValuesAreNamed(t *testing.T) {
 		{func(c *Config) { c.Batch = MaxBatch + 1 }, "mysql_batch"},
 		{func(c *Config) { c.Batch = 0 }, "mysql_batch"},
 		{func(c *Config) { c.PublishFloor = 1.5 }, "publish_floor"},
+		// No upper bound before: `mysql_flush 1000000h` adapted, and the
+		// region never published.
+		{func(c *Config) { c.Flush = MaxInterval + 1 }, "mysql_flush"},
+		{func(c *Config) { c.GlobalSync = MaxInterval + 1 }, "global_sync"},
+		{func(c *Config) { c.BlocklistSync = MaxInterval + 1 }, "blocklist_sync"},
+		{func(c *Config) { c.Timeout = MaxTimeout + 1 }, "mysql_timeout"},
 	} {
 		cfg := base
 		c.mod(&cfg)
