@@ -84,7 +84,7 @@ func TestBreaker_OpensWhenRedisStopsAndRecoversAfterRestart(t *testing.T) {
 func TestBreaker_SlowRedisOpensTheRequestPathOnly(t *testing.T) {
 	srv := redistest.Start(t)
 	proxy := redistest.StartDelayProxy(t, srv.Addr(), 30*time.Millisecond)
-	o := newOrigin(t, Config{Redis: []string{proxy.URL()}, Breaker: BreakerConfig{Timeout: Duration(time.Hour)}}, Options{NodeID: "p"})
+	o := newOrigin(t, Config{Redis: []string{proxy.URL()}, Breaker: BreakerConfig{Timeout: Duration(MaxBreakerTimeout)}}, Options{NodeID: "p"})
 	k, seq := key("judy"), nowSeq()
 	var took []time.Duration
 	for i := 0; i < 60; i++ {
