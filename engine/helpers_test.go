@@ -52,6 +52,17 @@ func withOrigin(t *testing.T, cfg Config) (*Engine, *testclock.Clock, *memOrigin
 	return e, clk, o
 }
 
+// oneCellQueuesEngine is withOrigin with replay queues of one cell each,
+// which a test fills to make them refuse a cell.
+func oneCellQueuesEngine(t *testing.T) (*Engine, *testclock.Clock, *memOrigin) {
+	t.Helper()
+	e, clk := newTestEngine(t, manual(Config{}))
+	e.queueLen = 1
+	o := newMemOrigin()
+	e.SetOrigin(o)
+	return e, clk, o
+}
+
 // replayBoth runs one iteration of both replay ticks, fast first.
 func replayBoth(e *Engine) (int, error) {
 	n, err := e.ReplayOnce(bg, Fast)

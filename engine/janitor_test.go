@@ -125,10 +125,7 @@ func TestEvict_InsertSignalsTheJanitor(t *testing.T) {
 }
 
 func TestSweep_KeepsAnEntryWhoseUnitsNoQueueTook(t *testing.T) {
-	e, clk := newTestEngine(t, manual(Config{}))
-	e.queueLen = 1
-	o := newMemOrigin()
-	e.SetOrigin(o)
+	e, clk, o := oneCellQueuesEngine(t)
 	seq := clk.UnixMilli() / time.Minute.Milliseconds()
 	for _, id := range []string{"a", "b", "c", "d"} {
 		e.Decide(bg, lim(id, time.Minute, 100, 1))
@@ -559,10 +556,7 @@ func smallQueuesEngine() (*Engine, *memOrigin) {
 // nor counted as lost (TestEngine_EveryUnitIsSentOrCountedAsLostAcrossWindows,
 // a run in twenty under load).
 func TestSweep_AFailedWriteOfAPreviousCellItDroppedIsRemembered(t *testing.T) {
-	e, clk := newTestEngine(t, manual(Config{}))
-	e.queueLen = 1
-	o := newMemOrigin()
-	e.SetOrigin(o)
+	e, clk, o := oneCellQueuesEngine(t)
 	k := lim("k", time.Second, 10, 1)
 	seq := clk.UnixMilli() / 1000
 	e.Decide(bg, k)

@@ -209,10 +209,7 @@ func TestReplay_SlowOverrunsCountTicksThatFindAFlushRunning(t *testing.T) {
 // was skipped by the graves too, neither written nor counted as lost
 // (TestEvict_EveryUnitIsSentOrCountedAsLost, a run in ten under load).
 func TestReplay_AFastMarkAsTheSlowReplayTakesTheCellLeavesItInNoQueue(t *testing.T) {
-	e, clk := newTestEngine(t, manual(Config{}))
-	e.queueLen = 1
-	o := newMemOrigin()
-	e.SetOrigin(o)
+	e, clk, o := oneCellQueuesEngine(t)
 	k := lim("k", time.Hour, 10, 1)
 	e.Decide(bg, k) // a cell's first units go to the fast queue
 	if _, err := e.ReplayOnce(bg, Fast); err != nil {
