@@ -64,7 +64,7 @@ func (e *Engine) flush(ctx context.Context, o Origin, batch []Delta) error {
 				en, _ = d.zone.entries.Load(d.Key.Identifier)
 			}
 			if en != nil {
-				e.merge(en, d.cell, d.Totals, sent, d.Key.Window.Milliseconds(), !d.NoPrev)
+				e.merge(d.zone, en, d.cell, d.Totals, sent, d.Key.Window.Milliseconds(), !d.NoPrev)
 			} else {
 				d.cell.observe(d.Totals, now, e.fastTickMs())
 				d.cell.mergeAnswer(d.Totals.Cur, d.Totals.Mine)

@@ -316,7 +316,7 @@ func (e *Engine) ImportGlobal(key Key, seq, total int64, create bool) bool {
 		case cur.seq() == seq:
 			c = cur
 		case cur.seq() == seq+1:
-			c, slot = e.previousFor(en, cur), &en.prev
+			c, slot = e.previousFor(z, en, cur), &en.prev
 		}
 		if c == nil {
 			return false
@@ -332,7 +332,7 @@ func (e *Engine) ImportGlobal(key Key, seq, total int64, create bool) bool {
 // previousFor returns the cell before cur, creating it when the entry has
 // none (a key first seen in the current window that other regions counted
 // in the previous one).
-func (e *Engine) previousFor(en *entry, cur *cell) *cell {
+func (e *Engine) previousFor(z *Zone, en *entry, cur *cell) *cell {
 	if p := en.previous(cur); p != nil {
 		return p
 	}
@@ -343,6 +343,7 @@ func (e *Engine) previousFor(en *entry, cur *cell) *cell {
 	n := newCell(cur.seq()-1, true)
 	n.setBits(stRead)
 	if en.cur.Load() == cur && en.prev.CompareAndSwap(old, n) {
+		e.letGoPrevious(z, en, old)
 		return n
 	}
 	return en.previous(cur)

@@ -278,7 +278,7 @@ func (e *Engine) startRead(o Origin, lc *located, wait bool) (*flight, bool) {
 		}
 		return f, false
 	}
-	key, en, c := lc.key(), lc.en, lc.cur
+	z, key, en, c := lc.zone, lc.key(), lc.en, lc.cur
 	go func() {
 		defer func() {
 			e.flights.Delete(c)
@@ -287,14 +287,14 @@ func (e *Engine) startRead(o Origin, lc *located, wait bool) (*flight, bool) {
 				e.bgReads.Add(-1)
 			}
 		}()
-		e.readCell(o, key, en, c)
+		e.readCell(o, z, key, en, c)
 	}()
 	return f, true
 }
 
 // readCell performs one origin read of c and the cell before it and merges
 // the totals.
-func (e *Engine) readCell(o Origin, key Key, en *entry, c *cell) {
+func (e *Engine) readCell(o Origin, z *Zone, key Key, en *entry, c *cell) {
 	// A forget of the key writing its units: the origin lacks them until
 	// it is done.
 	e.forgets.wait(key, e.readTimeoutD())
@@ -316,7 +316,7 @@ func (e *Engine) readCell(o Origin, key Key, en *entry, c *cell) {
 	e.originAnswered(now)
 	// Freshness counts from when the read was sent: the origin's answer is
 	// at least that recent.
-	e.merge(en, c, t, start, key.Window.Milliseconds(), true)
+	e.merge(z, en, c, t, start, key.Window.Milliseconds(), true)
 }
 
 // merge brings the origin's totals t of c (and of the cell before it) into
@@ -325,7 +325,7 @@ func (e *Engine) readCell(o Origin, key Key, en *entry, c *cell) {
 // read and fresh from sent, the time the call that returned t was sent.
 // w is the window in ms; withPrev tells that t holds the previous cell's
 // totals, which settle it (see stPrevSettled) once they are final.
-func (e *Engine) merge(en *entry, c *cell, t Totals, sent, w int64, withPrev bool) {
+func (e *Engine) merge(z *Zone, en *entry, c *cell, t Totals, sent, w int64, withPrev bool) {
 	c.observe(t, e.nowMs(), e.fastTickMs())
 	if x := c.links(); x != nil {
 		c.heard(x, sent, 2*e.fastTickMs()) // after observe: a grown cell has the processes it counts
@@ -341,6 +341,7 @@ func (e *Engine) merge(en *entry, c *cell, t Totals, sent, w int64, withPrev boo
 			n.setBits(stRead)
 			if (old == nil || old.seq() < n.seq()) && en.prev.CompareAndSwap(old, n) {
 				p = n
+				e.letGoPrevious(z, en, old)
 			} else {
 				p = en.previous(c)
 			}
@@ -355,6 +356,17 @@ func (e *Engine) merge(en *entry, c *cell, t Totals, sent, w int64, withPrev boo
 	}
 	c.setBits(stRead)
 	c.extendFresh(sent+e.freshnessMs(), e.freshnessMs())
+}
+
+// letGoPrevious remembers old, the previous cell of en that a cell of the
+// window just before replaced: one kept over a gap while the engine had
+// no origin (see entry.current), holding units admitted then that no
+// queue may have taken. Let go unburied, they were neither written nor
+// counted as lost (TestRead_APreviousCellTheOriginReplacesIsRemembered).
+func (e *Engine) letGoPrevious(z *Zone, en *entry, old *cell) {
+	if old != nil {
+		e.buryCell(z, en, old)
+	}
 }
 
 // prevFinal reports whether an answer sent at sent holds the final totals

@@ -329,3 +329,36 @@ func TestUnread_WhatStillReadsFirst(t *testing.T) {
 		})
 	}
 }
+
+// TestRead_APreviousCellTheOriginReplacesIsRemembered: a key that rotated
+// over a gap while the engine had no origin keeps its old cell as the
+// previous one, holding the units admitted then. Once an origin is back,
+// a read that brings the previous window's total replaces that cell with
+// one of the window just before: the old cell was let go unburied, and
+// what no queue had taken of it (the queues full) was neither written nor
+// counted as lost.
+func TestRead_APreviousCellTheOriginReplacesIsRemembered(t *testing.T) {
+	e, clk, o := oneCellQueuesEngine(t)
+	k := lim("k", time.Second, 10, 1)
+	first := clk.UnixMilli() / 1000
+	e.SetOrigin(nil) // a reload without Redis: units wait for the next
+	e.Decide(bg, k)
+	clk.Advance(3 * time.Second) // over a gap: the old cell stays as the previous one
+	e.Decide(bg, k)
+	if p := entryOf(t, e, k.Key).prev.Load(); p == nil || p.seq() != first {
+		t.Fatalf("the entry's previous cell is %v, want the one of window %d", p, first)
+	}
+	now := clk.UnixMilli() / 1000
+	o.add(k.Key, now-1, 4) // other nodes counted the window just before
+	e.SetOrigin(o)         // both unsent cells for one slot of the slow queue
+	e.Decide(bg, k)        // reads the origin: the previous window's 4
+	if p := entryOf(t, e, k.Key).prev.Load(); p == nil || p.seq() != now-1 {
+		t.Fatalf("the read left the previous cell at %v, want one of window %d", p, now-1)
+	}
+	if err := e.Close(bg); err != nil {
+		t.Fatal(err)
+	}
+	if sent, lost := o.total(k.Key, first), e.Stats().LostUnits; sent+lost != 1 {
+		t.Fatalf("of the old cell's unit, %d reached the origin and %d were counted as lost", sent, lost)
+	}
+}

@@ -390,7 +390,7 @@ func (e *Engine) sendGroup(ctx context.Context, o Origin, lc *located, l *Limit,
 	}
 	e.originAnswered(e.nowMs())
 	e.admit(c, n, &r)
-	e.merge(lc.en, c, r.Totals, sent, lc.w, true)
+	e.merge(lc.zone, lc.en, c, r.Totals, sent, lc.w, true)
 	n.totals, n.global, n.globalPrev = r.Totals, r.Global, r.GlobalPrev
 	n.decided = true
 	c.clearBits(stReserved)
