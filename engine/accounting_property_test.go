@@ -11,16 +11,17 @@ import (
 	"github.com/edgelimit/caddy-ratelimit/internal/testclock"
 )
 
-// TestProperty_EveryUnitIsSentOrCountedAsLost drives a manual engine
-// through random sequences of what a gateway's life holds for its
-// counts: requests of keys that come and go, a clock that moves on by
-// less or more than a window (and steps back), an origin that fails and
-// recovers, reloads without it and back, replay queues of a cell or
-// three, the janitor's sweeps and evictions past a cap of eight keys,
-// forgets and resends. At the end the origin is back and the engine
-// closes: every unit it admitted reached the origin or was counted as
-// lost (Stats.LostUnits), none vanished. Each of the accounting races
-// fixed on 2026-11-28 (see TestReplay_AFastMarkAsTheSlowReplay…,
+// TestProperty_EveryUnitIsSentOrCountedAsLost drives two manual engines,
+// two processes sharing one origin, through random sequences of what a
+// gateway's life holds for its counts: requests of keys that come and
+// go, a clock that moves on by less or more than a window (and steps
+// back), an origin that fails and recovers, reloads without it and back,
+// replay queues of a cell or three, the janitor's sweeps and evictions
+// past a cap of eight keys, forgets and resends. At the end the origin is
+// back and the engines close: every unit they admitted reached the origin
+// or was counted as lost (Stats.LostUnits), none vanished. Each of the
+// accounting races fixed on 2026-11-28 (TestReplay_AFastMarkAsTheSlowReplay…,
+// TestResend_GivesAnOriginRestartedEmptyTheUnitsOfAnEvictedKeyBack,
 // TestSweep_AFailedWriteOfAPreviousCell…,
 // TestRead_APreviousCellTheOriginReplaces…) lost units this way.
 // RATELIMIT_ACCOUNTING_RUNS sets the number of sequences (default 300).
@@ -38,18 +39,30 @@ func TestProperty_EveryUnitIsSentOrCountedAsLost(t *testing.T) {
 	}
 }
 
-// accountingRun runs one random sequence and returns what went wrong, or "".
+// accountingRun runs one random sequence and returns what went wrong, or
+// "". Two processes share the origin, each with its own cap and queues.
 func accountingRun(seed uint64) string {
 	r := rand.New(rand.NewPCG(seed, 0))
 	clk := testclock.New(time.UnixMilli(epoch))
-	e := New(manual(Config{Now: clk.Now, MaxEntries: 8}))
-	e.queueLen = 1 + r.IntN(3)
-	o := newMemOrigin()
-	e.SetOrigin(o)
-	attached := true
+	store := newMemOrigin()
+	type process struct {
+		e        *Engine
+		o        *memOrigin
+		attached bool
+	}
+	var ps [2]process
+	for i := range ps {
+		e := New(manual(Config{Now: clk.Now, MaxEntries: 8}))
+		e.queueLen = 1 + r.IntN(3)
+		o := store.peer("n" + strconv.Itoa(i))
+		e.SetOrigin(o)
+		ps[i] = process{e, o, true}
+	}
 	var admitted int64
 	key := func() Key { return Key{"zone", "k-" + strconv.Itoa(r.IntN(12)), time.Second} }
-	for range 300 {
+	for range 400 {
+		p := &ps[r.IntN(len(ps))]
+		e := p.e
 		switch op := r.IntN(100); {
 		case op < 50:
 			k := key()
@@ -62,14 +75,14 @@ func accountingRun(seed uint64) string {
 		case op < 62:
 			clk.Advance(-time.Duration(r.IntN(1500)) * time.Millisecond)
 		case op < 67:
-			o.down.Store(!o.down.Load())
+			store.down.Store(!store.down.Load())
 		case op < 71:
-			if attached {
+			if p.attached {
 				e.SetOrigin(nil)
 			} else {
-				e.SetOrigin(o)
+				e.SetOrigin(p.o)
 			}
-			attached = !attached
+			p.attached = !p.attached
 		case op < 79:
 			_, _ = e.ReplayOnce(bg, Tier(r.IntN(2)))
 		case op < 85:
@@ -82,22 +95,26 @@ func accountingRun(seed uint64) string {
 			e.Resend()
 		}
 	}
-	o.down.Store(false)
-	if !attached {
-		e.SetOrigin(o)
-	}
+	store.down.Store(false)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	if err := e.Close(ctx); err != nil {
-		return "close: " + err.Error()
+	var lost int64
+	for _, p := range ps {
+		if !p.attached {
+			p.e.SetOrigin(p.o)
+		}
+		if err := p.e.Close(ctx); err != nil {
+			return "close: " + err.Error()
+		}
+		lost += p.e.Stats().LostUnits
 	}
-	o.mu.Lock()
+	store.mu.Lock()
 	var sent int64
-	for _, v := range o.totals {
+	for _, v := range store.totals {
 		sent += v
 	}
-	o.mu.Unlock()
-	if lost := e.Stats().LostUnits; sent+lost != admitted {
+	store.mu.Unlock()
+	if sent+lost != admitted {
 		return strconv.FormatInt(admitted, 10) + " units admitted, " + strconv.FormatInt(sent, 10) +
 			" sent and " + strconv.FormatInt(lost, 10) + " counted as lost"
 	}
