@@ -105,20 +105,20 @@ var (
 	// leaseScript takes the lease KEYS[1] for ARGV[1] (node) for ARGV[2]
 	// ms when it is free, or renews it when ARGV[1] holds it; returns the
 	// holder afterwards.
-	leaseScript = redis.NewScript(`
+	leaseScript = sourcedScript(`
 local v = redis.call('GET', KEYS[1])
 if v == ARGV[1] then redis.call('PEXPIRE', KEYS[1], ARGV[2]) return v end
 if not v then redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) return ARGV[1] end
 return v
 `)
 	// releaseScript deletes the lease KEYS[1] if ARGV[1] holds it.
-	releaseScript = redis.NewScript(`
+	releaseScript = sourcedScript(`
 if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
 return 0
 `)
 	// registerScript sets each field ARGV[2i+1] of the registry KEYS[1] to
 	// ARGV[2i+2] and queues it in KEYS[2] when it is new or changed.
-	registerScript = redis.NewScript(`
+	registerScript = sourcedScript(`
 for i = 1, #ARGV, 2 do
   if redis.call('HGET', KEYS[1], ARGV[i]) ~= ARGV[i+1] then
     redis.call('HSET', KEYS[1], ARGV[i], ARGV[i+1])
@@ -129,7 +129,7 @@ return 0
 `)
 	// forgetScript deletes each field ARGV[2i+1] of the hash KEYS[1] if it
 	// still holds ARGV[2i+2]: a denial written, unless a newer one came.
-	forgetScript = redis.NewScript(`
+	forgetScript = sourcedScript(`
 for i = 1, #ARGV, 2 do
   if redis.call('HGET', KEYS[1], ARGV[i]) == ARGV[i+1] then redis.call('HDEL', KEYS[1], ARGV[i]) end
 end
@@ -148,7 +148,7 @@ return 0
 	// what it holds) and moves the sum of their shares (gx) by what each
 	// share moved; g is gx, raised only while the cell was never reset
 	// here (reset.go).
-	importScript = redis.NewScript(importsLua + `
+	importScript = sourcedScript(importsLua + `
 local function push(t, f, v) t[#t+1] = f; t[#t+1] = v end
 local a, want = 1, {}
 for i = 1, #KEYS do
@@ -262,28 +262,75 @@ func (r *Redis) Register(ctx context.Context, cells []RoleCell) error {
 		reg := r.shardKey("reg", s)
 		registerScript.Run(ctx, pipe, []string{reg, reg + ":q"}, args...)
 	}
-	return ep.execScripts(ctx, pipe, registerScript)
+	return ep.execScripts(ctx, pipe)
 }
 
-// execScripts runs pipe on ep, loading scripts and sending the pipeline
-// again once if Redis lost its scripts (every role script is
-// idempotent).
-func (ep *endpoint) execScripts(ctx context.Context, pipe redis.Pipeliner, scripts ...*redis.Script) error {
+// execScripts runs pipe, a pipeline of role scripts (sourcedScript), on
+// ep. The calls that Redis answered NOSCRIPT (it lost its scripts:
+// restarted, flushed, or a failover left a connection on a server that
+// never loaded them) did not run; they alone are sent once more, with
+// their script's source (EVAL), which runs them on the server that
+// answers and loads the script there. Loading the scripts first (SCRIPT
+// LOAD) and sending the same EVALSHA again, as this did before, may load
+// them on another server than the one that answers the calls: a pool's
+// connections after a failover that moved the name dialled (read.go).
+// The calls that ran are not sent again, so nothing runs twice (and every
+// role script is idempotent besides). The error is the first call's, in
+// order, after the retry.
+func (ep *endpoint) execScripts(ctx context.Context, pipe redis.Pipeliner) error {
 	cmds, err := pipe.Exec(ctx)
-	if err == nil || !redis.HasErrorPrefix(err, "NOSCRIPT") {
-		return err
-	}
-	for _, s := range scripts {
-		if err := s.Load(ctx, ep.client).Err(); err != nil {
-			return err
-		}
+	if err == nil {
+		return nil
 	}
 	again := ep.client.Pipeline()
 	for _, c := range cmds {
-		_ = again.Process(ctx, c)
+		if redis.HasErrorPrefix(c.Err(), "NOSCRIPT") && evalInstead(c) {
+			_ = again.Process(ctx, c)
+		}
 	}
-	_, err = again.Exec(ctx)
-	return err
+	if again.Len() == 0 {
+		return err
+	}
+	_, _ = again.Exec(ctx)
+	for _, c := range cmds {
+		if err := c.Err(); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// scriptSources maps the hash of each script made by sourcedScript to its
+// source, for evalInstead.
+var scriptSources = map[string]string{}
+
+// sourcedScript is redis.NewScript(src), remembered so that a pipelined
+// EVALSHA of it can be sent again as EVAL (execScripts). Only at package
+// initialisation: scriptSources is not guarded.
+func sourcedScript(src string) *redis.Script {
+	s := redis.NewScript(src)
+	scriptSources[s.Hash()] = src
+	return s
+}
+
+// evalInstead turns c, an EVALSHA of a script made by sourcedScript, into
+// the EVAL of its source, in place, and reports whether it did. The keys
+// and arguments stay where they are: EVAL takes them as EVALSHA does.
+func evalInstead(c redis.Cmder) bool {
+	args := c.Args()
+	if len(args) < 3 {
+		return false
+	}
+	if name, _ := args[0].(string); !strings.EqualFold(name, "evalsha") {
+		return false
+	}
+	hash, _ := args[1].(string)
+	src, ok := scriptSources[hash]
+	if !ok {
+		return false
+	}
+	args[0], args[1] = "eval", src
+	return true
 }
 
 // TakeRegistered returns the cells registered since the last call, or
@@ -484,7 +531,7 @@ func (r *Redis) DenialsWritten(ctx context.Context, ds []RoleDenial) error {
 	for s, args := range byShard {
 		forgetScript.Run(ctx, pipe, []string{r.shardKey("den", s)}, args...)
 	}
-	return ep.execScripts(ctx, pipe, forgetScript)
+	return ep.execScripts(ctx, pipe)
 }
 
 // CellTotals returns the region's total of each cell with its newest
@@ -553,7 +600,7 @@ func (r *Redis) Import(ctx context.Context, imports []RoleImport) error {
 			}
 			calls = append(calls, sent{importScript.Run(ctx, pipe, keys, args...), part})
 		}
-		if err := ep.execScripts(ctx, pipe, importScript); err != nil {
+		if err := ep.execScripts(ctx, pipe); err != nil {
 			errs = append(errs, fmt.Errorf("redis import %s: %w", ep.address, err))
 			continue
 		}
