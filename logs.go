@@ -77,9 +77,10 @@ func (o *observer) evicted(n int) {
 // with, so its calls and breaker changes reach the metrics and the log.
 func (o *observer) originOptions() origin.Options {
 	return origin.Options{
-		OnCall:        o.originCall,
-		OnStateChange: o.breakerChanged,
-		OnEvicting:    o.evicting,
+		OnCall:           o.originCall,
+		OnStateChange:    o.breakerChanged,
+		OnEvicting:       o.evicting,
+		OnScriptsRefused: o.scriptsRefused,
 	}
 }
 
@@ -87,6 +88,14 @@ func (o *observer) originOptions() origin.Options {
 func (o *observer) evicting(address, policy string, maxmemory int64) {
 	o.view().logger.Warn("Redis may evict rate limit counts under memory pressure: a count it evicts is admitted again (set maxmemory-policy noeviction, or give the limiter a Redis of its own)",
 		zap.String("endpoint", address), zap.String("maxmemory_policy", policy), zap.Int64("maxmemory", maxmemory))
+}
+
+// scriptsRefused says, once per server the restart watch reads first (at
+// startup) or restarted, that it refuses Lua scripts: the limiter cannot
+// use it at all.
+func (o *observer) scriptsRefused(address string, err error) {
+	o.view().logger.Error("Redis refuses Lua scripts (EVAL/EVALSHA disabled or renamed, or not permitted): the rate limiter runs every call as a script, so decisions use local counts only until the server allows EVAL and EVALSHA",
+		zap.String("endpoint", address), zap.Error(err))
 }
 
 // originCall records one origin call and logs the start and the end of a

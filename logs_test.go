@@ -203,3 +203,40 @@ func TestObserver_AFailingRedisSaysWhy(t *testing.T) {
 		t.Fatalf("the status does not say why: last error %q at %v", st.LastError, st.LastErrorAt)
 	}
 }
+
+// TestObserver_ARedisThatRefusesScriptsSaysSo: a Redis with EVAL and
+// EVALSHA renamed away (rename-command in its redis.conf; a proxy that
+// does not pass scripts answers alike) serves none of the limiter's
+// calls. The watch's first read of it (as the node starts) logs an
+// error that says so, and the failing streak's line says it too, not
+// Redis's bare "unknown command 'evalsha'" with the keys it echoes.
+func TestObserver_ARedisThatRefusesScriptsSaysSo(t *testing.T) {
+	srv := redistest.Start(t, redistest.WithArgs("--rename-command", "EVALSHA", "", "--rename-command", "EVAL", ""))
+	o := observer{apps: new(liveApps)}
+	app, logs := observedApp(zapcore.DebugLevel, identities{})
+	o.apps.provision(app)
+	r, err := origin.New(origin.Config{Redis: []string{srv.URL()}}, o.originOptions())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = r.Close() })
+	const refused = "Redis refuses Lua scripts (EVAL/EVALSHA disabled or renamed, or not permitted): the rate limiter runs every call as a script, so decisions use local counts only until the server allows EVAL and EVALSHA"
+	r.WatchRestarts(20*time.Millisecond, func() {})
+	redistest.Eventually(t, 5*time.Second, "the refusal logged", func() bool { return logs.FilterMessage(refused).Len() > 0 })
+	if l := logs.FilterMessage(refused).All()[0]; l.Level != zapcore.ErrorLevel || l.ContextMap()["endpoint"] != srv.URL() {
+		t.Fatalf("the refusal's line: %v %v", l.Level, l.ContextMap())
+	}
+	ctx := context.Background()
+	k := engine.Key{Namespace: "api", Identifier: "hidden-tenant", Window: time.Minute}
+	for range failureStreakLog {
+		_ = r.Flush(ctx, []engine.Delta{{Key: k, Sequence: 1, Delta: 1, Own: 1}})
+	}
+	lines := logs.FilterMessage("redis calls failing: decisions use local counts until they recover").All()
+	if len(lines) != 1 {
+		t.Fatalf("%d streak lines, want 1: %v", len(lines), logs.All())
+	}
+	why, _ := lines[0].ContextMap()["error"].(string)
+	if !strings.Contains(why, "refuses Lua scripts") || strings.Contains(why, "hidden-tenant") {
+		t.Fatalf("the streak line's error %q: want it to say the server refuses scripts, without the key", why)
+	}
+}

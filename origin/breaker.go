@@ -93,10 +93,11 @@ func (ep *endpoint) newBreaker(name string, c BreakerConfig, slow time.Duration)
 // countsAgainst reports whether err says something about Redis's health. A
 // command Redis refused for its own key (a wrong type, a value that is not
 // a number, a script error) does not: one hostile key must not open the
-// breaker of the region. Redis refusing work as a whole does.
+// breaker of the region. Redis refusing work as a whole does, a server
+// that refuses scripts (scriptless.go) among it.
 func countsAgainst(err error) bool {
 	var rerr redis.Error
-	if !errors.As(err, &rerr) {
+	if !errors.As(err, &rerr) || errors.Is(err, ErrScriptsRefused) {
 		return true
 	}
 	for _, p := range []string{"LOADING", "READONLY", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "BUSY", "OOM", "NOAUTH", "WRONGPASS", "NOPERM", "MISCONF", "NOREPLICAS"} {
@@ -125,7 +126,7 @@ func (b *breaker) open() bool { return b.cb.State() == gobreaker.StateOpen }
 func (b *breaker) guard(cells int, fn func() error) error {
 	_, err := b.cb.Execute(func() (struct{}, error) {
 		start := time.Now()
-		err := fn()
+		err := explainScripts(fn())
 		slow := b.slow + time.Duration(cells)*slowPerCell
 		switch {
 		case err == nil && b.slow > 0 && time.Since(start) > slow && !sched.starved(b.slow/2):

@@ -2,8 +2,10 @@ package origin
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -289,5 +291,163 @@ func TestScripts_OneCommandCallsRecoverFromAFlushWithTheSourceOnce(t *testing.T)
 				t.Fatal(err)
 			}
 		})
+	}
+}
+
+// scriptless starts a real redis-server with EVAL and EVALSHA renamed
+// away, as a redis.conf with rename-command EVALSHA "" and EVAL "" does.
+func scriptless(t *testing.T) *redistest.Server {
+	return redistest.Start(t, redistest.WithArgs("--rename-command", "EVALSHA", "", "--rename-command", "EVAL", ""))
+}
+
+// TestBreaker_ARedisThatRefusesScriptsOpensItAndSaysWhy: a server with
+// EVAL and EVALSHA renamed away answers every call with ERR unknown
+// command 'evalsha'. That reply said nothing to the breaker (an error of
+// one key's, it took it for), so both breakers stayed closed and every
+// cold read paid a round trip that always failed, and the status showed
+// Redis's bare reply, keys included. Now the whole call counts as failed,
+// both breakers open (a read is then refused without I/O), and the
+// status, the errors and the restart watch's first read (at startup) say
+// that the server refuses scripts and that the module needs them, without
+// the keys Redis echoes.
+func TestBreaker_ARedisThatRefusesScriptsOpensItAndSaysWhy(t *testing.T) {
+	srv := scriptless(t)
+	var refused struct {
+		sync.Mutex
+		addr string
+		err  error
+	}
+	cfg := Config{Redis: []string{srv.URL()}, Breaker: BreakerConfig{Timeout: Duration(time.Minute)}}
+	o := newOrigin(t, cfg, Options{NodeID: "noscripts", OnScriptsRefused: func(addr string, err error) {
+		refused.Lock()
+		refused.addr, refused.err = addr, err
+		refused.Unlock()
+	}})
+	o.WatchRestarts(20*time.Millisecond, func() {})
+	redistest.Eventually(t, 5*time.Second, "the watch reports the refused scripts", func() bool {
+		refused.Lock()
+		defer refused.Unlock()
+		return refused.err != nil
+	})
+	refused.Lock()
+	if refused.addr != srv.URL() || !errors.Is(refused.err, ErrScriptsRefused) || !strings.Contains(refused.err.Error(), "unknown command 'eval'") {
+		t.Errorf("the watch reported %s: %v; want %s, ErrScriptsRefused with the reply", refused.addr, refused.err, srv.URL())
+	}
+	refused.Unlock()
+
+	k, seq := key("zelda-secret-id"), nowSeq()
+	var readErr, flushErr error
+	redistest.EventuallyShow(t, 10*time.Second, "both breakers open on a server that refuses scripts", func() (bool, string) {
+		if err := requestRead(o, k, seq); !errors.Is(err, ErrBreakerOpen) {
+			readErr = err
+		}
+		if err := o.Flush(ctxT(t), []engine.Delta{{Key: k, Sequence: seq, Delta: 1, Own: 1}}); !errors.Is(err, ErrBreakerOpen) {
+			flushErr = err
+		}
+		st := o.Stats().Endpoints[0]
+		return st.Breaker == BreakerOpen && st.ReplayBreaker == BreakerOpen,
+			fmt.Sprintf("breakers %s/%s, last error %q", st.Breaker, st.ReplayBreaker, st.LastError)
+	})
+	for name, err := range map[string]error{"read": readErr, "flush": flushErr} {
+		if !errors.Is(err, ErrScriptsRefused) {
+			t.Errorf("a %s's error %v does not wrap ErrScriptsRefused", name, err)
+		}
+	}
+	st := o.Stats().Endpoints[0]
+	if !strings.Contains(st.LastError, "refuses Lua scripts (EVAL/EVALSHA disabled or renamed") ||
+		!strings.Contains(st.LastError, "unknown command 'evalsha'") || strings.Contains(st.LastError, "zelda") {
+		t.Errorf("the status's last error %q: want it to say the server refuses scripts, with its reply and without the key", st.LastError)
+	}
+	sent := st.RoundTrips
+	if err := requestRead(o, k, seq); !errors.Is(err, ErrBreakerOpen) {
+		t.Fatalf("a read with the breaker open: %v, want ErrBreakerOpen", err)
+	}
+	if st := o.Stats().Endpoints[0]; st.RoundTrips != sent {
+		t.Fatalf("a read with the breaker open made %d round trips", st.RoundTrips-sent)
+	}
+	// The role's pipelined scripts say it as well.
+	if err := o.Register(ctxT(t), []RoleCell{{Key: k, Sequence: seq, Limit: 1, Expires: time.Now().UnixMilli() + 60_000}}); !errors.Is(err, ErrScriptsRefused) {
+		t.Fatalf("register on a server that refuses scripts: %v, want ErrScriptsRefused", err)
+	}
+}
+
+// TestExplainScripts_OnlyARefusedScriptCommandIsTheServersRefusal: the
+// replies that say a server (or a proxy) will not run script commands
+// become ErrScriptsRefused and count against the breaker; an error inside
+// a script that ran, or a refusal of another command, do not change.
+func TestExplainScripts_OnlyARefusedScriptCommandIsTheServersRefusal(t *testing.T) {
+	for _, tc := range []struct {
+		reply   string
+		refused bool
+		counts  bool
+	}{
+		{"ERR unknown command 'evalsha', with args beginning with: 'abc' '2' 'rl:{api}:secret'", true, true},
+		{"ERR unknown command `EVALSHA`, with args beginning with: `abc`, ", true, true}, // Redis 5
+		{"ERR unknown command 'eval', with args beginning with: 'return 1' '0'", true, true},
+		{"NOPERM User limiter has no permissions to run the 'evalsha' command", true, true},
+		{"ERR unsupported command 'EVALSHA'", true, true}, // a proxy
+		{"ERR unknown command 'hmget', with args beginning with: 'evalsha'", false, false},
+		{"ERR user_script:3: Unknown Redis command called from script script: abc, on @user_script:3.", false, false},
+		{"ERR Error running script (call to f_abc): @user_script:1: WRONGTYPE", false, false},
+		{"READONLY You can't write against a read only replica.", false, true},
+	} {
+		err := explainScripts(replyError(tc.reply))
+		if got := errors.Is(err, ErrScriptsRefused); got != tc.refused {
+			t.Errorf("%q: refused %v, want %v (%v)", tc.reply, got, tc.refused, err)
+		}
+		if got := countsAgainst(err); got != tc.counts {
+			t.Errorf("%q: counts against the breaker %v, want %v", tc.reply, got, tc.counts)
+		}
+		if strings.Contains(err.Error(), "secret") {
+			t.Errorf("%q: the error shows the keys: %v", tc.reply, err)
+		}
+	}
+}
+
+// replyError is an error reply as go-redis hands it over: a redis.Error.
+type replyError string
+
+func (e replyError) Error() string { return string(e) }
+func (replyError) RedisError()     {}
+
+// TestScripts_EveryCallOnAServerThatRefusesScriptsSaysSo: on a server
+// with EVAL and EVALSHA renamed away, every call that runs a script (the
+// role's, the heartbeat, overrides, resets, reservations) fails with
+// ErrScriptsRefused, and no error shows the keys Redis echoes (a reset's
+// keys and an override's field name an identifier).
+func TestScripts_EveryCallOnAServerThatRefusesScriptsSaysSo(t *testing.T) {
+	srv := scriptless(t)
+	o := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "n"})
+	k, seq := key("secret-tenant"), nowSeq()
+	ov := Override{Field: "z/secret-tenant", Version: 1, Value: "{}"}
+	for name, call := range map[string]func(ctx context.Context) error{
+		"lease":   func(ctx context.Context) error { _, err := o.Lease(ctx, time.Minute); return err },
+		"release": o.ReleaseLease,
+		"heartbeat": func(ctx context.Context) error {
+			_, err := o.Heartbeat(ctx, time.Minute)
+			return err
+		},
+		"put overrides": func(ctx context.Context) error {
+			_, err := o.PutOverrides(ctx, []Override{ov}, true)
+			return err
+		},
+		"take overrides": func(ctx context.Context) error {
+			_, err := o.TakeOverrides(ctx, false)
+			return err
+		},
+		"drop overrides": func(ctx context.Context) error { return o.DropOverrides(ctx, []Override{ov}) },
+		"reset":          func(ctx context.Context) error { return o.ResetCells(ctx, k, seq, 0) },
+		"reserve":        func(ctx context.Context) error { return o.Reserve(ctx, reservation(k, seq, 0, 1, 10)) },
+		"denials written": func(ctx context.Context) error {
+			return o.DenialsWritten(ctx, []RoleDenial{{Key: k, Sequence: seq, Row: "r"}})
+		},
+		"import": func(ctx context.Context) error {
+			return o.Import(ctx, []RoleImport{{Key: k, Sequence: seq, Count: 1}})
+		},
+	} {
+		err := call(ctxT(t))
+		if !errors.Is(err, ErrScriptsRefused) || strings.Contains(err.Error(), "secret-tenant") {
+			t.Errorf("%s: %v; want ErrScriptsRefused, without the keys", name, err)
+		}
 	}
 }

@@ -125,7 +125,7 @@ func (r *Redis) PutOverrides(ctx context.Context, os []Override, queue bool) (in
 	ep, k := r.roleEndpoint(), r.overridesKey()
 	n, err := overridePutScript.Run(ctx, ep.client, []string{k, k + ":v", k + ":q"}, args...).Int()
 	if err != nil {
-		return 0, fmt.Errorf("redis put %s %s: %w", k, ep.address, err)
+		return 0, fmt.Errorf("redis put %s %s: %w", k, ep.address, explainScripts(err))
 	}
 	return n, nil
 }
@@ -314,7 +314,7 @@ func (r *Redis) TakeOverrides(ctx context.Context, all bool) ([]Override, error)
 	k := r.overridesKey()
 	vals, err := overrideTakeScript.Run(ctx, ep.client, []string{k, k + ":q"}, roleQueueBatch).StringSlice()
 	if err != nil && !errors.Is(err, redis.Nil) {
-		return nil, fmt.Errorf("redis take overrides %s: %w", ep.address, err)
+		return nil, fmt.Errorf("redis take overrides %s: %w", ep.address, explainScripts(err))
 	}
 	var out []Override
 	for i := 0; i+1 < len(vals); i += 2 {
@@ -338,7 +338,7 @@ func (r *Redis) DropOverrides(ctx context.Context, os []Override) error {
 	}
 	ep, k := r.roleEndpoint(), r.overridesKey()
 	if err := forgetScript.Run(ctx, ep.client, []string{k}, args...).Err(); err != nil && !errors.Is(err, redis.Nil) {
-		return fmt.Errorf("redis drop %s %s: %w", k, ep.address, err)
+		return fmt.Errorf("redis drop %s %s: %w", k, ep.address, explainScripts(err))
 	}
 	return nil
 }

@@ -150,7 +150,7 @@ func (r *Redis) Heartbeat(ctx context.Context, lapse time.Duration) (int64, erro
 	sent := r.opts.Now()
 	res, err := processesScript.Run(ctx, r.roleEndpoint().client, []string{k}, r.member(), lapse.Milliseconds()).Int64Slice()
 	if err != nil {
-		return 0, err
+		return 0, explainScripts(err)
 	}
 	if len(res) != 2 {
 		return 0, fmt.Errorf("heartbeat: %d values in the reply, want 2", len(res))

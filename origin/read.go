@@ -222,6 +222,7 @@ func (ep *endpoint) sendReads(ctx context.Context, pipe redis.Pipeliner, part []
 func parseReads(c *redis.Cmd, part []*readReq) {
 	reply, err := c.Text()
 	if err != nil {
+		err = explainScripts(err)
 		for _, q := range part {
 			q.err = err
 		}

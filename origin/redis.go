@@ -79,6 +79,13 @@ type Options struct {
 	// noeviction. A count Redis evicts is lost to every node, with no
 	// restart for anyone to see.
 	OnEvicting func(address, policy string, maxmemory int64)
+	// OnScriptsRefused runs on the restart watch's goroutine when it
+	// first reads a server, or reads it restarted, that refuses Lua
+	// scripts (EVAL "return 1" refused: EVAL/EVALSHA disabled or renamed,
+	// or not permitted; scriptless.go). Every call of the module is a
+	// script: such a server serves none, and decisions stay local. err
+	// wraps ErrScriptsRefused with the server's reply.
+	OnScriptsRefused func(address string, err error)
 	// Build names this process's build in its record among the region's
 	// processes (Builds); "" names none. A space or a control character
 	// in it is replaced with "_", and it is cut to maxBuild bytes.

@@ -137,7 +137,7 @@ func (r *Redis) ResetCells(ctx context.Context, key engine.Key, seq, version int
 	cur, prev := cellKeys(r.prefix, key, seq)
 	if err := resetScript.Run(ctx, ep.client, []string{cur, prev}, strconv.FormatInt(max(version, 0), 10),
 		expireAt(key, seq).UnixMilli(), expireAt(key, seq-1).UnixMilli()).Err(); err != nil && !errors.Is(err, redis.Nil) {
-		return fmt.Errorf("redis reset %s (zone %q): %w", ep.address, key.Namespace, err)
+		return fmt.Errorf("redis reset %s (zone %q): %w", ep.address, key.Namespace, explainScripts(err))
 	}
 	return nil
 }

@@ -152,7 +152,8 @@ type reading struct {
 
 // check reads every server's run ID and, when one changed, calls
 // onRestart. A server seen for the first time, or restarted, is asked
-// whether it may evict keys (Options.OnEvicting).
+// whether it may evict keys (Options.OnEvicting) and whether it runs
+// scripts (Options.OnScriptsRefused).
 //
 // In a Cluster a failover promotes a replica at another address, which
 // the watch has never read: that is a change too, whatever its run ID,
@@ -213,13 +214,17 @@ func (w *restartWatch) check(onRestart func()) {
 		onRestart()
 	}
 	w.mu.Unlock()
-	if w.r.opts.OnEvicting == nil {
-		return
-	}
 	for _, srv := range fresh {
 		ctx, cancel := context.WithTimeout(context.Background(), runIDTimeout)
-		if policy, max := evictionPolicy(ctx, srv.client); max > 0 && policy != "" && policy != "noeviction" {
-			w.r.opts.OnEvicting(srv.addr, policy, max)
+		if w.r.opts.OnEvicting != nil {
+			if policy, max := evictionPolicy(ctx, srv.client); max > 0 && policy != "" && policy != "noeviction" {
+				w.r.opts.OnEvicting(srv.addr, policy, max)
+			}
+		}
+		if w.r.opts.OnScriptsRefused != nil {
+			if err := probeScripts(ctx, srv.client); err != nil {
+				w.r.opts.OnScriptsRefused(srv.addr, err)
+			}
 		}
 		cancel()
 	}

@@ -223,7 +223,7 @@ func (r *Redis) Lease(ctx context.Context, ttl time.Duration) (string, error) {
 	ep := r.roleEndpoint()
 	holder, err := leaseScript.Run(ctx, ep.client, []string{r.leaseKey()}, r.nodeID, ttl.Milliseconds()).Text()
 	if err != nil {
-		return "", fmt.Errorf("redis lease %s: %w", ep.address, err)
+		return "", fmt.Errorf("redis lease %s: %w", ep.address, explainScripts(err))
 	}
 	return holder, nil
 }
@@ -233,7 +233,7 @@ func (r *Redis) Lease(ctx context.Context, ttl time.Duration) (string, error) {
 func (r *Redis) ReleaseLease(ctx context.Context) error {
 	ep := r.roleEndpoint()
 	if err := releaseScript.Run(ctx, ep.client, []string{r.leaseKey()}, r.nodeID).Err(); err != nil && !errors.Is(err, redis.Nil) {
-		return fmt.Errorf("redis release lease %s: %w", ep.address, err)
+		return fmt.Errorf("redis release lease %s: %w", ep.address, explainScripts(err))
 	}
 	return nil
 }
@@ -276,7 +276,8 @@ func (r *Redis) Register(ctx context.Context, cells []RoleCell) error {
 // connections after a failover that moved the name dialled (read.go).
 // The calls that ran are not sent again, so nothing runs twice (and every
 // role script is idempotent besides). The error is the first call's, in
-// order, after the retry.
+// order, after the retry (ErrScriptsRefused when the server refuses
+// scripts: scriptless.go).
 func (ep *endpoint) execScripts(ctx context.Context, pipe redis.Pipeliner) error {
 	cmds, err := pipe.Exec(ctx)
 	if err == nil {
@@ -289,12 +290,12 @@ func (ep *endpoint) execScripts(ctx context.Context, pipe redis.Pipeliner) error
 		}
 	}
 	if again.Len() == 0 {
-		return err
+		return explainScripts(err)
 	}
 	_, _ = again.Exec(ctx)
 	for _, c := range cmds {
 		if err := c.Err(); err != nil {
-			return err
+			return explainScripts(err)
 		}
 	}
 	return nil
