@@ -58,6 +58,12 @@ func (r resetDrop) covers(c *cell) bool {
 	return c != nil && c != tombstone && c.seq() <= r.upTo && !c.madeAfter(r.at)
 }
 
+// coversAny reports whether the reset drops the units of a cell of en.
+func (r resetDrop) coversAny(en *entry) bool {
+	cur := en.cur.Load()
+	return cur == tombstone || r.covers(cur) || r.covers(en.prev.Load())
+}
+
 // noDrop is forget's drop when it drops nothing: below every sequence.
 var noDrop = resetDrop{upTo: math.MinInt64}
 
@@ -197,6 +203,18 @@ func (e *Engine) takeCells(batch []Delta, z *Zone, en *entry, cells [2]*cell) ([
 // made meanwhile, for the entry that takes its place, waits for the write
 // (see forgetting).
 func (e *Engine) forget(z *Zone, id string, drop resetDrop) bool {
+	if drop != noDrop {
+		if en, ok := z.entries.Load(id); ok && !drop.coversAny(en) {
+			// Only units admitted after the reset (cells made after it,
+			// or of later windows): the reset takes nothing off them, and
+			// the entry stays with its counts. Forgotten, a process whose
+			// request breaker was still open when it heard of the reset
+			// decided the key from nothing and admitted its limit again
+			// (TestDropMatching_AKeyMetOnlyAfterTheResetKeepsItsCount).
+			e.dropStrict(z, id)
+			return true
+		}
+	}
 	found := false
 	o := e.getOrigin()
 	if o != nil {
@@ -233,11 +251,17 @@ func (e *Engine) forget(z *Zone, id string, drop resetDrop) bool {
 		}
 		e.buryCells(z, en, cells) // and those of an origin gone reach the next (sendUnsent)
 	}
+	return e.dropStrict(z, id) || found
+}
+
+// dropStrict drops the strict deadline of the normalized id, and reports
+// whether it had one.
+func (e *Engine) dropStrict(z *Zone, id string) bool {
 	if _, ok := z.strict.LoadAndDelete(id); ok {
 		e.strictLive.Add(-1)
-		found = true
+		return true
 	}
-	return found
+	return false
 }
 
 // forgetting holds the keys whose forget is writing their units (see

@@ -410,3 +410,34 @@ func TestForget_BatchesWaitingForAReservationCountInTheKeysNextEntry(t *testing.
 		}
 	})
 }
+
+// TestDropMatching_AKeyMetOnlyAfterTheResetKeepsItsCount: a process cut
+// off from the origin met a key after a reset and admitted its limit;
+// it hears of the reset when the origin is back, while its request path
+// still decides locally (its breaker not closed yet, here a read that
+// fails). The reset takes nothing off the key's cell, made after it, and
+// the key stays at its limit. Before, the reset forgot the entry: the
+// next request decided the key from nothing and admitted the limit again
+// (the root's TestReset_ANodeCutOffMeetsAKeyAfterAResetKeepsItsUnits, 2
+// runs in 6: 2 more at a limit of 2).
+func TestDropMatching_AKeyMetOnlyAfterTheResetKeepsItsCount(t *testing.T) {
+	e, clk, o := withOrigin(t, Config{})
+	k := lim("met-late", time.Minute, 2, 1)
+	cut := errors.New("cut off")
+	o.failReads(cut)
+	o.failFlushes(cut)
+	at := e.nowMs() // the reset, made by another process
+	clk.Advance(time.Millisecond)
+	if n := admittedOf(e, k, 3); n != 2 {
+		t.Fatalf("cut off, admitted %d of 3 at a limit of 2", n)
+	}
+	e.DropMatching("zone", time.Minute, func(string) bool { return true }, at)
+	if n := admittedOf(e, k, 2); n != 0 {
+		t.Fatalf("after the reset, which took nothing off, admitted %d more at a limit of 2", n)
+	}
+	o.failFlushes(nil)
+	replayAll(t, e)
+	if got := o.total(k.Key, clk.UnixMilli()/time.Minute.Milliseconds()); got != 2 {
+		t.Fatalf("the origin holds %d of the 2 units admitted after the reset", got)
+	}
+}
