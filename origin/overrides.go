@@ -47,16 +47,14 @@ type Override struct {
 	Value string
 }
 
-var (
-	// overridePutScript sets each field ARGV[3i+1] of KEYS[1] to
-	// "ARGV[3i+2] ARGV[3i+3]" when its version ARGV[3i+2] is newer than the
-	// one held, or the same and its region after the held one's (see
-	// Override), queues it in KEYS[3] when ARGV[#ARGV] is "1", and bumps
-	// KEYS[2] once if any changed, publishing its new value on the channel
-	// KEYS[2] where the user may; returns how many changed. Regions compare
-	// byte by byte, as MySQL's VARBINARY does (Lua's < follows the
-	// server's locale).
-	overridePutScript = redis.NewScript(`
+// overridePutLib is the write of one field that both put scripts make:
+// put sets field to "ver val" when ver is newer than the one held, or the
+// same and its region after the held one's (see Override), queues it in
+// KEYS[3] when queue is set, and returns 1 when it changed, else 0;
+// announce bumps KEYS[2] once if any changed, publishing its new value on
+// the channel KEYS[2] where the user may. Regions compare byte by byte, as
+// MySQL's VARBINARY does (Lua's < follows the server's locale).
+const overridePutLib = `
 local function region(v)
   local ok, o = pcall(cjson.decode, v)
   if ok and type(o) == 'table' and type(o.region) == 'string' then return o.region end
@@ -69,28 +67,79 @@ local function after(a, b)
   end
   return #a > #b
 end
-local changed = 0
-local queue = ARGV[#ARGV] == '1'
-for i = 1, #ARGV - 1, 3 do
-  local old = redis.call('HGET', KEYS[1], ARGV[i])
+local function put(field, ver, val, queue)
+  local old = redis.call('HGET', KEYS[1], field)
   local ov, oldval = -1, nil
   if old then
     ov = tonumber(string.match(old, '^(%-?%d+)')) or -1
     oldval = string.match(old, '^%-?%d+ (.*)$')
   end
-  local nv = tonumber(ARGV[i+1])
-  if nv > ov or (nv == ov and oldval ~= nil and after(region(ARGV[i+2]), region(oldval))) then
-    redis.call('HSET', KEYS[1], ARGV[i], ARGV[i+1] .. ' ' .. ARGV[i+2])
-    if queue then redis.call('RPUSH', KEYS[3], ARGV[i]) end
-    changed = changed + 1
+  local nv = tonumber(ver)
+  if nv > ov or (nv == ov and oldval ~= nil and after(region(val), region(oldval))) then
+    redis.call('HSET', KEYS[1], field, ver .. ' ' .. val)
+    if queue then redis.call('RPUSH', KEYS[3], field) end
+    return 1
+  end
+  return 0
+end
+local function announce(changed)
+  if changed > 0 then
+    -- pcall: a user without pub/sub channels (Redis 7's default for a new
+    -- ACL user) still changes overrides; its nodes read the counter instead.
+    redis.pcall('PUBLISH', KEYS[2], redis.call('INCR', KEYS[2]))
   end
 end
-if changed > 0 then
-  -- pcall: a user without pub/sub channels (Redis 7's default for a new
-  -- ACL user) still changes overrides; its nodes read the counter instead.
-  redis.pcall('PUBLISH', KEYS[2], redis.call('INCR', KEYS[2]))
+`
+
+var (
+	// overridePutScript writes each field ARGV[3i+1] as "ARGV[3i+2]
+	// ARGV[3i+3]" (put), queueing it when ARGV[#ARGV] is "1", and bumps
+	// KEYS[2] once if any changed (announce); returns how many changed.
+	overridePutScript = redis.NewScript(overridePutLib + `
+local changed = 0
+local queue = ARGV[#ARGV] == '1'
+for i = 1, #ARGV - 1, 3 do
+  changed = changed + put(ARGV[i], ARGV[i+1], ARGV[i+2], queue)
 end
+announce(changed)
 return changed
+`)
+	// overrideCheckedPutScript is overridePutScript's write of one field,
+	// made only when what KEYS[1] holds of the field ARGV[1] meets a
+	// precondition (OverrideCondition), judged at ARGV[2] (Unix ms, the
+	// region's clock): ARGV[3] is If-Match and ARGV[4] If-None-Match, each
+	// "" when not given, "*", or " tag tag " (entity tags, quotes
+	// included); ARGV[5..7] are the field, version and value written,
+	// ARGV[8] "1" to queue it. The check and the write are one step in
+	// Redis, so two nodes that change a field at once under one entity
+	// tag do not both pass. It returns {1, held} when the change took,
+	// {0, held} when the region holds a newer version, {-1, held} when the
+	// precondition failed, held being what the checked field held before
+	// ("" for nothing).
+	overrideCheckedPutScript = redis.NewScript(overridePutLib + `
+local held = redis.call('HGET', KEYS[1], ARGV[1]) or ''
+local etag, live = nil, false
+if held ~= '' then
+  local ver, val = string.match(held, '^(%-?%d+) (.*)$')
+  if ver then
+    local ok, o = pcall(cjson.decode, val)
+    if ok and type(o) == 'table' then
+      local exp = tonumber(o.expires_ms) or 0
+      live = o.deleted ~= true and (exp == 0 or exp > tonumber(ARGV[2]))
+    end
+    local r = region(val)
+    etag = '"' .. ver .. (r ~= '' and ('.' .. r) or '') .. '"'
+  end
+end
+local function named(spec)
+  return etag ~= nil and string.find(spec, ' ' .. etag .. ' ', 1, true) ~= nil
+end
+local match, none = ARGV[3], ARGV[4]
+if match ~= '' and (not live or (match ~= '*' and not named(match))) then return {-1, held} end
+if none ~= '' and live and (none == '*' or named(none)) then return {-1, held} end
+local n = put(ARGV[5], ARGV[6], ARGV[7], ARGV[8] == '1')
+announce(n)
+return {n, held}
 `)
 	// overrideTakeScript pops up to ARGV[1] queued fields of KEYS[2] and
 	// returns each with its value in KEYS[1] (fields since removed are
@@ -128,6 +177,78 @@ func (r *Redis) PutOverrides(ctx context.Context, os []Override, queue bool) (in
 		return 0, fmt.Errorf("redis put %s %s: %w", k, ep.address, explainScripts(err))
 	}
 	return n, nil
+}
+
+// OverrideCondition is a precondition of a change (If-Match,
+// If-None-Match), which the region's Redis checks against what it holds
+// of Field in the same step as the write (PutOverrideIf).
+type OverrideCondition struct {
+	// Field is the field whose held change is compared: the one written,
+	// or the one a node's book matched the condition against.
+	Field string
+	// NowMs is when a held override's expiry is judged (Unix ms, on the
+	// region's clock): a lapsed one, or a removal, is not live.
+	NowMs int64
+	// Match is If-Match, NoneMatch If-None-Match.
+	Match, NoneMatch OverrideTags
+}
+
+// OverrideTags is one header of an OverrideCondition.
+type OverrideTags struct {
+	Given bool
+	// Any is "*": any live override.
+	Any bool
+	// Tags are the entity tags that count, quotes included, each as
+	// "<version>.<region>" (the region left out when empty): for
+	// If-Match, the strong ones only.
+	Tags []string
+}
+
+// spec is t as overrideCheckedPutScript reads it. Entity tags hold no
+// space (a parsed tag holds no byte under 0x21), so spaces delimit them.
+func (t OverrideTags) spec() string {
+	switch {
+	case !t.Given:
+		return ""
+	case t.Any:
+		return "*"
+	}
+	return " " + strings.Join(t.Tags, " ") + " "
+}
+
+// Checked is the outcome of PutOverrideIf.
+type Checked struct {
+	// Took: the change is held now. Not Took and not Failed: the region
+	// holds a newer version of the field written.
+	Took bool
+	// Failed: the precondition did not hold, and nothing was written.
+	Failed bool
+	// Held is what the region held of the condition's field before (the
+	// change checked against), Holds false when it held nothing.
+	Held  Override
+	Holds bool
+}
+
+// PutOverrideIf writes o, as PutOverrides does, only when what the region
+// holds of c.Field meets c, in one script: of two nodes that change a
+// field at once under one entity tag, one passes, and the other finds
+// the first's change.
+func (r *Redis) PutOverrideIf(ctx context.Context, o Override, c OverrideCondition, queue bool) (Checked, error) {
+	ep, k := r.roleEndpoint(), r.overridesKey()
+	args := []any{c.Field, strconv.FormatInt(c.NowMs, 10), c.Match.spec(), c.NoneMatch.spec(),
+		o.Field, strconv.FormatInt(o.Version, 10), o.Value, map[bool]string{true: "1", false: "0"}[queue]}
+	reply, err := overrideCheckedPutScript.Run(ctx, ep.client, []string{k, k + ":v", k + ":q"}, args...).Slice()
+	if err != nil {
+		return Checked{}, fmt.Errorf("redis put %s %s: %w", k, ep.address, err)
+	}
+	if len(reply) != 2 {
+		return Checked{}, fmt.Errorf("redis put %s %s: a reply of %d items", k, ep.address, len(reply))
+	}
+	status, _ := reply[0].(int64)
+	raw, _ := reply[1].(string)
+	out := Checked{Took: status == 1, Failed: status == -1}
+	out.Held, out.Holds = parseOverride(c.Field, raw)
+	return out, nil
 }
 
 // OverridesVersion returns the region's change counter of overrides: it
