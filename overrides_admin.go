@@ -275,7 +275,7 @@ func putOverride(w http.ResponseWriter, r *http.Request, pre preconditions, st *
 	if body.Expires != nil {
 		rec.ExpiresMs = body.Expires.UnixMilli()
 	}
-	return changeOverride(w, r, st, rec, "set")
+	return changeOverride(w, r, st, rec, "set", checkedIn(pre, old, ok, rec, r.Method))
 }
 
 // removeOlderForm removes the live override of (zone, id) by a build
@@ -309,12 +309,29 @@ func deleteOverride(w http.ResponseWriter, r *http.Request, pre preconditions, s
 	// override of this form, or else one by a build before forms.
 	rec := overrideRec{Zone: zoneName, Identifier: id, Region: st.apps.view().region, Deleted: true,
 		CreatedMs: now.UnixMilli(), Version: max(now.UnixMicro(), old.Version+1), ExpiresMs: now.Add(tombstoneLife).UnixMilli(), Form: old.Form}
-	return changeOverride(w, r, st, rec, "removed")
+	return changeOverride(w, r, st, rec, "removed", checkedIn(pre, old, true, rec, r.Method))
 }
 
-// changeOverride stores a change, logs who made it and counts it.
-func changeOverride(w http.ResponseWriter, r *http.Request, st *state, rec overrideRec, what string) error {
-	rec, scope, err := storeOverride(r.Context(), st, rec)
+// checkedIn is the condition the region's Redis checks a change rec under,
+// nil for an unconditional one. It compares the field the node's book
+// matched the condition against (old's, when the book holds one: under
+// identifier_secret, that may be the override by a build before forms),
+// so that the region judges what the node judged.
+func checkedIn(pre preconditions, old overrideRec, held bool, rec overrideRec, method string) *regionCondition {
+	if !pre.given() {
+		return nil
+	}
+	field := rec.field()
+	if held {
+		field = old.field()
+	}
+	return &regionCondition{pre: pre, field: field, method: method}
+}
+
+// changeOverride stores a change, under cond when it is conditional,
+// logs who made it and counts it.
+func changeOverride(w http.ResponseWriter, r *http.Request, st *state, rec overrideRec, what string, cond *regionCondition) error {
+	rec, scope, err := storeChecked(r.Context(), st, rec, cond)
 	view := st.apps.view()
 	if err == nil && rec.Form != "" {
 		// The change took and wins over the older form's record already;

@@ -9,6 +9,8 @@ import (
 	"strings"
 
 	"github.com/caddyserver/caddy/v2"
+
+	"github.com/edgelimit/caddy-ratelimit/origin"
 )
 
 // Conditional requests of one override (RFC 9110, section 13): its ETag
@@ -17,10 +19,16 @@ import (
 // read the same override and change it at once do not both win, the
 // last write silently undoing the first.
 //
-// The check is against this node's book, made with the change under the
-// book's admin lock (overrideBook.changing): two requests to one node
-// never both pass on one override. A change made on another node that has
-// not reached this one yet is not seen.
+// The check is against this node's book first, made with the change under
+// the book's admin lock (overrideBook.changing): two requests to one node
+// never both pass on one override, and a change the node can refuse is
+// refused without a round trip. With Redis, the region's Redis checks it
+// again in the same step as the write (regionCondition,
+// origin.PutOverrideIf): a change made on another node of the region that
+// has not reached this one yet is seen there, and of two nodes that
+// change an override at once under one entity tag, one takes. Without
+// Redis (local-only, MySQL alone) the node's book is all there is; across
+// regions no check is made at the request, and the later version wins.
 
 // etagOf is r's entity tag, quoted: its version, unique to a change of
 // the key in its region (the region's Redis stamps a change that would
@@ -133,22 +141,69 @@ func (c condition) matches(etag string, weak bool) bool {
 // is set: nil when the request may go on, else the error to answer, a
 // 412, or for a GET a 304 when If-None-Match matches (notModified).
 func (p preconditions) check(cur overrideRec, live bool, method string) error {
+	return p.checkHeld(cur, live, method, "this node")
+}
+
+// checkHeld is check against what holder ("this node", "the region")
+// holds, named so in a 412.
+func (p preconditions) checkHeld(cur overrideRec, live bool, method, holder string) error {
 	etag := etagOf(cur)
 	switch {
 	case p.match.given && !live:
 		return caddy.APIError{HTTPStatus: http.StatusPreconditionFailed,
-			Err: errors.New("If-Match: this node holds no live override of this identifier; nothing was changed")}
+			Err: fmt.Errorf("If-Match: %s holds no live override of this identifier; nothing was changed", holder)}
 	case p.match.given && !p.match.any && !p.match.matches(etag, false):
 		return caddy.APIError{HTTPStatus: http.StatusPreconditionFailed,
-			Err: fmt.Errorf("If-Match: this node holds the override as %s, which the header does not name (it changed since it was read?); nothing was changed: read it again with GET", etag)}
+			Err: fmt.Errorf("If-Match: %s holds the override as %s, which the header does not name (it changed since it was read?); nothing was changed: read it again with GET", holder, etag)}
 	case p.noneMatch.given && live && (p.noneMatch.any || p.noneMatch.matches(etag, true)):
 		if method == http.MethodGet {
 			return errNotModified
 		}
 		return caddy.APIError{HTTPStatus: http.StatusPreconditionFailed,
-			Err: fmt.Errorf("If-None-Match: this node holds the override as %s, which the header names; nothing was changed", etag)}
+			Err: fmt.Errorf("If-None-Match: %s holds the override as %s, which the header names; nothing was changed", holder, etag)}
 	}
 	return nil
+}
+
+// regionCondition is a change's preconditions as the region's Redis
+// checks them against what it holds of field (origin.PutOverrideIf),
+// with the meaning check gives them: If-Match compares strongly (a weak
+// tag counts for nothing), If-None-Match weakly. method is the change's,
+// for the 412 that names what the region holds.
+type regionCondition struct {
+	pre    preconditions
+	field  string
+	method string
+}
+
+// origin is c as the region's Redis takes it, expiry judged at nowMs on
+// the region's clock.
+func (c *regionCondition) origin(nowMs int64) origin.OverrideCondition {
+	tags := func(k condition, weak bool) origin.OverrideTags {
+		t := origin.OverrideTags{Given: k.given, Any: k.any}
+		for _, e := range k.tags {
+			if weak || !e.weak {
+				t.Tags = append(t.Tags, e.opaque)
+			}
+		}
+		return t
+	}
+	return origin.OverrideCondition{Field: c.field, NowMs: nowMs, Match: tags(c.pre.match, false), NoneMatch: tags(c.pre.noneMatch, true)}
+}
+
+// failed is the 412 of a change whose precondition the region's Redis
+// found false, saying what the region held: held (holds false when
+// nothing), judged live at nowMs as the script judged it.
+func (c *regionCondition) failed(held origin.Override, holds bool, nowMs int64) error {
+	rec, ok := recOfRegion(held)
+	live := holds && ok && rec.live(nowMs)
+	if err := c.pre.checkHeld(rec, live, c.method, "the region"); err != nil {
+		return err
+	}
+	// The script and checkHeld judge alike; should they not, the 412
+	// still says whose check failed.
+	return caddy.APIError{HTTPStatus: http.StatusPreconditionFailed,
+		Err: errors.New("the region's Redis found the precondition false; nothing was changed: read the override again with GET")}
 }
 
 // errNotModified answers a GET whose If-None-Match names the override

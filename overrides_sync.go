@@ -81,6 +81,13 @@ func neverSent(err error) bool {
 	return errors.As(err, &op) && op.Op == "dial"
 }
 
+// errOverrideUnchecked is a conditional change the region's Redis could
+// not be asked about (down, refusing connections, no answer in time): its
+// precondition holds region-wide or it does not, and this node cannot
+// tell, so nothing was stored. The node's own book is not enough: a
+// change made on another node may not have reached it.
+var errOverrideUnchecked = errors.New("the region's Redis could not check the precondition (If-Match / If-None-Match) against what the region holds: nothing was changed; send it again once the region's Redis answers")
+
 // storeOverride stores a change where its scope says and applies it here,
 // and returns it as stored. With Redis the region takes it first (and
 // queues it for MySQL when the cross-region layer runs): a change the
@@ -91,6 +98,17 @@ func neverSent(err error) bool {
 // stored again, once; a change that still does not take answers 409.
 // Without Redis, a process of its own region queues it for MySQL.
 func storeOverride(ctx context.Context, st *state, rec overrideRec) (overrideRec, string, error) {
+	return storeChecked(ctx, st, rec, nil)
+}
+
+// storeChecked is storeOverride of a change made under cond, which the
+// region's Redis checks in the same step as each write, the second one
+// stamped past a newer version included: the condition is about what the
+// region holds, which a version bump does not change. A change whose
+// condition fails there is a 412 naming what the region holds, and one
+// the region could not check a 503 (errOverrideUnchecked). Without Redis
+// cond was checked against the node's book alone, by the caller.
+func storeChecked(ctx context.Context, st *state, rec overrideRec, cond *regionCondition) (overrideRec, string, error) {
 	scope := overrideScope(st)
 	rb := st.overridesRedis()
 	switch {
@@ -98,7 +116,10 @@ func storeOverride(ctx context.Context, st *state, rec overrideRec) (overrideRec
 		ctx, cancel := context.WithTimeout(ctx, time.Second)
 		defer cancel()
 		for try := 0; ; try++ {
-			n, err := rb.PutOverrides(ctx, []origin.Override{rec.regionValue()}, scope == scopeGlobal)
+			n, err := putInRegion(ctx, st, rb, rec, cond, scope == scopeGlobal)
+			if _, failed := err.(caddy.APIError); failed {
+				return rec, scope, err
+			}
 			if err != nil {
 				took, rerr := tookAnyway(rb, rec)
 				if !took {
@@ -109,7 +130,11 @@ func storeOverride(ctx context.Context, st *state, rec overrideRec) (overrideRec
 						try--
 						continue
 					}
-					return rec, scope, errors.Join(storeFailed(rerr, err), err)
+					failed := storeFailed(rerr, err)
+					if cond != nil && failed == errOverrideStore {
+						failed = errOverrideUnchecked
+					}
+					return rec, scope, errors.Join(failed, err)
 				}
 				n = 1
 			}
@@ -131,6 +156,31 @@ func storeOverride(ctx context.Context, st *state, rec overrideRec) (overrideRec
 	}
 	overrides.merge([]overrideRec{rec})
 	return rec, scope, nil
+}
+
+// putInRegion writes rec to the region's Redis, under cond when there is
+// one, and returns how many fields took (0: the region holds a newer
+// version). A condition the region found false is a 412 (a
+// caddy.APIError), and what the region held, newer than the book's copy,
+// goes into the book: the node knows at once what the 412 named.
+func putInRegion(ctx context.Context, st *state, rb *origin.Redis, rec overrideRec, cond *regionCondition, queue bool) (int, error) {
+	if cond == nil {
+		return rb.PutOverrides(ctx, []origin.Override{rec.regionValue()}, queue)
+	}
+	nowMs := st.engine.NowMs()
+	got, err := rb.PutOverrideIf(ctx, rec.regionValue(), cond.origin(nowMs), queue)
+	switch {
+	case err != nil:
+		return 0, err
+	case got.Failed:
+		if held, ok := recOfRegion(got.Held); got.Holds && ok {
+			overrides.merge([]overrideRec{held})
+		}
+		return 0, cond.failed(got.Held, got.Holds, nowMs)
+	case got.Took:
+		return 1, nil
+	}
+	return 0, nil
 }
 
 // replacedRedis is the region's Redis in use when a reload replaced rb
