@@ -167,6 +167,21 @@ func TestLogs_READMEListsEveryMessage(t *testing.T) {
 	}
 }
 
+// observedOrigin is an origin on url whose calls an observer of a
+// provisioned app sees, and that app's logs.
+func observedOrigin(t *testing.T, url string) (*origin.Redis, *logobserver.ObservedLogs) {
+	t.Helper()
+	o := observer{apps: new(liveApps)}
+	app, logs := observedApp(zapcore.DebugLevel, identities{})
+	o.apps.provision(app)
+	r, err := origin.New(origin.Config{Redis: []string{url}}, o.originOptions())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = r.Close() })
+	return r, logs
+}
+
 // TestObserver_AFailingRedisSaysWhy: a Redis that answers every write
 // with an error (here READONLY: the configured server was made a replica)
 // must say which in the log line of the failing streak and in the
@@ -175,14 +190,7 @@ func TestLogs_READMEListsEveryMessage(t *testing.T) {
 // a full memory.
 func TestObserver_AFailingRedisSaysWhy(t *testing.T) {
 	srv, other := redistest.Start(t), redistest.Start(t)
-	o := observer{apps: new(liveApps)}
-	app, logs := observedApp(zapcore.DebugLevel, identities{})
-	o.apps.provision(app)
-	r, err := origin.New(origin.Config{Redis: []string{srv.URL()}}, o.originOptions())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = r.Close() })
+	r, logs := observedOrigin(t, srv.URL())
 	ctx := context.Background()
 	if err := srv.Client().Do(ctx, "REPLICAOF", "127.0.0.1", other.Port()).Err(); err != nil {
 		t.Fatal(err)
@@ -212,14 +220,7 @@ func TestObserver_AFailingRedisSaysWhy(t *testing.T) {
 // Redis's bare "unknown command 'evalsha'" with the keys it echoes.
 func TestObserver_ARedisThatRefusesScriptsSaysSo(t *testing.T) {
 	srv := redistest.Start(t, redistest.WithArgs("--rename-command", "EVALSHA", "", "--rename-command", "EVAL", ""))
-	o := observer{apps: new(liveApps)}
-	app, logs := observedApp(zapcore.DebugLevel, identities{})
-	o.apps.provision(app)
-	r, err := origin.New(origin.Config{Redis: []string{srv.URL()}}, o.originOptions())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = r.Close() })
+	r, logs := observedOrigin(t, srv.URL())
 	const refused = "Redis refuses Lua scripts (EVAL/EVALSHA disabled or renamed, or not permitted): the rate limiter runs every call as a script, so decisions use local counts only until the server allows EVAL and EVALSHA"
 	r.WatchRestarts(20*time.Millisecond, func() {})
 	redistest.Eventually(t, 5*time.Second, "the refusal logged", func() bool { return logs.FilterMessage(refused).Len() > 0 })

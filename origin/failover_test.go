@@ -227,18 +227,8 @@ func awaitTotal(ctx context.Context, c *redis.Client, cell string, want int64, d
 // refused, the units held, forever. The writes must reach the new master
 // by themselves.
 func TestFailover_AnAddressThatMovesToTheNewMasterIsFollowed(t *testing.T) {
-	oldMaster, replica := redistest.Start(t), redistest.Start(t)
+	oldMaster, replica := startReplicated(t)
 	ctx := context.Background()
-	if err := replica.Client().Do(ctx, "REPLICAOF", "127.0.0.1", oldMaster.Port()).Err(); err != nil {
-		t.Fatal(err)
-	}
-	inSync := func(s *redistest.Server) func() bool {
-		return func() bool {
-			info, err := s.Client().Info(ctx, "replication").Result()
-			return err == nil && strings.Contains(info, "master_link_status:up")
-		}
-	}
-	redistest.Eventually(t, 10*time.Second, "the replica in sync", inSync(replica))
 	name := redistest.StartDelayProxy(t, oldMaster.Addr(), 0)
 	cfg := Config{Redis: []string{name.URL()}, Breaker: BreakerConfig{Timeout: Duration(200 * time.Millisecond)}}
 	o := newOrigin(t, cfg, Options{NodeID: "dns"})
@@ -252,6 +242,39 @@ func TestFailover_AnAddressThatMovesToTheNewMasterIsFollowed(t *testing.T) {
 	}
 	// The failover: the replica is promoted, the old master follows it,
 	// and the name points at the new master.
+	failOver(t, oldMaster, replica, name)
+	redistest.EventuallyShow(t, 10*time.Second, "the writes reach the new master", func() (bool, string) {
+		b, err := flush(9)
+		got, _ := cellTotal(ctx, replica.Client(), DefaultPrefix, k, seq)
+		return b[0].Done && got == 9, fmt.Sprintf("flush %v; the new master holds %d", err, got)
+	})
+}
+
+// startReplicated starts a master and a replica of it, in sync.
+func startReplicated(t *testing.T) (master, replica *redistest.Server) {
+	t.Helper()
+	master, replica = redistest.Start(t), redistest.Start(t)
+	ctx := context.Background()
+	if err := replica.Client().Do(ctx, "REPLICAOF", "127.0.0.1", master.Port()).Err(); err != nil {
+		t.Fatal(err)
+	}
+	redistest.Eventually(t, 10*time.Second, "the replica in sync", inSync(ctx, replica))
+	return master, replica
+}
+
+// inSync reports, when called, whether s replicates its master.
+func inSync(ctx context.Context, s *redistest.Server) func() bool {
+	return func() bool {
+		info, err := s.Client().Info(ctx, "replication").Result()
+		return err == nil && strings.Contains(info, "master_link_status:up")
+	}
+}
+
+// failOver promotes replica, makes oldMaster follow it, and points name
+// (a proxy standing for a DNS name) at it.
+func failOver(t *testing.T, oldMaster, replica *redistest.Server, name *redistest.Proxy) {
+	t.Helper()
+	ctx := context.Background()
 	if err := replica.Client().Do(ctx, "REPLICAOF", "NO", "ONE").Err(); err != nil {
 		t.Fatal(err)
 	}
@@ -259,10 +282,5 @@ func TestFailover_AnAddressThatMovesToTheNewMasterIsFollowed(t *testing.T) {
 		t.Fatal(err)
 	}
 	name.SetUpstream(replica.Addr())
-	redistest.Eventually(t, 10*time.Second, "the old master follows the new one", inSync(oldMaster))
-	redistest.EventuallyShow(t, 10*time.Second, "the writes reach the new master", func() (bool, string) {
-		b, err := flush(9)
-		got, _ := cellTotal(ctx, replica.Client(), DefaultPrefix, k, seq)
-		return b[0].Done && got == 9, fmt.Sprintf("flush %v; the new master holds %d", err, got)
-	})
+	redistest.Eventually(t, 10*time.Second, "the old master follows the new one", inSync(ctx, oldMaster))
 }

@@ -127,18 +127,8 @@ func TestRole_ScriptsFlushedBetweenCallsAreSentWithTheirSourceOnce(t *testing.T)
 // connections dialled anew reach the new master. Registrations must
 // reach the new master by themselves.
 func TestRole_AnAddressThatMovesToTheNewMasterIsFollowed(t *testing.T) {
-	oldMaster, replica := redistest.Start(t), redistest.Start(t)
+	oldMaster, replica := startReplicated(t)
 	ctx := context.Background()
-	if err := replica.Client().Do(ctx, "REPLICAOF", "127.0.0.1", oldMaster.Port()).Err(); err != nil {
-		t.Fatal(err)
-	}
-	inSync := func(s *redistest.Server) func() bool {
-		return func() bool {
-			info, err := s.Client().Info(ctx, "replication").Result()
-			return err == nil && strings.Contains(info, "master_link_status:up")
-		}
-	}
-	redistest.Eventually(t, 10*time.Second, "the replica in sync", inSync(replica))
 	name := redistest.StartDelayProxy(t, oldMaster.Addr(), 0)
 	o := newOrigin(t, Config{Redis: []string{name.URL()}}, Options{NodeID: "dns"})
 	now := time.Now().UnixMilli()
@@ -162,14 +152,7 @@ func TestRole_AnAddressThatMovesToTheNewMasterIsFollowed(t *testing.T) {
 		t.Fatalf("register before the failover: %v", err)
 	}
 	redistest.Eventually(t, 10*time.Second, "the replica holds the registrations", func() bool { return onNewMaster() == int64(len(before)) })
-	if err := replica.Client().Do(ctx, "REPLICAOF", "NO", "ONE").Err(); err != nil {
-		t.Fatal(err)
-	}
-	if err := oldMaster.Client().Do(ctx, "REPLICAOF", "127.0.0.1", replica.Port()).Err(); err != nil {
-		t.Fatal(err)
-	}
-	name.SetUpstream(replica.Addr())
-	redistest.Eventually(t, 10*time.Second, "the old master follows the new one", inSync(oldMaster))
+	failOver(t, oldMaster, replica, name)
 	var after []RoleCell
 	for i := range 8 {
 		after = append(after, cell(fmt.Sprint("after-", i)))
