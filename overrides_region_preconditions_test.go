@@ -16,6 +16,22 @@ import (
 // origin.PutOverrideIf). Two Caddy processes racing on one Redis are in
 // integration/ (TestOperator_TwoNodesConditionalChangesAtOnceOneWins).
 
+// overridePath is the admin path of the override the tests here change.
+const overridePath = "/ratelimit/overrides?zone=ov&identifier=k"
+
+// nodeWithOverride starts a node (slowWatchedNode) on a private Redis
+// and puts an override of limit 1 through it: the Redis, the node's
+// admin port and the override as the PUT answered it.
+func nodeWithOverride(t *testing.T) (*redistest.Server, int, overrideDoc) {
+	t.Helper()
+	resetOverrides(t)
+	srv := redistest.Start(t)
+	admin := slowWatchedNode(t, srv)
+	var read overrideDoc
+	adminSend(t, admin, http.MethodPut, overridePath, `{"limit": 1}`).decode(t, http.StatusOK, &read)
+	return srv, admin, read
+}
+
 // slowWatchedNode starts this process as a node of region ov-test on srv
 // that hears another node's change only on the change's notice or its
 // slow tick of a minute: a change written to the region's hash without a
@@ -53,12 +69,7 @@ func changeUnheard(t *testing.T, srv *redistest.Server, rec overrideRec) {
 // a 412 too. Before, the node's book passed each and the change took,
 // undoing the other node's.
 func TestOverrides_AStaleNodesIfMatchMeetsTheRegionsChange(t *testing.T) {
-	resetOverrides(t)
-	srv := redistest.Start(t)
-	admin := slowWatchedNode(t, srv)
-	const path = "/ratelimit/overrides?zone=ov&identifier=k"
-	var read overrideDoc
-	adminSend(t, admin, http.MethodPut, path, `{"limit": 1}`).decode(t, http.StatusOK, &read)
+	srv, admin, read := nodeWithOverride(t)
 
 	now := time.Now()
 	var theirs overrideRec
@@ -68,7 +79,7 @@ func TestOverrides_AStaleNodesIfMatchMeetsTheRegionsChange(t *testing.T) {
 		if got, _ := overrides.get("ov", "k"); got.Version >= theirs.Version {
 			t.Fatalf("the node heard the change already (%s): the test races nothing", etagOf(got))
 		}
-		r := adminIf(t, admin, method, path, `{"limit": 50}`, "If-Match", read.ETag)
+		r := adminIf(t, admin, method, overridePath, `{"limit": 50}`, "If-Match", read.ETag)
 		r.wantSays(t, http.StatusPreconditionFailed, "If-Match: the region holds the override as "+etagOf(theirs))
 		read.ETag = etagOf(theirs) // the 412 brought it into the book: a GET now shows it
 	}
@@ -82,7 +93,7 @@ func TestOverrides_AStaleNodesIfMatchMeetsTheRegionsChange(t *testing.T) {
 		}
 	}
 	// The 412 brought the region's change into the book.
-	wantOverride(t, admin, path, theirs.Limit, etagOf(theirs))
+	wantOverride(t, admin, overridePath, theirs.Limit, etagOf(theirs))
 
 	// A key this node has never heard of, created on another node.
 	other := overrideRec{Zone: "ov", Identifier: "fresh", Limit: 3, Region: "ov-test", CreatedMs: now.UnixMilli(), Version: now.UnixMicro()}
@@ -99,12 +110,7 @@ func TestOverrides_AStaleNodesIfMatchMeetsTheRegionsChange(t *testing.T) {
 // unconditional one's 503, which does not say its precondition went
 // unchecked.
 func TestOverrides_AConditionalChangeWithRedisDownChangesNothing(t *testing.T) {
-	resetOverrides(t)
-	srv := redistest.Start(t)
-	admin := slowWatchedNode(t, srv)
-	const path = "/ratelimit/overrides?zone=ov&identifier=k"
-	var read overrideDoc
-	adminSend(t, admin, http.MethodPut, path, `{"limit": 1}`).decode(t, http.StatusOK, &read)
+	srv, admin, read := nodeWithOverride(t)
 	srv.Stop()
 
 	for _, c := range []struct{ method, header, value string }{
@@ -113,11 +119,11 @@ func TestOverrides_AConditionalChangeWithRedisDownChangesNothing(t *testing.T) {
 		{http.MethodPut, "If-Match", "*"},
 		{http.MethodPut, "If-None-Match", `"1.elsewhere"`},
 	} {
-		r := adminIf(t, admin, c.method, path, `{"limit": 50}`, c.header, c.value)
+		r := adminIf(t, admin, c.method, overridePath, `{"limit": 50}`, c.header, c.value)
 		t.Logf("%s %s: %s with Redis down: %d %s", c.method, c.header, c.value, r.status, strings.TrimSpace(string(r.body)))
 		r.wantSays(t, http.StatusServiceUnavailable, "could not check the precondition")
 	}
-	r := adminSend(t, admin, http.MethodPut, path, `{"limit": 50}`)
+	r := adminSend(t, admin, http.MethodPut, overridePath, `{"limit": 50}`)
 	r.wantSays(t, http.StatusServiceUnavailable, "did not take the change")
-	wantOverride(t, admin, path, 1, read.ETag)
+	wantOverride(t, admin, overridePath, 1, read.ETag)
 }
