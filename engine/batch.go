@@ -255,6 +255,9 @@ func (e *Engine) refuse(lc *located, l *Limit, d *Decision) {
 // commitAll commits the reservations of a batch that passes, queues their
 // units for replay and writes the verdicts to out.
 func (e *Engine) commitAll(lcs []located, ls []Limit, out []Decision) {
+	if testHookCommit != nil {
+		testHookCommit()
+	}
 	for i := range ls {
 		e.commit(&lcs[i], &ls[i], &out[i])
 	}
@@ -301,3 +304,7 @@ func (e *Engine) reserve(lc *located, l *Limit) bool {
 
 // testHookRollback, set by tests, runs between the two steps of a rollback.
 var testHookRollback func(c *cell)
+
+// testHookCommit, set by tests, runs when a batch that passes has reserved
+// every limit and commits none yet.
+var testHookCommit func()

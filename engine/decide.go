@@ -252,6 +252,16 @@ func (e *Engine) committed(lc *located, cost, effective, limit int64) {
 	}
 	x.pending.Add(cost)
 	if e.origin.Load() == nil {
+		// No queue takes the units: an entry holding the cell or the
+		// graves must. A rotation, eviction or forget that let the cell
+		// go between the charge and this add (a batch's reservation
+		// spans its other limits) saw no units in it and remembered
+		// nothing, so they would sit in a cell nothing reaches; the add
+		// comes before this check and their check after their swap, so
+		// one of the two sees the other and buries it (once: stBuried).
+		if !lc.en.holds(lc.cur) {
+			e.buryCell(lc.zone, lc.en, lc.cur)
+		}
 		return
 	}
 	// The first units of a cell replay on the fast tick: a key that starts
