@@ -177,12 +177,20 @@ func (e *Engine) upgrade(z *Zone, id string, en *entry, slot *atomic.Pointer[cel
 	}
 	n.spec.Add(spec2 - spec)
 	n.setBits(c.state() & stBlocked) // a first denial meanwhile
+	if testHookUpgraded != nil {
+		testHookUpgraded(n)
+	}
 	if slot == &en.cur && (e.origin.Load() != nil || e.unsent.Load()) {
 		if u := count2 - spec2; u > 0 {
 			n.links().pending.Add(u)
 			if e.origin.Load() != nil {
 				e.markDirty(z, en, n, true) // first units: the fast tick, as in committed
-			} // else for the next origin (sendUnsent)
+			} else if !en.holds(n) {
+				// For the next origin (sendUnsent), which finds only held
+				// and buried cells: let go since the swap, while it held
+				// nothing (as in committed).
+				e.buryCell(z, en, n)
+			}
 		}
 	}
 	return n
@@ -203,3 +211,7 @@ func (lc *located) snapshot() (n, cur, prev int64) {
 // testHookUpgrade, set by tests, runs in an upgrade between the copy of the
 // plain cell c and the swap.
 var testHookUpgrade func(c *cell)
+
+// testHookUpgraded, set by tests, runs in an upgrade after the swap, before
+// the copy's units are handed over.
+var testHookUpgraded func(n *cell)

@@ -99,3 +99,40 @@ func TestCell_UpgradeKeepsUnitsChargedDuringTheCopy(t *testing.T) {
 		t.Fatalf("origin total = %d, want 6", got)
 	}
 }
+
+// TestCell_AnUpgradeWithoutAnOriginKeepsTheUnitsOfACellLetGoMeanwhile: a
+// plain cell upgraded after the engine let its origin go (a reload
+// without Redis) hands its units over as pending, for the next origin.
+// A forget between the swap and the hand-over found the new cell empty
+// and remembered nothing, and the hand-over then put the units where no
+// entry and no grave would find them.
+func TestCell_AnUpgradeWithoutAnOriginKeepsTheUnitsOfACellLetGoMeanwhile(t *testing.T) {
+	e, _, l, seq := localUnits(t, time.Hour, 1000)
+	o := newMemOrigin()
+	e.SetOrigin(o)
+	e.SetOrigin(nil) // the plain cell, untouched meanwhile, stays plain
+	ran := false
+	testHookUpgraded = func(*cell) {
+		testHookUpgraded, ran = nil, true
+		if !e.Forget(l.Key) {
+			t.Error("nothing to forget")
+		}
+	}
+	defer func() { testHookUpgraded = nil }()
+	// A request that costs nothing (a request that charges gives the cell
+	// to the graves itself, units and all).
+	l.Cost = 0
+	if !e.Decide(bg, l).Allowed {
+		t.Fatal("denied")
+	}
+	if !ran {
+		t.Fatal("the decision upgraded no cell")
+	}
+	e.SetOrigin(o)
+	if err := e.Flush(bg); err != nil {
+		t.Fatal(err)
+	}
+	if got := o.total(l.Key, seq); got != 3 {
+		t.Fatalf("origin total = %d, want the 3 units of the plain cell (lost units: %d)", got, e.Stats().LostUnits)
+	}
+}
