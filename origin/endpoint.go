@@ -33,13 +33,16 @@ type endpoint struct {
 	// lastErr is the last failed call's error, for Stats.
 	lastErr atomic.Pointer[callError]
 
-	// Read batching (read.go): mu guards queue, batchers and closing; idle
-	// is signalled when the last batcher leaves.
+	// Read batching (read.go): mu guards queue, batchers, writes and
+	// closing; idle is signalled when the last batcher or write leaves.
 	mu       sync.Mutex
 	idle     *sync.Cond
 	queue    []*readReq
 	batchers int
-	closing  bool
+	// writes counts the reservations and flushes in flight (begin), which
+	// Close waits for as it waits for the read batches.
+	writes  int
+	closing bool
 }
 
 // newEndpoint makes the endpoint of s, with its client (not dialled yet)
@@ -130,12 +133,40 @@ func (ep *endpoint) stats() EndpointStats {
 	return s
 }
 
-// shutdown refuses new reads and waits for the read batches in flight.
+// shutdown refuses new reads, reservations and flushes, and waits for
+// those in flight, each bounded by its deadline (maxCallTimeout at most).
 func (ep *endpoint) shutdown() {
 	ep.mu.Lock()
 	ep.closing = true
-	for ep.batchers > 0 {
+	for ep.batchers > 0 || ep.writes > 0 {
 		ep.idle.Wait()
+	}
+	ep.mu.Unlock()
+}
+
+// begin registers a reservation or a flush about to go to Redis, unless
+// the origin is closing (ErrClosed: nothing was sent); end must follow.
+// A reload closes the old config's origin while the engine may still be
+// in a call it began on it: cut by the closed client, a reservation that
+// Redis ran came back as an error, the request was decided again locally
+// (denied, near its limit) and its cost stayed charged in Redis, and every
+// reload counted errors for calls that had not failed.
+func (ep *endpoint) begin() error {
+	ep.mu.Lock()
+	defer ep.mu.Unlock()
+	if ep.closing {
+		return ErrClosed
+	}
+	ep.writes++
+	return nil
+}
+
+// end is a call begun by begin leaving.
+func (ep *endpoint) end() {
+	ep.mu.Lock()
+	ep.writes--
+	if ep.writes == 0 && ep.batchers == 0 {
+		ep.idle.Broadcast()
 	}
 	ep.mu.Unlock()
 }

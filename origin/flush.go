@@ -106,6 +106,10 @@ func (ep *endpoint) flush(ctx context.Context, batch []engine.Delta, idx []int) 
 	if ep.replay.open() {
 		return ErrBreakerOpen
 	}
+	if err := ep.begin(); err != nil {
+		return err
+	}
+	defer ep.end()
 	n := len(batch)
 	if idx != nil {
 		n = len(idx)

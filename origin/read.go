@@ -145,7 +145,7 @@ func (ep *endpoint) take() []*readReq {
 	}
 	if len(batch) == 0 {
 		ep.batchers--
-		if ep.batchers == 0 {
+		if ep.batchers == 0 && ep.writes == 0 {
 			ep.idle.Broadcast()
 		}
 		return nil

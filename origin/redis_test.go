@@ -1,10 +1,12 @@
 package origin
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"runtime"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -84,6 +86,87 @@ func TestRedis_CloseRefusesCallsAndIsIdempotent(t *testing.T) {
 // TestClose_LeavesNoGoroutine closes an origin that has read, flushed,
 // tripped its breaker and reported it, and checks that every goroutine it
 // or its client started ends: a config reload must not leak.
+// TestClose_WaitsForTheReservationsAndWritesInFlight: a reload closes
+// the old config's origin while the engine may be in a call it began on
+// it. Close cut them: a reservation that Redis ran came back as "client
+// is closed", the engine decided the request again locally, and near the
+// limit denied it while Redis kept its cost (1 to 4 units over in every
+// run of TestConcurrency_EveryUnitReachesRedisOrIsCountedAsLost with
+// reloads); and every reload counted failed calls that had not failed.
+// Close now waits for them as it waits for the read batches, each within
+// its own deadline (a second at most).
+func TestClose_WaitsForTheReservationsAndWritesInFlight(t *testing.T) {
+	srv := redistest.Start(t)
+	o := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "r"})
+	k, seq := key("ivy"), nowSeq()
+	// Dialled, and the scripts loaded: each call below is one round trip.
+	if err := o.Reserve(ctxT(t), reservation(k, seq, 0, 1, 10)); err != nil {
+		t.Fatal(err)
+	}
+	if err := o.Flush(ctxT(t), []engine.Delta{{Key: key("jay"), Sequence: seq, Delta: 1, Own: 1}}); err != nil {
+		t.Fatal(err)
+	}
+	srv.Pause() // the calls below wait in Redis's socket
+	paused := true
+	defer func() {
+		if paused {
+			srv.Resume()
+		}
+	}()
+	ep := o.endpoints[0]
+	inFlight := func() (writes int, closing bool) {
+		ep.mu.Lock()
+		defer ep.mu.Unlock()
+		return ep.writes, ep.closing
+	}
+	r := reservation(k, seq, 1, 2, 10)
+	d := []engine.Delta{{Key: key("jay"), Sequence: seq, Delta: 2, Own: 3}}
+	var resErr, flushErr error
+	var calls sync.WaitGroup
+	calls.Go(func() { resErr = o.Reserve(context.Background(), r) })
+	calls.Go(func() { flushErr = o.Flush(context.Background(), d) })
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(time.Millisecond) {
+		if n, _ := inFlight(); n == 2 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the reservation and the flush never went out")
+		}
+	}
+	closed := make(chan error, 1)
+	go func() { closed <- o.Close() }()
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(time.Millisecond) {
+		if _, closing := inFlight(); closing {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("Close never began")
+		}
+	}
+	// Close must not end while both wait on the paused Redis: a bounded
+	// wait for what must not happen.
+	select {
+	case err := <-closed:
+		t.Fatalf("Close returned (%v) with a reservation and a flush in flight", err)
+	case <-time.After(200 * time.Millisecond):
+	}
+	srv.Resume()
+	paused = false
+	calls.Wait()
+	if err := <-closed; err != nil {
+		t.Fatal(err)
+	}
+	if resErr != nil || !r.Admitted || r.Totals.Cur != 3 {
+		t.Fatalf("reservation cut by Close: admitted %v, Redis total %d, %v; want admitted at 3", r.Admitted, r.Totals.Cur, resErr)
+	}
+	if flushErr != nil || d[0].Totals.Cur != 3 {
+		t.Fatalf("flush cut by Close: Redis total %d, %v; want 3", d[0].Totals.Cur, flushErr)
+	}
+	if err := o.Reserve(ctxT(t), reservation(k, seq, 3, 1, 10)); !errors.Is(err, ErrClosed) {
+		t.Fatalf("a reservation after Close: %v, want ErrClosed", err)
+	}
+}
+
 func TestClose_LeavesNoGoroutine(t *testing.T) {
 	srv := redistest.Start(t)
 	base := runtime.NumGoroutine()

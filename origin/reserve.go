@@ -35,6 +35,10 @@ func (ep *endpoint) reserve(ctx context.Context, res *engine.Reservation) error 
 	if err != nil {
 		return err
 	}
+	if err := ep.begin(); err != nil {
+		return err
+	}
+	defer ep.end()
 	var vals []any
 	err = ep.requests.guard(1, func() error {
 		ep.roundTrips.Add(1)
