@@ -32,14 +32,7 @@ import (
 // TestRead_APreviousCellTheOriginReplaces…) lost units this way.
 // RATELIMIT_ACCOUNTING_RUNS sets the number of sequences (default 300).
 func TestProperty_EveryUnitIsSentOrCountedAsLost(t *testing.T) {
-	runs := accountingRuns(300)
-	base := rand.Uint64()
-	for run := range runs {
-		seed := base + uint64(run)
-		if err := accountingRun(seed, 1); err != "" {
-			t.Fatalf("seed %d: %s", seed, err)
-		}
-	}
+	accountingRuns(t, 300, 1)
 }
 
 // TestProperty_UnitsAreSentOrCountedAsLostUnderConcurrency is the test
@@ -51,21 +44,26 @@ func TestProperty_EveryUnitIsSentOrCountedAsLost(t *testing.T) {
 // the finding. RATELIMIT_ACCOUNTING_RUNS sets the number of runs
 // (default 100).
 func TestProperty_UnitsAreSentOrCountedAsLostUnderConcurrency(t *testing.T) {
-	runs := accountingRuns(100)
+	accountingRuns(t, 100, 4)
+}
+
+// accountingRuns runs RATELIMIT_ACCOUNTING_RUNS runs (or def) of
+// accountingRun with workers goroutines a process, on consecutive seeds.
+func accountingRuns(t *testing.T, def, workers int) {
+	runs := def
+	if v, err := strconv.Atoi(os.Getenv("RATELIMIT_ACCOUNTING_RUNS")); err == nil && v > 0 {
+		runs = v
+	}
 	base := rand.Uint64()
 	for run := range runs {
 		seed := base + uint64(run)
-		if err := accountingRun(seed, 4); err != "" {
-			t.Fatalf("seed %d (a concurrent run: the seed does not replay it): %s", seed, err)
+		if err := accountingRun(seed, workers); err != "" {
+			if workers > 1 {
+				t.Fatalf("seed %d (a concurrent run: the seed does not replay it): %s", seed, err)
+			}
+			t.Fatalf("seed %d: %s", seed, err)
 		}
 	}
-}
-
-func accountingRuns(def int) int {
-	if v, err := strconv.Atoi(os.Getenv("RATELIMIT_ACCOUNTING_RUNS")); err == nil && v > 0 {
-		return v
-	}
-	return def
 }
 
 // accountingProcess is one process of an accounting run: its engine and
