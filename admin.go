@@ -44,6 +44,15 @@ func (*AdminAPI) CaddyModule() caddy.ModuleInfo {
 	}
 }
 
+// Provision registers the limiter's metrics into the config's registry.
+// Caddy provisions the admin modules with every config it loads, before
+// its apps, and serves /metrics from that config's registry from then on,
+// even when the config then fails and the old one keeps running: see
+// limiterMetrics.
+func (*AdminAPI) Provision(ctx caddy.Context) error {
+	return registerMetrics(ctx.GetMetricsRegistry())
+}
+
 // Routes returns the routes of the rate limiter's admin API.
 func (a *AdminAPI) Routes() []caddy.AdminRoute {
 	return []caddy.AdminRoute{
@@ -174,4 +183,7 @@ type errString string
 func (e errString) Error() string { return string(e) }
 
 // Interface guards.
-var _ caddy.AdminRouter = (*AdminAPI)(nil)
+var (
+	_ caddy.AdminRouter = (*AdminAPI)(nil)
+	_ caddy.Provisioner = (*AdminAPI)(nil)
+)

@@ -121,23 +121,48 @@ var (
 	decisionDeniedSeconds  = decisionSeconds.WithLabelValues(resultDenied)
 )
 
-// registerMetrics registers every collector into reg, a config's registry.
-// A collector already there (another handler of the same config registered
-// it) is success.
+// registerMetrics registers the collectors into reg, a config's registry.
+// Already there (the config's admin endpoint, or another handler of the
+// config, registered them) is success.
 func registerMetrics(reg *prometheus.Registry) error {
 	if reg == nil {
 		return nil
 	}
-	for _, c := range collectors {
-		if err := reg.Register(c); err != nil {
-			var are prometheus.AlreadyRegisteredError
-			if errors.As(err, &are) {
-				continue
-			}
-			return fmt.Errorf("registering ratelimit metrics: %w", err)
+	if err := reg.Register(limiterMetrics{}); err != nil {
+		var are prometheus.AlreadyRegisteredError
+		if errors.As(err, &are) {
+			return nil
 		}
+		return fmt.Errorf("registering ratelimit metrics: %w", err)
 	}
 	return nil
+}
+
+// limiterMetrics are the collectors as one, exported only while a loaded
+// config uses the limiter. Every config registers them from its admin
+// endpoint on (AdminAPI.Provision), whether it uses the limiter or not:
+// Caddy serves /metrics from the registry of the config it loaded last,
+// made before its apps are provisioned, and a reload that fails before a
+// rate limit module is provisioned keeps the old config running behind
+// it. The gate keeps a config that does not use the limiter, when it is
+// the only one, free of caddy_ratelimit_ series, as before.
+type limiterMetrics struct{}
+
+// Describe implements prometheus.Collector.
+func (limiterMetrics) Describe(ch chan<- *prometheus.Desc) {
+	for _, c := range collectors {
+		c.Describe(ch)
+	}
+}
+
+// Collect implements prometheus.Collector.
+func (limiterMetrics) Collect(ch chan<- prometheus.Metric) {
+	if lookupState() == nil {
+		return
+	}
+	for _, c := range collectors {
+		c.Collect(ch)
+	}
 }
 
 // zoneMetrics are one zone's counters, resolved when the handler is
@@ -206,4 +231,7 @@ func unixSeconds(t time.Time) float64 {
 }
 
 // Interface guards.
-var _ prometheus.Collector = (*engineCollector)(nil)
+var (
+	_ prometheus.Collector = (*engineCollector)(nil)
+	_ prometheus.Collector = limiterMetrics{}
+)

@@ -3,7 +3,9 @@ package ratelimit
 import (
 	"bufio"
 	"bytes"
+	"fmt"
 	"math/rand/v2"
+	"net/http"
 	"regexp"
 	"strconv"
 	"strings"
@@ -233,6 +235,57 @@ func TestMetrics_ScrapeAfterTrafficAndReload(t *testing.T) {
 	}
 	if got := delta(final, decisionSeries("met_one", "denied")); got != 2 {
 		t.Errorf("met_one denied +%v after the reload's traffic, want +2", got)
+	}
+}
+
+// TestMetrics_AFailedReloadKeepsTheSeries: Caddy serves /metrics from the
+// registry of the config it loaded last, and it makes that config's admin
+// endpoint before it provisions the apps, so a reload that fails keeps the
+// old config running behind the new config's /metrics. A reload that
+// failed before any rate limit module was provisioned (here an unknown
+// handler ahead of the limiter's) left that registry without the
+// collectors: every caddy_ratelimit_ series vanished while the running
+// config went on deciding requests.
+func TestMetrics_AFailedReloadKeepsTheSeries(t *testing.T) {
+	tester, admin, base := startCaddy(t, func(admin, port int) string { return e2eConfig(admin, port, metricsRoutes) })
+	if r := get(t, tester, base+"/one", "X-Key", "failed-reload"); r.status != http.StatusOK {
+		t.Fatalf("first request: %d", r.status)
+	}
+	before := scrape(t, admin)
+	allowed := decisionSeries("met_one", "allowed")
+	if _, ok := before[allowed]; !ok {
+		t.Fatalf("%s missing before the reload", allowed)
+	}
+	bad := fmt.Sprintf(`{"admin": {"listen": "localhost:%d"},
+ "apps": {"http": {"servers": {"s": {"listen": [":%d"], "routes": [
+  {"handle": [{"handler": "no_such_handler"}]},
+  {"handle": [{"handler": "ratelimit", "zones": [{"name": "met_one", "key": "{http.request.header.X-Key}", "limit": 2, "window": "1m"}]}]}]}}}}}`,
+		admin, portOf(t, base))
+	req, err := http.NewRequest(http.MethodPost, fmt.Sprintf("http://localhost:%d/load", admin), strings.NewReader(bad))
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set("Content-Type", "application/json")
+	if status, _, body := roundTrip(t, http.DefaultClient, req); status < 400 || !strings.Contains(string(body), "no_such_handler") {
+		t.Fatalf("the bad config answered %d %s, want its error", status, body)
+	}
+	if r := get(t, tester, base+"/one", "X-Key", "failed-reload"); r.status != http.StatusOK {
+		t.Fatalf("after the failed reload the running config answered %d", r.status)
+	}
+	after := scrape(t, admin)
+	if got, ok := after[allowed]; !ok || got != before[allowed]+1 {
+		t.Errorf("after the failed reload %s = %v (present %v), want %v", allowed, got, ok, before[allowed]+1)
+	}
+	if got, ok := after["caddy_ratelimit_entries"]; !ok || got != before["caddy_ratelimit_entries"] {
+		t.Errorf("after the failed reload caddy_ratelimit_entries = %v (present %v), want %v", got, ok, before["caddy_ratelimit_entries"])
+	}
+	// A config that does not use the limiter registers the collectors
+	// too (its admin endpoint does), and serves none of their series.
+	tester.InitServer(e2eConfig(admin, portOf(t, base), ""), "caddyfile")
+	for series := range scrape(t, admin) {
+		if strings.HasPrefix(series, "caddy_ratelimit_") {
+			t.Errorf("with no config using the limiter /metrics serves %s", series)
+		}
 	}
 }
 
