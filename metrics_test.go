@@ -7,6 +7,7 @@ import (
 	"math/rand/v2"
 	"net/http"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -14,8 +15,11 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
+	"github.com/prometheus/common/expfmt"
+	"github.com/prometheus/common/model"
 
 	"github.com/edgelimit/caddy-ratelimit/engine"
+	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
 	"github.com/edgelimit/caddy-ratelimit/origin"
 )
 
@@ -523,6 +527,145 @@ func TestMetrics_ChargedAnywayIsItsOwnResult(t *testing.T) {
 			if got := value(z.Name, r) - before[s]; got != want[s] {
 				t.Errorf("%s: +%v, want +%v", s, got, want[s])
 			}
+		}
+	}
+}
+
+// readmeMetric is one row of the README's metrics table.
+type readmeMetric struct {
+	typ    string
+	labels []string
+}
+
+// readmeMetricsTable parses the README's metrics table: each row's name,
+// type and label names (the backquoted names of the labels cell, outside
+// the parentheses that list a label's values).
+func readmeMetricsTable(t *testing.T) map[string]readmeMetric {
+	t.Helper()
+	_, section := readmeSection(t, "Metrics")
+	row := regexp.MustCompile("(?m)^\\| `([a-z_]+)` \\| ([a-z]+) \\|([^|]*)\\|")
+	values := regexp.MustCompile(`\([^)]*\)`)
+	name := regexp.MustCompile("`([a-z_]+)`")
+	out := map[string]readmeMetric{}
+	for _, m := range row.FindAllStringSubmatch(section, -1) {
+		var labels []string
+		for _, l := range name.FindAllStringSubmatch(values.ReplaceAllString(m[3], ""), -1) {
+			labels = append(labels, l[1])
+		}
+		slices.Sort(labels)
+		out[m[1]] = readmeMetric{typ: m[2], labels: labels}
+	}
+	if len(out) < 30 {
+		t.Fatalf("parsed %d rows of the README's metrics table: %v", len(out), out)
+	}
+	return out
+}
+
+// scrapeFamilies reads the admin endpoint's /metrics as metric families.
+func scrapeFamilies(t *testing.T, admin int) map[string]*dto.MetricFamily {
+	t.Helper()
+	r := adminDo(t, admin, http.MethodGet, "/metrics")
+	if r.status != http.StatusOK {
+		t.Fatalf("GET /metrics: %d %s", r.status, r.body)
+	}
+	p := expfmt.NewTextParser(model.LegacyValidation)
+	fams, err := p.TextToMetricFamilies(bytes.NewReader(r.body))
+	if err != nil {
+		t.Fatalf("parsing /metrics: %v", err)
+	}
+	return fams
+}
+
+// familyLabels are the label names of a family's series (a histogram's le
+// excluded), each series' the same or the family is reported.
+func familyLabels(t *testing.T, f *dto.MetricFamily) []string {
+	t.Helper()
+	var want []string
+	for i, m := range f.GetMetric() {
+		var got []string
+		for _, l := range m.GetLabel() {
+			got = append(got, l.GetName())
+		}
+		slices.Sort(got)
+		if i == 0 {
+			want = got
+		} else if !slices.Equal(got, want) {
+			t.Errorf("%s: series with labels %v and %v", f.GetName(), want, got)
+		}
+	}
+	return want
+}
+
+// TestMetrics_READMETableMatchesTheScrape runs Caddy with the module on a
+// private Redis, makes every metric of the README's table appear (traffic
+// allowed and denied, a runtime override, a region reset, a Redis stopped
+// and started again for the breakers), and checks each row's name, type and
+// labels against what /metrics serves, and that /metrics serves no
+// caddy_ratelimit_ family the table lacks (the cross-region layer's aside,
+// listed in its own section).
+func TestMetrics_READMETableMatchesTheScrape(t *testing.T) {
+	table := readmeMetricsTable(t)
+	srv := redistest.Start(t)
+	t.Setenv("RATELIMIT_TEST_README_METRICS_REDIS", srv.URL())
+	tester, admin, base := startCaddy(t, func(admin, port int) string {
+		return caddyConfig(admin, port, `	ratelimit {
+		redis {env.RATELIMIT_TEST_README_METRICS_REDIS}
+		prefix readme_metrics
+		breaker_timeout 100ms
+	}`, `
+	handle {
+		ratelimit {
+			zone readme_metrics {
+				key    {http.request.header.X-Key}
+				limit  2
+				window 1m
+				cost   {http.request.header.X-Cost} 1
+			}
+		}
+		respond "ok"
+	}`)
+	})
+	for i, want := range []int{200, 200, 429} {
+		if r := get(t, tester, base+"/", "X-Key", "readme-key"); r.status != want {
+			t.Fatalf("request %d: status %d, want %d", i+1, r.status, want)
+		}
+	}
+	get(t, tester, base+"/", "X-Key", "readme-other", "X-Cost", "many")
+	adminSend(t, admin, http.MethodPut, "/ratelimit/overrides?zone=readme_metrics&identifier=readme-key", `{"limit": 7}`).decode(t, http.StatusOK, new(overrideDoc))
+	if r := adminDo(t, admin, http.MethodDelete, "/ratelimit/counters?zone=readme_metrics&identifier=readme-key&scope=region"); r.status != http.StatusOK {
+		t.Fatalf("region reset: %d %s", r.status, r.body)
+	}
+	// A breaker transition: Redis stops, requests fail until the request
+	// path's breaker opens.
+	srv.Stop()
+	redistest.Eventually(t, 10*time.Second, "a breaker transition", func() bool {
+		get(t, tester, base+"/", "X-Key", "readme-cold-"+time.Now().String())
+		_, ok := scrapeFamilies(t, admin)["caddy_ratelimit_origin_breaker_transitions_total"]
+		return ok
+	})
+	srv.Restart()
+
+	fams := scrapeFamilies(t, admin)
+	for name, row := range table {
+		f, ok := fams["caddy_ratelimit_"+name]
+		if !ok {
+			t.Errorf("the README lists %s, which /metrics does not serve", name)
+			continue
+		}
+		if typ := strings.ToLower(f.GetType().String()); typ != row.typ {
+			t.Errorf("%s: the README says %s, /metrics serves a %s", name, row.typ, typ)
+		}
+		if got := familyLabels(t, f); !slices.Equal(got, row.labels) {
+			t.Errorf("%s: the README lists labels %v, /metrics serves %v", name, row.labels, got)
+		}
+	}
+	for full := range fams {
+		name, ok := strings.CutPrefix(full, "caddy_ratelimit_")
+		if !ok || strings.HasPrefix(name, "propagation_") {
+			continue
+		}
+		if _, ok := table[name]; !ok {
+			t.Errorf("/metrics serves %s, which the README's table lacks", full)
 		}
 	}
 }
