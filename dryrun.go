@@ -30,11 +30,15 @@ func (h *Handler) dryRunDenied(lims []engine.Limit, decs []engine.Decision, zi [
 			id := engine.NormalizeIdentifier(lims[k].Identifier)
 			c.Write(append(h.ids.logFields(id), zap.String("zone", z.name))...)
 		}
-		z.dryRun.note(h.logger, z.name, z.window)
+		z.dryRun.note(h.logger, z.name, z.window, h.engine.Now())
 	}
 }
 
-// dryRunLog limits a dry-run zone's info line to one per window.
+// dryRunLog limits a dry-run zone's info line to one per window. There is
+// one per zone name in the process's state (state.dryRunLog), shared by
+// every handler of the zone in every loaded config: one of each handler
+// logged the zone again after a reload, within the window, and dropped the
+// count the old handler held.
 type dryRunLog struct {
 	// seq is the window sequence of the last line; count the would-be
 	// denials since.
@@ -42,10 +46,11 @@ type dryRunLog struct {
 }
 
 // note counts a would-be denial and logs at info level on the first one of
-// each window, with the number since the previous line.
-func (d *dryRunLog) note(log *zap.Logger, zone string, window time.Duration) {
+// each window, with the number since the previous line. now is the
+// engine's clock, whose windows the decisions count in.
+func (d *dryRunLog) note(log *zap.Logger, zone string, window time.Duration, now time.Time) {
 	d.count.Add(1)
-	seq := time.Now().UnixMilli() / window.Milliseconds()
+	seq := now.UnixMilli() / window.Milliseconds()
 	old := d.seq.Load()
 	if old == seq || !d.seq.CompareAndSwap(old, seq) {
 		return

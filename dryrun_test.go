@@ -62,3 +62,40 @@ func TestHandler_DryRunServesCountsAndShowsRealState(t *testing.T) {
 	r := serve(enforcing, id)
 	wantHeader(t, r, "RateLimit", `"dry";r=94;t=60`)
 }
+
+// TestHandler_DryRunLogsOncePerZoneAndWindowAcrossHandlers: the info line
+// is the zone's, however many handlers count it: a reload's handler of the
+// zone (or another site's) kept a count and a window of its own, so a
+// reload within a window logged the zone a second time, and the would-be
+// denials the old handler had counted since its line were never reported.
+// The window is the engine's, on its clock, as the decisions' are.
+func TestHandler_DryRunLogsOncePerZoneAndWindowAcrossHandlers(t *testing.T) {
+	clk := useClock(t, 0)
+	core, logs := logobserver.New(zapcore.InfoLevel)
+	handler := func() *Handler {
+		h := provisionTest(t, nil, &Handler{Zones: []*Zone{zoneOf("dry_once", 1, time.Hour)}, DryRun: true})
+		h.logger = zap.New(core)
+		return h
+	}
+	id := map[string]string{"dry_once": "k"}
+	running := handler()
+	for range 3 { // two would-be denials: the window's line
+		wantStatus(t, serve(running, id), http.StatusOK)
+	}
+	reloaded := handler()
+	for range 3 { // three more in the same window
+		wantStatus(t, serve(reloaded, id), http.StatusOK)
+	}
+	if lines := logs.All(); len(lines) != 1 || lines[0].ContextMap()["would_be_denied"] != int64(1) {
+		t.Fatalf("within one window the zone logged %d lines (%v), want one reporting 1", len(lines), lines)
+	}
+	clk.Advance(time.Hour)
+	wantStatus(t, serve(reloaded, id), http.StatusOK)
+	lines := logs.All()
+	if len(lines) != 2 {
+		t.Fatalf("after the window turned the zone logged %d lines, want 2", len(lines))
+	}
+	if got := lines[1].ContextMap()["would_be_denied"]; got != int64(5) {
+		t.Fatalf("the next window's line reports %v would-be denials since the last line, want 5 (1 + 3 before the window turned, 1 after)", got)
+	}
+}

@@ -131,7 +131,7 @@ func (h *Handler) provision(app *App) error {
 		z := &h.zones[i]
 		z.handle = st.engine.Zone(z.name, z.window)
 		z.metrics = newZoneMetrics(z.name)
-		z.dryRun = new(dryRunLog)
+		z.dryRun = st.dryRunLog(z.name)
 	}
 	return st.zones.register(app, h)
 }

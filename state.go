@@ -72,6 +72,18 @@ type state struct {
 	// the engine's cells: its DSN and identifier form (mysqlBackend.dest).
 	publishedTo atomic.Pointer[string]
 	rowsAs      atomic.Pointer[string]
+	// dryRuns holds each zone's dry-run log line state (dryRunLog) by
+	// zone name, for the engine's life: the zone's, not a handler's.
+	dryRuns sync.Map // string → *dryRunLog
+}
+
+// dryRunLog returns the dry-run log line state of the zone named zone.
+func (s *state) dryRunLog(zone string) *dryRunLog {
+	if d, ok := s.dryRuns.Load(zone); ok {
+		return d.(*dryRunLog)
+	}
+	d, _ := s.dryRuns.LoadOrStore(zone, new(dryRunLog))
+	return d.(*dryRunLog)
 }
 
 // began records when the engine was made.
