@@ -157,21 +157,26 @@ func (o *observer) breakerChanged(endpoint, breaker string, from, to origin.Brea
 	}
 }
 
-// redisLog routes go-redis's own log lines (dial failures) to the newest
-// config's logger, at debug: the breaker's state changes say the same at
-// info. go-redis has one process-wide logger, set once; the logger it
-// writes to is swapped atomically on every provisioning.
+// redisLog routes go-redis's own log lines (dial failures) to the logger
+// the newest config speaks with (liveApps.view), at debug: the breaker's
+// state changes say the same at info. go-redis has one process-wide
+// logger, set once; the registry of apps it reads is swapped atomically
+// when an engine is made. It once held the logger of the config provisioned
+// last, which a reload that failed after provisioning Redis left in place:
+// the running config's Redis client then wrote with the failed config's
+// log settings, to writers closed with it.
 var redisLog struct {
-	once   sync.Once
-	logger atomic.Pointer[zap.Logger]
+	once sync.Once
+	apps atomic.Pointer[liveApps]
 }
 
-// routeRedisLog makes logger the one go-redis writes to (see redisLog).
-func routeRedisLog(logger *zap.Logger) {
-	redisLog.logger.Store(logger)
+// routeRedisLog makes apps' newest app the one go-redis writes with (see
+// redisLog).
+func routeRedisLog(apps *liveApps) {
+	redisLog.apps.Store(apps)
 	redisLog.once.Do(func() {
 		origin.SetLogger(func(format string, args ...any) {
-			redisLog.logger.Load().Debug("redis client: " + fmt.Sprintf(format, args...))
+			redisLog.apps.Load().view().logger.Debug("redis client: " + fmt.Sprintf(format, args...))
 		})
 	})
 }

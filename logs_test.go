@@ -13,6 +13,8 @@ import (
 	"go.uber.org/zap/zapcore"
 	logobserver "go.uber.org/zap/zaptest/observer"
 
+	"github.com/redis/go-redis/v9"
+
 	"github.com/edgelimit/caddy-ratelimit/engine"
 	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
 	"github.com/edgelimit/caddy-ratelimit/origin"
@@ -239,5 +241,45 @@ func TestObserver_ARedisThatRefusesScriptsSaysSo(t *testing.T) {
 	why, _ := lines[0].ContextMap()["error"].(string)
 	if !strings.Contains(why, "refuses Lua scripts") || strings.Contains(why, "hidden-tenant") {
 		t.Fatalf("the streak line's error %q: want it to say the server refuses scripts, without the key", why)
+	}
+}
+
+// TestLogs_TheRedisClientsLinesGoToTheRunningConfig: go-redis has one
+// logger for the process, which each config with Redis pointed at its own
+// as it was provisioned. A reload that failed after that left it on the
+// failed config's logger (its log settings, its writers closed with it),
+// while the running config's kept Redis. They go to the logger the state's
+// newest app speaks with, which is the running config's again once the
+// failed one is cleaned up.
+func TestLogs_TheRedisClientsLinesGoToTheRunningConfig(t *testing.T) {
+	st, err := acquireState(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := releaseState(); err != nil {
+			t.Error(err)
+		}
+	})
+	running, runningLogs := observedApp(zapcore.DebugLevel, identities{})
+	failed, failedLogs := observedApp(zapcore.DebugLevel, identities{})
+	for _, a := range []*App{running, failed} { // as App.Provision and provisionRedis do
+		a.state = st
+		st.apps.provision(a)
+		routeRedisLog(&st.apps)
+	}
+	t.Cleanup(func() { st.apps.cleanup(running) })
+	st.apps.cleanup(failed) // the reload failed
+
+	c := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1", MaxRetries: -1, DialTimeout: 100 * time.Millisecond})
+	defer c.Close()
+	// go-redis says it rounds the expiry up to a millisecond (and then
+	// cannot connect).
+	_ = c.Set(context.Background(), "k", "v", time.Microsecond).Err()
+	if n := failedLogs.FilterMessageSnippet("redis client: ").Len(); n != 0 {
+		t.Errorf("the failed config's logger got %d lines of the Redis client", n)
+	}
+	if n := runningLogs.FilterMessageSnippet("redis client: specified duration").Len(); n != 1 {
+		t.Errorf("the running config's logger got %d of the Redis client's line, want 1: %v", n, runningLogs.All())
 	}
 }

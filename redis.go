@@ -168,7 +168,7 @@ func provisionRedis(a *App) (backend, error) {
 	if err != nil {
 		return nil, err
 	}
-	routeRedisLog(a.logger)
+	routeRedisLog(&a.state.apps)
 	opts := a.state.obs.originOptions()
 	// The heartbeats measure Redis's clock against the one the engine
 	// reads, so that the offset they find is the engine's.
