@@ -104,8 +104,9 @@ var (
 	engineMetrics = new(engineCollector)
 )
 
-// collectors are what every config registers: the handler's and the
-// engine's, then each backend kind's.
+// collectors are the limiter's metrics, which every config registers as
+// one (limiterMetrics): the handler's and the engine's, then each backend
+// kind's.
 var collectors = func() []prometheus.Collector {
 	cs := []prometheus.Collector{decisionsTotal, decisionSeconds, invalidCostsTotal, clampedCostsTotal, overrideChanges, overridesActive, resetsTotal, engineMetrics}
 	for _, k := range backendKinds {
