@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
@@ -34,6 +35,25 @@ type observer struct {
 	apps *liveApps
 	// streaks counts consecutive failed calls per endpoint address.
 	streaks sync.Map // string → *atomic.Int64
+	// evictions bounds the eviction warning (see evicted).
+	evictions evictionLog
+}
+
+// evictLogEvery is the least time between two eviction warnings. The
+// engine evicts down to 90 % of max_entries, so a flood of new
+// identifiers runs an eviction every tenth of the cap in new keys: at a
+// cap of 1,000 that was a warning every hundred requests, a log flood
+// the flood's sender chose. evictions_total counts every key.
+const evictLogEvery = time.Minute
+
+// evictionLog holds what the eviction runs since the last warning
+// evicted.
+type evictionLog struct {
+	mu         sync.Mutex
+	last       time.Time // of the last warning; zero: none yet
+	keys, runs int64     // since it
+	// now is the clock (time.Now); tests set it.
+	now func() time.Time
 }
 
 // view returns the newest app's settings.
@@ -66,11 +86,29 @@ func (o *observer) firstDenial(d engine.Denial) {
 	c.Write(fields...)
 }
 
-// evicted logs one warning per eviction run: the entry cap forced the
-// engine to forget keys, which in local-only mode forgets their counts.
+// evicted warns that the entry cap forced the engine to forget keys,
+// which in local-only mode forgets their counts: at the first eviction
+// run, then at the first run a minute or more after the last warning,
+// with what the runs between evicted.
 func (o *observer) evicted(n int) {
+	l := &o.evictions
+	l.mu.Lock()
+	now := time.Now
+	if l.now != nil {
+		now = l.now
+	}
+	t := now()
+	l.keys += int64(n)
+	l.runs++
+	if !l.last.IsZero() && t.Sub(l.last) < evictLogEvery && t.Sub(l.last) >= 0 {
+		l.mu.Unlock()
+		return
+	}
+	keys, runs := l.keys, l.runs
+	l.last, l.keys, l.runs = t, 0, 0
+	l.mu.Unlock()
 	o.view().logger.Warn("live entries reached the cap: evicted the coldest keys",
-		zap.Int("evicted", n))
+		zap.Int("evicted", n), zap.Int64("evicted_since_last_line", keys), zap.Int64("runs_since_last_line", runs))
 }
 
 // originOptions returns the hooks the regional origin must be created

@@ -17,6 +17,7 @@ import (
 
 	"github.com/edgelimit/caddy-ratelimit/engine"
 	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
+	"github.com/edgelimit/caddy-ratelimit/internal/testclock"
 	"github.com/edgelimit/caddy-ratelimit/origin"
 )
 
@@ -281,5 +282,36 @@ func TestLogs_TheRedisClientsLinesGoToTheRunningConfig(t *testing.T) {
 	}
 	if n := runningLogs.FilterMessageSnippet("redis client: specified duration").Len(); n != 1 {
 		t.Errorf("the running config's logger got %d of the Redis client's line, want 1: %v", n, runningLogs.All())
+	}
+}
+
+// TestObserver_EvictionsWarnOnceAMinute: a flood of new identifiers
+// against a small max_entries runs an eviction every tenth of the cap in
+// new keys, and each run was a warning (at a cap of 1,000, one every
+// hundred requests: a log flood its sender chose). The first run warns;
+// the runs of the next minute are counted into the first line after it.
+func TestObserver_EvictionsWarnOnceAMinute(t *testing.T) {
+	o := observer{apps: new(liveApps)}
+	app, logs := observedApp(zapcore.DebugLevel, identities{})
+	o.apps.provision(app)
+	clk := testclock.New(time.Unix(1_700_000_000, 0))
+	o.evictions.now = clk.Now
+	for range 50 {
+		o.evicted(100)
+		clk.Advance(time.Second)
+	}
+	lines := logs.FilterMessage("live entries reached the cap: evicted the coldest keys").All()
+	if len(lines) != 1 {
+		t.Fatalf("%d warnings for 50 eviction runs in 50 s, want 1", len(lines))
+	}
+	clk.Advance(evictLogEvery)
+	o.evicted(7)
+	lines = logs.FilterMessage("live entries reached the cap: evicted the coldest keys").All()
+	if len(lines) != 2 {
+		t.Fatalf("%d warnings after a minute more, want 2", len(lines))
+	}
+	f := lines[1].ContextMap()
+	if f["evicted"] != int64(7) || f["evicted_since_last_line"] != int64(49*100+7) || f["runs_since_last_line"] != int64(50) {
+		t.Fatalf("second warning %v, want evicted 7, evicted_since_last_line %d, runs_since_last_line 50", f, 49*100+7)
 	}
 }
