@@ -110,6 +110,26 @@ func fromBookZone(z string) (zone string, reset, regionOnly bool, form string) {
 // it before it lapses.
 const tombstoneLife = 24 * time.Hour
 
+// forgetMs is when the region's Redis may forget r (Unix ms; r has an
+// expiry). A removal or a reset, when it lapses: a removal lapses a day
+// after it was made already. An override that expires, a day after it
+// lapsed, as a removal is kept: until then its record tells a node that
+// did not hear of it while it was live (its Redis did not answer it)
+// that it replaced the override the node still holds. Dropped as it
+// lapsed, it left that node applying the older override for good, where
+// the others applied the zone's limit
+// (TestOverrides_ANodeCutOffWhileAChangeLapsedDropsWhatItReplaced).
+// Nodes do not apply it meanwhile (live), nor keep it in their books
+// (overrideBook.prune).
+func (r *overrideRec) forgetMs() int64 {
+	if r.Deleted || r.Reset {
+		return r.ExpiresMs
+	}
+	// Saturated: a row whose expiry is near the largest time (written by
+	// hand, or hostile) would wrap to the past and be dropped while live.
+	return engine.SatAdd(r.ExpiresMs, tombstoneLife.Milliseconds())
+}
+
 // after reports whether r is a later change than old: a newer version,
 // or the same one made in a region whose name sorts after old's (two
 // regions' operators who changed the key at once past the same held

@@ -206,8 +206,8 @@ func (s *state) overridesRedis() *origin.Redis {
 
 // loadRegionOverrides reads every override the region holds, hands them
 // to take (the book's merge, or its replace when a node joins), and drops
-// those that lapsed from the region; it returns the region's change
-// counter they are as of.
+// from the region those it may forget (overrideRec.forgetMs); it returns
+// the region's change counter they are as of.
 func loadRegionOverrides(ctx context.Context, o *origin.Redis, nowMs func() int64, take func([]overrideRec)) (int64, error) {
 	v, all, err := o.Overrides(ctx)
 	if err != nil {
@@ -221,7 +221,7 @@ func loadRegionOverrides(ctx context.Context, o *origin.Redis, nowMs func() int6
 		if !ok {
 			continue
 		}
-		if r.ExpiresMs != 0 && r.ExpiresMs <= now {
+		if r.ExpiresMs != 0 && r.forgetMs() <= now {
 			lapsed = append(lapsed, ov)
 		}
 		recs = append(recs, r)

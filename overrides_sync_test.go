@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"maps"
+	"math"
 	"net/http"
 	"strconv"
 	"strings"
@@ -594,5 +595,81 @@ func TestOverrides_AWriteToARedisThatIsDownWasNeverSent(t *testing.T) {
 	}
 	if got := storeFailed(err, err); got != errOverrideStore {
 		t.Fatalf("storeFailed of a write never sent, read back failing too: %v, want errOverrideStore", got)
+	}
+}
+
+// TestOverrides_ANodeCutOffWhileAChangeLapsedDropsWhatItReplaced: a node
+// holds an override (a block) when another node replaces it with one that
+// expires soon (a short reprieve), and the node does not hear of the
+// change: its Redis does not answer it until after the reprieve lapsed,
+// and meanwhile another node loads the region (a load dropped a lapsed
+// change from it). Back in touch, the node must stop applying the block
+// the change replaced, as every other node does (the zone's limit
+// applies), not apply it for good.
+func TestOverrides_ANodeCutOffWhileAChangeLapsedDropsWhatItReplaced(t *testing.T) {
+	resetOverrides(t)
+	srv := redistest.Start(t)
+	proxy := redistest.StartDelayProxy(t, srv.Addr(), 0)
+	global := fmt.Sprintf("\tratelimit {\n\t\tregion ov-test\n\t\tredis %s\n\t\tfast_tick 10ms\n\t\tslow_tick 50ms\n\t}", proxy.URL())
+	other, _ := otherNode(t, srv)
+	_, _, base := startCaddy(t, overrideConfig(global))
+	ctx := context.Background()
+	put := func(id string, limit int64, expires time.Duration) overrideRec {
+		t.Helper()
+		now := time.Now()
+		rec := overrideRec{Zone: "ov", Identifier: id, Limit: limit, Region: "ov-test", CreatedMs: now.UnixMilli(), Version: now.UnixMicro()}
+		if expires > 0 {
+			rec.ExpiresMs = now.Add(expires).UnixMilli()
+		}
+		if n, err := other.PutOverrides(ctx, []origin.Override{rec.regionValue()}, false); err != nil || n != 1 {
+			t.Fatalf("the other node's change took %d: %v", n, err)
+		}
+		return rec
+	}
+	applied := func(id string, limit int64) func() bool {
+		return func() bool { got, ok := runtimeLimit(ctx, "ov", id); return ok && got == limit }
+	}
+
+	put("cut", 0, 0)
+	redistest.Eventually(t, 5*time.Second, "the block applied here", applied("cut", 0))
+	if n := admitted(t, base, "cut", 1); n != 0 {
+		t.Fatalf("the blocked key admitted %d", n)
+	}
+
+	proxy.SetDelay(3 * time.Second) // every reply to this node comes after its calls gave up
+	reprieve := put("cut", 100, 300*time.Millisecond)
+	// Another node loads the region once the reprieve lapsed (it dropped
+	// it from the region then).
+	redistest.Eventually(t, 5*time.Second, "the reprieve lapsed", func() bool { return time.Now().UnixMilli() > reprieve.ExpiresMs })
+	if _, err := loadRegionOverrides(ctx, other, func() int64 { return time.Now().UnixMilli() }, func([]overrideRec) {}); err != nil {
+		t.Fatal(err)
+	}
+	if got, ok := overrides.get("ov", "cut"); !ok || got.Version >= reprieve.Version {
+		t.Fatalf("this node heard of the reprieve while cut off (%+v, %v): the test cuts nothing", got, ok)
+	}
+	proxy.SetDelay(0)
+
+	// A later change that arrives here shows the node read the region again.
+	put("marker", 7, 0)
+	redistest.Eventually(t, 10*time.Second, "the node back in touch with the region", applied("marker", 7))
+	if got, ok := runtimeLimit(ctx, "ov", "cut"); ok {
+		rec, _ := overrides.get("ov", "cut")
+		t.Fatalf("the node still applies limit %d to the key (%+v), which the region's nodes count at the zone's limit: the change that replaced it lapsed while the node was cut off", got, rec)
+	}
+	if n := admitted(t, base, "cut", 1); n != 1 {
+		t.Fatalf("the key admitted %d of 1 under the zone's limit of 2", n)
+	}
+}
+
+// TestOverrides_AFarExpiryIsNotForgottenWhileLive: the day a lapsed
+// override is kept does not wrap an expiry near the largest time (a row
+// written by hand) into the past, where a load would drop it live.
+func TestOverrides_AFarExpiryIsNotForgottenWhileLive(t *testing.T) {
+	now := time.Now().UnixMilli()
+	for _, exp := range []int64{now + 1, 253402300799999, math.MaxInt64 - 1, math.MaxInt64} {
+		r := overrideRec{Limit: 1, ExpiresMs: exp}
+		if got := r.forgetMs(); got <= now {
+			t.Errorf("an override expiring at %d is forgotten at %d, before now (%d)", exp, got, now)
+		}
 	}
 }
