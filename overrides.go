@@ -74,7 +74,7 @@ type overrideRec struct {
 // before this mark names region resets as global ones (their record says
 // which), and takes one named so for a zone no config defines.
 const (
-	resetMark       = "\x01"
+	resetMark       = propagation.ResetMark // MySQL's cleanup tells resets by it
 	formMark        = "\x02"
 	regionResetMark = "\x03"
 )

@@ -4,6 +4,7 @@ import (
 	"context"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/edgelimit/caddy-ratelimit/internal/mysqltest"
 )
@@ -77,21 +78,42 @@ func TestOverrides_TravelBetweenRegionsNewestFirst(t *testing.T) {
 }
 
 // TestOverrides_CleanupKeepsOverridesWithoutExpiry: cleanup deletes the
-// overrides that lapsed (removals included), never one without an expiry.
+// removals and resets that lapsed, an override that lapsed a day later
+// (LapsedOverrideLife), and never one without an expiry.
 func TestOverrides_CleanupKeepsOverridesWithoutExpiry(t *testing.T) {
 	s := newSetup(t)
 	a := s.region("a")
 	now := s.clk.Now().UnixMilli()
 	a.p.PutOverride(OverrideRow{Namespace: "z", Identifier: "forever", Limit: 5, Region: "a", Version: 1})
 	a.p.PutOverride(OverrideRow{Namespace: "z", Identifier: "lapsed", Limit: 5, Region: "a", Version: 1, ExpiresMs: now - 1})
+	a.p.PutOverride(OverrideRow{Namespace: "z", Identifier: "removed", Region: "a", Version: 1, Deleted: true, ExpiresMs: now - 1})
+	a.p.PutOverride(OverrideRow{Namespace: ResetMark + "z", Identifier: "reset", Region: "a", Version: 1, ExpiresMs: now - 1})
 	a.p.PutOverride(OverrideRow{Namespace: "z", Identifier: "later", Limit: 5, Region: "a", Version: 1, ExpiresMs: now + 60_000})
 	a.p.FlushOnce(bg)
-	if n := a.p.CleanupOnce(bg); n != 1 {
-		t.Fatalf("cleanup deleted %d rows, want the lapsed override only", n)
+	left := func() map[string]bool {
+		t.Helper()
+		all, err := a.p.LoadOverrides(bg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ids := map[string]bool{}
+		for _, o := range all {
+			ids[o.Identifier] = true
+		}
+		return ids
 	}
-	all, err := a.p.LoadOverrides(bg)
-	if err != nil || len(all) != 2 {
-		t.Fatalf("left %+v (%v), want forever and later", all, err)
+	if n := a.p.CleanupOnce(bg); n != 2 {
+		t.Fatalf("cleanup deleted %d rows, want the lapsed removal and reset", n)
+	}
+	if ids := left(); len(ids) != 3 || !ids["forever"] || !ids["lapsed"] || !ids["later"] {
+		t.Fatalf("left %v, want forever, lapsed and later", ids)
+	}
+	s.clk.Add(LapsedOverrideLife)
+	if n := a.p.CleanupOnce(bg); n != 1 {
+		t.Fatalf("a day on, cleanup deleted %d rows, want the override lapsed a day ago", n)
+	}
+	if ids := left(); len(ids) != 2 || !ids["forever"] || !ids["later"] {
+		t.Fatalf("left %v, want forever and later (lapsed less than a day ago)", ids)
 	}
 }
 
@@ -242,5 +264,56 @@ func TestOverrides_ACellResetHereGetsItsImportsPartByPart(t *testing.T) {
 	memB.mu.Unlock()
 	if got.Count != 65 {
 		t.Fatalf("after the region reset the cell, a's part is %+v, want its count 65", got)
+	}
+}
+
+// TestOverrides_ARegionCutOffWhileAChangeLapsedDropsWhatItReplaced: region
+// b holds an override (a block) when region a replaces it with one that
+// expires soon (a reprieve), and b's holder does not reach MySQL until
+// the reprieve lapsed and a cleanup ran. Back, b must hear that the block
+// was replaced, and no region must get the block back: b's whole read
+// found its block missing from the table (its row, the reprieve's, was
+// deleted as it lapsed) and wrote it back, and every region pulled it.
+func TestOverrides_ARegionCutOffWhileAChangeLapsedDropsWhatItReplaced(t *testing.T) {
+	s := newSetup(t)
+	a, b := s.region("a"), s.region("b")
+	seen := watchOverrides(b)
+	a.p.PutOverride(OverrideRow{Namespace: "z", Identifier: "cust", Limit: 0, Reason: "abuse", Region: "a", Version: 1000})
+	a.p.FlushOnce(bg)
+	b.p.FlushOnce(bg) // b holds the block
+	if o, ok := seen.get("cust"); !ok || o.Version != 1000 {
+		t.Fatalf("b saw %+v (%v), want the block", o, ok)
+	}
+
+	reprieve := OverrideRow{Namespace: "z", Identifier: "cust", Limit: 100, Region: "a", Version: 2000,
+		ExpiresMs: s.clk.Now().UnixMilli() + 30_000}
+	a.p.PutOverride(reprieve)
+	a.p.FlushOnce(bg)
+	s.clk.Add(31 * time.Second) // b makes no statement meanwhile
+	a.p.CleanupOnce(bg)
+
+	b.p.readWholeNext()
+	b.p.FlushOnce(bg)
+	b.p.FlushOnce(bg)
+	if o, _ := seen.get("cust"); o.Version != reprieve.Version {
+		t.Errorf("b last saw %+v, not the reprieve that replaced its block: it applies the block for good", o)
+	}
+	all, err := s.region("c").p.LoadOverrides(bg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, o := range all {
+		if o.Live(s.clk.Now().UnixMilli()) {
+			t.Errorf("a region that starts now loads %+v: the replaced block is back", o)
+		}
+	}
+	if n := b.p.Stats().OverrideRowsMissing; n != 0 {
+		t.Errorf("b wrote back %d override rows", n)
+	}
+
+	// A day past its lapse, the cleanup deletes the reprieve.
+	s.clk.Add(24 * time.Hour)
+	if n := a.p.CleanupOnce(bg); n != 1 {
+		t.Errorf("a day past the reprieve's lapse, cleanup deleted %d rows, want it", n)
 	}
 }

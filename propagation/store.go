@@ -396,19 +396,35 @@ func readQuery(t Table, columns string, r Read) (string, []any) {
 	return q, append(args, r.Limit)
 }
 
+// ResetMark starts the namespace of a reset's row of ratelimit_overrides
+// (the root package names them so): no zone name holds it.
+const ResetMark = "\x01"
+
+// LapsedOverrideLife is how long an override's row is kept once it
+// lapsed, as a removal's is (a removal lapses a day after it was made).
+// A region whose holder did not reach MySQL while the override was live
+// reads then that it replaced the one the region holds. Deleted as it
+// lapsed, the region kept applying the older override for good, and its
+// holder, finding that one missing from a whole read, wrote it back for
+// every region
+// (TestOverrides_ARegionCutOffWhileAChangeLapsedDropsWhatItReplaced).
+const LapsedOverrideLife = 24 * time.Hour
+
 // DeleteExpired deletes up to chunk rows of t that expired at now (an
-// override without an expiry never does).
+// override without an expiry never does, and one that lapsed goes
+// LapsedOverrideLife later; removals and resets go as they lapse).
 //
 // A row is expired by the node's clock and by the database's, whichever
 // is behind: a node whose clock ran minutes ahead once deleted every
 // region's live rows, which a region reading the table whole then never
 // saw, for the rest of their window.
 func (s *sqlStore) DeleteExpired(ctx context.Context, t Table, now int64, chunk int) (int64, error) {
-	cond := `expires_ms <= LEAST(?, ` + dbNowMs + `)`
+	cond, args := `expires_ms <= LEAST(?, `+dbNowMs+`)`, []any{now}
 	if t == Overrides {
-		cond = `expires_ms > 0 AND ` + cond
+		cond = `expires_ms > 0 AND ` + cond + ` AND (deleted = 1 OR LEFT(namespace, 1) = ? OR expires_ms <= LEAST(?, ` + dbNowMs + `) - ?)`
+		args = append(args, []byte(ResetMark), now, LapsedOverrideLife.Milliseconds())
 	}
-	res, err := s.write.ExecContext(ctx, `DELETE FROM `+t.String()+` WHERE `+cond+` LIMIT ?`, now, chunk)
+	res, err := s.write.ExecContext(ctx, `DELETE FROM `+t.String()+` WHERE `+cond+` LIMIT ?`, append(args, chunk)...)
 	if err != nil {
 		return 0, fmt.Errorf("delete expired rows of %s: %w", t, err)
 	}
