@@ -299,6 +299,10 @@ func deleteOverride(w http.ResponseWriter, r *http.Request, pre preconditions, s
 	now := st.engine.Now() // the region's clock, as in putOverride
 	old, ok := overrides.get(zoneName, id)
 	if !ok || !old.live(now.UnixMilli()) {
+		hearFromRegion(r.Context(), st, zoneName, id)
+		old, ok = overrides.get(zoneName, id)
+	}
+	if !ok || !old.live(now.UnixMilli()) {
 		// A 404 whatever the preconditions say (RFC 9110, 13.2.1).
 		return errNoOverride(zoneName)
 	}
@@ -310,6 +314,30 @@ func deleteOverride(w http.ResponseWriter, r *http.Request, pre preconditions, s
 	rec := overrideRec{Zone: zoneName, Identifier: id, Region: st.apps.view().region, Deleted: true,
 		CreatedMs: now.UnixMilli(), Version: max(now.UnixMicro(), old.Version+1), ExpiresMs: now.Add(tombstoneLife).UnixMilli(), Form: old.Form}
 	return changeOverride(w, r, st, rec, "removed", checkedIn(pre, old, true, rec, r.Method))
+}
+
+// hearFromRegion takes into the book what the region's Redis holds of
+// (zone, id), when it is newer: a removal made on this node before the
+// notice of the change it removes arrived (a round trip or two after it
+// was made on another node, longer while the subscription is down) found
+// no override in the book and answered 404, and the override stayed in
+// force on every node (TestOverrides_ARemovalOfAChangeNotHeardYetRemovesIt).
+// A region that does not answer leaves the book as it is.
+func hearFromRegion(ctx context.Context, st *state, zone, id string) {
+	rb := st.overridesRedis()
+	if rb == nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(ctx, time.Second)
+	defer cancel()
+	field := (&overrideRec{Zone: zone, Identifier: id, Form: overrides.currentForm()}).field()
+	o, held, err := rb.HeldOverride(ctx, field)
+	if err != nil || !held {
+		return
+	}
+	if rec, ok := recOfRegion(o); ok {
+		overrides.merge([]overrideRec{rec})
+	}
 }
 
 // checkedIn is the condition the region's Redis checks a change rec under,

@@ -2,12 +2,15 @@ package ratelimit
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"fmt"
 	"net/http"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
 )
 
 func adminSend(t *testing.T, admin int, method, path, body string) adminReply {
@@ -125,5 +128,35 @@ func TestOverrides_AmbiguousBodyIsRefused(t *testing.T) {
 	adminDo(t, admin, http.MethodGet, path).decode(t, http.StatusOK, &doc)
 	if doc.Limit != 3 || doc.Reason != "plan upgrade #4711" || doc.Expires == nil {
 		t.Fatalf("the last valid body left %+v", doc)
+	}
+}
+
+// TestOverrides_ARemovalOfAChangeNotHeardYetRemovesIt: an operator sets an
+// override on one node and removes it on another before the change's
+// notice reached it (within a round trip or two, longer while its
+// subscription is down). The region holds the override: the removal must
+// remove it there, not answer 404 "no runtime override" and leave it in
+// force on every node.
+func TestOverrides_ARemovalOfAChangeNotHeardYetRemovesIt(t *testing.T) {
+	resetOverrides(t)
+	srv := redistest.Start(t)
+	global := fmt.Sprintf("\tratelimit {\n\t\tregion ov-test\n\t\tredis %s\n\t\tfast_tick 10ms\n\t}", srv.URL())
+	other, _ := otherNode(t, srv)
+	_, admin, _ := startCaddy(t, overrideConfig(global))
+	// The other node's change, as the region holds it, its notice and
+	// counter not yet here: written without them.
+	now := time.Now()
+	rec := overrideRec{Zone: "ov", Identifier: "unheard", Limit: 0, Region: "ov-test", CreatedMs: now.UnixMilli(), Version: now.UnixMicro()}
+	v := rec.regionValue()
+	if err := srv.Client().HSet(context.Background(), "ratelimit:{overrides}", v.Field, fmt.Sprintf("%d %s", v.Version, v.Value)).Err(); err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := overrides.get("ov", "unheard"); ok {
+		t.Fatal("the node heard of the change: the test races nothing")
+	}
+	r := adminSend(t, admin, http.MethodDelete, "/ratelimit/overrides?zone=ov&identifier=unheard", "")
+	got := regionRecs(t, other)["unheard"]
+	if r.status != http.StatusOK || !got.Deleted {
+		t.Fatalf("a removal of the region's override answered %d %s, and the region holds %+v", r.status, r.body, got)
 	}
 }
