@@ -30,15 +30,10 @@ func warmRequest(tb testing.TB, headers string, zones int) func() {
 	} else {
 		provisionBench(tb.(*testing.B), h)
 	}
-	req, rec := requestWith(vars), httptest.NewRecorder()
+	fresh, rec := freshRequests(tb, vars), httptest.NewRecorder()
 	next := caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error { return nil })
-	_, bench := tb.(*testing.B)
-	served := 0
 	serveOne := func() {
-		if served++; bench && served%replacerLife == 0 {
-			req = requestWith(vars)
-		}
-		if err := h.ServeHTTP(rec, req, next); err != nil {
+		if err := h.ServeHTTP(rec, fresh(), next); err != nil {
 			tb.Fatal(err)
 		}
 	}
@@ -46,13 +41,44 @@ func warmRequest(tb testing.TB, headers string, zones int) func() {
 	return serveOne
 }
 
-// replacerLife is how many requests a benchmark serves with one replacer.
-// Caddy makes one per request, and the handler maps its placeholders into
-// it (one provider more): a replacer kept for a whole benchmark would grow
-// by millions of providers, and the benchmark would time the growth and
-// the collector's scans of it rather than the handler. A fresh one every
-// replacerLife requests costs a few allocations shared by all of them.
-const replacerLife = 256
+// requestBatch is how many requests freshRequests makes at a time.
+const requestBatch = 256
+
+// freshRequests returns a function that returns a new request, with a
+// replacer of its own holding vars as requestWith's and a provider more,
+// at each call. Caddy
+// makes one replacer per request, and the handler answers the
+// placeholders of a request decided twice another way (see publish): a
+// replacer kept across requests would time that path, or grow by a
+// provider a request. They are made requestBatch at a time, a
+// benchmark's timer stopped, so that neither its time nor its
+// allocations count them; a test's AllocsPerRun of fewer calls than that
+// after the first sees none of them either.
+func freshRequests(tb testing.TB, vars map[string]string) func() *http.Request {
+	b, bench := tb.(*testing.B)
+	var reqs []*http.Request
+	return func() *http.Request {
+		if len(reqs) == 0 {
+			if bench {
+				b.StopTimer()
+			}
+			reqs = make([]*http.Request, requestBatch)
+			for i := range reqs {
+				reqs[i] = requestWith(vars)
+				// As Caddy's are when a handler runs: a provider mapped
+				// after the first three (the request's own placeholders).
+				repl := reqs[i].Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+				repl.Map(func(string) (any, bool) { return nil, false })
+			}
+			if bench {
+				b.StartTimer()
+			}
+		}
+		req := reqs[0]
+		reqs = reqs[1:]
+		return req
+	}
+}
 
 // requestWith is a GET whose replacer holds the placeholders
 // {test.<name>} with the given values.
@@ -204,25 +230,25 @@ func BenchmarkHandler_AllowDeny(b *testing.B) {
 		b.Run(bc.name, func(b *testing.B) {
 			h := &Handler{Zones: []*Zone{zoneOf("bench", bc.limit, time.Hour)}, Headers: bc.headers}
 			provisionBench(b, h)
-			req, rec := requestWith(map[string]string{"bench": "api-key-0123456789"}), httptest.NewRecorder()
+			fresh, rec := freshRequests(b, map[string]string{"bench": "api-key-0123456789"}), httptest.NewRecorder()
 			next := caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error { return nil })
 			// The first request is allowed and uses up a limit of 1: every
 			// later one in the hour is denied.
-			if err := h.ServeHTTP(rec, req, next); err != nil {
+			if err := h.ServeHTTP(rec, fresh(), next); err != nil {
 				b.Fatal(err)
 			}
 			deny := bc.limit == 1
 			b.ReportAllocs()
 			b.ResetTimer()
 			for b.Loop() {
-				err := h.ServeHTTP(rec, req, next)
+				err := h.ServeHTTP(rec, fresh(), next)
 				if deny != (err != nil) {
 					b.Fatalf("deny %v, got error %v", deny, err)
 				}
 			}
 			if deny {
 				var he caddyhttp.HandlerError
-				if err := h.ServeHTTP(rec, req, next); !errors.As(err, &he) || he.StatusCode != http.StatusTooManyRequests {
+				if err := h.ServeHTTP(rec, fresh(), next); !errors.As(err, &he) || he.StatusCode != http.StatusTooManyRequests {
 					b.Fatalf("want a 429, got %v", err)
 				}
 			}
@@ -242,16 +268,12 @@ func BenchmarkHandler_Keys(b *testing.B) {
 			for i := range ids {
 				ids[i] = "k" + strconv.Itoa(i)
 			}
-			req := requestWith(map[string]string{"k": ids[0]})
-			repl := req.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+			fresh := freshRequests(b, map[string]string{"k": ids[0]})
 			rec := httptest.NewRecorder()
 			next := caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error { return nil })
 			serve := func(i int) {
-				if i%replacerLife == 0 {
-					req = requestWith(map[string]string{"k": ids[0]})
-					repl = req.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
-				}
-				repl.Set("test.k", ids[i%n])
+				req := fresh()
+				req.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer).Set("test.k", ids[i%n])
 				clear(rec.Header())
 				if err := h.ServeHTTP(rec, req, next); err != nil {
 					b.Fatal(err)

@@ -294,10 +294,10 @@ func TestCost_ClampAllocatesNothing(t *testing.T) {
 	h := provisionTest(t, nil, &Handler{Headers: "off", Zones: []*Zone{{Name: "clamp_alloc", Key: "{test.k}", Limit: 1 << 50,
 		Window: caddy.Duration(time.Hour), Cost: "{test.cost}", MaxCost: int64p(5)}}})
 	for _, cost := range []string{"0", "-0", "6"} {
-		req, rec := requestWith(map[string]string{"k": "203.0.113.7", "cost": cost}), httptest.NewRecorder()
+		fresh, rec := freshRequests(t, map[string]string{"k": "203.0.113.7", "cost": cost}), httptest.NewRecorder()
 		next := caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error { return nil })
 		serveOne := func() {
-			if err := h.ServeHTTP(rec, req, next); err != nil {
+			if err := h.ServeHTTP(rec, fresh(), next); err != nil {
 				t.Fatal(err)
 			}
 		}

@@ -197,3 +197,38 @@ func TestCaddy_READMEErrorBodySaysWhenToComeBack(t *testing.T) {
 		t.Errorf("came back after the %d s the error body named: status %d %q", n, r.status, r.body)
 	}
 }
+
+// TestCaddy_PlaceholdersSpeakOfTheLastDirective: two `ratelimit` directives
+// on one request, the first admitting it and the second denying it. The
+// response's headers are the second's, and so must the placeholders be:
+// an error body or access log line that read them said "allowed" by the
+// first directive's zone on a 429 the second had denied.
+func TestCaddy_PlaceholdersSpeakOfTheLastDirective(t *testing.T) {
+	useClock(t, 15*time.Second)
+	routes := `
+	route /two {
+		ratelimit {
+			zone e2e_ph_loose {
+				key    {http.request.header.X-Key}
+				limit  100
+				window 1m
+			}
+		}
+		ratelimit {
+			zone e2e_ph_strict {
+				key    {http.request.header.X-Key}
+				limit  1
+				window 1m
+			}
+		}
+		respond "{http.ratelimit.decision} {http.ratelimit.zone} {http.ratelimit.remaining}"
+	}
+	handle_errors 429 {
+		respond "{http.ratelimit.decision} {http.ratelimit.zone} {http.ratelimit.remaining}" 429
+	}`
+	tester, _, base := startCaddy(t, func(admin, port int) string { return e2eConfig(admin, port, routes) })
+	get(t, tester, base+"/two", "X-Key", "k").expect(t, 200, "allowed e2e_ph_strict 0",
+		"RateLimit", `"e2e_ph_strict";r=0;t=45`)
+	get(t, tester, base+"/two", "X-Key", "k").expect(t, 429, "denied e2e_ph_strict 0",
+		"RateLimit", `"e2e_ph_strict";r=0;t=45`)
+}
