@@ -369,7 +369,12 @@ func (e *Engine) sendGroup(ctx context.Context, o Origin, lc *located, l *Limit,
 		r.GlobalPrev = p.globalCount()
 	}
 	dl.start(e)
-	cctx, cancel := context.WithDeadline(ctx, dl.at)
+	// Not cancelled with the leader's request: the reservation decides the
+	// requests that joined it too, and a client that left says nothing of
+	// the origin. A leader whose client had left sent it cancelled: it
+	// failed unsent, counted as a failed origin call, and set the engine
+	// failing.
+	cctx, cancel := context.WithDeadline(context.WithoutCancel(ctx), dl.at)
 	sent := e.nowMs()
 	err := o.Reserve(cctx, &r)
 	cancel()

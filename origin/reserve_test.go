@@ -6,6 +6,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/edgelimit/caddy-ratelimit/engine"
 	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
@@ -199,5 +200,71 @@ func TestReserve_JoinedCostsAreDecidedInOrder(t *testing.T) {
 	bad.Joined = []int64{-1}
 	if err := o.Reserve(ctxT(t), bad); err == nil {
 		t.Fatal("a negative joined cost was sent")
+	}
+}
+
+// TestReserve_ARequestWhoseClientLeftIsNoRedisFailure: a client that
+// disconnects while its request waits for the key's first read from Redis.
+// The request is still decided, and near the limit of a shared key that is
+// a reservation: sent under the request's cancelled context, it failed
+// before it left, and the client's leaving was counted as a failed Redis
+// call (outcome error, the engine's reservation errors) and set the engine
+// failing, which changes how every key decides until Redis next answers.
+// The reservation now runs within the decision's deadline whether or not
+// the client is still there: the requests that joined it are decided by it
+// too.
+func TestReserve_ARequestWhoseClientLeftIsNoRedisFailure(t *testing.T) {
+	srv := redistest.Start(t)
+	proxy := redistest.StartDelayProxy(t, srv.Addr(), 0)
+	var failed atomic.Int64
+	o := newOrigin(t, Config{Redis: []string{proxy.URL()}}, Options{NodeID: "left", OnCall: func(c CallInfo) {
+		if (c.Op == OpReserve || c.Op == OpRead) && c.Outcome != OutcomeOK {
+			failed.Add(1)
+		}
+	}})
+	// A read timeout far above the proxy's delay, so that only the
+	// client's leaving ends the wait.
+	e := engine.New(engine.Config{Manual: true, ReadTimeout: 5 * time.Second, Freshness: time.Hour})
+	e.SetOrigin(o)
+	e.SetProcesses(2) // a young cell near a limit of 10 is decided at Redis
+	closeAtCleanup(t, e, 5*time.Second)
+	l := engine.Limit{Key: key("left"), Zone: e.Zone("api", time.Minute), Limit: 10, Cost: 1}
+	commands := func() int64 {
+		s, err := srv.CommandStats(ctxT(t))
+		if err != nil {
+			t.Fatal(err)
+		}
+		var n int64
+		for _, c := range s {
+			n += c
+		}
+		return n
+	}
+	before := commands()
+
+	proxy.SetDelay(300 * time.Millisecond)
+	ctx, leave := context.WithCancel(context.Background())
+	defer leave()
+	decided := make(chan engine.Decision)
+	go func() { decided <- e.Decide(ctx, l) }()
+	redistest.Eventually(t, 5*time.Second, "the key's read reached Redis", func() bool { return commands() > before })
+	leave() // the client disconnects while the read's reply is on its way
+	d := <-decided
+	proxy.SetDelay(0)
+
+	if !d.Allowed {
+		t.Fatalf("the request whose client left: %+v, want allowed", d)
+	}
+	if n := failed.Load(); n != 0 {
+		t.Fatalf("%d origin calls counted as failed, want 0", n)
+	}
+	if s := e.Stats(); s.ReservationErrors != 0 || s.ReservationsAdmitted != 1 {
+		t.Fatalf("engine: %d reservations admitted, %d reservation errors; want 1, 0", s.ReservationsAdmitted, s.ReservationErrors)
+	}
+	if d := e.Decide(ctxT(t), l); !d.Allowed {
+		t.Fatalf("the next request: %+v, want allowed", d)
+	}
+	if cur, _, err := readPair(o, ctxT(t), l.Key, nowSeq()); err != nil || cur != 2 {
+		t.Fatalf("Redis holds %d (%v), want 2", cur, err)
 	}
 }
