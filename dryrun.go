@@ -34,6 +34,17 @@ func (h *Handler) dryRunDenied(lims []engine.Limit, decs []engine.Decision, zi [
 	}
 }
 
+// dryRunMissing logs a request that an enforcing handler would have
+// denied for zone i's missing key (on_missing_key deny), as dryRunDenied
+// logs the others; limits has counted it.
+func (h *Handler) dryRunMissing(i int) {
+	z := &h.zones[i]
+	if c := h.logger.Check(zapcore.DebugLevel, "dry run: request would have been rate limited"); c != nil {
+		c.Write(zap.String("zone", z.name), zap.Bool("missing_key", true))
+	}
+	z.dryRun.note(h.logger, z.name, z.window, h.engine.Now())
+}
+
 // dryRunLog limits a dry-run zone's info line to one per window. There is
 // one per zone name in the process's state (state.dryRunLog), shared by
 // every handler of the zone in every loaded config: one of each handler

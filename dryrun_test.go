@@ -99,3 +99,30 @@ func TestHandler_DryRunLogsOncePerZoneAndWindowAcrossHandlers(t *testing.T) {
 		t.Fatalf("the next window's line reports %v would-be denials since the last line, want 5 (1 + 3 before the window turned, 1 after)", got)
 	}
 }
+
+// TestHandler_DryRunServesAMissingKey: under dry_run, a request whose key
+// is missing in an `on_missing_key deny` zone is served, as every request
+// a dry run would have denied is: the other zones count it, the zone with
+// no key counts nothing, and the placeholders and metrics say it would
+// have been denied there. It was a 429: dry_run denied.
+func TestHandler_DryRunServesAMissingKey(t *testing.T) {
+	useClock(t, 0)
+	h := provisionTest(t, nil, &Handler{DryRun: true, OnMissingKey: "deny",
+		Zones: []*Zone{zoneOf("dry_keyed", 5, time.Minute), zoneOf("dry_other", 10, time.Minute)}})
+	missing := decisionsTotal.WithLabelValues("dry_keyed", resultMissingKey)
+	before := counterValue(t, missing)
+
+	r := serve(h, map[string]string{"dry_other": "o"})
+	wantStatus(t, r, http.StatusOK)
+	wantHeader(t, r, "RateLimit", `"dry_other";r=9;t=60`)
+	wantHeader(t, r, "Retry-After", "")
+	if got := counterValue(t, missing) - before; got != 1 {
+		t.Fatalf("missing keys counted %v, want 1", got)
+	}
+	wantPlaceholders(t, placeholdersOf(t, h, map[string]string{"dry_other": "o"}),
+		"zone=dry_keyed limit= remaining= reset= decision=dry_run_denied identifier=")
+	// Every zone's key missing: served, nothing counted.
+	wantStatus(t, serve(h, nil), http.StatusOK)
+	r = serve(h, map[string]string{"dry_keyed": "k", "dry_other": "o"})
+	wantHeader(t, r, "RateLimit", `"dry_keyed";r=4;t=60, "dry_other";r=7;t=60`)
+}

@@ -60,7 +60,8 @@ type Handler struct {
 	// OnMissingKey decides what happens to a request whose key evaluates to
 	// the empty string (e.g. the header it names is missing): "shared"
 	// (default; all such requests share one bucket per zone), "skip" (the
-	// zone does not apply to the request) or "deny" (429 without counting).
+	// zone does not apply to the request) or "deny" (429 without counting;
+	// under DryRun the request is served, and the other zones count it).
 	OnMissingKey string `json:"on_missing_key,omitempty"`
 
 	// DryRun never denies: requests that would have been denied are served,
@@ -218,9 +219,13 @@ func (h *Handler) serve(w http.ResponseWriter, r *http.Request, lims []engine.Li
 	repl, _ := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 	lims, zi, ownLimits, missing := h.limits(r, repl, lims, zi)
 	switch {
-	case missing >= 0:
-		h.setMissing(repl, missing)
+	case missing >= 0 && !h.DryRun:
+		h.setMissing(repl, missing, decisionDenied)
 		return false, deny(w, r, h.zones[missing].missing)
+	case len(lims) == 0 && missing >= 0:
+		h.dryRunMissing(missing)
+		h.setMissing(repl, missing, decisionDryRunDenied)
+		return true, nil
 	case len(lims) == 0:
 		h.setOutcome(repl, decisionSkipped, nil, nil, nil, -1)
 		return true, nil
@@ -237,6 +242,13 @@ func (h *Handler) serve(w http.ResponseWriter, r *http.Request, lims []engine.Li
 	}
 	h.writeHeaders(hdr, lims, decs, zi, ownLimits && len(zi) == len(h.zones), retry)
 	switch {
+	case h.DryRun && missing >= 0:
+		// The missing key is what an enforcing handler would have denied
+		// the request for, before counting anything.
+		h.dryRunDenied(lims, decs, zi)
+		h.dryRunMissing(missing)
+		h.setMissing(repl, missing, decisionDryRunDenied)
+		return true, nil
 	case h.DryRun:
 		h.dryRunDenied(lims, decs, zi) // would-be denials are logged; the request was charged
 		decision, all := decisionAllowed, allAllowed(decs)
@@ -268,9 +280,12 @@ func allAllowed(decs []engine.Decision) bool {
 // the zone's override line, then its limit. ownLimits is false when an
 // override changed a zone's limit. missing is the index of a zone whose
 // key is empty under on_missing_key deny (the request is denied at once),
-// -1 when none. repl is the request's replacer (nil without one).
+// -1 when none; in a dry run, the first such zone, which has no limit in
+// lims: the request is served, and the other zones count it. repl is the
+// request's replacer (nil without one).
 func (h *Handler) limits(r *http.Request, repl *caddy.Replacer, lims []engine.Limit, zi []int) (_ []engine.Limit, _ []int, ownLimits bool, missing int) {
 	ownLimits = true
+	missing = -1
 	first := len(lims)
 	for i := range h.zones {
 		z := &h.zones[i]
@@ -282,7 +297,13 @@ func (h *Handler) limits(r *http.Request, repl *caddy.Replacer, lims []engine.Li
 				continue
 			case missingDeny:
 				z.metrics.missingKey.Inc()
-				return lims, zi, ownLimits, i
+				if !h.DryRun {
+					return lims, zi, ownLimits, i
+				}
+				if missing < 0 {
+					missing = i
+				}
+				continue
 			}
 		}
 		limit, ok := runtimeLimit(r.Context(), z.name, id)
@@ -312,7 +333,7 @@ func (h *Handler) limits(r *http.Request, repl *caddy.Replacer, lims []engine.Li
 		}
 		lims[k].Cost = cost
 	}
-	return lims, zi, ownLimits, -1
+	return lims, zi, ownLimits, missing
 }
 
 // decide decides lims all together into decs and reports whether the

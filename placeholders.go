@@ -149,13 +149,14 @@ func (h *Handler) outcome(decision string, lims []engine.Limit, decs []engine.De
 	return o
 }
 
-// setMissing makes a denial for a missing key readable as placeholders:
-// the zone whose key was empty, no identifier, no count.
-func (h *Handler) setMissing(repl *caddy.Replacer, zone int) {
+// setMissing makes a denial for a missing key (decisionDenied, or
+// decisionDryRunDenied) readable as placeholders: the zone whose key was
+// empty, no identifier, no count.
+func (h *Handler) setMissing(repl *caddy.Replacer, zone int, decision string) {
 	if repl == nil {
 		return
 	}
-	publish(repl, outcome{ids: &h.ids, decision: decisionDenied, zone: h.zones[zone].name})
+	publish(repl, outcome{ids: &h.ids, decision: decision, zone: h.zones[zone].name})
 }
 
 // spokenZone is the zone the placeholders speak of: the first that denied
