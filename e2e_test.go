@@ -359,3 +359,30 @@ func TestCost_OperatorMapSetsTheCost(t *testing.T) {
 			"RateLimit", fmt.Sprintf(`"e2e_operator_cost";r=%d;t=45`, step.remaining))
 	}
 }
+
+// TestCaddy_AnErrorRoutesDirectiveDecidesAgain: a `ratelimit` in an error
+// route is a directive of its own (README, "Two directives are two
+// decisions"): a request the site's route admitted and that then failed
+// is decided and charged again there, in the same zone as well.
+func TestCaddy_AnErrorRoutesDirectiveDecidesAgain(t *testing.T) {
+	useClock(t, 0)
+	const zone = `ratelimit {
+			zone e2e_twice {
+				key    {http.request.header.X-Key}
+				limit  10
+				window 1m
+			}
+		}`
+	routes := `
+	route /fail {
+		` + zone + `
+		error "upstream failed" 502
+	}
+	handle_errors {
+		` + zone + `
+		respond "{http.ratelimit.remaining}" {err.status_code}
+	}`
+	tester, _, base := startCaddy(t, func(admin, port int) string { return e2eConfig(admin, port, routes) })
+	get(t, tester, base+"/fail", "X-Key", "k").expect(t, 502, "8", "RateLimit", `"e2e_twice";r=8;t=60`)
+	get(t, tester, base+"/fail", "X-Key", "k").expect(t, 502, "6")
+}
