@@ -386,3 +386,30 @@ func TestCaddy_AnErrorRoutesDirectiveDecidesAgain(t *testing.T) {
 	get(t, tester, base+"/fail", "X-Key", "k").expect(t, 502, "8", "RateLimit", `"e2e_twice";r=8;t=60`)
 	get(t, tester, base+"/fail", "X-Key", "k").expect(t, 502, "6")
 }
+
+// TestCaddy_ADenialInAnErrorRouteIsA429: a directive in an error route
+// (limiting the clients that draw many 404s) that denies writes the 429
+// itself, with Retry-After. Caddy runs no error route for an error route's
+// error: it logged "error handling handler error" at error level for each
+// denial and wrote the first error's status, so the client saw a 404
+// with an empty body and never a 429.
+func TestCaddy_ADenialInAnErrorRouteIsA429(t *testing.T) {
+	useClock(t, 0)
+	routes := `
+	route /missing {
+		error "no such page" 404
+	}
+	handle_errors 404 {
+		ratelimit {
+			zone e2e_404s {
+				key    {http.request.header.X-Key}
+				limit  1
+				window 1m
+			}
+		}
+		respond "not found" 404
+	}`
+	tester, _, base := startCaddy(t, func(admin, port int) string { return e2eConfig(admin, port, routes) })
+	get(t, tester, base+"/missing", "X-Key", "k").expect(t, 404, "not found", "RateLimit", `"e2e_404s";r=0;t=60`)
+	get(t, tester, base+"/missing", "X-Key", "k").expect(t, 429, "", "RateLimit", `"e2e_404s";r=0;t=60`, "Retry-After", "61")
+}

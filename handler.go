@@ -376,8 +376,13 @@ func (h *Handler) denied(w http.ResponseWriter, r *http.Request, decs []engine.D
 // the response. Without them Caddy's error flow would write the same empty
 // 429 after encoding the whole request for a debug-level log line, which
 // costs more than everything else a denial does: the 429 is written here.
+// So it is in an error route (the request carries the error it handles):
+// Caddy runs no error route for an error route's error, but logs it at
+// error level and writes the first error's status, so a denial there was
+// the 404 it limited, never a 429.
 func deny(w http.ResponseWriter, r *http.Request, why error) error {
-	if srv, ok := r.Context().Value(caddyhttp.ServerCtxKey).(*caddyhttp.Server); ok && (srv.Errors == nil || len(srv.Errors.Routes) == 0) {
+	if srv, ok := r.Context().Value(caddyhttp.ServerCtxKey).(*caddyhttp.Server); ok &&
+		(srv.Errors == nil || len(srv.Errors.Routes) == 0 || r.Context().Value(caddyhttp.ErrorCtxKey) != nil) {
 		w.WriteHeader(http.StatusTooManyRequests)
 		return nil
 	}
