@@ -342,23 +342,29 @@ func (e *Engine) sendGroup(ctx context.Context, o Origin, lc *located, l *Limit,
 	if n.arms { // n.sent is set (under n.mu): no member sets arms any more
 		x.setTime(32, ms32(e.nowMs()), false)
 	}
-	// Hand the origin every unit this process has admitted to the cell,
-	// and the costs, as one absolute total. own rises first, so that a
-	// flush overlapping the call never writes a total below it. The
-	// requests decided meanwhile count the units handed over as unseen
-	// still (see nearLimit).
+	// Hand the origin every unit this process has admitted to the cell as
+	// one absolute total, with the costs beside it. own takes the pending
+	// units now and the costs only as the origin admits them (admit): it
+	// is what an answer merged meanwhile (a read's, a refresh's) counts as
+	// this process's in the count, and the costs are not in the count yet.
+	// Raised by them before the call, as it was, an answer from before
+	// the reservation landed put them in the count, and the verdict added
+	// them again (TestReserve_AnAnswerDuringAReservationCountsItsCostsOnce).
+	// No write of the cell overlaps the call (holdWrites), and a write
+	// never lowers what the origin holds. The requests decided meanwhile
+	// count the units handed over as unseen still (see nearLimit).
 	n.handed.Store(SatAdd(x.pending.Load(), sum))
 	if c.state()&stReserved == 0 {
 		c.setBits(stReserved)
 	}
 	d := x.pending.Swap(0)
 	n.handed.Store(SatAdd(d, sum))
-	own := x.own.Add(d + sum)
+	own := x.own.Add(d)
 	r := Reservation{
 		Key:         lc.key(),
 		Sequence:    c.seq(),
 		Incarnation: c.incarnation(),
-		Own:         own - sum,
+		Own:         own,
 		Cost:        n.costs[0],
 		Joined:      n.costs[1:],
 		Limit:       n.limit,
@@ -386,7 +392,7 @@ func (e *Engine) sendGroup(ctx context.Context, o Origin, lc *located, l *Limit,
 		// Decided locally: the units go back to pending, and the next
 		// request weighs them as before.
 		c.clearBits(stReserved)
-		e.reservationFailed(lc, n, d, sum)
+		e.reservationFailed(lc, n, d)
 		dl.expired = true
 		return Decision{}, false
 	}
@@ -404,10 +410,9 @@ func (e *Engine) sendGroup(ctx context.Context, o Origin, lc *located, l *Limit,
 
 // holdWrites takes c's write bit (stFlushing) for a reservation, once no
 // write of the cell is in flight, waiting within the request's deadline;
-// false when a write outlasted it (dl.expired then). The reservation
-// raises this process's own total by the costs before it is sent, so that
-// a write overlapping it never lowers what the origin holds; but a write
-// that carried those costs and reached the origin first made the
+// false when a write outlasted it (dl.expired then). The reservation once
+// raised this process's own total by the costs before it was sent, and a
+// write that carried those costs and reached the origin first made the
 // reservation charge them again (and a refused cost stayed counted): one
 // write or reservation of a cell at a time, as writes already are.
 //
@@ -446,15 +451,15 @@ func (e *Engine) releaseWrites(lc *located) {
 	}
 }
 
-// reservationFailed gives back what a failed reservation of n handed the
-// origin, pending units and the costs (sum): the pending units replay as
-// usual (a write the origin did apply makes that replay a no-op), and the
-// requests are decided again, locally.
-func (e *Engine) reservationFailed(lc *located, n *group, pending, sum int64) {
+// reservationFailed gives back the pending units a failed reservation of n
+// handed the origin: they replay as usual (a write the origin did apply
+// makes that replay a no-op), and the requests are decided again,
+// locally.
+func (e *Engine) reservationFailed(lc *located, n *group, pending int64) {
 	e.stats.reservationErrors.Add(int64(len(n.costs)))
 	e.originFailed()
 	x := lc.cur.links()
-	x.own.Add(-(pending + sum))
+	x.own.Add(-pending)
 	if pending > 0 {
 		x.pending.Add(pending)
 		e.markDirty(lc.zone, lc.en, lc.cur, true)
@@ -462,22 +467,24 @@ func (e *Engine) reservationFailed(lc *located, n *group, pending, sum int64) {
 }
 
 // admit records the origin's verdicts r on the members of n: an admitted
-// cost joins the cell's count, and a refused one leaves this process's own
-// total, which the reservation raised by every cost.
+// cost joins the cell's count, then this process's own total, which the
+// origin raised by it. In that order: an answer merged in between counts
+// own as this process's part of the count, and with own first it would
+// put the cost in the count before the count took it.
 func (e *Engine) admit(c *cell, n *group, r *Reservation) {
 	n.admitted = append(make([]bool, 0, len(n.costs)), r.Admitted)
 	n.admitted = append(n.admitted, r.JoinedAdmitted...)
-	var refused int64
+	var charged int64
 	for i, ok := range n.admitted {
 		if ok {
 			e.stats.reservationsAdmitted.Add(1)
 			addSat(&c.count, n.costs[i])
+			charged = SatAdd(charged, n.costs[i])
 		} else {
 			e.stats.reservationsDenied.Add(1)
-			refused = SatAdd(refused, n.costs[i])
 		}
 	}
-	c.links().own.Add(-refused)
+	c.links().own.Add(charged)
 }
 
 // finishGroup takes n out of flight, puts the group behind it in flight,

@@ -195,3 +195,43 @@ func TestReserve_ConcurrentRequestsAtTheLimitAdmitExactlyWhatIsLeft(t *testing.T
 			st.ReservationsAdmitted+st.ReservationsDenied, st.ReservationErrors)
 	}
 }
+
+// TestReserve_AnAnswerDuringAReservationCountsItsCostsOnce: an answer
+// about a cell (a read flight's, a background refresh's) that arrives
+// while a reservation of the cell is in flight is merged as the count of
+// the other processes plus this process's own total. The reservation
+// raised that total by its costs before it was sent, and the answer,
+// from before the reservation landed, did not hold them: the merge put
+// the costs in the count, and the reservation's verdict added them again.
+// The node then counted the key 5 units above the region for the rest of
+// the window (96 against 91 here), and denied early.
+func TestReserve_AnAnswerDuringAReservationCountsItsCostsOnce(t *testing.T) {
+	e, clk, o := withOrigin(t, Config{})
+	l, seq := sharedAt86(t, e, clk, o)
+	before := o.reserves.Load()
+	o.reserveDelay.Store(int64(300 * time.Millisecond))
+	done := make(chan bool)
+	go func() { done <- e.Decide(bg, lim("k", time.Hour, 100, 5)).Allowed }() // past 90 %: at the origin
+	waitFor(t, "a reservation in flight", func() bool { return o.reserves.Load() > before })
+	en := entryOf(t, e, l.Key)
+	c := en.cur.Load()
+	sent := e.nowMs()
+	tot, err := o.Read(bg, l.Key, seq, c.incarnation())
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.merge(e.Zone(l.Key.Namespace, l.Key.Window), en, c, tot, sent, time.Hour.Milliseconds(), false)
+	if !<-done {
+		t.Fatal("the reservation was denied at 86 of 100")
+	}
+	o.reserveDelay.Store(0)
+	if _, err := replayBoth(e); err != nil {
+		t.Fatal(err)
+	}
+	if got := o.total(l.Key, seq); got != 91 {
+		t.Fatalf("the origin holds %d, want 91", got)
+	}
+	if got := c.committed(); got != 91 {
+		t.Fatalf("the node counts %d units in the cell, the region 91", got)
+	}
+}
