@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"net/http"
+	"slices"
 	"strconv"
 	"time"
 
@@ -298,10 +299,31 @@ func (a *AdminAPI) handleStrict(w http.ResponseWriter, r *http.Request) error {
 	if byZone && len(st.zones.definitions(zoneName, nil)) == 0 {
 		return errNoZone(zoneName)
 	}
+	return writeJSON(w, listStrict(st, zoneName, byZone, max, func(zone string) []zoneDef {
+		return st.zones.definitions(zone, nil)
+	}))
+}
+
+// listStrict lists up to max keys in strict mode, of zoneName when byZone,
+// whose zone a loaded config defines with their window (defsOf gives a
+// zone's definitions). Keys of a window no loaded config uses any more
+// keep their deadline until it passes; they are not the zone's, as the
+// counters listing has them (listKeys), and the strict listing showed
+// them and counted them in its total until 2026-11-28.
+func listStrict(st *state, zoneName string, byZone bool, max int, defsOf func(zone string) []zoneDef) strictDoc {
 	ids := st.apps.view().ids
 	doc := strictDoc{Keys: []strictKeyDoc{}}
+	windows := map[string][]time.Duration{}
 	for _, sk := range st.engine.StrictKeys() {
 		if byZone && sk.Key.Namespace != zoneName {
+			continue
+		}
+		ws, ok := windows[sk.Key.Namespace]
+		if !ok {
+			ws = defWindows(defsOf(sk.Key.Namespace))
+			windows[sk.Key.Namespace] = ws
+		}
+		if !slices.Contains(ws, sk.Key.Window) {
 			continue
 		}
 		doc.Total++
@@ -316,7 +338,7 @@ func (a *AdminAPI) handleStrict(w http.ResponseWriter, r *http.Request) error {
 			Until:    sk.Until.UTC(),
 		})
 	}
-	return writeJSON(w, doc)
+	return doc
 }
 
 // listing is what a listing route needs after its parameters: the max

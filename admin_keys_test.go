@@ -194,3 +194,47 @@ func TestListKeys_AnOldWindowsKeysTakeNoPlace(t *testing.T) {
 		}
 	}
 }
+
+// TestListStrict_AnOldWindowsKeysAreNotTheZones: a key in strict mode in a
+// window no loaded config uses any more (the zone's window changed in a
+// reload) keeps its deadline until it passes, but it is not the zone's:
+// the strict listing showed it and counted it in its total, where the
+// counters listing leaves such keys out.
+func TestListStrict_AnOldWindowsKeysAreNotTheZones(t *testing.T) {
+	st, err := acquireState(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		if err := releaseState(); err != nil {
+			t.Error(err)
+		}
+	}()
+	st.engine.SetOrigin(fakeOrigin{}) // strict mode is an origin's: without one there is none
+	defer st.engine.SetOrigin(nil)
+	deny := func(id string, w time.Duration) {
+		l := engine.Limit{Key: engine.Key{Namespace: "ls", Identifier: id, Window: w}, Limit: 2, Cost: 1}
+		for range 3 { // the third is denied at the limit: strict mode
+			st.engine.Decide(context.Background(), l)
+		}
+	}
+	deny("old", time.Hour) // the window of an earlier config
+	deny("new", time.Minute)
+	defs := []zoneDef{{handler: &Handler{zones: []zone{{name: "ls", limit: 2, window: time.Minute}}}, window: time.Minute}}
+	defsOf := func(zone string) []zoneDef {
+		if zone == "ls" {
+			return defs
+		}
+		return nil
+	}
+	for _, byZone := range []bool{true, false} {
+		doc := listStrict(st, "ls", byZone, 10, defsOf)
+		var got []string
+		for _, k := range doc.Keys {
+			got = append(got, k.Identifier)
+		}
+		if strings.Join(got, " ") != "new" || doc.Total != 1 || doc.Truncated {
+			t.Errorf("by zone %v: keys %v, total %d, truncated %v; want new alone", byZone, got, doc.Total, doc.Truncated)
+		}
+	}
+}
