@@ -161,15 +161,7 @@ func TestCounters_MalformedUTF8IdentifiersStayApart(t *testing.T) {
 // after taking its max, so it showed fewer keys than there were (none,
 // here) and said it was truncated.
 func TestListKeys_AnOldWindowsKeysTakeNoPlace(t *testing.T) {
-	st, err := acquireState(nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() {
-		if err := releaseState(); err != nil {
-			t.Error(err)
-		}
-	}()
+	st := heldState(t)
 	decide := func(id string, w time.Duration) {
 		st.engine.Decide(context.Background(), engine.Limit{Key: engine.Key{Namespace: "lk", Identifier: id, Window: w}, Limit: 10, Cost: 1})
 	}
@@ -201,15 +193,7 @@ func TestListKeys_AnOldWindowsKeysTakeNoPlace(t *testing.T) {
 // the strict listing showed it and counted it in its total, where the
 // counters listing leaves such keys out.
 func TestListStrict_AnOldWindowsKeysAreNotTheZones(t *testing.T) {
-	st, err := acquireState(nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() {
-		if err := releaseState(); err != nil {
-			t.Error(err)
-		}
-	}()
+	st := heldState(t)
 	st.engine.SetOrigin(fakeOrigin{}) // strict mode is an origin's: without one there is none
 	defer st.engine.SetOrigin(nil)
 	deny := func(id string, w time.Duration) {

@@ -157,3 +157,19 @@ func readmeSection(t *testing.T, heading string) (readme, section string) {
 	section, _, _ = strings.Cut(rest, "\n### ")
 	return string(b), section
 }
+
+// heldState acquires the process's state for the test and releases it at
+// its end.
+func heldState(t *testing.T) *state {
+	t.Helper()
+	st, err := acquireState(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := releaseState(); err != nil {
+			t.Error(err)
+		}
+	})
+	return st
+}

@@ -253,15 +253,7 @@ func TestObserver_ARedisThatRefusesScriptsSaysSo(t *testing.T) {
 // newest app speaks with, which is the running config's again once the
 // failed one is cleaned up.
 func TestLogs_TheRedisClientsLinesGoToTheRunningConfig(t *testing.T) {
-	st, err := acquireState(nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if err := releaseState(); err != nil {
-			t.Error(err)
-		}
-	})
+	st := heldState(t)
 	running, runningLogs := observedApp(zapcore.DebugLevel, identities{})
 	failed, failedLogs := observedApp(zapcore.DebugLevel, identities{})
 	for _, a := range []*App{running, failed} { // as App.Provision and provisionRedis do

@@ -135,23 +135,10 @@ func (e *Engine) decideLocal(d *Decision, lc *located, l *Limit) {
 // it would have been, recording nothing a denial records).
 func (e *Engine) allow(d *Decision, lc *located, l *Limit, ok bool, cur, prev int64) {
 	after := SatAdd(cur, l.Cost)
-	if l.Cost != 0 {
-		if e.origin.Load() != nil {
-			e.committed(lc, l.Cost, SatAdd(after, weighted(prev, lc.w, lc.r)), l.Limit)
-		} else if e.unsent.Load() {
-			if x := lc.cur.links(); x != nil {
-				x.pending.Add(l.Cost) // for an origin that comes back (sendUnsent)
-				if e.origin.Load() != nil {
-					// It came meanwhile, and its sendUnsent may have
-					// passed this cell already.
-					e.markDirty(lc.zone, lc.en, lc.cur, lc.cur.state()&stShared != 0)
-				} else if !lc.en.holds(lc.cur) {
-					// Let go meanwhile (forgotten, evicted, rotated past)
-					// while it held nothing, so not remembered then.
-					e.buryCell(lc.zone, lc.en, lc.cur)
-				}
-			}
-		}
+	// Without an origin, after one was let go, the units wait for the
+	// next (see committed).
+	if l.Cost != 0 && (e.origin.Load() != nil || e.unsent.Load()) {
+		e.committed(lc, l.Cost, SatAdd(after, weighted(prev, lc.w, lc.r)), l.Limit)
 	}
 	lc.passed(d, l.Limit, after, prev)
 	if !ok {
@@ -252,13 +239,15 @@ func (e *Engine) committed(lc *located, cost, effective, limit int64) {
 	}
 	x.pending.Add(cost)
 	if e.origin.Load() == nil {
-		// No queue takes the units: an entry holding the cell or the
-		// graves must. A rotation, eviction or forget that let the cell
-		// go between the charge and this add (a batch's reservation
-		// spans its other limits) saw no units in it and remembered
-		// nothing, so they would sit in a cell nothing reaches; the add
-		// comes before this check and their check after their swap, so
-		// one of the two sees the other and buries it (once: stBuried).
+		// For an origin that comes back (sendUnsent), which finds the
+		// cells entries hold and the graves. A rotation, eviction or
+		// forget that let the cell go between the charge and this add (a
+		// batch's reservation spans its other limits) saw no units in it
+		// and remembered nothing; the add comes before this check and
+		// their check after their swap, so one of the two sees the other
+		// and buries it (once: stBuried). An origin set after the check
+		// passed finds the units by its sendUnsent; one set before it is
+		// seen here, and the cell is queued below.
 		if !lc.en.holds(lc.cur) {
 			e.buryCell(lc.zone, lc.en, lc.cur)
 		}
