@@ -76,13 +76,19 @@ func (r redisRegion) PutDenials(ctx context.Context, rows []propagation.Blocklis
 
 // TakeDenials returns the rows left in the region; one that does not
 // decode (written by another version) is skipped, and stays until it
-// expires with its cell.
+// expires with its cell. The row's cell is the one its field names: JSON
+// carries an identifier's bytes that are not UTF-8 as U+FFFD, and the
+// holder once wrote such a denial under another identifier and, its
+// removal naming another field, left it in the region for good
+// (TestRegionAdapter_DenialsKeepTheirIdentifierBytes).
 func (r redisRegion) TakeDenials(ctx context.Context) ([]propagation.BlocklistRow, error) {
 	ds, err := r.o.TakeDenials(ctx)
 	out := make([]propagation.BlocklistRow, 0, len(ds))
 	for _, d := range ds {
 		var row propagation.BlocklistRow
 		if json.Unmarshal([]byte(d.Row), &row) == nil {
+			c := layerCell(d.Key, d.Sequence)
+			row.Namespace, row.Identifier, row.WindowMs, row.Sequence = c.Namespace, c.Identifier, c.WindowMs, c.Sequence
 			out = append(out, row)
 		}
 	}

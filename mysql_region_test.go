@@ -1,9 +1,11 @@
 package ratelimit
 
 import (
+	"context"
 	"testing"
 	"time"
 
+	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
 	"github.com/edgelimit/caddy-ratelimit/origin"
 	"github.com/edgelimit/caddy-ratelimit/propagation"
 )
@@ -51,5 +53,41 @@ func TestRegionAdapter_CellsKeepTheirWindow(t *testing.T) {
 	}
 	if back := layerCell(rc.Key, rc.Sequence); back != c {
 		t.Fatalf("back %+v, want %+v", back, c)
+	}
+}
+
+// TestRegionAdapter_DenialsKeepTheirIdentifierBytes: a denial row left in
+// the region's Redis comes back to the holder naming the same identifier,
+// bytes that are not UTF-8 included, and is gone from the region once
+// written. Through JSON alone each such byte became U+FFFD: the holder
+// wrote the denial under another identifier (no other region denied the
+// key), and the removal named another field, so the row stayed in the
+// region for good, taken again on every flush.
+func TestRegionAdapter_DenialsKeepTheirIdentifierBytes(t *testing.T) {
+	srv := redistest.Start(t)
+	o, err := origin.New(origin.Config{Redis: []string{srv.URL()}}, origin.Options{NodeID: "holder"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = o.Close() })
+	r := redisRegion{o: o}
+	ctx := context.Background()
+	row := propagation.BlocklistRow{Namespace: "z", Identifier: "k\xff\xfe\x00é", WindowMs: 60_000, Sequence: 29_000_000,
+		Region: "eu", Limit: 10, CountCur: 11, CountPrev: 3, ExpiresMs: 1_740_000_180_000}
+	if err := r.PutDenials(ctx, []propagation.BlocklistRow{row}); err != nil {
+		t.Fatal(err)
+	}
+	got, err := r.TakeDenials(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(got) != 1 || got[0] != row {
+		t.Fatalf("the holder took %#v, want %#v", got, row)
+	}
+	if err := r.DenialsWritten(ctx, got); err != nil {
+		t.Fatal(err)
+	}
+	if left, err := r.TakeDenials(ctx); err != nil || len(left) != 0 {
+		t.Fatalf("the region still holds %+v (%v) after the row was written", left, err)
 	}
 }
