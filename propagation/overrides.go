@@ -99,8 +99,11 @@ func (p *Propagator) PutOverride(r OverrideRow) {
 }
 
 // takeOverrides takes the region's changes for the holder to write: all
-// of them on taking the role, and after another server took the
-// database's writes (checkServer).
+// of them on taking the role, after another server took the database's
+// writes (checkServer), and after a take that failed, which may have
+// emptied the queue it never read the changes of: those were never
+// written, and the other regions never applied them
+// (TestOverrides_ATakeThatFailedIsFollowedByAWholeOne).
 func (p *Propagator) takeOverrides(ctx context.Context, all bool) {
 	reg, ok := p.region.(OverrideRegion)
 	if !ok || p.overrideStore() == nil {
@@ -112,6 +115,9 @@ func (p *Propagator) takeOverrides(ctx context.Context, all bool) {
 	rows, err := reg.TakeOverrides(ctx, all || again)
 	if err != nil {
 		p.regionFailed("taking the region's overrides", err)
+		p.mu.Lock()
+		p.ovTakeAll = true
+		p.mu.Unlock()
 		return
 	}
 	if again {

@@ -2,7 +2,11 @@ package propagation
 
 import (
 	"context"
+	"errors"
+	"maps"
+	"slices"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -315,5 +319,63 @@ func TestOverrides_ARegionCutOffWhileAChangeLapsedDropsWhatItReplaced(t *testing
 	s.clk.Add(24 * time.Hour)
 	if n := a.p.CleanupOnce(bg); n != 1 {
 		t.Errorf("a day past the reprieve's lapse, cleanup deleted %d rows, want it", n)
+	}
+}
+
+// queuedOverrides is a memRegion that carries overrides as the region's
+// Redis does: every change held, and a queue of those the holder has not
+// taken. Its next take of the queue, once fail is set, empties the queue
+// and then fails, as a take whose reply never came back (the script ran).
+type queuedOverrides struct {
+	memNode
+	held  map[Cell]OverrideRow
+	queue []OverrideRow
+	fail  atomic.Bool
+}
+
+func (r *queuedOverrides) put(o OverrideRow) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.held[Cell{Namespace: o.Namespace, Identifier: o.Identifier}] = o
+	r.queue = append(r.queue, o)
+}
+
+func (r *queuedOverrides) TakeOverrides(_ context.Context, all bool) ([]OverrideRow, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if all {
+		r.queue = nil
+		return slices.Collect(maps.Values(r.held)), nil
+	}
+	out := r.queue
+	r.queue = nil
+	if r.fail.CompareAndSwap(true, false) {
+		return nil, errors.New("the take's reply never came back")
+	}
+	return out, nil
+}
+
+func (r *queuedOverrides) ApplyOverrides(context.Context, []OverrideRow) error { return nil }
+
+// TestOverrides_ATakeThatFailedIsFollowedByAWholeOne: a change of the
+// region popped from its queue by a take that then failed reaches MySQL
+// at the next flush, which takes every override the region holds. It
+// was lost before: nothing took the region's overrides whole again but a
+// new holder or another database server, so the other regions never
+// applied the change (an override, or a global reset).
+func TestOverrides_ATakeThatFailedIsFollowedByAWholeOne(t *testing.T) {
+	s := newSetup(t)
+	reg := &queuedOverrides{memNode: memNode{newMemRegion(s.clk), "n1"}, held: map[Cell]OverrideRow{}}
+	n := s.regionNodeWith("a", reg)
+	n.p.FlushOnce(bg) // takes the role, and every override: none yet
+	reg.put(OverrideRow{Namespace: "z", Identifier: "cust", Limit: 500, Region: "a", Version: 2000})
+	reg.fail.Store(true)
+	n.p.FlushOnce(bg)
+	if reg.fail.Load() {
+		t.Fatal("the flush took no queued override")
+	}
+	n.p.FlushOnce(bg)
+	if got := countRows(t, s.dsn, "ratelimit_overrides", "WHERE identifier = 'cust' AND limit_units = 500"); got != 1 {
+		t.Fatalf("%d rows of the override after the next flush, want 1", got)
 	}
 }
