@@ -1,12 +1,14 @@
 package propagation
 
 import (
+	"context"
+	"sync/atomic"
+	"testing"
 	"time"
 
+	"go.uber.org/zap"
+
 	"github.com/edgelimit/caddy-ratelimit/engine"
-
-	"testing"
-
 	"github.com/edgelimit/caddy-ratelimit/internal/mysqltest"
 )
 
@@ -100,5 +102,79 @@ func importsAfterFailover(t *testing.T, b *region, dsn string, want int64) {
 	if global != want {
 		t.Fatalf("b's import of region a's count after the failover = %d, want %d (rows on the new primary: %d)",
 			global, want, countRows(t, dsn, "ratelimit_global_counts", ""))
+	}
+}
+
+// switchingServer is the layer's store whose server, as its clock read
+// names it, is id once set (another server took the DSN), and whose next
+// write of published counts runs during first: what another goroutine
+// does while that write is on its way.
+type switchingServer struct {
+	*sqlStore
+	id     atomic.Pointer[string]
+	during func()
+}
+
+func (s *switchingServer) Server() string {
+	if id := s.id.Load(); id != nil {
+		return *id
+	}
+	return s.sqlStore.Server()
+}
+
+func (s *switchingServer) UpsertCounts(ctx context.Context, rows []*CountRow) error {
+	if f := s.during; f != nil {
+		s.during = nil
+		f()
+	}
+	return s.sqlStore.UpsertCounts(ctx, rows)
+}
+
+// TestFailover_SeenDuringAWholePushStillPublishesEveryCellAgain: the
+// global sync (its own goroutine) sees another server under the DSN while
+// a flush's whole push is writing. The flush, done, cleared the flags
+// that said "publish every cell again", set by the sync after the flush
+// read them: a count that stood still never reached the new server, and
+// the other regions left it out until a whole read of the published
+// counts missed the row (ten syncs later).
+func TestFailover_SeenDuringAWholePushStillPublishesEveryCellAgain(t *testing.T) {
+	s := newSetup(t)
+	eng := engine.New(engine.Config{Now: s.clk.Now, Manual: true})
+	eng.Zone("z", window)
+	cfg := Config{DSN: s.dsn, Region: "a", Batch: 100, Timeout: 5 * time.Second}.WithDefaults()
+	sql, _, err := openStore(cfg, zap.NewNop())
+	if err != nil {
+		t.Fatal(err)
+	}
+	st := &switchingServer{sqlStore: sql}
+	a := &region{eng: eng, p: s.start(eng, cfg, Options{Now: s.clk.Now, Store: st, Logger: zap.NewNop()})}
+	a.p.GlobalSyncOnce(bg) // notes the server
+	a.decide("still", 100, 60)
+	a.decide("grows", 100, 60)
+	a.p.FlushOnce(bg)
+	if n := countRows(t, s.dsn, "ratelimit_global_counts", ""); n != 2 {
+		t.Fatalf("%d published rows, want 2", n)
+	}
+	a.decide("grows", 100, 1)
+	a.p.GlobalSyncOnce(bg) // the next push is a whole one
+	st.during = func() {
+		// A promoted replica that never applied the rows answers now,
+		// and the global sync sees it while the push writes.
+		if _, err := mysqltest.Open(t, s.dsn).Exec("TRUNCATE TABLE ratelimit_global_counts"); err != nil {
+			t.Fatal(err)
+		}
+		id := "another server"
+		st.id.Store(&id)
+		a.p.GlobalSyncOnce(bg)
+	}
+	a.p.FlushOnce(bg)
+	if st.during != nil {
+		t.Fatal("the flush wrote no published counts")
+	}
+	a.p.FlushOnce(bg)
+	a.p.GlobalSyncOnce(bg)
+	a.p.FlushOnce(bg)
+	if n := countRows(t, s.dsn, "ratelimit_global_counts", "WHERE identifier = 'still' AND count = 60"); n != 1 {
+		t.Fatalf("%d rows of the count that stood still on the new server, want 1", n)
 	}
 }

@@ -154,6 +154,7 @@ func (p *Propagator) checkOwnRows(own map[Cell]struct{}, now int64) {
 		}
 		if missing > 0 {
 			p.fullPush = true
+			p.pushes++
 		}
 		p.mu.Unlock()
 	} else {
@@ -170,6 +171,7 @@ func (p *Propagator) checkOwnRows(own map[Cell]struct{}, now int64) {
 		if missing > 0 {
 			p.mu.Lock()
 			p.fullPush, p.republish = true, true
+			p.pushes++
 			p.mu.Unlock()
 		}
 	}

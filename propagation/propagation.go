@@ -135,6 +135,7 @@ type Propagator struct {
 	fullPull    [tables]bool          // the next pull of the table reads it whole
 	fullPush    bool                  // the next push publishes every grown cell
 	republish   bool                  // and every published one (Config.Republish), until a whole push is done
+	pushes      int64                 // counts the settings of fullPush: a whole push clears only what it read (publish.go)
 	otherForms  map[string]bool       // regions whose rows name identifiers of another form, logged (otherForm)
 	badWindows  map[string]bool       // regions whose rows name windows no zone can have, logged (badWindow)
 	fullTake    bool                  // the next take reads every registration

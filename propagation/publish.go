@@ -108,8 +108,10 @@ type regionRead struct {
 	due    []Cell
 	totals []RegionTotal
 	// full: a global sync's push, which ends once it all was read and
-	// written.
+	// written; pushes, the settings of fullPush it answers (see
+	// publishScanned).
 	full, ok bool
+	pushes   int64
 }
 
 // readRegistered reads the region's totals of the registered cells due
@@ -118,7 +120,7 @@ func (p *Propagator) readRegistered(ctx context.Context) *regionRead {
 	now := p.now().UnixMilli()
 	rd := new(regionRead)
 	p.mu.Lock()
-	rd.full = p.fullPush
+	rd.full, rd.pushes = p.fullPush, p.pushes
 	for c, r := range p.reg {
 		if r.expires <= now {
 			delete(p.reg, c)
@@ -182,7 +184,7 @@ func (p *Propagator) publishRegistered(ctx context.Context, rd *regionRead) {
 			r.publishedReset = max(r.publishedReset, c.row.ResetVersion)
 		}
 	}
-	if rd.full && rd.ok && !more {
+	if rd.full && rd.ok && !more && p.pushes == rd.pushes {
 		p.fullPush = false
 	}
 	p.mu.Unlock()
@@ -218,9 +220,14 @@ func (p *Propagator) importSum(c Cell) int64 {
 
 // publishScanned publishes what a process of its own region counted: hot
 // cells that grew on every flush, every cell worth it at a global sync.
+// A whole push clears the flags only when nothing set them again while
+// it ran: a global sync (its own goroutine) that saw another server
+// under the DSN during the push once had its "publish every cell again"
+// cleared by it, and a count that stood still never reached the new
+// server (TestFailover_SeenDuringAWholePushStillPublishesEveryCellAgain).
 func (p *Propagator) publishScanned(ctx context.Context) {
 	p.mu.Lock()
-	full, again := p.fullPush, p.republish
+	full, again, pushes := p.fullPush, p.republish, p.pushes
 	p.mu.Unlock()
 	var cands []candidate
 	p.eng.ScanCells(p.cfg.MinWindow, func(v *engine.CellView) bool {
@@ -247,7 +254,9 @@ func (p *Propagator) publishScanned(ctx context.Context) {
 	}
 	if full && !more {
 		p.mu.Lock()
-		p.fullPush, p.republish = false, false
+		if p.pushes == pushes {
+			p.fullPush, p.republish = false, false
+		}
 		p.mu.Unlock()
 	}
 }

@@ -273,6 +273,7 @@ func (p *Propagator) noteServer() {
 // counts once. p.mu is held.
 func (p *Propagator) publishAgainLocked() {
 	p.fullPush, p.republish = true, true
+	p.pushes++
 	p.fullPull = [tables]bool{true, true, true}
 	p.cursor = [tables]cursor{}
 	if p.region != nil {

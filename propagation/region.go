@@ -206,6 +206,7 @@ func (p *Propagator) takeRole() {
 	p.mu.Lock()
 	p.fullTake = true
 	p.fullPush = true
+	p.pushes++
 	p.fullPull = [tables]bool{true, true, true}
 	p.allImportsDueLocked()
 	p.mu.Unlock()

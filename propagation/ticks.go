@@ -77,6 +77,7 @@ func (p *Propagator) GlobalSyncOnce(ctx context.Context) {
 	}
 	p.mu.Lock()
 	p.fullPush = true
+	p.pushes++
 	if p.syncs[Counts]++; p.syncs[Counts] >= wholeEvery {
 		p.syncs[Counts] = 0
 		p.fullPull[Counts] = true
