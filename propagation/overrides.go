@@ -112,7 +112,16 @@ func (p *Propagator) takeOverrides(ctx context.Context, all bool) {
 	p.mu.Lock()
 	again := p.ovTakeAll
 	p.mu.Unlock()
-	rows, err := reg.TakeOverrides(ctx, all || again)
+	// Within the lease, as every call of a flush: a flush that found its
+	// role gone once still popped the region's changes, which it then
+	// never wrote, and the new holder, which had taken every change
+	// before, never saw them (TestOverrides_AHolderWhoseRoleIsGoneTakesNoChange).
+	var rows []OverrideRow
+	err := p.query(ctx, func(ctx context.Context) error {
+		var err error
+		rows, err = reg.TakeOverrides(ctx, all || again)
+		return err
+	})
 	if err != nil {
 		p.regionFailed("taking the region's overrides", err)
 		p.mu.Lock()

@@ -322,33 +322,44 @@ func TestOverrides_ARegionCutOffWhileAChangeLapsedDropsWhatItReplaced(t *testing
 	}
 }
 
-// queuedOverrides is a memRegion that carries overrides as the region's
-// Redis does: every change held, and a queue of those the holder has not
-// taken. Its next take of the queue, once fail is set, empties the queue
-// and then fails, as a take whose reply never came back (the script ran).
-type queuedOverrides struct {
-	memNode
+// overrideQueue is the overrides of a region as its Redis holds them:
+// every change held, and a queue of those the holder has not taken.
+type overrideQueue struct {
+	mu    sync.Mutex
 	held  map[Cell]OverrideRow
 	queue []OverrideRow
-	fail  atomic.Bool
 }
 
-func (r *queuedOverrides) put(o OverrideRow) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	r.held[Cell{Namespace: o.Namespace, Identifier: o.Identifier}] = o
-	r.queue = append(r.queue, o)
+func newOverrideQueue() *overrideQueue { return &overrideQueue{held: map[Cell]OverrideRow{}} }
+
+func (q *overrideQueue) put(o OverrideRow) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	q.held[Cell{Namespace: o.Namespace, Identifier: o.Identifier}] = o
+	q.queue = append(q.queue, o)
+}
+
+// queuedOverrides is a node's handle on a memRegion that carries
+// overrides in q. Its next take of the queue, once fail is set, empties
+// the queue and then fails, as a take whose reply never came back (the
+// script ran); its next take of denial rows runs duringDenials first.
+type queuedOverrides struct {
+	memNode
+	q             *overrideQueue
+	fail          atomic.Bool
+	duringDenials func()
 }
 
 func (r *queuedOverrides) TakeOverrides(_ context.Context, all bool) ([]OverrideRow, error) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
+	q := r.q
+	q.mu.Lock()
+	defer q.mu.Unlock()
 	if all {
-		r.queue = nil
-		return slices.Collect(maps.Values(r.held)), nil
+		q.queue = nil
+		return slices.Collect(maps.Values(q.held)), nil
 	}
-	out := r.queue
-	r.queue = nil
+	out := q.queue
+	q.queue = nil
 	if r.fail.CompareAndSwap(true, false) {
 		return nil, errors.New("the take's reply never came back")
 	}
@@ -356,6 +367,14 @@ func (r *queuedOverrides) TakeOverrides(_ context.Context, all bool) ([]Override
 }
 
 func (r *queuedOverrides) ApplyOverrides(context.Context, []OverrideRow) error { return nil }
+
+func (r *queuedOverrides) TakeDenials(ctx context.Context) ([]BlocklistRow, error) {
+	if f := r.duringDenials; f != nil {
+		r.duringDenials = nil
+		f()
+	}
+	return r.memNode.TakeDenials(ctx)
+}
 
 // TestOverrides_ATakeThatFailedIsFollowedByAWholeOne: a change of the
 // region popped from its queue by a take that then failed reaches MySQL
@@ -365,10 +384,10 @@ func (r *queuedOverrides) ApplyOverrides(context.Context, []OverrideRow) error {
 // applied the change (an override, or a global reset).
 func TestOverrides_ATakeThatFailedIsFollowedByAWholeOne(t *testing.T) {
 	s := newSetup(t)
-	reg := &queuedOverrides{memNode: memNode{newMemRegion(s.clk), "n1"}, held: map[Cell]OverrideRow{}}
+	reg := &queuedOverrides{memNode: memNode{newMemRegion(s.clk), "n1"}, q: newOverrideQueue()}
 	n := s.regionNodeWith("a", reg)
 	n.p.FlushOnce(bg) // takes the role, and every override: none yet
-	reg.put(OverrideRow{Namespace: "z", Identifier: "cust", Limit: 500, Region: "a", Version: 2000})
+	reg.q.put(OverrideRow{Namespace: "z", Identifier: "cust", Limit: 500, Region: "a", Version: 2000})
 	reg.fail.Store(true)
 	n.p.FlushOnce(bg)
 	if reg.fail.Load() {
@@ -377,5 +396,45 @@ func TestOverrides_ATakeThatFailedIsFollowedByAWholeOne(t *testing.T) {
 	n.p.FlushOnce(bg)
 	if got := countRows(t, s.dsn, "ratelimit_overrides", "WHERE identifier = 'cust' AND limit_units = 500"); got != 1 {
 		t.Fatalf("%d rows of the override after the next flush, want 1", got)
+	}
+}
+
+// TestOverrides_AHolderWhoseRoleIsGoneTakesNoChange: the holder's lease
+// lapses during a flush (the region's Redis answers late) and another
+// node takes the role, taking every override the region holds. A change
+// made after that was popped from the queue by the old holder's flush,
+// which then found its role gone and wrote nothing: the change never
+// reached MySQL. A flush that lost its role now takes no change: the
+// new holder does.
+func TestOverrides_AHolderWhoseRoleIsGoneTakesNoChange(t *testing.T) {
+	s := newSetup(t)
+	mem, q := newMemRegion(s.clk), newOverrideQueue()
+	fast := func(c *Config) { c.Flush, c.Timeout = 20*time.Millisecond, 300*time.Millisecond }
+	r1 := &queuedOverrides{memNode: memNode{mem, "n1"}, q: q}
+	r2 := &queuedOverrides{memNode: memNode{mem, "n2"}, q: q}
+	n1, n2 := s.regionNodeWith("a", r1, fast), s.regionNodeWith("a", r2, fast)
+	n1.p.FlushOnce(bg)
+	if st := n1.p.Stats(); st.Role != "holder" {
+		t.Fatalf("n1 is %q, want the holder", st.Role)
+	}
+	lease := n1.p.leaseTTL()
+	r1.duringDenials = func() {
+		s.clk.Add(lease + time.Millisecond) // n1's lease lapses: n2 takes the role
+		n2.p.FlushOnce(bg)
+		if st := n2.p.Stats(); st.Role != "holder" {
+			t.Errorf("n2 is %q, want the holder", st.Role)
+		}
+		q.put(OverrideRow{Namespace: "z", Identifier: "cust", Limit: 500, Region: "a", Version: 2000})
+		// The region's Redis answers n1 late: past what n1 reckons of
+		// its lease, less a query's timeout.
+		time.Sleep(lease - n1.p.cfg.Timeout + 40*time.Millisecond)
+	}
+	n1.p.FlushOnce(bg)
+	if st := n1.p.Stats(); st.Role != "member" {
+		t.Fatalf("n1 is %q after its role passed, want a member", st.Role)
+	}
+	n2.p.FlushOnce(bg)
+	if got := countRows(t, s.dsn, "ratelimit_overrides", "WHERE identifier = 'cust' AND limit_units = 500"); got != 1 {
+		t.Fatalf("%d rows of the change made after n2 took the role, want 1", got)
 	}
 }
