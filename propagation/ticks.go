@@ -190,6 +190,10 @@ func (p *Propagator) Start() {
 // Stop stops the loops after one last write of what is pending, within
 // ctx: a member leaves its denial rows in the region, a holder writes
 // what it holds and gives the role up. Then it closes the connections.
+// What it holds includes the override changes not yet written: a reload
+// stops the old config's layer without a flush, and a change queued
+// within a flush of it never reached MySQL
+// (TestStop_WritesTheOverrideChangesItHolds).
 func (p *Propagator) Stop(ctx context.Context) {
 	p.stopOnce.Do(func() { close(p.stop) })
 	p.wg.Wait()
@@ -199,6 +203,7 @@ func (p *Propagator) Stop(ctx context.Context) {
 		}
 		if p.role.Load() != roleMember {
 			p.writeDenials(ctx)
+			p.writeOverrides(ctx)
 		}
 		p.releaseRole(ctx)
 	}

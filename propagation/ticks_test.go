@@ -190,3 +190,20 @@ func TestStop_AQueryItCancelsIsNoMySQLError(t *testing.T) {
 		t.Errorf("a stop logged %q %v", e.Message, e.ContextMap())
 	}
 }
+
+// TestStop_WritesTheOverrideChangesItHolds: a process that is its own
+// region queues an operator's change for its next flush. A reload stops
+// the old config's layer without a flush (only the last config's is
+// flushed), and Stop wrote the denial rows it held but not the changes:
+// a change made within a flush of the reload never reached MySQL, and
+// the other regions never applied it while this process did.
+func TestStop_WritesTheOverrideChangesItHolds(t *testing.T) {
+	s := newSetup(t)
+	a := s.region("a", func(c *Config) { c.Flush, c.GlobalSync, c.BlocklistSync = time.Hour, time.Hour, time.Hour })
+	a.p.Start() // the loops' first ticks are an hour away
+	a.p.PutOverride(OverrideRow{Namespace: "z", Identifier: "cust", Limit: 500, Region: "a", Version: 2000})
+	a.p.Stop(bg)
+	if n := countRows(t, s.dsn, "ratelimit_overrides", "WHERE identifier = 'cust' AND limit_units = 500"); n != 1 {
+		t.Fatalf("%d rows of the change after Stop, want 1", n)
+	}
+}
