@@ -65,9 +65,10 @@ type sqlStore struct {
 	// there, whole, and changes nothing.
 	checkOnly bool
 	// server is the server_id the last clock read found (Server);
-	// noServerID, that the server refused to tell it once.
-	server     atomic.Pointer[string]
-	noServerID atomic.Bool
+	// skipServerID, how many more clock reads leave it out after the
+	// server refused to tell it (serverIDRetry).
+	server       atomic.Pointer[string]
+	skipServerID atomic.Int32
 }
 
 // openStore opens the pools without dialling. Every network step is
@@ -190,17 +191,31 @@ func (s *sqlStore) Close() error {
 // dbNowMs is the database's clock in Unix ms (sessions run in UTC).
 const dbNowMs = `ROUND(UNIX_TIMESTAMP(NOW(3)) * 1000)`
 
+// clockServerIDQuery reads the database's clock and its server_id in one
+// statement (a variable, so that a test can have the server refuse it).
+var clockServerIDQuery = `SELECT ` + dbNowMs + `, @@server_id`
+
+// serverIDRetry is how many clock reads leave the server_id out after the
+// server refused the statement that asks for it and answered the clock
+// alone: a proxy that does not pass @@server_id on costs one refused
+// statement in that many, and a refusal that passes (too many
+// connections, a server shutting down, a proxy's error mid-failover) hides
+// the failovers after it for that many global syncs only. Before
+// 2026-11-28 one refusal stopped the question for good.
+const serverIDRetry = 10
+
 // Clock implements ClockStore: the clock of the database writes go to,
 // which stamps updated_ms. The same statement reads the server's
-// server_id (Server), unless the server refused it once (a proxy that
-// does not pass @@server_id on): a server that refuses the statement and
-// answers the clock alone is not asked for it again.
+// server_id (Server), unless the server refused it within the last
+// serverIDRetry reads.
 func (s *sqlStore) Clock(ctx context.Context) (int64, error) {
 	var ms int64
 	var refused bool
-	if !s.noServerID.Load() {
+	if n := s.skipServerID.Load(); n > 0 {
+		s.skipServerID.CompareAndSwap(n, n-1)
+	} else {
 		var id string
-		err := s.write.QueryRowContext(ctx, `SELECT `+dbNowMs+`, @@server_id`).Scan(&ms, &id)
+		err := s.write.QueryRowContext(ctx, clockServerIDQuery).Scan(&ms, &id)
 		var me *mysql.MySQLError
 		if !errors.As(err, &me) {
 			if err != nil {
@@ -215,7 +230,7 @@ func (s *sqlStore) Clock(ctx context.Context) (int64, error) {
 		return 0, fmt.Errorf("read the database's clock: %w", err)
 	}
 	if refused {
-		s.noServerID.Store(true)
+		s.skipServerID.Store(serverIDRetry)
 	}
 	return ms, nil
 }

@@ -108,3 +108,45 @@ func TestDriverLog_GoesToTheModuleLoggerWithoutThePassword(t *testing.T) {
 		t.Fatalf("no driver line reached the logger; lines: %d", logs.Len())
 	}
 }
+
+// TestClock_AServerIDRefusedOnceIsAskedForAgain: a statement asking for
+// @@server_id that the server refused once (here a real refusal, of a
+// variable it does not have; in service too many connections, a server
+// shutting down, a proxy's error mid-failover) stopped the question for
+// good, and with it every failover seen after (TestFailover_…). It is
+// asked again at the first clock read after serverIDRetry.
+func TestClock_AServerIDRefusedOnceIsAskedForAgain(t *testing.T) {
+	s := newSetup(t)
+	cfg := Config{DSN: s.dsn, Region: "a", Batch: 100, Timeout: 5 * time.Second}.WithDefaults()
+	st, _, err := openStore(cfg, zap.NewNop())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { st.Close() })
+	var want string
+	if err := mysqltest.Open(t, s.dsn).QueryRow(`SELECT @@server_id`).Scan(&want); err != nil {
+		t.Fatal(err)
+	}
+
+	asked := clockServerIDQuery
+	clockServerIDQuery = `SELECT ` + dbNowMs + `, @@no_such_variable`
+	_, err = st.Clock(bg)
+	clockServerIDQuery = asked
+	if err != nil {
+		t.Fatalf("a clock read whose server_id was refused: %v, want the clock alone", err)
+	}
+	if got := st.Server(); got != "" {
+		t.Fatalf("server %q after a refusal, want none known", got)
+	}
+	for i := range serverIDRetry + 1 {
+		if _, err := st.Clock(bg); err != nil {
+			t.Fatal(err)
+		}
+		if got := st.Server(); got != "" && i < serverIDRetry {
+			t.Fatalf("server %q after %d reads: asked again within serverIDRetry", got, i+1)
+		}
+	}
+	if got := st.Server(); got != want {
+		t.Fatalf("server %q after %d clock reads since the refusal, want %q: never asked again", got, serverIDRetry+1, want)
+	}
+}
