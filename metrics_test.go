@@ -669,3 +669,30 @@ func TestMetrics_READMETableMatchesTheScrape(t *testing.T) {
 		}
 	}
 }
+
+// TestMetrics_AnOverrideThatLapsedIsNoLongerActive: overrides_active is
+// what a node holds now, what it applies. An override that lapses
+// applies no more on the request path, and the listing leaves it out;
+// the gauge must drop it too, with no other change of overrides to
+// make the node look again.
+func TestMetrics_AnOverrideThatLapsedIsNoLongerActive(t *testing.T) {
+	resetOverrides(t)
+	clk := useClock(t, 15*time.Second)
+	_, admin, _ := startCaddy(t, overrideConfig(""))
+	const gauge = "caddy_ratelimit_overrides_active"
+	exp := clk.Now().Add(10 * time.Second).UTC().Format(time.RFC3339Nano)
+	adminSend(t, admin, http.MethodPut, "/ratelimit/overrides?zone=ov&identifier=brief", `{"limit": 100, "expires": "`+exp+`"}`).
+		decode(t, http.StatusOK, new(overrideDoc))
+	adminSend(t, admin, http.MethodPut, "/ratelimit/overrides?zone=ov&identifier=kept", `{"limit": 100}`).
+		decode(t, http.StatusOK, new(overrideDoc))
+	if n := scrape(t, admin)[gauge]; n != 2 {
+		t.Fatalf("%s is %v with two live overrides, want 2", gauge, n)
+	}
+	clk.Advance(11 * time.Second)
+	if r := adminDo(t, admin, http.MethodGet, "/ratelimit/overrides?zone=ov&identifier=brief"); r.status != http.StatusNotFound {
+		t.Fatalf("GET of the lapsed override: %d %s, want 404", r.status, r.body)
+	}
+	if n := scrape(t, admin)[gauge]; n != 1 {
+		t.Fatalf("%s is %v after one of two overrides lapsed, want 1", gauge, n)
+	}
+}

@@ -236,7 +236,8 @@ type overrideSet struct {
 	// mapID turns an identifier into the form they are stored in (an
 	// HMAC under identifier_secret); nil when stored as they are.
 	mapID func(string) string
-	n     int
+	// n is how many overrides it holds, live when it was built.
+	n int
 	// clock judges the overrides' expiry: the book's.
 	clock *regionClock
 }
@@ -539,12 +540,27 @@ func (b *overrideBook) publishLocked() {
 	b.set.Store(s)
 }
 
-// active is the number of live overrides.
+// active is the number of overrides that apply now: those of the set
+// that have not lapsed on its clock. The set is built again only when
+// the book changes, and a node prunes its book only when the region
+// changed something (never without Redis or MySQL): its count of what
+// was live then counted an override that lapsed until the region's next
+// change, or for good (TestMetrics_AnOverrideThatLapsedIsNoLongerActive).
 func (b *overrideBook) active() int {
-	if s := b.set.Load(); s != nil {
-		return s.n
+	s := b.set.Load()
+	if s == nil {
+		return 0
 	}
-	return 0
+	now := s.clock.nowMs()
+	n := 0
+	for _, zm := range s.zones {
+		for _, o := range zm {
+			if o.expiresMs == 0 || now < o.expiresMs {
+				n++
+			}
+		}
+	}
+	return n
 }
 
 // beginLoad marks the process's first load from its backends as running,
