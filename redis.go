@@ -88,7 +88,7 @@ var redisLines = func() []optionLine {
 		// any empty value is (oneArg).
 		stringLine("prefix", nil, func(a *App, v string) { originOf(a).Prefix = v }),
 		intLine("replay_workers", 1, origin.MaxReplayWorkers, func(a *App, n int) { originOf(a).ReplayWorkers = n }),
-		intLine("breaker_min_requests", 1, 0, func(a *App, n int) { originOf(a).Breaker.MinRequests = n }),
+		intLine("breaker_min_requests", 1, origin.MaxBreakerMinRequests, func(a *App, n int) { originOf(a).Breaker.MinRequests = n }),
 		ratioLine("breaker_failure_ratio", func(a *App, r float64) { originOf(a).Breaker.FailureRatio = r }),
 	}
 	for _, d := range []struct {

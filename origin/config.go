@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 	"time"
 
@@ -65,6 +66,10 @@ const (
 	// may trip: a handful of timeouts in a quiet second is noise, not an
 	// outage.
 	DefaultBreakerMinRequests = 20
+	// MaxBreakerMinRequests bounds breaker.min_requests: the breaker
+	// counts calls in 32 bits, and a larger sample wrapped (2^32 was 0,
+	// a breaker that tripped on the first failed call).
+	MaxBreakerMinRequests = math.MaxUint32
 	// DefaultBreakerFailureRatio trips the breaker when at least half of the
 	// sampled calls failed. A ratio, not a count: a busy node making many
 	// calls must not trip on the same absolute number of failures that would
@@ -293,6 +298,9 @@ func (c Config) Validate() error {
 	}
 	if c.Breaker.MinRequests < 0 {
 		return fmt.Errorf("breaker.min_requests: must be positive, got %d", c.Breaker.MinRequests)
+	}
+	if c.Breaker.MinRequests > MaxBreakerMinRequests {
+		return fmt.Errorf("breaker.min_requests: at most %d, got %d", MaxBreakerMinRequests, c.Breaker.MinRequests)
 	}
 	if r := c.Breaker.FailureRatio; r < 0 || r > 1 {
 		return fmt.Errorf("breaker.failure_ratio: must be in (0, 1], got %g", r)

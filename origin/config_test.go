@@ -19,6 +19,10 @@ func TestConfig_Validate(t *testing.T) {
 		{"ratio above one", Config{Redis: []string{"redis://a"}, Breaker: BreakerConfig{FailureRatio: 1.5}}, "failure_ratio"},
 		{"tls_ca_file without rediss", Config{Redis: []string{"redis://a"}, TLSCAFile: "/ca.pem"}, "tls_ca_file"},
 		{"negative min requests", Config{Redis: []string{"redis://a"}, Breaker: BreakerConfig{MinRequests: -1}}, "min_requests"},
+		// The breaker counts calls in 32 bits: 2^32 was a sample of 0, a
+		// breaker that tripped on the first failed call.
+		{"min requests past 32 bits", Config{Redis: []string{"redis://a"}, Breaker: BreakerConfig{MinRequests: 1 << 32}}, "min_requests"},
+		{"min requests at 32 bits", Config{Redis: []string{"redis://a"}, Breaker: BreakerConfig{MinRequests: 1<<32 - 1}}, ""},
 	})
 }
 
