@@ -348,7 +348,37 @@ func validateOverrideForKey(id, key string, v4, v6 int) error {
 	if glue, err := keyGlue(key); err == nil && glue != nil {
 		return validateOverrideKey(id, key, v4, v6)
 	}
+	if first, last, ok := keyTextAround(key); ok && first+last != "" {
+		// One placeholder with text around it: the value between the
+		// texts is masked as a key of the placeholder alone is.
+		if !strings.HasPrefix(id, first) || !strings.HasSuffix(id[len(first):], last) {
+			return fmt.Errorf("override %q never matches under key %q: the key's text around its placeholder is not there", id, key)
+		}
+		v := id[len(first) : len(id)-len(last)]
+		if v == "" {
+			return fmt.Errorf("override %q never matches under key %q: its value is empty, which is a missing key", id, key)
+		}
+		if err := validateOverrideIP(v, v4, v6); err != nil {
+			return fmt.Errorf("override %q never matches under key %q: the value: %w", id, key, err)
+		}
+		return nil
+	}
 	return validateOverrideIP(id, v4, v6)
+}
+
+// keyTextAround returns the texts before and after the placeholder of a
+// key of exactly one placeholder, ok false for any other key.
+func keyTextAround(key string) (first, last string, ok bool) {
+	const mark = "\x00"
+	marked, err := caddy.NewReplacer().ReplaceFunc(key, func(string, any) (any, error) { return mark, nil })
+	if err != nil {
+		return "", "", false
+	}
+	texts := strings.Split(marked, mark)
+	if len(texts) != 2 {
+		return "", "", false
+	}
+	return texts[0], texts[1], true
 }
 
 // validateOverrideKey rejects an override that the composite key never

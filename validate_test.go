@@ -302,3 +302,48 @@ func TestOverride_CompositeKeyOverrideThatCannotMatch(t *testing.T) {
 		}
 	}
 }
+
+// TestOverride_KeyWithTextAroundOnePlaceholderThatCannotMatch: a key of
+// one placeholder with text around it (`ip-{client_ip}`) masks the
+// placeholder's value as `{client_ip}` alone does, but its overrides were
+// checked as if the whole identifier were the value: `ip-192.0.2.1` under
+// ipv4_prefix 24 (the key makes `ip-192.0.2.0/24`), or one without the
+// key's text, was accepted and never matched. Both the Caddyfile and
+// Validate now say so; what the key makes passes.
+func TestOverride_KeyWithTextAroundOnePlaceholderThatCannotMatch(t *testing.T) {
+	const key = "ip-{http.vars.client_ip}"
+	for id, want := range map[string]string{
+		"ip-192.0.2.1":   "192.0.2.0/24",
+		"ip-2001:db8::1": "2001:db8::/64",
+		"192.0.2.0/24":   "never matches",
+		"ip-":            "never matches",
+	} {
+		z := zoneOf("z", 5, time.Minute)
+		z.Key, z.IPv4Prefix = key, 24
+		z.Overrides = map[string]int64{id: 100}
+		if err := (&Handler{Zones: []*Zone{z}}).Validate(); err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("override %q: Validate said %v, want %q", id, err, want)
+		}
+		src := ":80 {\n\tratelimit {\n\t\tzone z {\n\t\t\tkey " + key + "\n\t\t\tlimit 5\n\t\t\twindow 1m\n\t\t\tipv4_prefix 24\n\t\t\toverride " + id + " 100\n\t\t}\n\t}\n}\n"
+		if out, err := adapt(t, src); err == nil || !strings.Contains(err.Error(), want) || !strings.Contains(err.Error(), "Caddyfile:8") {
+			t.Errorf("override %q: adapted to %s, error %v; want %q at Caddyfile:8", id, out, err, want)
+		}
+	}
+
+	// Whatever values a request brings, the identifier it makes passes.
+	r := httptest.NewRequest("GET", "http://example.com/", nil)
+	for _, k := range []string{key, "{http.vars.client_ip}-x", "p{http.vars.client_ip}s"} {
+		tpl := newKeyTemplate(k)
+		for _, v := range []string{"192.0.2.1", "2001:db8::7", "::ffff:192.0.2.1", "tenant", "ip-", "%", "192.0.2.0/24"} {
+			repl := caddyhttp.NewTestReplacer(r)
+			repl.Set("http.vars.client_ip", v)
+			id := tpl.evalKey(r, repl, 24, 64)
+			z := zoneOf("z", 5, time.Minute)
+			z.Key, z.IPv4Prefix = k, 24
+			z.Overrides = map[string]int64{id: 100}
+			if err := (&Handler{Zones: []*Zone{z}}).Validate(); err != nil {
+				t.Errorf("key %q, value %q: the identifier it makes, %q: %v", k, v, id, err)
+			}
+		}
+	}
+}
