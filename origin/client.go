@@ -33,7 +33,9 @@ const (
 	// noRetries disables go-redis's command retries (-1 means none). A
 	// retried INCRBY whose first attempt reached Redis but lost its reply
 	// would count twice; the engine replays whatever was not reported Done,
-	// and the breaker sees every failure.
+	// and the breaker sees every failure. A Cluster client retries
+	// regardless (up to maxRedirects), so the reservation, which is not
+	// idempotent, goes as a command that says so (reserve.go, runOnce).
 	noRetries = -1
 	// poolSize is the connections per server: enough for every replay
 	// worker and read batcher at once (maxReadRoundTrips + the default 8

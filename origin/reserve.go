@@ -6,6 +6,8 @@ import (
 	"strconv"
 	"time"
 
+	"github.com/redis/go-redis/v9"
+
 	"github.com/edgelimit/caddy-ratelimit/engine"
 )
 
@@ -42,10 +44,14 @@ func (ep *endpoint) reserve(ctx context.Context, res *engine.Reservation) error 
 	var vals []any
 	err = ep.requests.guard(1, func() error {
 		ep.roundTrips.Add(1)
-		// Run sends EVALSHA, and EVAL when Redis lost the script: a
-		// NOSCRIPT reply means nothing ran, so the retry charges once.
+		// EVALSHA, and EVAL when Redis lost the script: a NOSCRIPT reply
+		// means nothing ran, so the second call charges once.
+		cmd := ep.runOnce(ctx, "evalsha", reserveScript.Hash(), keys, args)
+		if redis.HasErrorPrefix(cmd.Err(), "NOSCRIPT") {
+			cmd = ep.runOnce(ctx, "eval", reserveLua, keys, args)
+		}
 		var err error
-		vals, err = reserveScript.Run(ctx, ep.client, keys, args...).Slice()
+		vals, err = cmd.Slice()
 		return err
 	})
 	if err != nil {
@@ -53,6 +59,32 @@ func (ep *endpoint) reserve(ctx context.Context, res *engine.Reservation) error 
 	}
 	return parseReservation(vals, res)
 }
+
+// runOnce sends one call of a script (name is evalsha or eval, script its
+// hash or source) that go-redis must not send again: its Cluster client
+// sends a command whose reply it lost (the connection closed, or its
+// socket timed out within the call's deadline) once more to the same node
+// and then to another, whatever MaxRetries says, and every run of the
+// reservation script charges its costs.
+// Both runs of a lost reply's reservation once stayed in the region's count
+// (TestReserve_AClusterRunsAReservationOnce). A redirection (MOVED, ASK)
+// and a refusal before the script ran (READONLY) are still followed.
+func (ep *endpoint) runOnce(ctx context.Context, name, script string, keys []string, args []any) *redis.Cmd {
+	all := make([]any, 0, 3+len(keys)+len(args))
+	all = append(all, name, script, len(keys))
+	for _, k := range keys {
+		all = append(all, k)
+	}
+	cmd := redis.NewCmd(ctx, append(all, args...)...)
+	_ = ep.client.Process(ctx, noRetryCmd{cmd})
+	return cmd
+}
+
+// noRetryCmd is a command that go-redis sends once (see runOnce).
+type noRetryCmd struct{ *redis.Cmd }
+
+// NoRetry tells go-redis not to send the command again.
+func (noRetryCmd) NoRetry() bool { return true }
 
 // reserveArgs returns the keys and arguments of reserveLua for res, or why
 // res may not be sent: a count out of range, checked before anything is.

@@ -8,6 +8,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/redis/go-redis/v9"
+
 	"github.com/edgelimit/caddy-ratelimit/engine"
 	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
 )
@@ -266,5 +268,70 @@ func TestReserve_ARequestWhoseClientLeftIsNoRedisFailure(t *testing.T) {
 	}
 	if cur, _, err := readPair(o, ctxT(t), l.Key, nowSeq()); err != nil || cur != 2 {
 		t.Fatalf("Redis holds %d (%v), want 2", cur, err)
+	}
+}
+
+// TestReserve_AClusterRunsAReservationOnce: a reservation whose reply is
+// lost after Redis ran it (here the node is stopped past the socket's
+// timeout, within the call's deadline; a connection closed under the reply
+// is another way) is not sent again. go-redis's Cluster client sends such
+// a command again, to the same node and then another, whatever MaxRetries
+// says, and each run of the script charges its cost: the region counted
+// the request twice.
+func TestReserve_AClusterRunsAReservationOnce(t *testing.T) {
+	cl := redistest.StartCluster(t, 3)
+	o := newOrigin(t, Config{Cluster: &ClusterConfig{Addrs: cl.Addrs()}}, Options{NodeID: "p"})
+	k, seq := key("once"), nowSeq()
+	if r := reservation(k, seq, 0, 1, 10); o.Reserve(ctxT(t), r) != nil || !r.Admitted {
+		t.Fatalf("first reservation: %+v", r)
+	}
+	admin := redis.NewClient(&redis.Options{Addr: cl.Nodes[0].Addr()})
+	defer admin.Close()
+	slot, err := admin.ClusterKeySlot(ctxT(t), cellKey(DefaultPrefix, k, seq)).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := nodeOfSlot(t, admin, slot)
+	var srv *redistest.Server
+	for _, n := range cl.Nodes {
+		if n.Addr() == addr {
+			srv = n
+		}
+	}
+	node, err := o.endpoints[0].client.(*redis.ClusterClient).MasterForKey(ctxT(t), cellKey(DefaultPrefix, k, seq))
+	if err != nil || srv == nil {
+		t.Fatalf("the node of the key's slot (%s): %v", addr, err)
+	}
+	gets := func() uint32 { s := node.PoolStats(); return s.Hits + s.Misses }
+	before := gets()
+
+	srv.Pause()
+	ctx, cancel := context.WithTimeout(context.Background(), 3*maxCallTimeout)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- o.Reserve(ctx, reservation(k, seq, 1, 1, 10)) }()
+	// The call took a connection; wait until it gave up on it: it ended,
+	// or took another for a second run.
+	var ended error
+	redistest.Eventually(t, 5*time.Second, "the reservation timed out on its connection", func() bool {
+		select {
+		case ended = <-done:
+			done <- ended
+			return true
+		default:
+			return gets() >= before+2
+		}
+	})
+	srv.Resume()
+	<-done
+
+	// Redis ran the script of the lost reply, and charged it: one unit
+	// more, never two.
+	redistest.Eventually(t, 5*time.Second, "the node answers again", func() bool {
+		return o.endpoints[0].client.Ping(ctxT(t)).Err() == nil
+	})
+	cur, _, err := readPair(o, ctxT(t), k, seq)
+	if err != nil || cur > 2 {
+		t.Fatalf("Redis holds %d (%v) after two reservations of one unit, one of them answered late; want at most 2", cur, err)
 	}
 }
