@@ -18,8 +18,8 @@ import (
 // because ContextTimeoutEnabled is set; these are backstops.
 const (
 	// maxCallTimeout bounds a call whose context has no earlier deadline, and
-	// is the socket timeout: never wait a full client default (5 s) for a
-	// rate limit counter.
+	// is the socket timeout unless read_timeout is longer (callTimeout):
+	// never wait a full client default (5 s) for a rate limit counter.
 	maxCallTimeout = time.Second
 	// dialTimeout bounds one connection attempt. Dials happen on a replay
 	// worker or a read batcher, never on a request's goroutine, so it may
@@ -46,10 +46,11 @@ const (
 	maxRedirects = 3
 )
 
-// newClient builds the go-redis client of one endpoint. It does not dial:
-// go-redis connects on the first command, so a Caddy `validate` that
-// provisions and cleans up never touches the network.
-func newClient(s endpointSpec, roots *x509.CertPool) redis.UniversalClient {
+// newClient builds the go-redis client of one endpoint, whose socket
+// timeout is timeout (see callTimeout). It does not dial: go-redis
+// connects on the first command, so a Caddy `validate` that provisions and
+// cleans up never touches the network.
+func newClient(s endpointSpec, roots *x509.CertPool, timeout time.Duration) redis.UniversalClient {
 	var tlsConfig *tls.Config
 	if s.tls {
 		// ServerName is left empty: the TLS dialer takes it from the
@@ -78,8 +79,8 @@ func newClient(s endpointSpec, roots *x509.CertPool) redis.UniversalClient {
 		MaxRedirects:          maxRedirects,
 		DialTimeout:           dialTimeout,
 		DialerRetries:         dialAttempts,
-		ReadTimeout:           maxCallTimeout,
-		WriteTimeout:          maxCallTimeout,
+		ReadTimeout:           timeout,
+		WriteTimeout:          timeout,
 		ContextTimeoutEnabled: true,
 		PoolSize:              poolSize,
 		PoolTimeout:           maxCallTimeout,
@@ -96,6 +97,17 @@ func newClient(s endpointSpec, roots *x509.CertPool) redis.UniversalClient {
 		return redis.NewFailoverClient(o.Failover())
 	}
 	return redis.NewClient(o.Simple())
+}
+
+// callTimeout is the longest a call may take: maxCallTimeout, or the
+// request path's read timeout when it is longer. go-redis cuts a call at
+// the earlier of its context's deadline and the socket timeout, so a
+// socket timeout of maxCallTimeout cut every read and reservation at a
+// second whatever read_timeout said (up to 10 s), and a Redis answering
+// in 1.5 s failed each one of them
+// (TestRead_AReadTimeoutAboveASecondIsWaitedFor).
+func callTimeout(readTimeout time.Duration) time.Duration {
+	return max(maxCallTimeout, readTimeout)
 }
 
 // certPool reads the PEM file of certificate authorities named by

@@ -25,6 +25,8 @@ type endpoint struct {
 	// guards flushes and counts errors only, so a slow Redis still gets
 	// the counts.
 	requests, replay *breaker
+	// callTimeout bounds a request-path call (see callTimeout).
+	callTimeout time.Duration
 
 	calls      [numOps][numOutcomes]atomic.Uint64
 	lastOK     [numOps]atomic.Int64 // unix nanoseconds
@@ -47,13 +49,14 @@ type endpoint struct {
 
 // newEndpoint makes the endpoint of s, with its client (not dialled yet)
 // and its two breakers.
-func (r *Redis) newEndpoint(s endpointSpec, roots *x509.CertPool, b BreakerConfig) *endpoint {
+func (r *Redis) newEndpoint(s endpointSpec, roots *x509.CertPool, b BreakerConfig, readTimeout time.Duration) *endpoint {
 	ep := &endpoint{
-		r:       r,
-		address: s.address,
-		kind:    s.kind,
-		seed:    labelHash(s.kind, s.placementLabel()),
-		client:  newClient(s, roots),
+		r:           r,
+		address:     s.address,
+		kind:        s.kind,
+		seed:        labelHash(s.kind, s.placementLabel()),
+		client:      newClient(s, roots, callTimeout(readTimeout)),
+		callTimeout: callTimeout(readTimeout),
 	}
 	ep.idle = sync.NewCond(&ep.mu)
 	ep.requests = ep.newBreaker(BreakerName, b, time.Duration(b.SlowCall))
@@ -134,7 +137,7 @@ func (ep *endpoint) stats() EndpointStats {
 }
 
 // shutdown refuses new reads, reservations and flushes, and waits for
-// those in flight, each bounded by its deadline (maxCallTimeout at most).
+// those in flight, each bounded by its deadline (callTimeout at most).
 func (ep *endpoint) shutdown() {
 	ep.mu.Lock()
 	ep.closing = true

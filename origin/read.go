@@ -73,7 +73,7 @@ func (ep *endpoint) read(ctx context.Context, key engine.Key, seq int64, inc uin
 		return engine.Totals{}, err
 	}
 	q := &readReq{ctx: ctx, key: key, seq: seq, incarnation: inc, done: make(chan struct{})}
-	q.deadline = time.Now().Add(maxCallTimeout)
+	q.deadline = time.Now().Add(ep.callTimeout)
 	if d, ok := ctx.Deadline(); ok && d.Before(q.deadline) {
 		q.deadline = d
 	}

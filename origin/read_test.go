@@ -136,3 +136,32 @@ func benchColdDecide(b *testing.B, limit int64) {
 		b.Fatalf("%d synchronous reads and %d unread decisions for %d cold keys", st.SyncReads, st.UnreadDecisions, b.N)
 	}
 }
+
+// TestRead_AReadTimeoutAboveASecondIsWaitedFor: read_timeout may be set
+// up to 10 s, and a request then waits that long for a Redis that answers
+// late. A read and a reservation answered in 1.5 s, within a read timeout
+// of 3 s, failed at a second: the client's socket timeout cut them.
+func TestRead_AReadTimeoutAboveASecondIsWaitedFor(t *testing.T) {
+	srv := redistest.Start(t)
+	proxy := redistest.StartDelayProxy(t, srv.Addr(), 0)
+	const readTimeout = 3 * time.Second
+	o := newOrigin(t, Config{Redis: []string{proxy.URL()}, ReadTimeout: Duration(readTimeout)}, Options{NodeID: "p"})
+	k, seq := key("patient"), nowSeq()
+	if r := reservation(k, seq, 0, 1, 10); o.Reserve(ctxT(t), r) != nil || !r.Admitted {
+		t.Fatalf("warm-up reservation: %+v", r)
+	}
+	if _, _, err := readPair(o, ctxT(t), k, seq); err != nil { // loads the read's script
+		t.Fatalf("warm-up read: %v", err)
+	}
+	proxy.SetDelay(1500 * time.Millisecond)
+	ctx, cancel := context.WithTimeout(context.Background(), readTimeout)
+	defer cancel()
+	if cur, _, err := readPair(o, ctx, k, seq); err != nil || cur != 1 {
+		t.Fatalf("read answered in 1.5 s within a read timeout of %s: %d, %v; want 1", readTimeout, cur, err)
+	}
+	ctx, cancel = context.WithTimeout(context.Background(), readTimeout)
+	defer cancel()
+	if r := reservation(k, seq, 1, 1, 10); o.Reserve(ctx, r) != nil || !r.Admitted || r.Totals.Cur != 2 {
+		t.Fatalf("reservation answered in 1.5 s within a read timeout of %s: %+v; want admitted at 2", readTimeout, r)
+	}
+}

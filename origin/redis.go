@@ -148,7 +148,7 @@ func New(cfg Config, opts Options) (*Redis, error) {
 		go r.notify()
 	}
 	for _, s := range specs {
-		r.endpoints = append(r.endpoints, r.newEndpoint(s, roots, cfg.Breaker))
+		r.endpoints = append(r.endpoints, r.newEndpoint(s, roots, cfg.Breaker, time.Duration(cfg.ReadTimeout)))
 	}
 	return r, nil
 }
