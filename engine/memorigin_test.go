@@ -24,6 +24,10 @@ type memOrigin struct {
 	noPrev, late atomic.Int64
 	// flakyFlushes is how many of the next writes fail (below 0: none).
 	flakyFlushes atomic.Int64
+	// lostReplies is how many of the next reservations run and then fail,
+	// as one whose answer a timeout lost after the origin ran it (below 0:
+	// none).
+	lostReplies atomic.Int64
 	// readErr, flushErr and reserveErr, when set, fail the next calls.
 	readErr, flushErr, reserveErr atomic.Pointer[error]
 	// gate, when set, blocks reads and reservations until it is closed,
@@ -194,6 +198,9 @@ func (m *memOrigin) Reserve(ctx context.Context, r *Reservation) error {
 		r.JoinedAdmitted[i] = admit(c)
 	}
 	r.Totals = m.totalsLocked(id, r.Incarnation)
+	if m.lostReplies.Add(-1) >= 0 {
+		return errOriginDown
+	}
 	return nil
 }
 

@@ -454,11 +454,18 @@ func (e *Engine) releaseWrites(lc *located) {
 // reservationFailed gives back the pending units a failed reservation of n
 // handed the origin: they replay as usual (a write the origin did apply
 // makes that replay a no-op), and the requests are decided again,
-// locally.
+// locally. The origin may hold them (it ran the call and the answer was
+// lost), so the cell is unsure until they replay, as after a lost write:
+// an answer about the next window, whose previous total held them, once
+// counted them twice in the previous cell
+// (TestReserve_AFailedReservationsUnitsCountOnceInThePreviousCell).
 func (e *Engine) reservationFailed(lc *located, n *group, pending int64) {
 	e.stats.reservationErrors.Add(int64(len(n.costs)))
 	e.originFailed()
 	x := lc.cur.links()
+	if pending > 0 {
+		lc.cur.setBits(stUnsure) // first: the origin may hold them
+	}
 	x.own.Add(-pending)
 	if pending > 0 {
 		x.pending.Add(pending)

@@ -235,3 +235,46 @@ func TestReserve_AnAnswerDuringAReservationCountsItsCostsOnce(t *testing.T) {
 		t.Fatalf("the node counts %d units in the cell, the region 91", got)
 	}
 }
+
+// TestReserve_AFailedReservationsUnitsCountOnceInThePreviousCell: a
+// reservation carries the units this process has not replayed yet, and
+// when its answer is lost (a timeout after the origin ran it) they go back
+// to pending, though the origin may hold them. An answer about the next
+// window then carries the previous cell's total with them in it; merged
+// with pending on top, they counted twice in the previous cell for the
+// rest of that window, as units a lost write's answer left did before
+// TestResend_UnitsTheOriginKeptCountOnce.
+func TestReserve_AFailedReservationsUnitsCountOnceInThePreviousCell(t *testing.T) {
+	e, clk, o := withOrigin(t, Config{})
+	l := lim("k", 10*time.Second, 100, 1)
+	seq := clk.UnixMilli() / l.Window.Milliseconds()
+	o.add(l.Key, seq, 1) // another process's unit: the cold read shows it
+	e.Decide(bg, l)
+	replayAll(t, e)
+	for range 3 { // decided locally, not replayed yet
+		e.Decide(bg, l)
+	}
+	// Strict mode sends the next request to the origin, with the 3 units.
+	e.markStrict(e.Zone(l.Namespace, l.Window), l.Identifier, clk.UnixMilli()+time.Second.Milliseconds(), clk.UnixMilli())
+	o.lostReplies.Store(1)
+	if d := e.Decide(bg, l); !d.Allowed {
+		t.Fatalf("decided locally after the failed reservation: %+v, want allowed", d)
+	}
+	if n := o.reserves.Load(); n != 1 {
+		t.Fatalf("%d reservations, want 1", n)
+	}
+	// The origin ran it: it holds the 3 units and the request's unit.
+	if got := o.total(l.Key, seq); got != 6 {
+		t.Fatalf("the origin holds %d, want 6", got)
+	}
+	clk.Advance(l.Window) // the next window, before any replay
+	e.Decide(bg, l)       // its read answers the previous total too
+	ks, _ := e.Inspect(l.Key)
+	if len(ks.Cells) != 2 || ks.Cells[1].Regional != 6 {
+		t.Fatalf("cells %+v: want the previous cell's 6 units counted once", ks.Cells)
+	}
+	replayAll(t, e)
+	if ks, _ = e.Inspect(l.Key); ks.Cells[1].Regional != 6 || o.total(l.Key, seq) != 6 {
+		t.Fatalf("after the replay: cells %+v, origin %d; want 6 and 6", ks.Cells, o.total(l.Key, seq))
+	}
+}
