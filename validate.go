@@ -211,8 +211,15 @@ func validateCost(cost string) error {
 // as text, so `{api_cost` would be a constant that never parses (every
 // request charged the default cost) and `{http.request.header.X-Key` one
 // bucket for everyone.
+//
+// It also rejects a placeholder that names nothing: `{}`, or a name whose
+// last field is empty (`{http.request.header.}`, what `{header.}` expands
+// to, `{query.}`): Caddy reads a header, query argument or cookie of no
+// name, empty for every request, so the key is one count shared by every
+// client under the default on_missing_key, and the cost always the
+// default.
 func validatePlaceholders(what, v string) error {
-	open := false
+	open, start := false, 0
 	for i := 0; i < len(v); i++ {
 		switch v[i] {
 		case '\\':
@@ -221,12 +228,15 @@ func validatePlaceholders(what, v string) error {
 			if open {
 				return fmt.Errorf("%s %q opens a placeholder inside another", what, v)
 			}
-			open = true
+			open, start = true, i
 		case '}':
 			if !open {
 				return fmt.Errorf("%s %q closes a placeholder it never opened (a '}' without its '{')", what, v)
 			}
 			open = false
+			if name := v[start+1 : i]; name == "" || strings.HasSuffix(name, ".") {
+				return fmt.Errorf("%s %q has a placeholder %s that names no field: it is empty for every request", what, v, v[start:i+1])
+			}
 		}
 	}
 	if open {

@@ -42,6 +42,9 @@ func TestHandler_ValidateRejectsBadJSON(t *testing.T) {
 		{"unclosed key placeholder", func(h *Handler) { h.Zones[0].Key = "{http.request.header.X-Key" }, `key "{http.request.header.X-Key" has an unclosed placeholder`},
 		{"unopened key placeholder", func(h *Handler) { h.Zones[0].Key = "client_ip}" }, `key "client_ip}" closes a placeholder it never opened`},
 		{"unclosed cost placeholder", func(h *Handler) { h.Zones[0].Cost = "{api_cost" }, `cost "{api_cost" has an unclosed placeholder`},
+		{"key placeholder of no field", func(h *Handler) { h.Zones[0].Key = "t-{http.request.header.}" }, `key "t-{http.request.header.}" has a placeholder {http.request.header.} that names no field`},
+		{"empty key placeholder", func(h *Handler) { h.Zones[0].Key = "{}" }, `key "{}" has a placeholder {} that names no field`},
+		{"cost placeholder of no field", func(h *Handler) { h.Zones[0].Cost = "{http.request.header.}" }, `cost "{http.request.header.}" has a placeholder {http.request.header.} that names no field`},
 		{"default cost with a constant cost", func(h *Handler) { h.Zones[0].Cost, h.Zones[0].DefaultCost = "5", 30 }, `default_cost is for a cost placeholder; cost "5" is a constant`},
 		{"override of one address under /24", func(h *Handler) {
 			h.Zones[0].IPv4Prefix, h.Zones[0].Overrides = 24, map[string]int64{"203.0.113.5": 0}
