@@ -1,9 +1,11 @@
 package origin
 
 import (
+	"context"
 	"fmt"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/redis/go-redis/v9"
 
@@ -116,4 +118,54 @@ func nodeOfSlot(t *testing.T, c *redis.Client, slot int64) string {
 	}
 	t.Fatalf("slot %d is not served", slot)
 	return ""
+}
+
+// replyLost runs call while the Cluster node that serves key is stopped,
+// and starts the node again once the call gave up on its connection: it
+// ended, or took another to send the command again (what go-redis's
+// Cluster client does, whatever MaxRetries says). The stopped node then
+// runs what the call sent on the connection it gave up, whose reply
+// nobody reads. replyLost returns when the call has ended and the node
+// answers again.
+func replyLost(t *testing.T, cl *redistest.Cluster, o *Redis, key string, call func(context.Context)) {
+	t.Helper()
+	admin := redis.NewClient(&redis.Options{Addr: cl.Nodes[0].Addr()})
+	defer admin.Close()
+	slot, err := admin.ClusterKeySlot(ctxT(t), key).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := nodeOfSlot(t, admin, slot)
+	var srv *redistest.Server
+	for _, n := range cl.Nodes {
+		if n.Addr() == addr {
+			srv = n
+		}
+	}
+	cc := o.endpoints[0].client.(*redis.ClusterClient)
+	node, err := cc.MasterForKey(ctxT(t), key)
+	if err != nil || srv == nil {
+		t.Fatalf("the node of %q's slot (%s): %v", key, addr, err)
+	}
+	gets := func() uint32 { s := node.PoolStats(); return s.Hits + s.Misses }
+	before := gets()
+
+	srv.Pause()
+	ctx, cancel := context.WithTimeout(context.Background(), 3*maxCallTimeout)
+	defer cancel()
+	done := make(chan struct{})
+	go func() { defer close(done); call(ctx) }()
+	redistest.Eventually(t, 5*time.Second, "the call timed out on its connection", func() bool {
+		select {
+		case <-done:
+			return true
+		default:
+			return gets() >= before+2
+		}
+	})
+	srv.Resume()
+	<-done
+	redistest.Eventually(t, 5*time.Second, "the node answers again", func() bool {
+		return cc.Ping(ctxT(t)).Err() == nil
+	})
 }

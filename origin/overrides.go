@@ -141,10 +141,15 @@ local n = put(ARGV[5], ARGV[6], ARGV[7], ARGV[8] == '1')
 announce(n)
 return {n, held}
 `)
-	// overrideTakeScript pops up to ARGV[1] queued fields of KEYS[2] and
-	// returns each with its value in KEYS[1] (fields since removed are
-	// skipped).
-	overrideTakeScript = redis.NewScript(`
+	overrideTakeScript = redis.NewScript(overrideTakeLua)
+)
+
+// overrideTakeLua pops up to ARGV[1] queued fields of KEYS[2] and returns
+// each with its value in KEYS[1] (fields since removed are skipped). It is
+// sent once (runOnce): a Cluster client that sent it again after losing
+// its reply popped the next batch, and the first one reached no other
+// region.
+const overrideTakeLua = `
 local fields = redis.call('LRANGE', KEYS[2], 0, tonumber(ARGV[1]) - 1)
 if #fields > 0 then redis.call('LTRIM', KEYS[2], #fields, -1) end
 local out = {}
@@ -153,8 +158,7 @@ for _, f in ipairs(fields) do
   if v then table.insert(out, f) table.insert(out, v) end
 end
 return out
-`)
-)
+`
 
 func (r *Redis) overridesKey() string { return r.prefix + ":{overrides}" }
 
@@ -433,7 +437,12 @@ func (r *Redis) TakeOverrides(ctx context.Context, all bool) ([]Override, error)
 	}
 	ep := r.roleEndpoint()
 	k := r.overridesKey()
-	vals, err := overrideTakeScript.Run(ctx, ep.client, []string{k, k + ":q"}, roleQueueBatch).StringSlice()
+	keys, args := []string{k, k + ":q"}, []any{roleQueueBatch}
+	cmd := ep.runOnce(ctx, "evalsha", overrideTakeScript.Hash(), keys, args)
+	if redis.HasErrorPrefix(cmd.Err(), "NOSCRIPT") {
+		cmd = ep.runOnce(ctx, "eval", overrideTakeLua, keys, args)
+	}
+	vals, err := cmd.StringSlice()
 	if err != nil && !errors.Is(err, redis.Nil) {
 		return nil, fmt.Errorf("redis take overrides %s: %w", ep.address, explainScripts(err))
 	}

@@ -346,3 +346,39 @@ func TestOverrides_AWriteBackKeepsTheNewestAndTheMarkGoesWithTheHash(t *testing.
 		t.Fatalf("the restarted region's mark %q (%v): want a new one, not %q", m, err, mark)
 	}
 }
+
+// TestOverrides_AClusterTakesTheQueueOnce: the holder's take of the
+// region's override changes whose reply is lost after Redis ran it (the
+// node stopped past the socket's timeout, within the call's deadline) is
+// not sent again. go-redis's Cluster client sent it again, to the same
+// node and then another, whatever MaxRetries says: the second run found
+// the queue empty and answered it without an error, so the changes the
+// first one popped reached MySQL and the other regions never. Now the
+// take fails, and the caller takes every override next.
+func TestOverrides_AClusterTakesTheQueueOnce(t *testing.T) {
+	cl := redistest.StartCluster(t, 3)
+	o := newOrigin(t, Config{Cluster: &ClusterConfig{Addrs: cl.Addrs()}}, Options{NodeID: "p"})
+	// A take first, so that the node holds the script: a NOSCRIPT
+	// reply runs nothing.
+	if _, err := o.TakeOverrides(ctxT(t), false); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := o.PutOverrides(ctxT(t), []Override{{Field: "z cust", Version: 1, Value: "500"}}, true); err != nil {
+		t.Fatal(err)
+	}
+	var got []Override
+	var err error
+	replyLost(t, cl, o, o.overridesKey(), func(ctx context.Context) {
+		got, err = o.TakeOverrides(ctx, false)
+	})
+	if err == nil && len(got) == 0 {
+		t.Fatalf("the take answered no change and no error: the change it popped is lost")
+	}
+	if err != nil {
+		// What the caller does after a failed take: every override.
+		all, err := o.TakeOverrides(ctxT(t), true)
+		if err != nil || len(all) != 1 || all[0].Value != "500" {
+			t.Fatalf("every override after the failed take: %+v (%v), want the change", all, err)
+		}
+	}
+}

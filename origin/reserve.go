@@ -80,8 +80,9 @@ func (ep *endpoint) runOnce(ctx context.Context, name, script string, keys []str
 	return cmd
 }
 
-// noRetryCmd is a command that go-redis sends once (see runOnce).
-type noRetryCmd struct{ *redis.Cmd }
+// noRetryCmd is a command that go-redis sends once (see runOnce), and a
+// pipeline holding one is sent once too (the role's pops of its queues).
+type noRetryCmd struct{ redis.Cmder }
 
 // NoRetry tells go-redis not to send the command again.
 func (noRetryCmd) NoRetry() bool { return true }

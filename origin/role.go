@@ -414,7 +414,14 @@ func (r *Redis) takeQueued(ctx context.Context, ep *endpoint) ([roleShards]map[s
 		pipe := ep.client.Pipeline()
 		pops := make([]*redis.StringSliceCmd, len(pending))
 		for i, s := range pending {
-			pops[i] = pipe.LPopCount(ctx, r.shardKey("reg", s)+":q", roleQueueBatch)
+			// Sent once (noRetryCmd), as the take of the override
+			// changes is: a Cluster client may send a pop whose reply
+			// it lost again, and the batch the first one popped would
+			// be published to no other region until a whole take (not
+			// seen in a test: there the pipeline's second send came
+			// after the call's deadline, and the take failed).
+			pops[i] = redis.NewStringSliceCmd(ctx, "lpop", r.shardKey("reg", s)+":q", roleQueueBatch)
+			_ = pipe.Process(ctx, noRetryCmd{pops[i]})
 		}
 		// Exec answers the first command's error, redis.Nil for an empty
 		// queue before a pop that failed: each pop's own is checked below.
