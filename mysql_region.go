@@ -75,8 +75,9 @@ func (r redisRegion) PutDenials(ctx context.Context, rows []propagation.Blocklis
 }
 
 // TakeDenials returns the rows left in the region; one that does not
-// decode (written by another version) is skipped, and stays until it
-// expires with its cell. The row's cell is the one its field names: JSON
+// decode (written by another version) is skipped and left in place, for
+// a holder of the version that wrote it (the registry's hashes have no
+// expiry: such a row stays until one takes it). The row's cell is the one its field names: JSON
 // carries an identifier's bytes that are not UTF-8 as U+FFFD, and the
 // holder once wrote such a denial under another identifier and, its
 // removal naming another field, left it in the region for good
