@@ -11,7 +11,9 @@ import (
 //	cold cell (first touch)        read synchronously, once (single flight);
 //	                               with a limit far above the cost, no read
 //	                               until this process admits 1/1024 of it:
-//	                               its first replay reads (see unread)
+//	                               its first replay reads (see unread); a
+//	                               request its local counts already deny
+//	                               reads in the background
 //	fresh cell                     no read
 //	stale, < 50 %, not shared      no read when the request charges units:
 //	                               their replay (within a tick) returns
@@ -152,6 +154,17 @@ func (e *Engine) converge(o Origin, lc *located, l *Limit, now int64) *flight {
 		}
 		if e.unread(lc, l, now) {
 			e.stats.unreadDecisions.Add(1)
+			return nil
+		}
+		if _, cur, prev := lc.snapshot(); !fits(cur, prev, l.Cost, l.Limit, lc.w, lc.r) {
+			// Denied on what this process already counts (a previous
+			// cell it held at its limit while its reads failed, the
+			// counts other regions left): a read only raises counts, so
+			// it could not turn the denial into an allow. It goes on in
+			// the background, for the requests after this one.
+			if _, started := e.startRead(o, lc, false); started {
+				e.stats.backgroundReads.Add(1)
+			}
 			return nil
 		}
 		return e.syncRead(o, lc)

@@ -4,6 +4,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"testing/synctest"
 	"time"
 )
 
@@ -212,7 +213,8 @@ func TestRead_AFailedColdReadRetriesOnceTheOriginAnswers(t *testing.T) {
 	a, b, clk, o := twoNodes(t)
 	l := lim("k", time.Minute, 1, 1)
 	o.down.Store(true)
-	a.Decide(bg, Limit{Key: l.Key, Limit: 1, Cost: 2}) // denied, its read failed
+	a.Decide(bg, Limit{Key: l.Key, Limit: 1, Cost: 2}) // denied: its read goes on in the background
+	waitFor(t, "a's read to fail", func() bool { return entryOf(t, a, l.Key).cur.Load().freshUntil() != 0 })
 	o.down.Store(false)
 	clk.Advance(60 * time.Millisecond)
 	if !b.Decide(bg, l).Allowed {
@@ -361,4 +363,46 @@ func TestRead_APreviousCellTheOriginReplacesIsRemembered(t *testing.T) {
 	if sent, lost := o.total(k.Key, first), e.Stats().LostUnits; sent+lost != 1 {
 		t.Fatalf("of the old cell's unit, %d reached the origin and %d were counted as lost", sent, lost)
 	}
+}
+
+// TestRead_ADenialOfAColdCellDoesNotWaitForItsRead: a key this process
+// held at its limit while the origin failed (its cell never read) starts
+// a new window, whose cell is cold. Its previous cell's weight alone
+// denies the first request there, which counts only grow from: the read
+// could not have turned it into an allow. The request is denied at once,
+// while the read hangs, and the read still goes on, so the cell is fresh
+// once it returns. Before the fix the denial waited the read timeout.
+func TestRead_ADenialOfAColdCellDoesNotWaitForItsRead(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		e, clk, o := withOrigin(t, Config{ReadTimeout: time.Second})
+		l := lim("k", time.Minute, 10, 1)
+		o.failReads(errOriginDown)
+		if n := admittedOf(e, l, 11); n != 10 {
+			t.Fatalf("admitted %d with the origin failing, want the limit of 10", n)
+		}
+		o.failReads(nil)
+		clk.Advance(time.Minute) // the next window: its cell is cold
+		gate := make(chan struct{})
+		o.gate.Store(&gate)
+		release := sync.OnceFunc(func() { close(gate) })
+		defer release()
+		reads := o.reads.Load()
+		start := time.Now()
+		d := e.Decide(bg, l)
+		if waited := time.Since(start); waited != 0 {
+			t.Fatalf("the denial waited %v for the read", waited)
+		}
+		if d.Allowed {
+			t.Fatalf("allowed at a previous window of 10 of 10: %+v", d)
+		}
+		synctest.Wait()
+		if o.reads.Load() != reads+1 || o.entered.Load() != reads+1 {
+			t.Fatalf("origin reads %d, want the cold cell's read under way", o.reads.Load()-reads)
+		}
+		release()
+		synctest.Wait()
+		if ks, _ := e.Inspect(l.Key); ks.FreshUntil.IsZero() {
+			t.Fatalf("the read did not make the cell fresh: %+v", ks)
+		}
+	})
 }
