@@ -252,3 +252,48 @@ func TestDecideMany_UnitsOfACellLetGoBeforeTheCommitReachTheNextOrigin(t *testin
 		t.Fatalf("the origin holds %d of a's units six windows on, want 1", got)
 	}
 }
+
+// TestDecideMany_ADenialDoesNotWaitForAnotherLimitsRead: a batch of a key
+// held at its limit (read, fresh) and a key this process never met (its
+// cell cold, under a limit that reads first) is denied by the first on
+// its own counts, which a read only raises. The batch was denied after
+// the second key's read, up to the read timeout; now at once, the read
+// going on in the background, so the second key's cell is fresh once it
+// returns.
+func TestDecideMany_ADenialDoesNotWaitForAnotherLimitsRead(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		e, _, o := withOrigin(t, Config{ReadTimeout: time.Second})
+		held := lim("held", time.Minute, 10, 1)
+		if n := admittedOf(e, held, 11); n != 10 {
+			t.Fatalf("admitted %d, want the limit of 10", n)
+		}
+		fresh := lim("fresh", time.Minute, 10, 1)
+		fresh.Namespace = "other"
+		gate := make(chan struct{})
+		o.gate.Store(&gate)
+		release := sync.OnceFunc(func() { close(gate) })
+		defer release()
+		reads := o.reads.Load()
+		out := make([]Decision, 2)
+		start := time.Now()
+		ok := e.DecideMany(bg, []Limit{held, fresh}, out)
+		if waited := time.Since(start); waited != 0 {
+			t.Fatalf("the denial waited %v for the other key's read", waited)
+		}
+		if ok || out[0].Allowed {
+			t.Fatalf("a batch with a key at 10 of 10 passed: %+v", out)
+		}
+		synctest.Wait()
+		if o.reads.Load() != reads+1 {
+			t.Fatalf("origin reads %d, want the cold key's read under way", o.reads.Load()-reads)
+		}
+		release()
+		synctest.Wait()
+		if ks, _ := e.Inspect(fresh.Key); ks.FreshUntil.IsZero() {
+			t.Fatalf("the read did not make the cold key's cell fresh: %+v", ks)
+		}
+		if ks, _ := e.Inspect(fresh.Key); ks.Cells[0].Regional != 0 || ks.Cells[0].Pending != 0 {
+			t.Fatalf("the refused batch charged the other key: %+v", ks)
+		}
+	})
+}

@@ -86,7 +86,7 @@ func (e *Engine) decideLocated(ctx context.Context, d *Decision, l *Limit, o Ori
 	var dl deadline
 	defer dl.stop()
 	for i := 0; ; i++ {
-		if f := e.converge(o, &lc, l, now); f != nil {
+		if f := e.converge(o, &lc, l, now, false); f != nil {
 			e.stats.syncReads.Add(1)
 			if !dl.wait(ctx, e, f.done) {
 				e.stats.readWaitTimeouts.Add(1)

@@ -141,7 +141,7 @@ func (d *deadline) stop() {
 
 // converge brings lc's cell as close to the origin as its tier asks for. It
 // returns the read to wait for before deciding, or nil.
-func (e *Engine) converge(o Origin, lc *located, l *Limit, now int64) *flight {
+func (e *Engine) converge(o Origin, lc *located, l *Limit, now int64, denied bool) *flight {
 	c := lc.cur
 	st := c.state()
 	fresh := c.freshUntil()
@@ -162,12 +162,9 @@ func (e *Engine) converge(o Origin, lc *located, l *Limit, now int64) *flight {
 			// counts other regions left): a read only raises counts, so
 			// it could not turn the denial into an allow. It goes on in
 			// the background, for the requests after this one.
-			if _, started := e.startRead(o, lc, false); started {
-				e.stats.backgroundReads.Add(1)
-			}
-			return nil
+			return e.readFor(o, lc, true)
 		}
-		return e.syncRead(o, lc)
+		return e.readFor(o, lc, denied)
 	}
 	suspect := e.suspect(now, fresh)
 	if now < fresh && !suspect {
@@ -182,7 +179,7 @@ func (e *Engine) converge(o Origin, lc *located, l *Limit, now int64) *flight {
 		// A shared cell's stale view lacks what the others admitted since:
 		// far from the limit in this process's view is not far from it in
 		// the region's.
-		return e.syncRead(o, lc)
+		return e.readFor(o, lc, denied)
 	case l.Cost > 0 && l.Cost <= l.Limit/unreadShare && strictUntil(lc.zone, lc.id, now) <= now:
 		// Far from the limit, on a cell no other process has shown units
 		// in, under a limit far above one request (as unread has it), this
@@ -195,6 +192,20 @@ func (e *Engine) converge(o Origin, lc *located, l *Limit, now int64) *flight {
 		// another process this one has not met yet (its last answer showed
 		// none) may have taken the key to its limit since. Read first, as
 		// a cold cell does.
+		return e.readFor(o, lc, denied)
+	}
+	if _, started := e.startRead(o, lc, false); started {
+		e.stats.backgroundReads.Add(1)
+	}
+	return nil
+}
+
+// readFor returns the read of lc's cell a decision waits for, or, when the
+// decision is a denial whatever the read brings (denied: it only raises
+// counts), starts it in the background, within the background reads' cap,
+// and returns nil.
+func (e *Engine) readFor(o Origin, lc *located, denied bool) *flight {
+	if !denied {
 		return e.syncRead(o, lc)
 	}
 	if _, started := e.startRead(o, lc, false); started {
@@ -239,13 +250,29 @@ func (e *Engine) unread(lc *located, l *Limit, now int64) bool {
 // answer brings its count: it reads nothing more here. Limits marked in
 // skip (nil: none) are left out.
 func (e *Engine) convergeAll(ctx context.Context, o Origin, lcs []located, ls []Limit, now int64, dl *deadline, skip []bool) {
+	// A limit whose own counts already deny refuses the batch whatever
+	// the reads bring (they only raise counts): the reads the others
+	// would wait for start in the background (readFor), and the batch is
+	// denied at once. Before, a batch that one limit denied waited for
+	// another's cold read, up to the read timeout
+	// (TestDecideMany_ADenialDoesNotWaitForAnotherLimitsRead).
+	denied := false
+	for i := range ls {
+		if ls[i].DryRun || (skip != nil && skip[i]) {
+			continue
+		}
+		if _, cur, prev := lcs[i].snapshot(); !fits(cur, prev, ls[i].Cost, ls[i].Limit, lcs[i].w, lcs[i].r) {
+			denied = true
+			break
+		}
+	}
 	var stack [8]*flight
 	fs := stack[:0]
 	for i := range ls {
 		if skip != nil && skip[i] {
 			continue
 		}
-		if f := e.converge(o, &lcs[i], &ls[i], now); f != nil {
+		if f := e.converge(o, &lcs[i], &ls[i], now, denied); f != nil {
 			e.stats.syncReads.Add(1)
 			fs = append(fs, f)
 		}
