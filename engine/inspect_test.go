@@ -75,9 +75,17 @@ func TestStrictKeys_SortedUntilTheirDeadline(t *testing.T) {
 	if len(got) != 2 || got[0].Key.Identifier != "a" || got[1].Key.Identifier != "b" || !got[0].Until.Equal(until) {
 		t.Fatalf("strict keys %+v, want a then b until %v", got, until)
 	}
+	if n := e.Stats().StrictKeys; n != 2 {
+		t.Fatalf("Stats says %d strict keys, want 2", n)
+	}
 	clk.Advance(time.Minute)
 	if got := e.StrictKeys(); len(got) != 0 {
 		t.Fatalf("strict keys %+v past their deadline", got)
+	}
+	// The count (the strict_keys gauge, the status's strict_keys) agrees
+	// with the listing: it counted the lapsed keys until the next sweep.
+	if n := e.Stats().StrictKeys; n != 0 {
+		t.Fatalf("Stats says %d strict keys past their deadline, want 0 as the listing", n)
 	}
 }
 
