@@ -231,6 +231,24 @@ func (m *mappedOrigin) Reserve(ctx context.Context, r *engine.Reservation) error
 	return err
 }
 
+// Partitions and Partition are the origin's (engine.Partitioned): a key
+// is placed by its HMAC, as the origin sees it.
+func (m *mappedOrigin) Partitions() int {
+	if p, ok := m.Origin.(engine.Partitioned); ok {
+		return p.Partitions()
+	}
+	return 1
+}
+
+func (m *mappedOrigin) Partition(key engine.Key) int {
+	p, ok := m.Origin.(engine.Partitioned)
+	if !ok || p.Partitions() == 1 {
+		return 0
+	}
+	key.Identifier = m.mapID(key.Identifier)
+	return p.Partition(key)
+}
+
 func (m *mappedOrigin) Flush(ctx context.Context, batch []engine.Delta) error {
 	raw := make([]string, len(batch))
 	for i := range batch {

@@ -1,10 +1,15 @@
 package ratelimit
 
 import (
+	"fmt"
 	"regexp"
 	"strings"
 	"testing"
+	"time"
 	"unicode/utf8"
+
+	"github.com/edgelimit/caddy-ratelimit/engine"
+	"github.com/edgelimit/caddy-ratelimit/origin"
 )
 
 func TestIdentifierHMAC_StableKeyedAndBounded(t *testing.T) {
@@ -139,5 +144,39 @@ func TestMaskIP(t *testing.T) {
 		if got := maskIP(tc.in, tc.v4, tc.v6); got != tc.want {
 			t.Errorf("maskIP(%q, %d, %d) = %q, want %q", tc.in, tc.v4, tc.v6, got, tc.want)
 		}
+	}
+}
+
+// TestMappedOrigin_PlacesAKeyByItsHMAC: under identifier_secret the engine
+// asks the origin it sees for a key's partition (engine.Partitioned), to
+// keep the origin's failures per partition; the origin places the key by
+// its HMAC, so the answer must be the HMAC's partition, not the raw
+// identifier's.
+func TestMappedOrigin_PlacesAKeyByItsHMAC(t *testing.T) {
+	o, err := origin.New(origin.Config{Redis: []string{"redis://h1:1", "redis://h2:1", "redis://h3:1"}}, origin.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer o.Close()
+	secret := []byte("0123456789abcdef")
+	mapID := func(id string) string { return identifierHMAC(secret, id) }
+	var p engine.Partitioned = &mappedOrigin{Origin: o, mapID: mapID}
+	if p.Partitions() != 3 {
+		t.Fatalf("%d partitions through the mapping; want 3", p.Partitions())
+	}
+	moved := 0
+	for i := range 100 {
+		k := engine.Key{Namespace: "z", Identifier: fmt.Sprintf("tenant-%d", i), Window: time.Minute}
+		mapped := k
+		mapped.Identifier = mapID(k.Identifier)
+		if got, want := p.Partition(k), o.Partition(mapped); got != want {
+			t.Fatalf("%s: partition %d through the mapping; its HMAC is on %d", k.Identifier, got, want)
+		}
+		if o.Partition(k) != o.Partition(mapped) {
+			moved++
+		}
+	}
+	if moved == 0 {
+		t.Fatal("every raw identifier on its HMAC's partition: the test proves nothing")
 	}
 }

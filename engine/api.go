@@ -105,6 +105,27 @@ type Origin interface {
 	Reserve(ctx context.Context, r *Reservation) error
 }
 
+// Partitioned is implemented by an origin whose keys live on partitions
+// that fail apart (several Redis servers, each key on one). The engine then
+// keeps its record of the origin's failures per partition: a partition
+// down does not make the keys of the others decide as if the whole origin
+// failed, and an answer from one of them does not make the keys of the
+// dead one read it again at once. An origin that does not implement it, or
+// has one partition, fails as a whole.
+type Partitioned interface {
+	// Partitions is how many partitions the origin has.
+	Partitions() int
+	// Partition is the index of key's partition, from 0 to Partitions()−1.
+	// The engine asks it only while a partition fails or is suspect (see
+	// read.go), from the request path.
+	Partition(key Key) int
+}
+
+// maxPartitions bounds the partitions the engine tells apart: partition p
+// shares the state of p mod maxPartitions (a failure there counts for
+// both).
+const maxPartitions = 64
+
 // Totals is what the origin holds for a cell and the cell before it.
 type Totals struct {
 	// Cur and Prev are the region's totals of the cell and of the previous

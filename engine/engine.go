@@ -157,10 +157,14 @@ type Engine struct {
 	forgets forgetting
 	// graves are recently dropped cells, for Resend (janitor.go).
 	graves graveyard
-	// failing is set by a failed origin call, cleared by the next success;
-	// untrusted ends the suspect period that starts then (read.go).
-	failing   atomic.Bool
-	untrusted atomic.Int64
+	// failing holds one bit per partition of the origin (see Partitioned;
+	// bit p mod maxPartitions), set by a failed call on it, cleared by the
+	// next success there; untrusted ends, per partition, the suspect
+	// period that starts then, and untrustedMax is the latest of them
+	// (read.go). An origin of one partition uses bit and slot 0 only.
+	failing      atomic.Uint64
+	untrusted    [maxPartitions]atomic.Int64
+	untrustedMax atomic.Int64
 	// processes is how many processes the origin records as live in the
 	// region, this one included (SetProcesses); 0 when it does not say.
 	processes atomic.Int64
@@ -180,8 +184,12 @@ type Engine struct {
 	global atomic.Pointer[globalBox]
 }
 
-// originBox lets an interface sit in an atomic.Pointer.
-type originBox struct{ o Origin }
+// originBox lets an interface sit in an atomic.Pointer. parts is the
+// origin as Partitioned when it has more than one partition, else nil.
+type originBox struct {
+	o     Origin
+	parts Partitioned
+}
 
 // orDefault sets *v to d when it is unset (zero or less).
 func orDefault[T int | time.Duration](v *T, d T) {
@@ -235,7 +243,11 @@ func (e *Engine) SetOrigin(o Origin) {
 		return
 	}
 	e.makeQueues()
-	e.origin.Store(&originBox{o})
+	b := &originBox{o: o}
+	if p, ok := o.(Partitioned); ok && p.Partitions() > 1 {
+		b.parts = p
+	}
+	e.origin.Store(b)
 	if e.detached.Swap(false) { // once: a later reload of the same origin sends nothing again
 		e.resendAll()
 	}

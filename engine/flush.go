@@ -56,6 +56,9 @@ func (e *Engine) flush(ctx context.Context, o Origin, batch []Delta) error {
 	for i := range batch {
 		d := &batch[i]
 		if d.Done {
+			if err == nil {
+				e.answered(d.Key, now) // its partition answered
+			}
 			// A replay refreshes what a read would: both cells. The entry
 			// the cell was queued from is the key's, unless it was removed
 			// since: then the key's entry, if it has one again.
@@ -64,7 +67,7 @@ func (e *Engine) flush(ctx context.Context, o Origin, batch []Delta) error {
 				en, _ = d.zone.entries.Load(d.Key.Identifier)
 			}
 			if en != nil {
-				e.merge(d.zone, en, d.cell, d.Totals, sent, d.Key.Window.Milliseconds(), !d.NoPrev)
+				e.merge(d.zone, en, d.cell, d.Totals, sent, d.Key, !d.NoPrev)
 			} else {
 				d.cell.observe(d.Totals, now, e.fastTickMs())
 				d.cell.mergeAnswer(d.Totals.Cur, d.Totals.Mine)
@@ -73,6 +76,7 @@ func (e *Engine) flush(ctx context.Context, o Origin, batch []Delta) error {
 			}
 		} else {
 			failed = true
+			e.originFailed(e.partition(d.Key))
 			x := d.cell.links()
 			d.cell.setBits(stUnsure) // the origin may have applied it
 			x.own.Add(-d.Delta)
@@ -84,11 +88,14 @@ func (e *Engine) flush(ctx context.Context, o Origin, batch []Delta) error {
 	e.endedFlush()
 	if failed || err != nil {
 		e.stats.flushErrors.Add(1)
-		e.originFailed()
+		if !failed { // an error, though every item was applied
+			for i := range batch {
+				e.originFailed(e.partition(batch[i].Key))
+			}
+		}
 	} else {
 		e.stats.flushes.Add(1)
 		e.stats.lastFlush.Store(now)
-		e.originAnswered(now)
 	}
 	return err
 }

@@ -42,32 +42,94 @@ import (
 // than a tick of admissions later. A denial still never reads. The same
 // holds after Resend (the origin restarted empty), while the others'
 // totals come back.
+//
+// An origin of several partitions (Partitioned) fails and comes back
+// partition by partition, and so do these states: a key's decisions follow
+// its own partition's. With one record for the whole origin, every call
+// flipped it while one partition was down: a failure there made the live
+// partitions' young cells decide locally (nearLimit), and an answer from
+// a live one made each request for a key of the dead one read it again
+// (TestPartitions_ADeadPartitionLeavesAYoungCellOnALiveOneWithTheOrigin,
+// TestPartitions_ACellOnADeadPartitionWaitsToReadAgain). The partition of
+// a key is asked for only while a partition fails or is suspect: one
+// atomic load otherwise, as before.
 
-// originFailed records a failed origin call.
-func (e *Engine) originFailed() { e.failing.Store(true) }
+// partition returns the index of key's partition (see Partitioned), 0
+// when the origin has one.
+func (e *Engine) partition(key Key) int {
+	if b := e.origin.Load(); b != nil && b.parts != nil {
+		return int(uint(b.parts.Partition(key)) % maxPartitions)
+	}
+	return 0
+}
 
-// originAnswered records a successful origin call at now; the first after
-// a failure starts a suspect period.
-func (e *Engine) originAnswered(now int64) {
-	if e.failing.Load() && e.failing.CompareAndSwap(true, false) {
-		e.distrust(now)
+// originFailed records a failed origin call on partition p.
+func (e *Engine) originFailed(p int) {
+	if bit := uint64(1) << p; e.failing.Load()&bit == 0 {
+		e.failing.Or(bit)
 	}
 }
 
-// distrust makes views taken before one flush period from now suspect.
-func (e *Engine) distrust(now int64) {
-	period := time.Duration(e.slowTick.Load() + 2*e.fastTick.Load()).Milliseconds()
-	raise(&e.untrusted, now+period)
+// originAnswered records a successful origin call on partition p at now;
+// the first after a failure there starts a suspect period there.
+func (e *Engine) originAnswered(p int, now int64) {
+	if bit := uint64(1) << p; e.failing.Load()&bit != 0 && e.failing.And(^bit)&bit != 0 {
+		e.distrust(p, now)
+	}
 }
 
-// suspect reports whether a cell whose freshness deadline is fresh holds a
-// view from before the end of a suspect period (see distrust), at now.
-func (e *Engine) suspect(now, fresh int64) bool {
-	u := e.untrusted.Load()
+// answered records a successful origin call about key at now: its
+// partition is asked for only while one fails.
+func (e *Engine) answered(key Key, now int64) {
+	if e.failing.Load() != 0 {
+		e.originAnswered(e.partition(key), now)
+	}
+}
+
+// failingFor reports whether the partition of key is failing: one load
+// while none is.
+func (e *Engine) failingFor(key Key) bool {
+	m := e.failing.Load()
+	return m != 0 && m&(uint64(1)<<e.partition(key)) != 0
+}
+
+// distrust makes views taken on partition p before one flush period from
+// now suspect; p < 0: on every partition.
+func (e *Engine) distrust(p int, now int64) {
+	period := time.Duration(e.slowTick.Load() + 2*e.fastTick.Load()).Milliseconds()
+	if p < 0 {
+		for i := range e.untrusted {
+			raise(&e.untrusted[i], now+period)
+		}
+	} else {
+		raise(&e.untrusted[p], now+period)
+	}
+	raise(&e.untrustedMax, now+period)
+}
+
+// untrustedFor is when the suspect period of key's partition ends, given
+// u, the latest end of any (untrustedMax): the key's partition is asked
+// for only when there are several.
+func (e *Engine) untrustedFor(key Key, u int64) int64 {
+	if b := e.origin.Load(); b == nil || b.parts == nil {
+		return u
+	}
+	return e.untrusted[e.partition(key)].Load()
+}
+
+// suspect reports whether a cell of key whose freshness deadline is fresh
+// holds a view from before the end of a suspect period of its partition
+// (see distrust), at now.
+func (e *Engine) suspect(key Key, now, fresh int64) bool {
+	u := e.untrustedMax.Load()
 	if u == 0 {
 		return false
 	}
 	f := e.freshnessMs()
+	if !(now < u+f && fresh-f < u) {
+		return false // not within the latest period: within none
+	}
+	u = e.untrustedFor(key, u)
 	return now < u+f && fresh-f < u
 }
 
@@ -76,8 +138,8 @@ func (e *Engine) suspect(now, fresh int64) bool {
 // dead origin costs no request a read each, short enough that a recovered
 // origin is used within a flush period (two slow ticks and a fast one),
 // which is how long the accuracy bound allows after a fault. At most a
-// slow tick; once any call of the process succeeds again, the next
-// decision reads at once.
+// slow tick; once any call of the process on the key's partition succeeds
+// again, the next decision reads at once.
 func (e *Engine) coldReadRetry() int64 {
 	return min(maxColdReadRetry, time.Duration(e.slowTick.Load())).Milliseconds()
 }
@@ -149,7 +211,7 @@ func (e *Engine) converge(o Origin, lc *located, l *Limit, now int64, denied boo
 		fresh = 0 // set by a clock that has since stepped back: not fresh
 	}
 	if st&stRead == 0 {
-		if now < fresh && e.failing.Load() {
+		if now < fresh && e.failingFor(lc.key()) {
 			return nil // a failed cold read waits before it retries
 		}
 		if e.unread(lc, l, now) {
@@ -166,7 +228,7 @@ func (e *Engine) converge(o Origin, lc *located, l *Limit, now int64, denied boo
 		}
 		return e.readFor(o, lc, denied)
 	}
-	suspect := e.suspect(now, fresh)
+	suspect := e.suspect(lc.key(), now, fresh)
 	if now < fresh && !suspect {
 		return nil
 	}
@@ -345,7 +407,7 @@ func (e *Engine) readCell(o Origin, z *Zone, key Key, en *entry, c *cell) {
 	now := e.nowMs()
 	if err != nil {
 		e.stats.readErrors.Add(1)
-		e.originFailed()
+		e.originFailed(e.partition(key))
 		if x := c.links(); x != nil && c.state()&stRead == 0 {
 			x.fresh.Store(now + e.coldReadRetry())
 		}
@@ -353,19 +415,19 @@ func (e *Engine) readCell(o Origin, z *Zone, key Key, en *entry, c *cell) {
 	}
 	e.stats.reads.Add(1)
 	e.stats.lastRead.Store(now)
-	e.originAnswered(now)
+	e.answered(key, now)
 	// Freshness counts from when the read was sent: the origin's answer is
 	// at least that recent.
-	e.merge(z, en, c, t, start, key.Window.Milliseconds(), true)
+	e.merge(z, en, c, t, start, key, true)
 }
 
 // merge brings the origin's totals t of c (and of the cell before it) into
 // the entry, the counts other regions counted there (the region's
 // cross-region role leaves them at the origin) included, and marks c
 // read and fresh from sent, the time the call that returned t was sent.
-// w is the window in ms; withPrev tells that t holds the previous cell's
+// key is the cell's; withPrev tells that t holds the previous cell's
 // totals, which settle it (see stPrevSettled) once they are final.
-func (e *Engine) merge(z *Zone, en *entry, c *cell, t Totals, sent, w int64, withPrev bool) {
+func (e *Engine) merge(z *Zone, en *entry, c *cell, t Totals, sent int64, key Key, withPrev bool) {
 	c.observe(t, e.nowMs(), e.fastTickMs())
 	if x := c.links(); x != nil {
 		c.heard(x, sent, 2*e.fastTickMs()) // after observe: a grown cell has the processes it counts
@@ -391,7 +453,7 @@ func (e *Engine) merge(z *Zone, en *entry, c *cell, t Totals, sent, w int64, wit
 			p.importGlobal(t.GlobalPrev)
 		}
 	}
-	if withPrev && c.state()&stPrevSettled == 0 && e.prevFinal(c, sent, w) {
+	if withPrev && c.state()&stPrevSettled == 0 && e.prevFinal(c, key, sent) {
 		c.setBits(stPrevSettled)
 	}
 	c.setBits(stRead)
@@ -415,10 +477,14 @@ func (e *Engine) letGoPrevious(z *Zone, en *entry, old *cell) {
 // (Delta.Late), and a write sent then has landed or failed within its
 // bound (flushTimeout); so an answer sent a slow tick more than that into
 // c's window (room for clocks a little apart), and after any suspect
-// period (whose late replays may still come), has them all, or a mark
+// period of its partition (whose late replays may still come), has them all, or a mark
 // that brings them. With a cross-region layer the previous cell's imported
 // count keeps growing for longer.
-func (e *Engine) prevFinal(c *cell, sent, w int64) bool {
+func (e *Engine) prevFinal(c *cell, key Key, sent int64) bool {
 	settle := (time.Duration(2*e.slowTick.Load()+e.fastTick.Load()) + flushTimeout).Milliseconds()
-	return e.getGlobal() == nil && sent >= c.seq()*w+settle && sent >= e.untrusted.Load()
+	if e.getGlobal() != nil || sent < c.seq()*key.Window.Milliseconds()+settle {
+		return false
+	}
+	u := e.untrustedMax.Load()
+	return sent >= u || sent >= e.untrustedFor(key, u)
 }

@@ -48,7 +48,7 @@ func (e *Engine) Resend() int {
 		resend(d.zone, d.en, d.cell)
 	}
 	e.stats.resends.Add(int64(n))
-	e.distrust(e.nowMs()) // the others' totals come back within a flush period
+	e.distrust(-1, e.nowMs()) // the others' totals come back within a flush period
 	return n
 }
 

@@ -53,9 +53,9 @@ func (e *Engine) nearLimit(lc *located, l *Limit, cur, prev, now int64) (near, a
 	// found none of the others there, the second one, and so on. It counts
 	// as many others as the region has (Engine.SetProcesses), shared or
 	// not; but not while the origin fails, when it would only wait for
-	// calls that fail.
+	// calls that fail (its partition's: see Partitioned).
 	region := e.processes.Load()
-	young := region > 1 && x != nil && st&stGrown == 0 && !e.failing.Load()
+	young := region > 1 && x != nil && st&stGrown == 0 && !e.failingFor(lc.key())
 	if !shared && !young {
 		return false, false
 	}
@@ -331,7 +331,7 @@ func (e *Engine) sendGroup(ctx context.Context, o Origin, lc *located, l *Limit,
 	c := lc.cur
 	x := c.links() // a linked cell: with an origin, locate upgrades the cell
 	defer e.finishGroup(c, n)
-	if !e.holdWrites(ctx, c, dl) {
+	if !e.holdWrites(ctx, lc, dl) {
 		return Decision{}, false // a write of the cell outlasted the deadline: decided locally
 	}
 	defer e.releaseWrites(lc)
@@ -399,9 +399,9 @@ func (e *Engine) sendGroup(ctx context.Context, o Origin, lc *located, l *Limit,
 	if time.Now().After(dl.at) {
 		dl.expired = true
 	}
-	e.originAnswered(e.nowMs())
+	e.answered(r.Key, e.nowMs())
 	e.admit(c, n, &r)
-	e.merge(lc.zone, lc.en, c, r.Totals, sent, lc.w, true)
+	e.merge(lc.zone, lc.en, c, r.Totals, sent, r.Key, true)
 	n.totals, n.global, n.globalPrev = r.Totals, r.Global, r.GlobalPrev
 	n.decided = true
 	c.clearBits(stReserved)
@@ -421,14 +421,16 @@ func (e *Engine) sendGroup(ctx context.Context, o Origin, lc *located, l *Limit,
 // sends a hot cell again every fast tick, so each request for the key
 // waited its whole read timeout to decide locally in the end, breaker
 // open or not, for as long as the origin hung. It decides locally at once
-// (dl.expired), as the read path does after a failure.
-func (e *Engine) holdWrites(ctx context.Context, c *cell, dl *deadline) bool {
+// (dl.expired), as the read path does after a failure of the key's
+// partition.
+func (e *Engine) holdWrites(ctx context.Context, lc *located, dl *deadline) bool {
+	c := lc.cur
 	for !c.setBits(stFlushing) {
 		ch := e.flushEndedWhile(c)
 		if ch == nil {
 			continue
 		}
-		if e.failing.Load() {
+		if e.failingFor(lc.key()) {
 			dl.expired = true
 			return false
 		}
@@ -461,7 +463,7 @@ func (e *Engine) releaseWrites(lc *located) {
 // (TestReserve_AFailedReservationsUnitsCountOnceInThePreviousCell).
 func (e *Engine) reservationFailed(lc *located, n *group, pending int64) {
 	e.stats.reservationErrors.Add(int64(len(n.costs)))
-	e.originFailed()
+	e.originFailed(e.partition(lc.key()))
 	x := lc.cur.links()
 	if pending > 0 {
 		lc.cur.setBits(stUnsure) // first: the origin may hold them

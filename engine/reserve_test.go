@@ -220,7 +220,7 @@ func TestReserve_AnAnswerDuringAReservationCountsItsCostsOnce(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	e.merge(e.Zone(l.Key.Namespace, l.Key.Window), en, c, tot, sent, time.Hour.Milliseconds(), false)
+	e.merge(e.Zone(l.Key.Namespace, l.Key.Window), en, c, tot, sent, l.Key, false)
 	if !<-done {
 		t.Fatal("the reservation was denied at 86 of 100")
 	}

@@ -55,7 +55,10 @@ type Redis struct {
 	done        chan struct{}
 }
 
-var _ engine.Origin = (*Redis)(nil)
+var (
+	_ engine.Origin      = (*Redis)(nil)
+	_ engine.Partitioned = (*Redis)(nil)
+)
 
 // Options are the origin's settings that are not configuration: hooks to
 // observe it and the process's identity. All are optional.

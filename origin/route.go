@@ -11,16 +11,25 @@ import (
 // window and sequence of one identifier goes to the same endpoint, every
 // process that lists the same partitions agrees without coordination, and
 // removing a partition moves only its own keys.
-func (r *Redis) route(key engine.Key) *endpoint {
+func (r *Redis) route(key engine.Key) *endpoint { return r.endpoints[r.Partition(key)] }
+
+// Partitions is how many partitions (redis lines) the origin has: each
+// fails apart, and the engine keeps its record of failures per partition
+// (engine.Partitioned).
+func (r *Redis) Partitions() int { return len(r.endpoints) }
+
+// Partition is the index of key's partition among the origin's endpoints:
+// the one route picks.
+func (r *Redis) Partition(key engine.Key) int {
 	if len(r.endpoints) == 1 {
-		return r.endpoints[0]
+		return 0
 	}
 	h := keyHash(key.Namespace, key.Identifier)
-	best := r.endpoints[0]
-	bestScore := mix64(h ^ best.seed)
-	for _, ep := range r.endpoints[1:] {
+	best := 0
+	bestScore := mix64(h ^ r.endpoints[0].seed)
+	for i, ep := range r.endpoints[1:] {
 		if s := mix64(h ^ ep.seed); s > bestScore {
-			best, bestScore = ep, s
+			best, bestScore = i+1, s
 		}
 	}
 	return best

@@ -8,6 +8,7 @@ import (
 
 	"github.com/edgelimit/caddy-ratelimit/engine"
 	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
+	"github.com/edgelimit/caddy-ratelimit/internal/testclock"
 )
 
 func TestRoute_IsStableAndIgnoresOrderAndCredentials(t *testing.T) {
@@ -116,4 +117,61 @@ func homes(t *testing.T, srvs []*redistest.Server, keys int, seq int64) map[stri
 		}
 	}
 	return home
+}
+
+// TestPartitions_OneStoppedFailsOnlyItsKeysInTheEngine runs an engine on
+// two partitions, one stopped. The engine kept one failing flag for the
+// whole origin, which every call flipped: a read failing on the dead
+// partition made a young cell of the live one decide locally, with no
+// share of the last tenth kept for the region's other processes (no
+// reservation for 300 requests at a limit of 1,000 in a region of four),
+// and an answer of the live partition made a key of the dead one read it
+// again at once, each request waiting on a read that fails (5 reads in 5
+// decisions) instead of deciding locally until its retry.
+func TestPartitions_OneStoppedFailsOnlyItsKeysInTheEngine(t *testing.T) {
+	live, dead := redistest.Start(t), redistest.Start(t)
+	o := newOrigin(t, Config{Redis: []string{live.URL(), dead.URL()}}, Options{})
+	dead.Stop()
+	onDead := func(k engine.Key) bool { return o.route(k).address == o.endpoints[1].address }
+	var deadKeys, liveKeys []engine.Key
+	for i := 0; len(deadKeys) < 2 || len(liveKeys) < 6; i++ {
+		if k := key(fmt.Sprintf("tenant-%d", i)); onDead(k) {
+			deadKeys = append(deadKeys, k)
+		} else {
+			liveKeys = append(liveKeys, k)
+		}
+	}
+	clk := testclock.New(time.UnixMilli(windowStart(time.Minute)))
+	e := engine.New(engine.Config{Now: clk.Now, Manual: true, ReadTimeout: 5 * time.Second})
+	closeAtCleanup(t, e, 5*time.Second)
+	e.SetOrigin(o)
+	e.SetProcesses(4)
+	ctx := ctxT(t)
+
+	// A key of the dead partition, between answers of the live one.
+	for _, k := range liveKeys[1:] {
+		e.Decide(ctx, engine.Limit{Key: deadKeys[0], Limit: 10, Cost: 1})
+		e.Decide(ctx, engine.Limit{Key: k, Limit: 10, Cost: 1})
+	}
+	if got := e.Stats().ReadErrors; got != 1 {
+		t.Errorf("a key on a stopped partition read it %d times in 5 decisions within its cold read's retry; want 1", got)
+	}
+
+	// A young cell of the live partition, after a failure on the dead one,
+	// past any suspect period.
+	clk.Advance(2 * time.Second)
+	l := engine.Limit{Key: liveKeys[0], Limit: 1000, Cost: 1}
+	before := e.Stats().Reservations
+	if !e.Decide(ctx, l).Allowed {
+		t.Fatal("denied below the limit")
+	}
+	e.Decide(ctx, engine.Limit{Key: deadKeys[1], Limit: 10, Cost: 1}) // its read fails
+	for range 299 {
+		if !e.Decide(ctx, l).Allowed {
+			t.Fatal("denied below the limit")
+		}
+	}
+	if got := e.Stats().Reservations - before; got < 300/34 {
+		t.Errorf("a young cell on the live partition sent %d reservations for 300 requests at a limit of 1,000 in a region of four, the other partition stopped; want one for every 33 units", got)
+	}
 }
