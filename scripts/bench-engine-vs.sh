@@ -17,6 +17,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${REF:?set REF to the commit to compare with, e.g. REF=228773b}"
 ROUNDS=${ROUNDS:-7}
+[[ $ROUNDS =~ ^[0-9]+$ ]] && ((ROUNDS >= 1)) || { echo "bench-engine-vs: ROUNDS must be at least 1, not '$ROUNDS'" >&2; exit 1; }
+git rev-parse --quiet --verify "$REF^{commit}" >/dev/null || { echo "bench-engine-vs: REF=$REF is not a commit of this repository" >&2; exit 1; }
 BENCH=${BENCH:-'^BenchmarkDecide(Allow|Deny)(RealClock)?$'}
 BENCHTIME=${BENCHTIME:-1s}
 GO=${GO:-go}
@@ -29,7 +31,8 @@ cleanup() {
 }
 trap cleanup EXIT
 
-git worktree add --detach "$tmp/ref" "$REF" >/dev/null 2>&1
+git worktree add --detach "$tmp/ref" "$REF" >/dev/null 2>"$tmp/worktree.err" ||
+	{ echo "bench-engine-vs: git worktree add $REF failed: $(cat "$tmp/worktree.err")" >&2; exit 1; }
 (cd "$tmp/ref" && "$GO" test -c -o "$tmp/ref.test" "$PKG")
 "$GO" test -c -o "$tmp/head.test" "$PKG"
 ref_name=$(git rev-parse --short "$REF")
