@@ -69,7 +69,10 @@ done
 	die "$VARIANT: two-node, MySQL and peer variants are not supported"
 [[ -z $PROFILE || -z $TRACE ]] || die "PROFILE and TRACE are one at a time"
 [[ $KEYS == cold || $KEYS == warm ]] || die "KEYS must be cold or warm, not '$KEYS'"
-for t in wrk taskset curl; do command -v "$t" >/dev/null || die "$t is missing (scripts/ensure-servers.sh installs wrk)"; done
+need=(wrk curl)
+grep -q LT_REDIS_PORT "loadtest/Caddyfile.$VARIANT" && need+=(redis-server)
+scripts/ensure-servers.sh "${need[@]}" || exit 1
+for t in taskset "$GO"; do command -v "$t" >/dev/null || die "$t is not on PATH"; done
 
 TMP=$(mktemp -d)
 PIDS=()
