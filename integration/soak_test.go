@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"os"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -23,10 +24,15 @@ const (
 )
 
 func soakMinutes() int {
-	if v, err := strconv.Atoi(os.Getenv("SOAK_MINUTES")); err == nil && v > 0 {
-		return v
+	s := os.Getenv("SOAK_MINUTES")
+	if s == "" {
+		return 4
 	}
-	return 4
+	v, err := strconv.Atoi(strings.TrimSpace(s))
+	if err != nil || v < 1 {
+		panic(fmt.Sprintf("SOAK_MINUTES=%q: want a positive whole number of minutes", s))
+	}
+	return v
 }
 
 // soakCluster is a cluster with the default intervals.
@@ -41,10 +47,12 @@ func soakCluster(t *testing.T, regions, nodes int, limit int64) *cluster {
 func TestSoak_EvenTraffic(t *testing.T) {
 	const limit = 3000
 	rate := 2 * limit / 60 // twice the limit per one-minute window
+
+	// Read before any server starts: a bad SOAK_MINUTES stops here.
+	dur := time.Duration(soakMinutes()) * time.Minute
 	c := soakCluster(t, 2, 2, limit)
 	key := freshKey("soak-even")
 	nodes := c.all()
-	dur := time.Duration(soakMinutes()) * time.Minute
 	var mu sync.Mutex
 	perWindow := map[int64][3]int64{} // window start → admitted, denied, other
 	var wg sync.WaitGroup
