@@ -6,10 +6,14 @@
 # make pair A=<variant> B=<variant>  two load-harness variants served side by side on one
 #                core, each by its own wrk: B's CPU per request over A's, rounds in the same
 #                seconds, so a noisy machine's swings fall on both (scripts/pair.sh)
+# make busy      how busy Caddy, wrk and Redis are under one load-harness variant, and Caddy's
+#                CPU, system calls and context switches per request (VARIANT; scripts/busy.sh)
 # make soak      the long multi-region scenarios (default intervals, minutes of load; SOAK_MINUTES)
 # make regions   the scale harness: 2–3 regions × 1, 2, 4 nodes of real Caddy with a Redis
 #                each, a MariaDB primary and replica; prints admitted/limit and what it cost
 #                MySQL and Redis (SCALE_REGIONS, SCALE_NODES: comma lists)
+# make mixed     a rolling deploy: cmd/caddy built at OLD (a commit, default 55dbc13) beside
+#                this build on one Redis and one MySQL (integration/mixed_test.go)
 # make bench-engine-vs REF=<commit>  the engine's decision benchmarks against another
 #                commit's, builds alternated in one sitting, medians (scripts/bench-engine-vs.sh;
 #                BENCH=<regexp> and PKG=<package> pick other benchmarks)
