@@ -144,7 +144,13 @@ run() {
 			"http://127.0.0.1:${PORT[$s]}/" >"$TMP/wrk-$s.out" 2>&1 &
 		wp[$s]=$!
 	done
-	for s in a b; do wait "${wp[$s]}" || { cat "$TMP/wrk-$s.out" >&2; die "${VAR[$s]}: wrk failed"; }; done
+	# A wrk that failed stops the other too: the cleanup stops Caddy, not
+	# wrk, which otherwise ran on for up to its duration and 30 s more.
+	for s in a b; do wait "${wp[$s]}" || {
+		kill "${wp[a]}" "${wp[b]}" 2>/dev/null
+		cat "$TMP/wrk-$s.out" >&2
+		die "${VAR[$s]}: wrk failed"
+	}; done
 	for s in a b; do
 		kill -0 "${PID[$s]}" 2>/dev/null || die "${VAR[$s]}: Caddy died under load"
 		line=$(grep '^LT ' "$TMP/wrk-$s.out" | tail -n 1)
