@@ -205,9 +205,12 @@ func TestRestart_IdleKeysGetTheirTotalsBack(t *testing.T) {
 		v, _ := cellTotal(context.Background(), srv.Client(), DefaultPrefix, k, seq)
 		return v
 	}
-	if got := total(); got != 50 {
-		t.Fatalf("Redis holds %d before the restart, want 50", got)
-	}
+	// Flush leaves a cell whose write the engine's own replay has in
+	// flight to that write (under load, CI once read 31 here): the units
+	// are all at Redis once it lands.
+	redistest.Eventually(t, 5*time.Second, "Redis holds the 50 units before the restart", func() bool {
+		return total() == 50
+	})
 	// Both watches have their reference before the restart.
 	redistest.Eventually(t, 5*time.Second, "watches ready", func() bool {
 		return a.o.runIDChecks.Load() > 0 && b.o.runIDChecks.Load() > 0
