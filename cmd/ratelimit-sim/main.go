@@ -76,6 +76,9 @@ func parse(args []string, stderr io.Writer) (options, error) {
 		return fmt.Errorf("-%s %s: %s", name, fs.Lookup(name).Value, want)
 	}
 	const maxMinutes = float64(math.MaxInt64 / int64(time.Minute))
+	// The intervals the cross-region layer accepts: a longer one failed
+	// the run in package propagation's checks, not naming the flag.
+	interval := fmt.Sprintf("want at least %s and at most %s", propagation.MinInterval, propagation.MaxInterval)
 	finite := func(f float64) bool { return !math.IsNaN(f) && !math.IsInf(f, 0) }
 	switch {
 	case c.Regions < 1:
@@ -106,12 +109,12 @@ func parse(args []string, stderr io.Writer) (options, error) {
 		return o, bad("cross-rtt", "want a positive round trip")
 	case c.ReplicaLag <= 0:
 		return o, bad("replica-lag", "want a positive lag")
-	case c.Flush < propagation.MinInterval:
-		return o, bad("mysql-flush", fmt.Sprintf("want at least %s", propagation.MinInterval))
-	case c.GlobalSync < propagation.MinInterval:
-		return o, bad("global-sync", fmt.Sprintf("want at least %s", propagation.MinInterval))
-	case c.BlocklistSync < propagation.MinInterval:
-		return o, bad("blocklist-sync", fmt.Sprintf("want at least %s", propagation.MinInterval))
+	case c.Flush < propagation.MinInterval || c.Flush > propagation.MaxInterval:
+		return o, bad("mysql-flush", interval)
+	case c.GlobalSync < propagation.MinInterval || c.GlobalSync > propagation.MaxInterval:
+		return o, bad("global-sync", interval)
+	case c.BlocklistSync < propagation.MinInterval || c.BlocklistSync > propagation.MaxInterval:
+		return o, bad("blocklist-sync", interval)
 	case c.MinWindow < propagation.MinInterval:
 		return o, bad("min-window", fmt.Sprintf("want at least %s", propagation.MinInterval))
 	case !(c.PublishFloor > 0 && c.PublishFloor <= 1):
@@ -126,12 +129,15 @@ func parse(args []string, stderr io.Writer) (options, error) {
 
 // The bounds of one run: the simulator holds every node's engine and
 // every key's name in memory (200 regions × 10 nodes of 100,000 keys took
-// 12 GB) and decides about 10,000 requests a second of wall clock, so a
-// run past them would die of an allocation or not end.
+// 12 GB), decides about 10,000 requests a second of wall clock, and runs
+// every node's loops, traffic or not, about 40,000 simulated seconds of
+// one node a second of wall clock, so a run past them would die of an
+// allocation or not end.
 const (
-	maxNodes    = 20_000
-	maxKeys     = 10_000_000
-	maxRequests = 1e9
+	maxNodes       = 20_000
+	maxKeys        = 10_000_000
+	maxRequests    = 1e9
+	maxNodeSeconds = 1e9
 )
 
 // tooBig reports a run beyond any machine: a fleet, a keyspace or a
@@ -159,6 +165,15 @@ func tooBig(c *sim.Config) error {
 	if n := perSecond * c.Duration.Seconds(); !(n <= maxRequests) {
 		return fmt.Errorf("about %.3g requests (%.3g a second for %s): want at most %g; lower -load, -limit, -background, -hot or -minutes, or lengthen -window",
 			n, perSecond, c.Duration, maxRequests)
+	}
+	// Every node ticks through the whole run whatever its traffic: a
+	// long run of no requests (-hot -1 -background -1 -minutes 1e8) was
+	// let through, for about 40 hours of wall clock at one node, and at
+	// 20,000 nodes far longer.
+	nodes := float64(c.Regions * c.Nodes)
+	if n := nodes * c.Duration.Seconds(); !(n <= maxNodeSeconds) {
+		return fmt.Errorf("-minutes %g × %g nodes: about %.3g seconds of one node's loops, want at most %g; lower -minutes, -regions or -nodes",
+			c.Duration.Minutes(), nodes, n, float64(maxNodeSeconds))
 	}
 	return nil
 }

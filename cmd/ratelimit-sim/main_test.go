@@ -81,6 +81,9 @@ func TestRun_RejectsWhatItCannotMean(t *testing.T) {
 		{"-mysql-flush 0", []string{"-mysql-flush 0s", "at least 10ms"}},
 		{"-global-sync -5s", []string{"-global-sync -5s", "at least 10ms"}},
 		{"-blocklist-sync 5ms", []string{"-blocklist-sync 5ms", "at least 10ms"}},
+		{"-mysql-flush 2h", []string{"-mysql-flush 2h0m0s", "at most 1h0m0s"}},
+		{"-global-sync 61m", []string{"-global-sync 1h1m0s", "at most 1h0m0s"}},
+		{"-blocklist-sync 2562047h", []string{"-blocklist-sync 2562047h", "at most 1h0m0s"}},
 		{"-min-window 0", []string{"-min-window 0s", "at least 10ms"}},
 		{"-min-window 5ms", []string{"-min-window 5ms", "at least 10ms"}},
 		{"-publish-floor 0", []string{"-publish-floor 0", "above 0 and at most 1"}},
@@ -167,6 +170,11 @@ func TestParse_RejectsARunBeyondAnyMachine(t *testing.T) {
 		{"-background 1e300", []string{"requests", "at most 1e+09"}},
 		{"-window 1ms -minutes 10", []string{"requests", "at most 1e+09"}},
 		{"-minutes 153722867 -window 2562047h", []string{"requests", "at most 1e+09"}},
+		// No request at all, for long enough that the nodes' loops do not
+		// finish: 100,000,000 simulated minutes of one node.
+		{"-regions 1 -nodes 1 -keys 1 -hot -1 -background -1 -minutes 1e8", []string{"-minutes 1e+08 × 1 nodes", "at most 1e+09"}},
+		{"-regions 1 -nodes 1 -hot 1 -background -1 -window 2000000h -minutes 1.2e8", []string{"nodes", "at most 1e+09"}},
+		{"-regions 200 -nodes 100 -hot -1 -background -1 -minutes 1000", []string{"-minutes 1000 × 20000 nodes", "at most 1e+09"}},
 	} {
 		_, err := parse(strings.Fields(tc.args), io.Discard)
 		ok := err != nil
