@@ -335,7 +335,7 @@ func (c *mysqlClient) readAt(now int64) (asOf int64, replica bool, err error) {
 func (c *mysqlClient) ReadCounts(_ context.Context, r propagation.Read) ([]propagation.CountRow, error) {
 	return readRows(c, propagation.Counts, r, func(k rowKey, v *version) propagation.CountRow {
 		return propagation.CountRow{Namespace: k.ns, Identifier: k.id, WindowMs: k.w, Sequence: k.seq, Region: k.region,
-			Count: v.count, ExpiresMs: v.expires, UpdatedMs: v.updated}
+			Count: v.count, ResetVersion: v.ver, ResetBase: v.base, ExpiresMs: v.expires, UpdatedMs: v.updated}
 	})
 }
 

@@ -54,11 +54,13 @@ type row struct {
 	deleted     int64 // 0 while the primary holds it
 }
 
-// version is a row as one statement left it.
+// version is a row as one statement left it; ver and base are a count
+// row's reset_version and reset_base.
 type version struct {
 	row                              *row
 	updated                          int64
 	count, cur, prev, limit, expires int64
+	ver, base                        int64
 	next                             *version
 }
 
@@ -105,19 +107,33 @@ func (t *table) rise(x *row, v *version, at int64) {
 	t.log = append(t.log, v)
 }
 
-// upsertCount is INSERT … ON DUPLICATE KEY UPDATE count = GREATEST(…),
-// updated_ms moved only when the count rises.
+// upsertCount is the store's INSERT … ON DUPLICATE KEY UPDATE: count =
+// GREATEST(…), a newer reset_version replaces the row's reset and base
+// (the same one keeps the larger base), and updated_ms moves only when
+// the count or the reset version rises. The model once kept neither
+// reset column: every row read back as a region that cannot mark resets
+// (0), and a reset marked on a count that did not rise was no change.
 func (t *table) upsertCount(r *propagation.CountRow, at int64) {
 	k := countKey(r)
 	x := t.rows[k]
 	if x == nil {
-		t.insert(k, &version{count: r.Count, expires: r.ExpiresMs}, at)
+		t.insert(k, &version{count: r.Count, ver: r.ResetVersion, base: r.ResetBase, expires: r.ExpiresMs}, at)
 		return
 	}
-	x.last.expires = max(x.last.expires, r.ExpiresMs)
-	if r.Count > x.last.count {
-		t.rise(x, &version{count: r.Count, expires: x.last.expires}, at)
+	l := x.last
+	l.expires = max(l.expires, r.ExpiresMs)
+	base := l.base
+	switch {
+	case r.ResetVersion > l.ver:
+		base = r.ResetBase
+	case r.ResetVersion == l.ver:
+		base = max(base, r.ResetBase)
 	}
+	if r.Count > l.count || r.ResetVersion > l.ver {
+		t.rise(x, &version{count: max(l.count, r.Count), ver: max(l.ver, r.ResetVersion), base: base, expires: l.expires}, at)
+		return
+	}
+	l.base = base
 }
 
 // upsertDenial is the blocklist's upsert: counts rise by GREATEST, the
