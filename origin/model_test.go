@@ -2,8 +2,11 @@ package origin
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"math/rand/v2"
+	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -127,5 +130,175 @@ func TestOrigin_TheSimulatorsModelAnswersAsRedis(t *testing.T) {
 	// something.
 	if verdicts[0] < 100 || verdicts[1] < 100 {
 		t.Fatalf("%d reservations denied and %d admitted: want at least 100 of each", verdicts[0], verdicts[1])
+	}
+}
+
+// TestRole_TheSimulatorsModelAnswersAsRedis: the simulator's model of the
+// cross-region role's keys answers as the origin's role does on Redis,
+// step by step: who holds the lease as processes take, renew, release and
+// let it lapse; which registrations a holder's take returns, queued or
+// whole (a registration repeated unchanged, changed, or expired); which
+// denial rows a take finds and which a write removes (not one a newer row
+// of its cell replaced); and each cell's total.
+func TestRole_TheSimulatorsModelAnswersAsRedis(t *testing.T) {
+	srv := redistest.Start(t)
+	ms := time.Now().UnixMilli()
+	m := simmodel.NewRedis(func() int64 { return ms }, 1, simmodel.Link{}, simmodel.DefaultTimeouts)
+	real := map[string]*Redis{}
+	model := map[string]propagation.Region{}
+	for _, n := range []string{"a", "b"} {
+		real[n] = newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: n})
+		model[n] = m.Region(n, nil)
+	}
+	const ttl = 300 * time.Millisecond
+	seq := nowSeq()
+	w := time.Minute.Milliseconds()
+	now := time.Now().UnixMilli()
+	cell := func(id string) propagation.Cell {
+		return propagation.Cell{Namespace: "api", Identifier: id, WindowMs: w, Sequence: seq}
+	}
+	reg := func(id string, limit, expires int64, hot bool) propagation.RegionCell {
+		return propagation.RegionCell{Cell: cell(id), Limit: limit, Expires: expires, Hot: hot}
+	}
+	den := func(id string, cur int64) propagation.BlocklistRow {
+		c := cell(id)
+		return propagation.BlocklistRow{Namespace: c.Namespace, Identifier: c.Identifier, WindowMs: c.WindowMs, Sequence: c.Sequence,
+			Region: "r1", Limit: 10, CountCur: cur, ExpiresMs: (seq + 2) * w}
+	}
+	roleDenials := func(rows []propagation.BlocklistRow) []RoleDenial {
+		out := make([]RoleDenial, len(rows))
+		for i, r := range rows {
+			b, err := json.Marshal(r)
+			if err != nil {
+				t.Fatal(err)
+			}
+			out[i] = RoleDenial{Key: key(r.Identifier), Sequence: r.Sequence, Row: string(b)}
+		}
+		return out
+	}
+	regText := func(cells []propagation.RegionCell) string {
+		s := make([]string, len(cells))
+		for i, c := range cells {
+			s[i] = fmt.Sprintf("%s:%d/%d/%v", c.Identifier, c.Limit, c.Expires-now, c.Hot)
+		}
+		slices.Sort(s)
+		return strings.Join(s, " ")
+	}
+	// Each step runs on Redis and on the model and says what it saw.
+	type step struct {
+		what  string
+		real  func() string
+		model func() string
+	}
+	lease := func(n string) step {
+		return step{n + " leases",
+			func() string { h, err := real[n].Lease(ctxT(t), ttl); return fmt.Sprint(h, err) },
+			func() string { h, err := model[n].Lease(context.Background(), ttl); return fmt.Sprint(h, err) }}
+	}
+	release := func(n string) step {
+		return step{n + " releases",
+			func() string { return fmt.Sprint(real[n].ReleaseLease(ctxT(t))) },
+			func() string { return fmt.Sprint(model[n].ReleaseLease(context.Background())) }}
+	}
+	lapse := step{"the lease lapses",
+		func() string {
+			deadline := time.Now().Add(5 * time.Second)
+			for {
+				h, err := real["a"].LeaseHolder(ctxT(t))
+				if err != nil || h == "" || time.Now().After(deadline) {
+					return fmt.Sprint(h, err)
+				}
+			}
+		},
+		func() string { ms += ttl.Milliseconds(); return fmt.Sprint("", nil) }}
+	register := func(cells ...propagation.RegionCell) step {
+		return step{"register " + regText(cells),
+			func() string {
+				in := make([]RoleCell, len(cells))
+				for i, c := range cells {
+					in[i] = RoleCell{Key: key(c.Identifier), Sequence: c.Sequence, Limit: c.Limit, Expires: c.Expires, Hot: c.Hot}
+				}
+				return fmt.Sprint(real["a"].Register(ctxT(t), in))
+			},
+			func() string { return fmt.Sprint(model["a"].Register(context.Background(), cells)) }}
+	}
+	take := func(all bool) step {
+		return step{fmt.Sprintf("take (all %v)", all),
+			func() string {
+				cs, err := real["b"].TakeRegistered(ctxT(t), all, now)
+				out := make([]propagation.RegionCell, len(cs))
+				for i, c := range cs {
+					out[i] = reg(c.Key.Identifier, c.Limit, c.Expires, c.Hot)
+				}
+				return fmt.Sprint(regText(out), err)
+			},
+			func() string {
+				cs, err := model["b"].TakeRegistered(context.Background(), all, now)
+				return fmt.Sprint(regText(cs), err)
+			}}
+	}
+	denText := func(ds []RoleDenial, err error) string {
+		s := make([]string, len(ds))
+		for i, d := range ds {
+			s[i] = d.Row
+		}
+		slices.Sort(s)
+		return fmt.Sprint(strings.Join(s, " "), err)
+	}
+	putDenials := func(rows ...propagation.BlocklistRow) step {
+		return step{fmt.Sprintf("put denials %v", rows),
+			func() string { return fmt.Sprint(real["a"].PutDenials(ctxT(t), roleDenials(rows))) },
+			func() string { return fmt.Sprint(model["a"].PutDenials(context.Background(), rows)) }}
+	}
+	takeDenials := step{"take denials",
+		func() string { return denText(real["b"].TakeDenials(ctxT(t))) },
+		func() string {
+			rows, err := model["b"].TakeDenials(context.Background())
+			return denText(roleDenials(rows), err)
+		}}
+	written := func(rows ...propagation.BlocklistRow) step {
+		return step{fmt.Sprintf("denials written %v", rows),
+			func() string { return fmt.Sprint(real["b"].DenialsWritten(ctxT(t), roleDenials(rows))) },
+			func() string { return fmt.Sprint(model["b"].DenialsWritten(context.Background(), rows)) }}
+	}
+	totals := step{"totals of x and y",
+		func() string {
+			if err := real["a"].Flush(ctxT(t), []engine.Delta{{Key: key("x"), Sequence: seq, Incarnation: 1, Own: 4, Delta: 4}}); err != nil {
+				return err.Error()
+			}
+			ts, err := real["b"].CellTotals(ctxT(t), []RoleCell{{Key: key("x"), Sequence: seq}, {Key: key("y"), Sequence: seq}})
+			s := ""
+			for _, c := range ts {
+				s += fmt.Sprintf("%d ", c.Count)
+			}
+			return fmt.Sprint(s, err)
+		},
+		func() string {
+			if err := m.Origin("a").Flush(context.Background(), []engine.Delta{{Key: key("x"), Sequence: seq, Incarnation: 1, Own: 4, Delta: 4}}); err != nil {
+				return err.Error()
+			}
+			ts, err := model["b"].Totals(context.Background(), []propagation.Cell{cell("x"), cell("y")})
+			s := ""
+			for _, c := range ts {
+				s += fmt.Sprintf("%d ", c.Count)
+			}
+			return fmt.Sprint(s, err)
+		}}
+	steps := []step{
+		lease("a"), lease("b"), lease("a"), release("b"), lease("b"), release("a"), lease("b"), lease("a"),
+		lapse, lease("a"), lease("b"),
+		register(reg("x", 10, now+w, false), reg("y", 20, now+w, true)), take(false), take(false),
+		register(reg("x", 10, now+w, false)), take(false),
+		register(reg("x", 10, now+w, true)), take(false),
+		register(reg("x", 12, now+2*w, true), reg("z", 5, now-1, false)), take(false), take(true), take(false),
+		putDenials(den("x", 5), den("y", 7)), takeDenials, written(den("x", 5)), takeDenials,
+		putDenials(den("y", 9)), written(den("y", 7)), takeDenials, written(den("y", 9)), takeDenials,
+		totals,
+	}
+	for i, s := range steps {
+		r, mo := s.real(), s.model()
+		if r != mo {
+			t.Errorf("step %d, %s:\n  redis %s\n  model %s", i, s.what, r, mo)
+		}
 	}
 }
