@@ -228,8 +228,23 @@ func (c Config) Validate() error {
 		return fmt.Errorf("scenario %q: want one of %v", c.Scenario, Scenarios)
 	}
 	for _, f := range c.Faults {
-		if f.Region < 0 || f.Region >= c.Regions {
+		switch {
+		case f.Region < 0 || f.Region >= c.Regions:
 			return fmt.Errorf("fault in region %d of %d", f.Region, c.Regions)
+		case f.At < 0 || f.For <= 0:
+			return fmt.Errorf("fault from %s for %s: want a positive span from the start on", f.At, f.For)
+		case f.Kind != PrimaryDown && f.Kind != RedisOutage && f.Kind != Cutoff:
+			return fmt.Errorf("fault of kind %d: want PrimaryDown, RedisOutage or Cutoff", f.Kind)
+		}
+	}
+	// A trace's request must arrive at a node of the fleet: one outside
+	// it panicked the run, indexing past the regions or their nodes.
+	for i, r := range c.Requests {
+		switch {
+		case r.Region < 0 || r.Region >= c.Regions || r.Node < 0 || r.Node >= c.Nodes:
+			return fmt.Errorf("request %d at region %d node %d of %d × %d", i, r.Region, r.Node, c.Regions, c.Nodes)
+		case r.At < 0:
+			return fmt.Errorf("request %d at %s, before the start", i, r.At)
 		}
 	}
 	return nil

@@ -52,6 +52,14 @@ func TestConfig_ValidateNamesWhatIsWrong(t *testing.T) {
 		{func(c *Config) { c.RedisLoss = -0.1 }, "redis loss"},
 		{func(c *Config) { c.Scenario = "sideways" }, "scenario"},
 		{func(c *Config) { c.Faults = []Fault{{Kind: RedisOutage, Region: 10}} }, "fault in region 10"},
+		{func(c *Config) { c.Faults = []Fault{{Kind: PrimaryDown, At: time.Second, For: -time.Second}} }, "fault from 1s for -1s"},
+		{func(c *Config) { c.Faults = []Fault{{Kind: PrimaryDown, At: -time.Second, For: time.Second}} }, "fault from -1s for 1s"},
+		{func(c *Config) { c.Faults = []Fault{{Kind: FaultKind(9), For: time.Second}} }, "fault of kind 9"},
+		// A trace's request at a region or node the fleet has not
+		// panicked the run (index out of range [5] with length 2).
+		{func(c *Config) { c.Requests = []Request{{Key: "k", Region: 10}} }, "request 0 at region 10 node 0 of 10 × 10"},
+		{func(c *Config) { c.Requests = []Request{{Key: "k"}, {Key: "k", Node: -1}} }, "request 1 at region 0 node -1 of 10 × 10"},
+		{func(c *Config) { c.Requests = []Request{{Key: "k", At: -time.Second}} }, "request 0 at -1s, before the start"},
 	} {
 		c := Config{}.Defaults()
 		tc.set(&c)
