@@ -3,6 +3,7 @@ package origin
 import (
 	"context"
 	"errors"
+	"sync/atomic"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -44,6 +45,12 @@ type breaker struct {
 	cb   *gobreaker.CircuitBreaker[struct{}]
 	slow time.Duration
 	ep   *endpoint
+	// state is the state the breaker last entered, for Stats: gobreaker's
+	// State() moves an open breaker whose timeout passed to half-open, so
+	// a status or a metrics scrape read that way turned an idle node's
+	// breakers half-open ("probing") with nothing probing, Redis down or
+	// not. A call moves them (open, guard); a read of the state does not.
+	state atomic.Int32
 }
 
 // slowPerCell is what each cell of a call adds to the slow-call
@@ -64,7 +71,8 @@ func (ep *endpoint) newBreaker(name string, c BreakerConfig, slow time.Duration)
 	interval := time.Duration(c.Interval)
 	minRequests := uint32(c.MinRequests)
 	ratio := c.FailureRatio
-	return &breaker{ep: ep, slow: slow, cb: gobreaker.NewCircuitBreaker[struct{}](gobreaker.Settings{
+	b := &breaker{ep: ep, slow: slow}
+	b.cb = gobreaker.NewCircuitBreaker[struct{}](gobreaker.Settings{
 		Name:         name,
 		MaxRequests:  halfOpenProbes,
 		Interval:     interval,
@@ -85,10 +93,16 @@ func (ep *endpoint) newBreaker(name string, c BreakerConfig, slow time.Duration)
 			return errors.Is(err, context.Canceled) || errors.As(err, &starved)
 		},
 		OnStateChange: func(name string, from, to gobreaker.State) {
+			b.state.Store(int32(to))
 			ep.r.emit(stateEvent{endpoint: ep.address, breaker: name, from: breakerState(from), to: breakerState(to)})
 		},
-	})}
+	})
+	return b
 }
+
+// reported is the state the breaker last entered, read without moving it
+// (see breaker.state).
+func (b *breaker) reported() BreakerState { return breakerState(gobreaker.State(b.state.Load())) }
 
 // countsAgainst reports whether err says something about Redis's health. A
 // command Redis refused for its own key (a wrong type, a value that is not

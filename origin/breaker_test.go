@@ -373,3 +373,55 @@ func awaitRecovery(t *testing.T, o *Redis, k engine.Key, seq int64, flush func(i
 			fmt.Sprintf("flush %v, read %v, breakers %s/%s", err, rerr, st.Breaker, st.ReplayBreaker)
 	})
 }
+
+// TestBreaker_ReadingTheStateMovesNoBreaker: with no calls, an open
+// breaker stays open for the status and the metrics however long they
+// read it, Redis down or back, until a call comes to probe. The status
+// once asked gobreaker for the state, which moves an open breaker whose
+// timeout passed to half-open: every scrape of an idle node then turned
+// both breakers half-open (and the log said "half-open: probing") with
+// Redis still down and nothing probing, and they stayed so until a call.
+func TestBreaker_ReadingTheStateMovesNoBreaker(t *testing.T) {
+	srv := redistest.Start(t)
+	var states stateLog
+	timeout := 200 * time.Millisecond
+	cfg := Config{Redis: []string{srv.URL()}, Breaker: BreakerConfig{Timeout: Duration(timeout)}}
+	o := newOrigin(t, cfg, Options{OnStateChange: states.hook})
+	k, seq := key("dora"), nowSeq()
+	read := func() error { return requestRead(o, k, seq) }
+	flush := func() error {
+		return o.Flush(ctxT(t), []engine.Delta{{Key: k, Sequence: seq, Delta: 1, Own: 1}})
+	}
+	srv.Stop()
+	redistest.Eventually(t, 10*time.Second, "both breakers open", func() bool {
+		_ = read()
+		_ = flush()
+		st := o.Stats().Endpoints[0]
+		return st.Breaker == BreakerOpen && st.ReplayBreaker == BreakerOpen
+	})
+	idle := func(what string) {
+		t.Helper()
+		// The state must hold for longer than the breaker's timeout with
+		// nothing but reads of it: there is no event to await.
+		for end := time.Now().Add(3 * timeout); time.Now().Before(end); time.Sleep(timeout / 4) {
+			if st := o.Stats().Endpoints[0]; st.Breaker != BreakerOpen || st.ReplayBreaker != BreakerOpen {
+				t.Fatalf("%s, with no call: request path %s, replay %s; want both open", what, st.Breaker, st.ReplayBreaker)
+			}
+		}
+	}
+	idle("Redis down")
+	srv.Restart()
+	idle("Redis back")
+	for _, name := range []string{BreakerName, ReplayBreakerName} {
+		if seen := states.transitions(name); slices.Contains(seen, "open>half-open") {
+			t.Fatalf("%s went half-open with no call: %v", name, seen)
+		}
+	}
+	// The first calls probe and close them.
+	redistest.Eventually(t, 10*time.Second, "both breakers close", func() bool {
+		_ = read()
+		_ = flush()
+		st := o.Stats().Endpoints[0]
+		return st.Breaker == BreakerClosed && st.ReplayBreaker == BreakerClosed
+	})
+}

@@ -111,8 +111,8 @@ func (ep *endpoint) stats() EndpointStats {
 	s := EndpointStats{
 		Address:       ep.address,
 		Kind:          ep.kind,
-		Breaker:       breakerState(ep.requests.cb.State()),
-		ReplayBreaker: breakerState(ep.replay.cb.State()),
+		Breaker:       ep.requests.reported(),
+		ReplayBreaker: ep.replay.reported(),
 		SlowCalls:     ep.slowCalls.Load(),
 		Calls:         make(map[string]map[string]uint64, numOps),
 		RoundTrips:    ep.roundTrips.Load(),

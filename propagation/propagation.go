@@ -112,7 +112,12 @@ type Propagator struct {
 	addr   string
 	now    func() time.Time
 	cb     *gobreaker.CircuitBreaker[struct{}]
-	gate   func(write func() error) error
+	// cbState is the state cb last entered, for Stats: gobreaker's State()
+	// moves an open breaker whose timeout passed to half-open, so a status
+	// or a metrics scrape read that way turned it half-open (and logged
+	// the change) with nothing probing. A write moves it; a read does not.
+	cbState atomic.Int32
+	gate    func(write func() error) error
 
 	ready   atomic.Bool
 	denials chan engine.GlobalDenial
@@ -316,12 +321,13 @@ func New(cfg Config, eng Engine, opts Options) (*Propagator, error) {
 	if p.region != nil {
 		p.role.Store(roleMember)
 	}
-	p.cb = newBreaker(cfg.Breaker, log, opts.OnBreakerChange)
+	p.cb = newBreaker(cfg.Breaker, log, &p.cbState, opts.OnBreakerChange)
 	return p, nil
 }
 
-// newBreaker builds the write breaker.
-func newBreaker(b Breaker, log *zap.Logger, onChange func(from, to string)) *gobreaker.CircuitBreaker[struct{}] {
+// newBreaker builds the write breaker, which keeps the state it enters in
+// state.
+func newBreaker(b Breaker, log *zap.Logger, state *atomic.Int32, onChange func(from, to string)) *gobreaker.CircuitBreaker[struct{}] {
 	return gobreaker.NewCircuitBreaker[struct{}](gobreaker.Settings{
 		Name:         BreakerName,
 		MaxRequests:  breakerProbes,
@@ -334,6 +340,7 @@ func newBreaker(b Breaker, log *zap.Logger, onChange func(from, to string)) *gob
 		},
 		IsExcluded: func(err error) bool { return errors.Is(err, context.Canceled) || errors.Is(err, errLeaseLost) },
 		OnStateChange: func(_ string, from, to gobreaker.State) {
+			state.Store(int32(to))
 			log.Info("mysql write breaker changed state",
 				zap.String("breaker", BreakerName), zap.String("from", from.String()), zap.String("to", to.String()))
 			if onChange != nil {
@@ -342,6 +349,10 @@ func newBreaker(b Breaker, log *zap.Logger, onChange func(from, to string)) *gob
 		},
 	})
 }
+
+// breakerState is the state the write breaker last entered, read without
+// moving it (see cbState).
+func (p *Propagator) breakerState() string { return gobreaker.State(p.cbState.Load()).String() }
 
 // Addr is the database's network address and name: never credentials.
 func (p *Propagator) Addr() string { return p.addr }

@@ -108,6 +108,48 @@ func TestRefusal_ReadOnlyPrimary(t *testing.T) {
 	untilImported(t, a, b, 60)
 }
 
+// TestRefusal_ReadingTheStateMovesNoBreaker: the write breaker a
+// read_only primary opened stays open for the status and the metrics
+// while no flush comes, however long they read it. Stats once asked
+// gobreaker for the state, which moves an open breaker whose timeout
+// passed to half-open: every scrape turned it half-open (and logged the
+// change) with MySQL still refusing and nothing probing.
+func TestRefusal_ReadingTheStateMovesNoBreaker(t *testing.T) {
+	s, root := grantedSetup(t)
+	a, logs := s.observed("a")
+	b := s.region("b")
+	rdb := mysqltest.Open(t, root)
+	if _, err := rdb.Exec("SET GLOBAL read_only = 1"); err != nil {
+		t.Fatal(err)
+	}
+	a.decide("k", 100, 60)
+	for range 6 {
+		a.p.FlushOnce(bg)
+	}
+	if st := a.p.Stats(); st.Breaker != "open" {
+		t.Fatalf("read_only: breaker %s after 6 failed flushes", st.Breaker)
+	}
+	// The state must hold past the breaker's timeout (200 ms) with
+	// nothing but reads of it: there is no event to await.
+	for end := time.Now().Add(600 * time.Millisecond); time.Now().Before(end); time.Sleep(50 * time.Millisecond) {
+		if st := a.p.Stats(); st.Breaker != "open" {
+			t.Fatalf("with no flush, the breaker read %s; want open", st.Breaker)
+		}
+	}
+	for _, e := range logs.FilterMessage("mysql write breaker changed state").All() {
+		if e.ContextMap()["to"] == "half-open" {
+			t.Fatalf("the breaker went half-open with no flush: %v", e.ContextMap())
+		}
+	}
+	if _, err := rdb.Exec("SET GLOBAL read_only = 0"); err != nil {
+		t.Fatal(err)
+	}
+	untilImported(t, a, b, 60)
+	if st := a.p.Stats(); st.Breaker != "closed" {
+		t.Fatalf("breaker %s once a's count reached b", st.Breaker)
+	}
+}
+
 // TestRefusal_PasswordChangedAndConnectionsKilled: the user's password
 // changes and its connections are killed: every statement fails with
 // the server's reason (access denied), counted and logged; once the

@@ -127,7 +127,7 @@ func (p *Propagator) Stats() Stats {
 	st.PendingDenials += int64(len(p.member.unput))
 	p.member.Unlock()
 	st.Region, st.Database, st.Ready = p.cfg.Region, p.addr, p.ready.Load()
-	st.Breaker, st.Role = p.cb.State().String(), roleNames[p.role.Load()]
+	st.Breaker, st.Role = p.breakerState(), roleNames[p.role.Load()]
 	if p.region != nil {
 		st.NodeID = p.region.NodeID()
 		if h := p.holder.Load(); h != nil {
