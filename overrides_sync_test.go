@@ -5,7 +5,9 @@ import (
 	"fmt"
 	"maps"
 	"math"
+	"net"
 	"net/http"
+	"runtime"
 	"strconv"
 	"strings"
 	"testing"
@@ -672,4 +674,89 @@ func TestOverrides_AFarExpiryIsNotForgottenWhileLive(t *testing.T) {
 			t.Errorf("an override expiring at %d is forgotten at %d, before now (%d)", exp, got, now)
 		}
 	}
+}
+
+// failToStart posts to the admin endpoint, up to tries times, a config
+// with the limiter on srv that fails to start (its HTTP server's address
+// is taken), after each calling check with the number of reloads so far,
+// and returns in how many the limiter had started before the HTTP server
+// failed. Caddy starts a config's apps in no set order: the limiter
+// starts first in about half of them, which its heartbeat in the failed
+// config's Redis tells (the stop may come before the first one: at
+// least that many). It stops at three.
+func failToStart(t *testing.T, admin int, srv *redistest.Server, tries int, check func(reloads, started int)) int {
+	t.Helper()
+	taken, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer taken.Close()
+	started := 0
+	for i := 0; i < tries && started < 3; i++ {
+		prefix := fmt.Sprintf("failed%d", i)
+		bad := fmt.Sprintf(`{"admin": {"listen": "localhost:%d"},
+ "apps": {"ratelimit": {"origin": {"redis": [%q], "prefix": %q}},
+  "http": {"servers": {"s": {"listen": [%q], "routes": [{"handle": [
+   {"handler": "ratelimit", "zones": [{"name": "ov", "key": "{http.request.header.X-Key}", "limit": 2, "window": "1m"}]}]}]}}}}}`,
+			admin, srv.URL(), prefix, taken.Addr().String())
+		req, err := http.NewRequest(http.MethodPost, fmt.Sprintf("http://localhost:%d/load", admin), strings.NewReader(bad))
+		if err != nil {
+			t.Fatal(err)
+		}
+		req.Header.Set("Content-Type", "application/json")
+		if status, _, body := roundTrip(t, http.DefaultClient, req); status < 400 || !strings.Contains(string(body), "address already in use") {
+			t.Fatalf("the config that cannot listen answered %d %s, want its error", status, body)
+		}
+		if n, _ := srv.Client().Exists(context.Background(), prefix+":{processes}").Result(); n == 1 {
+			started++
+		}
+		check(i+1, started)
+	}
+	if started == 0 {
+		t.Fatal("in no failed reload did the limiter start before the HTTP server failed")
+	}
+	return started
+}
+
+// TestOverrides_AReloadThatFailsToStartLeavesNoWatch: the watch of a
+// config's runtime overrides read its stop channel when its goroutine
+// ran, and a config that failed to start could be cleaned up before
+// that, which clears the field: the watch got no channel, looked at the
+// closed origin every tick for the life of the process, and the reload
+// that failed waited 5 s for it to end. Now every failed reload's watch
+// ends, and none waits.
+func TestOverrides_AReloadThatFailsToStartLeavesNoWatch(t *testing.T) {
+	resetOverrides(t)
+	srv := redistest.Start(t)
+	_, admin, _ := startCaddy(t, overrideConfig(""))
+	began := time.Now()
+	failToStart(t, admin, srv, 40, func(reloads, started int) {
+		if d := time.Since(began); d > 3*time.Second {
+			t.Fatalf("%d failed reloads took %v", reloads, d)
+		}
+	})
+	redistest.EventuallyShow(t, 2*time.Second, "no watch of a failed config's overrides runs", func() (bool, string) {
+		n := goroutinesIn("(*redisBackend).watchOverrides")
+		return n == 0, fmt.Sprintf("%d run", n)
+	})
+}
+
+// goroutinesIn counts the goroutines whose stack names fn.
+func goroutinesIn(fn string) int {
+	buf := make([]byte, 1<<20)
+	for {
+		n := runtime.Stack(buf, true)
+		if n < len(buf) {
+			buf = buf[:n]
+			break
+		}
+		buf = make([]byte, 2*len(buf))
+	}
+	count := 0
+	for _, g := range strings.Split(string(buf), "\n\n") {
+		if strings.Contains(g, fn) {
+			count++
+		}
+	}
+	return count
 }

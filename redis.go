@@ -210,9 +210,12 @@ func (b *redisBackend) start() {
 	b.stopOverrides, b.watchEnded = make(chan struct{}), make(chan struct{})
 	st := b.a.state
 	b.watchState = st
+	// The channel as it is now: close clears the field, and a config that
+	// failed to start may be cleaned up before the goroutine runs.
+	stop, ended := b.stopOverrides, b.watchEnded
 	go func() {
-		defer close(b.watchEnded)
-		b.watchOverrides(st, b.stopOverrides)
+		defer close(ended)
+		b.watchOverrides(st, stop)
 	}()
 	lost := false // the watch calls both on its one goroutine
 	builds := &buildsWatch{o: b.origin, log: b.a.logger}
