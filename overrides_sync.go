@@ -256,6 +256,24 @@ func (b *redisBackend) watchOverrides(st *state, stop <-chan struct{}) {
 		default:
 		}
 	})
+	// The first load waits until the config runs alone: one started beside
+	// the running config may yet fail to start, and its join would have
+	// replaced the book with its region's overrides for good, the node's
+	// own dropped (TestOverrides_AReloadThatFailsToStartKeepsTheNodesOverrides).
+	for {
+		alone, changed := st.apps.runsAlone(b.a)
+		if alone {
+			break
+		}
+		select {
+		case <-stop:
+			if b.ownsLoad {
+				overrides.abortLoad()
+			}
+			return
+		case <-changed:
+		}
+	}
 	err := w.start(time.Now())
 	overrides.endLoad()
 	if err != nil {

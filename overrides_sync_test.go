@@ -718,6 +718,38 @@ func failToStart(t *testing.T, admin int, srv *redistest.Server, tries int, chec
 	return started
 }
 
+// TestOverrides_AReloadThatFailsToStartKeepsTheNodesOverrides: a reload
+// of a local-only node to a config with Redis that fails to start (its
+// HTTP server's address is taken) stops the apps it started, the
+// limiter's among them, and the running config goes on. The limiter's
+// watch of the region's overrides had joined the region as it started,
+// replacing the node's book with the region's: the node's own override
+// was gone for good (404 at the first such reload, and its key held at
+// the zone's limit). The watch now loads the region's overrides once its
+// config runs alone.
+func TestOverrides_AReloadThatFailsToStartKeepsTheNodesOverrides(t *testing.T) {
+	resetOverrides(t)
+	srv := redistest.Start(t)
+	_, admin, base := startCaddy(t, overrideConfig(""))
+	var doc overrideDoc
+	adminSend(t, admin, http.MethodPut, "/ratelimit/overrides?zone=ov&identifier=mine", `{"limit": 5}`).decode(t, http.StatusOK, &doc)
+	if doc.Scope != scopeNode {
+		t.Fatalf("without Redis the override went to %q", doc.Scope)
+	}
+	failToStart(t, admin, srv, 40, func(reloads, started int) {
+		if r := adminDo(t, admin, http.MethodGet, "/ratelimit/overrides?zone=ov&identifier=mine"); r.status != http.StatusOK {
+			t.Fatalf("after failed reload %d (the limiter started in %d at least) the node's override is gone: %d %s", reloads, started, r.status, r.body)
+		}
+	})
+	if n := admitted(t, base, "mine", 6); n != 5 {
+		t.Fatalf("the key of the node's override of 5 admitted %d of 6", n)
+	}
+	adminSend(t, admin, http.MethodPut, "/ratelimit/overrides?zone=ov&identifier=later", `{"limit": 3}`).decode(t, http.StatusOK, &doc)
+	if doc.Scope != scopeNode {
+		t.Fatalf("after the failed reloads a change went to %q, want the node's book", doc.Scope)
+	}
+}
+
 // TestOverrides_AReloadThatFailsToStartLeavesNoWatch: the watch of a
 // config's runtime overrides read its stop channel when its goroutine
 // ran, and a config that failed to start could be cleaned up before

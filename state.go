@@ -259,6 +259,8 @@ type liveApps struct {
 	mu          sync.Mutex
 	provisioned []*App
 	started     []*App
+	// changed is closed, and made again, when started changes (runsAlone).
+	changed chan struct{}
 
 	cur atomic.Pointer[appView]
 }
@@ -307,6 +309,28 @@ func (l *liveApps) view() *appView {
 	return &appView{logger: caddy.Log().Named("ratelimit")}
 }
 
+// runsAlone tells whether a is the only started app: a reload to its
+// config has completed (the old config stopped once every app of the new
+// one had started), where a config started beside the running one may
+// still fail to start and be stopped. The channel is closed at the next
+// change of the started apps.
+func (l *liveApps) runsAlone(a *App) (bool, <-chan struct{}) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.changed == nil {
+		l.changed = make(chan struct{})
+	}
+	return len(l.started) == 1 && l.started[0] == a, l.changed
+}
+
+// startedChanged wakes those waiting in runsAlone; l.mu is held.
+func (l *liveApps) startedChanged() {
+	if l.changed != nil {
+		close(l.changed)
+		l.changed = nil
+	}
+}
+
 // start records a as the newest started app and makes its backends (or
 // none) the engine's.
 func (s *state) start(a *App) {
@@ -314,6 +338,7 @@ func (s *state) start(a *App) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	l.started = append(l.started, a)
+	l.startedChanged()
 	s.useBackends(a)
 }
 
@@ -342,6 +367,7 @@ func (s *state) stop(a *App, cleanup bool) {
 		a.eachBackend(func(b backend) { b.flush(s) })
 	}
 	l.started = slices.Delete(l.started, i, i+1)
+	l.startedChanged()
 	var next *App
 	if n := len(l.started); n > 0 {
 		next = l.started[n-1]
