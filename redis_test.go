@@ -430,3 +430,53 @@ func TestCaddy_RedisRestartedAroundAReloadGetsTheCountsBack(t *testing.T) {
 		})
 	}
 }
+
+// TestCaddy_AReloadAddingRedisHandsTheRegionItsUnits: a process that ran
+// local-only is reloaded with Redis. A key it counted before and meets
+// again hands its units over at that request; one it does not meet again
+// kept them the process's alone, and the region's other nodes admitted
+// it up to its limit anew: Redis held none of quiet's 4 units. The
+// janitor's next pass hands them over.
+func TestCaddy_AReloadAddingRedisHandsTheRegionItsUnits(t *testing.T) {
+	window, ok := testclock.FreshWindow(time.Now(), time.Minute, 2*time.Minute, 30*time.Second)
+	if !ok {
+		t.Fatal("no window length in [1m, 2m] leaves 30 s")
+	}
+	if n, ok := pool.References(poolKey); ok {
+		t.Fatalf("engine pool still has %d users from an earlier test", n)
+	}
+	old := newEngineConfig
+	newEngineConfig = func() engine.Config { return engine.Config{JanitorInterval: 100 * time.Millisecond} }
+	t.Cleanup(func() { newEngineConfig = old })
+	srv := redistest.Start(t)
+	t.Setenv("RATELIMIT_TEST_REDIS_URL", srv.URL())
+	admin, port := e2eAdminPort(t), redistest.MustFreePort(t)
+	base := fmt.Sprintf("http://127.0.0.1:%d/", port)
+	tester := caddytest.NewTester(t).WithDefaultOverrides(caddytest.Config{AdminPort: admin})
+	tester.InitServer(redisConfig(admin, port, "", window), "caddyfile")
+	if t.Failed() {
+		t.FailNow()
+	}
+	defer tester.InitServer(e2eConfig(admin, port, ""), "caddyfile") // unload: the next test starts without an engine
+	for range 4 {
+		get(t, tester, base, "X-Key", "quiet").expect(t, 200, "ok")
+		get(t, tester, base, "X-Key", "busy").expect(t, 200, "ok")
+	}
+	tester.InitServer(redisConfig(admin, port, `	ratelimit {
+		redis {env.RATELIMIT_TEST_REDIS_URL}
+		prefix added
+	}`, window), "caddyfile")
+	if t.Failed() {
+		t.FailNow()
+	}
+	get(t, tester, base, "X-Key", "busy").expect(t, 200, "ok")
+	get(t, tester, base, "X-Key", "busy").expect(t, 429, "")
+	for id, want := range map[string]int64{"busy": 5, "quiet": 4} {
+		key := "added:{e2e_redis:" + id + "}:" + strconv.FormatInt(window.Milliseconds(), 10) + ":" +
+			strconv.FormatInt(time.Now().UnixMilli()/window.Milliseconds(), 10) + ":c"
+		redistest.EventuallyShow(t, 5*time.Second, fmt.Sprintf("Redis holds %s's %d units", id, want), func() (bool, string) {
+			n, err := srv.Client().HGet(context.Background(), key, "t").Int64()
+			return err == nil && n == want, fmt.Sprintf("%d (%v)", n, err)
+		})
+	}
+}

@@ -199,7 +199,9 @@ func (e *Engine) janitorLoop() {
 
 // Sweep is one janitor pass: it drops idle entries and expired strict
 // deadlines and requeues pending deltas that a full replay queue left
-// behind, in live entries and in the graves. It returns the number of
+// behind, in live entries and in the graves. With an origin, a live
+// entry's plain current cell, counted before the engine had any, is
+// upgraded, which hands its units over. It returns the number of
 // entries dropped.
 func (e *Engine) Sweep() int {
 	now := e.nowMs()
@@ -214,6 +216,13 @@ func (e *Engine) Sweep() int {
 			}
 			if c.seq() >= oldest {
 				if hasOrigin {
+					if c.state()&stLinked == 0 {
+						// Counted before the engine had any origin (a
+						// local-only config reloaded into a region): the
+						// upgrade hands its units over, as a request's
+						// does, for a key no request meets again too.
+						e.upgrade(z, id, en, &en.cur, c)
+					}
 					e.requeue(z, en)
 				}
 				return false, false

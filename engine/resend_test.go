@@ -109,3 +109,27 @@ func TestResend_GivesAnOriginRestartedEmptyTheUnitsOfAnEvictedKeyBack(t *testing
 		t.Fatalf("the origin restarted empty got %d of the evicted key's 3 units back", got)
 	}
 }
+
+// TestOrigin_UnitsCountedBeforeTheFirstOriginReachIt: a process that
+// started without an origin (a local-only config) and is reloaded into a
+// region hands the region the units it admitted before, the keys no
+// request meets again included: the janitor's next pass upgrades their
+// cells. They were handed over only at a key's next request, so an idle
+// key's units stayed this process's alone and the region's other nodes
+// admitted the key up to its limit again (Redis held 0 of 4 units
+// admitted local-only: TestCaddy_AReloadAddingRedisHandsTheRegionItsUnits).
+func TestOrigin_UnitsCountedBeforeTheFirstOriginReachIt(t *testing.T) {
+	e, _, l, seq := localUnits(t, time.Hour, 1000)
+	o := newMemOrigin()
+	e.SetOrigin(o)
+	e.Sweep()
+	replayAll(t, e)
+	if got := o.total(l.Key, seq); got != 3 {
+		t.Fatalf("the origin holds %d, want the 3 units admitted before it came", got)
+	}
+	decideN(e, l, 1)
+	replayAll(t, e)
+	if got := o.total(l.Key, seq); got != 4 {
+		t.Fatalf("the origin holds %d after one more, want 4", got)
+	}
+}
