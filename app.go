@@ -158,8 +158,14 @@ func (a *App) configureEngine(cfg *engine.Config) {
 func (a *App) Start() error {
 	a.eachBackend(func(b backend) { b.start() })
 	a.state.start(a)
+	if testHookStarted != nil {
+		testHookStarted(a)
+	}
 	return nil
 }
+
+// testHookStarted, set by tests, runs when an app has started.
+var testHookStarted func(a *App)
 
 // Stop hands the engine to the newest config still started, after the
 // backends wrote what they hold if they were the engine's; the last

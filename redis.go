@@ -236,16 +236,23 @@ func (b *redisBackend) start() {
 		b.a.logger.Warn("could not count the region's processes in Redis: keys that several processes meet at once are decided as before until it can", zap.Error(err))
 	})
 	b.origin.WatchRestarts(b.timing.SlowTick, func() {
-		// The origin in use, or one of the same servers that took this
-		// one's watch and is not in use yet (use: TakeWatchFrom comes
-		// first); only one of a placement's watches tells at a time.
-		if cur, _ := st.currentOrigin().(*origin.Redis); cur == b.origin || cur != nil && cur.Placement() == b.origin.Placement() {
-			n := st.engine.Resend()
-			b.a.logger.Warn("Redis restarted empty: sending every live key's count to it again", zap.Int("cells", n))
-			if p := currentProp.Load(); p != nil {
-				p.RegionLost() // and the other regions' counts, when this node holds the role
+		// Once the config runs alone (whenAlone): a config started beside
+		// the running one may yet fail to start, and the first check of
+		// servers the node never used finds no mark there. A restart seen
+		// by an old config's watch is seen by the next config's of the same
+		// servers too, which took its watch (use: TakeWatchFrom).
+		st.whenAlone(b.a, func() {
+			// The origin in use, or one of the same servers that took this
+			// one's watch and is not in use yet (use: TakeWatchFrom comes
+			// first); only one of a placement's watches tells at a time.
+			if cur, _ := st.currentOrigin().(*origin.Redis); cur == b.origin || cur != nil && cur.Placement() == b.origin.Placement() {
+				n := st.engine.Resend()
+				b.a.logger.Warn("Redis restarted empty: sending every live key's count to it again", zap.Int("cells", n))
+				if p := currentProp.Load(); p != nil {
+					p.RegionLost() // and the other regions' counts, when this node holds the role
+				}
 			}
-		}
+		})
 	})
 }
 
@@ -304,16 +311,42 @@ func (b *redisBackend) use(st *state) {
 	case prev == nil || prev == b.origin:
 	case prev.Placement() != b.origin.Placement():
 		from, to := prev.String(), b.origin.String()
-		st.engine.ResendAsync(func(n int) {
-			b.a.logger.Info("Redis changed in a reload: writing every live key's count to the new servers",
-				zap.String("from", from), zap.String("to", to), zap.Int("cells", n))
+		st.whenAlone(b.a, func() {
+			st.engine.ResendAsync(func(n int) {
+				b.a.logger.Info("Redis changed in a reload: writing every live key's count to the new servers",
+					zap.String("from", from), zap.String("to", to), zap.Int("cells", n))
+			})
 		})
 	case prevForm != nil && *prevForm != form:
-		st.engine.ResendAsync(func(n int) {
-			b.a.logger.Info("identifier_secret changed in a reload: writing every live key's count under its new name in Redis",
-				zap.Int("cells", n))
+		st.whenAlone(b.a, func() {
+			st.engine.ResendAsync(func(n int) {
+				b.a.logger.Info("identifier_secret changed in a reload: writing every live key's count under its new name in Redis",
+					zap.Int("cells", n))
+			})
 		})
 	}
+}
+
+// whenAlone runs f once a runs alone (liveApps.runsAlone), and never if
+// a stops first: a config started beside the running one may yet fail to
+// start, and every key's count written to its servers then, which the
+// running config does not use, counted there on top of what that
+// region's nodes count (TestCaddy_AReloadThatFailsToStartWritesNoCountToItsRedis).
+// The caller may hold the apps' lock: f waits on a goroutine of its own.
+func (s *state) whenAlone(a *App, f func()) {
+	go func() {
+		for {
+			alone, changed := s.apps.runsAlone(a)
+			if alone {
+				f()
+				return
+			}
+			if !s.apps.isStarted(a) {
+				return
+			}
+			<-changed
+		}
+	}()
 }
 
 // flush pushes the engine's pending deltas through the origin, the

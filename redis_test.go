@@ -480,3 +480,64 @@ func TestCaddy_AReloadAddingRedisHandsTheRegionItsUnits(t *testing.T) {
 		})
 	}
 }
+
+// TestCaddy_AReloadThatFailsToStartWritesNoCountToItsRedis: a reload to
+// another Redis whose config fails to start (its HTTP server's address
+// is taken) leaves the node on its Redis. Its limiter, started before
+// the HTTP server failed, had written every live key's count to the new
+// servers, as a completed reload to them does: the failed config's
+// Redis, another region's or one the node never joined, held k's 2
+// units, counted there on top of its own nodes' counts. That write
+// now waits until the new config runs alone.
+func TestCaddy_AReloadThatFailsToStartWritesNoCountToItsRedis(t *testing.T) {
+	resetOverrides(t)
+	a, b := redistest.Start(t), redistest.Start(t)
+	_, admin, base := startCaddy(t, overrideConfig(fmt.Sprintf("\tratelimit {\n\t\tredis %s\n\t}", a.URL())))
+	if n := admitted(t, base, "k", 2); n != 2 {
+		t.Fatalf("admitted %d of 2", n)
+	}
+	// Replayed: units still pending while the failed config's Redis is
+	// the engine's, for the moment the new config runs beside the old,
+	// would replay there.
+	redistest.Eventually(t, 5*time.Second, "Redis A holds k's 2 units", func() bool {
+		keys, err := a.Client().Keys(context.Background(), "*{ov:k}*:c").Result()
+		if err != nil || len(keys) != 1 {
+			return false
+		}
+		n, err := a.Client().HGet(context.Background(), keys[0], "t").Int64()
+		return err == nil && n == 2
+	})
+	// A reload that failed after the limiter started hands the engine back
+	// to Redis A, which gets every count again (the units replayed to the
+	// failed config's servers meanwhile would be missing there): the next
+	// reload waits until they are written, or they would replay to its
+	// servers in the moment it runs beside the old config.
+	eng, seen, resends := lookupState().engine, 0, int64(0)
+	failToStart(t, admin, b, 40, func(_, started int) {
+		if started == seen {
+			return
+		}
+		seen = started
+		redistest.Eventually(t, 5*time.Second, "Redis A got every count again", func() bool {
+			s := eng.Stats()
+			if s.Resends > resends && s.PendingCells == 0 {
+				resends = s.Resends
+				return true
+			}
+			return false
+		})
+	})
+	if n := admitted(t, base, "k", 1); n != 0 {
+		t.Fatalf("after the failed reloads k admitted %d more at its limit", n)
+	}
+	// A reload that completes writes the counts; wait as long for a
+	// failed one's.
+	time.Sleep(200 * time.Millisecond)
+	keys, err := b.Client().Keys(context.Background(), "*:c").Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(keys) > 0 {
+		t.Fatalf("the failed config's Redis holds counts: %v", keys)
+	}
+}

@@ -323,6 +323,13 @@ func (l *liveApps) runsAlone(a *App) (bool, <-chan struct{}) {
 	return len(l.started) == 1 && l.started[0] == a, l.changed
 }
 
+// isStarted tells whether a is started and not stopped.
+func (l *liveApps) isStarted(a *App) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return slices.Contains(l.started, a)
+}
+
 // startedChanged wakes those waiting in runsAlone; l.mu is held.
 func (l *liveApps) startedChanged() {
 	if l.changed != nil {
@@ -342,11 +349,12 @@ func (s *state) start(a *App) {
 	s.useBackends(a)
 }
 
-// stop forgets a as started. If its backends are the engine's (no newer
-// config took over: a shutdown, or a failed reload), they write what they
-// hold first; then the newest remaining started app's backends take over,
-// and a's backends hear that they are let go. Stopping an app that is not
-// started does nothing.
+// stop forgets a as started. If its backends are the engine's and no
+// other app is started (a shutdown), they write what they hold first; then
+// the newest remaining started app's backends take over (the running
+// config's, when a is a new config that failed to start), and a's
+// backends hear that they are let go. Stopping an app that is not started
+// does nothing.
 //
 // The app's Stop leaves the only started app as it is (cleanup false):
 // Caddy stops a config's apps in no set order, and the HTTP server may
@@ -362,8 +370,13 @@ func (s *state) stop(a *App, cleanup bool) {
 	if i < 0 || (!cleanup && len(l.started) == 1) {
 		return
 	}
-	last := i == len(l.started)-1
-	if last {
+	// A config stopped while an older one runs on failed to start: what
+	// the engine holds goes to the running config's backends, which take
+	// the engine back below. Written through the failed config's, it
+	// reached servers the node does not use
+	// (TestCaddy_AReloadThatFailsToStartWritesNoCountToItsRedis).
+	flushed := i == len(l.started)-1 && len(l.started) == 1
+	if flushed {
 		a.eachBackend(func(b backend) { b.flush(s) })
 	}
 	l.started = slices.Delete(l.started, i, i+1)
@@ -373,7 +386,7 @@ func (s *state) stop(a *App, cleanup bool) {
 		next = l.started[n-1]
 	}
 	s.useBackends(next)
-	a.eachBackend(func(b backend) { b.letGo(s, last) })
+	a.eachBackend(func(b backend) { b.letGo(s, flushed) })
 }
 
 // useBackends points the engine at a's backends, kind by kind: a kind a
