@@ -796,3 +796,76 @@ func goroutinesIn(fn string) int {
 	}
 	return count
 }
+
+// TestOverrides_AZoneARemovedConfigDefinedKeepsItsOverrides is the
+// README's promise: a reload that removes a zone keeps its runtime
+// overrides, in the process and in the region's Redis, through the
+// region's loads meanwhile; the admin API answers 404 for the zone while
+// no loaded config defines it, and they apply again when one does.
+func TestOverrides_AZoneARemovedConfigDefinedKeepsItsOverrides(t *testing.T) {
+	for _, withRedis := range []bool{false, true} {
+		t.Run(fmt.Sprintf("redis %v", withRedis), func(t *testing.T) {
+			resetOverrides(t)
+			global := ""
+			var srv *redistest.Server
+			if withRedis {
+				srv = redistest.Start(t)
+				global = fmt.Sprintf("\tratelimit {\n\t\tregion ov-test\n\t\tredis %s\n\t\tfast_tick 10ms\n\t}", srv.URL())
+			}
+			cfg := func(zone string) func(admin, port int) string {
+				return func(admin, port int) string {
+					return caddyConfig(admin, port, global, `
+	handle {
+		ratelimit {
+			zone `+zone+` {
+				key   {http.request.header.X-Key}
+				limit 2
+				window 1m
+			}
+		}
+		respond "ok"
+	}`)
+				}
+			}
+			tester, admin, base := startCaddy(t, cfg("ov"))
+			port := portOf(t, base)
+			var doc overrideDoc
+			adminSend(t, admin, http.MethodPut, "/ratelimit/overrides?zone=ov&identifier=vip", `{"limit": 6}`).decode(t, http.StatusOK, &doc)
+			tester.InitServer(cfg("other")(admin, port), "caddyfile")
+			if t.Failed() {
+				t.FailNow()
+			}
+			if r := adminDo(t, admin, http.MethodGet, "/ratelimit/overrides?zone=ov&identifier=vip"); r.status != http.StatusNotFound {
+				t.Fatalf("GET of an override of a zone no config defines: %d %s, want 404", r.status, r.body)
+			}
+			if withRedis {
+				// Another node's change of the zone: the node loads the
+				// region's overrides while no config defines it.
+				_, put := otherNode(t, srv)
+				put("late", 0)
+				redistest.Eventually(t, 5*time.Second, "the node loaded the region's change", func() bool {
+					overrides.mu.Lock()
+					defer overrides.mu.Unlock()
+					for k := range overrides.recs {
+						if k.id == "late" {
+							return true
+						}
+					}
+					return false
+				})
+			}
+			tester.InitServer(cfg("ov")(admin, port), "caddyfile")
+			if t.Failed() {
+				t.FailNow()
+			}
+			if n := admitted(t, base, "vip", 7); n != 6 {
+				t.Fatalf("with the zone defined again vip admitted %d of 7, want its override's 6", n)
+			}
+			if withRedis {
+				if n := admitted(t, base, "late", 1); n != 0 {
+					t.Fatalf("the region's limit-0 override of late admitted %d", n)
+				}
+			}
+		})
+	}
+}
