@@ -25,10 +25,20 @@ const overridePath = "/ratelimit/overrides?zone=ov&identifier=k"
 func nodeWithOverride(t *testing.T) (*redistest.Server, int, overrideDoc) {
 	t.Helper()
 	resetOverrides(t)
+	loadedVersion.Store(-1)
 	srv := redistest.Start(t)
 	admin := slowWatchedNode(t, srv)
 	var read overrideDoc
 	adminSend(t, admin, http.MethodPut, overridePath, `{"limit": 1}`).decode(t, http.StatusOK, &read)
+	// The PUT's notice makes the watch load the region again: a change
+	// planted before that load would be heard through it.
+	c := srv.Client()
+	defer c.Close()
+	v, err := c.Get(context.Background(), origin.DefaultPrefix+":{overrides}:v").Int64()
+	if err != nil {
+		t.Fatal(err)
+	}
+	redistest.Eventually(t, 5*time.Second, "the node loaded its own change", func() bool { return loadedVersion.Load() >= v })
 	return srv, admin, read
 }
 

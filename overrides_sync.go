@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"sync/atomic"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -483,8 +484,14 @@ func (w *regionWatch) loadInto(now time.Time, take func([]overrideRec)) error {
 	}
 	overrides.setSource(w.o.String())
 	w.seen, w.synced = v, now
+	loadedVersion.Store(v)
 	return nil
 }
+
+// loadedVersion is the change counter the process's last load of a
+// region's overrides read: tests await a watch's load of the changes they
+// made before they plant one it must not have heard of.
+var loadedVersion atomic.Int64
 
 // writeBack writes the book's records that have not lapsed back to the
 // region, unless the book is too old to (above).
