@@ -68,6 +68,11 @@ import "github.com/redis/go-redis/v9"
 // quieter day; BenchmarkFlushNoPrev, BenchmarkFlush, BenchmarkFlushNewCells,
 // five rounds alternated, medians), where a warm write's two commands
 // with no logic around them take about 2.3.
+// A new cell's n, which raise has just formatted, is returned as it is
+// instead of checked again with text (a stored n still is): a new cell
+// 11.00 -> 10.25 µs, a warm write 7.80 -> 7.62 and without the previous
+// cell 6.16 -> 6.22 (unchanged within the noise), on a loaded AMD EPYC
+// host (twelve rounds alternated, medians).
 const raiseLua = `
 local max = 9007199254740991
 local fmt, tonumber, call, find = string.format, tonumber, redis.call, string.find
@@ -171,7 +176,8 @@ local function cell(h, p, nx, f, own, at)
     call('HSET', nx, 'l', '1')
     if call('PTTL', nx) == -1 then call('PEXPIREAT', nx, at) end
   end
-  return ts, pt, ms, text(ns), gs, pg
+  if ns == v[4] then ns = text(ns) end
+  return ts, pt, ms, ns, gs, pg
 end
 local node, out, fatal = ARGV[1] .. '.', {}, nil
 local function run(each)
