@@ -333,17 +333,24 @@ func (b *redisBackend) use(st *state) {
 // running config does not use, counted there on top of what that
 // region's nodes count (TestCaddy_AReloadThatFailsToStartWritesNoCountToItsRedis).
 // The caller may hold the apps' lock: f waits on a goroutine of its own.
+// An app not started yet is waited for: a's backends start before the
+// state records a as started (App.Start), and the restart watch's first
+// check, at once, may find a restart in between. One stopped, or cleaned
+// up, is not.
 func (s *state) whenAlone(a *App, f func()) {
 	go func() {
+		seen := false
 		for {
 			alone, changed := s.apps.runsAlone(a)
 			if alone {
 				f()
 				return
 			}
-			if !s.apps.isStarted(a) {
+			started, provisioned := s.apps.isStarted(a)
+			if !provisioned || seen && !started {
 				return
 			}
+			seen = seen || started
 			<-changed
 		}
 	}()

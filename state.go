@@ -287,6 +287,7 @@ func (l *liveApps) cleanup(a *App) {
 	defer l.mu.Unlock()
 	l.provisioned = slices.DeleteFunc(l.provisioned, func(x *App) bool { return x == a })
 	l.publish()
+	l.startedChanged() // whenAlone's waiters on a end
 }
 
 func (l *liveApps) publish() {
@@ -323,14 +324,16 @@ func (l *liveApps) runsAlone(a *App) (bool, <-chan struct{}) {
 	return len(l.started) == 1 && l.started[0] == a, l.changed
 }
 
-// isStarted tells whether a is started and not stopped.
-func (l *liveApps) isStarted(a *App) bool {
+// isStarted tells whether a is started and not stopped, and whether it
+// is provisioned and not cleaned up.
+func (l *liveApps) isStarted(a *App) (started, provisioned bool) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	return slices.Contains(l.started, a)
+	return slices.Contains(l.started, a), slices.Contains(l.provisioned, a)
 }
 
-// startedChanged wakes those waiting in runsAlone; l.mu is held.
+// startedChanged wakes those waiting in runsAlone (also when an app is
+// cleaned up); l.mu is held.
 func (l *liveApps) startedChanged() {
 	if l.changed != nil {
 		close(l.changed)
