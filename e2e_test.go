@@ -141,6 +141,23 @@ func get(t *testing.T, tester *caddytest.Tester, url string, headers ...string) 
 	return e2eResponse{status: status, body: string(body), header: header}
 }
 
+// awaitNewConfig sends requests to url (with headers) until one is
+// answered the way only the config just loaded answers (isNew), at most
+// 100 of them. A connection the old server accepted in the reload's last
+// instant is still served by the old config after the reload returned,
+// its handler's limit and headers included (once in a CI run: alice's
+// first request after the reload to a limit of 5 was denied at the old
+// limit of 3). The probes use keys of their own.
+func awaitNewConfig(t *testing.T, tester *caddytest.Tester, url string, isNew func(e2eResponse) bool, headers ...string) {
+	t.Helper()
+	for range 100 {
+		if isNew(get(t, tester, url, headers...)) {
+			return
+		}
+	}
+	t.Fatalf("%s: no answer of the config just loaded in 100 requests", url)
+}
+
 // roundTrip sends req with c and returns the response's status, header and
 // body.
 func roundTrip(t *testing.T, c *http.Client, req *http.Request) (int, http.Header, []byte) {
@@ -241,6 +258,7 @@ func TestCaddy_EndToEnd(t *testing.T) {
 		if lookupState() != st {
 			t.Fatal("the reload replaced the engine")
 		}
+		awaitNewConfig(t, tester, base+"/one", func(r e2eResponse) bool { return r.header.Get("X-RateLimit-Limit") == "5" }, "X-Key", "probe-reload")
 		// alice used 3 of the zone's units before the reload; the limit is
 		// now 5.
 		get(t, tester, base+"/one", "X-Key", "alice").expect(t, 200, "one again",
@@ -259,6 +277,7 @@ func TestCaddy_EndToEnd(t *testing.T) {
 		if t.Failed() {
 			t.FailNow()
 		}
+		awaitNewConfig(t, tester, base+"/one", func(r e2eResponse) bool { return r.body == "fallback" })
 		get(t, tester, base+"/one").expect(t, 200, "fallback", "RateLimit", "", "X-RateLimit-Limit", "")
 		if n, ok := pool.References(poolKey); ok {
 			t.Fatalf("engine pool still has %d users after the last ratelimit config was unloaded", n)
