@@ -157,6 +157,9 @@ type Engine struct {
 	forgets forgetting
 	// graves are recently dropped cells, for Resend (janitor.go).
 	graves graveyard
+	// orphans are the cells of keys let go whose units the origin lacks,
+	// for the keys' next entries (orphan.go).
+	orphans orphans
 	// failing holds one bit per partition of the origin (see Partitioned;
 	// bit p mod maxPartitions), set by a failed call on it, cleared by the
 	// next success there; untrusted ends, per partition, the suspect

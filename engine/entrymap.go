@@ -304,11 +304,20 @@ func (t *entryTable) find(h uint64, id string) *entry {
 // race for one key, both make one, and the loser's is out of the map at
 // once (its tombstone, see slab.dead).
 func (m *entryMap) LoadOrCreate(id string, seq, now int64, linked, read bool) (en *entry, loaded bool) {
+	return m.loadOrAdopt(id, seq, now, linked, read, [2]*cell{})
+}
+
+// loadOrAdopt is LoadOrCreate, whose new entry adopts back (see
+// entry.adopt) when it holds a cell.
+func (m *entryMap) loadOrAdopt(id string, seq, now int64, linked, read bool, back [2]*cell) (en *entry, loaded bool) {
 	h := m.seed.hash(id)
 	if en := m.table.Load().find(h, id); en != nil {
 		return en, true
 	}
 	made := newEntryIn(m, int(h>>62)*slabKinds, id, seq, now, linked)
+	if back[0] != nil {
+		made.adopt(back, seq)
+	}
 	if read {
 		made.cur.Load().setBits(stRead)
 	}

@@ -31,8 +31,9 @@ func (e *Engine) ForgetMatching(namespace string, window time.Duration, match fu
 
 // DropMatching forgets the keys ForgetMatching would, for a reset made at
 // at (Unix ms), in the window of sequence at / window: the units this
-// process has not replayed of their cells up to that one are dropped, not
-// written. They were admitted before it heard of the reset, nearly all of
+// process has not replayed of their cells of that window and the one
+// before (those the reset marks at the origin) are dropped, not written.
+// They were admitted before it heard of the reset, nearly all of
 // them before the reset itself (the others hear of it within a round trip
 // or two), and a reset takes off every unit of those cells before it;
 // written now, after the reset's marks, they would count again. Units
@@ -53,9 +54,16 @@ func (e *Engine) DropMatching(namespace string, window time.Duration, match func
 // up to sequence upTo not made after at (Unix ms).
 type resetDrop struct{ upTo, at int64 }
 
-// covers reports whether the reset drops the units of c.
+// covers reports whether the reset drops the units of c: a cell of the
+// two windows the reset marks at the origin (upTo and the one before),
+// not made after it. A cell of an older window keeps its units, which
+// no mark takes off: a process whose clock had stepped back an hour held
+// units of a window then that it dropped at a reset made on the true
+// clock, and once its clock stepped back again it admitted them anew (9
+// for a limit of 8, property seed 1795908793839211404;
+// TestDropMatching_AResetKeepsTheUnitsOfOlderWindows).
 func (r resetDrop) covers(c *cell) bool {
-	return c != nil && c != tombstone && c.seq() <= r.upTo && !c.madeAfter(r.at)
+	return c != nil && c != tombstone && c.seq() <= r.upTo && c.seq() >= r.upTo-1 && !c.madeAfter(r.at)
 }
 
 // coversAny reports whether the reset drops the units of a cell of en.
@@ -87,6 +95,12 @@ func (e *Engine) forgetMatching(namespace string, window time.Duration, match fu
 	}
 	if drop != noDrop {
 		e.graves.dropReset(z, match, drop)
+		// Cells let go before with units the reset takes off: a key
+		// that took them back would count them again.
+		e.orphans.prune(e.nowMs(), func(k Key, cells [2]*cell) bool {
+			return k.Namespace == namespace && k.Window == window && match(k.Identifier) &&
+				(drop.covers(cells[0]) || drop.covers(cells[1]))
+		})
 	}
 	return n
 }
@@ -229,6 +243,11 @@ func (e *Engine) forget(z *Zone, id string, drop resetDrop) bool {
 			e.live.Add(-1)
 		}
 		cells := [2]*cell{cur, en.prev.Load()}
+		if o != nil && drop == noDrop {
+			// For the key's next entry, which takes them back: should the
+			// write fail, no read of the origin sees their units.
+			e.orphans.put(z.key(id), cells)
+		}
 		if drop != noDrop {
 			for _, c := range cells {
 				if x := c.linksOrNil(); x != nil && drop.covers(c) {
@@ -238,6 +257,7 @@ func (e *Engine) forget(z *Zone, id string, drop resetDrop) bool {
 		}
 		if o != nil {
 			_ = e.flushCells(o, z, en, cells)
+			e.orphans.landed(z.key(id), cells)
 		}
 		if e.origin.Load() != nil {
 			e.requeueCells(z, en, cells) // units charged since still reach the origin

@@ -441,3 +441,31 @@ func TestDropMatching_AKeyMetOnlyAfterTheResetKeepsItsCount(t *testing.T) {
 		t.Fatalf("the origin holds %d of the 2 units admitted after the reset", got)
 	}
 }
+
+// TestDropMatching_AResetKeepsTheUnitsOfOlderWindows: a process whose
+// clock stepped back an hour admitted units in a window of then, and its
+// clock stepped forward again before a region's reset of the key, made on
+// the true clock. The reset marks the key's two current windows at the
+// origin, and the process dropped the older window's units too, unwritten:
+// once its clock stepped back again it admitted them anew (9 for a limit
+// of 8 in property seed 1795908793839211404). They are written now, and
+// the window of then holds them.
+func TestDropMatching_AResetKeepsTheUnitsOfOlderWindows(t *testing.T) {
+	e, clk, o := withOrigin(t, Config{})
+	l := lim("k", 2*time.Second, 8, 1)
+	clk.Advance(-time.Hour)
+	then := clk.UnixMilli() / l.Window.Milliseconds()
+	decideN(e, l, 3)
+	clk.Advance(time.Hour)
+	e.DropMatching(l.Namespace, l.Window, func(id string) bool { return id == l.Identifier }, clk.UnixMilli())
+	if _, err := replayBoth(e); err != nil {
+		t.Fatal(err)
+	}
+	if got := o.total(l.Key, then); got != 3 {
+		t.Errorf("the origin holds %d units of the window an hour back, 3 admitted there and no reset of it", got)
+	}
+	clk.Advance(-time.Hour)
+	if n := admittedOf(e, l, 10); n != 5 {
+		t.Errorf("back in the window an hour back, %d admitted, want the 5 its limit of 8 has left", n)
+	}
+}

@@ -260,6 +260,7 @@ func (e *Engine) Sweep() int {
 	if hasOrigin {
 		e.requeueGraves()
 	}
+	e.orphans.prune(now, nil)
 	e.live.Add(-int64(dropped))
 	return dropped
 }
@@ -359,9 +360,14 @@ func (e *Engine) Evict() int {
 				// though the origin answered (64,842 of 101,000 one-unit
 				// keys evicted at once, before 2026-11-27).
 				end = e.forgets.begin(z.key(id))
+				// And the entry that takes its place, made during the
+				// write, takes the cells back: a write that fails leaves
+				// their units queued, which no read of the origin sees.
+				e.orphans.put(z.key(id), cells)
 			}
 			if !en.cur.CompareAndSwap(c, tombstone) {
 				if end != nil {
+					e.orphans.taken(z.key(id), cells)
 					end()
 				}
 				return false, false
@@ -501,13 +507,15 @@ func (e *Engine) writeEvicted(evicted []evictedEntry) {
 }
 
 // endEvicted queues what the cells of evicted still hold (a failed write,
-// units charged since), buries them and ends their marks.
+// units charged since), buries them, lets the key's next entry start from
+// the origin when it has them all (see orphans) and ends their marks.
 func (e *Engine) endEvicted(evicted []evictedEntry) {
 	for _, d := range evicted {
 		if e.origin.Load() != nil {
 			e.requeueCells(d.zone, d.en, d.cells)
 		}
 		e.buryCells(d.zone, d.en, d.cells)
+		e.orphans.landed(d.zone.key(d.en.id()), d.cells)
 		d.end()
 	}
 }

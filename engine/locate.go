@@ -115,9 +115,18 @@ func (e *Engine) rotate(z *Zone, id string, en *entry, now, w int64, linked bool
 
 // insert adds a new entry for id, or returns the one that won a race. Its
 // cell, for seq, is a linked cell made at now when linked is set.
+// A key let go with units the origin lacks takes its cells back (see
+// orphans).
 func (e *Engine) insert(z *Zone, id string, seq, now int64, linked bool) *entry {
-	en, loaded := z.entries.LoadOrCreate(id, seq, now, linked, e.origin.Load() == nil)
+	var back [2]*cell
+	if e.orphans.n.Load() > 0 {
+		back = e.orphans.find(z.key(id))
+	}
+	en, loaded := z.entries.loadOrAdopt(id, seq, now, linked, e.origin.Load() == nil, back)
 	if !loaded {
+		if back[0] != nil {
+			e.orphans.taken(z.key(id), back)
+		}
 		e.entryCreated(z, id, seq)
 		if e.live.Add(1) > int64(e.cfg.MaxEntries) {
 			select {

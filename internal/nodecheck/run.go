@@ -88,6 +88,7 @@ func Run(c Cluster, ops []Op, base time.Time, trace Trace) Result {
 		quietTill: -1, resendAt: -1, renewedAt: -1, central: map[cellID]int64{}, recent: admissions{}, limits: map[string]int64{}}
 	r.offsets = make([]time.Duration, r.n)
 	r.detached = make([]bool, r.n)
+	r.alone = make([]map[cellID]int64, r.n)
 	for i := range r.n {
 		c.SetClock(i, base)
 	}
@@ -158,6 +159,9 @@ type runner struct {
 	renewedAt int64 // the last OpRenew, or -1
 	central   map[cellID]int64
 	recent    admissions
+	// alone is, by node, what each node admitted since the origin went
+	// down, while it ran with it and on the true clock (see aloneCheck).
+	alone []map[cellID]int64
 }
 
 var bg = context.Background()
@@ -175,12 +179,16 @@ func limitOf(k Key, cost int64) engine.Limit {
 }
 
 // effective is the central count of k weighed at at (ms since base).
-func (r *runner) effective(k Key, at int64) int64 {
+func (r *runner) effective(k Key, at int64) int64 { return r.weighed(r.central, k, at) }
+
+// weighed is the count of k in counts weighed at at (ms since base), as
+// the engine weighs: current + ⌊previous × (1 − progress)⌋.
+func (r *runner) weighed(counts map[cellID]int64, k Key, at int64) int64 {
 	w := k.Window.Milliseconds()
 	abs := r.base.UnixMilli() + at
 	seq, rem := abs/w, abs%w
-	prev := r.central[cellID{k.ID, w, seq - 1}]
-	return r.central[cellID{k.ID, w, seq}] + prev*(w-rem)/w
+	prev := counts[cellID{k.ID, w, seq - 1}]
+	return counts[cellID{k.ID, w, seq}] + prev*(w-rem)/w
 }
 
 // check judges node i's verdict on k at cost against the central count
@@ -210,6 +218,9 @@ func (r *runner) check(op, i int, k Key, cost int64, allowed bool) error {
 		seq := (r.base.UnixMilli() + at) / w
 		r.trace("op %d t=%d node %d %s cost %d allowed=%v central=%d (%d %d) slack=%d quiet=%v views=%+v", op, r.now, i, k.name(), cost, allowed, eff, r.central[cellID{k.ID, w, seq}], r.central[cellID{k.ID, w, seq - 1}], slack, quiet, views)
 	}
+	if err := r.aloneCheck(op, i, k, cost, allowed, at); err != nil {
+		return err
+	}
 	switch {
 	case quiet:
 	case allowed && eff+cost > k.Limit+slack:
@@ -228,6 +239,38 @@ func (r *runner) check(op, i int, k Key, cost int64, allowed bool) error {
 		}
 		r.recent.add(i, k.name(), r.now, reach, cost)
 	}
+	return nil
+}
+
+// aloneCheck judges, while the origin is down, node i's admission of k at
+// cost (at: the node's clock) against what the node itself admitted of k
+// since it went down, weighed as the central count is: deciding alone, a
+// node weighs at least its own units. The central check waits out an
+// outage, and a key evicted or forgotten during one whose write failed
+// had its next entry start from nothing, and admit its limit again, within
+// it (engine/orphan.go). Not judged: a node detached (it runs local-only,
+// where an evicted key starts over) or on a stepped clock (a cell far
+// ahead replaced by one of the true window holds none of that window's
+// units), both since the outage began; units a node counted before it
+// (an entry evicted then, its units written, starts from the origin it
+// cannot read now).
+func (r *runner) aloneCheck(op, i int, k Key, cost int64, allowed bool, at int64) error {
+	if !r.down || r.alone[i] == nil {
+		return nil
+	}
+	if r.detached[i] || r.offsets[i] != 0 {
+		r.alone[i] = nil
+		return nil
+	}
+	if !allowed {
+		return nil
+	}
+	if own := r.weighed(r.alone[i], k, at); own+cost > k.Limit {
+		return fmt.Errorf("operation %d: node %d admitted %s (cost %d) with the origin down, at %d units it had admitted itself since: over limit %d",
+			op, i, k.name(), cost, own, k.Limit)
+	}
+	w := k.Window.Milliseconds()
+	r.alone[i][cellID{k.ID, w, (r.base.UnixMilli() + at) / w}] += cost
 	return nil
 }
 
@@ -331,6 +374,12 @@ func (r *runner) do(op int, o Op) error {
 	case OpDown:
 		r.down = !r.down
 		r.c.SetDown(r.down)
+		for j := range r.alone {
+			r.alone[j] = nil
+			if r.down && !r.detached[j] && r.offsets[j] == 0 {
+				r.alone[j] = map[cellID]int64{}
+			}
+		}
 		if r.down {
 			r.recent.hold(func(int) bool { return true }, r.now)
 		}
