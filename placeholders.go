@@ -1,11 +1,13 @@
 package ratelimit
 
 import (
+	"net/http"
 	"strconv"
 	"strings"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 
 	"github.com/edgelimit/caddy-ratelimit/engine"
 )
@@ -99,11 +101,11 @@ func (o outcome) identifier() string {
 // setOutcome makes the decision of a request readable as placeholders of
 // its replacer repl (none without one): k is the index (in lims and decs)
 // of the zone the placeholders speak of, -1 when every zone was skipped.
-func (h *Handler) setOutcome(repl *caddy.Replacer, decision string, lims []engine.Limit, decs []engine.Decision, zi []int, k int) {
+func (h *Handler) setOutcome(r *http.Request, repl *caddy.Replacer, decision string, lims []engine.Limit, decs []engine.Decision, zi []int, k int) {
 	if repl == nil {
 		return
 	}
-	publish(repl, h.outcome(decision, lims, decs, zi, k))
+	publish(r, repl, h.outcome(decision, lims, decs, zi, k))
 }
 
 // outcomeKeys are the placeholders an outcome answers, each whatever the
@@ -123,10 +125,9 @@ var outcomeKeys = [...]string{
 // error route) would answer before o's: its placeholders said "allowed"
 // and named the first directive's zone on a 429 the second had denied,
 // under the second's headers. A later decision is written as the
-// replacer's static values instead, which are asked before any provider;
-// the one probe costs the first decision some 30 ns.
-func publish(repl *caddy.Replacer, o outcome) {
-	if _, earlier := repl.Get(outcomeKeys[0]); earlier {
+// replacer's static values instead, which are asked before any provider.
+func publish(r *http.Request, repl *caddy.Replacer, o outcome) {
+	if decidedBefore(r, repl) {
 		for _, key := range outcomeKeys {
 			v, _ := o.lookup(key)
 			repl.Set(key, v)
@@ -136,6 +137,34 @@ func publish(repl *caddy.Replacer, o outcome) {
 	// o is never assigned again, so the closure holds its own copy of it:
 	// one allocation in all.
 	repl.Map(func(key string) (any, bool) { return o.lookup(key) })
+}
+
+// decidedVar is the request variable (caddyhttp.SetVar) that marks a
+// request some directive has decided, its bytes such that no Caddyfile
+// writes them, nor a placeholder reads them.
+const decidedVar = "\x00ratelimit decided"
+
+// decidedBefore reports whether a directive decided r before, and records
+// that one has. It asks the request's variables, as Caddy's server makes
+// them for every request. Asking the replacer for a placeholder of ours
+// instead, as it once did, called every provider on a first decision,
+// Caddy's HTTP one among them, whose stack frame is large: with the
+// collector shrinking the connections' stacks, that call grew one often
+// enough to cost 3.4 % of Caddy's CPU in the load test's allow row
+// (runtime.newstack under addHTTPVarsToReplacer in its profile, all of
+// it). A request without variables (a handler served outside Caddy's
+// server) is still asked through its replacer.
+func decidedBefore(r *http.Request, repl *caddy.Replacer) bool {
+	vars, ok := r.Context().Value(caddyhttp.VarsCtxKey).(map[string]any)
+	if !ok {
+		_, earlier := repl.Get(outcomeKeys[0])
+		return earlier
+	}
+	if _, earlier := vars[decidedVar]; earlier {
+		return true
+	}
+	vars[decidedVar] = true
+	return false
 }
 
 // outcome is the outcome of a request decided against lims; k as for
@@ -152,11 +181,11 @@ func (h *Handler) outcome(decision string, lims []engine.Limit, decs []engine.De
 // setMissing makes a denial for a missing key (decisionDenied, or
 // decisionDryRunDenied) readable as placeholders: the zone whose key was
 // empty, no identifier, no count.
-func (h *Handler) setMissing(repl *caddy.Replacer, zone int, decision string) {
+func (h *Handler) setMissing(r *http.Request, repl *caddy.Replacer, zone int, decision string) {
 	if repl == nil {
 		return
 	}
-	publish(repl, outcome{ids: &h.ids, decision: decision, zone: h.zones[zone].name})
+	publish(r, repl, outcome{ids: &h.ids, decision: decision, zone: h.zones[zone].name})
 }
 
 // spokenZone is the zone the placeholders speak of: the first that denied
