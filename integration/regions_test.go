@@ -67,6 +67,9 @@ type clusterSpec struct {
 	// (its own pair); the regions after the first pull from the replica
 	// (mysql_read), as regions far from the primary do.
 	replica bool
+	// regionDSN, if set, gives region r's nodes the DSN it returns for
+	// the cluster's (one through a proxy that cuts the region off).
+	regionDSN func(r int, dsn string) string
 }
 
 type cluster struct {
@@ -207,9 +210,13 @@ func (c *cluster) startNodeOf(r int, bin string) *regionNode {
 	if err := os.WriteFile(n.file, []byte(c.caddyfile(r, n.node)), 0o600); err != nil {
 		t.Fatal(err)
 	}
+	dsn := c.dsn
+	if c.spec.regionDSN != nil {
+		dsn = c.spec.regionDSN(r, dsn)
+	}
 	n.cmd = exec.Command(bin, "run", "--config", n.file)
 	n.cmd.Env = append(os.Environ(), "HOME="+dir, "XDG_DATA_HOME="+dir, "XDG_CONFIG_HOME="+dir,
-		"RATELIMIT_MYSQL_DSN="+c.dsn, "RATELIMIT_MYSQL_READ_DSN="+c.readDSN)
+		"RATELIMIT_MYSQL_DSN="+dsn, "RATELIMIT_MYSQL_READ_DSN="+c.readDSN)
 	n.cmd.Stdout, n.cmd.Stderr = n.log, n.log
 	if err := n.cmd.Start(); err != nil {
 		t.Fatal(err)

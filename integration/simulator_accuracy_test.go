@@ -1,10 +1,13 @@
 package integration
 
 import (
+	"cmp"
 	"fmt"
+	"maps"
 	"math"
 	"net/http"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -91,7 +94,9 @@ func trace(answers []answered, origin time.Time) []sim.Request {
 // touched, in increasing order), and the false allows and denies of the
 // central counter fed the answers in the order they were sent.
 type realFigures struct {
-	windows                             []float64
+	// windows is admitted / limit of every window, in increasing order;
+	// inOrder the same in window order (by window, then key).
+	windows, inOrder                    []float64
 	decisions, falseAllows, falseDenies int64
 }
 
@@ -113,13 +118,20 @@ func figuresOf(answers []answered, limit int64, window time.Duration) realFigure
 			admitted[w] = 0
 		}
 	}
+	ws := slices.Collect(maps.Keys(admitted))
+	slices.SortFunc(ws, func(a, b win) int {
+		if a.seq != b.seq {
+			return cmp.Compare(a.seq, b.seq)
+		}
+		return strings.Compare(a.key, b.key)
+	})
 	var f realFigures
-	for _, n := range admitted {
-		if n > 0 { // as the simulator: a window counts once it admitted
-			f.windows = append(f.windows, float64(n)/float64(limit))
+	for _, w := range ws {
+		if n := admitted[w]; n > 0 { // as the simulator: a window counts once it admitted
+			f.inOrder = append(f.inOrder, float64(n)/float64(limit))
 		}
 	}
-	slices.Sort(f.windows)
+	f.windows = slices.Sorted(slices.Values(f.inOrder))
 	f.decisions, f.falseAllows, f.falseDenies = ref.Decisions, ref.FalseAllows, ref.FalseDenies
 	return f
 }
@@ -142,11 +154,14 @@ func readyForLoad(t *testing.T, c *cluster) {
 	}
 }
 
-// simulate runs the trace in the simulator on c's configuration.
-func simulate(t *testing.T, c *cluster, reqs []sim.Request, settle time.Duration) *sim.Result {
+// simulate runs the trace in the simulator on c's configuration, with
+// faults.
+func simulate(t *testing.T, c *cluster, reqs []sim.Request, settle time.Duration, faults ...sim.Fault) *sim.Result {
 	t.Helper()
 	s := c.spec
-	res, err := sim.Run(sim.HarnessTrace(s.regions, s.nodes, s.limit, s.window, s.flush, s.globalSync, settle, reqs, 1))
+	cfg := sim.HarnessTrace(s.regions, s.nodes, s.limit, s.window, s.flush, s.globalSync, settle, reqs, 1)
+	cfg.Faults = faults
+	res, err := sim.Run(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -175,26 +190,8 @@ func TestSimulator_SkewedTrafficOverSlidingWindowsAgrees(t *testing.T) {
 	c := startCluster(t, clusterSpec{regions: 2, nodes: 2, limit: limit, window: window,
 		flush: agreeFlush, globalSync: agreeSync, blocklistSync: agreeSync})
 	readyForLoad(t, c)
-	// Round robin over the nodes, region r getting shares[r] parts of
-	// each round, as the scale harness spreads its skewed load.
-	shares := []int{7, 3}
-	var order [][2]int
-	for turn := range c.spec.nodes {
-		for r, share := range shares {
-			for range share {
-				order = append(order, [2]int{r, turn})
-			}
-		}
-	}
-	key := freshKey("agree-skewed")
-	var plan []planned
-	for i := range rate * windows * int(window/time.Second) {
-		p := order[i%len(order)]
-		plan = append(plan, planned{at: time.Duration(i) * time.Second / rate, key: key, region: p[0], node: p[1]})
-	}
-	// The load starts on a border, so that its windows are whole.
-	w := window.Milliseconds()
-	start := time.UnixMilli((time.Now().UnixMilli()/w + 2) * w)
+	plan := skewedPlan(c, freshKey("agree-skewed"), []int{7, 3}, rate, windows, window)
+	start := nextBorder(window)
 	answers := offer(t, c, start, plan)
 	real := figuresOf(answers, limit, window)
 	// The simulated fleet runs HarnessStart, rounded up to windows,

@@ -35,3 +35,39 @@ func TestProxy_DelaysEveryReply(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestProxy_CutSwallowsCallsUntilRestored: through a cut proxy a call on a
+// connection made before ends in the caller's timeout, not in an error of
+// the connection, and so does a new connection's first; once restored, a
+// client's calls get through again.
+func TestProxy_CutSwallowsCallsUntilRestored(t *testing.T) {
+	s := Start(t)
+	p := StartDelayProxy(t, s.Addr(), 0)
+	opt, err := redis.ParseURL(p.URL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	opt.MaxRetries, opt.ContextTimeoutEnabled = -1, true
+	c := redis.NewClient(opt)
+	defer c.Close()
+	ctx := context.Background()
+	if err := c.Ping(ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	p.Cut()
+	fresh := redis.NewClient(opt)
+	defer fresh.Close()
+	for _, cl := range []*redis.Client{c, fresh} {
+		tctx, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
+		t0 := time.Now()
+		err := cl.Ping(tctx).Err()
+		cancel()
+		if el := time.Since(t0); err == nil || el < 200*time.Millisecond || el > 2*time.Second {
+			t.Fatalf("a call through a cut proxy ended after %s with %v, want the caller's timeout of 200ms", time.Since(t0), err)
+		}
+	}
+	p.Restore()
+	if err := c.Ping(ctx).Err(); err != nil {
+		t.Fatalf("after the restore: %v", err)
+	}
+}

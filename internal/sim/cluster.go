@@ -7,6 +7,7 @@ import (
 
 	"github.com/edgelimit/caddy-ratelimit/engine"
 	"github.com/edgelimit/caddy-ratelimit/internal/simmodel"
+	"github.com/edgelimit/caddy-ratelimit/origin"
 	"github.com/edgelimit/caddy-ratelimit/propagation"
 )
 
@@ -129,7 +130,12 @@ func (s *sim) addNode(r *region, j int) error {
 	// simulated time, so the wait is made long enough that a stalled
 	// machine (a collection of a large heap) never decides differently.
 	n.eng = engine.New(engine.Config{Now: s.clk.Now, Manual: true, ReadTimeout: time.Hour})
-	n.eng.SetOrigin(r.redis.Origin(n.id))
+	now := s.clk.UnixMilli
+	gate := func() *simmodel.Gate {
+		return simmodel.NewGate(now, origin.DefaultBreakerInterval, origin.DefaultBreakerTimeout,
+			origin.DefaultBreakerMinRequests, origin.DefaultBreakerFailureRatio)
+	}
+	n.eng.SetOrigin(breakerOrigin{Origin: r.redis.Origin(n.id), requests: gate(), replay: gate()})
 	// The fleet started before the run: every node's record is in the
 	// region's set, and the engine counts them all; the heartbeats of the
 	// run keep the count (replay).
@@ -146,7 +152,6 @@ func (s *sim) addNode(r *region, j int) error {
 	if r.index > 0 && !c.NoReplicas {
 		cfg.ReadDSN = "sim-replica"
 	}
-	now := s.clk.UnixMilli
 	n.gate = simmodel.NewGate(now, def.Breaker.Interval, def.Breaker.Timeout, def.Breaker.MinRequests, def.Breaker.FailureRatio)
 	p, err := propagation.New(cfg, n.eng, propagation.Options{
 		Now:       s.clk.Now,

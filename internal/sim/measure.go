@@ -1,9 +1,9 @@
 package sim
 
 import (
+	"cmp"
 	"math/bits"
 	"slices"
-	"sort"
 	"time"
 
 	"github.com/edgelimit/caddy-ratelimit/internal/simmodel"
@@ -228,15 +228,25 @@ func (m *measure) unreached() int {
 }
 
 // windows returns admitted / limit of every hot key's window in [from, to)
-// (sequences), or of every window seen when all.
+// (sequences), or of every window seen when all, in window order (by
+// sequence, then key).
 func (m *measure) windows(from, to int64, all bool) []float64 {
-	var out []float64
-	for k, n := range m.admitted {
+	var ks []winKey
+	for k := range m.admitted {
 		if all || (k.seq >= from && k.seq < to) {
-			out = append(out, float64(n)/float64(m.limit))
+			ks = append(ks, k)
 		}
 	}
-	sort.Float64s(out)
+	slices.SortFunc(ks, func(a, b winKey) int {
+		if a.seq != b.seq {
+			return cmp.Compare(a.seq, b.seq)
+		}
+		return cmp.Compare(a.key, b.key)
+	})
+	out := make([]float64, len(ks))
+	for i, k := range ks {
+		out[i] = float64(m.admitted[k]) / float64(m.limit)
+	}
 	return out
 }
 

@@ -21,8 +21,9 @@ type Result struct {
 	// other way.
 	Decisions, Admitted, FalseAllows, FalseDenies int64
 	// Windows is admitted / limit of every hot key's complete window
-	// (every window, with an explicit trace), in increasing order.
-	Windows []float64
+	// (every window, with an explicit trace), in increasing order;
+	// InOrder holds the same in window order (by window, then key).
+	Windows, InOrder []float64
 	// Latencies are the milliseconds from a hot key's first denial in a
 	// window, anywhere, to each other region's view of it at the limit, in
 	// increasing order; Unreached counts the regions whose view never got
@@ -65,7 +66,8 @@ func (s *sim) result() *Result {
 	}
 	res.Seconds = float64(to-from) / 1000
 	w := c.Window.Milliseconds()
-	res.Windows = s.m.windows(s.base/w, s.end/w, c.Requests != nil)
+	res.InOrder = s.m.windows(s.base/w, s.end/w, c.Requests != nil)
+	res.Windows = slices.Sorted(slices.Values(res.InOrder))
 	res.Latencies = slices.Clone(s.m.latencies)
 	slices.Sort(res.Latencies)
 	res.Total.Name = "total"

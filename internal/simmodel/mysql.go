@@ -218,8 +218,9 @@ var _ propagation.Store = (*mysqlClient)(nil)
 // an error. The caller holds m.mu.
 func (c *mysqlClient) toPrimary(now int64) (at int64, applied bool, err error) {
 	m := c.m
-	lat, applied, err := c.r.ToPrimary.call(m.rng, now, m.timeout)
-	if err == nil && m.primaryDown(now) {
+	sent := c.sentAt(now)
+	lat, applied, err := c.r.ToPrimary.call(m.rng, sent, m.timeout)
+	if err == nil && m.primaryDown(sent) {
 		// Refused at once: a round trip, nothing run.
 		lat, applied, err = min(lat, m.timeout), false, ErrDown
 	}
@@ -228,6 +229,18 @@ func (c *mysqlClient) toPrimary(now int64) (at int64, applied bool, err error) {
 		at = now
 	}
 	return at, applied, err
+}
+
+// sentAt is when a statement of the iteration under way leaves: after
+// the calls it has made so far, which may have taken seconds (each one
+// cut off takes mysql_timeout). A partition or an outage judges the
+// statement then, not when the iteration began: an iteration begun
+// during a cut whose statements outlast it gets through with the rest.
+func (c *mysqlClient) sentAt(now int64) int64 {
+	if c.tick == nil {
+		return now
+	}
+	return max(now, c.tick.At())
 }
 
 func (c *mysqlClient) Migrate(context.Context) error { return nil }
@@ -304,7 +317,7 @@ func (c *mysqlClient) counted(applied bool, err error) {
 // toReplica draws a statement to the region's replica and counts it: a
 // statement the replica ran, or else an error. The caller holds m.mu.
 func (c *mysqlClient) toReplica(now int64) (applied bool, err error) {
-	lat, applied, err := c.r.Local.call(c.m.rng, now, c.m.timeout)
+	lat, applied, err := c.r.Local.call(c.m.rng, c.sentAt(now), c.m.timeout)
 	c.tick.add(lat)
 	if !applied {
 		c.r.Cost.Errors++

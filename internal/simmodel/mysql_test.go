@@ -114,3 +114,31 @@ func TestMySQL_ClientReadsThePrimarysClock(t *testing.T) {
 		t.Fatalf("clock of a primary that is down: %v", err)
 	}
 }
+
+// TestMySQL_AStatementIsJudgedWhenItsIterationSendsIt: a region cut off
+// until 1.5 s makes a holder's first statement of an iteration begun at
+// 1 s wait out mysql_timeout (1 s) and fail; its next statement leaves at
+// 2 s, after the cut, and gets through, as a real holder's does. Before,
+// every statement of the iteration was judged at its start: a flush begun
+// a moment before a cut of 8 s ended failed four statements over four
+// seconds, the last three after the cut had healed, and the simulated
+// regions counted apart for 1.5 s more than the real ones (the window of
+// the restore admitted 1.367 × the limit against 1.025 × with real
+// processes, integration's TestSimulator_RegionCutOffUnderSkewedTrafficAgrees).
+func TestMySQL_AStatementIsJudgedWhenItsIterationSendsIt(t *testing.T) {
+	clk := &clock{ms: 1000}
+	m := newTestMySQL(clk, 0)
+	m.regions[1].ToPrimary.Outages = []Span{{From: 0, To: 1500}}
+	tick := &Tick{}
+	tick.Begin(clk.ms)
+	s := m.Client(1, tick)
+	if err := s.UpsertCounts(bg, []*propagation.CountRow{countRow("a", 1, 1)}); !errors.Is(err, ErrDown) {
+		t.Fatalf("a statement sent during the cut: %v", err)
+	}
+	if at := tick.At(); at != 2000 {
+		t.Fatalf("the failed statement took the iteration to %d ms, want its timeout's 2000", at)
+	}
+	if err := s.UpsertCounts(bg, []*propagation.CountRow{countRow("a", 1, 1)}); err != nil {
+		t.Fatalf("the iteration's next statement, sent at 2 s after the cut ended at 1.5 s: %v", err)
+	}
+}
