@@ -2,7 +2,6 @@ package ratelimit
 
 import (
 	"fmt"
-	"strings"
 	"sync"
 
 	"github.com/caddyserver/caddy/v2"
@@ -99,7 +98,7 @@ func (a *App) Provision(ctx caddy.Context) error {
 		return fmt.Errorf("ratelimit app: %w", err)
 	}
 	a.ids = ids
-	if a.IdentifierSecret != "" && !strings.Contains(a.IdentifierSecret, "{") {
+	if _, ok := literal(a.IdentifierSecret); a.IdentifierSecret != "" && ok {
 		a.logger.Warn("identifier_secret is written in the config, which the admin API serves at /config/: use a runtime placeholder such as {env.RATELIMIT_SECRET}")
 	}
 	if err := registerMetrics(ctx.GetMetricsRegistry()); err != nil {

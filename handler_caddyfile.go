@@ -17,11 +17,30 @@ import (
 )
 
 func init() {
-	httpcaddyfile.RegisterHandlerDirective("ratelimit", parseHandlerDirective)
+	httpcaddyfile.RegisterDirective("ratelimit", parseDirective)
 	// Before authentication, like Caddy's other rate limiter: it protects the
 	// login from brute force. To key by an authenticated identity, put the
 	// directive after the auth directive inside a route.
 	httpcaddyfile.RegisterDirectiveOrder("ratelimit", httpcaddyfile.Before, "basic_auth")
+}
+
+// parseDirective is what httpcaddyfile.RegisterHandlerDirective would
+// register, but for a matcher the directive names that is not defined
+// (`ratelimit @api` with no `@api` block): Caddy's error for it names no
+// line, and this one does (FuzzCaddyfile_WhatAdaptsValidates).
+func parseDirective(h httpcaddyfile.Helper) ([]httpcaddyfile.ConfigValue, error) {
+	if !h.Next() {
+		return nil, h.ArgErr()
+	}
+	matchers, err := h.ExtractMatcherSet()
+	if err != nil {
+		return nil, h.Errf("%v", err)
+	}
+	handler, err := parseHandlerDirective(h)
+	if err != nil {
+		return nil, err
+	}
+	return h.NewRoute(matchers, handler), nil
 }
 
 // parseHandlerDirective parses the `ratelimit` directive and checks, across

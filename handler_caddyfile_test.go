@@ -29,24 +29,9 @@ func adapt(t *testing.T, src string) ([]byte, error) {
 // exact JSON it adapts to or, if it does not start with '{', a substring of
 // the adapt error (which names file and line).
 func TestCaddyfileAdapt_Golden(t *testing.T) {
-	files, err := filepath.Glob("testdata/*.caddyfiletest")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if len(files) == 0 {
-		t.Fatal("no golden files")
-	}
-	for _, file := range files {
-		t.Run(filepath.Base(file), func(t *testing.T) {
-			data, err := os.ReadFile(file)
-			if err != nil {
-				t.Fatal(err)
-			}
-			src, want, ok := strings.Cut(string(data), "\n----------\n")
-			if !ok {
-				t.Fatalf("%s: no ---------- separator", file)
-			}
-			want = strings.TrimSpace(want)
+	for _, g := range goldens(t) {
+		t.Run(g.name, func(t *testing.T) {
+			src, want := g.src, g.want
 			out, err := adapt(t, src)
 
 			if !strings.HasPrefix(want, "{") {
@@ -67,7 +52,7 @@ func TestCaddyfileAdapt_Golden(t *testing.T) {
 			}
 			got := pretty.String()
 			if *update {
-				if err := os.WriteFile(file, []byte(src+"\n----------\n"+got+"\n"), 0o644); err != nil {
+				if err := os.WriteFile(filepath.Join("testdata", g.name), []byte(src+"\n----------\n"+got+"\n"), 0o644); err != nil {
 					t.Fatal(err)
 				}
 				return

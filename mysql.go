@@ -87,10 +87,11 @@ func checkDSNLine(v, line string) error {
 	if v == "" {
 		return errString(line + ": the DSN is empty")
 	}
-	if strings.Contains(v, "{") {
-		return nil
+	dsn, ok := literal(v)
+	if !ok {
+		return loadable(line, v)
 	}
-	return propagation.CheckDSN(v, line)
+	return propagation.CheckDSN(dsn, line)
 }
 
 // mysqlOf returns the app's MySQL settings, made on the first line: a

@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync/atomic"
 	"time"
@@ -26,6 +27,13 @@ var redisKind = backendKind{
 	validate: func(a *App) error {
 		if a.Origin == nil {
 			return nil
+		}
+		if c := a.Origin; len(c.Redis) == 0 && c.Cluster == nil && c.Sentinel == nil {
+			// checkOrigin lets that pass for the Caddyfile's lines before
+			// the address (checkRedisLines ends the block): a JSON config's
+			// origin of tunables only passed validation and failed when
+			// provisioned (FuzzApp_WhatValidatesProvisions).
+			return errors.New("origin: no Redis configured: set redis, redis_cluster or redis_sentinel")
 		}
 		if err := checkOrigin(*a.Origin); err != nil {
 			return fmt.Errorf("origin: %w", err)

@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"net/netip"
@@ -560,11 +561,60 @@ func validateOnMissingKey(mode string) error {
 // validateSecret rejects a literal identifier_secret that is too short; a
 // placeholder is checked once resolved, at provisioning.
 func validateSecret(secret string) error {
-	if secret == "" || strings.Contains(secret, "{") {
+	v, ok := literal(secret)
+	if secret == "" {
 		return nil
 	}
-	if len(secret) < minSecretLen {
-		return fmt.Errorf("identifier_secret must be at least %d bytes, got %d", minSecretLen, len(secret))
+	if !ok {
+		return loadable("identifier_secret", secret)
+	}
+	if len(v) < minSecretLen {
+		return fmt.Errorf("identifier_secret must be at least %d bytes, got %d", minSecretLen, len(v))
+	}
+	return nil
+}
+
+// literal returns a setting that may hold runtime placeholders
+// ({env.REDIS_URL}) as provisioning will see it when it holds none (Caddy's
+// replacer unescapes \{ and \} in a value with a '{'), and ok false when it
+// holds one, whose value is known only then. A '{' alone opens no
+// placeholder: "{0" is a literal of two bytes, checked at adapt, where the
+// error names the line, and not let through to fail at provisioning
+// without one (FuzzCaddyfile_WhatAdaptsValidates).
+func literal(s string) (v string, ok bool) {
+	if !strings.Contains(s, "{") {
+		return s, true
+	}
+	v, err := caddy.NewEmptyReplacer().ReplaceOrErr(s, false, true)
+	return v, err == nil
+}
+
+// loadable checks that each placeholder of field's value s is one Caddy
+// resolves when it loads the config: {env.NAME}, {file.PATH}, or one of
+// its global ones ({system.hostname}). Any other ({0}, a request's
+// {http.request.header.X}) never resolves there, and failed only then,
+// with no line (FuzzCaddyfile_WhatAdaptsValidates). The error names the
+// placeholder, never the value: it may be a password's.
+func loadable(field, s string) error {
+	var bad *string // {} is one too
+	r := caddy.NewEmptyReplacer()
+	r.Map(func(key string) (any, bool) {
+		named := func(prefix string) bool { return strings.HasPrefix(key, prefix) && len(key) > len(prefix) }
+		if bad != nil || named("env.") || named("file.") { // a file is read when the config loads, not now
+			return "", true
+		}
+		if _, known := caddy.NewReplacer().Get(key); !known {
+			bad = &key
+		}
+		return "", true
+	})
+	r.ReplaceAll(s, "")
+	if bad != nil {
+		bad := *bad
+		if len(bad) > 64 {
+			bad = bad[:64] + "…"
+		}
+		return fmt.Errorf("%s: {%s} is no placeholder Caddy resolves when it loads the config: use {env.NAME} or {file.PATH}", field, bad)
 	}
 	return nil
 }
@@ -572,29 +622,37 @@ func validateSecret(secret string) error {
 // checkOrigin validates settings whose addresses may still hold runtime
 // placeholders: those are checked once resolved, at provisioning.
 func checkOrigin(c origin.Config) error {
-	stand := func(in []string) []string {
+	var err error
+	stand := func(field, s, placeholder string) string {
+		v, ok := literal(s)
+		if !ok {
+			v = placeholder
+			err = cmp.Or(err, loadable(field, s))
+		}
+		return v
+	}
+	standAll := func(field string, in []string) []string {
 		out := make([]string, len(in))
 		for i, s := range in {
-			out[i] = s
-			if strings.Contains(s, "{") {
-				out[i] = "redis://placeholder.invalid:6379"
-			}
+			out[i] = stand(field, s, "redis://placeholder.invalid:6379")
 		}
 		return out
 	}
-	c.Redis = stand(c.Redis)
+	c.Redis = standAll("redis", c.Redis)
 	if c.Cluster != nil {
 		cl := *c.Cluster
-		cl.Addrs = stand(cl.Addrs)
+		cl.Addrs = standAll("redis_cluster", cl.Addrs)
 		c.Cluster = &cl
 	}
 	if c.Sentinel != nil {
 		s := *c.Sentinel
-		s.Addrs = stand(s.Addrs)
+		s.Addrs = standAll("redis_sentinel", s.Addrs)
+		s.SentinelPassword = stand("redis_sentinel password", s.SentinelPassword, "")
 		c.Sentinel = &s
 	}
-	if strings.Contains(c.TLSCAFile, "{") {
-		c.TLSCAFile = ""
+	c.TLSCAFile = stand("tls_ca_file", c.TLSCAFile, "")
+	if err != nil {
+		return err
 	}
 	if len(c.Redis) == 0 && c.Cluster == nil && c.Sentinel == nil {
 		// Tunables given before the address: the address check waits.
