@@ -27,7 +27,7 @@ TIMEOUT  ?= 20m
 .PHONY: test vet fmt-check servers allocs bench bench-engine-vs compare loadtest pair busy soak regions mixed property sim
 
 test: vet fmt-check servers allocs
-	PATH="$$PATH:/usr/sbin:/usr/local/sbin" $(GO) test -race -count=1 -timeout $(TIMEOUT) ./...
+	GO=$(GO) TIMEOUT=$(TIMEOUT) scripts/test.sh ./...
 
 # Allocation counts are only meaningful without the race detector, so the
 # tests that pin them (their names contain "Alloc") run once without it.
