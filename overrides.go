@@ -373,6 +373,18 @@ func (b *overrideBook) get(zone, id string) (overrideRec, bool) {
 	return r, ok
 }
 
+// heardFrom reports whether the book holds the global reset rec, or a
+// later one of its key, heard from source (origin.Redis.String): the
+// region there recorded it, and marked its cells before it did. A region
+// reset of the key (a build before regionResetMark kept it under the same
+// name) says nothing of the global one's marks.
+func (b *overrideBook) heardFrom(rec overrideRec, source string) bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	old, ok := b.recs[overrideKey{rec.bookZone(), rec.Identifier}]
+	return ok && b.from == source && old.Reset && old.Global && !rec.after(&old)
+}
+
 // olderForm returns the live override of (zone, id) by a build before
 // forms, when the book's form is a secret's: a change of the key under
 // the secret removes it too, so that one change does what it says.
