@@ -20,10 +20,12 @@ import (
 // cells count on as if the key had stayed: under their own incarnations,
 // so that the replay's writes of them and the entry's are one record.
 //
-// orphanCells bounds them: past it the oldest are forgotten (their units
-// still reach the origin, by the replay or the graves; only the key's
-// next entry no longer sees them before that). A key busy enough to
-// matter comes back within moments of its eviction.
+// orphanCells bounds them: past it the oldest are forgotten, unless they
+// hold more unwritten units than the key let go now, which is then not
+// kept (their units still reach the origin, by the replay or the graves;
+// only the key's next entry no longer sees them before that). A key busy
+// enough to matter comes back within moments of its eviction, and the
+// lightest keys are evicted first.
 const orphanCells = 1 << 14
 
 // orphans indexes the orphaned cells by key.
@@ -56,19 +58,42 @@ func (o *orphans) put(key Key, cells [2]*cell) {
 	if o.m == nil {
 		o.m = map[Key]orphan{}
 	}
+	if v, ok := o.m[key]; ok {
+		o.m[key] = orphan{cells, v.slot}
+		return
+	}
 	slot := len(o.ring)
 	if slot < orphanCells {
 		o.ring = append(o.ring, key)
 	} else {
 		slot = o.next
-		o.next = (o.next + 1) % orphanCells
-		if old := o.ring[slot]; o.m[old].slot == slot {
-			delete(o.m, old)
+		if v, ok := o.m[o.ring[slot]]; ok && v.slot == slot {
+			if unwrittenUnits(v.cells) > unwrittenUnits(cells) {
+				// The oldest stays, and these are not kept: a flood of
+				// one-off keys evicted during an outage pushed out a
+				// busy key let go before them, whose next entry then
+				// started from nothing and admitted its units again
+				// (TestOrphans_PastTheBoundALighterKeyPushesOutNoHeavierOne).
+				return
+			}
+			delete(o.m, o.ring[slot])
 		}
+		o.next = (o.next + 1) % orphanCells
 		o.ring[slot] = key
 	}
 	o.m[key] = orphan{cells, slot}
 	o.n.Store(int64(len(o.m)))
+}
+
+// unwrittenUnits is what cells hold that no write has taken yet.
+func unwrittenUnits(cells [2]*cell) int64 {
+	var n int64
+	for _, c := range cells {
+		if c != nil && c != tombstone {
+			n += c.pending()
+		}
+	}
+	return n
 }
 
 // find returns the cells key's last entry let go while they hold units

@@ -232,6 +232,44 @@ func TestOrphans_TheOldestGoPastTheBound(t *testing.T) {
 	}
 }
 
+// TestOrphans_PastTheBoundALighterKeyPushesOutNoHeavierOne: a busy key
+// evicted during an outage with 8 units unwritten, then a flood of
+// one-off keys evicted after it, past the bound. The oldest went first
+// whatever it held: the busy key's cells were forgotten, and its next
+// entry, with the origin still down, admitted its 8 units again. A
+// lighter key now pushes out no heavier one; as heavy a one does.
+func TestOrphans_PastTheBoundALighterKeyPushesOutNoHeavierOne(t *testing.T) {
+	var o orphans
+	holding := func(n int64) [2]*cell {
+		c := newCell(1, true)
+		c.links().pending.Store(n)
+		return [2]*cell{c, nil}
+	}
+	key := func(i int) Key { return Key{Namespace: "zone", Identifier: strconv.Itoa(i), Window: time.Minute} }
+	busy := holding(8)
+	o.put(key(-1), busy)
+	for i := range orphanCells {
+		o.put(key(i), holding(1))
+	}
+	if n := o.n.Load(); n != orphanCells {
+		t.Fatalf("%d orphans, want the bound %d", n, orphanCells)
+	}
+	if o.find(key(-1)) != busy {
+		t.Error("the busy key's cells were pushed out by lighter keys")
+	}
+	if o.find(key(orphanCells - 1))[0] != nil {
+		t.Error("a key lighter than the oldest was kept past the bound")
+	}
+	if o.find(key(0))[0] == nil {
+		t.Error("the second oldest is gone, with the oldest kept")
+	}
+	heavier := holding(9)
+	o.put(key(-2), heavier)
+	if o.find(key(-2)) != heavier || o.find(key(-1))[0] != nil {
+		t.Error("a heavier key did not take the oldest's place")
+	}
+}
+
 // TestEvict_AWriteThatLandsKeepsNoCells: with the origin up, an eviction's
 // write takes every unit, and no cell stays kept: new keys then look no
 // further than one atomic load (orphans.n).
