@@ -596,6 +596,12 @@ func literal(s string) (v string, ok bool) {
 // with no line (FuzzCaddyfile_WhatAdaptsValidates). The error names the
 // placeholder, never the value: it may be a password's.
 func loadable(field, s string) error {
+	// Past 100 braces that close nothing Caddy's replacer gives up on the
+	// whole value, and provisioning read it as empty ("is the environment
+	// variable set?"), with no line.
+	if _, err := caddy.NewEmptyReplacer().ReplaceOrErr(s, false, false); err != nil {
+		return fmt.Errorf("%s: %v (more than 100 '{' that no '}' closes): write a literal brace as \\{", field, err)
+	}
 	var bad *string // {} is one too
 	r := caddy.NewEmptyReplacer()
 	r.Map(func(key string) (any, bool) {
