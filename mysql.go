@@ -310,7 +310,7 @@ func provisionMySQL(a *App) (backend, error) {
 	// (The origin is provisioned first: backendKinds.)
 	a.eachBackend(func(b backend) {
 		if rb, ok := b.(*redisBackend); ok {
-			opts.Region = redisRegion{o: rb.origin, st: a.state}
+			opts.Region = redisRegion{o: rb.origin, st: a.state, region: a.Region}
 			opts.RoleHeld = &processRole
 		}
 	})

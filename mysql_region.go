@@ -18,6 +18,8 @@ type redisRegion struct {
 	o *origin.Redis
 	// st is the process's state: the windows of the zone a reset marks.
 	st *state
+	// region is the region's name (App.Region).
+	region string
 }
 
 func roleKey(c propagation.Cell) engine.Key {
@@ -198,8 +200,15 @@ func (r redisRegion) ApplyOverrides(ctx context.Context, rows []propagation.Over
 			// growing (TestReset_AResetTheRegionHeardIsNotMarkedAgainAfterARestart;
 			// the root's TestReset_RedisRestartedEmptyAfterAGlobalResetPublishesItsUnits
 			// failed when the holder's pull brought its own reset back
-			// only after the restart). The record is written back.
-			if !overrides.heardFrom(rec, r.o.String()) {
+			// only after the restart). The record is written back. So
+			// is one this region made, which it marked when it made it,
+			// heard of or not: a holder whose process started after the
+			// reset, its book loaded from the emptied Redis, took it for
+			// news (TestReset_AResetTheRegionMadeIsNotMarkedAgainByAHolderStartedSince).
+			// A reset made elsewhere that this region marked before its
+			// Redis restarted cannot be told from one it never heard
+			// of, and such a holder marks it again.
+			if !overrides.heardFrom(rec, r.o.String()) && (r.region == "" || rec.Region != r.region) {
 				if err := resetRegionCells(ctx, r.o, r.st, rec); err != nil {
 					return err
 				}

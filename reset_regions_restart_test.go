@@ -83,9 +83,29 @@ func TestReset_RedisRestartedEmptyAfterAGlobalResetPublishesItsUnits(t *testing.
 // the key (the cells, the record), so that the holder's side meets what
 // the flake's did.
 func TestReset_AResetTheRegionHeardIsNotMarkedAgainAfterARestart(t *testing.T) {
+	heardAgainAfterARestart(t, "rs-heard", false)
+}
+
+// TestReset_AResetTheRegionMadeIsNotMarkedAgainByAHolderStartedSince: the
+// same, but the holder's process started after the reset, and its book
+// loaded from the region's Redis once that had lost the record: the
+// process never heard of it from the region, and took it for news. The
+// reset's record names the region that made it, this one, which marked its
+// cells when it made it, so the nodes' cells sent again are less what it
+// took off (as they are in a region that heard it from MySQL: those
+// cannot be told from a region that never marked, and are marked again).
+func TestReset_AResetTheRegionMadeIsNotMarkedAgainByAHolderStartedSince(t *testing.T) {
+	heardAgainAfterARestart(t, "rs-fresh", true)
+}
+
+// heardAgainAfterARestart makes a global reset in region, admits a unit
+// after it, loses the key in the region's Redis as a restart would, and
+// has the holder hear the reset from MySQL again: with fresh, by a
+// process whose book never held it.
+func heardAgainAfterARestart(t *testing.T, region string, fresh bool) {
 	resetOverrides(t)
 	srv := redistest.Start(t)
-	startCaddy(t, overrideConfig(fmt.Sprintf("\tratelimit {\n\t\tregion rs-heard\n\t\tredis %s\n\t}", srv.URL())))
+	startCaddy(t, overrideConfig(fmt.Sprintf("\tratelimit {\n\t\tregion %s\n\t\tredis %s\n\t}", region, srv.URL())))
 	st := lookupState()
 	if st == nil || st.overridesRedis() == nil {
 		t.Fatal("no state with the region's Redis")
@@ -114,7 +134,7 @@ func TestReset_AResetTheRegionHeardIsNotMarkedAgainAfterARestart(t *testing.T) {
 		return p.Cur
 	}
 	flush(1, 3)
-	rec := overrideRec{Zone: "ov", Identifier: "heard", Reset: true, Global: true, Region: "rs-heard",
+	rec := overrideRec{Zone: "ov", Identifier: "heard", Reset: true, Global: true, Region: region,
 		CreatedMs: now.UnixMilli(), Version: now.UnixMicro(), ExpiresMs: now.Add(2 * time.Minute).UnixMilli()}
 	if took, err := storeReset(ctx, st, rb, &rec); err != nil || took != 1 {
 		t.Fatalf("the reset: %d took (%v)", took, err)
@@ -129,7 +149,12 @@ func TestReset_AResetTheRegionHeardIsNotMarkedAgainAfterARestart(t *testing.T) {
 	if _, held, err := rb.HeldOverride(ctx, rec.field()); err != nil || held {
 		t.Fatalf("the region holds the reset's record after losing it (%v)", err)
 	}
-	if err := (redisRegion{o: rb, st: st}).ApplyOverrides(ctx, []propagation.OverrideRow{rec.row()}); err != nil {
+	if fresh {
+		overrides.mu.Lock()
+		delete(overrides.recs, overrideKey{rec.bookZone(), rec.Identifier})
+		overrides.mu.Unlock()
+	}
+	if err := (redisRegion{o: rb, st: st, region: region}).ApplyOverrides(ctx, []propagation.OverrideRow{rec.row()}); err != nil {
 		t.Fatal(err)
 	}
 	if n := cur(); n != 1 {
