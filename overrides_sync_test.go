@@ -858,6 +858,11 @@ func TestOverrides_AZoneARemovedConfigDefinedKeepsItsOverrides(t *testing.T) {
 			if t.Failed() {
 				t.FailNow()
 			}
+			// The old config's server may still answer a request in the
+			// reload's last instant, under zone other.
+			awaitNewConfig(t, tester, base+"/", func(r e2eResponse) bool {
+				return strings.Contains(r.header.Get("RateLimit-Policy"), `"ov"`)
+			}, "X-Key", "probe")
 			if n := admitted(t, base, "vip", 7); n != 6 {
 				t.Fatalf("with the zone defined again vip admitted %d of 7, want its override's 6", n)
 			}
