@@ -119,6 +119,7 @@ func get(t *testing.T, tester *caddytest.Tester, url string, headers ...string) 
 	for i := 0; i+1 < len(headers); i += 2 {
 		req.Header.Set(headers[i], headers[i+1])
 	}
+	awaitOneServer(t, url)
 	// A connection of its own: a reload shuts the old server down within a
 	// grace period of 1 ns, and a kept-alive connection it accepted could be
 	// reset under the next request.

@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddyserver/caddy/v2"
 	"github.com/edgelimit/caddy-ratelimit/engine"
 	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
 )
@@ -62,6 +63,7 @@ func overrideConfig(global string) func(admin, port int) string {
 // after a reload failed with EOF).
 func admitted(t *testing.T, base, key string, n int) int {
 	t.Helper()
+	awaitOneServer(t, base)
 	ok := 0
 	for range n {
 		req, _ := http.NewRequest(http.MethodGet, base+"/", nil)
@@ -80,6 +82,26 @@ func admitted(t *testing.T, base, key string, n int) int {
 		}
 	}
 	return ok
+}
+
+// awaitOneServer waits until one config's server alone holds the
+// listener of rawURL's address. Caddy shares a listener between the old
+// config's server and the new one's, and a reload returns while the old
+// one is still shutting down: until it lets go of the listener it
+// accepts connections too, and closes them unanswered (EOF) or answers
+// them under the old config (TestOverrides_AZoneARemovedConfigDefinedKeepsItsOverrides
+// met the first once in a run of every package at once).
+func awaitOneServer(t *testing.T, rawURL string) {
+	t.Helper()
+	u, err := url.Parse(rawURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	servers := func() int { return caddy.ListenerUsage("tcp", u.Host) }
+	redistest.Eventually(t, 10*time.Second, "the old config's server let go of "+u.Host, func() bool { return servers() <= 1 })
+	if servers() == 0 {
+		t.Fatalf("no server listens on %s", u.Host)
+	}
 }
 
 // TestOverrides_RuntimeOverrideChangesALimitWithoutAReload: a PUT raises a
