@@ -65,8 +65,10 @@ func TestReset_RedisRestartedEmptyAfterAGlobalResetPublishesItsUnits(t *testing.
 }
 
 // TestReset_AResetTheRegionHeardIsNotMarkedAgainAfterARestart: a global
-// reset made in this region (its cells marked, its record in the region's
-// hash and in the node's book), one unit admitted after it, then the
+// reset, made in another region, that this region heard of (its cells
+// marked, its record in the region's hash and in the node's book; the
+// flake's was made in this region, which TestReset_AResetTheRegionMade…
+// covers on its own since), one unit admitted after it, then the
 // region's Redis restarts empty and the node sends its cells again less
 // what the reset took off (1). The holder's pull brings the reset's row
 // back from MySQL after the restart, before the overrides watch has
@@ -83,11 +85,12 @@ func TestReset_RedisRestartedEmptyAfterAGlobalResetPublishesItsUnits(t *testing.
 // the key (the cells, the record), so that the holder's side meets what
 // the flake's did.
 func TestReset_AResetTheRegionHeardIsNotMarkedAgainAfterARestart(t *testing.T) {
-	heardAgainAfterARestart(t, "rs-heard", false)
+	heardAgainAfterARestart(t, "rs-heard", "rs-elsewhere", false)
 }
 
 // TestReset_AResetTheRegionMadeIsNotMarkedAgainByAHolderStartedSince: the
-// same, but the holder's process started after the reset, and its book
+// same for a reset made in this region, but the holder's process started
+// after it, and its book
 // loaded from the region's Redis once that had lost the record: the
 // process never heard of it from the region, and took it for news. The
 // reset's record names the region that made it, this one, which marked its
@@ -95,14 +98,14 @@ func TestReset_AResetTheRegionHeardIsNotMarkedAgainAfterARestart(t *testing.T) {
 // took off (as they are in a region that heard it from MySQL: those
 // cannot be told from a region that never marked, and are marked again).
 func TestReset_AResetTheRegionMadeIsNotMarkedAgainByAHolderStartedSince(t *testing.T) {
-	heardAgainAfterARestart(t, "rs-fresh", true)
+	heardAgainAfterARestart(t, "rs-fresh", "rs-fresh", true)
 }
 
-// heardAgainAfterARestart makes a global reset in region, admits a unit
-// after it, loses the key in the region's Redis as a restart would, and
-// has the holder hear the reset from MySQL again: with fresh, by a
-// process whose book never held it.
-func heardAgainAfterARestart(t *testing.T, region string, fresh bool) {
+// heardAgainAfterARestart marks and records in region a global reset
+// that region madeIn made, admits a unit after it, loses the key in the
+// region's Redis as a restart would, and has the holder hear the reset
+// from MySQL again: with fresh, by a process whose book never held it.
+func heardAgainAfterARestart(t *testing.T, region, madeIn string, fresh bool) {
 	resetOverrides(t)
 	srv := redistest.Start(t)
 	startCaddy(t, overrideConfig(fmt.Sprintf("\tratelimit {\n\t\tregion %s\n\t\tredis %s\n\t}", region, srv.URL())))
@@ -134,7 +137,7 @@ func heardAgainAfterARestart(t *testing.T, region string, fresh bool) {
 		return p.Cur
 	}
 	flush(1, 3)
-	rec := overrideRec{Zone: "ov", Identifier: "heard", Reset: true, Global: true, Region: region,
+	rec := overrideRec{Zone: "ov", Identifier: "heard", Reset: true, Global: true, Region: madeIn,
 		CreatedMs: now.UnixMilli(), Version: now.UnixMicro(), ExpiresMs: now.Add(2 * time.Minute).UnixMilli()}
 	if took, err := storeReset(ctx, st, rb, &rec); err != nil || took != 1 {
 		t.Fatalf("the reset: %d took (%v)", took, err)
@@ -158,7 +161,7 @@ func heardAgainAfterARestart(t *testing.T, region string, fresh bool) {
 		t.Fatal(err)
 	}
 	if n := cur(); n != 1 {
-		t.Errorf("the region counts %d after the holder heard its own reset again, want the 1 unit admitted since it", n)
+		t.Errorf("the region counts %d after the holder heard the reset again, want the 1 unit admitted since it", n)
 	}
 	if _, ok, err := rb.HeldOverride(ctx, rec.field()); err != nil || !ok {
 		t.Errorf("the region holds no record of the reset after the holder heard it again (%v)", err)
