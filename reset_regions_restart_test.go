@@ -106,14 +106,7 @@ func TestReset_AResetTheRegionMadeIsNotMarkedAgainByAHolderStartedSince(t *testi
 // region's Redis as a restart would, and has the holder hear the reset
 // from MySQL again: with fresh, by a process whose book never held it.
 func heardAgainAfterARestart(t *testing.T, region, madeIn string, fresh bool) {
-	resetOverrides(t)
-	srv := redistest.Start(t)
-	startCaddy(t, overrideConfig(fmt.Sprintf("\tratelimit {\n\t\tregion %s\n\t\tredis %s\n\t}", region, srv.URL())))
-	st := lookupState()
-	if st == nil || st.overridesRedis() == nil {
-		t.Fatal("no state with the region's Redis")
-	}
-	rb := st.overridesRedis()
+	st, rb, srv := regionOnRedis(t, region)
 	redistest.EventuallyShow(t, 10*time.Second, "the book loaded from the region", func() (bool, string) {
 		return overrides.source() == rb.String(), overrides.source()
 	})

@@ -129,7 +129,7 @@ func TestReset_ScopesNeedTheirBackends(t *testing.T) {
 // their units were taken off (14 of a limit of 20 admitted again, 24 in
 // one window, in the audit that found it).
 func TestReset_AGlobalResetHeardLateMarksTheWindowItWasMadeIn(t *testing.T) {
-	st, rb := regionOnRedis(t, "rs-late")
+	st, rb, _ := regionOnRedis(t, "rs-late")
 	ctx := context.Background()
 	k := engine.Key{Namespace: "ov", Identifier: "late", Window: time.Minute}
 	now := time.Now()
@@ -266,7 +266,7 @@ func TestReset_AfterAFarFutureVersionClearsTheWindowItWasMadeIn(t *testing.T) {
 // come and left the current one, whose units counted on after the reset
 // (2 here). The row now carries when the reset was made.
 func TestReset_AGlobalResetAfterAFarFutureVersionMarksTheWindowItWasMadeIn(t *testing.T) {
-	st, rb := regionOnRedis(t, "rs-far")
+	st, rb, _ := regionOnRedis(t, "rs-far")
 	ctx := context.Background()
 	k := engine.Key{Namespace: "ov", Identifier: "farglobal", Window: time.Minute}
 	now := time.Now()
@@ -306,8 +306,9 @@ func TestReset_AGlobalResetAfterAFarFutureVersionMarksTheWindowItWasMadeIn(t *te
 }
 
 // regionOnRedis starts Caddy in region on a private Redis, with the
-// overrides' zones, and returns its state and the region's Redis.
-func regionOnRedis(t *testing.T, region string) (*state, *origin.Redis) {
+// overrides' zones, and returns its state, the region's Redis as the
+// process uses it, and the server.
+func regionOnRedis(t *testing.T, region string) (*state, *origin.Redis, *redistest.Server) {
 	t.Helper()
 	resetOverrides(t)
 	srv := redistest.Start(t)
@@ -316,7 +317,7 @@ func regionOnRedis(t *testing.T, region string) (*state, *origin.Redis) {
 	if st == nil || st.overridesRedis() == nil {
 		t.Fatal("no state with the region's Redis")
 	}
-	return st, st.overridesRedis()
+	return st, st.overridesRedis(), srv
 }
 
 // TestReset_ANodeStartedAfterAResetKeepsItsUnits: another node reset a
