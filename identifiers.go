@@ -55,7 +55,10 @@ func newIdentities(secret string, logRaw bool) (identities, error) {
 	if secret == "" {
 		return ids, nil
 	}
-	resolved := caddy.NewReplacer().ReplaceKnown(secret, "")
+	resolved := secret // taken as written without a placeholder, as literal reads it
+	if strings.Contains(secret, "{") {
+		resolved = caddy.NewReplacer().ReplaceKnown(secret, "")
+	}
 	if strings.TrimSpace(resolved) == "" {
 		return ids, errors.New("identifier_secret is empty once its placeholders are replaced (is the environment variable set?)")
 	}

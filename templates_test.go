@@ -97,3 +97,29 @@ func TestRedisOption_UnresolvedPlaceholderFailsProvision(t *testing.T) {
 }
 
 func originConfigWith(url string) origin.Config { return origin.Config{Redis: []string{url}} }
+
+// TestLiteral_AgreesWithProvisioning: what caddy adapt checks of a value
+// written out (literal) is what provisioning uses, for each field that
+// takes placeholders. A value with no '{' is taken as written: Caddy's
+// replacer would unescape its "\}" too, and identifier_secret went through
+// it, so a 16-byte secret ending in "\}" passed adapt and failed at load,
+// 15 bytes long, without a line.
+func TestLiteral_AgreesWithProvisioning(t *testing.T) {
+	for _, s := range []string{`abcdefghijklmn\}`, `redis://:p\}w@127.0.0.1:6379`, `a\{b`, `a\\}b`, `plain`, `}{`} {
+		lit, ok := literal(s)
+		if !ok {
+			t.Fatalf("%q: not a literal", s)
+		}
+		if ids, err := newIdentities(s, false); len(lit) >= minSecretLen && (err != nil || string(ids.secret) != lit) {
+			t.Errorf("identifier_secret %q: adapt checks %q, provisioning uses %q (%v)", s, lit, ids.secret, err)
+		}
+		dsn, err := resolveDSN("mysql", s)
+		if err != nil || dsn != lit {
+			t.Errorf("mysql %q: adapt checks %q, provisioning uses %q (%v)", s, lit, dsn, err)
+		}
+		cfg, err := resolveOrigin(originConfigWith(s))
+		if err != nil || cfg.Redis[0] != lit {
+			t.Errorf("redis %q: adapt checks %q, provisioning uses %v (%v)", s, lit, cfg.Redis, err)
+		}
+	}
+}
