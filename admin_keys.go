@@ -121,7 +121,7 @@ func (a *AdminAPI) handleCounters(w http.ResponseWriter, r *http.Request) error 
 	}
 	// The handler counts an IP address by its prefix; so does the lookup.
 	if id != "" {
-		id = maskIP(id, defs[0].v4, defs[0].v6)
+		id = maskKeyID(id, defs[0].key, defs[0].v4, defs[0].v6)
 	}
 	if r.Method == http.MethodDelete {
 		return resetKey(w, r, st, zoneName, id, defs, scope)

@@ -137,31 +137,47 @@ func (a *AdminAPI) handleOverrides(w http.ResponseWriter, r *http.Request) error
 // prefix as the handler counts it, hashed when long, an HMAC under
 // identifier_secret.
 func storedIdentifier(st *state, id string, defs []zoneDef) string {
-	id = engine.NormalizeIdentifier(maskIP(id, defs[0].v4, defs[0].v6))
+	id = engine.NormalizeIdentifier(maskKeyID(id, defs[0].key, defs[0].v4, defs[0].v6))
 	if m := st.apps.view().ids.mapper(); m != nil {
 		id = m(id)
 	}
 	return id
 }
 
-// checkOverrideAddress refuses a change of an address prefix that no
-// request's identifier can equal (one of another length than the zone
-// counts, an address inside a prefix, upper-case hex, a whole address
-// with /32), as the Caddyfile's override line does: the handler masks an
-// address to the zone's prefix and writes it as netip does. An address
-// itself is masked as the handler masks it (storedIdentifier). Before
-// 2026-11-28 such a change was stored with a 200 and never applied: an
-// operator blocking 203.0.113.0/16 in a zone counting by /24 blocked
-// nothing (TestOperator_AnAddressPrefixThatNeverMatches in
-// integration/). The error does not name the identifier.
+// checkOverrideAddress refuses a change of an identifier that the zone's
+// key never writes, as the Caddyfile's override line does: an address
+// prefix of another length than the zone counts, an address inside a
+// prefix, upper-case hex, a whole address with /32; under a key with text
+// around its placeholder, or of several, one without that text, with a
+// separator or '%' raw in a value, or with every value empty. An address
+// is masked first, as the handler masks it (maskKeyID). Before
+// 2026-11-28 an address prefix in another form was stored with a 200 and
+// never applied: an operator blocking 203.0.113.0/16 in a zone counting
+// by /24 blocked nothing (TestOperator_AnAddressPrefixThatNeverMatches in
+// integration/); before 2026-11-29 so was any identifier such a key
+// never writes, and an address in one was masked as if the whole
+// identifier were one
+// (TestOverrides_AKeyOfPlaceholdersAndTextIsTakenAsTheHandlerWritesIt).
+// The error does not name the identifier, which logs carry shortened or
+// as its HMAC only.
 func checkOverrideAddress(id string, defs []zoneDef) error {
-	v4, v6 := defs[0].v4, defs[0].v6
-	if validateOverrideIP(maskIP(id, v4, v6), v4, v6) == nil {
+	d := defs[0]
+	if validateOverrideForKey(maskKeyID(id, d.key, d.v4, d.v6), d.key, d.v4, d.v6) == nil {
 		return nil
 	}
-	return badRequest(fmt.Sprintf("the identifier is an address prefix that no request's identifier equals: "+
-		"the zone counts IPv4 addresses by /%d and IPv6 ones by /%d, written as a prefix's first address, in lower case, "+
-		"and a whole address without /32 or /128 (or give one address: it is masked to the zone's prefix)", v4, v6))
+	address := fmt.Sprintf("the zone counts IPv4 addresses by /%d and IPv6 ones by /%d, written as a prefix's first address, in lower case, "+
+		"and a whole address without /32 or /128 (or give one address: it is masked to the zone's prefix)", d.v4, d.v6)
+	t := newKeyTemplate(d.key)
+	switch glue, _ := keyGlue(d.key); {
+	case t.parts == nil:
+		return badRequest("the identifier is an address prefix that no request's identifier equals: " + address)
+	case glue == nil:
+		return badRequest(fmt.Sprintf("the identifier is none the zone's key %q writes: give the key's text around its placeholder "+
+			"with a value between that is not empty; in a value, %s", d.key, address))
+	}
+	return badRequest(fmt.Sprintf("the identifier is none the zone's key %q writes: give the key's text around its placeholders, "+
+		"not every value empty, and in a value '%%' and the first byte of each text between placeholders as %%XX (':' is %%3A); "+
+		"in a value, %s", d.key, address))
 }
 
 // listOverrides lists up to max live overrides of the zone, in identifier

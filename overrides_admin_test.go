@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"net/url"
 	"strings"
 	"testing"
 	"time"
@@ -19,6 +20,11 @@ func adminSend(t *testing.T, admin int, method, path, body string) adminReply {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// Each call on a connection of its own: a reload replaces Caddy's
+	// admin server, which closes its idle connections, and a DELETE or
+	// PUT sent on one just as it goes is not sent again (EOF; net/http
+	// retries only idempotent methods).
+	req.Close = true
 	status, header, b := roundTrip(t, http.DefaultClient, req)
 	return adminReply{status: status, header: header, body: b}
 }
@@ -158,5 +164,93 @@ func TestOverrides_ARemovalOfAChangeNotHeardYetRemovesIt(t *testing.T) {
 	got := regionRecs(t, other)["unheard"]
 	if r.status != http.StatusOK || !got.Deleted {
 		t.Fatalf("a removal of the region's override answered %d %s, and the region holds %+v", r.status, r.body, got)
+	}
+}
+
+// keyedConfig has a zone of two values with "::" between them (dc), one
+// of a value with text before it (ta), and one of an address and a value
+// (ci), each on its own path, limit 2 a minute, IPv4 counted by /24.
+func keyedConfig(admin, port int) string {
+	zone := func(path, name, key string) string {
+		return fmt.Sprintf(`
+	handle /%s {
+		ratelimit {
+			zone %s {
+				key         %s
+				limit       2
+				window      1m
+				ipv4_prefix 24
+			}
+		}
+		respond "ok"
+	}`, path, name, key)
+	}
+	return caddyConfig(admin, port, "", zone("dc", "dc", "{http.request.header.X-Key}::{http.request.header.X-B}")+
+		zone("ta", "ta", "ip-{http.request.header.X-Key}")+
+		zone("ci", "ci", "{http.request.header.X-Key}:{http.request.header.X-B}"))
+}
+
+// TestOverrides_AKeyOfPlaceholdersAndTextIsTakenAsTheHandlerWritesIt:
+// the admin API masked the whole identifier as one address, where the
+// handler masks each placeholder's value. So an override of "1::2" in a
+// zone keyed "{a}::{b}" (the values 1 and 2) was stored for "1::/64", a
+// key another client could send (a = 1, b = /64), and the counters of
+// "1::2" were not found; "ip-198.51.100.7" under "ip-{…}" by /24 was
+// stored as it is and never applied. And the PUT took, with a 200, every
+// identifier such a key never writes, which the Caddyfile's override
+// line refuses ("a:b:c" under "{a}:{b}", a /16 under a /24 zone). Each
+// value is masked as the handler masks it now, the others are a 400 that
+// does not quote the identifier, and the counters route finds each key.
+func TestOverrides_AKeyOfPlaceholdersAndTextIsTakenAsTheHandlerWritesIt(t *testing.T) {
+	resetOverrides(t)
+	_, admin, base := startCaddy(t, keyedConfig)
+	awaitOneServer(t, base)
+	send := func(path, key, b string) int {
+		t.Helper()
+		req, _ := http.NewRequest(http.MethodGet, base+path, nil)
+		req.Header.Set("X-Key", key)
+		req.Header.Set("X-B", b)
+		status, _, _ := roundTrip(t, http.DefaultClient, req)
+		return status
+	}
+	for _, c := range []struct{ zone, put, stored, path, key, b string }{
+		{"dc", "1::2", "1::2", "/dc", "1", "2"},
+		{"ta", "ip-198.51.100.7", "ip-198.51.100.0/24", "/ta", "198.51.100.9", ""},
+		{"ci", "203.0.113.5:k", "203.0.113.0/24:k", "/ci", "203.0.113.77", "k"},
+		{"ci", "2001%3Adb8%3A%3A1:k", "2001%3Adb8%3A%3A/64:k", "/ci", "2001:db8::5", "k"},
+	} {
+		if s := send(c.path, c.key, c.b); s != http.StatusOK {
+			t.Fatalf("%s: the first request: %d", c.zone, s)
+		}
+		q := "?zone=" + c.zone + "&identifier=" + url.QueryEscape(c.put)
+		if r := adminSend(t, admin, http.MethodGet, "/ratelimit/counters"+q, ""); r.status != http.StatusOK {
+			t.Errorf("%s: the counters of %s: %d %s", c.zone, c.put, r.status, r.body)
+		}
+		var doc overrideDoc
+		adminSend(t, admin, http.MethodPut, "/ratelimit/overrides"+q, `{"limit": 0}`).decode(t, http.StatusOK, &doc)
+		if doc.Identifier != c.stored {
+			t.Errorf("%s: %s stored as %q, want %q", c.zone, c.put, doc.Identifier, c.stored)
+		}
+		if s := send(c.path, c.key, c.b); s != http.StatusTooManyRequests {
+			t.Errorf("%s: a request of the key of %s under its override of 0: %d, want 429", c.zone, c.put, s)
+		}
+	}
+	if s := send("/dc", "1", "/64"); s != http.StatusOK {
+		t.Errorf("dc: the key 1::/64, which no override names: %d, want 200", s)
+	}
+	for _, c := range []struct{ zone, id string }{
+		{"dc", "abc"}, {"dc", "1:::2"}, {"dc", "::"},
+		{"ta", "198.51.100.0/24"}, {"ta", "ip-198.51.100.0/16"}, {"ta", "ip-"},
+		{"ci", "203.0.113.0/16:k"}, {"ci", "a:b:c"}, {"ci", "a%b:c"}, {"ci", "2001:db8::/64:k"},
+	} {
+		r := adminSend(t, admin, http.MethodPut, "/ratelimit/overrides?zone="+c.zone+"&identifier="+url.QueryEscape(c.id), `{"limit": 0}`)
+		if r.status != http.StatusBadRequest {
+			t.Errorf("%s: PUT of %q, which the key never writes: %d %s, want 400", c.zone, c.id, r.status, r.body)
+		} else if len(c.id) > 3 && strings.Contains(string(r.body), c.id) {
+			t.Errorf("%s: the error quotes the identifier: %s", c.zone, r.body)
+		}
+	}
+	if n := overrides.active(); n != 4 {
+		t.Errorf("%d overrides held, want the 4 that took", n)
 	}
 }

@@ -103,7 +103,7 @@ func resetKey(w http.ResponseWriter, r *http.Request, st *state, zoneName, id st
 	resetsTotal.WithLabelValues(scope).Inc()
 	view.logger.Info("key reset", append([]zap.Field{zap.String("by", r.RemoteAddr), zap.String("zone", zoneName),
 		zap.String("scope", scope)}, shownFields(view.ids, rec.Identifier)...)...)
-	return writeJSON(w, resetDoc{Zone: zoneName, shownID: showID(view.ids.shown(engine.NormalizeIdentifier(maskIP(id, defs[0].v4, defs[0].v6)))),
+	return writeJSON(w, resetDoc{Zone: zoneName, shownID: showID(view.ids.shown(engine.NormalizeIdentifier(maskKeyID(id, defs[0].key, defs[0].v4, defs[0].v6)))),
 		Scope: scope, Reset: true})
 }
 

@@ -380,16 +380,27 @@ func validateOverrideForKey(id, key string, v4, v6 int) error {
 // keyTextAround returns the texts before and after the placeholder of a
 // key of exactly one placeholder, ok false for any other key.
 func keyTextAround(key string) (first, last string, ok bool) {
-	const mark = "\x00"
-	marked, err := caddy.NewReplacer().ReplaceFunc(key, func(string, any) (any, error) { return mark, nil })
-	if err != nil {
-		return "", "", false
-	}
-	texts := strings.Split(marked, mark)
+	texts := keyTexts(key)
 	if len(texts) != 2 {
 		return "", "", false
 	}
 	return texts[0], texts[1], true
+}
+
+// keyTexts returns the texts of key around and between its placeholders,
+// one more than it has placeholders, or nil for a key Caddy's replacer
+// cannot parse or with a NUL byte (the mark that finds the placeholders
+// here; keyGlue refuses it).
+func keyTexts(key string) []string {
+	const mark = "\x00"
+	if strings.Contains(key, mark) {
+		return nil
+	}
+	marked, err := caddy.NewReplacer().ReplaceFunc(key, func(string, any) (any, error) { return mark, nil })
+	if err != nil {
+		return nil
+	}
+	return strings.Split(marked, mark)
 }
 
 // validateOverrideKey rejects an override that the composite key never
@@ -405,12 +416,10 @@ func validateOverrideKey(id, key string, v4, v6 int) error {
 	if err != nil || glue == nil {
 		return nil // a bad key is reported as such
 	}
-	const mark = "\x00"
-	marked, err := caddy.NewReplacer().ReplaceFunc(key, func(string, any) (any, error) { return mark, nil })
-	if err != nil {
+	texts := keyTexts(key)
+	if texts == nil {
 		return nil
 	}
-	texts := strings.Split(marked, mark)
 	var escape [256]bool
 	for _, c := range glue {
 		escape[c] = true
@@ -418,12 +427,35 @@ func validateOverrideKey(id, key string, v4, v6 int) error {
 	never := func(why string) error {
 		return fmt.Errorf("override %q never matches under key %q: %s; in a value, write '%%' and the first byte of each text between placeholders as %%XX (':' is %%3A)", id, key, why)
 	}
+	values, why := splitKeyID(id, texts, &escape)
+	if why != "" {
+		return never(why)
+	}
+	present := false
+	for _, v := range values {
+		present = present || v != ""
+		// A value that is an address is masked as a key of one
+		// placeholder is: the same forms are written.
+		if err := validateOverrideIP(unescapeValue(v), v4, v6); err != nil {
+			return fmt.Errorf("override %q never matches under key %q: a value: %w", id, key, err)
+		}
+	}
+	if !present {
+		return never("every value is empty, which is a missing key")
+	}
+	return nil
+}
+
+// splitKeyID returns the values, still escaped, that id holds between
+// the texts of a composite key (texts[0] before its first placeholder,
+// texts[len-1] after its last) which escapes the bytes escape marks, or
+// why id is no identifier that key writes.
+func splitKeyID(id string, texts []string, escape *[256]bool) (values []string, why string) {
 	first, last := texts[0], texts[len(texts)-1]
 	if !strings.HasPrefix(id, first) || !strings.HasSuffix(id[len(first):], last) {
-		return never("the key's text around its placeholders is not there")
+		return nil, "the key's text around its placeholders is not there"
 	}
 	rest := id[len(first) : len(id)-len(last)]
-	present := false
 	seps := texts[1 : len(texts)-1]
 	for i := 0; ; i++ {
 		// The value runs to the next raw byte the key escapes: the
@@ -432,33 +464,66 @@ func validateOverrideKey(id, key string, v4, v6 int) error {
 		for j < len(rest) && (rest[j] == '%' || !escape[rest[j]]) {
 			if rest[j] == '%' {
 				if j+2 >= len(rest) || !isUpperHex(rest[j+1]) || !isUpperHex(rest[j+2]) || !escape[unhex(rest[j+1])<<4|unhex(rest[j+2])] {
-					return never("a '%' in a value is not the %XX of a byte the key escapes")
+					return nil, "a '%' in a value is not the %XX of a byte the key escapes"
 				}
 				j += 2
 			}
 			j++
 		}
-		present = present || j > 0
-		// A value that is an address is masked as a key of one
-		// placeholder is: the same forms are written.
-		if err := validateOverrideIP(unescapeValue(rest[:j]), v4, v6); err != nil {
-			return fmt.Errorf("override %q never matches under key %q: a value: %w", id, key, err)
-		}
+		values = append(values, rest[:j])
 		if i == len(seps) {
 			if j < len(rest) {
-				return never("a value holds a separator raw")
+				return nil, "a value holds a separator raw"
 			}
-			break
+			return values, ""
 		}
 		if !strings.HasPrefix(rest[j:], seps[i]) {
-			return never("a value holds a separator raw")
+			return nil, "a value holds a separator raw"
 		}
 		rest = rest[j+len(seps[i]):]
 	}
-	if !present {
-		return never("every value is empty, which is a missing key")
+}
+
+// maskKeyID is id, an identifier an operator names, as the zone's key
+// writes it (template.evalKey): each placeholder's value that is an IP
+// address masked to the zone's prefix, the whole identifier under a key
+// of one placeholder, each value under a key with text around its
+// placeholders or of several (escaped as the key escapes it). An id the
+// key never writes is returned as it is, for validateOverrideForKey to
+// refuse.
+func maskKeyID(id, key string, v4, v6 int) string {
+	t := newKeyTemplate(key)
+	switch {
+	case id == "" || t.literal:
+		return id
+	case t.parts == nil:
+		return maskIP(id, v4, v6)
 	}
-	return nil
+	texts := keyTexts(key)
+	var values []string
+	switch {
+	case texts == nil:
+		return id
+	case len(texts) == 2:
+		// One placeholder: its value is written raw, whatever it holds.
+		first, last := texts[0], texts[1]
+		if !strings.HasPrefix(id, first) || !strings.HasSuffix(id[len(first):], last) {
+			return id
+		}
+		values = []string{id[len(first) : len(id)-len(last)]}
+	default:
+		if values, _ = splitKeyID(id, texts, &t.parts.escape); values == nil {
+			return id
+		}
+	}
+	b := []byte(texts[0])
+	for i, v := range values {
+		if v != "" {
+			v = t.parts.escapeValue(maskIP(unescapeValue(v), v4, v6))
+		}
+		b = append(append(b, v...), texts[i+1]...)
+	}
+	return string(b)
 }
 
 // unescapeValue undoes escapeValue on a value validateOverrideKey checked.
