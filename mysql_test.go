@@ -153,6 +153,7 @@ func loadCaddyfile(t *testing.T, admin int, cfg func(admin, port int) string) er
 	body := cfg(admin, redistest.MustFreePort(t))
 	req, _ := http.NewRequest(http.MethodPost, fmt.Sprintf("http://localhost:%d/load", admin), strings.NewReader(body))
 	req.Header.Set("Content-Type", "text/caddyfile")
+	req.Close = true // as adminSend's
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		return err

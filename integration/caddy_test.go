@@ -139,6 +139,7 @@ func (n *node) reload(t *testing.T) (int, string) {
 	}
 	req.Header.Set("Content-Type", "text/caddyfile")
 	req.Header.Set("Cache-Control", "must-revalidate")
+	req.Close = true // as adminCall's
 	resp, err := (&http.Client{Timeout: 30 * time.Second}).Do(req)
 	if err != nil {
 		t.Fatal(err)

@@ -28,6 +28,10 @@ func adminCall(t *testing.T, admin int, method, path, body string) (int, string)
 	if err != nil {
 		t.Fatal(err)
 	}
+	// A connection of its own: a reload replaces the admin server, which
+	// closes its idle connections, and a PUT or DELETE sent on one as it
+	// goes is not sent again.
+	req.Close = true
 	resp, err := (&http.Client{Timeout: 30 * time.Second}).Do(req)
 	if err != nil {
 		t.Fatal(err)
