@@ -85,17 +85,20 @@ func (o outcome) lookup(key string) (any, bool) {
 }
 
 // identifier renders the zone's identifier as identifiers leave the
-// process.
+// process: as the engine keeps it (one over 64 bytes hashed), as log lines
+// and the admin API show it.
 func (o outcome) identifier() string {
-	switch {
-	case o.id == "":
+	if o.id == "" {
 		return ""
-	case o.ids.hashed():
-		return identifierHMAC(o.ids.secret, engine.NormalizeIdentifier(o.id))
-	case o.ids.logRaw:
-		return o.id
 	}
-	return truncateIdentifier(o.id)
+	id := engine.NormalizeIdentifier(o.id)
+	switch {
+	case o.ids.hashed():
+		return identifierHMAC(o.ids.secret, id)
+	case o.ids.logRaw:
+		return id
+	}
+	return truncateIdentifier(id)
 }
 
 // setOutcome makes the decision of a request readable as placeholders of

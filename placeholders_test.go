@@ -17,6 +17,7 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 
+	"github.com/edgelimit/caddy-ratelimit/engine"
 	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
 )
 
@@ -113,17 +114,25 @@ func TestPlaceholders_AFirstDecisionAsksNoOtherPlaceholder(t *testing.T) {
 }
 
 // TestPlaceholders_IdentifierLeavesAsConfigured: the HMAC under
-// identifier_secret, whole with log_identifiers, truncated otherwise.
+// identifier_secret, whole with log_identifiers, truncated otherwise; an
+// identifier over 64 bytes as the engine keeps it, hashed, as the log
+// lines and the admin API show it. The placeholder showed its raw bytes
+// instead (whole or cut), which no log line or admin answer does.
 func TestPlaceholders_IdentifierLeavesAsConfigured(t *testing.T) {
 	useClock(t, 0)
 	const secret = "0123456789abcdef-secret"
+	long := strings.Repeat("L", 80)
+	hashed := engine.NormalizeIdentifier(long)
 	for _, tc := range []struct {
-		app  *App
-		want string
+		app        *App
+		id, want string
 	}{
-		{&App{}, "sk_l…"},
-		{&App{LogIdentifiers: true}, "sk_live_abcdefghij"},
-		{&App{IdentifierSecret: secret}, identifierHMAC([]byte(secret), "sk_live_abcdefghij")},
+		{&App{}, "sk_live_abcdefghij", "sk_l…"},
+		{&App{LogIdentifiers: true}, "sk_live_abcdefghij", "sk_live_abcdefghij"},
+		{&App{IdentifierSecret: secret}, "sk_live_abcdefghij", identifierHMAC([]byte(secret), "sk_live_abcdefghij")},
+		{&App{}, long, truncateIdentifier(hashed)},
+		{&App{LogIdentifiers: true}, long, hashed},
+		{&App{IdentifierSecret: secret}, long, identifierHMAC([]byte(secret), hashed)},
 	} {
 		ids, err := newIdentities(tc.app.IdentifierSecret, tc.app.LogIdentifiers)
 		if err != nil {
@@ -131,8 +140,11 @@ func TestPlaceholders_IdentifierLeavesAsConfigured(t *testing.T) {
 		}
 		tc.app.ids = ids
 		h := provisionTest(t, tc.app, &Handler{Zones: []*Zone{zoneOf("ph_id", 5, time.Minute)}})
-		if got := placeholdersOf(t, h, map[string]string{"ph_id": "sk_live_abcdefghij"})["identifier"]; got != tc.want {
-			t.Errorf("identifier %q, want %q", got, tc.want)
+		if got := placeholdersOf(t, h, map[string]string{"ph_id": tc.id})["identifier"]; got != tc.want {
+			t.Errorf("identifier %.20q…: %q, want %q", tc.id, got, tc.want)
+		}
+		if fields := ids.logFields(hashed); tc.id == long && !strings.Contains(fmt.Sprint(fields), strings.TrimSuffix(tc.want, "…")) {
+			t.Errorf("the log line's fields %v do not show what the placeholder does, %q", fields, tc.want)
 		}
 	}
 }
