@@ -124,7 +124,7 @@ func TestPlaceholders_IdentifierLeavesAsConfigured(t *testing.T) {
 	long := strings.Repeat("L", 80)
 	hashed := engine.NormalizeIdentifier(long)
 	for _, tc := range []struct {
-		app        *App
+		app      *App
 		id, want string
 	}{
 		{&App{}, "sk_live_abcdefghij", "sk_l…"},
