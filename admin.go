@@ -60,7 +60,16 @@ func (a *AdminAPI) Routes() []caddy.AdminRoute {
 		{Pattern: "/ratelimit/counters", Handler: headAsGet(a.handleCounters)},
 		{Pattern: "/ratelimit/strict", Handler: headAsGet(a.handleStrict)},
 		{Pattern: "/ratelimit/overrides", Handler: headAsGet(a.handleOverrides)},
+		{Pattern: "/ratelimit/", Handler: caddy.AdminHandlerFunc(handleNoRoute)},
 	}
+}
+
+// handleNoRoute answers every other path under /ratelimit/ with a JSON
+// 404 that lists the routes, as the routes' own errors are: it was the
+// admin server's text/plain "404 page not found".
+func handleNoRoute(http.ResponseWriter, *http.Request) error {
+	return caddy.APIError{HTTPStatus: http.StatusNotFound,
+		Err: errors.New("no such route: the rate limiter's are /ratelimit/status, /ratelimit/counters, /ratelimit/strict, /ratelimit/overrides and, with the cross-region layer, /ratelimit/blocklist")}
 }
 
 // headAsGet answers HEAD as the route answers GET (RFC 9110, 9.3.2): the

@@ -384,6 +384,25 @@ func TestAdmin_NotRunning(t *testing.T) {
 	}
 }
 
+// TestAdmin_AnUnknownPathIsAJSON404: a path under /ratelimit/ that is no
+// route was the admin server's text/plain "404 page not found", where the
+// README says errors are JSON; it is a JSON 404 now, which lists the
+// routes, and the routes themselves still answer.
+func TestAdmin_AnUnknownPathIsAJSON404(t *testing.T) {
+	_, admin, _ := startCaddy(t, overrideConfig(""))
+	for _, path := range []string{"/ratelimit/nope", "/ratelimit/", "/ratelimit/status/", "/ratelimit/counters/x?zone=ov"} {
+		r := adminDo(t, admin, "GET", path)
+		r.wantError(t, 404, "")
+		if !strings.Contains(string(r.body), "/ratelimit/overrides") {
+			t.Errorf("GET %s: %s does not list the routes", path, r.body)
+		}
+	}
+	adminDo(t, admin, "GET", "/ratelimit/status").decode(t, 200, &map[string]any{})
+	if r := adminDo(t, admin, "GET", "/ratelimit/blocklist"); r.status != 404 || strings.Contains(string(r.body), "no such route") {
+		t.Errorf("/ratelimit/blocklist without MySQL: %d %s, want the blocklist's own 404", r.status, r.body)
+	}
+}
+
 // TestAdmin_HeadAnswersAsGet: a HEAD of a route that answers GET got a
 // 405, so a monitor that checks the API with HEAD saw it failing. It now
 // gets GET's status and headers (an override's ETag among them) and no

@@ -159,6 +159,10 @@ func (p preconditions) checkHeld(cur overrideRec, live bool, method, holder stri
 		if method == http.MethodGet {
 			return errNotModified
 		}
+		if p.noneMatch.any {
+			return caddy.APIError{HTTPStatus: http.StatusPreconditionFailed,
+				Err: fmt.Errorf("If-None-Match: * asks that there be no live override of this identifier, and %s holds one, as %s; nothing was changed", holder, etag)}
+		}
 		return caddy.APIError{HTTPStatus: http.StatusPreconditionFailed,
 			Err: fmt.Errorf("If-None-Match: %s holds the override as %s, which the header names; nothing was changed", holder, etag)}
 	}

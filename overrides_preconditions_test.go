@@ -71,8 +71,10 @@ func TestOverrides_ChangesHonourIfMatchAndIfNoneMatch(t *testing.T) {
 	if first.ETag == "" || r.header.Get("ETag") != first.ETag {
 		t.Fatalf("the PUT's ETag header is %q, its doc's etag %q", r.header.Get("ETag"), first.ETag)
 	}
-	adminIf(t, admin, http.MethodPut, path, `{"limit": 4}`, "If-None-Match", "*").
-		wantSays(t, http.StatusPreconditionFailed, first.ETag)
+	// The 412 says what * asked for: it said the header named the tag.
+	taken := adminIf(t, admin, http.MethodPut, path, `{"limit": 4}`, "If-None-Match", "*")
+	taken.wantSays(t, http.StatusPreconditionFailed, first.ETag)
+	taken.wantSays(t, http.StatusPreconditionFailed, "* asks that there be no live override")
 	wantOverride(t, admin, path, 3, first.ETag)
 
 	var second overrideDoc

@@ -109,7 +109,7 @@ func TestOverrides_AStaleNodesIfMatchMeetsTheRegionsChange(t *testing.T) {
 	other := overrideRec{Zone: "ov", Identifier: "fresh", Limit: 3, Region: "ov-test", CreatedMs: now.UnixMilli(), Version: now.UnixMicro()}
 	changeUnheard(t, srv, other)
 	r := adminIf(t, admin, http.MethodPut, "/ratelimit/overrides?zone=ov&identifier=fresh", `{"limit": 50}`, "If-None-Match", "*")
-	r.wantSays(t, http.StatusPreconditionFailed, "If-None-Match: the region holds the override as "+etagOf(other))
+	r.wantSays(t, http.StatusPreconditionFailed, "If-None-Match: * asks that there be no live override of this identifier, and the region holds one, as "+etagOf(other))
 }
 
 // TestOverrides_AConditionalChangeWithRedisDownChangesNothing: with the
