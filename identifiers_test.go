@@ -133,6 +133,11 @@ func TestMaskIP(t *testing.T) {
 		{"2001:db8::1", 32, 48, "2001:db8::/48"},
 		{"fe80::1%eth0", 32, 64, "fe80::/64"},
 		{"fe80::1%eth0", 32, 128, "fe80::1"},
+		// A zone that takes the identifier past 64 bytes is dropped too:
+		// it was kept, each one a key of its own.
+		{"fe80::1%" + strings.Repeat("z", 60), 32, 64, "fe80::/64"},
+		{"fe80::1%" + strings.Repeat("z", 60), 32, 128, "fe80::1"},
+		{strings.Repeat("0", 61) + "::1", 32, 64, strings.Repeat("0", 61) + "::1"},
 		{"api-key-123", 24, 48, "api-key-123"},
 		{"deadbeef", 24, 48, "deadbeef"},
 		{"1.2.3", 24, 48, "1.2.3"},
