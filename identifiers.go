@@ -195,16 +195,13 @@ func maskIP(id string, v4, v6 int) string {
 // maybeIP is a cheap filter that keeps non-IP keys (API keys, tenants) away
 // from netip.ParseAddr, whose error would cost an allocation per request.
 func maybeIP(s string) bool {
-	if len(s) < 2 {
+	if len(s) < 2 || len(s) > 64 && strings.IndexByte(s[:64], '%') < 0 {
+		// No address is over 64 bytes; the zone after an IPv6 address's
+		// '%' may be, and is dropped however long it is.
 		return false
 	}
 	sep := false
 	for i := 0; i < len(s); i++ {
-		if i == 64 {
-			// No address is as long; the zone after an IPv6 address's '%'
-			// may be, and is dropped however long it is.
-			return false
-		}
 		c := s[i]
 		switch {
 		case c == '.' || c == ':':
