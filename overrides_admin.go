@@ -9,6 +9,7 @@ import (
 	"io"
 	"net/http"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 	"unicode/utf8"
@@ -261,8 +262,45 @@ func checkOverrideNames(raw []byte) error {
 		if err := dec.Decode(&v); err != nil {
 			return badRequest("the body is not an override: " + err.Error())
 		}
+		if name == "reason" && loneSurrogate(v) {
+			return badRequest(`the reason holds half of a UTF-16 pair as a \u escape (a lone surrogate), which no UTF-8 text holds: it would be stored as U+FFFD, altered`)
+		}
 	}
 	return nil
+}
+
+// loneSurrogate reports whether s, a JSON string as written, holds a \u
+// escape of a surrogate that is not one half of a pair: encoding/json
+// decodes it as U+FFFD.
+func loneSurrogate(s []byte) bool {
+	escaped := func(i int) (rune, bool) { // the \uXXXX at s[i:], if any
+		if i+6 > len(s) || s[i] != '\\' || s[i+1] != 'u' {
+			return 0, false
+		}
+		r, err := strconv.ParseUint(string(s[i+2:i+6]), 16, 16)
+		return rune(r), err == nil
+	}
+	for i := 0; i < len(s); i++ {
+		if s[i] != '\\' {
+			continue
+		}
+		r, ok := escaped(i)
+		if !ok {
+			i++ // an escape of one byte: \\ among them
+			continue
+		}
+		i += 5
+		switch {
+		case r >= 0xDC00 && r <= 0xDFFF:
+			return true
+		case r >= 0xD800 && r <= 0xDBFF:
+			if low, ok := escaped(i + 1); !ok || low < 0xDC00 || low > 0xDFFF {
+				return true
+			}
+			i += 6
+		}
+	}
+	return false
 }
 
 func putOverride(w http.ResponseWriter, r *http.Request, pre preconditions, st *state, zoneName, id string) error {

@@ -71,6 +71,11 @@ func TestOverrides_BadInputIsRefusedAndStoresNothing(t *testing.T) {
 		{"reason too long", http.MethodPut, path, `{"limit": 1, "reason": "` + strings.Repeat("r", 513) + `"}`, 400},
 		{"body over 64 KiB", http.MethodPut, path, `{"limit": 1, "reason": "` + strings.Repeat("r", 70<<10) + `"}`, 400},
 		{"reason not UTF-8", http.MethodPut, path, "{\"limit\": 1, \"reason\": \"a\xffb\"}", 400},
+		// Half a UTF-16 pair, alone, decodes as U+FFFD: stored altered.
+		{"reason of a lone high surrogate", http.MethodPut, path, `{"limit": 1, "reason": "a\ud800b"}`, 400},
+		{"reason of a lone low surrogate", http.MethodPut, path, `{"limit": 1, "reason": "\udc00"}`, 400},
+		{"reason of a high surrogate at its end", http.MethodPut, path, `{"limit": 1, "reason": "\uD83D"}`, 400},
+		{"reason of two high surrogates", http.MethodPut, path, `{"limit": 1, "reason": "\ud83d\ud83d"}`, 400},
 		{"strict listing of an empty zone", http.MethodGet, "/ratelimit/strict?zone=", "", 400},
 		{"no identifier", http.MethodPut, "/ratelimit/overrides?zone=ov", `{"limit": 1}`, 400},
 		{"empty identifier", http.MethodPut, "/ratelimit/overrides?zone=ov&identifier=", `{"limit": 1}`, 400},
@@ -125,6 +130,8 @@ func TestOverrides_AmbiguousBodyIsRefused(t *testing.T) {
 	for _, body := range []string{
 		`{"limit": 1}`,
 		`{"limit": 2, "expires": null, "reason": ""}`,
+		// A pair, an escaped backslash before "ud800", a character.
+		`{"limit": 2, "reason": "\ud83d\ude00 \\ud800 \u00e9"}`,
 		"\n{ \"reason\" : \"plan upgrade #4711\",\n  \"expires\": \"" + future + "\", \"limit\": 3 }\n",
 	} {
 		var doc overrideDoc
