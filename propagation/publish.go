@@ -121,6 +121,9 @@ func (p *Propagator) readRegistered(ctx context.Context) *regionRead {
 	rd := new(regionRead)
 	p.mu.Lock()
 	rd.full, rd.pushes = p.fullPush, p.pushes
+	if rd.full {
+		p.registerImportedLocked(now)
+	}
 	for c, r := range p.reg {
 		if r.expires <= now {
 			delete(p.reg, c)
@@ -133,6 +136,27 @@ func (p *Propagator) readRegistered(ctx context.Context) *regionRead {
 	p.mu.Unlock()
 	rd.totals, rd.ok = p.regionTotals(ctx, rd.due)
 	return rd
+}
+
+// registerImportedLocked adds to the cells the holder publishes those
+// other regions count, whatever the region's count of them: a node
+// registers a cell below publish_floor once its own view holds other
+// regions' counts, but a key its nodes no longer see requests of is never
+// read again there, and its units stayed unseen by the other regions for
+// the rest of its window (TestRole_ACellBelowTheFloorIsPublishedOnce-
+// AnotherRegionCountsIt). Their limit is unknown until a node registers
+// them: published at each global sync, least pressed first.
+func (p *Propagator) registerImportedLocked(now int64) {
+	for c, ci := range p.imports {
+		if p.reg[c] != nil || ci.expires <= now || ci.sum() <= 0 {
+			continue
+		}
+		if len(p.reg) >= maxRegistered {
+			p.stats.registryDrops.Add(1)
+			return
+		}
+		p.reg[c] = &regCell{expires: ci.expires}
+	}
 }
 
 // publishRegistered publishes the cells of rd that grew.
@@ -161,16 +185,25 @@ func (p *Propagator) publishRegistered(ctx context.Context, rd *regionRead) {
 		}
 		// A cell the region marked with a global reset is published
 		// although its count did not move: its base is news.
-		if (count <= r.published && ver <= r.publishedReset) || r.limit <= 0 {
+		if count <= r.published && ver <= r.publishedReset {
 			continue
 		}
-		level := engine.SatAdd(n.Count, p.importSum(c))
-		r.hot = r.hot || level*2 >= r.limit
+		if r.limit <= 0 && count == 0 && n.ResetVersion == 0 {
+			continue // imported here, counted nothing: no row
+		}
+		// A cell registered for its imports alone has no limit yet
+		// (registerImportedLocked): never hot, and last in line.
+		pressure := 0.0
+		if r.limit > 0 {
+			level := engine.SatAdd(n.Count, p.importSum(c))
+			r.hot = r.hot || level*2 >= r.limit
+			pressure = float64(level) / float64(r.limit)
+		}
 		cands = append(cands, candidate{row: &CountRow{
 			Namespace: c.Namespace, Identifier: c.Identifier, WindowMs: c.WindowMs, Sequence: c.Sequence,
 			Region: p.cfg.Region, Count: count, ResetVersion: ver, ResetBase: base,
 			ExpiresMs: expiresMs(c.Sequence, c.WindowMs),
-		}, pressure: float64(level) / float64(r.limit)})
+		}, pressure: pressure})
 	}
 	p.mu.Unlock()
 	written, more, err := p.writeCounts(ctx, cands)

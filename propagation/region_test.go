@@ -685,3 +685,48 @@ func TestRole_ATakeThatFailedIsFollowedByAWholeOne(t *testing.T) {
 		t.Fatalf("%d rows of region a's k at 60 after the next flush, want 1", got)
 	}
 }
+
+// TestRole_ACellBelowTheFloorIsPublishedOnceAnotherRegionCountsIt: a
+// region's nodes register a cell to publish once it reaches publish_floor,
+// or once their own view of it holds other regions' counts. A key a region
+// counted below the floor and then left idle was never read again by its
+// nodes, so their view never held the other regions' counts, and its units
+// stayed unseen elsewhere for the rest of the window: region a admitted 19
+// of 100 and went quiet, and region b then admitted 100 more (an audit on
+// two regions). The holder, which imports the other regions' counts of the
+// cell, now publishes the region's count of it at the next global sync,
+// however low.
+func TestRole_ACellBelowTheFloorIsPublishedOnceAnotherRegionCountsIt(t *testing.T) {
+	s := newSetup(t)
+	mem := newMemRegion(s.clk)
+	n := s.regionNode("a", "n1", mem)
+	b := s.region("b")
+	n.decide("k", 100, 10) // a tenth of the limit, below the floor of a fifth
+	mem.setTotal("k", 10)  // what the region's Redis would hold
+	for range 2 {
+		n.p.GlobalSyncOnce(bg)
+		n.p.FlushOnce(bg)
+	}
+	if rows := countRows(t, s.dsn, "ratelimit_global_counts", "WHERE region = 'a'"); rows != 0 {
+		t.Fatalf("%d rows of region a below the floor, want none: idle keys cost no rows", rows)
+	}
+	if got := b.decide("k", 100, 60); got != 60 {
+		t.Fatalf("b admitted %d of its first 60", got)
+	}
+	b.decide("b-only", 100, 60) // a counts none of it: a publishes no row of it
+	b.p.GlobalSyncOnce(bg)
+	b.p.FlushOnce(bg) // b's 60 published
+	n.p.FlushOnce(bg) // a imports them
+	n.p.GlobalSyncOnce(bg)
+	n.p.FlushOnce(bg) // a's 10 published at the sync
+	b.p.FlushOnce(bg) // b imports them
+	if got := b.cell(t, "k", seq0).Global; got != 10 {
+		t.Fatalf("b holds %d of a's units, want its 10", got)
+	}
+	if got := b.decide("k", 100, 40); got != 30 {
+		t.Fatalf("b admitted %d more, want the 30 a central count leaves", got)
+	}
+	if rows := countRows(t, s.dsn, "ratelimit_global_counts", "WHERE region = 'a'"); rows != 1 {
+		t.Fatalf("%d rows of region a, want k's alone", rows)
+	}
+}
