@@ -208,7 +208,7 @@ func (r redisRegion) ApplyOverrides(ctx context.Context, rows []propagation.Over
 			// A reset made elsewhere that this region marked before its
 			// Redis restarted cannot be told from one it never heard
 			// of, and such a holder marks it again.
-			if !overrides.heardFrom(rec, r.o.String()) && (r.region == "" || rec.Region != r.region) {
+			if !overrides.heardFrom(rec, r.o.Placement()) && (r.region == "" || rec.Region != r.region) {
 				if err := resetRegionCells(ctx, r.o, r.st, rec); err != nil {
 					return err
 				}

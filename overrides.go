@@ -298,7 +298,7 @@ type overrideBook struct {
 	mapID func(string) string
 	form  string
 	// from is where the book's overrides come from: the Redis it last
-	// loaded (origin.Redis.String), sourceNode while the process counts
+	// loaded (origin.Redis.Placement), sourceNode while the process counts
 	// alone, "" before either.
 	from string
 
@@ -374,7 +374,7 @@ func (b *overrideBook) get(zone, id string) (overrideRec, bool) {
 }
 
 // heardFrom reports whether the book holds the global reset rec, or a
-// later one of its key, heard from source (origin.Redis.String): the
+// later one of its key, heard from source (origin.Redis.Placement): the
 // region there recorded it, and marked its cells before it did. A region
 // reset of the key (a build before regionResetMark kept it under the same
 // name) says nothing of the global one's marks.

@@ -401,7 +401,7 @@ func (w *regionWatch) nowMs() int64 {
 // notice later, reads the region's mark.
 func (w *regionWatch) start(now time.Time) error {
 	w.seen, w.restarts = -1, w.o.Restarts()
-	if from := overrides.source(); from != "" && from != w.o.String() {
+	if from := overrides.source(); from != "" && from != w.o.Placement() {
 		return w.join(now, from)
 	}
 	return w.load(now)
@@ -415,7 +415,7 @@ func (w *regionWatch) start(now time.Time) error {
 // region's other nodes.
 func (w *regionWatch) join(now time.Time, from string) error {
 	dropped := 0
-	err := w.loadInto(now, func(recs []overrideRec) { dropped = overrides.replace(recs, w.o.String()) })
+	err := w.loadInto(now, func(recs []overrideRec) { dropped = overrides.replace(recs, w.o.Placement()) })
 	if dropped > 0 {
 		w.log.Warn("joined the region's runtime overrides: dropped those this node held that the region does not",
 			zap.String("from", from), zap.Int("dropped", dropped))
@@ -482,7 +482,7 @@ func (w *regionWatch) loadInto(now time.Time, take func([]overrideRec)) error {
 	if err != nil {
 		return err
 	}
-	overrides.setSource(w.o.String())
+	overrides.setSource(w.o.Placement())
 	w.seen, w.synced = v, now
 	loadedVersion.Store(v)
 	return nil

@@ -427,6 +427,44 @@ func TestOverrides_ANodeJoiningTheRegionTakesItsOverrides(t *testing.T) {
 	}
 }
 
+// TestOverrides_ANodeReloadedToAnotherPrefixJoinsThatRegion: a reload
+// that changes only the prefix moves the node to another region's keys
+// on the same Redis, as a reload to another Redis does. The node kept the
+// overrides of the prefix it left, which the new prefix's region does not
+// hold: it applied them alone, and a node started on the new prefix did
+// not (the book's source named the servers, not the prefix).
+func TestOverrides_ANodeReloadedToAnotherPrefixJoinsThatRegion(t *testing.T) {
+	resetOverrides(t)
+	srv := redistest.Start(t)
+	on := func(prefix string) func(admin, port int) string {
+		return overrideConfig(fmt.Sprintf("\tratelimit {\n\t\tredis %s\n\t\tprefix %s\n\t}", srv.URL(), prefix))
+	}
+	tester, admin, base := startCaddy(t, on("pa"))
+	port := portOf(t, base)
+	var doc overrideDoc
+	adminSend(t, admin, http.MethodPut, "/ratelimit/overrides?zone=ov&identifier=kept", `{"limit": 3}`).decode(t, http.StatusOK, &doc)
+	if n := admitted(t, base, "kept", 4); n != 3 {
+		t.Fatalf("under its override of 3 the key admitted %d of 4", n)
+	}
+
+	tester.InitServer(on("pb")(admin, port), "caddyfile")
+	redistest.EventuallyShow(t, 5*time.Second, "the node applies the overrides of pb's region, none", func() (bool, string) {
+		var list overrideListDoc
+		adminDo(t, admin, http.MethodGet, "/ratelimit/overrides?zone=ov").decode(t, http.StatusOK, &list)
+		return len(list.Overrides) == 0, fmt.Sprint(list.Overrides)
+	})
+	if n := admitted(t, base, "kept-fresh", 3); n != 2 {
+		t.Fatalf("a fresh key admitted %d of 3 at the zone's limit 2", n)
+	}
+	// Back on pa, its override applies again.
+	tester.InitServer(on("pa")(admin, port), "caddyfile")
+	redistest.EventuallyShow(t, 5*time.Second, "the node applies pa's override again", func() (bool, string) {
+		var list overrideListDoc
+		adminDo(t, admin, http.MethodGet, "/ratelimit/overrides?zone=ov").decode(t, http.StatusOK, &list)
+		return len(list.Overrides) == 1 && list.Overrides[0].Limit == 3, fmt.Sprint(list.Overrides)
+	})
+}
+
 // TestOverrides_AChangeWinsOverAFutureVersion: the region holds an
 // override whose version is ahead of this node's clock (made on a node
 // whose clock runs fast). An operator's change here comes after it, and

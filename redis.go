@@ -318,7 +318,7 @@ func (b *redisBackend) use(st *state) {
 	switch {
 	case prev == nil || prev == b.origin:
 	case prev.Placement() != b.origin.Placement():
-		from, to := prev.String(), b.origin.String()
+		from, to := prev.Placement(), b.origin.Placement()
 		st.whenAlone(b.a, func() {
 			st.engine.ResendAsync(func(n int) {
 				b.a.logger.Info("Redis changed in a reload: writing every live key's count to the new servers",
