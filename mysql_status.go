@@ -59,7 +59,7 @@ var propagationStats = statSet[propagation.Stats]{stats: []stat[propagation.Stat
 	{json: "dropped_batches", metric: "propagation_dropped_batches_total", value: func(s *propagation.Stats) any { return s.DroppedBatches },
 		help: "Write batches dropped because MySQL failed or the write breaker was open (denial rows are retried until they expire; counts are published again)."},
 	{json: "errors.write", metric: "propagation_errors_total", label: [2]string{"op", "write"}, value: func(s *propagation.Stats) any { return s.WriteErrors },
-		help: "Failed MySQL operations, by operation (write, read, migrate)."},
+		help: "Failed MySQL operations, by operation (write, read, migrate, lease, region)."},
 	{json: "errors.read", metric: "propagation_errors_total", label: [2]string{"op", "read"}, value: func(s *propagation.Stats) any { return s.ReadErrors }},
 	{json: "errors.migrate", metric: "propagation_errors_total", label: [2]string{"op", "migrate"}, value: func(s *propagation.Stats) any { return s.MigrateErrors }},
 	{json: "imports", metric: "propagation_imported_cells", gauge: true, value: func(s *propagation.Stats) any { return s.Imports },

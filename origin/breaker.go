@@ -84,7 +84,15 @@ func (ep *endpoint) newBreaker(name string, c BreakerConfig, slow time.Duration)
 		// ran out of time waiting for a batch never reach the breaker.
 		ReadyToTrip: func(n gobreaker.Counts) bool {
 			done := n.TotalSuccesses + n.TotalFailures
-			return done >= minRequests && float64(n.TotalFailures) >= ratio*float64(done)
+			if done < minRequests {
+				// A light load fills no sample: enough calls in a row
+				// failed (smallTrip). A Redis down or hung under a few
+				// requests a second kept the breaker closed for good, or
+				// made the first twenty requests of a node each wait
+				// read_timeout, seconds apart.
+				return n.ConsecutiveFailures >= smallTrip(minRequests)
+			}
+			return float64(n.TotalFailures) >= ratio*float64(done)
 		},
 		IsSuccessful: func(err error) bool { return err == nil || !countsAgainst(err) },
 		// A caller that gave up says nothing about Redis.
@@ -99,6 +107,11 @@ func (ep *endpoint) newBreaker(name string, c BreakerConfig, slow time.Duration)
 	})
 	return b
 }
+
+// smallTrip is the number of calls failed in a row on which a breaker
+// with fewer calls in its window than min trips: a quarter of min, at
+// least 5 (5 of the default 20).
+func smallTrip(min uint32) uint32 { return max(min/4, 5) }
 
 // reported is the state the breaker last entered, read without moving it
 // (see breaker.state).

@@ -81,6 +81,39 @@ func TestBreaker_OpensWhenRedisStopsAndRecoversAfterRestart(t *testing.T) {
 	}
 }
 
+// TestBreaker_ALightLoadOnARedisThatIsDownOpensIt: under a few requests
+// a second the window never holds breaker_min_requests calls, and the
+// breaker of a Redis that refused every connection stayed closed for the
+// whole outage (an audit: 50 requests over a minute on two nodes); with a
+// hung Redis each of a node's first twenty requests waited read_timeout.
+// Five calls failed in a row, in a sample smaller than that, now open
+// it, and four do not.
+func TestBreaker_ALightLoadOnARedisThatIsDownOpensIt(t *testing.T) {
+	srv := redistest.Start(t)
+	o := newOrigin(t, Config{Redis: []string{srv.URL()}, Breaker: BreakerConfig{Timeout: Duration(MaxBreakerTimeout)}}, Options{NodeID: "light"})
+	k, seq := key("light"), nowSeq()
+	if err := requestRead(o, k, seq); err != nil {
+		t.Fatal(err)
+	}
+	srv.Stop()
+	failed := 0
+	for failed < 4 {
+		if err := requestRead(o, k, seq); err == nil {
+			t.Fatal("a read of a stopped Redis succeeded")
+		}
+		failed++
+	}
+	if st := o.Stats().Endpoints[0]; st.Breaker != BreakerClosed {
+		t.Fatalf("after one success and %d failures the breaker is %s, want closed", failed, st.Breaker)
+	}
+	if err := requestRead(o, k, seq); err == nil {
+		t.Fatal("a read of a stopped Redis succeeded")
+	}
+	if st := o.Stats().Endpoints[0]; st.Breaker != BreakerOpen {
+		t.Fatalf("after five failures in a row the breaker is %s, want open", st.Breaker)
+	}
+}
+
 func TestBreaker_SlowRedisOpensTheRequestPathOnly(t *testing.T) {
 	srv := redistest.Start(t)
 	proxy := redistest.StartDelayProxy(t, srv.Addr(), 30*time.Millisecond)
@@ -99,7 +132,7 @@ func TestBreaker_SlowRedisOpensTheRequestPathOnly(t *testing.T) {
 	if st.Breaker != BreakerOpen || st.ReplayBreaker != BreakerClosed {
 		t.Fatalf("after 60 slow calls: request path %s, replay %s; want open and closed", st.Breaker, st.ReplayBreaker)
 	}
-	if st.SlowCalls < 10 {
+	if st.SlowCalls < uint64(smallTrip(DefaultBreakerMinRequests)) {
 		t.Fatalf("%d slow calls counted", st.SlowCalls)
 	}
 	// Once open, a read costs nothing.
