@@ -37,7 +37,7 @@ func layerCell(k engine.Key, seq int64) propagation.Cell {
 func (r redisRegion) NodeID() string { return r.o.NodeID() }
 
 func (r redisRegion) Lease(ctx context.Context, ttl time.Duration) (string, error) {
-	return r.o.Lease(ctx, ttl)
+	return r.o.LeaseFor(ctx, ttl, r.region)
 }
 
 func (r redisRegion) ReleaseLease(ctx context.Context) error { return r.o.ReleaseLease(ctx) }

@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"context"
+	"errors"
 	"testing"
 	"time"
 
@@ -89,5 +90,33 @@ func TestRegionAdapter_DenialsKeepTheirIdentifierBytes(t *testing.T) {
 	}
 	if left, err := r.TakeDenials(ctx); err != nil || len(left) != 0 {
 		t.Fatalf("the region still holds %+v (%v) after the row was written", left, err)
+	}
+}
+
+// TestRegionAdapter_ANodeOfAnotherRegionTakesNoRole: the role's lease in
+// the region's Redis carried no region, so a node whose region line named
+// another region took the role of the Redis's region when it was free
+// and published its counts under its own name. The adapter leases for its
+// region now: a node of another one gets no lease, and an error that the
+// layer knows (it logs it as such, naming both regions).
+func TestRegionAdapter_ANodeOfAnotherRegionTakesNoRole(t *testing.T) {
+	srv := redistest.Start(t)
+	node := func(id, region string) redisRegion {
+		o, err := origin.New(origin.Config{Redis: []string{srv.URL()}}, origin.Options{NodeID: id})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = o.Close() })
+		return redisRegion{o: o, region: region}
+	}
+	eu, us := node("eu1", "eu"), node("us1", "us")
+	ctx := context.Background()
+	if h, err := eu.Lease(ctx, time.Minute); err != nil || h != "eu1" {
+		t.Fatalf("eu1 takes the free lease: %q %v", h, err)
+	}
+	h, err := us.Lease(ctx, time.Minute)
+	var other interface{ OtherRegion() string }
+	if !errors.As(err, &other) || other.OtherRegion() != "eu" || h == "us1" {
+		t.Fatalf("a node of us on eu's Redis: holder %q, %v; want no lease and an error naming eu", h, err)
 	}
 }

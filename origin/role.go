@@ -105,15 +105,27 @@ var (
 	// leaseScript takes the lease KEYS[1] for ARGV[1] (node) for ARGV[2]
 	// ms when it is free, or renews it when ARGV[1] holds it; returns the
 	// holder afterwards.
+	// With ARGV[3], a region's name, KEYS[2] holds the region of the
+	// lease's holder for as long as the lease: a node of another region
+	// takes and renews no lease while it stands, and gets "\0" and that
+	// region instead (LeaseFor).
 	leaseScript = sourcedScript(`
+if ARGV[3] and ARGV[3] ~= '' then
+  local r = redis.call('GET', KEYS[2])
+  if r and r ~= ARGV[3] then return '\0' .. r end
+end
 local v = redis.call('GET', KEYS[1])
-if v == ARGV[1] then redis.call('PEXPIRE', KEYS[1], ARGV[2]) return v end
-if not v then redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) return ARGV[1] end
+local took = v == ARGV[1]
+if took then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+if not v then redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) took = true end
+if took and ARGV[3] and ARGV[3] ~= '' then redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[2]) end
+if took then return ARGV[1] end
 return v
 `)
-	// releaseScript deletes the lease KEYS[1] if ARGV[1] holds it.
+	// releaseScript deletes the lease KEYS[1], and the region KEYS[2] of
+	// its holder, if ARGV[1] holds it.
 	releaseScript = sourcedScript(`
-if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1], KEYS[2]) end
 return 0
 `)
 	// registerScript sets each field ARGV[2i+1] of the registry KEYS[1] to
@@ -220,10 +232,37 @@ func shardOf(cell string) int { return int(fnv64a(fnvOffset, cell) % roleShards)
 // it when this process does, and returns the node ID that holds it now
 // (this process's, NodeID, when it does).
 func (r *Redis) Lease(ctx context.Context, ttl time.Duration) (string, error) {
+	return r.LeaseFor(ctx, ttl, "")
+}
+
+// OtherRegionError is LeaseFor's answer to a node of another region than
+// the lease's holder: two regions' nodes share this Redis (a region line
+// that says another name), and the role would publish one region's
+// counts under the other's name.
+type OtherRegionError struct {
+	// Holder is the region of the lease's holder; Mine the caller's.
+	Holder, Mine string
+}
+
+// OtherRegion is the region of the lease's holder (for a caller that
+// knows the error by this method alone).
+func (e *OtherRegionError) OtherRegion() string { return e.Holder }
+
+func (e *OtherRegionError) Error() string {
+	return fmt.Sprintf("the role's lease in this Redis is held by a node of region %q, and this node's region is %q: "+
+		"two regions' nodes share one Redis (and its counts), and this node takes no role here: check every node's region line", e.Holder, e.Mine)
+}
+
+// LeaseFor is Lease by a node of region (none: no check): while a node
+// of another region holds the lease, it is an *OtherRegionError.
+func (r *Redis) LeaseFor(ctx context.Context, ttl time.Duration, region string) (string, error) {
 	ep := r.roleEndpoint()
-	holder, err := leaseScript.Run(ctx, ep.client, []string{r.leaseKey()}, r.nodeID, ttl.Milliseconds()).Text()
+	holder, err := leaseScript.Run(ctx, ep.client, []string{r.leaseKey(), r.leaseKey() + ":region"}, r.nodeID, ttl.Milliseconds(), region).Text()
 	if err != nil {
 		return "", fmt.Errorf("redis lease %s: %w", ep.address, explainScripts(err))
+	}
+	if other, ok := strings.CutPrefix(holder, "\x00"); ok {
+		return "", &OtherRegionError{Holder: other, Mine: region}
 	}
 	return holder, nil
 }
@@ -232,7 +271,7 @@ func (r *Redis) Lease(ctx context.Context, ttl time.Duration) (string, error) {
 // node takes it at once rather than after the TTL.
 func (r *Redis) ReleaseLease(ctx context.Context) error {
 	ep := r.roleEndpoint()
-	if err := releaseScript.Run(ctx, ep.client, []string{r.leaseKey()}, r.nodeID).Err(); err != nil && !errors.Is(err, redis.Nil) {
+	if err := releaseScript.Run(ctx, ep.client, []string{r.leaseKey(), r.leaseKey() + ":region"}, r.nodeID).Err(); err != nil && !errors.Is(err, redis.Nil) {
 		return fmt.Errorf("redis release lease %s: %w", ep.address, explainScripts(err))
 	}
 	return nil

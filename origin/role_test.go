@@ -2,6 +2,7 @@ package origin
 
 import (
 	"context"
+	"errors"
 	"slices"
 	"strconv"
 	"strings"
@@ -48,6 +49,49 @@ func TestRole_LeaseIsHeldByOneNodeAndPassesOn(t *testing.T) {
 	}
 	if h, _ := a.LeaseHolder(ctxT(t)); h != "a" {
 		t.Fatalf("a non-holder's release freed the lease: holder %q", h)
+	}
+}
+
+// TestRole_ANodeOfAnotherRegionTakesNoLease: a node whose region line
+// says another name than its Redis's other nodes took the role when it
+// was free, and published that region's counts under its own name (an
+// audit: eu's 60 units as us's row, and us's nodes, taking the row for
+// their own, never counted them). While a node of one region holds the
+// lease, a node of another gets *OtherRegionError and no lease; once the
+// lease is free (released, or lapsed) either may take it.
+func TestRole_ANodeOfAnotherRegionTakesNoLease(t *testing.T) {
+	srv := redistest.Start(t)
+	eu := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "eu1"})
+	us := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "us1"})
+	const ttl = 300 * time.Millisecond
+	if h, err := eu.LeaseFor(ctxT(t), ttl, "eu"); err != nil || h != "eu1" {
+		t.Fatalf("eu1 takes the free lease: %q %v", h, err)
+	}
+	var other *OtherRegionError
+	if h, err := us.LeaseFor(ctxT(t), ttl, "us"); !errors.As(err, &other) || other.Holder != "eu" || other.Mine != "us" || h != "" {
+		t.Fatalf("a node of us while eu holds the lease: %q %v, want an OtherRegionError naming eu", h, err)
+	}
+	if h, err := eu.LeaseFor(ctxT(t), ttl, "eu"); err != nil || h != "eu1" {
+		t.Fatalf("eu1 renews: %q %v", h, err)
+	}
+	if err := eu.ReleaseLease(ctxT(t)); err != nil {
+		t.Fatal(err)
+	}
+	if h, err := us.LeaseFor(ctxT(t), ttl, "us"); err != nil || h != "us1" {
+		t.Fatalf("us1 takes the released lease: %q %v", h, err)
+	}
+	if _, err := eu.LeaseFor(ctxT(t), ttl, "eu"); !errors.As(err, &other) || other.Holder != "us" {
+		t.Fatalf("eu1 while us1 holds the lease: %v, want an OtherRegionError naming us", err)
+	}
+	// us1 dies: its lease lapses, and eu1 takes the role.
+	redistest.Eventually(t, 5*time.Second, "eu1 takes the lapsed lease", func() bool {
+		h, err := eu.LeaseFor(ctxT(t), ttl, "eu")
+		return err == nil && h == "eu1"
+	})
+	// A node that names no region (a build before regions were checked)
+	// sees the holder as before.
+	if h, err := us.Lease(ctxT(t), ttl); err != nil || h != "eu1" {
+		t.Fatalf("a node without a region: %q %v, want holder eu1", h, err)
 	}
 }
 

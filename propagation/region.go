@@ -170,7 +170,17 @@ func (p *Propagator) holdRole(ctx context.Context) (held, taken bool) {
 	if p.stopped(err) {
 		return false, false // the layer stops: its role is as it was, for releaseRole
 	}
-	if err != nil {
+	var other interface{ OtherRegion() string }
+	switch {
+	case err != nil && errors.As(err, &other):
+		// A region line that names another region than the Redis's
+		// other nodes: the role would publish their counts under this
+		// node's name.
+		if c := p.stats.leaseErrors.Add(1); c == 1 || c%100 == 0 {
+			p.log.Error("a node of another region holds the role in this region's Redis: this node takes no role; check every node's region line",
+				zap.String("region", p.cfg.Region), zap.String("holder_region", other.OtherRegion()), zap.Int64("lease_errors", c))
+		}
+	case err != nil:
 		if c := p.stats.leaseErrors.Add(1); c == 1 || c%100 == 0 {
 			p.log.Warn("the region's Redis did not answer the role's lease: publication pauses until it does",
 				zap.Int64("lease_errors", c), zap.Error(err))
