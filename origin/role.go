@@ -106,8 +106,9 @@ var (
 	// ms when it is free, or renews it when ARGV[1] holds it; returns the
 	// holder afterwards.
 	// With ARGV[3], a region's name, KEYS[2] holds the region of the
-	// lease's holder for as long as the lease: a node of another region
-	// takes and renews no lease while it stands, and gets "\0" and that
+	// lease's holder for ten times the lease (regionHold): a node of
+	// another region takes no lease while it stands, so not the moment
+	// every node of the region stopped either, and gets "\0" and that
 	// region instead (LeaseFor).
 	leaseScript = sourcedScript(`
 if ARGV[3] and ARGV[3] ~= '' then
@@ -118,7 +119,7 @@ local v = redis.call('GET', KEYS[1])
 local took = v == ARGV[1]
 if took then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 if not v then redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) took = true end
-if took and ARGV[3] and ARGV[3] ~= '' then redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[2]) end
+if took and ARGV[3] and ARGV[3] ~= '' then redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[4]) end
 if took then return ARGV[1] end
 return v
 `)
@@ -253,11 +254,18 @@ func (e *OtherRegionError) Error() string {
 		"two regions' nodes share one Redis (and its counts), and this node takes no role here: check every node's region line", e.Holder, e.Mine)
 }
 
+// regionHold is how many leases long the region of the lease's last
+// holder stands after it: a region renamed on every node waits that long
+// for its role.
+const regionHold = 10
+
 // LeaseFor is Lease by a node of region (none: no check): while a node
-// of another region holds the lease, it is an *OtherRegionError.
+// of another region holds the lease, or held it within regionHold leases,
+// it is an *OtherRegionError.
 func (r *Redis) LeaseFor(ctx context.Context, ttl time.Duration, region string) (string, error) {
 	ep := r.roleEndpoint()
-	holder, err := leaseScript.Run(ctx, ep.client, []string{r.leaseKey(), r.leaseKey() + ":region"}, r.nodeID, ttl.Milliseconds(), region).Text()
+	holder, err := leaseScript.Run(ctx, ep.client, []string{r.leaseKey(), r.leaseKey() + ":region"},
+		r.nodeID, ttl.Milliseconds(), region, (regionHold * ttl).Milliseconds()).Text()
 	if err != nil {
 		return "", fmt.Errorf("redis lease %s: %w", ep.address, explainScripts(err))
 	}

@@ -83,11 +83,17 @@ func TestRole_ANodeOfAnotherRegionTakesNoLease(t *testing.T) {
 	if _, err := eu.LeaseFor(ctxT(t), ttl, "eu"); !errors.As(err, &other) || other.Holder != "us" {
 		t.Fatalf("eu1 while us1 holds the lease: %v, want an OtherRegionError naming us", err)
 	}
-	// us1 dies: its lease lapses, and eu1 takes the role.
-	redistest.Eventually(t, 5*time.Second, "eu1 takes the lapsed lease", func() bool {
+	// us1 dies: its lease lapses, but its region stands for ten leases
+	// (all of a region's nodes stopped, the other region's takes no role
+	// of it), and then eu1 takes the role.
+	start := time.Now()
+	redistest.Eventually(t, 10*time.Second, "eu1 takes the role once us's region lapsed", func() bool {
 		h, err := eu.LeaseFor(ctxT(t), ttl, "eu")
 		return err == nil && h == "eu1"
 	})
+	if took := time.Since(start); took < 5*ttl {
+		t.Fatalf("eu1 took the role %s after us1's last renewal, while us's region stood (%s)", took, regionHold*ttl)
+	}
 	// A node that names no region (a build before regions were checked)
 	// sees the holder as before.
 	if h, err := us.Lease(ctxT(t), ttl); err != nil || h != "eu1" {
