@@ -730,3 +730,39 @@ func TestRole_ACellBelowTheFloorIsPublishedOnceAnotherRegionCountsIt(t *testing.
 		t.Fatalf("%d rows of region a, want k's alone", rows)
 	}
 }
+
+// TestRole_AMemberKeepsNoConnectionToMySQL: a member runs no statement
+// once the migration check at its start is done, and the connection that
+// check opened stayed open for its five-minute lifetime: one per node of
+// every region after each start or reload, past MySQL's max_connections
+// on an edge deployment (an audit saw it idle in SHOW PROCESSLIST). It
+// closes once idle for connMaxIdle now.
+func TestRole_AMemberKeepsNoConnectionToMySQL(t *testing.T) {
+	defer func(d time.Duration) { connMaxIdle = d }(connMaxIdle)
+	connMaxIdle = 200 * time.Millisecond
+	s := newSetup(t)
+	mem := newMemRegion(s.clk)
+	mem.holder, mem.until = "n0", s.clk.ms.Load()+time.Hour.Milliseconds() // another node holds the role
+	eng := engine.New(engine.Config{Now: s.clk.Now, Manual: true})
+	eng.Zone("z", window)
+	cfg := Config{DSN: s.dsn, Region: "a", Batch: 100, Timeout: 5 * time.Second}.WithDefaults()
+	sql, _, err := openStore(cfg, zap.NewNop())
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := s.start(eng, cfg, Options{Now: s.clk.Now, Region: memNode{mem, "n1"}, Store: sql})
+	if got := sql.write.Stats().OpenConnections; got == 0 {
+		t.Fatal("the migration check left no connection: the test sees nothing close")
+	}
+	p.FlushOnce(bg)
+	if st := p.Stats(); st.Role != "member" {
+		t.Fatalf("n1 is %q, want a member", st.Role)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for sql.write.Stats().OpenConnections > 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("a member still holds %d connections to MySQL after 10 s idle", sql.write.Stats().OpenConnections)
+		}
+		time.Sleep(50 * time.Millisecond) // database/sql closes idle connections on its own timer
+	}
+}

@@ -75,6 +75,9 @@ type sqlStore struct {
 // bounded by timeout whatever the DSN says, so a hung server cannot hold a
 // loop past it; sessions run in UTC, so the database's clock in the change
 // column is Unix time whatever the server's zone.
+// connMaxIdle is how long a connection to MySQL stays open unused.
+var connMaxIdle = 30 * time.Second
+
 func openStore(cfg Config, log *zap.Logger) (*sqlStore, string, error) {
 	write, addr, err := openDB(cfg.DSN, cfg.Timeout, log, "mysql")
 	if err != nil {
@@ -148,6 +151,12 @@ func openDB(dsn string, timeout time.Duration, log *zap.Logger, line string) (*s
 	db.SetMaxOpenConns(maxOpenConns)
 	db.SetMaxIdleConns(maxIdleConns)
 	db.SetConnMaxLifetime(5 * time.Minute)
+	// A member runs no statement after the migration check at its start,
+	// and its connection stayed open until its lifetime ended: one per
+	// node of every region for five minutes after each start or reload,
+	// past MySQL's max_connections (151 by default) on an edge deployment.
+	// The holder's flushes keep theirs in use.
+	db.SetConnMaxIdleTime(connMaxIdle)
 	return db, c.Net + "(" + c.Addr + ")/" + c.DBName, nil
 }
 
