@@ -447,22 +447,22 @@ func TestOverrides_ANodeReloadedToAnotherPrefixJoinsThatRegion(t *testing.T) {
 		t.Fatalf("under its override of 3 the key admitted %d of 4", n)
 	}
 
+	applies := func(what string, want func([]overrideDoc) bool) {
+		t.Helper()
+		redistest.EventuallyShow(t, 5*time.Second, "the node applies "+what, func() (bool, string) {
+			var list overrideListDoc
+			adminDo(t, admin, http.MethodGet, "/ratelimit/overrides?zone=ov").decode(t, http.StatusOK, &list)
+			return want(list.Overrides), fmt.Sprint(list.Overrides)
+		})
+	}
 	tester.InitServer(on("pb")(admin, port), "caddyfile")
-	redistest.EventuallyShow(t, 5*time.Second, "the node applies the overrides of pb's region, none", func() (bool, string) {
-		var list overrideListDoc
-		adminDo(t, admin, http.MethodGet, "/ratelimit/overrides?zone=ov").decode(t, http.StatusOK, &list)
-		return len(list.Overrides) == 0, fmt.Sprint(list.Overrides)
-	})
+	applies("the overrides of pb's region, none", func(l []overrideDoc) bool { return len(l) == 0 })
 	if n := admitted(t, base, "kept-fresh", 3); n != 2 {
 		t.Fatalf("a fresh key admitted %d of 3 at the zone's limit 2", n)
 	}
 	// Back on pa, its override applies again.
 	tester.InitServer(on("pa")(admin, port), "caddyfile")
-	redistest.EventuallyShow(t, 5*time.Second, "the node applies pa's override again", func() (bool, string) {
-		var list overrideListDoc
-		adminDo(t, admin, http.MethodGet, "/ratelimit/overrides?zone=ov").decode(t, http.StatusOK, &list)
-		return len(list.Overrides) == 1 && list.Overrides[0].Limit == 3, fmt.Sprint(list.Overrides)
-	})
+	applies("pa's override again", func(l []overrideDoc) bool { return len(l) == 1 && l[0].Limit == 3 })
 }
 
 // TestOverrides_AChangeWinsOverAFutureVersion: the region holds an

@@ -139,13 +139,7 @@ func (s *switchingServer) UpsertCounts(ctx context.Context, rows []*CountRow) er
 // counts missed the row (ten syncs later).
 func TestFailover_SeenDuringAWholePushStillPublishesEveryCellAgain(t *testing.T) {
 	s := newSetup(t)
-	eng := engine.New(engine.Config{Now: s.clk.Now, Manual: true})
-	eng.Zone("z", window)
-	cfg := Config{DSN: s.dsn, Region: "a", Batch: 100, Timeout: 5 * time.Second}.WithDefaults()
-	sql, _, err := openStore(cfg, zap.NewNop())
-	if err != nil {
-		t.Fatal(err)
-	}
+	eng, cfg, sql := s.engineAndStore("a")
 	st := &switchingServer{sqlStore: sql}
 	a := &region{eng: eng, p: s.start(eng, cfg, Options{Now: s.clk.Now, Store: st, Logger: zap.NewNop()})}
 	a.p.GlobalSyncOnce(bg) // notes the server

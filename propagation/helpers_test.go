@@ -78,6 +78,21 @@ func (s *setup) regionOn(clk *clock, name string, mod ...func(*Config)) *region 
 	return &region{eng: eng, p: s.start(eng, cfg, Options{Now: clk.Now, Logger: zap.NewNop()})}
 }
 
+// engineAndStore is a region's engine (manual, zone z), config (the
+// defaults) and MySQL store on the test's database, for a propagator the
+// test starts with options of its own.
+func (s *setup) engineAndStore(region string) (*engine.Engine, Config, *sqlStore) {
+	s.t.Helper()
+	eng := engine.New(engine.Config{Now: s.clk.Now, Manual: true})
+	eng.Zone("z", window)
+	cfg := Config{DSN: s.dsn, Region: region, Batch: 100, Timeout: 5 * time.Second}.WithDefaults()
+	sql, _, err := openStore(cfg, zap.NewNop())
+	if err != nil {
+		s.t.Fatal(err)
+	}
+	return eng, cfg, sql
+}
+
 // start makes the propagator of eng, migrates, attaches it, and stops both
 // when the test ends.
 func (s *setup) start(eng *engine.Engine, cfg Config, opts Options) *Propagator {

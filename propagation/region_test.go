@@ -743,13 +743,7 @@ func TestRole_AMemberKeepsNoConnectionToMySQL(t *testing.T) {
 	s := newSetup(t)
 	mem := newMemRegion(s.clk)
 	mem.holder, mem.until = "n0", s.clk.ms.Load()+time.Hour.Milliseconds() // another node holds the role
-	eng := engine.New(engine.Config{Now: s.clk.Now, Manual: true})
-	eng.Zone("z", window)
-	cfg := Config{DSN: s.dsn, Region: "a", Batch: 100, Timeout: 5 * time.Second}.WithDefaults()
-	sql, _, err := openStore(cfg, zap.NewNop())
-	if err != nil {
-		t.Fatal(err)
-	}
+	eng, cfg, sql := s.engineAndStore("a")
 	p := s.start(eng, cfg, Options{Now: s.clk.Now, Region: memNode{mem, "n1"}, Store: sql})
 	if got := sql.write.Stats().OpenConnections; got == 0 {
 		t.Fatal("the migration check left no connection: the test sees nothing close")
