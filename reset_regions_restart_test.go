@@ -108,7 +108,7 @@ func TestReset_AResetTheRegionMadeIsNotMarkedAgainByAHolderStartedSince(t *testi
 func heardAgainAfterARestart(t *testing.T, region, madeIn string, fresh bool) {
 	st, rb, srv := regionOnRedis(t, region)
 	redistest.EventuallyShow(t, 10*time.Second, "the book loaded from the region", func() (bool, string) {
-		return overrides.source() == rb.String(), overrides.source()
+		return overrides.source() == rb.Placement(), overrides.source()
 	})
 	clearOfAMinuteEdge(t, 40*time.Second)
 	ctx := context.Background()
