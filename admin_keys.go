@@ -35,7 +35,8 @@ type keyDoc struct {
 	shownID
 	WindowMs int64 `json:"window_ms"`
 	// Limit is the zone's limit for this identifier (an override's when one
-	// matches) in the newest config's first handler that defines the zone.
+	// matches): the lowest of the newest config's handlers that define the
+	// zone.
 	Limit       int64      `json:"limit"`
 	Effective   int64      `json:"effective"`
 	Remaining   int64      `json:"remaining"`
@@ -243,16 +244,20 @@ func errNoKey(zone string) error {
 	return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("no counters for this identifier in zone %q on this node", zone)}
 }
 
-// keyDocOf renders a key with the limit that the first of defs with its
-// window applies to it.
+// keyDocOf renders a key with the lowest limit that defs with its window
+// apply to it: a zone of several sites may carry a limit in each, and the
+// first def was the first handler Caddy provisioned, in the order of a
+// map, so the limit shown moved from one reload to the next.
 func keyDocOf(ks engine.KeyState, defs []zoneDef, ids identities) keyDoc {
-	var limit int64
+	limit := int64(-1)
 	for _, d := range defs {
 		if d.window == ks.Key.Window {
-			limit = d.limitFor(ks.Key.Namespace, ks.Key.Identifier)
-			break
+			if l := d.limitFor(ks.Key.Namespace, ks.Key.Identifier); limit < 0 || l < limit {
+				limit = l
+			}
 		}
 	}
+	limit = max(limit, 0)
 	doc := keyDoc{
 		Zone:        ks.Key.Namespace,
 		shownID:     showID(ids.shown(ks.Key.Identifier)),

@@ -110,7 +110,7 @@ func (a *App) Provision(ctx caddy.Context) error {
 	}
 	a.state = st
 	if f := st.sizeChanges(a); len(f) > 0 {
-		a.logger.Warn("max_entries and replay_workers size the engine when the process starts: the running engine keeps its values until a restart", f...)
+		a.logger.Warn("max_entries and replay_workers size the engine when it is made: the running engine keeps its values until a restart, or a reload to a config without ratelimit, which closes it", f...)
 	}
 	st.apps.provision(a)
 	a.backends = make([]backend, len(backendKinds))
