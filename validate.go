@@ -362,10 +362,10 @@ func validateOverrideForKey(id, key string, v4, v6 int) error {
 	if first, last, ok := keyTextAround(key); ok && first+last != "" {
 		// One placeholder with text around it: the value between the
 		// texts is masked as a key of the placeholder alone is.
-		if !strings.HasPrefix(id, first) || !strings.HasSuffix(id[len(first):], last) {
+		v, ok := between(id, first, last)
+		if !ok {
 			return fmt.Errorf("override %q never matches under key %q: the key's text around its placeholder is not there", id, key)
 		}
-		v := id[len(first) : len(id)-len(last)]
 		if v == "" {
 			return fmt.Errorf("override %q never matches under key %q: its value is empty, which is a missing key", id, key)
 		}
@@ -446,16 +446,25 @@ func validateOverrideKey(id, key string, v4, v6 int) error {
 	return nil
 }
 
+// between returns what id holds between first and last, ok false when
+// it does not begin with first and end with last after it.
+func between(id, first, last string) (string, bool) {
+	rest, ok := strings.CutPrefix(id, first)
+	if !ok {
+		return "", false
+	}
+	return strings.CutSuffix(rest, last)
+}
+
 // splitKeyID returns the values, still escaped, that id holds between
 // the texts of a composite key (texts[0] before its first placeholder,
 // texts[len-1] after its last) which escapes the bytes escape marks, or
 // why id is no identifier that key writes.
 func splitKeyID(id string, texts []string, escape *[256]bool) (values []string, why string) {
-	first, last := texts[0], texts[len(texts)-1]
-	if !strings.HasPrefix(id, first) || !strings.HasSuffix(id[len(first):], last) {
+	rest, ok := between(id, texts[0], texts[len(texts)-1])
+	if !ok {
 		return nil, "the key's text around its placeholders is not there"
 	}
-	rest := id[len(first) : len(id)-len(last)]
 	seps := texts[1 : len(texts)-1]
 	for i := 0; ; i++ {
 		// The value runs to the next raw byte the key escapes: the
@@ -506,11 +515,11 @@ func maskKeyID(id, key string, v4, v6 int) string {
 		return id
 	case len(texts) == 2:
 		// One placeholder: its value is written raw, whatever it holds.
-		first, last := texts[0], texts[1]
-		if !strings.HasPrefix(id, first) || !strings.HasSuffix(id[len(first):], last) {
+		v, ok := between(id, texts[0], texts[1])
+		if !ok {
 			return id
 		}
-		values = []string{id[len(first) : len(id)-len(last)]}
+		values = []string{v}
 	default:
 		if values, _ = splitKeyID(id, texts, &t.parts.escape); values == nil {
 			return id
