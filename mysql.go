@@ -304,6 +304,12 @@ func provisionMySQL(a *App) (backend, error) {
 		// The engine's clock: with Redis, the region's (Redis's), which
 		// the cells it publishes and imports are counted on.
 		Now: a.state.engine.Now,
+		// A global reset's row names its key's cells by zone and
+		// identifier, as count rows do (an HMAC under its form).
+		ResetCells: func(row propagation.OverrideRow) (string, string, bool) {
+			zone, reset, regionOnly, _ := fromBookZone(row.Namespace)
+			return zone, row.Identifier, reset && !regionOnly && !row.Deleted
+		},
 	}
 	// With Redis, the region's nodes share one MySQL client: the holder
 	// of the role the region's Redis leases.

@@ -150,7 +150,13 @@ func TestCaddy_MySQLLayer(t *testing.T) {
 // error it answered, if any.
 func loadCaddyfile(t *testing.T, admin int, cfg func(admin, port int) string) error {
 	t.Helper()
-	body := cfg(admin, redistest.MustFreePort(t))
+	return loadCaddyfileOn(t, admin, redistest.MustFreePort(t), cfg)
+}
+
+// loadCaddyfileOn is loadCaddyfile with the site on port.
+func loadCaddyfileOn(t *testing.T, admin, port int, cfg func(admin, port int) string) error {
+	t.Helper()
+	body := cfg(admin, port)
 	req, _ := http.NewRequest(http.MethodPost, fmt.Sprintf("http://localhost:%d/load", admin), strings.NewReader(body))
 	req.Header.Set("Content-Type", "text/caddyfile")
 	req.Close = true // as adminSend's

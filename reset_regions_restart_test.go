@@ -183,3 +183,83 @@ func loseKey(t *testing.T, srv *redistest.Server, id, field string) {
 		t.Fatalf("the reset's record: %d deleted (%v)", n, err)
 	}
 }
+
+// TestReset_AGlobalResetAfterTheRegionRestartedEmptyTakesItsOldUnitsOff:
+// a region publishes 3 units of a key (its row: count 3), then restarts
+// whole, its nodes and its Redis, empty: it counts 0 of the key, its row
+// still says 3. An operator then resets the key globally. The region
+// marked the reset at its count then, and its row only grows
+// (GREATEST): the row said 3 since the reset, and every other region went
+// on counting the 3 units the reset took off (then the larger of them and
+// what the region admitted since) for the rest of the window, denying a
+// key the operator had just cleared. The row must say what the region
+// admitted since the reset: 0, then the 1 admitted after it. With no unit
+// between the restart and the reset the region's Redis holds no cell to
+// mark, and nothing was published under the reset at all; with one, the
+// cell is marked at 1, below the row's 3.
+func TestReset_AGlobalResetAfterTheRegionRestartedEmptyTakesItsOldUnitsOff(t *testing.T) {
+	for _, between := range []int{0, 1} {
+		t.Run(fmt.Sprintf("%d admitted between", between), func(t *testing.T) {
+			resetAfterARestartedRegion(t, between)
+		})
+	}
+}
+
+func resetAfterARestartedRegion(t *testing.T, between int) {
+	resetOverrides(t)
+	clearOfAMinuteEdge(t, 40*time.Second)
+	srv := redistest.Start(t)
+	my := mysqltest.Start(t)
+	timing := "\t\tmysql_flush 50ms\n\t\tglobal_sync 200ms\n\t\tfast_tick 10ms\n\t\tslow_tick 50ms\n\t\tpublish_floor 0.01\n"
+	db, admin, base := regionOnMySQL(t, srv, my, timing)
+	var ver int64
+	row := func() (since int64, s string) {
+		var c, b int64
+		err := db.QueryRow("SELECT count, reset_version, reset_base FROM ratelimit_global_counts WHERE identifier = ?", "file-key").Scan(&c, &ver, &b)
+		return c - b, fmt.Sprintf("count %d version %d base %d (%v)", c, ver, b, err)
+	}
+	if n := admitted(t, base, "file-key", 3); n != 3 {
+		t.Fatalf("admitted %d of 3", n)
+	}
+	redistest.EventuallyShow(t, 10*time.Second, "the row counts 3", func() (bool, string) {
+		n, s := row()
+		return n == 3, s
+	})
+	before := ver
+	// The region restarts whole: a config without the rate limiter lets
+	// the node's engine and holder go, the Redis restarts empty, and the
+	// config comes back.
+	port := redistest.MustFreePort(t)
+	if err := loadCaddyfileOn(t, admin, port, func(admin, port int) string {
+		return caddyConfig(admin, port, "", "\thandle {\n\t\trespond \"ok\"\n\t}")
+	}); err != nil {
+		t.Fatal(err)
+	}
+	srv.Restart()
+	global := fmt.Sprintf("\tratelimit {\n\t\tregion test-a\n\t\tredis %s\n\t\tmysql {env.RATELIMIT_TEST_MYSQL_DSN}\n%s\t}", srv.URL(), timing)
+	if err := loadCaddyfileOn(t, admin, port, overrideConfig(global)); err != nil {
+		t.Fatal(err)
+	}
+	base = fmt.Sprintf("http://127.0.0.1:%d", port)
+	if n := admitted(t, base, "file-key", between); n != between {
+		t.Fatalf("admitted %d of %d after the restart", n, between)
+	}
+	if between > 0 {
+		redistest.EventuallyShow(t, 10*time.Second, "the node sent its unit", func() (bool, string) {
+			return lookupState().engine.Stats().PendingCells == 0, ""
+		})
+	}
+	var doc resetDoc
+	adminSend(t, admin, http.MethodDelete, "/ratelimit/counters?zone=ov&identifier=file-key&scope=global", "").decode(t, http.StatusOK, &doc)
+	redistest.EventuallyShow(t, 10*time.Second, "the row says 0 since the reset", func() (bool, string) {
+		n, s := row()
+		return n == 0 && ver > before, s
+	})
+	if n := admitted(t, base, "file-key", 1); n != 1 {
+		t.Fatalf("admitted %d of 1 after the reset", n)
+	}
+	redistest.EventuallyShow(t, 10*time.Second, "the row says the 1 admitted since the reset", func() (bool, string) {
+		n, s := row()
+		return n == 1, s
+	})
+}

@@ -55,6 +55,10 @@ type OverrideStore interface {
 	// ReadOverrides reads one page of overrides (Read.Now is ignored: a
 	// removal must travel too).
 	ReadOverrides(ctx context.Context, r Read) ([]OverrideRow, error)
+	// MarkResetCounts marks region's published counts of a key with the
+	// global reset ver where they hold an older one, taking off all they
+	// count; it returns how many rows it marked.
+	MarkResetCounts(ctx context.Context, region, namespace, identifier string, ver int64) (int64, error)
 }
 
 // OverrideRegion is a Region that carries overrides (the region's Redis).
@@ -203,6 +207,7 @@ func (p *Propagator) pullOverrides(ctx context.Context) {
 	if len(got) == 0 {
 		return
 	}
+	p.markResets(ctx, st, got)
 	if reg, ok := p.region.(OverrideRegion); ok {
 		if err := reg.ApplyOverrides(ctx, got); err != nil {
 			p.regionFailed("handing overrides to the region", err)
@@ -215,6 +220,36 @@ func (p *Propagator) pullOverrides(ctx context.Context) {
 	}
 	if p.onOverrides != nil {
 		p.onOverrides(got)
+	}
+}
+
+// markResets marks this region's published counts of the keys that the
+// live global resets among rows reset (MarkResetCounts), before the
+// region marks its cells: a row of a cell the region's Redis lost (the
+// region restarted whole, its Redis emptied) is never published again,
+// and kept counting, in every other region, the units the reset took off.
+// A mark that fails is tried again at the next whole read.
+func (p *Propagator) markResets(ctx context.Context, st OverrideStore, rows []OverrideRow) {
+	if p.resetCells == nil {
+		return
+	}
+	now := p.now().UnixMilli()
+	for i := range rows {
+		r := &rows[i]
+		ns, id, ok := p.resetCells(*r)
+		if !ok || !r.Live(now) {
+			continue
+		}
+		if err := p.write(ctx, func(ctx context.Context) error {
+			_, err := st.MarkResetCounts(ctx, p.cfg.Region, ns, id, r.Version)
+			return err
+		}); err != nil {
+			p.writeFailed("reset marks", 1, err)
+			p.mu.Lock()
+			p.fullPull[Overrides] = true
+			p.mu.Unlock()
+			return
+		}
 	}
 }
 

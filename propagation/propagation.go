@@ -149,6 +149,7 @@ type Propagator struct {
 	ovTakeAll   bool                  // the next take reads every override the region holds
 	ovHeld      map[Cell]OverrideRow  // the newest override of each key written or read, until it lapses (lost.go)
 	onOverrides func([]OverrideRow)
+	resetCells  func(OverrideRow) (namespace, identifier string, ok bool)
 	mismatched  map[zoneWindow]bool // zones over another window here, logged once (pull.go)
 	recentOut   []BlocklistRow
 	recentIn    []BlocklistRow
@@ -253,6 +254,12 @@ type Options struct {
 	// the wall clock, which would make a simulated outage end at a time
 	// that depends on the machine's speed). Nil: the breaker.
 	WriteGate func(write func() error) error
+	// ResetCells, if set, names the count rows a row of ratelimit_overrides
+	// resets for every region: their namespace and identifier, ok false
+	// for a row that is no such reset. The holder marks its region's rows
+	// of the key as it hears of the reset (Store's MarkResetCounts). Nil:
+	// none is marked so.
+	ResetCells func(OverrideRow) (namespace, identifier string, ok bool)
 	// RoleHeld, if set, is whether the process holds the region's role,
 	// shared by the propagators it makes in turn (each reload makes one,
 	// which runs beside the old one for a moment): a new propagator that
@@ -307,6 +314,7 @@ func New(cfg Config, eng Engine, opts Options) (*Propagator, error) {
 		ovPending:   make(map[Cell]*OverrideRow),
 		ovHeld:      make(map[Cell]OverrideRow),
 		onOverrides: opts.OnOverrides,
+		resetCells:  opts.ResetCells,
 		fullPull:    [tables]bool{true, true, true},
 		fullPush:    cfg.Republish,
 		republish:   cfg.Republish,

@@ -171,8 +171,22 @@ func (p *Propagator) publishRegistered(ctx context.Context, rd *regionRead) {
 		}
 		// The region lost its mark of a reset it published (ownMark). A
 		// read that failed says 0 of everything, and tells nothing.
-		if o := p.own[c]; o != nil && r.shiftVer == 0 && n.Count > 0 && n.ResetVersion < o.ver {
-			r.shift, r.shiftVer = o.base, o.ver
+		//
+		// Or the region's mark is the row's, under a larger base: the
+		// row's count was above the region's when it marked the reset (the
+		// region lost units, restarted whole with its Redis emptied, and
+		// MySQL took the row's count for the base: UpsertCounts,
+		// MarkResetCounts), or another holder published on top of the
+		// row's base before. What the region counts since its mark is
+		// published on top of the row's base, which the row's count then
+		// passes as the region admits.
+		if o := p.own[c]; o != nil && r.shiftVer == 0 && n.Count > 0 {
+			switch {
+			case n.ResetVersion < o.ver:
+				r.shift, r.shiftVer = o.base, o.ver
+			case n.ResetVersion == o.ver && o.base > n.ResetBase:
+				r.shift, r.shiftVer = o.base-n.ResetBase, o.ver
+			}
 		}
 		count, ver, base := n.Count, max(n.ResetVersion, MarksResets), n.ResetBase
 		if r.shiftVer > 0 {

@@ -268,6 +268,22 @@ func (s *countingStore) ReadOverrides(ctx context.Context, r Read) ([]OverrideRo
 	return s.Store.(OverrideStore).ReadOverrides(ctx, r)
 }
 
+// A countingStore carries overrides as the store it wraps does: one that
+// lacked a method of OverrideStore was no OverrideStore, and the
+// propagators on it silently carried none.
+var _ OverrideStore = (*countingStore)(nil)
+
+func (s *countingStore) MarkResetCounts(ctx context.Context, region, namespace, identifier string, ver int64) (int64, error) {
+	s.statements.Add(1)
+	if err := s.stall(ctx); err != nil {
+		return 0, err
+	}
+	if s.failWrites.Load() {
+		return 0, errDown
+	}
+	return s.Store.(OverrideStore).MarkResetCounts(ctx, region, namespace, identifier, ver)
+}
+
 func (s *countingStore) DeleteExpired(ctx context.Context, t Table, now int64, chunk int) (int64, error) {
 	s.statements.Add(1)
 	if err := s.stall(ctx); err != nil {

@@ -296,9 +296,15 @@ ON DUPLICATE KEY UPDATE
 // UpsertCounts writes published counts, sorted like UpsertDenials, with
 // count = GREATEST(count, new): a region's count only grows, and a
 // repeated write (a new holder, a retry) changes nothing. A newer global
-// reset replaces the row's reset and base (the assignments run in order,
-// each seeing those before it: updated_ms and reset_base read the old
-// reset_version).
+// reset replaces the row's reset, and its base with the larger of the
+// write's and the row's count (the assignments run in order, each seeing
+// those before it: updated_ms and reset_base read the old reset_version
+// and count). A region's count is below its row's only when it lost
+// units, restarted whole with its Redis emptied: marked at that count, the
+// reset took off none of the units the row still counts, and every other
+// region went on counting them (the root's
+// TestReset_AGlobalResetAfterTheRegionRestartedEmptyTakesItsOldUnitsOff);
+// the holder then publishes its count on top of the row's base (ownMark).
 func (s *sqlStore) UpsertCounts(ctx context.Context, rows []*CountRow) error {
 	if len(rows) == 0 {
 		return nil
@@ -314,7 +320,7 @@ func (s *sqlStore) UpsertCounts(ctx context.Context, rows []*CountRow) error {
 VALUES ` + placeholders(len(rows), 9, ","+dbNowMs) + `
 ON DUPLICATE KEY UPDATE
   updated_ms = IF(VALUES(count) > count OR VALUES(reset_version) > reset_version, VALUES(updated_ms), updated_ms),
-  reset_base = IF(VALUES(reset_version) > reset_version, VALUES(reset_base),
+  reset_base = IF(VALUES(reset_version) > reset_version, GREATEST(count, VALUES(reset_base)),
     IF(VALUES(reset_version) = reset_version, GREATEST(reset_base, VALUES(reset_base)), reset_base)),
   reset_version = GREATEST(reset_version, VALUES(reset_version)),
   count = GREATEST(count, VALUES(count)),
@@ -538,6 +544,31 @@ ON DUPLICATE KEY UPDATE
 		return fmt.Errorf("upsert %d overrides: %w", len(rows), err)
 	}
 	return nil
+}
+
+// MarkResetCounts marks region's published counts of the key (its zone
+// and identifier as count rows name them) with the global reset ver,
+// where they do not hold it or a newer one: the base is the row's count,
+// every unit it counts taken off. A region marks its Redis's cells when
+// it hears of a reset, and its holder publishes the marks; a cell the
+// region's Redis no longer holds (the region restarted whole, its Redis
+// emptied, since it published the count) is never published again, and
+// its row, unmarked, kept counting the units the reset took off in every
+// other region for the rest of the window
+// (TestReset_AGlobalResetAfterTheRegionRestartedEmptyTakesItsOldUnitsOff).
+func (s *sqlStore) MarkResetCounts(ctx context.Context, region, namespace, identifier string, ver int64) (int64, error) {
+	res, err := s.write.ExecContext(ctx, `UPDATE ratelimit_global_counts
+SET updated_ms = `+dbNowMs+`, reset_base = count, reset_version = ?
+WHERE namespace = ? AND identifier = ? AND region = ? AND reset_version < ?`,
+		ver, []byte(namespace), []byte(identifier), []byte(region), ver)
+	if err != nil {
+		return 0, fmt.Errorf("mark a reset on the region's counts: %w", err)
+	}
+	n, err := res.RowsAffected()
+	if err != nil {
+		return 0, fmt.Errorf("mark a reset on the region's counts: %w", err)
+	}
+	return n, nil
 }
 
 const overrideColumns = `namespace, identifier, limit_units, expires_ms, reason, origin_region, version, deleted, updated_ms`

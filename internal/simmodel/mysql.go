@@ -371,6 +371,15 @@ func (c *mysqlClient) ReadOverrides(_ context.Context, r propagation.Read) ([]pr
 	return nil, err
 }
 
+// MarkResetCounts is one statement, as the store's, whose rows land when
+// it arrives: it says 0 marked. The model keeps no overrides, so no pull
+// of it hears of a reset to mark.
+func (c *mysqlClient) MarkResetCounts(_ context.Context, region, namespace, identifier string, ver int64) (int64, error) {
+	return 0, c.write(0, func(at int64) {
+		c.m.tables[propagation.Counts].markReset(region, namespace, identifier, ver, at)
+	})
+}
+
 // Interface guard.
 var _ propagation.OverrideStore = (*mysqlClient)(nil)
 

@@ -108,8 +108,9 @@ func (t *table) rise(x *row, v *version, at int64) {
 }
 
 // upsertCount is the store's INSERT … ON DUPLICATE KEY UPDATE: count =
-// GREATEST(…), a newer reset_version replaces the row's reset and base
-// (the same one keeps the larger base), and updated_ms moves only when
+// GREATEST(…), a newer reset_version replaces the row's reset, and its
+// base with the larger of the write's and the row's count (the same one
+// keeps the larger base), and updated_ms moves only when
 // the count or the reset version rises. The model once kept neither
 // reset column: every row read back as a region that cannot mark resets
 // (0), and a reset marked on a count that did not rise was no change.
@@ -125,7 +126,7 @@ func (t *table) upsertCount(r *propagation.CountRow, at int64) {
 	base := l.base
 	switch {
 	case r.ResetVersion > l.ver:
-		base = r.ResetBase
+		base = max(l.count, r.ResetBase)
 	case r.ResetVersion == l.ver:
 		base = max(base, r.ResetBase)
 	}
@@ -134,6 +135,25 @@ func (t *table) upsertCount(r *propagation.CountRow, at int64) {
 		return
 	}
 	l.base = base
+}
+
+// markReset is the store's MarkResetCounts: the rows of the key's
+// region under an older reset take ver, their count as their base, and
+// a change time.
+func (t *table) markReset(region, ns, id string, ver, at int64) {
+	var marked []*row
+	for k, x := range t.rows {
+		if k.region == region && k.ns == ns && k.id == id && x.last.ver < ver {
+			marked = append(marked, x)
+		}
+	}
+	// In key order, as the statement's rows: the log's order is the
+	// run's, the same for every run of a seed.
+	sort.Slice(marked, func(i, j int) bool { return marked[i].key.less(marked[j].key) })
+	for _, x := range marked {
+		l := x.last
+		t.rise(x, &version{count: l.count, ver: ver, base: l.count, expires: l.expires}, at)
+	}
 }
 
 // upsertDenial is the blocklist's upsert: counts rise by GREATEST, the
