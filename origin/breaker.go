@@ -3,6 +3,7 @@ package origin
 import (
 	"context"
 	"errors"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -42,9 +43,17 @@ const (
 // breaker is one gobreaker circuit breaker with its slow-call threshold
 // (zero: errors only).
 type breaker struct {
-	cb   *gobreaker.CircuitBreaker[struct{}]
-	slow time.Duration
-	ep   *endpoint
+	// cb is the breaker in use: answeredOutside replaces an open one with
+	// a closed one (made by fresh), and gen numbers them, so that a
+	// replaced one's late transitions are not taken for the new one's.
+	cb    atomic.Pointer[gobreaker.CircuitBreaker[struct{}]]
+	gen   atomic.Uint64
+	fresh func(gen uint64) *gobreaker.CircuitBreaker[struct{}]
+	mu    sync.Mutex // replacements
+	// openedAt is when it last opened (Unix ns).
+	openedAt atomic.Int64
+	slow     time.Duration
+	ep       *endpoint
 	// state is the state the breaker last entered, for Stats: gobreaker's
 	// State() moves an open breaker whose timeout passed to half-open, so
 	// a status or a metrics scrape read that way turned an idle node's
@@ -72,12 +81,22 @@ func (ep *endpoint) newBreaker(name string, c BreakerConfig, slow time.Duration)
 	minRequests := uint32(c.MinRequests)
 	ratio := c.FailureRatio
 	b := &breaker{ep: ep, slow: slow}
-	b.cb = gobreaker.NewCircuitBreaker[struct{}](gobreaker.Settings{
+	b.fresh = func(gen uint64) *gobreaker.CircuitBreaker[struct{}] {
+		return b.settings(name, gen, interval, minRequests, ratio, time.Duration(c.Timeout))
+	}
+	b.cb.Store(b.fresh(0))
+	return b
+}
+
+// settings makes the breaker's gobreaker, number gen.
+func (b *breaker) settings(name string, gen uint64, interval time.Duration, minRequests uint32, ratio float64, timeout time.Duration) *gobreaker.CircuitBreaker[struct{}] {
+	ep := b.ep
+	return gobreaker.NewCircuitBreaker[struct{}](gobreaker.Settings{
 		Name:         name,
 		MaxRequests:  halfOpenProbes,
 		Interval:     interval,
 		BucketPeriod: interval / breakerBuckets,
-		Timeout:      time.Duration(c.Timeout),
+		Timeout:      timeout,
 		// A ratio over a minimum sample, counted per round trip: the herd of
 		// cold reads at a window rollover shares a few batched round trips
 		// (read.go) that succeed on a healthy Redis, and reads that merely
@@ -101,11 +120,45 @@ func (ep *endpoint) newBreaker(name string, c BreakerConfig, slow time.Duration)
 			return errors.Is(err, context.Canceled) || errors.As(err, &starved)
 		},
 		OnStateChange: func(name string, from, to gobreaker.State) {
+			if b.gen.Load() != gen {
+				return // replaced (answeredOutside)
+			}
+			if to == gobreaker.StateOpen {
+				b.openedAt.Store(time.Now().UnixNano())
+			}
 			b.state.Store(int32(to))
 			ep.r.emit(stateEvent{endpoint: ep.address, breaker: name, from: breakerState(from), to: breakerState(to)})
 		},
 	})
-	return b
+}
+
+// answeredOutside is told of a round trip to the endpoint made outside
+// the breakers (the restart watch's, every slow tick), which began at
+// start and took rtt. An open breaker waited out its timeout
+// (breaker_timeout) before a call probed Redis, whatever had heard it
+// answer since: a Redis killed and started again half a second later left
+// each node deciding alone for the timeout's 5 s (an audit: 184 admitted
+// in a window of 100 over three nodes). Such an answer is the evidence
+// the half-open probe would give (one round trip: halfOpenProbes), and
+// closes an open breaker at once, made anew, when the round trip began
+// after it opened and came within its slow-call threshold (a Redis that
+// answers slowly opened the request path's breaker, and would at once
+// again). A breaker whose timeout passed is left to its own probe.
+func (b *breaker) answeredOutside(start time.Time, rtt time.Duration) {
+	if gobreaker.State(b.state.Load()) != gobreaker.StateOpen || start.UnixNano() <= b.openedAt.Load() ||
+		(b.slow > 0 && rtt > b.slow) {
+		return
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	old := b.cb.Load()
+	if old.State() != gobreaker.StateOpen {
+		return
+	}
+	gen := b.gen.Add(1)
+	b.cb.Store(b.fresh(gen))
+	b.state.Store(int32(gobreaker.StateClosed))
+	b.ep.r.emit(stateEvent{endpoint: b.ep.address, breaker: old.Name(), from: BreakerOpen, to: BreakerClosed})
 }
 
 // smallTrip is the number of calls failed in a row on which a breaker
@@ -137,7 +190,7 @@ func countsAgainst(err error) bool {
 
 // open reports whether the breaker refuses calls right now (a cheap check
 // before any work, so an open breaker costs a request nothing).
-func (b *breaker) open() bool { return b.cb.State() == gobreaker.StateOpen }
+func (b *breaker) open() bool { return b.cb.Load().State() == gobreaker.StateOpen }
 
 // guard runs fn, a call about cells cells, through the breaker,
 // translating its refusals. A call that succeeded past the slow-call
@@ -151,7 +204,7 @@ func (b *breaker) open() bool { return b.cb.State() == gobreaker.StateOpen }
 // the runs of TestRead_ColdHerdAtRolloverDoesNotTripTheBreaker, 5,000
 // reads), and every cold key then decided locally for the breaker's wait.
 func (b *breaker) guard(cells int, fn func() error) error {
-	_, err := b.cb.Execute(func() (struct{}, error) {
+	_, err := b.cb.Load().Execute(func() (struct{}, error) {
 		start := time.Now()
 		err := explainScripts(fn())
 		slow := b.slow + time.Duration(cells)*slowPerCell

@@ -458,3 +458,72 @@ func TestBreaker_ReadingTheStateMovesNoBreaker(t *testing.T) {
 		return st.Breaker == BreakerClosed && st.ReplayBreaker == BreakerClosed
 	})
 }
+
+// TestBreaker_ClosesOnceTheRestartWatchHearsRedisAgain: an open breaker
+// waited out its timeout (breaker_timeout, 5 s by default) before a call
+// probed Redis, whatever else had heard it answer since: a Redis killed
+// and started again half a second later left each node deciding alone
+// for 5 s (an audit: 184 admitted in a window of 100, three nodes at 30
+// requests a second), though the restart watch had read the new server
+// at the next slow tick. An answer to the watch that began after the
+// breaker opened, and came within its slow-call threshold, closes it.
+func TestBreaker_ClosesOnceTheRestartWatchHearsRedisAgain(t *testing.T) {
+	srv := redistest.Start(t)
+	var states stateLog
+	cfg := Config{Redis: []string{srv.URL()}, Breaker: BreakerConfig{Timeout: Duration(MaxBreakerTimeout)}}
+	o := newOrigin(t, cfg, Options{NodeID: "heard", OnStateChange: states.hook})
+	k, seq := key("heard"), nowSeq()
+	if err := requestRead(o, k, seq); err != nil {
+		t.Fatal(err)
+	}
+	o.WatchRestarts(20*time.Millisecond, func() {})
+	srv.Stop()
+	redistest.Eventually(t, 10*time.Second, "both breakers open", func() bool {
+		_ = requestRead(o, k, seq)
+		_ = o.Flush(ctxT(t), []engine.Delta{{Key: k, Sequence: seq, Delta: 1, Own: 1}})
+		st := o.Stats().Endpoints[0]
+		return st.Breaker == BreakerOpen && st.ReplayBreaker == BreakerOpen
+	})
+	srv.Restart()
+	// No call goes through either breaker meanwhile: only the watch hears
+	// Redis. Their timeout is ten minutes.
+	redistest.Eventually(t, 5*time.Second, "both breakers closed", func() bool {
+		st := o.Stats().Endpoints[0]
+		return st.Breaker == BreakerClosed && st.ReplayBreaker == BreakerClosed
+	})
+	if err := requestRead(o, k, seq); err != nil {
+		t.Fatalf("a read once the breakers closed: %v", err)
+	}
+	redistest.Eventually(t, time.Second, "the closing reported", func() bool {
+		seen := states.transitions(BreakerName)
+		return len(seen) >= 2 && seen[0] == "closed>open" && seen[len(seen)-1] == "open>closed"
+	})
+}
+
+// TestBreaker_ASlowAnswerOutsideItLeavesItOpen: the watch's answer closes
+// the request path's breaker only within its slow-call threshold (a
+// Redis answering slowly opened it, and would again at once), and only an
+// answer that began after it opened (one in flight through the outage
+// says nothing of Redis since).
+func TestBreaker_ASlowAnswerOutsideItLeavesItOpen(t *testing.T) {
+	srv := redistest.Start(t)
+	cfg := Config{Redis: []string{srv.URL()}, Breaker: BreakerConfig{Timeout: Duration(MaxBreakerTimeout), SlowCall: Duration(10 * time.Millisecond)}}
+	o := newOrigin(t, cfg, Options{NodeID: "slowly"})
+	k, seq := key("slowly"), nowSeq()
+	before := time.Now()
+	srv.Stop()
+	redistest.Eventually(t, 10*time.Second, "the request path's breaker open", func() bool {
+		_ = requestRead(o, k, seq)
+		return o.Stats().Endpoints[0].Breaker == BreakerOpen
+	})
+	b := o.endpoints[0].requests
+	b.answeredOutside(time.Now(), 50*time.Millisecond)
+	b.answeredOutside(before, time.Millisecond)
+	if st := b.reported(); st != BreakerOpen {
+		t.Fatalf("after a slow answer and one that began before it opened, the breaker is %s, want open", st)
+	}
+	b.answeredOutside(time.Now(), time.Millisecond)
+	if st := b.reported(); st != BreakerClosed {
+		t.Fatalf("after a quick answer that began after it opened, the breaker is %s, want closed", st)
+	}
+}

@@ -180,7 +180,14 @@ func (w *restartWatch) check(onRestart func()) {
 	var reads []reading
 	for _, ep := range w.r.endpoints {
 		ctx, cancel := context.WithTimeout(context.Background(), runIDTimeout)
+		start := time.Now()
 		ids, masters := runIDs(ctx, ep, w.r.prefix)
+		if rtt := time.Since(start); len(ids) > 0 && (masters == nil || len(ids) == len(masters)) {
+			// Every server of the endpoint answered: an open breaker need
+			// not wait out its timeout to hear it (breaker.answeredOutside).
+			ep.requests.answeredOutside(start, rtt)
+			ep.replay.answeredOutside(start, rtt)
+		}
 		rd := reading{ep: ep, ids: ids, masters: masters, marks: map[string]string{}}
 		for addr, srv := range ids {
 			// A server restarted lost its mark with the rest: the one
