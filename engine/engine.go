@@ -153,6 +153,10 @@ type Engine struct {
 	// flushEnded, when set, is closed when the next write of deltas
 	// ends: what a forget waits on for a cell in flight (forget.go).
 	flushEnded atomic.Pointer[chan struct{}]
+	// outlasted is the flushEnded channel (as flushEndedWhile returns
+	// it) whose wait ran out a request's deadline (holdWrites): until a
+	// write ends, and closes it, a reservation waits for no write.
+	outlasted atomic.Value
 	// forgets are the keys a forget is writing (forget.go).
 	forgets forgetting
 	// graves are recently dropped cells, for Resend (janitor.go).

@@ -422,7 +422,12 @@ func (e *Engine) sendGroup(ctx context.Context, o Origin, lc *located, l *Limit,
 // waited its whole read timeout to decide locally in the end, breaker
 // open or not, for as long as the origin hung. It decides locally at once
 // (dl.expired), as the read path does after a failure of the key's
-// partition.
+// partition; and so does a request once another's wait for a write ran
+// out, until a write ends (Engine.outlasted): before the write failed,
+// every request near its key's limit waited its whole read timeout for
+// it (an audit with a hung Redis: 16 requests a node in a row, where the
+// breaker opens after 5 failed calls), and such a wait was counted in no
+// metric (read_wait_timeouts_total counts it now, as a read's).
 func (e *Engine) holdWrites(ctx context.Context, lc *located, dl *deadline) bool {
 	c := lc.cur
 	for !c.setBits(stFlushing) {
@@ -430,11 +435,18 @@ func (e *Engine) holdWrites(ctx context.Context, lc *located, dl *deadline) bool
 		if ch == nil {
 			continue
 		}
-		if e.failingFor(lc.key()) {
+		if e.failingFor(lc.key()) || e.outlasted.Load() == ch {
 			dl.expired = true
 			return false
 		}
+		fresh := !dl.expired
 		if !dl.wait(ctx, e, ch) {
+			if fresh {
+				e.stats.readWaitTimeouts.Add(1)
+			}
+			if ctx.Err() == nil { // the deadline ran out, not the client
+				e.outlasted.Store(ch)
+			}
 			return false
 		}
 	}

@@ -278,3 +278,65 @@ func TestReserve_AFailedReservationsUnitsCountOnceInThePreviousCell(t *testing.T
 		t.Fatalf("after the replay: cells %+v, origin %d; want 6 and 6", ks.Cells, o.total(l.Key, seq))
 	}
 }
+
+// TestReserve_AWaitForAWriteInFlightThatRunsOutIsCounted: a reservation
+// waits for its cell's write in flight (holdWrites); on a hung Redis that
+// write outlasts the request's read_timeout, and the request decides
+// locally, as one whose read ran out does. Every request near the limit
+// waited so, each counted nowhere: an audit with a hung Redis found 16
+// requests a node waiting read_timeout before the breaker opened, 7 of
+// them in read_wait_timeouts_total. One waits now, and is counted.
+func TestReserve_AWaitForAWriteInFlightThatRunsOutIsCounted(t *testing.T) {
+	const timeout = 20 * time.Millisecond
+	e, clk, o := withOrigin(t, Config{ReadTimeout: timeout})
+	l := lim("k", time.Hour, 100, 1)
+	o.add(l.Key, clk.UnixMilli()/time.Hour.Milliseconds(), 1) // shared
+	for i := 0; i < 80; i++ {
+		if !e.Decide(bg, l).Allowed {
+			t.Fatal("denied below the limit")
+		}
+		if _, err := replayBoth(e); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if !e.Decide(bg, l).Allowed { // a unit to write
+		t.Fatal("denied below the limit")
+	}
+	gate := make(chan struct{})
+	o.flushGate.Store(&gate)
+	var once sync.Once
+	release := func() { once.Do(func() { close(gate) }) }
+	t.Cleanup(release)
+	replayed := make(chan struct{})
+	go func() {
+		defer close(replayed)
+		_, _ = replayBoth(e) // the write in flight, stalled
+	}()
+	waitFor(t, "a write in flight", func() bool { return e.stats.flushing.Load() == 1 })
+	// Up to the limit's 90 %, decided locally; then each request waits
+	// for the write to reserve, and runs out.
+	before, waited := e.Stats().ReadWaitTimeouts, int64(0)
+	for i := 0; i < 15; i++ {
+		start := time.Now()
+		if !e.Decide(bg, l).Allowed {
+			t.Fatal("denied below the limit, decided locally")
+		}
+		if time.Since(start) >= timeout {
+			waited++
+		}
+	}
+	if waited == 0 {
+		t.Fatal("no request waited for the write in flight: the test tests nothing")
+	}
+	if waited != 1 {
+		t.Errorf("%d requests waited for the write in flight until their deadline, want 1: once a wait ran out, the next decide at once", waited)
+	}
+	if got := e.Stats().ReadWaitTimeouts - before; got != waited {
+		t.Errorf("read_wait_timeouts rose by %d, with %d requests that waited for the write in flight until their deadline", got, waited)
+	}
+	if n := o.reserves.Load(); n != 0 {
+		t.Errorf("%d reservations sent past a write in flight", n)
+	}
+	release()
+	<-replayed
+}
