@@ -128,10 +128,19 @@ func (a *AdminAPI) handleCounters(w http.ResponseWriter, r *http.Request) error 
 		return resetKey(w, r, st, zoneName, id, defs, scope)
 	}
 	ids := st.apps.view().ids
+	unread := false
 	for _, window := range defWindows(defs) {
-		if ks, ok := regionView(r.Context(), st, engine.Key{Namespace: zoneName, Identifier: id, Window: window}); ok {
+		ks, ok, read := regionView(r.Context(), st, engine.Key{Namespace: zoneName, Identifier: id, Window: window})
+		if ok {
 			return writeJSON(w, keyDocOf(ks, defs, ids))
 		}
+		unread = unread || !read
+	}
+	if unread {
+		// Not a 404: the region may count the key (before 2026-11-29 a
+		// node that held none said "no counters" while Redis was down).
+		return caddy.APIError{HTTPStatus: http.StatusServiceUnavailable,
+			Err: fmt.Errorf("this node holds no counters for this identifier in zone %q, and the region's Redis did not answer: what the region counts of it is unknown", zoneName)}
 	}
 	return errNoKey(zoneName)
 }
@@ -181,10 +190,13 @@ func parseKeyQuery(r *http.Request, what string, extra ...string) (keyQuery, err
 // other nodes' units and the other regions' counts the role's holder left
 // there, also for a key this process has not seen. Without Redis, or when
 // it does not answer within the read timeout, it is this process's view.
-func regionView(ctx context.Context, st *state, key engine.Key) (engine.KeyState, bool) {
+//
+// read is false when Redis was asked and did not answer.
+func regionView(ctx context.Context, st *state, key engine.Key) (ks engine.KeyState, ok, read bool) {
 	o := st.currentOrigin()
 	if o == nil {
-		return st.engine.Inspect(key)
+		ks, ok = st.engine.Inspect(key)
+		return ks, ok, true
 	}
 	ctx, cancel := context.WithTimeout(ctx, st.engine.Timing().ReadTimeout)
 	defer cancel()
@@ -195,9 +207,11 @@ func regionView(ctx context.Context, st *state, key engine.Key) (engine.KeyState
 	}
 	t, err := o.Peek(ctx, peek, st.engine.Now().UnixMilli()/key.Window.Milliseconds())
 	if err != nil {
-		return st.engine.Inspect(key)
+		ks, ok = st.engine.Inspect(key)
+		return ks, ok, false
 	}
-	return st.engine.Overlay(key, t)
+	ks, ok = st.engine.Overlay(key, t)
+	return ks, ok, true
 }
 
 // listKeys lists up to max keys of the zone whose identifier starts with

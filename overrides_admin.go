@@ -352,11 +352,18 @@ func deleteOverride(w http.ResponseWriter, r *http.Request, pre preconditions, s
 	defer overrides.changing.Unlock()
 	now := st.engine.Now() // the region's clock, as in putOverride
 	old, ok := overrides.get(zoneName, id)
+	var unheard error
 	if !ok || !old.live(now.UnixMilli()) {
-		hearFromRegion(r.Context(), st, zoneName, id)
+		unheard = hearFromRegion(r.Context(), st, zoneName, id)
 		old, ok = overrides.get(zoneName, id)
 	}
 	if !ok || !old.live(now.UnixMilli()) {
+		if unheard != nil {
+			// Not a 404: the region may hold one (before 2026-11-29, a
+			// removal made while Redis was down said there was none).
+			return caddy.APIError{HTTPStatus: http.StatusServiceUnavailable,
+				Err: fmt.Errorf("this node holds no runtime override for this identifier in zone %q, and the region's Redis did not answer: nothing changed", zoneName)}
+		}
 		// A 404 whatever the preconditions say (RFC 9110, 13.2.1).
 		return errNoOverride(zoneName)
 	}
@@ -376,22 +383,24 @@ func deleteOverride(w http.ResponseWriter, r *http.Request, pre preconditions, s
 // was made on another node, longer while the subscription is down) found
 // no override in the book and answered 404, and the override stayed in
 // force on every node (TestOverrides_ARemovalOfAChangeNotHeardYetRemovesIt).
-// A region that does not answer leaves the book as it is.
-func hearFromRegion(ctx context.Context, st *state, zone, id string) {
+// A region that does not answer leaves the book as it is, and its error
+// is returned.
+func hearFromRegion(ctx context.Context, st *state, zone, id string) error {
 	rb := st.overridesRedis()
 	if rb == nil {
-		return
+		return nil
 	}
 	ctx, cancel := context.WithTimeout(ctx, time.Second)
 	defer cancel()
 	field := (&overrideRec{Zone: zone, Identifier: id, Form: overrides.currentForm()}).field()
 	o, held, err := rb.HeldOverride(ctx, field)
 	if err != nil || !held {
-		return
+		return err
 	}
 	if rec, ok := recOfRegion(o); ok {
 		overrides.merge([]overrideRec{rec})
 	}
+	return nil
 }
 
 // checkedIn is the condition the region's Redis checks a change rec under,

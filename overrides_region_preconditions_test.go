@@ -137,3 +137,20 @@ func TestOverrides_AConditionalChangeWithRedisDownChangesNothing(t *testing.T) {
 	r.wantSays(t, http.StatusServiceUnavailable, "did not take the change")
 	wantOverride(t, admin, overridePath, 1, read.ETag)
 }
+
+// TestAdmin_AKeyThisNodeDoesNotHoldWithRedisDownIsNoSure404: with the
+// region's Redis down, a GET of the counters of a key this node holds
+// none of, and a removal of an override this node holds none of, said
+// 404 "none" (an audit), though the region may count the key and hold
+// the override: a 503 that says the region did not answer, and nothing
+// changed.
+func TestAdmin_AKeyThisNodeDoesNotHoldWithRedisDownIsNoSure404(t *testing.T) {
+	srv, admin, _ := nodeWithOverride(t)
+	const counters, override = "/ratelimit/counters?zone=ov&identifier=elsewhere", "/ratelimit/overrides?zone=ov&identifier=elsewhere"
+	// With Redis up, the region holds none either: 404s.
+	adminSend(t, admin, http.MethodGet, counters, "").wantSays(t, http.StatusNotFound, "no counters")
+	adminSend(t, admin, http.MethodDelete, override, "").wantSays(t, http.StatusNotFound, "no runtime override")
+	srv.Stop()
+	adminSend(t, admin, http.MethodGet, counters, "").wantSays(t, http.StatusServiceUnavailable, "the region's Redis did not answer")
+	adminSend(t, admin, http.MethodDelete, override, "").wantSays(t, http.StatusServiceUnavailable, "the region's Redis did not answer")
+}
