@@ -150,9 +150,26 @@ func propagationStatusDoc() any {
 // identifiers written without it); without a secret they are shown as
 // the admin API shows identifiers.
 type blocklistDoc struct {
-	Region  string                     `json:"region"`
-	Emitted []propagation.BlocklistRow `json:"emitted"`
-	Applied []propagation.BlocklistRow `json:"applied"`
+	Region  string            `json:"region"`
+	Emitted []blocklistRowDoc `json:"emitted"`
+	Applied []blocklistRowDoc `json:"applied"`
+}
+
+// blocklistRowDoc is a denial row with identifier_hex beside an
+// identifier that is not valid UTF-8, as every other route shows one
+// (showID): JSON shows a\x80 and a\x81 alike, as "a\ufffd".
+type blocklistRowDoc struct {
+	propagation.BlocklistRow
+	IdentifierHex string `json:"identifier_hex,omitempty"`
+}
+
+// blocklistRows renders rows, never nil.
+func blocklistRows(rows []propagation.BlocklistRow) []blocklistRowDoc {
+	out := make([]blocklistRowDoc, len(rows))
+	for i, r := range rows {
+		out[i] = blocklistRowDoc{BlocklistRow: r, IdentifierHex: showID(r.Identifier).IdentifierHex}
+	}
+	return out
 }
 
 func handleBlocklist(w http.ResponseWriter, r *http.Request) error {
@@ -177,13 +194,7 @@ func handleBlocklist(w http.ResponseWriter, r *http.Request) error {
 		// here, and showing them would show the identifier.
 		out, in = hmacRows(out), hmacRows(in)
 	}
-	if out == nil {
-		out = []propagation.BlocklistRow{}
-	}
-	if in == nil {
-		in = []propagation.BlocklistRow{}
-	}
-	return writeJSON(w, blocklistDoc{Region: p.Region(), Emitted: out, Applied: in})
+	return writeJSON(w, blocklistDoc{Region: p.Region(), Emitted: blocklistRows(out), Applied: blocklistRows(in)})
 }
 
 // hmacRows keeps the rows whose identifier is an HMAC.

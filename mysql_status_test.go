@@ -64,3 +64,32 @@ func TestPropagationCollector_CountersGoOnAfterAReload(t *testing.T) {
 		t.Fatalf("denial rows written: %v, want the retired 7", v)
 	}
 }
+
+// TestBlocklist_AnIdentifierThatIsNotUTF8IsShownInHex: the denial rows of
+// a\x80 and a\x81 both read "a\ufffd" in GET /ratelimit/blocklist (an
+// audit), where every other route puts identifier_hex beside them.
+func TestBlocklist_AnIdentifierThatIsNotUTF8IsShownInHex(t *testing.T) {
+	rows := []propagation.BlocklistRow{{Namespace: "z", Identifier: "a\x80"}, {Namespace: "z", Identifier: "a\x81"}, {Namespace: "z", Identifier: "plain"}}
+	b, err := json.Marshal(blocklistDoc{Emitted: blocklistRows(rows), Applied: blocklistRows(nil)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var doc struct {
+		Emitted []map[string]any `json:"emitted"`
+		Applied []any            `json:"applied"`
+	}
+	if err := json.Unmarshal(b, &doc); err != nil {
+		t.Fatal(err)
+	}
+	if doc.Applied == nil || len(doc.Emitted) != 3 {
+		t.Fatalf("%s", b)
+	}
+	for i, want := range []any{"6180", "6181", nil} {
+		if got := doc.Emitted[i]["identifier_hex"]; got != want {
+			t.Errorf("row %d: identifier_hex %v, want %v (%s)", i, got, want, b)
+		}
+		if doc.Emitted[i]["namespace"] != "z" {
+			t.Errorf("row %d lost its fields: %v", i, doc.Emitted[i])
+		}
+	}
+}
