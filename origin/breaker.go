@@ -52,8 +52,12 @@ type breaker struct {
 	mu    sync.Mutex // replacements
 	// openedAt is when it last opened (Unix ns).
 	openedAt atomic.Int64
-	slow     time.Duration
-	ep       *endpoint
+	// refused: the last failure it counted was Redis refusing the call
+	// with a reply (READONLY, NOPERM, scripts refused, …), which an answer
+	// to the restart watch does not say is over (answeredOutside).
+	refused atomic.Bool
+	slow    time.Duration
+	ep      *endpoint
 	// state is the state the breaker last entered, for Stats: gobreaker's
 	// State() moves an open breaker whose timeout passed to half-open, so
 	// a status or a metrics scrape read that way turned an idle node's
@@ -144,9 +148,14 @@ func (b *breaker) settings(name string, gen uint64, interval time.Duration, minR
 // after it opened and came within its slow-call threshold (a Redis that
 // answers slowly opened the request path's breaker, and would at once
 // again). A breaker whose timeout passed is left to its own probe.
+//
+// Nor one that Redis opened by refusing calls with a reply (READONLY from
+// a replica, NOPERM, MISCONF, scripts refused): the server answers the
+// watch all the same, and closed at every slow tick the breaker would
+// fail a few calls and open again, a warning each time.
 func (b *breaker) answeredOutside(start time.Time, rtt time.Duration) {
 	if gobreaker.State(b.state.Load()) != gobreaker.StateOpen || start.UnixNano() <= b.openedAt.Load() ||
-		(b.slow > 0 && rtt > b.slow) {
+		(b.slow > 0 && rtt > b.slow) || b.refused.Load() {
 		return
 	}
 	b.mu.Lock()
@@ -216,6 +225,10 @@ func (b *breaker) guard(cells int, fn func() error) error {
 			// Out of time because this process could not run: says
 			// nothing about Redis.
 			return struct{}{}, starvedError{err}
+		}
+		if err != nil && countsAgainst(err) {
+			var rerr redis.Error
+			b.refused.Store(errors.Is(err, ErrScriptsRefused) || errors.As(err, &rerr))
 		}
 		return struct{}{}, err
 	})

@@ -527,3 +527,35 @@ func TestBreaker_ASlowAnswerOutsideItLeavesItOpen(t *testing.T) {
 		t.Fatalf("after a quick answer that began after it opened, the breaker is %s, want closed", st)
 	}
 }
+
+// TestBreaker_ARefusingRedisAnsweringTheWatchStaysOpen: a server that
+// refuses the limiter's calls with a reply (a replica's READONLY here;
+// NOPERM, MISCONF, scripts refused alike) answers the restart watch all
+// the same. That answer says nothing of the refusal: the breakers stay
+// open for the probe at breaker_timeout, rather than closing at every
+// slow tick to fail five calls and open again, with a warning each time.
+func TestBreaker_ARefusingRedisAnsweringTheWatchStaysOpen(t *testing.T) {
+	srv, other := redistest.Start(t), redistest.Start(t)
+	cfg := Config{Redis: []string{srv.URL()}, Breaker: BreakerConfig{Timeout: Duration(MaxBreakerTimeout)}}
+	o := newOrigin(t, cfg, Options{NodeID: "refused"})
+	k, seq := key("refused"), nowSeq()
+	flush := oneCellFlush(t, o, k, seq)
+	o.WatchRestarts(20*time.Millisecond, func() {})
+	ctx := context.Background()
+	if err := srv.Client().Do(ctx, "REPLICAOF", "127.0.0.1", other.Port()).Err(); err != nil {
+		t.Fatal(err)
+	}
+	cold := 0
+	redistest.Eventually(t, 10*time.Second, "both breakers open on READONLY", func() bool {
+		cold++
+		_ = requestRead(o, key(fmt.Sprint("cold", cold)), seq)
+		_, _ = flush(9)
+		st := o.Stats().Endpoints[0]
+		return st.Breaker == BreakerOpen && st.ReplayBreaker == BreakerOpen
+	})
+	checks := o.RunIDChecks()
+	redistest.Eventually(t, 5*time.Second, "the watch read the server three times more", func() bool { return o.RunIDChecks() >= checks+3 })
+	if st := o.Stats().Endpoints[0]; st.Breaker != BreakerOpen || st.ReplayBreaker != BreakerOpen {
+		t.Fatalf("breakers %s/%s after the watch heard a server that refuses writes, want both open", st.Breaker, st.ReplayBreaker)
+	}
+}
