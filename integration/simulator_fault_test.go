@@ -220,6 +220,10 @@ func TestSimulator_RedisDownUnderSkewedTrafficAgrees(t *testing.T) {
 	// limit against the simulated 1.025, the fault's windows within 0.033,
 	// the others within 0.017, and the mean within 0.016. The MariaDB test's median moved as much
 	// (real 1.025–1.083 against 1.025–1.033): the median ± 0.08 here too.
+	// Since 2026-11-29 a node's breakers close at its restart watch's
+	// next answer (a slow tick) instead of their probe, real and
+	// simulated: the window of the restart admitted 0.992 × the limit in
+	// both (one run; 1.675–1.717 before), the kill's 1.758 against 1.717.
 	holdWindows(t, real, res, 0.05, 0.08, 0.025)
 }
 

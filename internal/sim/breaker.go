@@ -11,10 +11,10 @@ import (
 // (origin/breaker.go, origin/endpoint.go): reads and reservations go
 // through the request path's, flushes through the replay's, each with the
 // origin's defaults. Open, a breaker fails its calls at once without
-// reaching Redis, and it stays open for its whole timeout however soon
-// Redis is back: a region's Redis restarted after an outage is not read
-// or written until each node's breaker lets a probe through, and the
-// nodes decide alone until then.
+// reaching Redis, until its timeout lets a probe through or, sooner, the
+// node's restart watch hears Redis at its slow tick (Gate.Heard, run.go):
+// a region's Redis restarted after an outage is read and written again
+// from each node's next slow tick, and the nodes decide alone until then.
 type breakerOrigin struct {
 	engine.Origin
 	requests, replay *simmodel.Gate

@@ -51,8 +51,10 @@ type node struct {
 	zone   *engine.Zone
 	prop   *propagation.Propagator
 	gate   *simmodel.Gate
-	tick   simmodel.Tick
-	slow   int64 // the fast tick, of ten, at which its slow tick runs
+	// requests and replay are its origin's breakers (breakerOrigin).
+	requests, replay *simmodel.Gate
+	tick             simmodel.Tick
+	slow             int64 // the fast tick, of ten, at which its slow tick runs
 	// beat is the slow tick, of ten, at which its heartbeat runs;
 	// beatOK when one last succeeded, lost once it stopped counting.
 	beat   int64
@@ -135,7 +137,8 @@ func (s *sim) addNode(r *region, j int) error {
 		return simmodel.NewGate(now, origin.DefaultBreakerInterval, origin.DefaultBreakerTimeout,
 			origin.DefaultBreakerMinRequests, origin.DefaultBreakerFailureRatio)
 	}
-	n.eng.SetOrigin(breakerOrigin{Origin: r.redis.Origin(n.id), requests: gate(), replay: gate()})
+	n.requests, n.replay = gate(), gate()
+	n.eng.SetOrigin(breakerOrigin{Origin: r.redis.Origin(n.id), requests: n.requests, replay: n.replay})
 	// The fleet started before the run: every node's record is in the
 	// region's set, and the engine counts them all; the heartbeats of the
 	// run keep the count (replay).

@@ -175,7 +175,8 @@ func (s *sim) arm(k winKey, first int) {
 }
 
 // replay runs the replay ticks of the nodes of one phase; on their slow
-// tick the origin's check of Redis's run ID and the node's look at the
+// tick the origin's check of Redis's run ID (the restart watch, whose
+// answer closes the origin's open breakers) and the node's look at the
 // region's runtime overrides (overrides_sync.go), and every tenth slow
 // tick its heartbeat and the restart watch's read of its mark.
 func (s *sim) replay(at int64, phase int) {
@@ -184,7 +185,11 @@ func (s *sim) replay(at int64, phase int) {
 		_, _ = n.eng.ReplayOnce(bg, engine.Fast)
 		if tick%(slowTickMs/fastTickMs) == n.slow {
 			_, _ = n.eng.ReplayOnce(bg, engine.Slow)
-			_ = n.region.redis.Info()
+			if n.region.redis.Info() == nil {
+				// The restart watch heard Redis: the breakers close.
+				n.requests.Heard(at)
+				n.replay.Heard(at)
+			}
 			_ = n.region.redis.OverridesState()
 			if slow := tick / (slowTickMs / fastTickMs); slow%(heartbeatMs/slowTickMs) == n.beat {
 				s.heartbeat(n, at)

@@ -23,6 +23,7 @@ type Gate struct {
 
 	open    bool
 	until   int64 // open until
+	opened  int64 // when it last opened
 	probing bool  // half-open: the next write is the probe
 	recent  []outcome
 	// Refused counts the writes refused while open; Tripped the times it
@@ -82,8 +83,20 @@ func (g *Gate) Do(write func() error) error {
 	return err
 }
 
+// Heard closes an open gate that opened before at, when a round trip
+// made outside it that began at at came back: a node's restart watch,
+// every slow tick, whose answer closes the origin's breakers at once
+// (origin's breaker.answeredOutside). The model's Redis refuses no call
+// with a reply, which keeps a real breaker open.
+func (g *Gate) Heard(at int64) {
+	if g.open && g.opened < at {
+		g.open, g.probing = false, false
+		g.recent = g.recent[:0]
+	}
+}
+
 func (g *Gate) trip(now int64) {
-	g.open, g.until = true, now+g.timeout
+	g.open, g.until, g.opened = true, now+g.timeout, now
 	g.recent = g.recent[:0]
 	g.Tripped++
 }
