@@ -203,7 +203,7 @@ func (h *Handler) compile() {
 		windowSecs := strconv.FormatInt(int64(z.window/time.Second), 10)
 		z.policyQ = `"` + z.name + `";q=`
 		z.policyW = ";w=" + windowSecs
-		z.policy = z.policyQ + strconv.FormatInt(z.limit, 10) + z.policyW
+		z.policy = string(appendSFInt([]byte(z.policyQ), z.limit)) + z.policyW
 		z.remainingR = `"` + z.name + `";r=`
 		z.denied = fmt.Errorf("%w: zone %s", ErrRateLimited, z.name)
 		z.missing = fmt.Errorf("%w: zone %s", ErrMissingKey, z.name)

@@ -182,7 +182,7 @@ func (h *Handler) appendPolicy(buf []byte, lims []engine.Limit, zi []int) []byte
 			continue
 		}
 		buf = append(buf, z.policyQ...)
-		buf = strconv.AppendInt(buf, lims[k].Limit, 10)
+		buf = appendSFInt(buf, lims[k].Limit)
 		buf = append(buf, z.policyW...)
 	}
 	return buf
@@ -195,11 +195,25 @@ func (h *Handler) appendRateLimit(buf []byte, decs []engine.Decision, zi []int) 
 			buf = append(buf, ", "...)
 		}
 		buf = append(buf, h.zones[zi[k]].remainingR...)
-		buf = strconv.AppendInt(buf, decs[k].Remaining, 10)
+		buf = appendSFInt(buf, decs[k].Remaining)
 		buf = append(buf, ";t="...)
-		buf = strconv.AppendInt(buf, ceilSeconds(decs[k].Reset), 10)
+		buf = appendSFInt(buf, ceilSeconds(decs[k].Reset))
 	}
 	return buf
+}
+
+// maxSFInt is the largest integer the draft headers write. RFC 9651 allows
+// 15 digits, and a limit or remaining up to 2^53-1 has 16; this is 14, one
+// fewer than the RFC's bound, because github.com/dunglas/httpsfv (v1.1.1,
+// a Caddy dependency) rejects a 15-digit integer that anything follows,
+// as ";w=60" follows q.
+const maxSFInt = 99_999_999_999_999
+
+// appendSFInt appends n as a structured-field integer, maxSFInt when it is
+// larger: the header then says "at least this", still parseable. Windows,
+// at most 3650 days, never reach it.
+func appendSFInt(buf []byte, n int64) []byte {
+	return strconv.AppendInt(buf, min(n, maxSFInt), 10)
 }
 
 // appendLegacy appends the X-RateLimit-* values of the most restrictive

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
+	"github.com/dunglas/httpsfv"
 )
 
 func TestHandler_DraftHeadersThenDenialWithExactRetryAfter(t *testing.T) {
@@ -211,4 +212,42 @@ func TestHandler_RetryAfterAfterAClockStepBack(t *testing.T) {
 	wantStatus(t, serve(h, id), http.StatusTooManyRequests)
 	clk.Advance(time.Second)
 	wantStatus(t, serve(h, id), http.StatusOK)
+}
+
+// RFC 9651 integers have at most 15 digits: a limit up to 2^53-1 is
+// written as maxSFInt, in the policy and the remaining alike, which
+// httpsfv parses.
+func TestHandler_DraftHeadersAreStructuredFieldsForTheLargestLimits(t *testing.T) {
+	useClock(t, 10*time.Second)
+	big := zoneOf("big", maxUnits, 2*time.Second)
+	small := zoneOf("small", 10, time.Minute)
+	small.Overrides = map[string]int64{"alice": maxUnits}
+	h := provisionTest(t, nil, &Handler{Zones: []*Zone{big, small}, Headers: "both"})
+
+	for _, id := range []string{"alice", "bob"} {
+		r := serve(h, map[string]string{"big": id, "small": id})
+		wantStatus(t, r, http.StatusOK)
+		for _, k := range []string{"RateLimit-Policy", "RateLimit"} {
+			if _, err := httpsfv.UnmarshalList(r.header.Values(k)); err != nil {
+				t.Fatalf("%s: %s %q is no structured-field list: %v", id, k, r.get(k), err)
+			}
+		}
+		q := "10"
+		if id == "alice" {
+			q = "99999999999999"
+		}
+		wantHeader(t, r, "RateLimit-Policy", `"big";q=99999999999999;w=2, "small";q=`+q+`;w=60`)
+		r9 := "9"
+		if id == "alice" {
+			r9 = "99999999999999"
+		}
+		wantHeader(t, r, "RateLimit", `"big";r=99999999999999;t=2, "small";r=`+r9+`;t=50`)
+		// The legacy headers are plain integers, written in full: alice's
+		// zones tie, and the first is reported.
+		legacy := "10"
+		if id == "alice" {
+			legacy = "9007199254740991"
+		}
+		wantHeader(t, r, "X-RateLimit-Limit", legacy)
+	}
 }
