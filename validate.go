@@ -190,9 +190,22 @@ func validateWindow(w time.Duration) error {
 	return nil
 }
 
+// validateCost checks a cost: empty, an integer, or one placeholder alone.
+// Text beside a placeholder is kept by the replacer: `5{x}` charges 50
+// when x is 0, and `{x}x` is never an integer, every request charged the
+// default cost.
 func validateCost(cost string) error {
 	if strings.ContainsAny(cost, "{}") {
-		return validatePlaceholders("cost", cost)
+		if err := validatePlaceholders("cost", cost); err != nil {
+			return err
+		}
+		switch first := firstPlaceholder(cost); first {
+		case cost:
+			return nil
+		case "": // escaped braces only: text, checked as an integer below
+		default:
+			return fmt.Errorf("cost %q is neither an integer nor one placeholder: text beside a placeholder makes the cost another number or none; write the placeholder alone, %s (a map can compute a cost from several values)", cost, first)
+		}
 	}
 	if cost == "" {
 		return nil
@@ -244,6 +257,23 @@ func validatePlaceholders(what, v string) error {
 		return fmt.Errorf("%s %q has an unclosed placeholder (a '{' without its '}')", what, v)
 	}
 	return nil
+}
+
+// firstPlaceholder is v's first placeholder, braces included, or "" when
+// v has none (an escaped brace is text). v's braces pair up.
+func firstPlaceholder(v string) string {
+	start := -1
+	for i := 0; i < len(v); i++ {
+		switch v[i] {
+		case '\\':
+			i++
+		case '{':
+			start = i
+		case '}':
+			return v[start : i+1]
+		}
+	}
+	return ""
 }
 
 // validateNoShorthand rejects a key or cost (what says which) that uses a

@@ -44,6 +44,9 @@ func TestHandler_ValidateRejectsBadJSON(t *testing.T) {
 		{"unclosed cost placeholder", func(h *Handler) { h.Zones[0].Cost = "{api_cost" }, `cost "{api_cost" has an unclosed placeholder`},
 		{"key placeholder of no field", func(h *Handler) { h.Zones[0].Key = "t-{http.request.header.}" }, `key "t-{http.request.header.}" has a placeholder {http.request.header.} that names no field`},
 		{"empty key placeholder", func(h *Handler) { h.Zones[0].Key = "{}" }, `key "{}" has a placeholder {} that names no field`},
+		{"cost placeholder then text", func(h *Handler) { h.Zones[0].Cost = "{http.request.header.X-Cost}x" }, `cost "{http.request.header.X-Cost}x" is neither an integer nor one placeholder: text beside a placeholder makes the cost another number or none; write the placeholder alone, {http.request.header.X-Cost}`},
+		{"text then cost placeholder", func(h *Handler) { h.Zones[0].Cost = "5{x}" }, `cost "5{x}" is neither an integer nor one placeholder`},
+		{"escaped braces as cost", func(h *Handler) { h.Zones[0].Cost = `\{x\}` }, `is neither a non-negative integer nor a placeholder`},
 		{"cost placeholder of no field", func(h *Handler) { h.Zones[0].Cost = "{http.request.header.}" }, `cost "{http.request.header.}" has a placeholder {http.request.header.} that names no field`},
 		{"default cost with a constant cost", func(h *Handler) { h.Zones[0].Cost, h.Zones[0].DefaultCost = "5", 30 }, `default_cost is for a cost placeholder; cost "5" is a constant`},
 		{"override of one address under /24", func(h *Handler) {
