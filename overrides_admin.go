@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"net/netip"
 	"slices"
 	"strconv"
 	"strings"
@@ -163,13 +164,17 @@ func storedIdentifier(st *state, id string, defs []zoneDef) string {
 // as its HMAC only.
 func checkOverrideAddress(id string, defs []zoneDef) error {
 	d := defs[0]
-	if validateOverrideForKey(maskKeyID(id, d.key, d.v4, d.v6), d.key, d.v4, d.v6) == nil {
+	masked := maskKeyID(id, d.key, d.v4, d.v6)
+	if validateOverrideForKey(masked, d.key, d.v4, d.v6) == nil {
 		return nil
 	}
 	address := fmt.Sprintf("the zone counts IPv4 addresses by /%d and IPv6 ones by /%d, written as a prefix's first address, in lower case, "+
 		"and a whole address without /32 or /128 (or give one address: it is masked to the zone's prefix)", d.v4, d.v6)
 	t := newKeyTemplate(d.key)
 	switch glue, _ := keyGlue(d.key); {
+	case t.parts == nil && holdsAddress(t.single) && !isPrefix(masked):
+		return badRequest("the identifier is no IP address (leading zeros, spaces, a shortened IPv4 address or a zone after a prefix make none), " +
+			"and the zone's key holds one: " + address)
 	case t.parts == nil:
 		return badRequest("the identifier is an address prefix that no request's identifier equals: " + address)
 	case glue == nil:
@@ -179,6 +184,12 @@ func checkOverrideAddress(id string, defs []zoneDef) error {
 	return badRequest(fmt.Sprintf("the identifier is none the zone's key %q writes: give the key's text around its placeholders, "+
 		"not every value empty, and in a value '%%' and the first byte of each text between placeholders as %%XX (':' is %%3A); "+
 		"in a value, %s", d.key, address))
+}
+
+// isPrefix says whether netip parses s as an address prefix.
+func isPrefix(s string) bool {
+	_, err := netip.ParsePrefix(s)
+	return err == nil
 }
 
 // listOverrides lists up to max live overrides of the zone, in identifier

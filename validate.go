@@ -399,12 +399,34 @@ func validateOverrideForKey(id, key string, v4, v6 int) error {
 		if v == "" {
 			return fmt.Errorf("override %q never matches under key %q: its value is empty, which is a missing key", id, key)
 		}
-		if err := validateOverrideIP(v, v4, v6); err != nil {
+		if err := validateOverrideIP(v, v4, v6, holdsAddress(keyPlaceholders(key)[0])); err != nil {
 			return fmt.Errorf("override %q never matches under key %q: the value: %w", id, key, err)
 		}
 		return nil
 	}
-	return validateOverrideIP(id, v4, v6)
+	t := newTemplate(key)
+	return validateOverrideIP(id, v4, v6, t.single != "" && holdsAddress(t.single))
+}
+
+// holdsAddress says whether the placeholder name always holds an IP
+// address as netip writes it: Caddy's client_ip is a parsed address (or
+// "@" from a unix socket, or empty, a missing key).
+func holdsAddress(name string) bool {
+	return name == "http.vars.client_ip"
+}
+
+// keyPlaceholders returns the names of key's placeholders in order, nil
+// for a key Caddy's replacer cannot parse.
+func keyPlaceholders(key string) []string {
+	var names []string
+	_, err := caddy.NewReplacer().ReplaceFunc(key, func(name string, _ any) (any, error) {
+		names = append(names, name)
+		return "", nil
+	})
+	if err != nil {
+		return nil
+	}
+	return names
 }
 
 // keyTextAround returns the texts before and after the placeholder of a
@@ -461,12 +483,14 @@ func validateOverrideKey(id, key string, v4, v6 int) error {
 	if why != "" {
 		return never(why)
 	}
+	names := keyPlaceholders(key)
 	present := false
-	for _, v := range values {
+	for i, v := range values {
 		present = present || v != ""
 		// A value that is an address is masked as a key of one
 		// placeholder is: the same forms are written.
-		if err := validateOverrideIP(unescapeValue(v), v4, v6); err != nil {
+		addr := i < len(names) && holdsAddress(names[i]) && v != ""
+		if err := validateOverrideIP(unescapeValue(v), v4, v6, addr); err != nil {
 			return fmt.Errorf("override %q never matches under key %q: a value: %w", id, key, err)
 		}
 	}
@@ -598,8 +622,11 @@ func unhex(c byte) byte {
 // under the default ipv6_prefix, a whole IPv4 address as it is). Any other
 // form of an address (one address under a shorter prefix, a prefix of
 // another length, upper-case hex, an IPv4-mapped address) would be
-// accepted and never match.
-func validateOverrideIP(id string, v4, v6 int) error {
+// accepted and never match. When addr says that the key's placeholder
+// always holds an address ({client_ip}), an address written in a form
+// netip does not parse (01.2.3.4, 1.2.3.0/024, a zone, a space, 127.1)
+// never matches either; other text is left as it is.
+func validateOverrideIP(id string, v4, v6 int, addr bool) error {
 	if p, err := netip.ParsePrefix(id); err == nil {
 		bits, family := v6, "IPv6"
 		if p.Addr().Is4() {
@@ -616,12 +643,103 @@ func validateOverrideIP(id string, v4, v6 int) error {
 		return nil
 	}
 	if _, err := netip.ParseAddr(id); err != nil {
-		return nil // not an address: compared as it is
+		if !addr || !addressLike(id) {
+			return nil // not an address: compared as it is
+		}
+		return notAnAddress(id, v4, v6)
 	}
 	if m := maskIP(id, v4, v6); m != id {
 		return fmt.Errorf("override %q never matches: the zone counts this address as %s (ipv4_prefix %d, ipv6_prefix %d); write that", id, m, v4, v6)
 	}
 	return nil
+}
+
+// addressLike says whether id, spaces around it and an IPv6 zone aside,
+// is made of what addresses and prefixes are: hex digits, '.', ':' and
+// '/', with a '.' or ':'.
+func addressLike(id string) bool {
+	s, _, _ := strings.Cut(strings.TrimSpace(id), "%")
+	sep := false
+	for i := 0; i < len(s); i++ {
+		switch c := s[i]; {
+		case c == '.' || c == ':':
+			sep = true
+		case c == '/', c >= '0' && c <= '9', c >= 'a' && c <= 'f', c >= 'A' && c <= 'F':
+		default:
+			return false
+		}
+	}
+	return sep
+}
+
+// notAnAddress is the error of an override that is no address or prefix
+// netip parses, under a key that holds an address: it names the form to
+// write when id is one written loosely (leading zeros, an IPv6 zone, a
+// trailing '/', spaces around it), and the zone's forms otherwise.
+func notAnAddress(id string, v4, v6 int) error {
+	forms := fmt.Sprintf("a prefix's first address with /%d (IPv4) or /%d (IPv6), in lower case, or a whole address without a prefix", v4, v6)
+	if w := looseAddress(id, v4, v6); w != "" {
+		return fmt.Errorf("override %q never matches: the zone's key holds an IP address, written %s; write %s", id, forms, w)
+	}
+	return fmt.Errorf("override %q never matches: the zone's key holds an IP address, and this is no address netip parses; write %s", id, forms)
+}
+
+// looseAddress reads id as an address or prefix written loosely, and
+// returns it as the zone writes it, or "" when it is none or would not
+// match in any form.
+func looseAddress(id string, v4, v6 int) string {
+	s := strings.TrimSpace(id)
+	bits := -1
+	if a, b, ok := strings.Cut(s, "/"); ok {
+		b, _, _ = strings.Cut(b, "%") // a zone after the prefix
+		if b != "" {
+			n, err := strconv.Atoi(b)
+			if err != nil || n < 0 {
+				return ""
+			}
+			bits = n
+		}
+		s = a
+	}
+	s, _, _ = strings.Cut(s, "%")
+	a, err := netip.ParseAddr(s)
+	if err != nil {
+		if a, err = parseZeroPaddedIPv4(s); err != nil {
+			return ""
+		}
+	}
+	w := a.String()
+	if bits >= 0 && bits < a.BitLen() {
+		p, err := a.Prefix(bits)
+		if err != nil {
+			return ""
+		}
+		w = p.String()
+	} else if bits < 0 {
+		w = maskIP(w, v4, v6) // one address: the zone counts its prefix
+	}
+	if validateOverrideIP(w, v4, v6, true) != nil {
+		return ""
+	}
+	return w
+}
+
+// parseZeroPaddedIPv4 parses a dotted quad whose parts may have leading
+// zeros, read as decimal (netip refuses them).
+func parseZeroPaddedIPv4(s string) (netip.Addr, error) {
+	parts := strings.Split(s, ".")
+	if len(parts) != 4 {
+		return netip.Addr{}, errors.New("not a dotted quad")
+	}
+	var b [4]byte
+	for i, p := range parts {
+		n, err := strconv.ParseUint(p, 10, 8)
+		if err != nil || p == "" || len(p) > 3 {
+			return netip.Addr{}, errors.New("not a dotted quad")
+		}
+		b[i] = byte(n)
+	}
+	return netip.AddrFrom4(b), nil
 }
 
 // validateIPPrefix checks an IP prefix length (ipv4_prefix, ipv6_prefix);

@@ -2,7 +2,9 @@ package ratelimit
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
+	"net/http"
 	"net/http/httptest"
 	"strings"
 	"testing"
@@ -350,6 +352,78 @@ func TestOverride_KeyWithTextAroundOnePlaceholderThatCannotMatch(t *testing.T) {
 			if err := (&Handler{Zones: []*Zone{z}}).Validate(); err != nil {
 				t.Errorf("key %q, value %q: the identifier it makes, %q: %v", k, v, id, err)
 			}
+		}
+	}
+}
+
+// TestOverride_AddressInALooseFormUnderAnAddressKey: under {client_ip},
+// whose values are addresses as netip writes them, an override that is
+// an address or prefix written in another form never matches: caddy adapt
+// and Validate reject it and name the form to write (until 2026-11-29
+// each was accepted, and requests were counted at the zone's limit).
+func TestOverride_AddressInALooseFormUnderAnAddressKey(t *testing.T) {
+	for _, tc := range []struct{ key, id, want string }{
+		{"{client_ip}", "1.2.3.0/024", "write 1.2.3.0/24"},
+		{"{client_ip}", "01.2.4.0/24", "write 1.2.4.0/24"},
+		{"{client_ip}", "1.2.3.0/24%eth0", "write 1.2.3.0/24"},
+		{"{client_ip}", "1.2.3.4/", "write 1.2.3.0/24"},
+		{"{client_ip}", "001.002.003.004", "write 1.2.3.0/24"},
+		{"{client_ip}", "fe80::/64%eth0", "write fe80::/64"},
+		{"{client_ip}", "fe80::1%eth0", "counts this address as fe80::/64"},
+		{"{client_ip}", `" 1.2.3.0/24"`, "write 1.2.3.0/24"},
+		{"{client_ip}", "127.1", "no address netip parses; write a prefix's first address with /24 (IPv4) or /64 (IPv6)"},
+		{"ip-{client_ip}", "ip-1.2.3.0/024", "write 1.2.3.0/24"},
+		{"{client_ip}:{header.X-Key}", "01.2.3.0/24:k", "write 1.2.3.0/24"},
+	} {
+		src := `:8080 {
+	ratelimit {
+		zone z {
+			key ` + tc.key + `
+			limit 5
+			window 1m
+			override ` + tc.id + ` 9
+			ipv4_prefix 24
+		}
+	}
+	respond "ok"
+}`
+		if out, err := adapt(t, src); err == nil || !strings.Contains(err.Error(), tc.want) || !strings.Contains(err.Error(), "never matches") || !strings.Contains(err.Error(), "Caddyfile:7") {
+			t.Errorf("key %s, override %s: adapted to %s, error %v; want one at Caddyfile:7 containing %q", tc.key, tc.id, out, err, tc.want)
+		}
+	}
+	// JSON: the same check, at load.
+	h := &Handler{Zones: []*Zone{{Name: "z", Key: "{http.vars.client_ip}", Limit: 5, Window: caddy.Duration(time.Minute),
+		IPv4Prefix: 24, Overrides: map[string]int64{"1.2.3.0/024": 9}}}}
+	if err := h.Validate(); err == nil || !strings.Contains(err.Error(), `override "1.2.3.0/024" never matches`) || !strings.Contains(err.Error(), "write 1.2.3.0/24") {
+		t.Errorf("Validate() = %v, want the override rejected with its form", err)
+	}
+	// Text that is no address is compared as it is, as before, and under a
+	// key of any other placeholder every form is (a header may hold it).
+	h.Zones[0].Overrides = map[string]int64{"not-an-address": 9, "@": 9}
+	if err := h.Validate(); err != nil {
+		t.Errorf("Validate() of text overrides = %v", err)
+	}
+	h.Zones[0].Key, h.Zones[0].Overrides = "{http.request.header.X-Key}", map[string]int64{"1.2.3.0/024": 9, "127.1": 9}
+	if err := h.Validate(); err != nil {
+		t.Errorf("Validate() of loose forms under a header key = %v", err)
+	}
+}
+
+// TestOverrides_AnAddressInALooseFormIsA400: the admin API refuses what
+// caddy adapt refuses, under {client_ip}: 127.1 and " 127.0.0.1" were
+// stored with a 200 and never applied.
+func TestOverrides_AnAddressInALooseFormIsA400(t *testing.T) {
+	defs := []zoneDef{{key: "{http.vars.client_ip}", v4: 32, v6: 64}}
+	for _, id := range []string{"127.1", " 127.0.0.1", "01.2.3.4", "1.2.3.0/024", "1.2.3.4/", "fe80::/64%eth0"} {
+		err := checkOverrideAddress(id, defs)
+		var ae caddy.APIError
+		if !errors.As(err, &ae) || ae.HTTPStatus != http.StatusBadRequest || !strings.Contains(err.Error(), "no IP address") {
+			t.Errorf("%q: %v, want a 400 saying the key holds an address", id, err)
+		}
+	}
+	for _, id := range []string{"127.0.0.1", "fe80::1%eth0", "2001:db8::1", "not-an-address"} {
+		if err := checkOverrideAddress(id, defs); err != nil {
+			t.Errorf("%q: %v, want it taken", id, err)
 		}
 	}
 }
