@@ -8,6 +8,7 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unicode"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
@@ -251,6 +252,9 @@ func validatePlaceholders(what, v string) error {
 			if name := v[start+1 : i]; name == "" || strings.HasSuffix(name, ".") {
 				return fmt.Errorf("%s %q has a placeholder %s that names no field: it is empty for every request", what, v, v[start:i+1])
 			}
+			if err := validatePlaceholderName(v[start+1 : i]); err != "" {
+				return fmt.Errorf("%s %q has a placeholder %s %s: it is empty for every request%s", what, v, v[start:i+1], err, writeHeader(v[start+1:i]))
+			}
 		}
 	}
 	if open {
@@ -274,6 +278,57 @@ func firstPlaceholder(v string) string {
 		}
 	}
 	return ""
+}
+
+// validatePlaceholderName says why a placeholder of that name is empty
+// for every request, "" when it may not be: whitespace in the name, which
+// no placeholder has (`{client_ip }`), a header of no name
+// (`{http.request.header}`), or a header name no request has (RFC 9110
+// field names are tokens: `{http.request.header.X:Key}`). Other unknown
+// names are left alone: map and vars make their own (`{header.X.Key}`,
+// which the Caddyfile does not expand, may be a map's output).
+func validatePlaceholderName(name string) string {
+	const header, short = "http.request.header", "header"
+	switch {
+	case strings.IndexFunc(name, unicode.IsSpace) >= 0:
+		return "with whitespace in its name, which no placeholder has"
+	case name == header || name == short:
+		return "that names no field"
+	}
+	field, ok := strings.CutPrefix(name, header+".")
+	if !ok {
+		field, ok = strings.CutPrefix(name, short+".")
+	}
+	switch {
+	case !ok:
+		return ""
+	case !isToken(field):
+		return fmt.Sprintf("whose header name %q is no HTTP field name (RFC 9110: letters, digits and !#$%%&'*+-.^_`|~), which no request has", field)
+	}
+	return ""
+}
+
+// writeHeader is the advice after validatePlaceholderName's reason: the
+// placeholder to write, for a header of no name.
+func writeHeader(name string) string {
+	if name == "http.request.header" || name == "header" {
+		return "; write {http.request.header.NAME}"
+	}
+	return ""
+}
+
+// isToken says whether s is an RFC 9110 token, what a field name is.
+func isToken(s string) bool {
+	if s == "" {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || strings.IndexByte("!#$%&'*+-.^_`|~", c) >= 0) {
+			return false
+		}
+	}
+	return true
 }
 
 // validateNoShorthand rejects a key or cost (what says which) that uses a

@@ -49,6 +49,12 @@ func TestHandler_ValidateRejectsBadJSON(t *testing.T) {
 		{"cost placeholder then text", func(h *Handler) { h.Zones[0].Cost = "{http.request.header.X-Cost}x" }, `cost "{http.request.header.X-Cost}x" is neither an integer nor one placeholder: text beside a placeholder makes the cost another number or none; write the placeholder alone, {http.request.header.X-Cost}`},
 		{"text then cost placeholder", func(h *Handler) { h.Zones[0].Cost = "5{x}" }, `cost "5{x}" is neither an integer nor one placeholder`},
 		{"escaped braces as cost", func(h *Handler) { h.Zones[0].Cost = `\{x\}` }, `is neither a non-negative integer nor a placeholder`},
+		{"key placeholder with a space", func(h *Handler) { h.Zones[0].Key = "{http.vars.client_ip }" }, `key "{http.vars.client_ip }" has a placeholder {http.vars.client_ip } with whitespace in its name`},
+		{"key of a header of no name", func(h *Handler) { h.Zones[0].Key = "{header}" }, `key "{header}" has a placeholder {header} that names no field: it is empty for every request; write {http.request.header.NAME}`},
+		{"key of a header name with a colon", func(h *Handler) { h.Zones[0].Key = "t-{http.request.header.X:Key}" }, `whose header name "X:Key" is no HTTP field name`},
+		{"key of a header name with a tab", func(h *Handler) { h.Zones[0].Key = "{http.request.header.X\tKey}" }, `with whitespace in its name`},
+		{"cost of a header of no name", func(h *Handler) { h.Zones[0].Cost = "{http.request.header}" }, `cost "{http.request.header}" has a placeholder {http.request.header} that names no field`},
+		{"cost of a header name with a space", func(h *Handler) { h.Zones[0].Cost = "{http.request.header.X Cost}" }, `with whitespace in its name`},
 		{"cost placeholder of no field", func(h *Handler) { h.Zones[0].Cost = "{http.request.header.}" }, `cost "{http.request.header.}" has a placeholder {http.request.header.} that names no field`},
 		{"default cost with a constant cost", func(h *Handler) { h.Zones[0].Cost, h.Zones[0].DefaultCost = "5", 30 }, `default_cost is for a cost placeholder; cost "5" is a constant`},
 		{"override of one address under /24", func(h *Handler) {
