@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -115,10 +116,24 @@ var redisLines = func() []optionLine {
 		lines = append(lines, durationLine(d.name, minDuration, func(a *App, v time.Duration) { set(originOf(a), origin.Duration(v)) }))
 	}
 	for i := range lines {
-		lines[i] = checked(lines[i], func(a *App) error { return checkOrigin(*a.Origin) })
+		lines[i] = checked(lines[i], func(a *App) error { return caddyfileBreakerNames(checkOrigin(*a.Origin)) })
 	}
 	return lines
 }()
+
+// caddyfileBreakerNames is err with the breaker settings named as the
+// Caddyfile's lines (breaker_interval), not as the origin's JSON fields
+// (breaker.interval), which the origin's checks name.
+func caddyfileBreakerNames(err error) error {
+	if err == nil {
+		return nil
+	}
+	msg := err.Error()
+	if rest, ok := strings.CutPrefix(msg, "breaker."); ok {
+		return errors.New("breaker_" + rest)
+	}
+	return err
+}
 
 // checkRedisLines is the end of the block's check of the origin's lines
 // (each line checks the whole origin config where it stands): tunables
