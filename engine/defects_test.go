@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"strconv"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -559,17 +558,7 @@ func TestFlush_AWriteInFlightWhenRedisIsLetGoIsCounted(t *testing.T) {
 	e.SetOrigin(o)
 	l := lim("k", time.Minute, 100, 1)
 	e.Decide(bg, l)
-	gate := make(chan struct{})
-	o.flushGate.Store(&gate)
-	var once sync.Once
-	release := func() { once.Do(func() { close(gate) }) }
-	t.Cleanup(release)
-	replayed := make(chan struct{})
-	go func() {
-		defer close(replayed)
-		_, _ = e.ReplayOnce(bg, Fast) // the write in flight, stalled
-	}()
-	waitFor(t, "a write in flight", func() bool { return e.stats.flushing.Load() == 1 })
+	release, replayed := stalledWrite(t, e, o, func() { _, _ = e.ReplayOnce(bg, Fast) })
 	e.Decide(bg, l)
 	o.failFlushes(errOriginDown) // the stalled write fails, as will the last flush's
 	time.AfterFunc(50*time.Millisecond, release)

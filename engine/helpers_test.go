@@ -2,6 +2,7 @@ package engine
 
 import (
 	"context"
+	"sync"
 	"testing"
 	"time"
 
@@ -149,4 +150,23 @@ func admittedOf(e *Engine, l Limit, n int) int {
 		}
 	}
 	return admitted
+}
+
+// stalledWrite runs replay, whose write o holds until release is called
+// (at the latest when the test ends), and waits until the write is in
+// flight; replayed is closed once replay returns.
+func stalledWrite(t *testing.T, e *Engine, o *memOrigin, replay func()) (release func(), replayed <-chan struct{}) {
+	t.Helper()
+	gate := make(chan struct{})
+	o.flushGate.Store(&gate)
+	var once sync.Once
+	release = func() { once.Do(func() { close(gate) }) }
+	t.Cleanup(release)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		replay()
+	}()
+	waitFor(t, "a write in flight", func() bool { return e.stats.flushing.Load() == 1 })
+	return release, done
 }

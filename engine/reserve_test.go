@@ -302,17 +302,7 @@ func TestReserve_AWaitForAWriteInFlightThatRunsOutIsCounted(t *testing.T) {
 	if !e.Decide(bg, l).Allowed { // a unit to write
 		t.Fatal("denied below the limit")
 	}
-	gate := make(chan struct{})
-	o.flushGate.Store(&gate)
-	var once sync.Once
-	release := func() { once.Do(func() { close(gate) }) }
-	t.Cleanup(release)
-	replayed := make(chan struct{})
-	go func() {
-		defer close(replayed)
-		_, _ = replayBoth(e) // the write in flight, stalled
-	}()
-	waitFor(t, "a write in flight", func() bool { return e.stats.flushing.Load() == 1 })
+	release, replayed := stalledWrite(t, e, o, func() { _, _ = replayBoth(e) })
 	// Up to the limit's 90 %, decided locally; then each request waits
 	// for the write to reserve, and runs out.
 	before, waited := e.Stats().ReadWaitTimeouts, int64(0)
