@@ -245,7 +245,7 @@ func loadRegionOverrides(ctx context.Context, o *origin.Redis, nowMs func() int6
 // is the app's state when the watch began: the app's own field is cleared
 // by its Cleanup, which may run while a look is under way.
 func (b *redisBackend) watchOverrides(st *state, stop <-chan struct{}) {
-	w := &regionWatch{o: b.origin, log: b.a.logger, readTimeout: b.timing.ReadTimeout,
+	w := &regionWatch{o: b.origin, log: b.a.logger, readTimeout: b.timing.ReadTimeout, heard: b.heard,
 		global: func() bool { return overrideScope(st) == scopeGlobal }, regionNow: st.engine.Now,
 		clockKnown: func() bool { _, ok := b.origin.ClockOffset(); return ok }}
 	ctx, cancel := context.WithCancel(context.Background())
@@ -349,6 +349,8 @@ type regionWatch struct {
 	seen   int64     // the change counter the book is as of; -1 before a load
 	mark   string    // the region's mark seen, "" before the first
 	synced time.Time // when the book last had every change of the region; zero before a load
+	// heard, if set, is told synced (Unix ns), for the origin's breakers.
+	heard *atomic.Int64
 	// restarts are the origin's restarts answered (origin.Restarts).
 	restarts uint64
 	failing  bool // the last write-back failed (logged once in a row)
@@ -448,7 +450,7 @@ func (w *regionWatch) look(now time.Time) {
 	}
 	w.mark = mark
 	if why == "" && v == w.seen {
-		w.synced = now
+		w.sync(now)
 		return
 	}
 	_ = w.load(now)
@@ -483,9 +485,18 @@ func (w *regionWatch) loadInto(now time.Time, take func([]overrideRec)) error {
 		return err
 	}
 	overrides.setSource(w.o.Placement())
-	w.seen, w.synced = v, now
+	w.seen = v
+	w.sync(now)
 	loadedVersion.Store(v)
 	return nil
+}
+
+// sync records that the book had every change of the region at now.
+func (w *regionWatch) sync(now time.Time) {
+	w.synced = now
+	if w.heard != nil {
+		w.heard.Store(now.UnixNano())
+	}
 }
 
 // loadedVersion is the change counter the process's last load of a

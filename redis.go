@@ -179,6 +179,10 @@ type redisBackend struct {
 	// ownsLoad: provisioning began the process's first load of the
 	// overrides, which the watch ends once started; started: it did.
 	ownsLoad, started bool
+	// heard is when the watch of the overrides last had every change of
+	// the region (Unix ns; regionWatch.synced), for the origin's
+	// breakers (origin.Options.HeardRegion).
+	heard *atomic.Int64
 }
 
 // provisionRedis resolves the origin settings and builds the origin
@@ -197,11 +201,17 @@ func provisionRedis(a *App) (backend, error) {
 	// reads, so that the offset they find is the engine's.
 	opts.Now = a.state.engine.ProcessClock()
 	opts.Build = buildName()
+	// The breakers the restart watch hears Redis through close once the
+	// watch of the overrides has read the region since they opened: the
+	// resets made meanwhile take the held units off before they are
+	// written.
+	heard := new(atomic.Int64)
+	opts.HeardRegion = func() time.Time { return time.Unix(0, heard.Load()) }
 	o, err := origin.New(cfg, opts)
 	if err != nil {
 		return nil, err
 	}
-	b := &redisBackend{a: a, origin: o, engineOrigin: o}
+	b := &redisBackend{a: a, origin: o, engineOrigin: o, heard: heard}
 	if m := a.ids.mapper(); m != nil {
 		b.engineOrigin = &mappedOrigin{Origin: o, mapID: m}
 	}

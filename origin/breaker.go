@@ -152,10 +152,19 @@ func (b *breaker) settings(name string, gen uint64, interval time.Duration, minR
 // Nor one that Redis opened by refusing calls with a reply (READONLY from
 // a replica, NOPERM, MISCONF, scripts refused): the server answers the
 // watch all the same, and closed at every slow tick the breaker would
-// fail a few calls and open again, a warning each time.
+// fail a few calls and open again, a warning each time. Nor, until the
+// process heard the region's changes since it opened (Options.HeardRegion),
+// one whose units held through the outage a reset made meanwhile takes
+// off: written first, they counted after the reset (the root's
+// TestReset_ANodeCutOffDropsTheUnitsItHeld, whose breaker's timeout had
+// left the node time to hear it).
 func (b *breaker) answeredOutside(start time.Time, rtt time.Duration) {
-	if gobreaker.State(b.state.Load()) != gobreaker.StateOpen || start.UnixNano() <= b.openedAt.Load() ||
+	opened := b.openedAt.Load()
+	if gobreaker.State(b.state.Load()) != gobreaker.StateOpen || start.UnixNano() <= opened ||
 		(b.slow > 0 && rtt > b.slow) || b.refused.Load() {
+		return
+	}
+	if heard := b.ep.r.opts.HeardRegion; heard != nil && heard().UnixNano() <= opened {
 		return
 	}
 	b.mu.Lock()

@@ -559,3 +559,36 @@ func TestBreaker_ARefusingRedisAnsweringTheWatchStaysOpen(t *testing.T) {
 		t.Fatalf("breakers %s/%s after the watch heard a server that refuses writes, want both open", st.Breaker, st.ReplayBreaker)
 	}
 }
+
+// TestBreaker_TheWatchClosesItOnceTheProcessHeardTheRegion: a node that
+// held units through an outage writes them once it heard the resets made
+// meanwhile, which take them off (Options.HeardRegion): until it heard
+// the region after the breakers opened, the watch's answer leaves them
+// open.
+func TestBreaker_TheWatchClosesItOnceTheProcessHeardTheRegion(t *testing.T) {
+	srv := redistest.Start(t)
+	var heard atomic.Int64
+	cfg := Config{Redis: []string{srv.URL()}, Breaker: BreakerConfig{Timeout: Duration(MaxBreakerTimeout)}}
+	o := newOrigin(t, cfg, Options{NodeID: "hears", HeardRegion: func() time.Time { return time.Unix(0, heard.Load()) }})
+	k, seq := key("hears"), nowSeq()
+	heard.Store(time.Now().UnixNano()) // before the outage
+	srv.Stop()
+	redistest.Eventually(t, 10*time.Second, "both breakers open", func() bool {
+		_ = requestRead(o, k, seq)
+		_ = o.Flush(ctxT(t), []engine.Delta{{Key: k, Sequence: seq, Delta: 1, Own: 1}})
+		st := o.Stats().Endpoints[0]
+		return st.Breaker == BreakerOpen && st.ReplayBreaker == BreakerOpen
+	})
+	srv.Restart()
+	o.WatchRestarts(20*time.Millisecond, func() {})
+	checks := o.RunIDChecks()
+	redistest.Eventually(t, 5*time.Second, "the watch read the server three times", func() bool { return o.RunIDChecks() >= checks+3 })
+	if st := o.Stats().Endpoints[0]; st.Breaker != BreakerOpen || st.ReplayBreaker != BreakerOpen {
+		t.Fatalf("breakers %s/%s before the process heard the region since they opened, want both open", st.Breaker, st.ReplayBreaker)
+	}
+	heard.Store(time.Now().UnixNano())
+	redistest.Eventually(t, 5*time.Second, "both breakers closed once it heard the region", func() bool {
+		st := o.Stats().Endpoints[0]
+		return st.Breaker == BreakerClosed && st.ReplayBreaker == BreakerClosed
+	})
+}

@@ -97,6 +97,14 @@ type Options struct {
 	// clock against (ClockOffset): the engine's Config.Now. Default
 	// time.Now.
 	Now func() time.Time
+	// HeardRegion, if set, is when this process last knew every change
+	// of the region's that weighs on what it writes (the root's runtime
+	// overrides and resets); zero: never. An open breaker that the
+	// restart watch hears Redis through closes only once that is after
+	// it opened (breaker.answeredOutside): the units a node held through
+	// an outage are written once it heard the resets made meanwhile, which
+	// take them off. Nil: no such condition.
+	HeardRegion func() time.Time
 }
 
 // maxBuild bounds Options.Build: it goes into a record every node reads.
