@@ -478,12 +478,7 @@ func TestBreaker_ClosesOnceTheRestartWatchHearsRedisAgain(t *testing.T) {
 	}
 	o.WatchRestarts(20*time.Millisecond, func() {})
 	srv.Stop()
-	redistest.Eventually(t, 10*time.Second, "both breakers open", func() bool {
-		_ = requestRead(o, k, seq)
-		_ = o.Flush(ctxT(t), []engine.Delta{{Key: k, Sequence: seq, Delta: 1, Own: 1}})
-		st := o.Stats().Endpoints[0]
-		return st.Breaker == BreakerOpen && st.ReplayBreaker == BreakerOpen
-	})
+	openBoth(t, o, k, seq)
 	srv.Restart()
 	// No call goes through either breaker meanwhile: only the watch hears
 	// Redis. Their timeout is ten minutes.
@@ -573,12 +568,7 @@ func TestBreaker_TheWatchClosesItOnceTheProcessHeardTheRegion(t *testing.T) {
 	k, seq := key("hears"), nowSeq()
 	heard.Store(time.Now().UnixNano()) // before the outage
 	srv.Stop()
-	redistest.Eventually(t, 10*time.Second, "both breakers open", func() bool {
-		_ = requestRead(o, k, seq)
-		_ = o.Flush(ctxT(t), []engine.Delta{{Key: k, Sequence: seq, Delta: 1, Own: 1}})
-		st := o.Stats().Endpoints[0]
-		return st.Breaker == BreakerOpen && st.ReplayBreaker == BreakerOpen
-	})
+	openBoth(t, o, k, seq)
 	srv.Restart()
 	o.WatchRestarts(20*time.Millisecond, func() {})
 	checks := o.RunIDChecks()
@@ -590,5 +580,17 @@ func TestBreaker_TheWatchClosesItOnceTheProcessHeardTheRegion(t *testing.T) {
 	redistest.Eventually(t, 5*time.Second, "both breakers closed once it heard the region", func() bool {
 		st := o.Stats().Endpoints[0]
 		return st.Breaker == BreakerClosed && st.ReplayBreaker == BreakerClosed
+	})
+}
+
+// openBoth reads and writes k through o, whose Redis is down, until both
+// breakers are open.
+func openBoth(t *testing.T, o *Redis, k engine.Key, seq int64) {
+	t.Helper()
+	redistest.Eventually(t, 10*time.Second, "both breakers open", func() bool {
+		_ = requestRead(o, k, seq)
+		_ = o.Flush(ctxT(t), []engine.Delta{{Key: k, Sequence: seq, Delta: 1, Own: 1}})
+		st := o.Stats().Endpoints[0]
+		return st.Breaker == BreakerOpen && st.ReplayBreaker == BreakerOpen
 	})
 }
