@@ -228,16 +228,32 @@ func (p *Propagator) pullOverrides(ctx context.Context) {
 // region marks its cells: a row of a cell the region's Redis lost (the
 // region restarted whole, its Redis emptied) is never published again,
 // and kept counting, in every other region, the units the reset took off.
-// A mark that fails is tried again at the next whole read.
+// A reset is marked once by a holder (resetsMarked): a whole read of the
+// overrides brings every live reset again, one statement each. A mark
+// that fails is tried again at the next whole read.
 func (p *Propagator) markResets(ctx context.Context, st OverrideStore, rows []OverrideRow) {
 	if p.resetCells == nil {
 		return
 	}
 	now := p.now().UnixMilli()
+	p.mu.Lock()
+	for k, m := range p.resetsMarked {
+		if !m.Live(now) {
+			delete(p.resetsMarked, k)
+		}
+	}
+	p.mu.Unlock()
 	for i := range rows {
 		r := &rows[i]
 		ns, id, ok := p.resetCells(*r)
 		if !ok || !r.Live(now) {
+			continue
+		}
+		k := Cell{Namespace: ns, Identifier: id}
+		p.mu.Lock()
+		m, marked := p.resetsMarked[k]
+		p.mu.Unlock()
+		if marked && m.Version >= r.Version {
 			continue
 		}
 		if err := p.write(ctx, func(ctx context.Context) error {
@@ -250,6 +266,11 @@ func (p *Propagator) markResets(ctx context.Context, st OverrideStore, rows []Ov
 			p.mu.Unlock()
 			return
 		}
+		p.mu.Lock()
+		if len(p.resetsMarked) < maxPendingOverrides {
+			p.resetsMarked[k] = *r
+		}
+		p.mu.Unlock()
 	}
 }
 

@@ -125,35 +125,38 @@ type Propagator struct {
 	holder  atomic.Pointer[string]
 
 	// mu guards what the holder (or a process of its own region) keeps.
-	mu          sync.Mutex
-	pending     map[Cell]*BlocklistRow // denial rows not yet written
-	taken       map[Cell]BlocklistRow  // denial rows taken from the region, as taken
-	reg         map[Cell]*regCell      // the region's registered cells
-	imports     map[Cell]*cellImport
-	own         map[Cell]*ownMark     // this region's published global resets (publish.go)
-	importDue   map[Cell]struct{}     // imports the region has not taken yet
-	ahead       map[Cell]update       // imports for windows not begun here yet
-	index       map[zoneID]string     // row identifier → raw identifier (MapID)
-	cursor      [tables]cursor        // where the next pull of changes starts
-	dbClock     dbClock               // the database's clock, as last read (pull.go)
-	server      string                // the server writes go to, as last read (checkServer)
-	fullPull    [tables]bool          // the next pull of the table reads it whole
-	fullPush    bool                  // the next push publishes every grown cell
-	republish   bool                  // and every published one (Config.Republish), until a whole push is done
-	pushes      int64                 // counts the settings of fullPush: a whole push clears only what it read (publish.go)
-	otherForms  map[string]bool       // regions whose rows name identifiers of another form, logged (otherForm)
-	badWindows  map[string]bool       // regions whose rows name windows no zone can have, logged (badWindow)
-	fullTake    bool                  // the next take reads every registration
-	syncs       [tables]int           // syncs since the table's last whole read
-	ovPending   map[Cell]*OverrideRow // overrides changed here or in the region, not yet written
-	ovTakeAll   bool                  // the next take reads every override the region holds
-	ovHeld      map[Cell]OverrideRow  // the newest override of each key written or read, until it lapses (lost.go)
-	onOverrides func([]OverrideRow)
-	resetCells  func(OverrideRow) (namespace, identifier string, ok bool)
-	mismatched  map[zoneWindow]bool // zones over another window here, logged once (pull.go)
-	recentOut   []BlocklistRow
-	recentIn    []BlocklistRow
-	importCount atomic.Int64
+	mu         sync.Mutex
+	pending    map[Cell]*BlocklistRow // denial rows not yet written
+	taken      map[Cell]BlocklistRow  // denial rows taken from the region, as taken
+	reg        map[Cell]*regCell      // the region's registered cells
+	imports    map[Cell]*cellImport
+	own        map[Cell]*ownMark     // this region's published global resets (publish.go)
+	importDue  map[Cell]struct{}     // imports the region has not taken yet
+	ahead      map[Cell]update       // imports for windows not begun here yet
+	index      map[zoneID]string     // row identifier → raw identifier (MapID)
+	cursor     [tables]cursor        // where the next pull of changes starts
+	dbClock    dbClock               // the database's clock, as last read (pull.go)
+	server     string                // the server writes go to, as last read (checkServer)
+	fullPull   [tables]bool          // the next pull of the table reads it whole
+	fullPush   bool                  // the next push publishes every grown cell
+	republish  bool                  // and every published one (Config.Republish), until a whole push is done
+	pushes     int64                 // counts the settings of fullPush: a whole push clears only what it read (publish.go)
+	otherForms map[string]bool       // regions whose rows name identifiers of another form, logged (otherForm)
+	badWindows map[string]bool       // regions whose rows name windows no zone can have, logged (badWindow)
+	fullTake   bool                  // the next take reads every registration
+	syncs      [tables]int           // syncs since the table's last whole read
+	ovPending  map[Cell]*OverrideRow // overrides changed here or in the region, not yet written
+	ovTakeAll  bool                  // the next take reads every override the region holds
+	ovHeld     map[Cell]OverrideRow  // the newest override of each key written or read, until it lapses (lost.go)
+	// resetsMarked: the global resets whose rows this holder marked
+	// (markResets), by zone and identifier, until they lapse.
+	resetsMarked map[Cell]OverrideRow
+	onOverrides  func([]OverrideRow)
+	resetCells   func(OverrideRow) (namespace, identifier string, ok bool)
+	mismatched   map[zoneWindow]bool // zones over another window here, logged once (pull.go)
+	recentOut    []BlocklistRow
+	recentIn     []BlocklistRow
+	importCount  atomic.Int64
 
 	// member guards what every node of a region keeps.
 	member struct {
@@ -293,32 +296,33 @@ func New(cfg Config, eng Engine, opts Options) (*Propagator, error) {
 		now = time.Now
 	}
 	p := &Propagator{
-		cfg:         cfg,
-		eng:         eng,
-		store:       store,
-		region:      opts.Region,
-		log:         log,
-		addr:        addr,
-		now:         now,
-		gate:        opts.WriteGate,
-		roleHeld:    opts.RoleHeld,
-		denials:     make(chan engine.GlobalDenial, denialQueue),
-		pending:     make(map[Cell]*BlocklistRow),
-		taken:       make(map[Cell]BlocklistRow),
-		reg:         make(map[Cell]*regCell),
-		imports:     make(map[Cell]*cellImport),
-		own:         make(map[Cell]*ownMark),
-		importDue:   make(map[Cell]struct{}),
-		ahead:       make(map[Cell]update),
-		index:       make(map[zoneID]string),
-		ovPending:   make(map[Cell]*OverrideRow),
-		ovHeld:      make(map[Cell]OverrideRow),
-		onOverrides: opts.OnOverrides,
-		resetCells:  opts.ResetCells,
-		fullPull:    [tables]bool{true, true, true},
-		fullPush:    cfg.Republish,
-		republish:   cfg.Republish,
-		stop:        make(chan struct{}),
+		cfg:          cfg,
+		eng:          eng,
+		store:        store,
+		region:       opts.Region,
+		log:          log,
+		addr:         addr,
+		now:          now,
+		gate:         opts.WriteGate,
+		roleHeld:     opts.RoleHeld,
+		denials:      make(chan engine.GlobalDenial, denialQueue),
+		pending:      make(map[Cell]*BlocklistRow),
+		taken:        make(map[Cell]BlocklistRow),
+		reg:          make(map[Cell]*regCell),
+		imports:      make(map[Cell]*cellImport),
+		own:          make(map[Cell]*ownMark),
+		importDue:    make(map[Cell]struct{}),
+		ahead:        make(map[Cell]update),
+		index:        make(map[zoneID]string),
+		ovPending:    make(map[Cell]*OverrideRow),
+		ovHeld:       make(map[Cell]OverrideRow),
+		resetsMarked: make(map[Cell]OverrideRow),
+		onOverrides:  opts.OnOverrides,
+		resetCells:   opts.ResetCells,
+		fullPull:     [tables]bool{true, true, true},
+		fullPush:     cfg.Republish,
+		republish:    cfg.Republish,
+		stop:         make(chan struct{}),
 	}
 	if p.roleHeld == nil {
 		p.roleHeld = new(atomic.Bool)
