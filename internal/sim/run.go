@@ -185,13 +185,12 @@ func (s *sim) replay(at int64, phase int) {
 		_, _ = n.eng.ReplayOnce(bg, engine.Fast)
 		if tick%(slowTickMs/fastTickMs) == n.slow {
 			_, _ = n.eng.ReplayOnce(bg, engine.Slow)
-			// The restart watch heard Redis, and the node the region's
-			// overrides: the breakers close.
-			info, looked := n.region.redis.Info(), n.region.redis.OverridesState()
-			if info == nil && looked == nil {
+			if n.region.redis.Info() == nil {
+				// The restart watch heard Redis: the breakers close.
 				n.requests.Heard(at)
 				n.replay.Heard(at)
 			}
+			_ = n.region.redis.OverridesState()
 			if slow := tick / (slowTickMs / fastTickMs); slow%(heartbeatMs/slowTickMs) == n.beat {
 				s.heartbeat(n, at)
 				n.region.redis.Mark()
