@@ -40,7 +40,7 @@ func TestMemoryCluster_NodesShareOneOrigin(t *testing.T) {
 			t.Fatal("a restart left cells")
 		}
 		c.SetDown(true)
-		if err := c.store.Info(); !errors.Is(err, simmodel.ErrDown) {
+		if _, err := c.store.Info(); !errors.Is(err, simmodel.ErrDown) {
 			t.Fatalf("a call while down: %v", err)
 		}
 		c.SetDown(false)

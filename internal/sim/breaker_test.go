@@ -43,3 +43,31 @@ func TestRun_AfterARedisOutageANodeWaitsForItsRestartWatch(t *testing.T) {
 		t.Error("no flush reached Redis within a slow tick after the outage: the restart watch should have closed the breaker")
 	}
 }
+
+// TestRun_ARedisRestartedEmptyGetsEveryNodesCellsBack: two nodes of a
+// region admit 40 of a key's limit of 100 before their Redis goes down
+// and comes back empty (Fault.Empty); a third node, which never saw the
+// key, then offers it 100 more. A real node's restart watch sees the new
+// run ID and sends every cell it holds again (engine.Resend), so the third
+// node reads the 40 and admits 60: 100 in all. Before the simulator
+// modelled the resend its Redis kept what it held through the outage, and
+// when made to come back empty the third node read nothing and admitted
+// 100 more: 140 in all.
+func TestRun_ARedisRestartedEmptyGetsEveryNodesCellsBack(t *testing.T) {
+	var reqs []Request
+	for i := range 40 {
+		reqs = append(reqs, Request{At: time.Second + time.Duration(i)*100*time.Millisecond, Key: "k", Node: i % 2})
+	}
+	for i := range 100 {
+		reqs = append(reqs, Request{At: 20*time.Second + time.Duration(i)*50*time.Millisecond, Key: "k", Node: 2})
+	}
+	cfg := HarnessTrace(1, 3, 100, time.Hour, 200*time.Millisecond, time.Second, time.Second, reqs, 1)
+	cfg.Faults = []Fault{{Kind: RedisOutage, At: 10 * time.Second, For: 8 * time.Second, Empty: true}}
+	res, err := Run(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := res.Regions[0].Admitted; got != 100 {
+		t.Errorf("admitted %d of 140 requests for a limit of 100: the third node should have read the 40 the others sent again", got)
+	}
+}

@@ -55,6 +55,9 @@ type node struct {
 	requests, replay *simmodel.Gate
 	tick             simmodel.Tick
 	slow             int64 // the fast tick, of ten, at which its slow tick runs
+	// runID is the run ID of its region's Redis its restart watch last
+	// heard.
+	runID int64
 	// beat is the slow tick, of ten, at which its heartbeat runs;
 	// beatOK when one last succeeded, lost once it stopped counting.
 	beat   int64
@@ -90,6 +93,8 @@ func (s *sim) build() error {
 		for _, f := range c.faults() {
 			span := simmodel.Span{From: s.base + f.At.Milliseconds(), To: s.base + (f.At + f.For).Milliseconds()}
 			switch {
+			case f.Kind == RedisOutage && f.Region == i && f.Empty:
+				link.Refusals = append(link.Refusals, span)
 			case f.Kind == RedisOutage && f.Region == i:
 				link.Outages = append(link.Outages, span)
 			case f.Kind == Cutoff && f.Region == i:

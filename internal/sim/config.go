@@ -32,7 +32,8 @@ const (
 	Abuse Scenario = "abuse"
 	// MySQLDown: skewed traffic; the MySQL primary is down for 60 s.
 	MySQLDown Scenario = "mysql-down"
-	// RedisDown: skewed traffic; one region's Redis is down for 30 s.
+	// RedisDown: skewed traffic; one region's Redis is down for 30 s and
+	// comes back empty, as one restarted without persistence does.
 	RedisDown Scenario = "redis-down"
 	// Partition: skewed traffic; one region is cut off from the others
 	// (the primary, and replication to its replica) for 60 s, then
@@ -131,6 +132,12 @@ type Fault struct {
 	Region int
 	// At and For place it, from the start.
 	At, For time.Duration
+	// Empty makes a RedisOutage a Redis killed and restarted without
+	// persistence: every call refused at once while it is down, and back
+	// empty, with a new run ID, which each node's restart watch sees.
+	// Otherwise Redis cannot be reached (each call waits out its timeout,
+	// as behind a partition) and comes back with what it held.
+	Empty bool
 }
 
 // FaultKind is a kind of outage.
@@ -258,7 +265,7 @@ func (c Config) faults() []Fault {
 	case MySQLDown:
 		out = append(out, Fault{Kind: PrimaryDown, At: at, For: time.Minute})
 	case RedisDown:
-		out = append(out, Fault{Kind: RedisOutage, Region: c.Regions / 2, At: at, For: 30 * time.Second})
+		out = append(out, Fault{Kind: RedisOutage, Region: c.Regions / 2, At: at, For: 30 * time.Second, Empty: true})
 	case Partition:
 		if c.Regions > 1 {
 			out = append(out, Fault{Kind: Cutoff, Region: c.Regions - 1, At: at, For: time.Minute})

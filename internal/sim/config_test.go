@@ -88,7 +88,7 @@ func TestConfig_FailureScenariosBringTheirFaults(t *testing.T) {
 		{Even, Even, nil},
 		{Moving, Moving, nil},
 		{MySQLDown, Skewed, []Fault{{Kind: PrimaryDown, At: time.Minute, For: time.Minute}}},
-		{RedisDown, Skewed, []Fault{{Kind: RedisOutage, Region: 2, At: time.Minute, For: 30 * time.Second}}},
+		{RedisDown, Skewed, []Fault{{Kind: RedisOutage, Region: 2, At: time.Minute, For: 30 * time.Second, Empty: true}}},
 		{Partition, Skewed, []Fault{{Kind: Cutoff, Region: 3, At: time.Minute, For: time.Minute}}},
 	} {
 		c := Config{Regions: 4, Duration: 3 * time.Minute, Scenario: tc.sc, Faults: []Fault{own}}

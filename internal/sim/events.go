@@ -16,7 +16,7 @@ const (
 	evCleanup                   // a node's cleanup tick
 	evSweep                     // a node's janitor
 	evWindow                    // a window ends: Redis expires, counts are checked
-	evFault                     // a fault begins or ends
+	evFault                     // a region's Redis comes back empty (Fault.Empty)
 )
 
 type event struct {

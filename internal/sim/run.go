@@ -95,6 +95,11 @@ func (s *sim) schedule() {
 		s.q.push(s.base+s.jitter(5*time.Second), evCleanup, n.index)
 		s.q.push(s.base+sweepMs*int64(n.index%10+1)/10, evSweep, n.index)
 	}
+	for _, f := range c.faults() {
+		if f.Kind == RedisOutage && f.Empty {
+			s.q.push(s.base+(f.At+f.For).Milliseconds(), evFault, f.Region)
+		}
+	}
 	w := c.Window.Milliseconds()
 	s.q.push(s.base+w, evWindow, 0)
 	s.q.push(s.base+2*w-1000, evWindow, 1)
@@ -130,6 +135,9 @@ func (s *sim) loop() {
 		case evSweep:
 			s.nodes[e.idx].eng.Sweep()
 			s.q.push(e.at+sweepMs, evSweep, int(e.idx))
+		case evFault:
+			// A Redis outage's end, where Redis comes back empty.
+			s.regions[e.idx].redis.Restart()
 		case evWindow:
 			s.window(e)
 		case evMeasure:
@@ -176,7 +184,8 @@ func (s *sim) arm(k winKey, first int) {
 
 // replay runs the replay ticks of the nodes of one phase; on their slow
 // tick the origin's check of Redis's run ID (the restart watch, whose
-// answer closes the origin's open breakers) and the node's look at the
+// answer closes the origin's open breakers, and whose new run ID sends
+// every cell again) and the node's look at the
 // region's runtime overrides (overrides_sync.go), and every tenth slow
 // tick its heartbeat and the restart watch's read of its mark.
 func (s *sim) replay(at int64, phase int) {
@@ -185,8 +194,16 @@ func (s *sim) replay(at int64, phase int) {
 		_, _ = n.eng.ReplayOnce(bg, engine.Fast)
 		if tick%(slowTickMs/fastTickMs) == n.slow {
 			_, _ = n.eng.ReplayOnce(bg, engine.Slow)
-			if n.region.redis.Info() == nil {
-				// The restart watch heard Redis: the breakers close.
+			if id, err := n.region.redis.Info(); err == nil {
+				// The restart watch heard Redis: the breakers close; a new
+				// run ID (Redis restarted empty) sends every cell the node
+				// holds again, and the layer registers its cells and sends
+				// its imports again (redis.go).
+				if id != n.runID {
+					n.runID = id
+					n.eng.Resend()
+					n.prop.RegionLost()
+				}
 				n.requests.Heard(at)
 				n.replay.Heard(at)
 			}

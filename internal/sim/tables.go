@@ -81,7 +81,7 @@ var tables = map[string]table{
 		}
 		return out
 	}},
-	"failure": {"Failure: 10 regions × 10 nodes, skewed traffic; MySQL's primary down 60 s, one region's Redis down 30 s, one region cut off 60 s (each from minute 3:20)", func() []row {
+	"failure": {"Failure: 10 regions × 10 nodes, skewed traffic; MySQL's primary down 60 s, one region's Redis down 30 s and back empty, one region cut off 60 s (each from minute 3:20)", func() []row {
 		var out []row
 		for _, sc := range []Scenario{Skewed, MySQLDown, RedisDown, Partition} {
 			c := base()

@@ -46,17 +46,22 @@ type Span struct {
 func (s Span) Has(at int64) bool { return at >= s.From && at < s.To }
 
 // Link is the path between clients and a server: each call's round trip,
-// the share of calls lost, and the spans during which the server cannot be
-// reached.
+// the share of calls lost, the spans during which the server cannot be
+// reached (each call waits out its caller's timeout, as behind a
+// partition) and those during which it is not running (each call is
+// refused at once, as by a killed server's host).
 type Link struct {
-	Latency Dist
-	Loss    float64
-	Outages []Span
+	Latency  Dist
+	Loss     float64
+	Outages  []Span
+	Refusals []Span
 }
 
-// Down reports whether the server is unreachable at at.
-func (l *Link) Down(at int64) bool {
-	for _, s := range l.Outages {
+// Down reports whether the server is unreachable or not running at at.
+func (l *Link) Down(at int64) bool { return in(l.Outages, at) || in(l.Refusals, at) }
+
+func in(spans []Span, at int64) bool {
+	for _, s := range spans {
 		if s.Has(at) {
 			return true
 		}
@@ -68,7 +73,10 @@ func (l *Link) Down(at int64) bool {
 // its latency, and an error when it did not get through. applied reports
 // whether the server ran it (a late answer was still run there).
 func (l *Link) call(rng *rand.Rand, at int64, timeout float64) (lat float64, applied bool, err error) {
-	if l.Down(at) {
+	if in(l.Refusals, at) {
+		return 0, false, ErrDown
+	}
+	if in(l.Outages, at) {
 		return timeout, false, ErrDown
 	}
 	if l.Loss > 0 && rng.Float64() < l.Loss {

@@ -6,12 +6,14 @@ import (
 )
 
 // TestLink_CallsFailAsTheLinkSays: a call during an outage or lost on the
-// way fails without running, costing the caller its timeout; one slower
-// than the caller's timeout fails for the caller but ran at the server.
+// way fails without running, costing the caller its timeout; one while
+// the server is not running is refused at once; one slower than the
+// caller's timeout fails for the caller but ran at the server.
 func TestLink_CallsFailAsTheLinkSays(t *testing.T) {
 	rng := newRand(1, 9)
 	five := Dist{Median: 5} // no P99: a constant
 	down := Link{Latency: five, Outages: []Span{{From: 100, To: 200}}}
+	killed := Link{Latency: five, Refusals: []Span{{From: 100, To: 200}}}
 	for _, tc := range []struct {
 		name    string
 		link    Link
@@ -24,6 +26,9 @@ func TestLink_CallsFailAsTheLinkSays(t *testing.T) {
 		{"before the outage", down, 99, 50, 5, true, nil},
 		{"during the outage", down, 100, 50, 50, false, ErrDown},
 		{"after the outage", down, 200, 50, 5, true, nil},
+		{"before the kill", killed, 99, 50, 5, true, nil},
+		{"while killed", killed, 100, 50, 0, false, ErrDown},
+		{"restarted", killed, 200, 50, 5, true, nil},
 		{"lost", Link{Latency: five, Loss: 1}, 0, 50, 50, false, ErrLost},
 		{"late", Link{Latency: Dist{Median: 80}}, 0, 50, 50, true, ErrTimeout},
 		{"no timeout", Link{Latency: Dist{Median: 80}}, 0, 0, 80, true, nil},

@@ -21,6 +21,8 @@ type Redis struct {
 	rng  *rand.Rand
 	link Link
 	down bool
+	// runID is what INFO server reports, changed by each Restart.
+	runID int64
 
 	timeouts Timeouts
 	cells    map[CellID]*Hash
@@ -127,9 +129,11 @@ func (r *Redis) SetDown(down bool) {
 	r.mu.Unlock()
 }
 
-// Restart empties Redis, as a restart without persistence does.
+// Restart empties Redis, as a restart without persistence does, and gives
+// it a new run ID.
 func (r *Redis) Restart() {
 	r.mu.Lock()
+	r.runID++
 	r.cells = map[CellID]*Hash{}
 	r.role = newRoleState()
 	r.processes = map[string]int64{}
@@ -204,17 +208,18 @@ func (r *Redis) Mark() {
 }
 
 // Info counts one INFO server, the origin's check of the run ID on every
-// slow tick; it fails while Redis is unreachable.
-func (r *Redis) Info() error {
+// slow tick, and returns the run ID, which only Restart changes; it fails
+// while Redis is unreachable.
+func (r *Redis) Info() (runID int64, err error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if _, err := r.call(r.timeouts.Role); err != nil {
-		return err
+		return 0, err
 	}
 	r.cost.Calls++
 	r.cost.Info++
 	r.cost.Processed++
-	return nil
+	return r.runID, nil
 }
 
 // OverridesState counts one look of a node at the region's runtime
