@@ -6,6 +6,8 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"maps"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -14,6 +16,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"go.uber.org/zap"
 
 	"github.com/edgelimit/caddy-ratelimit/engine"
 	"github.com/edgelimit/caddy-ratelimit/propagation"
@@ -316,7 +319,7 @@ func provisionMySQL(a *App) (backend, error) {
 	// (The origin is provisioned first: backendKinds.)
 	a.eachBackend(func(b backend) {
 		if rb, ok := b.(*redisBackend); ok {
-			opts.Region = redisRegion{o: rb.origin, st: a.state, region: a.Region}
+			opts.Region = redisRegion{o: rb.origin, st: a.state, region: a.Region, database: propagation.DatabaseOf(cfg.DSN)}
 			opts.RoleHeld = &processRole
 		}
 	})
@@ -405,11 +408,41 @@ func (b *mysqlBackend) close() {
 	ctx, cancel := context.WithTimeout(context.Background(), closeTimeout)
 	defer cancel()
 	b.prop.Stop(ctx)
+	b.handOverrides()
 	if cur := currentProp.Load(); cur == nil || !cur.HasRegion() {
 		processRole.Store(false) // its role went with the last layer that had one
 	}
 	retireProp(b.prop.Stats())
 	b.prop = nil
+}
+
+// handOverrides gives the runtime override changes the stopped layer
+// could not write (MySQL did not answer its last flush) to the layer in
+// use, when that writes to the same database: a reload once dropped
+// them, and for a node without Redis they were nowhere else (the node
+// kept enforcing a change no other region ever had). Without such a
+// layer (the process stops, or the new config writes elsewhere) they are
+// lost, and the log says which.
+func (b *mysqlBackend) handOverrides() {
+	left := b.prop.PendingOverrides()
+	if len(left) == 0 {
+		return
+	}
+	if cur := currentProp.Load(); cur != nil && cur != b.prop && cur.Addr() == b.prop.Addr() {
+		for _, r := range left {
+			cur.PutOverride(r)
+		}
+		b.a.logger.Info("handed the runtime override changes not yet written to MySQL to the new configuration's layer",
+			zap.Int("changes", len(left)), zap.String("database", b.prop.Addr()))
+		return
+	}
+	zones := map[string]bool{}
+	for _, r := range left {
+		zone, _, _, _ := fromBookZone(r.Namespace)
+		zones[zone] = true
+	}
+	b.a.logger.Error("runtime override changes never written to MySQL are lost as the layer stops (MySQL did not answer): make them again once it does",
+		zap.Int("changes", len(left)), zap.Strings("zones", slices.Sorted(maps.Keys(zones))), zap.String("database", b.prop.Addr()))
 }
 
 // Interface guards.

@@ -18,8 +18,9 @@ type redisRegion struct {
 	o *origin.Redis
 	// st is the process's state: the windows of the zone a reset marks.
 	st *state
-	// region is the region's name (App.Region).
-	region string
+	// region is the region's name (App.Region); database the MySQL
+	// database the node writes to (propagation.DatabaseOf).
+	region, database string
 }
 
 func roleKey(c propagation.Cell) engine.Key {
@@ -37,7 +38,7 @@ func layerCell(k engine.Key, seq int64) propagation.Cell {
 func (r redisRegion) NodeID() string { return r.o.NodeID() }
 
 func (r redisRegion) Lease(ctx context.Context, ttl time.Duration) (string, error) {
-	return r.o.LeaseFor(ctx, ttl, r.region)
+	return r.o.LeaseFor(ctx, ttl, r.region, r.database)
 }
 
 func (r redisRegion) ReleaseLease(ctx context.Context) error { return r.o.ReleaseLease(ctx) }

@@ -30,7 +30,7 @@ var propagationStats = statSet[propagation.Stats]{stats: []stat[propagation.Stat
 	{json: "database", value: func(s *propagation.Stats) any { return s.Database }},
 	// Ready is false until the schema is known to exist.
 	{json: "ready", metric: "propagation_ready", gauge: true, value: func(s *propagation.Stats) any { return s.Ready },
-		help: "1 once the MySQL schema is known to exist; 0 while MySQL has not answered since start."},
+		help: "1 once the MySQL schema is known to exist; 0 while MySQL has not answered since start, and while a statement found a table, a column or the database gone until the schema is made again."},
 	{json: "breaker", value: func(s *propagation.Stats) any { return s.Breaker }},
 	{json: "last_push", metric: "propagation_last_push_timestamp_seconds", gauge: true, value: func(s *propagation.Stats) any { return s.LastPush },
 		help: "Unix time of the last successful MySQL write; 0 if none."},

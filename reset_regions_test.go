@@ -265,6 +265,36 @@ func TestReset_AGlobalResetWhileMySQLIsDownTravelsWhenItIsBack(t *testing.T) {
 	}
 }
 
+// TestOverrides_AChangeOfANodeWithoutRedisOutlivesAReloadWhileMySQLHangs:
+// a node without Redis keeps its runtime override changes in memory until
+// it writes them to MySQL. A change made while MySQL hung (200 at once)
+// and a reload before MySQL answered again: the old config's layer tried
+// once as it stopped, failed, and dropped the change, which never reached
+// MySQL (an audit: 40 s after MySQL was back no row, and the other regions
+// never had it; the node itself kept enforcing it). The next config's
+// layer takes the changes the old one could not write.
+func TestOverrides_AChangeOfANodeWithoutRedisOutlivesAReloadWhileMySQLHangs(t *testing.T) {
+	resetOverrides(t)
+	my := mysqltest.Start(t)
+	dsn := my.NewDatabase(t)
+	t.Setenv("RATELIMIT_TEST_MYSQL_DSN", dsn)
+	global := "\tratelimit {\n\t\tregion test-a\n\t\tmysql {env.RATELIMIT_TEST_MYSQL_DSN}\n\t\tmysql_flush 50ms\n\t\tglobal_sync 200ms\n\t\tmysql_timeout 200ms\n\t}"
+	_, admin, _ := startCaddy(t, overrideConfig(global))
+	db := mysqltest.Open(t, dsn)
+	redistest.Eventually(t, 20*time.Second, "the schema migrated", func() bool { return rowCount(t, db, "ratelimit_overrides") == 0 })
+	my.Pause()
+	adminSend(t, admin, http.MethodPut, "/ratelimit/overrides?zone=ov&identifier=kept", `{"limit": 1}`).decode(t, http.StatusOK, &overrideDoc{})
+	if err := loadCaddyfile(t, admin, overrideConfig(global)); err != nil {
+		t.Fatal(err)
+	}
+	my.Resume()
+	redistest.Eventually(t, 30*time.Second, "the change's row once MySQL answers again", func() bool {
+		var n int
+		err := db.QueryRow("SELECT COUNT(*) FROM ratelimit_overrides WHERE namespace = ? AND identifier = ? AND limit_units = 1", "ov", "kept").Scan(&n)
+		return err == nil && n == 1
+	})
+}
+
 // regionOnMySQL starts a Caddy of region test-a on srv and a new database
 // of my, timing the lines its ratelimit block adds, and returns the
 // database, the admin address and the site's.

@@ -109,24 +109,31 @@ var (
 	// lease's holder for ten times the lease (regionHold): a node of
 	// another region takes no lease while it stands, so not the moment
 	// every node of the region stopped either, and gets "\0" and that
-	// region instead (LeaseFor).
+	// region instead (LeaseFor). With ARGV[5], the database the node
+	// writes to, KEYS[3] holds the holder's the same way, and a node
+	// that writes to another gets "\1" and that database.
 	leaseScript = sourcedScript(`
 if ARGV[3] and ARGV[3] ~= '' then
   local r = redis.call('GET', KEYS[2])
   if r and r ~= ARGV[3] then return '\0' .. r end
+end
+if ARGV[5] and ARGV[5] ~= '' then
+  local d = redis.call('GET', KEYS[3])
+  if d and d ~= ARGV[5] then return '\1' .. d end
 end
 local v = redis.call('GET', KEYS[1])
 local took = v == ARGV[1]
 if took then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 if not v then redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) took = true end
 if took and ARGV[3] and ARGV[3] ~= '' then redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[4]) end
+if took and ARGV[5] and ARGV[5] ~= '' then redis.call('SET', KEYS[3], ARGV[5], 'PX', ARGV[4]) end
 if took then return ARGV[1] end
 return v
 `)
-	// releaseScript deletes the lease KEYS[1], and the region KEYS[2] of
-	// its holder, if ARGV[1] holds it.
+	// releaseScript deletes the lease KEYS[1], and the region KEYS[2] and
+	// database KEYS[3] of its holder, if ARGV[1] holds it.
 	releaseScript = sourcedScript(`
-if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1], KEYS[2]) end
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1], KEYS[2], KEYS[3]) end
 return 0
 `)
 	// registerScript sets each field ARGV[2i+1] of the registry KEYS[1] to
@@ -233,7 +240,7 @@ func shardOf(cell string) int { return int(fnv64a(fnvOffset, cell) % roleShards)
 // it when this process does, and returns the node ID that holds it now
 // (this process's, NodeID, when it does).
 func (r *Redis) Lease(ctx context.Context, ttl time.Duration) (string, error) {
-	return r.LeaseFor(ctx, ttl, "")
+	return r.LeaseFor(ctx, ttl, "", "")
 }
 
 // OtherRegionError is LeaseFor's answer to a node of another region than
@@ -254,23 +261,44 @@ func (e *OtherRegionError) Error() string {
 		"two regions' nodes share one Redis (and its counts), and this node takes no role here: check every node's region line", e.Holder, e.Mine)
 }
 
-// regionHold is how many leases long the region of the lease's last
-// holder stands after it: a region renamed on every node waits that long
-// for its role.
+// OtherDatabaseError is LeaseFor's answer to a node that writes to
+// another database than the lease's holder: a mysql line that names
+// another server or database than the region's other nodes', whose role
+// would split the region's counts between two databases.
+type OtherDatabaseError struct {
+	// Holder is the database of the lease's holder; Mine the caller's.
+	Holder, Mine string
+}
+
+// OtherDatabase is the database of the lease's holder.
+func (e *OtherDatabaseError) OtherDatabase() string { return e.Holder }
+
+func (e *OtherDatabaseError) Error() string {
+	return fmt.Sprintf("the role's lease in this Redis is held by a node writing to MySQL database %s, and this node writes to %s: "+
+		"this node takes no role here: check every node's mysql line", e.Holder, e.Mine)
+}
+
+// regionHold is how many leases long the region (and database) of the
+// lease's last holder stands after it: a region renamed (or moved to
+// another database) on every node waits that long for its role.
 const regionHold = 10
 
-// LeaseFor is Lease by a node of region (none: no check): while a node
-// of another region holds the lease, or held it within regionHold leases,
-// it is an *OtherRegionError.
-func (r *Redis) LeaseFor(ctx context.Context, ttl time.Duration, region string) (string, error) {
+// LeaseFor is Lease by a node of region that writes to database (either
+// none: no check of it): while a node of another region holds the lease,
+// or held it within regionHold leases, it is an *OtherRegionError; while
+// one writing to another database does, an *OtherDatabaseError.
+func (r *Redis) LeaseFor(ctx context.Context, ttl time.Duration, region, database string) (string, error) {
 	ep := r.roleEndpoint()
-	holder, err := leaseScript.Run(ctx, ep.client, []string{r.leaseKey(), r.leaseKey() + ":region"},
-		r.nodeID, ttl.Milliseconds(), region, (regionHold * ttl).Milliseconds()).Text()
+	holder, err := leaseScript.Run(ctx, ep.client, []string{r.leaseKey(), r.leaseKey() + ":region", r.leaseKey() + ":database"},
+		r.nodeID, ttl.Milliseconds(), region, (regionHold * ttl).Milliseconds(), database).Text()
 	if err != nil {
 		return "", fmt.Errorf("redis lease %s: %w", ep.address, explainScripts(err))
 	}
 	if other, ok := strings.CutPrefix(holder, "\x00"); ok {
 		return "", &OtherRegionError{Holder: other, Mine: region}
+	}
+	if other, ok := strings.CutPrefix(holder, "\x01"); ok {
+		return "", &OtherDatabaseError{Holder: other, Mine: database}
 	}
 	return holder, nil
 }
@@ -279,7 +307,7 @@ func (r *Redis) LeaseFor(ctx context.Context, ttl time.Duration, region string) 
 // node takes it at once rather than after the TTL.
 func (r *Redis) ReleaseLease(ctx context.Context) error {
 	ep := r.roleEndpoint()
-	if err := releaseScript.Run(ctx, ep.client, []string{r.leaseKey(), r.leaseKey() + ":region"}, r.nodeID).Err(); err != nil && !errors.Is(err, redis.Nil) {
+	if err := releaseScript.Run(ctx, ep.client, []string{r.leaseKey(), r.leaseKey() + ":region", r.leaseKey() + ":database"}, r.nodeID).Err(); err != nil && !errors.Is(err, redis.Nil) {
 		return fmt.Errorf("redis release lease %s: %w", ep.address, explainScripts(err))
 	}
 	return nil

@@ -64,23 +64,23 @@ func TestRole_ANodeOfAnotherRegionTakesNoLease(t *testing.T) {
 	eu := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "eu1"})
 	us := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "us1"})
 	const ttl = 300 * time.Millisecond
-	if h, err := eu.LeaseFor(ctxT(t), ttl, "eu"); err != nil || h != "eu1" {
+	if h, err := eu.LeaseFor(ctxT(t), ttl, "eu", ""); err != nil || h != "eu1" {
 		t.Fatalf("eu1 takes the free lease: %q %v", h, err)
 	}
 	var other *OtherRegionError
-	if h, err := us.LeaseFor(ctxT(t), ttl, "us"); !errors.As(err, &other) || other.Holder != "eu" || other.Mine != "us" || h != "" {
+	if h, err := us.LeaseFor(ctxT(t), ttl, "us", ""); !errors.As(err, &other) || other.Holder != "eu" || other.Mine != "us" || h != "" {
 		t.Fatalf("a node of us while eu holds the lease: %q %v, want an OtherRegionError naming eu", h, err)
 	}
-	if h, err := eu.LeaseFor(ctxT(t), ttl, "eu"); err != nil || h != "eu1" {
+	if h, err := eu.LeaseFor(ctxT(t), ttl, "eu", ""); err != nil || h != "eu1" {
 		t.Fatalf("eu1 renews: %q %v", h, err)
 	}
 	if err := eu.ReleaseLease(ctxT(t)); err != nil {
 		t.Fatal(err)
 	}
-	if h, err := us.LeaseFor(ctxT(t), ttl, "us"); err != nil || h != "us1" {
+	if h, err := us.LeaseFor(ctxT(t), ttl, "us", ""); err != nil || h != "us1" {
 		t.Fatalf("us1 takes the released lease: %q %v", h, err)
 	}
-	if _, err := eu.LeaseFor(ctxT(t), ttl, "eu"); !errors.As(err, &other) || other.Holder != "us" {
+	if _, err := eu.LeaseFor(ctxT(t), ttl, "eu", ""); !errors.As(err, &other) || other.Holder != "us" {
 		t.Fatalf("eu1 while us1 holds the lease: %v, want an OtherRegionError naming us", err)
 	}
 	// us1 dies: its lease lapses, but its region stands for ten leases
@@ -88,7 +88,7 @@ func TestRole_ANodeOfAnotherRegionTakesNoLease(t *testing.T) {
 	// of it), and then eu1 takes the role.
 	start := time.Now()
 	redistest.Eventually(t, 10*time.Second, "eu1 takes the role once us's region lapsed", func() bool {
-		h, err := eu.LeaseFor(ctxT(t), ttl, "eu")
+		h, err := eu.LeaseFor(ctxT(t), ttl, "eu", "")
 		return err == nil && h == "eu1"
 	})
 	if took := time.Since(start); took < 5*ttl {
@@ -98,6 +98,48 @@ func TestRole_ANodeOfAnotherRegionTakesNoLease(t *testing.T) {
 	// sees the holder as before.
 	if h, err := us.Lease(ctxT(t), ttl); err != nil || h != "eu1" {
 		t.Fatalf("a node without a region: %q %v, want holder eu1", h, err)
+	}
+}
+
+// TestRole_ANodeWritingToAnotherDatabaseTakesNoLease: a node of the region
+// whose mysql line names another server or database than the holder's
+// took the role when it was free and wrote the region's counts there,
+// where the other regions, reading the first database, never saw them
+// (an audit: a node on a second MariaDB took the role as the holder
+// stopped, and another region admitted more after a burst of the
+// limit). While a node writing to one database holds the lease, a node
+// writing to another gets *OtherDatabaseError and no lease; a node of
+// the same database, or one that names none (a build before this
+// check), sees the holder; once the holder released the lease, either
+// may take it.
+func TestRole_ANodeWritingToAnotherDatabaseTakesNoLease(t *testing.T) {
+	srv := redistest.Start(t)
+	a1 := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "a1"})
+	a2 := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "a2"})
+	a3 := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "a3"})
+	const ttl = time.Minute
+	first, second := "tcp(127.0.0.1:3306)/rl", "tcp(127.0.0.1:3307)/rl"
+	if h, err := a1.LeaseFor(ctxT(t), ttl, "a", first); err != nil || h != "a1" {
+		t.Fatalf("a1 takes the free lease: %q %v", h, err)
+	}
+	var other *OtherDatabaseError
+	if h, err := a3.LeaseFor(ctxT(t), ttl, "a", second); !errors.As(err, &other) || other.Holder != first || other.Mine != second || h != "" {
+		t.Fatalf("a node writing to %s while a1 holds the lease for %s: %q %v, want an OtherDatabaseError", second, first, h, err)
+	}
+	if h, err := a2.LeaseFor(ctxT(t), ttl, "a", first); err != nil || h != "a1" {
+		t.Fatalf("a node of the same database: %q %v, want holder a1", h, err)
+	}
+	if h, err := a2.LeaseFor(ctxT(t), ttl, "a", ""); err != nil || h != "a1" {
+		t.Fatalf("a node that names no database: %q %v, want holder a1", h, err)
+	}
+	if err := a1.ReleaseLease(ctxT(t)); err != nil {
+		t.Fatal(err)
+	}
+	if h, err := a3.LeaseFor(ctxT(t), ttl, "a", second); err != nil || h != "a3" {
+		t.Fatalf("a3 takes the released lease: %q %v", h, err)
+	}
+	if _, err := a1.LeaseFor(ctxT(t), ttl, "a", first); !errors.As(err, &other) || other.Holder != second {
+		t.Fatalf("a1 while a3 holds the lease: %v, want an OtherDatabaseError naming %s", err, second)
 	}
 }
 

@@ -13,7 +13,8 @@ import (
 )
 
 // Rows lost by hand: an operator empties a table (TRUNCATE, DELETE),
-// drops one, or drops the database and makes it again empty, mid-window.
+// drops one (or one of its columns), or drops the database and makes it
+// again empty, mid-window.
 // The process wrote a cell again only when its count grew, and migrated
 // the schema once, at start: a dropped table failed every statement
 // until the process restarted, and the rows of counts that stood still
@@ -24,13 +25,22 @@ import (
 const (
 	errNoSuchTable = 1146 // ER_NO_SUCH_TABLE
 	errBadDB       = 1049 // ER_BAD_DB_ERROR
+	errBadField    = 1054 // ER_BAD_FIELD_ERROR: a column dropped by hand
+	errNoSuchKey   = 1176 // ER_KEY_DOES_NOT_EXITS: a key the pulls name, dropped
 )
 
-// schemaGone reports an error of a statement whose table or database does
-// not exist.
+// schemaGone reports an error of a statement whose table, column, key or
+// database does not exist.
 func schemaGone(err error) bool {
 	var me *mysql.MySQLError
-	return errors.As(err, &me) && (me.Number == errNoSuchTable || me.Number == errBadDB)
+	if !errors.As(err, &me) {
+		return false
+	}
+	switch me.Number {
+	case errNoSuchTable, errBadDB, errBadField, errNoSuchKey:
+		return true
+	}
+	return false
 }
 
 // lostSchema is whether a statement found the schema gone since the
@@ -49,7 +59,7 @@ func (p *Propagator) noteSchemaGone(err error) {
 	if errors.Is(err, errLeaseLost) || p.stopped(err) || !schemaGone(err) || !p.lost.gone.CompareAndSwap(false, true) {
 		return
 	}
-	p.log.Warn("a mysql table or the database is gone (dropped by hand?): making the schema again, then publishing every cell again and reading every table whole",
+	p.log.Warn("a mysql table, column or the database is gone (dropped by hand?): making the schema again, then publishing every cell again and reading every table whole",
 		zap.String("database", p.addr), zap.Error(err))
 }
 

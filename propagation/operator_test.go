@@ -1,6 +1,7 @@
 package propagation
 
 import (
+	"context"
 	"time"
 
 	"github.com/edgelimit/caddy-ratelimit/engine"
@@ -58,16 +59,23 @@ func TestOperator_TruncatedCountsArePublishedAgain(t *testing.T) {
 }
 
 // TestOperator_ADroppedTableOrDatabaseIsMadeAgain: an operator drops a
-// table, or the whole database and creates it again empty. The schema
-// was migrated once, at start: every write and pull failed from then on
-// ("doesn't exist"), for good, until the process restarted. Now a
+// table, a column, or the whole database and creates it again empty. The
+// schema was migrated once, at start: every write and pull failed from
+// then on ("doesn't exist"), for good, until the process restarted. Now a
 // statement that finds the schema gone migrates it again, and the cells
-// are published again.
+// are published again; meanwhile the layer is not ready. A dropped
+// column (reset_base, updated_ms) failed every statement for good even
+// after a restart, as the migration added reset_base only with
+// reset_version, and the layer stayed ready throughout, as it did with
+// its database dropped.
 func TestOperator_ADroppedTableOrDatabaseIsMadeAgain(t *testing.T) {
 	for _, drop := range [][]string{
 		{"DROP TABLE ratelimit_global_counts"},
 		{"DROP TABLE ratelimit_global_counts", "DROP TABLE ratelimit_blocklist", "DROP TABLE ratelimit_overrides"},
 		{"DROP DATABASE %s", "CREATE DATABASE %s"},
+		{"ALTER TABLE ratelimit_global_counts DROP COLUMN reset_base"},
+		{"ALTER TABLE ratelimit_global_counts DROP COLUMN updated_ms"},
+		{"ALTER TABLE ratelimit_global_counts DROP KEY ratelimit_global_counts_updated"},
 	} {
 		t.Run(strings.ReplaceAll(drop[0], " ", "_"), func(t *testing.T) {
 			s := newSetup(t)
@@ -89,10 +97,24 @@ func TestOperator_ADroppedTableOrDatabaseIsMadeAgain(t *testing.T) {
 				}
 			}
 			// Flushes and syncs as the loops run them; a's count stands
-			// still.
+			// still. The first statement that fails finds the schema
+			// gone: not ready until the next flush has made it again.
+			failed := false
 			for range 3 {
-				a.p.FlushOnce(bg)
-				a.p.GlobalSyncOnce(bg)
+				for _, step := range []func(context.Context){a.p.FlushOnce, a.p.GlobalSyncOnce} {
+					before := a.p.Stats()
+					step(bg)
+					st := a.p.Stats()
+					if !failed && st.ReadErrors+st.WriteErrors > before.ReadErrors+before.WriteErrors {
+						failed = true
+						if st.Ready {
+							t.Errorf("ready after a statement found the schema gone (%q)", drop)
+						}
+					}
+				}
+			}
+			if st := a.p.Stats(); !st.Ready || st.SchemaRemade == 0 {
+				t.Errorf("after %q and three flushes: ready %v, schema made again %d times", drop, st.Ready, st.SchemaRemade)
 			}
 			a.p.FlushOnce(bg)
 			if st := a.p.Stats(); st.ReadErrors == 0 {

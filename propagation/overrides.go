@@ -102,6 +102,20 @@ func (p *Propagator) PutOverride(r OverrideRow) {
 	p.ovPending[k] = &r
 }
 
+// PendingOverrides returns the changes not written yet. What a layer that
+// stopped still holds (Stop writes them once, and MySQL may not have
+// answered) is the next config's to write (PutOverride) after a reload:
+// a process that is its own region has them nowhere else.
+func (p *Propagator) PendingOverrides() []OverrideRow {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	out := make([]OverrideRow, 0, len(p.ovPending))
+	for _, r := range p.ovPending {
+		out = append(out, *r)
+	}
+	return out
+}
+
 // takeOverrides takes the region's changes for the holder to write: all
 // of them on taking the role, after another server took the database's
 // writes (checkServer), and after a take that failed, which may have

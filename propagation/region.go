@@ -171,6 +171,7 @@ func (p *Propagator) holdRole(ctx context.Context) (held, taken bool) {
 		return false, false // the layer stops: its role is as it was, for releaseRole
 	}
 	var other interface{ OtherRegion() string }
+	var otherDB interface{ OtherDatabase() string }
 	switch {
 	case err != nil && errors.As(err, &other):
 		// A region line that names another region than the Redis's
@@ -179,6 +180,17 @@ func (p *Propagator) holdRole(ctx context.Context) (held, taken bool) {
 		if c := p.stats.leaseErrors.Add(1); c == 1 || c%100 == 0 {
 			p.log.Error("a node of another region holds the role in this region's Redis: this node takes no role; check every node's region line",
 				zap.String("region", p.cfg.Region), zap.String("holder_region", other.OtherRegion()), zap.Int64("lease_errors", c))
+		}
+	case err != nil && errors.As(err, &otherDB):
+		// A mysql line that names another database than the region's
+		// other nodes': taking the role when it is free would write the
+		// region's counts there, and the other regions, reading the
+		// first, would see none of them (an audit: a node of one region
+		// on a second MariaDB took the role when the holder stopped, and
+		// another region admitted 3 more after a burst of the limit).
+		if c := p.stats.leaseErrors.Add(1); c == 1 || c%100 == 0 {
+			p.log.Error("a node writing to another MySQL database holds the role in this region's Redis: this node takes no role; check every node's mysql line",
+				zap.String("database", p.addr), zap.String("holder_database", otherDB.OtherDatabase()), zap.Int64("lease_errors", c))
 		}
 	case err != nil:
 		if c := p.stats.leaseErrors.Add(1); c == 1 || c%100 == 0 {

@@ -82,9 +82,11 @@ var schema = []string{
 }
 
 // upgrades bring tables made by earlier versions up to the schema: each
-// runs when its column is missing. Two nodes that both find it missing
-// both run it; the second fails with a duplicate column or key, which
-// means done.
+// runs when its column is missing, so a column an operator dropped is
+// made again too (one statement a column: reset_base once came with
+// reset_version, and a table that had one of them never got the other).
+// Two nodes that both find it missing both run it; the second fails with
+// a duplicate column or key, which means done.
 var upgrades = []struct {
 	table, column, stmt string
 }{
@@ -95,7 +97,8 @@ var upgrades = []struct {
   ADD COLUMN updated_ms BIGINT NOT NULL DEFAULT 0,
   ADD KEY ratelimit_global_counts_updated (updated_ms)`},
 	{"ratelimit_global_counts", "reset_version", `ALTER TABLE ratelimit_global_counts
-  ADD COLUMN reset_version BIGINT NOT NULL DEFAULT 0,
+  ADD COLUMN reset_version BIGINT NOT NULL DEFAULT 0`},
+	{"ratelimit_global_counts", "reset_base", `ALTER TABLE ratelimit_global_counts
   ADD COLUMN reset_base BIGINT NOT NULL DEFAULT 0`},
 }
 
@@ -107,7 +110,25 @@ const (
 
 // migrateSteps is how many statements a migration runs at most, for its
 // timeout.
-var migrateSteps = len(schema) + 2*len(upgrades)
+var migrateSteps = len(schema) + 2*len(upgrades) + 2*len(schemaKeys())
+
+// schemaKey is a secondary key of the schema: its table, name and column.
+type schemaKey struct{ table, name, column string }
+
+// schemaKeys lists the schema's secondary keys, as its statements make
+// them. The pulls name the updated_ms keys (FORCE INDEX): one dropped by
+// hand failed every pull of its table ("Key … doesn't exist", MySQL's
+// error 1176) until an operator made it again.
+func schemaKeys() []schemaKey {
+	var out []schemaKey
+	for _, stmt := range schema {
+		table := tableName.FindStringSubmatch(stmt)[1]
+		for _, k := range keyName.FindAllStringSubmatch(stmt, -1) {
+			out = append(out, schemaKey{table, k[1], k[2]})
+		}
+	}
+	return out
+}
 
 // Migrate creates the tables if they are missing and upgrades older ones
 // in place. It is idempotent and safe on every node at once.
@@ -131,7 +152,31 @@ func Migrate(ctx context.Context, db *sql.DB) error {
 			return fmt.Errorf("migrate: add %s.%s: %w", u.table, u.column, err)
 		}
 	}
+	for _, k := range schemaKeys() {
+		ok, err := hasKey(ctx, db, k)
+		if err != nil {
+			return fmt.Errorf("migrate: %w", err)
+		}
+		if ok {
+			continue
+		}
+		stmt := "ALTER TABLE " + k.table + " ADD KEY " + k.name + " (" + k.column + ")"
+		if _, err := db.ExecContext(ctx, stmt); err != nil && !isDuplicate(err) {
+			return fmt.Errorf("migrate: add key %s of %s: %w", k.name, k.table, err)
+		}
+	}
 	return nil
+}
+
+// hasKey reports whether the database has the key k.
+func hasKey(ctx context.Context, db *sql.DB, k schemaKey) (bool, error) {
+	var n int
+	err := db.QueryRowContext(ctx, `SELECT COUNT(*) FROM information_schema.statistics
+  WHERE table_schema = DATABASE() AND table_name = ? AND index_name = ?`, k.table, k.name).Scan(&n)
+	if err != nil {
+		return false, fmt.Errorf("look for key %s of %s: %w", k.name, k.table, err)
+	}
+	return n > 0, nil
 }
 
 // CheckSchema reports the first table or column of the schema the
@@ -180,14 +225,25 @@ func CheckSchema(ctx context.Context, db *sql.DB) error {
 			}
 		}
 	}
+	for _, k := range schemaKeys() {
+		ok, err := hasKey(ctx, db, k)
+		if err != nil {
+			return fmt.Errorf("schema check: %w", err)
+		}
+		if !ok {
+			return fmt.Errorf("schema check: key %s of %s is missing, and mysql_migrate is off: make the schema as the README's statements do", k.name, k.table)
+		}
+	}
 	return nil
 }
 
 // tableName finds the table a CREATE TABLE statement makes, columnName
-// each of its columns and its type.
+// each of its columns and its type, keyName each secondary key and its
+// column.
 var (
 	tableName  = regexp.MustCompile(`CREATE TABLE IF NOT EXISTS (\w+)`)
 	columnName = regexp.MustCompile(`(?m)^  (\w+) +(VARBINARY|BIGINT|TINYINT)`)
+	keyName    = regexp.MustCompile(`(?m)^  KEY (\w+) \((\w+)\)`)
 )
 
 // isDuplicate reports a column or key that another node added first.

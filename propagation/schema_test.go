@@ -75,6 +75,7 @@ func TestMigrate_IdempotentAndBinaryColumns(t *testing.T) {
 // TestMigrate_OffChecksTheSchema: with mysql_migrate off the layer makes
 // no table, and is not ready while one is missing, saying which: it was
 // ready at once, and every statement then failed on the missing tables.
+// So too for a column, and for a key the pulls name.
 func TestMigrate_OffChecksTheSchema(t *testing.T) {
 	s := newSetup(t)
 	p := noMigrate(t, s.dsn)
@@ -99,6 +100,14 @@ func TestMigrate_OffChecksTheSchema(t *testing.T) {
 		t.Fatalf("with a column missing: %v", err)
 	}
 	if _, err := db.Exec(`ALTER TABLE ratelimit_overrides ADD COLUMN updated_ms BIGINT NOT NULL DEFAULT 0`); err != nil {
+		t.Fatal(err)
+	}
+	// The column is back, its key (which the pulls name) not yet: every
+	// pull of the table would fail.
+	if err := p.MigrateOnce(bg); err == nil || !strings.Contains(err.Error(), "key ratelimit_overrides_updated of ratelimit_overrides is missing") {
+		t.Fatalf("with a key missing: %v", err)
+	}
+	if _, err := db.Exec(`ALTER TABLE ratelimit_overrides ADD KEY ratelimit_overrides_updated (updated_ms)`); err != nil {
 		t.Fatal(err)
 	}
 	if err := p.MigrateOnce(bg); err != nil || !p.Stats().Ready {

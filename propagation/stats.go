@@ -126,7 +126,10 @@ func (p *Propagator) Stats() Stats {
 	p.member.Lock()
 	st.PendingDenials += int64(len(p.member.unput))
 	p.member.Unlock()
-	st.Region, st.Database, st.Ready = p.cfg.Region, p.addr, p.ready.Load()
+	// Not ready either while a statement has found the schema gone and
+	// it is not made again yet: the layer once stayed ready with its
+	// database dropped, every statement failing.
+	st.Region, st.Database, st.Ready = p.cfg.Region, p.addr, p.ready.Load() && !p.lost.gone.Load()
 	st.Breaker, st.Role = p.breakerState(), roleNames[p.role.Load()]
 	if p.region != nil {
 		st.NodeID = p.region.NodeID()

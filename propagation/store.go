@@ -102,6 +102,19 @@ func CheckDSN(dsn, line string) error {
 	return err
 }
 
+// DatabaseOf names the database dsn writes to (its network, address and
+// database, never credentials: Propagator.Addr), or "" when dsn does not
+// parse.
+func DatabaseOf(dsn string) string {
+	c, err := mysql.ParseDSN(dsn)
+	if err != nil {
+		return ""
+	}
+	return databaseOf(c)
+}
+
+func databaseOf(c *mysql.Config) string { return c.Net + "(" + c.Addr + ")/" + c.DBName }
+
 // parseDSN parses a DSN that must name a database; line names the setting
 // in errors.
 func parseDSN(dsn, line string) (*mysql.Config, error) {
@@ -157,7 +170,7 @@ func openDB(dsn string, timeout time.Duration, log *zap.Logger, line string) (*s
 	// past MySQL's max_connections (151 by default) on an edge deployment.
 	// The holder's flushes keep theirs in use.
 	db.SetConnMaxIdleTime(connMaxIdle)
-	return db, c.Net + "(" + c.Addr + ")/" + c.DBName, nil
+	return db, databaseOf(c), nil
 }
 
 // redact removes the DSN's password from a message, should a driver error

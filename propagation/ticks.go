@@ -278,10 +278,11 @@ func (p *Propagator) migrateLoop() {
 			p.firstServer(context.Background())
 			return
 		}
-		p.stats.migrateErrors.Add(1)
-		if p.stats.migrateErrors.Load() == 1 {
+		// The first failure and every hundredth after it: a wrong password
+		// or database said once, in the first seconds, was easy to miss.
+		if c := p.stats.migrateErrors.Add(1); c == 1 || c%100 == 0 {
 			p.log.Warn("mysql schema migration failed; retrying in the background, cross-region counts wait",
-				zap.String("database", p.addr), zap.Error(err))
+				zap.String("database", p.addr), zap.Int64("migrate_errors", c), zap.Error(err))
 		}
 		select {
 		case <-p.stop:
