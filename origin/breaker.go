@@ -192,13 +192,19 @@ func (b *breaker) reported() BreakerState { return breakerState(gobreaker.State(
 // command Redis refused for its own key (a wrong type, a value that is not
 // a number, a script error) does not: one hostile key must not open the
 // breaker of the region. Redis refusing work as a whole does, a server
-// that refuses scripts (scriptless.go) among it.
+// that refuses scripts (scriptless.go) among it, and a protocol error,
+// which no key causes: Redis answers one to a client that has not
+// authenticated and sends a command of more than ten arguments ("ERR
+// Protocol error: unauthenticated multibulk length"), where a shorter
+// one gets NOAUTH, and closes its connection (before 2026-11-29 that
+// reply passed the replay breaker's probe, and a node without the
+// password flushed, and reconnected, a hundred times a second).
 func countsAgainst(err error) bool {
 	var rerr redis.Error
 	if !errors.As(err, &rerr) || errors.Is(err, ErrScriptsRefused) {
 		return true
 	}
-	for _, p := range []string{"LOADING", "READONLY", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "BUSY", "OOM", "NOAUTH", "WRONGPASS", "NOPERM", "MISCONF", "NOREPLICAS"} {
+	for _, p := range []string{"LOADING", "READONLY", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "BUSY", "OOM", "NOAUTH", "WRONGPASS", "NOPERM", "MISCONF", "NOREPLICAS", "Protocol error"} {
 		if redis.HasErrorPrefix(err, p) {
 			return true
 		}

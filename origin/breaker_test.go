@@ -326,6 +326,49 @@ func TestBreaker_APasswordSetMidRunOpensItAndSaysWhy(t *testing.T) {
 	awaitRecovery(t, o, k, seq, flush, 7)
 }
 
+// TestBreaker_APasswordKeepsItOpenThroughItsProbes: to a client that has
+// not authenticated, Redis answers a command of more than ten arguments
+// "ERR Protocol error: unauthenticated multibulk length" (and closes the
+// connection), not NOAUTH. A replay batch is such a command: the
+// breaker took that reply for one key's error, so its probe passed, it
+// closed, and it stayed closed while every flush failed, each on a new
+// connection (an audit: about 235 connections a second from three idle
+// nodes). That reply says the server refused the client, whatever the
+// key: the breaker stays open through its probes.
+func TestBreaker_APasswordKeepsItOpenThroughItsProbes(t *testing.T) {
+	srv := redistest.Start(t)
+	var states stateLog
+	cfg := Config{Redis: []string{srv.URL()}, Breaker: BreakerConfig{Timeout: Duration(100 * time.Millisecond)}}
+	o := newOrigin(t, cfg, Options{NodeID: "pw-probe", OnStateChange: states.hook})
+	seq := nowSeq()
+	batch := make([]engine.Delta, 12)
+	for i := range batch {
+		batch[i] = engine.Delta{Key: key(fmt.Sprint("probe", i)), Sequence: seq, Delta: 1, Own: 1}
+	}
+	if err := o.Flush(ctxT(t), batch); err != nil {
+		t.Fatalf("healthy flush: %v", err)
+	}
+	ctx := context.Background()
+	admin := srv.Client()
+	if err := admin.ConfigSet(ctx, "requirepass", "s3cret-probed").Err(); err != nil {
+		t.Fatal(err)
+	}
+	if err := admin.Do(ctx, "CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes").Err(); err != nil {
+		t.Fatal(err)
+	}
+	redistest.Eventually(t, 10*time.Second, "the replay breaker open", func() bool {
+		_ = o.Flush(ctxT(t), batch)
+		return o.Stats().Endpoints[0].ReplayBreaker == BreakerOpen
+	})
+	// Ten probes' worth of flushes, as replay's ticks send them.
+	for end := time.Now().Add(time.Second); time.Now().Before(end); time.Sleep(10 * time.Millisecond) {
+		_ = o.Flush(ctxT(t), batch)
+	}
+	if seen := states.transitions(ReplayBreakerName); slices.Contains(seen, "half-open>closed") {
+		t.Fatalf("the replay breaker closed on a probe refused for want of a password: %v", seen)
+	}
+}
+
 // TestBreaker_KilledConnectionsCostNoCall: CLIENT KILL of every
 // connection of the module, again and again between calls (an operator
 // cleaning up, a proxy recycling): the pool notices a closed connection

@@ -373,6 +373,8 @@ func TestExplainScripts_OnlyARefusedScriptCommandIsTheServersRefusal(t *testing.
 		{"ERR user_script:3: Unknown Redis command called from script script: abc, on @user_script:3.", false, false},
 		{"ERR Error running script (call to f_abc): @user_script:1: WRONGTYPE", false, false},
 		{"READONLY You can't write against a read only replica.", false, true},
+		{"ERR Protocol error: unauthenticated multibulk length", false, true},
+		{"ERR Protocol error: unauthenticated bulk length", false, true},
 	} {
 		err := explainScripts(replyError(tc.reply))
 		if got := errors.Is(err, ErrScriptsRefused); got != tc.refused {

@@ -129,11 +129,15 @@ type restartWatch struct {
 	// and markedAt when the watch read it.
 	marks    map[string]string
 	markedAt map[string]time.Time
+	// asked holds the servers this watch asked whether they may evict and
+	// run scripts: each once, and again after a restart. TakeWatchFrom
+	// does not hand it on, so a reload's origin asks again.
+	asked map[string]bool
 }
 
 func newRestartWatch(r *Redis) *restartWatch {
 	return &restartWatch{r: r, seen: map[string]string{}, masters: map[string]map[string]bool{},
-		marks: map[string]string{}, markedAt: map[string]time.Time{}}
+		marks: map[string]string{}, markedAt: map[string]time.Time{}, asked: map[string]bool{}}
 }
 
 // markEvery is how often the watch reads each server's mark: a flush is
@@ -213,6 +217,18 @@ func (w *restartWatch) check(onRestart func()) {
 	for _, rd := range reads {
 		if w.compare(rd, &fresh) {
 			changed = true
+		}
+	}
+	for _, srv := range fresh {
+		w.asked[srv.addr] = true
+	}
+	for _, rd := range reads {
+		for addr, srv := range rd.ids {
+			if !w.asked[addr] { // seen by the origin this watch took over from
+				w.asked[addr] = true
+				srv.addr = addr
+				fresh = append(fresh, srv)
+			}
 		}
 	}
 	w.r.runIDChecks.Add(1)

@@ -142,7 +142,10 @@ func markReadAfter(o *Redis, t time.Time) bool {
 // TestWatchRestarts_NamesAServerThatMayEvict: a Redis with a memory limit
 // and an eviction policy may evict the limiter's counts, which no node
 // sees as a restart: the watch names it once per server it reads (and
-// again after a restart), and says nothing of one that may not evict.
+// again after a restart, and in the origin of each reload), and says
+// nothing of one that may not evict. A reload's origin took the old
+// one's servers for seen (TakeWatchFrom) and said nothing, though the
+// README promised it would.
 func TestWatchRestarts_NamesAServerThatMayEvict(t *testing.T) {
 	evicting, safe := redistest.Start(t), redistest.Start(t)
 	for _, set := range []struct {
@@ -172,6 +175,19 @@ func TestWatchRestarts_NamesAServerThatMayEvict(t *testing.T) {
 	w := <-warned
 	if w.policy != "allkeys-lru" || w.max != 100<<20 || !strings.Contains(w.addr, evicting.Addr()) {
 		t.Fatalf("warning %+v, want the evicting server %s with allkeys-lru and 100 MiB", w, evicting.Addr())
+	}
+	// A reload: the next config's origin of the same servers takes the
+	// watch, and says it again, once.
+	next := newOrigin(t, Config{Redis: []string{evicting.URL(), safe.URL()}}, Options{NodeID: "w",
+		OnEvicting: func(addr, policy string, max int64) { warned <- warning{addr, policy, max} }})
+	next.TakeWatchFrom(o)
+	next.WatchRestarts(20*time.Millisecond, func() {})
+	redistest.Eventually(t, 5*time.Second, "the reload's watch checked three times", func() bool { return next.runIDChecks.Load() >= 3 })
+	if len(warned) != 1 {
+		t.Fatalf("%d warnings after the reload's three checks, want one", len(warned))
+	}
+	if w := <-warned; !strings.Contains(w.addr, evicting.Addr()) {
+		t.Fatalf("the reload's warning %+v, want the evicting server %s", w, evicting.Addr())
 	}
 }
 
