@@ -38,6 +38,7 @@ import (
 // Bounds of an override's body.
 const (
 	maxOverrideBody   = 64 << 10
+	drainOverrideBody = 1 << 20 // read and dropped past maxOverrideBody
 	maxOverrideReason = 512
 )
 
@@ -212,6 +213,12 @@ func readOverrideBody(r *http.Request, now time.Time) (overrideBody, error) {
 	if err != nil {
 		var tooBig *http.MaxBytesError
 		if errors.As(err, &tooBig) {
+			// Read what the client is still sending (within a bound), so
+			// that it reads the 400: the admin server closes a connection
+			// it was asked to close with the rest of the body unread, and
+			// the client, still writing, got a reset instead (CI, once,
+			// for a body of 70 KiB).
+			_, _ = io.Copy(io.Discard, io.LimitReader(r.Body, drainOverrideBody))
 			return body, badRequest(fmt.Sprintf("the body is over %d bytes", maxOverrideBody))
 		}
 		return body, badRequest("reading the body: " + err.Error())
