@@ -709,11 +709,13 @@ func validateOverrideIP(id string, v4, v6 int, addr bool) error {
 	return nil
 }
 
-// addressLike says whether id, spaces around it and an IPv6 zone aside,
-// is made of what addresses and prefixes are: hex digits, '.', ':' and
-// '/', with a '.' or ':'.
+// addressLike says whether id, spaces around it, brackets around an IPv6
+// address (as in a URL: [::1]) and an IPv6 zone aside, is made of what
+// addresses and prefixes are: hex digits, '.', ':' and '/', with a '.' or
+// ':'. A bracketed address was compared as text, and never matched
+// (`override "[::1]" 1` under {client_ip}, in an audit).
 func addressLike(id string) bool {
-	s, _, _ := strings.Cut(strings.TrimSpace(id), "%")
+	s, _, _ := strings.Cut(unbracket(strings.TrimSpace(id)), "%")
 	sep := false
 	for i := 0; i < len(s); i++ {
 		switch c := s[i]; {
@@ -743,7 +745,7 @@ func notAnAddress(id string, v4, v6 int) error {
 // returns it as the zone writes it, or "" when it is none or would not
 // match in any form.
 func looseAddress(id string, v4, v6 int) string {
-	s := strings.TrimSpace(id)
+	s := unbracket(strings.TrimSpace(id))
 	bits := -1
 	if a, b, ok := strings.Cut(s, "/"); ok {
 		b, _, _ = strings.Cut(b, "%") // a zone after the prefix
@@ -777,6 +779,15 @@ func looseAddress(id string, v4, v6 int) string {
 		return ""
 	}
 	return w
+}
+
+// unbracket takes the brackets off an address written as in a URL,
+// "[::1]" or "[2001:db8::]/64"; other text is returned as it is.
+func unbracket(s string) string {
+	if in, rest, ok := strings.Cut(strings.TrimPrefix(s, "["), "]"); ok && strings.HasPrefix(s, "[") && (rest == "" || strings.HasPrefix(rest, "/")) {
+		return in + rest
+	}
+	return s
 }
 
 // parseZeroPaddedIPv4 parses a dotted quad whose parts may have leading

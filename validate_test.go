@@ -378,6 +378,8 @@ func TestOverride_AddressInALooseFormUnderAnAddressKey(t *testing.T) {
 		{"{client_ip}", "fe80::1%eth0", "counts this address as fe80::/64"},
 		{"{client_ip}", `" 1.2.3.0/24"`, "write 1.2.3.0/24"},
 		{"{client_ip}", "127.1", "no address netip parses; write a prefix's first address with /24 (IPv4) or /64 (IPv6)"},
+		{"{client_ip}", `"[::1]"`, "write ::/64"},
+		{"{client_ip}", `"[2001:db8::]/64"`, "write 2001:db8::/64"},
 		{"ip-{client_ip}", "ip-1.2.3.0/024", "write 1.2.3.0/24"},
 		{"{client_ip}:{header.X-Key}", "01.2.3.0/24:k", "write 1.2.3.0/24"},
 	} {
@@ -420,7 +422,7 @@ func TestOverride_AddressInALooseFormUnderAnAddressKey(t *testing.T) {
 // stored with a 200 and never applied.
 func TestOverrides_AnAddressInALooseFormIsA400(t *testing.T) {
 	defs := []zoneDef{{key: "{http.vars.client_ip}", v4: 32, v6: 64}}
-	for _, id := range []string{"127.1", " 127.0.0.1", "01.2.3.4", "1.2.3.0/024", "1.2.3.4/", "fe80::/64%eth0"} {
+	for _, id := range []string{"127.1", " 127.0.0.1", "01.2.3.4", "1.2.3.0/024", "1.2.3.4/", "fe80::/64%eth0", "[::1]", "[2001:db8::]/64"} {
 		err := checkOverrideAddress(id, defs)
 		var ae caddy.APIError
 		if !errors.As(err, &ae) || ae.HTTPStatus != http.StatusBadRequest || !strings.Contains(err.Error(), "no IP address") {
