@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"net"
 	"slices"
 	"strconv"
 	"strings"
@@ -124,6 +125,24 @@ func parseDSN(dsn, line string) (*mysql.Config, error) {
 	}
 	if c.DBName == "" {
 		return nil, fmt.Errorf("%s: the DSN names no database (…@tcp(host:port)/database)", line)
+	}
+	// A port no server can listen on was accepted and failed every
+	// connection at run time, retried forever ("invalid port"), where
+	// redis refuses it at adapt (an audit).
+	if strings.HasPrefix(c.Net, "tcp") {
+		_, port, err := net.SplitHostPort(c.Addr)
+		if n, perr := strconv.Atoi(port); err != nil || perr != nil || n < 1 || n > 65535 {
+			return nil, fmt.Errorf("%s: the DSN's address %s has no port from 1 to 65535 (…@tcp(host:port)/database)", line, c.Addr)
+		}
+	}
+	// A negative timeout would fail every dial, read or write at once.
+	for _, t := range []struct {
+		name string
+		d    time.Duration
+	}{{"timeout", c.Timeout}, {"readTimeout", c.ReadTimeout}, {"writeTimeout", c.WriteTimeout}} {
+		if t.d < 0 {
+			return nil, fmt.Errorf("%s: the DSN's %s %s is negative (leave it out for mysql_timeout, or give a positive duration)", line, t.name, t.d)
+		}
 	}
 	return c, nil
 }
