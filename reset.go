@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"net/http"
+	"slices"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -159,7 +160,7 @@ func resetRegionCells(ctx context.Context, o *origin.Redis, st *state, rec overr
 	if rec.Global {
 		version = rec.Version
 	}
-	for _, w := range defWindows(st.zones.definitions(rec.Zone, st.apps.view().app)) {
+	for _, w := range resetWindows(st, rec.Zone) {
 		key := engine.Key{Namespace: rec.Zone, Identifier: rec.Identifier, Window: w}
 		if err := o.ResetCells(ctx, key, resetSeq(rec, w), version); err != nil {
 			return err
@@ -178,9 +179,26 @@ func resetRegionCells(ctx context.Context, o *origin.Redis, st *state, rec overr
 // cut off from Redis that met the key after the reset admitted them after
 // it, and dropped, the region admitted the limit again.
 func forgetHeld(st *state, rec overrideRec) {
-	for _, w := range defWindows(st.zones.definitions(rec.Zone, st.apps.view().app)) {
+	for _, w := range resetWindows(st, rec.Zone) {
 		st.engine.DropMatching(rec.Zone, w, heldMatch(st, rec), resetMadeMs(rec))
 	}
+}
+
+// resetWindows are the windows a reset of zone takes effect in here: its
+// loaded configs' windows of the zone, and every other window the engine
+// holds the zone's keys in. A node reloaded to a config without the zone
+// (or with it at another window) keeps its engine's cells of the old
+// window, and a later reload weighs them again: a reset heard meanwhile
+// once dropped nothing there, and the node denied what the region had
+// room for (TestReset_ARegionResetWhileTheZoneIsNotLoadedHereTakesItsUnitsOff).
+func resetWindows(st *state, zone string) []time.Duration {
+	ws := defWindows(st.zones.definitions(zone, st.apps.view().app))
+	for _, w := range st.engine.Windows(zone) {
+		if !slices.Contains(ws, w) {
+			ws = append(ws, w)
+		}
+	}
+	return ws
 }
 
 // resetSeq is the sequence of the window of length w a reset was made in:
@@ -205,7 +223,7 @@ func resetMadeMs(rec overrideRec) int64 {
 // flushHeld writes what this process has not replayed yet of the reset
 // key in every window of its zone, and returns the first error.
 func flushHeld(st *state, rec overrideRec) error {
-	for _, w := range defWindows(st.zones.definitions(rec.Zone, st.apps.view().app)) {
+	for _, w := range resetWindows(st, rec.Zone) {
 		if err := st.engine.FlushMatching(rec.Zone, w, heldMatch(st, rec)); err != nil {
 			return err
 		}

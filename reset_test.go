@@ -4,6 +4,8 @@ import (
 	"context"
 	"fmt"
 	"net/http"
+	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -63,6 +65,73 @@ func TestReset_RegionScopeStaysReset(t *testing.T) {
 	}
 	if rec, ok := recOfRegion(recs[0]); !ok || !rec.Reset || rec.Zone != "ov" || rec.Identifier != "cust" {
 		t.Fatalf("the region's record %+v (%v)", rec, ok)
+	}
+}
+
+// TestReset_ARegionResetWhileTheZoneIsNotLoadedHereTakesItsUnitsOff: this
+// node admitted a key's limit, was reloaded to a config without the zone
+// (renamed, or at another window), and another node reset the key for
+// the region meanwhile. The node dropped its state of the key only in
+// the windows its loaded configs gave the zone, none then, while its
+// engine kept the key's cells: reloaded back, it weighed its units from
+// before the reset and denied what the region had room for (an audit: 50
+// of 120 admitted at a limit of 100, where the others admitted 100). It
+// drops the key in every window its engine holds for the zone.
+func TestReset_ARegionResetWhileTheZoneIsNotLoadedHereTakesItsUnitsOff(t *testing.T) {
+	resetOverrides(t)
+	srv := redistest.Start(t)
+	global := fmt.Sprintf("\tratelimit {\n\t\tregion rs-gone\n\t\tredis %s\n\t\tfast_tick 10ms\n\t}", srv.URL())
+	_, admin, base := startCaddy(t, overrideConfig(global))
+	port, err := strconv.Atoi(base[strings.LastIndex(base, ":")+1:])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := admitted(t, base, "gone", 3); n != 2 {
+		t.Fatalf("admitted %d of 3 at limit 2", n)
+	}
+	without := func(admin, port int) string {
+		return caddyConfig(admin, port, global, `
+	handle {
+		ratelimit {
+			zone elsewhere {
+				key    {http.request.header.X-Key}
+				limit  2
+				window 1m
+			}
+		}
+		respond "ok"
+	}`)
+	}
+	if err := loadCaddyfileOn(t, admin, port, without); err != nil {
+		t.Fatal(err)
+	}
+	// Another node resets the key for the region, as its admin API does:
+	// its cells marked, then the record, which this node hears of.
+	other, err := origin.New(origin.Config{Redis: []string{srv.URL()}}, origin.Options{NodeID: "other"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = other.Close() })
+	ctx := context.Background()
+	now := time.Now()
+	k := engine.Key{Namespace: "ov", Identifier: "gone", Window: time.Minute}
+	if err := other.ResetCells(ctx, k, now.UnixMilli()/time.Minute.Milliseconds(), 0); err != nil {
+		t.Fatal(err)
+	}
+	rec := overrideRec{Zone: "ov", Identifier: "gone", Reset: true, Region: "rs-gone", CreatedMs: now.UnixMilli(),
+		Version: now.UnixMicro(), ExpiresMs: now.Add(2 * time.Minute).UnixMilli()}
+	if _, err := other.PutOverrides(ctx, []origin.Override{rec.regionValue()}, false); err != nil {
+		t.Fatal(err)
+	}
+	redistest.Eventually(t, 5*time.Second, "this node heard of the reset", func() bool {
+		_, ok := overrides.get(rec.bookZone(), rec.Identifier)
+		return ok
+	})
+	if err := loadCaddyfileOn(t, admin, port, overrideConfig(global)); err != nil {
+		t.Fatal(err)
+	}
+	if n := admitted(t, base, "gone", 3); n != 2 {
+		t.Fatalf("after the region's reset, admitted %d of 3 at limit 2, want the key to start over", n)
 	}
 }
 

@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"slices"
 	"sync/atomic"
 	"time"
 
@@ -62,6 +63,21 @@ func (e *Engine) lookupZone(key Key) (*Zone, bool) {
 		w = 1
 	}
 	return e.zones.Load(zoneKey{key.Namespace, w})
+}
+
+// Windows returns the windows of the zones of namespace the engine holds,
+// in increasing order: those of every config that counted the namespace
+// since the engine began, loaded now or not.
+func (e *Engine) Windows(namespace string) []time.Duration {
+	var out []time.Duration
+	e.rangeZones(func(z *Zone) bool {
+		if z.name == namespace {
+			out = append(out, z.window)
+		}
+		return true
+	})
+	slices.Sort(out)
+	return out
 }
 
 // rangeZones calls f for every zone.

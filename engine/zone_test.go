@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"slices"
 	"testing"
 	"time"
 )
@@ -60,5 +61,21 @@ func TestZone_LookupMakesNoZone(t *testing.T) {
 	z := e.Zone("z", time.Minute)
 	if got, ok := e.lookupZone(key); !ok || got != z {
 		t.Fatal("the zone made by Zone is not the one looked up")
+	}
+}
+
+// TestZone_WindowsListsEveryWindowOfANamespace: the windows of the zones
+// of one namespace the engine holds, in order, whatever else it holds (a
+// reset takes effect in each: the root's resetWindows).
+func TestZone_WindowsListsEveryWindowOfANamespace(t *testing.T) {
+	e := New(Config{Manual: true})
+	e.Zone("api", time.Minute)
+	e.Zone("api", time.Second)
+	e.Zone("other", time.Hour)
+	if got := e.Windows("api"); !slices.Equal(got, []time.Duration{time.Second, time.Minute}) {
+		t.Fatalf("windows of api: %v, want [1s 1m0s]", got)
+	}
+	if got := e.Windows("none"); len(got) != 0 {
+		t.Fatalf("windows of a namespace never counted: %v", got)
 	}
 }
