@@ -332,9 +332,10 @@ func (b *redisBackend) use(st *state) {
 		// The same servers: what prev's watch saw is where this one's
 		// starts, so that a restart between the two is seen.
 		b.origin.TakeWatchFrom(prev)
+		b.origin.TakeRegionFrom(prev)
 	}
 	st.engine.SetTiming(b.timing)
-	st.engine.SetProcesses(b.origin.Processes()) // 0 until its first heartbeat: not the last origin's region
+	st.engine.SetProcesses(b.origin.Processes()) // prev's of the same servers (TakeRegionFrom), else 0 until its first heartbeat: not another region's
 	b.useClock(st)
 	st.engine.SetOrigin(b.engineOrigin)
 	st.setOrigin(b.origin)

@@ -84,6 +84,49 @@ func TestWatchProcesses_RenewsUntilClose(t *testing.T) {
 	redistest.Eventually(t, 5*time.Second, "a counts itself alone", func() bool { return counted.Load() == 1 })
 }
 
+// TestTakeRegionFrom_AReloadKeepsWhatTheLastOriginHeard: the origin of a
+// reload to the same servers said 0 processes, no builds and no clock
+// until its own first heartbeat answered (one scrape in ten during
+// back-to-back reloads, in an audit). It starts from the last origin's,
+// and its own heartbeats replace them.
+func TestTakeRegionFrom_AReloadKeepsWhatTheLastOriginHeard(t *testing.T) {
+	srv := redistest.Start(t)
+	a := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "a"})
+	b := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "b"})
+	for _, o := range []*Redis{a, b} {
+		if _, err := o.Heartbeat(ctxT(t), time.Minute); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := a.Heartbeat(ctxT(t), time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := a.Builds(ctxT(t)); err != nil {
+		t.Fatal(err)
+	}
+	next := newOrigin(t, Config{Redis: []string{srv.URL()}}, Options{NodeID: "a"})
+	if next.Processes() != 0 {
+		t.Fatal("a new origin counts processes before any heartbeat")
+	}
+	next.TakeRegionFrom(a)
+	if got := next.Processes(); got != 2 {
+		t.Errorf("after a reload: %d processes, want the last origin's 2", got)
+	}
+	if _, ok := next.ClockOffset(); !ok {
+		t.Error("after a reload: Redis's clock unknown, the last origin knew it")
+	}
+	if got := next.Stats().Builds; len(got) == 0 {
+		t.Error("after a reload: no builds, the last origin read them")
+	}
+	// Its own heartbeat counts anew: b has left.
+	if err := b.Leave(ctxT(t)); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := next.Heartbeat(ctxT(t), time.Minute); err != nil || n != 1 || next.Processes() != 1 {
+		t.Errorf("its own heartbeat: %d (%v), Processes %d; want 1", n, err, next.Processes())
+	}
+}
+
 // TestHeartbeat_RedisClockNotTheNodes: a record lapses by Redis's clock,
 // so a node whose clock runs ahead no longer drops the others' records on
 // each renewal (and one whose clock runs behind is counted): the scores
