@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/edgelimit/caddy-ratelimit/engine"
@@ -148,5 +149,41 @@ func TestClock_AServerIDRefusedOnceIsAskedForAgain(t *testing.T) {
 	}
 	if got := st.Server(); got != want {
 		t.Fatalf("server %q after %d clock reads since the refusal, want %q: never asked again", got, serverIDRetry+1, want)
+	}
+}
+
+// TestMigrate_SaysTheSchemaIsReadyOnceAtInfo: every reload starts a new
+// layer, which migrates again, and each said "mysql schema ready" at info
+// (429 lines on one node of an audit's reload storm). Once per database
+// and process at info; the layers after it at debug.
+func TestMigrate_SaysTheSchemaIsReadyOnceAtInfo(t *testing.T) {
+	mysqltest.Require(t)
+	srv := mysqltest.Start(t)
+	dsn := srv.NewDatabase(t)
+	core, logs := observer.New(zap.DebugLevel)
+	for range 3 {
+		eng := engine.New(engine.Config{Manual: true})
+		p, err := New(Config{DSN: dsn, Region: "a", Timeout: 2 * time.Second}, eng, Options{Logger: zap.New(core)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		p.Start()
+		deadline := time.Now().Add(20 * time.Second)
+		for !p.Ready() && time.Now().Before(deadline) {
+			time.Sleep(5 * time.Millisecond) // awaiting the migration's goroutine
+		}
+		p.Stop(bg)
+		_ = eng.Close(bg)
+		if !p.Ready() {
+			t.Fatal("the schema never became ready")
+		}
+	}
+	levels := map[zapcore.Level]int{}
+	for _, e := range logs.FilterMessage("mysql schema ready").All() {
+		levels[e.Level]++
+	}
+	if levels[zap.InfoLevel] != 1 || levels[zap.DebugLevel] != 2 {
+		t.Fatalf("three layers of one database said the schema is ready %d times at info and %d at debug, want 1 and 2",
+			levels[zap.InfoLevel], levels[zap.DebugLevel])
 	}
 }

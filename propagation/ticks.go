@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"math/rand/v2"
+	"sync"
 	"time"
 
 	"go.uber.org/zap"
@@ -266,6 +267,10 @@ func jitter(d time.Duration) time.Duration {
 	return time.Duration(float64(d) * f)
 }
 
+// schemaAnnounced holds the databases whose schema this process has said
+// is ready at info level.
+var schemaAnnounced sync.Map
+
 func (p *Propagator) migrateLoop() {
 	defer p.wg.Done()
 	for {
@@ -274,7 +279,14 @@ func (p *Propagator) migrateLoop() {
 		cancel()
 		if err == nil {
 			p.ready.Store(true)
-			p.log.Info("mysql schema ready", zap.String("database", p.addr))
+			// Once per database and process at info: every reload's layer
+			// migrates again, and said so at info each time (429 lines on
+			// a node of an audit's reload storm).
+			lvl := zap.DebugLevel
+			if _, seen := schemaAnnounced.LoadOrStore(p.addr, struct{}{}); !seen {
+				lvl = zap.InfoLevel
+			}
+			p.log.Log(lvl, "mysql schema ready", zap.String("database", p.addr))
 			p.firstServer(context.Background())
 			return
 		}
