@@ -784,8 +784,10 @@ func looseAddress(id string, v4, v6 int) string {
 // unbracket takes the brackets off an address written as in a URL,
 // "[::1]" or "[2001:db8::]/64"; other text is returned as it is.
 func unbracket(s string) string {
-	if in, rest, ok := strings.Cut(strings.TrimPrefix(s, "["), "]"); ok && strings.HasPrefix(s, "[") && (rest == "" || strings.HasPrefix(rest, "/")) {
-		return in + rest
+	if inner, ok := strings.CutPrefix(s, "["); ok {
+		if addr, after, ok := strings.Cut(inner, "]"); ok && (after == "" || after[0] == '/') {
+			return addr + after
+		}
 	}
 	return s
 }
