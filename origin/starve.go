@@ -54,13 +54,22 @@ func (w *schedWatch) look() {
 		return
 	}
 	h := w.sample[0].Value.Float64Histogram()
-	if len(w.prev) != len(h.Counts) {
-		w.prev = make([]uint64, len(h.Counts))
-		copy(w.prev, h.Counts)
-		return
+	w.took(h.Counts, h.Buckets)
+}
+
+// took sets p99 from a reading of the histogram. The first reading has no
+// previous one and counts every wake-up since the process started: it
+// used to only keep the counts and read as not starved, so the first slow
+// calls of a process, a cold herd on one core at its first window's turn,
+// all counted against the breaker, and five of them in a row opened it on
+// a healthy Redis (CI, TestRollover_ColdHerdOnOneCore…, 1 run in 4 with
+// the machine's two cores busy).
+func (w *schedWatch) took(counts []uint64, buckets []float64) {
+	if len(w.prev) != len(counts) {
+		w.prev = make([]uint64, len(counts))
 	}
-	w.p99 = p99Since(w.prev, h.Counts, h.Buckets)
-	copy(w.prev, h.Counts)
+	w.p99 = p99Since(w.prev, counts, buckets)
+	copy(w.prev, counts)
 }
 
 // p99Since is the 99th percentile of the wake-ups that the histogram

@@ -31,3 +31,19 @@ func TestSchedWatch_P99CountsOnlyTheWakeUpsSinceTheLastLook(t *testing.T) {
 		})
 	}
 }
+
+// TestSchedWatch_TheFirstLookCountsSinceTheProcessStarted: a process's
+// first slow calls came with no earlier look to subtract, and read as not
+// starved whatever the histogram said.
+func TestSchedWatch_TheFirstLookCountsSinceTheProcessStarted(t *testing.T) {
+	buckets := []float64{math.Inf(-1), 0, 0.001, 0.01, 0.1, math.Inf(1)}
+	var w schedWatch
+	w.took([]uint64{0, 10, 0, 90, 0}, buckets)
+	if w.p99 != 10*time.Millisecond {
+		t.Fatalf("first look: p99 %s, want 10ms (90 of 100 wake-ups waited 10 ms and more)", w.p99)
+	}
+	w.took([]uint64{0, 110, 0, 90, 0}, buckets)
+	if w.p99 != 0 {
+		t.Fatalf("second look: p99 %s, want 0 (only fast wake-ups since the first)", w.p99)
+	}
+}
