@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"maps"
 	"runtime/debug"
@@ -10,6 +11,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 
 	"github.com/edgelimit/caddy-ratelimit/origin"
@@ -83,6 +85,8 @@ type buildsWatch struct {
 	log   *zap.Logger
 	beats int
 	last  string // the builds last logged, "" for one
+	// refused: the last read got a reply refusing it, already logged.
+	refused bool
 }
 
 // beat reads the region's builds every buildsEvery heartbeats, the first
@@ -95,8 +99,25 @@ func (w *buildsWatch) beat() {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 	defer cancel()
 	builds, err := w.o.Builds(ctx)
-	if err != nil {
+	var reply redis.Error
+	switch {
+	case errors.As(err, &reply):
+		// A Redis user allowed the heartbeat's commands and not ZRANGE
+		// left the status's builds null and the check off with nothing
+		// said (an audit). Said once until a read succeeds; a Redis that
+		// does not answer has the breakers' lines.
+		if !w.refused {
+			w.refused = true
+			w.log.Warn("cannot read the region's builds, so a region running more than one build is not told: the Redis user needs ZRANGE on the processes key",
+				zap.Error(err))
+		}
 		return
+	case err != nil:
+		return
+	}
+	if w.refused {
+		w.refused = false
+		w.log.Info("reading the region's builds again")
 	}
 	names := slices.Sorted(maps.Keys(builds))
 	shown := make([]string, len(names))

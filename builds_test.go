@@ -4,6 +4,7 @@ import (
 	"context"
 	"runtime/debug"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -98,5 +99,48 @@ func TestBuilds_TheRegionRunningTwoBuildsIsLogged(t *testing.T) {
 	}
 	if n := logs.Len(); n != 2 {
 		t.Fatalf("%d lines after the region ran one build again and the watch read it again, want the 2", n)
+	}
+}
+
+// TestBuilds_AUserWithoutZRANGEIsToldOnce: the README listed the commands
+// the Redis user needs on the processes key without ZRANGE; a user given
+// exactly those kept the heartbeat and lost the check of builds, its
+// status's builds null, with nothing logged. The refusal is now logged
+// once, and the recovery once.
+func TestBuilds_AUserWithoutZRANGEIsToldOnce(t *testing.T) {
+	srv := redistest.Start(t)
+	ctx := context.Background()
+	admin := srv.Client()
+	if err := admin.Do(ctx, "ACL", "SETUSER", "app", "on", ">app-pw", "~*", "&*", "+@all", "-zrange").Err(); err != nil {
+		t.Fatal(err)
+	}
+	url := strings.Replace(srv.URL(), "redis://", "redis://app:app-pw@", 1)
+	o, err := origin.New(origin.Config{Redis: []string{url}}, origin.Options{NodeID: "n", Build: buildName()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = o.Close() })
+	if _, err := o.Heartbeat(ctx, time.Minute); err != nil {
+		t.Fatalf("the heartbeat needs no ZRANGE: %v", err)
+	}
+	core, logs := logobserver.New(zapcore.InfoLevel)
+	w := &buildsWatch{o: o, log: zap.New(core)}
+	for range 2 * buildsEvery {
+		w.beat()
+	}
+	if n := logs.FilterMessageSnippet("needs ZRANGE").Len(); n != 1 || logs.Len() != 1 {
+		t.Fatalf("%d warnings naming ZRANGE in %d lines over two reads, want 1 in 1", n, logs.Len())
+	}
+	if err := admin.Do(ctx, "ACL", "SETUSER", "app", "+zrange").Err(); err != nil {
+		t.Fatal(err)
+	}
+	for range buildsEvery {
+		w.beat()
+	}
+	if n := logs.FilterMessageSnippet("reading the region's builds again").Len(); n != 1 {
+		t.Fatalf("%d lines saying the builds are read again, want 1", n)
+	}
+	if n := len(o.Stats().Builds); n != 1 {
+		t.Fatalf("the status counts %d builds once ZRANGE is allowed, want 1", n)
 	}
 }
