@@ -2,6 +2,7 @@ package integration
 
 import (
 	"bytes"
+	"context"
 	"database/sql"
 	"encoding/json"
 	"fmt"
@@ -384,13 +385,17 @@ var readmeTime = regexp.MustCompile(`\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ`)
 // MySQL, key-alice sent past its limit), and compares each answer with the
 // one the README shows: the same names (a superset where the README
 // abbreviates with "…", or shows the cross-region section as null), an
-// error where it shows one.
+// error where it shows one. The node's Redis user is the README's (its
+// ACL SETUSER line): after the examples, an operator's FLUSHALL, the
+// region's builds read and a count written, Redis's ACL LOG must be
+// empty.
 func TestOperator_TheREADMEsAdminExamplesRunAsWritten(t *testing.T) {
 	requireBinary(t, "curl") // the README's examples are curl lines
 	srv := redisAndCaddy(t, "starts Caddy, Redis and MariaDB")
+	userURL := readmeRedisUser(t, srv)
 	dsn := sharedMySQL.Get(t).NewDatabase(t)
 	n := startNode(t, fmt.Sprintf("\t\tregion eu-west-1\n\t\tredis %s\n\t\tfast_tick 10ms\n\t\tmysql %s\n\t\tmysql_flush 100ms\n\t\tglobal_sync 200ms",
-		srv.URL(), dsn), `	ratelimit {
+		userURL, dsn), `	ratelimit {
 		zone per_key {
 			key    {http.request.header.X-API-Key}
 			limit  5
@@ -451,6 +456,82 @@ func TestOperator_TheREADMEsAdminExamplesRunAsWritten(t *testing.T) {
 		}
 		t.Logf("%s\n%s", ex.command, got)
 	}
+	// An operator's FLUSHALL: the restart watch sets its mark again and
+	// the node writes back its overrides and counts, as the user too.
+	ctx := t.Context()
+	if err := srv.Client().FlushAll(ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	redistest.Eventually(t, 10*time.Second, "the restart mark set again", func() bool {
+		n, err := srv.Client().Exists(ctx, "ratelimit:{mark}").Result()
+		return err == nil && n == 1
+	})
+	redistest.EventuallyShow(t, 10*time.Second, "the builds read and the role held", func() (bool, string) {
+		var st struct {
+			Origin struct {
+				Builds []struct {
+					Processes int64 `json:"processes"`
+				} `json:"builds"`
+			} `json:"origin"`
+			Propagation struct {
+				Role string `json:"role"`
+			} `json:"propagation"`
+		}
+		err := rn.adminGet("/ratelimit/status", &st)
+		return err == nil && len(st.Origin.Builds) == 1 && st.Propagation.Role == "holder", fmt.Sprintf("%+v %v", st, err)
+	})
+	req, _ := http.NewRequest(http.MethodGet, n.url("/"), nil)
+	req.Header.Set("X-API-Key", "key-carol") // a count after the flush
+	resp, err := loadClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	redistest.Eventually(t, 10*time.Second, "key-carol's count in Redis", func() bool {
+		keys, err := srv.Client().Keys(ctx, "ratelimit:{per_key:key-carol}:*").Result()
+		return err == nil && len(keys) > 0
+	})
+}
+
+// readmeRedisUser makes, in srv, the Redis user of the README's "The
+// Redis user" (its ACL SETUSER line as written, the password aside), and
+// returns srv's URL with that user.
+func readmeRedisUser(t *testing.T, srv *redistest.Server) string {
+	t.Helper()
+	b, err := os.ReadFile("../README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var line string
+	for _, l := range strings.Split(string(b), "\n") {
+		if strings.HasPrefix(l, "ACL SETUSER ratelimit ") {
+			line = l
+		}
+	}
+	if line == "" {
+		t.Fatal("README.md has no ACL SETUSER ratelimit line")
+	}
+	var args []any
+	for _, f := range strings.Fields(line) {
+		args = append(args, strings.Replace(f, ">CHANGE-ME", ">readme-pw", 1))
+	}
+	if err := srv.Client().Do(t.Context(), args...).Err(); err != nil {
+		t.Fatalf("%s: %v", line, err)
+	}
+	if err := srv.Client().Do(t.Context(), "ACL", "LOG", "RESET").Err(); err != nil {
+		t.Fatal(err)
+	}
+	// At the end, whatever failed first: what Redis refused the user.
+	t.Cleanup(func() {
+		denied, err := srv.Client().Do(context.Background(), "ACL", "LOG").Slice()
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, e := range denied {
+			t.Errorf("Redis refused the README's user: %v", e)
+		}
+	})
+	return strings.Replace(srv.URL(), "redis://", "redis://ratelimit:readme-pw@", 1)
 }
 
 // limitsEverywhere waits until every node applies want to id, as its
