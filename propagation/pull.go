@@ -444,10 +444,15 @@ func (p *Propagator) applyBlocklist(rows []BlocklistRow, now int64) {
 		if u, ok := p.mergeLocked(r.cell(), r.Region, regionPart{denied: r.CountCur}, r.ExpiresMs); ok {
 			ups, applied = append(ups, u), true
 		}
-		if r.CountPrev > 0 {
+		// The previous cell weighs until the row's own window ends, a
+		// window before the row expires: past that, prune took it, and
+		// each whole read made it anew as news (the listing showed the
+		// row ten times, and a region with Redis queued an import of a
+		// window gone).
+		if prevExpires := r.ExpiresMs - r.WindowMs; r.CountPrev > 0 && prevExpires > now {
 			prev := r.cell()
 			prev.Sequence--
-			if u, ok := p.mergeLocked(prev, r.Region, regionPart{denied: r.CountPrev}, r.ExpiresMs-r.WindowMs); ok {
+			if u, ok := p.mergeLocked(prev, r.Region, regionPart{denied: r.CountPrev}, prevExpires); ok {
 				ups, applied = append(ups, u), true
 			}
 		}

@@ -432,3 +432,38 @@ func TestImport_RowsOfAnotherIdentifierFormAreSkipped(t *testing.T) {
 		t.Fatalf("a imported %d of b's row of its own form, want 12", c.Global)
 	}
 }
+
+// TestImport_APreviousCellPastItsUseIsNotImportedAgain: a denial row
+// carries its previous cell's count, which matters until the row's own
+// window ends, a window before the row expires. Pruned then, that part
+// was made anew by every whole read of the table in the row's last
+// window, as news each time: the blocklist listing showed the row ten
+// times, denials_applied counted it ten times, and a region with Redis
+// queued an import for a window gone (an audit).
+func TestImport_APreviousCellPastItsUseIsNotImportedAgain(t *testing.T) {
+	s := newSetup(t)
+	a, b := s.region("a"), s.region("b")
+	a.decide("k", 10, 8)
+	s.clk.Add(window)
+	a.decide("k", 10, 10) // denied past 10: a denial row with count_prev 8
+	a.p.FlushOnce(bg)
+	b.p.FlushOnce(bg)
+	if got := b.p.ForeignCounts(key("k"), seq0); got["a"] != 8 {
+		t.Fatalf("B's previous cell = %v, want a: 8", got)
+	}
+	applied := b.p.Stats().DenialsApplied
+	s.clk.Add(window) // the row's window is over; the row lives one more
+	for range 3 {
+		b.p.GlobalSyncOnce(bg) // prunes
+		for range wholeEvery {
+			b.p.BlocklistSyncOnce(bg)
+		}
+		b.p.FlushOnce(bg) // reads the denial rows whole
+	}
+	if got := b.p.Stats().DenialsApplied; got != applied {
+		t.Fatalf("denials applied went from %d to %d over three whole reads of one row", applied, got)
+	}
+	if got := b.p.ForeignCounts(key("k"), seq0); len(got) != 0 {
+		t.Fatalf("the previous cell, past its use, imported again: %v", got)
+	}
+}
