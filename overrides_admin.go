@@ -480,5 +480,11 @@ func shownFields(ids identities, stored string) []zap.Field {
 
 // errNoOverride never names the identifier: Caddy logs admin errors.
 func errNoOverride(zone string) error {
+	if currentProp.Load() != nil {
+		// Another region's change travels through MySQL for a flush or
+		// two: a removal sent to this region at once got a bare 404 and
+		// the override arrived after it (an audit).
+		return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("no runtime override for this identifier in zone %q in this region; one set in another region reaches it through MySQL within a few seconds", zone)}
+	}
 	return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("no runtime override for this identifier in zone %q", zone)}
 }

@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"bytes"
 	"context"
 	"database/sql"
 	"fmt"
@@ -305,4 +306,27 @@ func regionOnMySQL(t *testing.T, srv *redistest.Server, my *mysqltest.Server, ti
 	global := fmt.Sprintf("\tratelimit {\n\t\tregion test-a\n\t\tredis %s\n\t\tmysql {env.RATELIMIT_TEST_MYSQL_DSN}\n%s\t}", srv.URL(), timing)
 	_, admin, base := startCaddy(t, overrideConfig(global))
 	return mysqltest.Open(t, dsn), admin, base
+}
+
+// TestOverrides_ARemovalOfNoneSaysAnotherRegionsChangeMayBeOnItsWay: an
+// override set in one region and removed at once through another got a
+// bare 404, "no runtime override", and then arrived and applied there
+// (an audit). With a cross-region layer the 404 says that one set
+// elsewhere travels through MySQL; without one it says what it did.
+func TestOverrides_ARemovalOfNoneSaysAnotherRegionsChangeMayBeOnItsWay(t *testing.T) {
+	resetOverrides(t)
+	my := mysqltest.Start(t)
+	t.Setenv("RATELIMIT_TEST_MYSQL_DSN", my.NewDatabase(t))
+	global := "\tratelimit {\n\t\tregion test-a\n\t\tmysql {env.RATELIMIT_TEST_MYSQL_DSN}\n\t}"
+	_, admin, _ := startCaddy(t, overrideConfig(global))
+	adminSend(t, admin, http.MethodDelete, "/ratelimit/overrides?zone=ov&identifier=none", "").
+		wantSays(t, http.StatusNotFound, "reaches it through MySQL")
+	if err := loadCaddyfile(t, admin, overrideConfig("")); err != nil {
+		t.Fatal(err)
+	}
+	r := adminSend(t, admin, http.MethodDelete, "/ratelimit/overrides?zone=ov&identifier=none", "")
+	r.wantSays(t, http.StatusNotFound, "no runtime override")
+	if bytes.Contains(r.body, []byte("MySQL")) {
+		t.Fatalf("without a cross-region layer the 404 names MySQL: %s", r.body)
+	}
 }

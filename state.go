@@ -236,7 +236,7 @@ func runningState() (*state, error) {
 	if st == nil {
 		return nil, caddy.APIError{
 			HTTPStatus: http.StatusServiceUnavailable,
-			Err:        errString("the rate limiter is not running: no loaded config uses it"),
+			Err:        errString("the rate limiter is not running: no loaded config uses it (a config that is loading is not in use until it has loaded)"),
 		}
 	}
 	return st, nil
