@@ -36,6 +36,11 @@ import (
 // renewal that a slow Redis delays does not drop the process.
 const processesLapse = 5
 
+// settleIntervals is how long after a gap in its renewals a process
+// counts at least the processes it counted before the gap: every process
+// renews once an interval, so two see every one of them back.
+const settleIntervals = 2
+
 // processesScript renews ARGV[1]'s record until ARGV[2] ms from Redis's
 // clock, drops the records that lapsed, and returns how many are live.
 // The set's expiry only ever grows: a process renewing with a shorter
@@ -212,7 +217,9 @@ func (r *Redis) TakeRegionFrom(prev *Redis) {
 // outlives it, and the last count stands, until renewals have failed for
 // as long as a record lasts: then the count is 0 (unknown) until one
 // succeeds again, and onLost, if set, gets the last error, once a run of
-// failures. It stops with Close or Leave. Call it once, when the origin
+// failures. For two intervals after a gap in its renewals a count is at
+// least the one before the gap (settleIntervals). It stops with Close or
+// Leave. Call it once, when the origin
 // goes to work: Provision must not start goroutines.
 func (r *Redis) WatchProcesses(interval time.Duration, onCount func(n int64), onLost func(error)) {
 	if interval <= 0 || onCount == nil {
@@ -223,6 +230,13 @@ func (r *Redis) WatchProcesses(interval time.Duration, onCount func(n int64), on
 		t := time.NewTicker(interval)
 		defer t.Stop()
 		last, lost := time.Now(), false
+		// After a gap in renewals the others' records may have lapsed on
+		// Redis's clock, and the first renewals back count only those
+		// that renewed before them: for settleIntervals a count is at
+		// least the one before the gap (floor), until every process has
+		// had its turn.
+		var before, floor int64
+		var settle time.Time
 		for {
 			ctx, cancel := context.WithTimeout(context.Background(), interval)
 			n, err := r.Heartbeat(ctx, lapse)
@@ -231,7 +245,15 @@ func (r *Redis) WatchProcesses(interval time.Duration, onCount func(n int64), on
 			case errors.Is(err, ErrLeft):
 				return
 			case err == nil:
-				last, lost = time.Now(), false
+				now := time.Now()
+				if now.Sub(last) > 2*interval {
+					floor, settle = before, now.Add(settleIntervals*interval)
+				}
+				if now.Before(settle) && n < floor {
+					n = floor
+					r.processes.Store(n)
+				}
+				last, lost, before = now, false, n
 				onCount(n)
 			case !lost && time.Since(last) >= lapse && !r.closed.Load():
 				lost = true

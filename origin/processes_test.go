@@ -248,3 +248,44 @@ func TestBuilds_CountsTheRegionsProcessesByBuild(t *testing.T) {
 		t.Fatalf("the region counts %d processes (%v), want the 2 left", n, err)
 	}
 }
+
+// TestWatchProcesses_ARegionBackFromAPartitionCountsItsProcesses: Redis
+// was out of reach for longer than a record lasts; its clock ran on, so
+// the first renewal after the partition heals drops every other record,
+// and each node's count
+// climbed back from 1 over an interval as the others renewed: the engine
+// counted a process or two in a region of three (an audit saw the
+// region's processes at 1–2 for a second after a 6 s hang). A count after
+// a gap in renewals is at least the one before it, for two intervals.
+func TestWatchProcesses_ARegionBackFromAPartitionCountsItsProcesses(t *testing.T) {
+	srv := redistest.Start(t)
+	proxy := redistest.StartDelayProxy(t, srv.Addr(), 0)
+	const interval = 50 * time.Millisecond
+	var after atomic.Bool
+	var low atomic.Int64 // the lowest count any node reported after the hang
+	low.Store(1 << 62)
+	counts := make([]atomic.Int64, 3)
+	for i := range counts {
+		o := newOrigin(t, Config{Redis: []string{proxy.URL()}}, Options{NodeID: fmt.Sprintf("n%d", i)})
+		o.WatchProcesses(interval, func(n int64) {
+			counts[i].Store(n)
+			for after.Load() {
+				if l := low.Load(); n >= l || low.CompareAndSwap(l, n) {
+					break
+				}
+			}
+		}, nil)
+	}
+	redistest.Eventually(t, 5*time.Second, "every node counts three", func() bool {
+		return counts[0].Load() == 3 && counts[1].Load() == 3 && counts[2].Load() == 3
+	})
+	proxy.Cut()
+	time.Sleep(2 * processesLapse * interval) // the partition itself: every record lapses meanwhile
+	after.Store(true)
+	proxy.Restore()
+	redistest.Eventually(t, 5*time.Second, "the nodes renew after the partition", func() bool { return low.Load() < 1<<62 })
+	time.Sleep(4 * interval) // the renewals of the next intervals, each node's first among them
+	if l := low.Load(); l != 3 {
+		t.Fatalf("a node counted %d processes after the partition, in a region of three", l)
+	}
+}
