@@ -156,7 +156,7 @@ func TestClock_HealthyClocksKeepTheirOwn(t *testing.T) {
 	}{
 		{redis: 5 * time.Millisecond, rtt: 2 * time.Millisecond, want: 0, wantSet: true},
 		{redis: 40 * time.Millisecond, rtt: 2 * time.Millisecond, want: 0, wantSet: true},
-		{redis: 3 * time.Second, rtt: 500 * time.Millisecond, want: 0, wantSet: true},
+		{redis: 3 * time.Second, rtt: 500 * time.Millisecond, want: 0, wantSet: true}, // slow: not used once one is known
 		{redis: 3 * time.Second, rtt: 2 * time.Millisecond, want: 3*time.Second - time.Millisecond, wantSet: true},
 		{redis: 3*time.Second + 30*time.Millisecond, rtt: 2 * time.Millisecond, want: 3*time.Second - time.Millisecond, wantSet: true},
 		{redis: -10 * time.Second, rtt: 2 * time.Millisecond, want: -10*time.Second - time.Millisecond, wantSet: true},
@@ -169,6 +169,33 @@ func TestClock_HealthyClocksKeepTheirOwn(t *testing.T) {
 		d, ok := r.ClockOffset()
 		if d != s.want || ok != s.wantSet {
 			t.Errorf("step %d (Redis %v ahead, round trip %v): offset %v %v, want %v %v", i, s.redis, s.rtt, d, ok, s.want, s.wantSet)
+		}
+	}
+}
+
+// TestClock_ASlowFirstReadingOfAClockFarOffIsUsed: while no offset is
+// known, a heartbeat slower than clockSampleMaxRTT (a busy start, the
+// dial in the call) still gives the offset when the clocks are further
+// apart than it can be wrong; one that cannot tell a healthy clock from
+// one off by its own uncertainty is not used.
+func TestClock_ASlowFirstReadingOfAClockFarOffIsUsed(t *testing.T) {
+	base := time.UnixMilli(1_800_000_000_000)
+	for _, c := range []struct {
+		name    string
+		redis   time.Duration // Redis's time less sent
+		rtt     time.Duration
+		want    time.Duration
+		wantSet bool
+	}{
+		{"the node 5 s ahead, a 300 ms first heartbeat", -5 * time.Second, 300 * time.Millisecond, -5*time.Second - 150*time.Millisecond, true},
+		{"Redis 5 s ahead, a 900 ms first heartbeat", 5 * time.Second, 900 * time.Millisecond, 5*time.Second - 450*time.Millisecond, true},
+		{"healthy clocks, a 300 ms first heartbeat", 150 * time.Millisecond, 300 * time.Millisecond, 0, false},
+		{"180 ms apart, a 300 ms first heartbeat: within what it can be wrong", 330 * time.Millisecond, 300 * time.Millisecond, 0, false},
+	} {
+		var r Redis
+		r.observeClock(base.Add(c.redis).UnixMilli(), base, base.Add(c.rtt))
+		if d, ok := r.ClockOffset(); d != c.want || ok != c.wantSet {
+			t.Errorf("%s: offset %v %v, want %v %v", c.name, d, ok, c.want, c.wantSet)
 		}
 	}
 }

@@ -82,12 +82,25 @@ const clockDeadband = 50 * time.Millisecond
 
 // observeClock records a heartbeat's reading of Redis's clock (Unix ms)
 // made between sent and recv on this process's clock.
+//
+// A slower reading is used only while no offset is known, and only when
+// it shows the clocks apart by more than it can be wrong (half its round
+// trip) and the deadband: a node's first heartbeat is slow in a busy
+// start (the dial is in it), and discarding it left a node whose clock
+// was 5 s ahead on its own clock for a second more, counting the keys it
+// met meanwhile in the next window, where they stayed (an audit: 134 of
+// a limit of 100 in the region's window). Its offset is off by at most
+// half the round trip, and the next good reading replaces it when
+// further than the deadband.
 func (r *Redis) observeClock(redisMs int64, sent, recv time.Time) {
 	rtt := recv.Sub(sent)
-	if rtt < 0 || rtt > clockSampleMaxRTT {
+	if rtt < 0 {
 		return
 	}
 	d := time.UnixMilli(redisMs).Sub(sent.Add(rtt / 2)).Round(time.Millisecond)
+	if rtt > clockSampleMaxRTT && (r.clockKnown.Load() || d.Abs() <= rtt/2+clockDeadband) {
+		return
+	}
 	if old := time.Duration(r.clockOffset.Load()); r.clockKnown.Load() && (d-old).Abs() <= clockDeadband {
 		return
 	}
