@@ -58,8 +58,9 @@ type entryMap struct {
 	// used counts the slots holding an entry or tagDeleted, live the
 	// entries; both under mu.
 	used, live int
-	// removed counts the entries removed since the last sweep.
-	removed int
+	// removed counts the entries removed since the last sweep, and
+	// fullSlots the slots of the full slabs (both under mu).
+	removed, fullSlots int
 	// The entries' slabs (see slab.go): the one being filled of each kind
 	// (replaced under mu), and the set of full ones (under mu).
 	open  [slabShards * slabKinds]atomic.Pointer[openSlab]
@@ -586,26 +587,36 @@ func (bk *entryBucket) clear(j int) {
 }
 
 // sweep lets go of the full slabs whose entries have all been removed
-// (see slab.go), once the entries removed since the last sweep are twice
-// the full slabs (each sweep reads every full slot, so a removal costs at
-// most five reads); under mu. The set is copied, not changed: a table
-// replaced earlier keeps the set it had (see entryTable).
+// (see slab.go), once the entries removed since the last sweep are a
+// quarter of the full slabs' slots (each sweep reads at most every full
+// slot, so a removal costs at most four reads); under mu. The set is
+// copied, not changed: a table replaced earlier keeps the set it had
+// (see entryTable).
+//
+// Until 2026-11-29 the sweep came once the removals were twice the full
+// slabs. A flood past max_entries removes a key for each it adds, and a
+// slab of two slots (a linked entry of a long identifier: a hashed one
+// with Redis) adds half a slab a key: the removals never caught up, no
+// slab was let go, and the heap grew by about 200 bytes an eviction for
+// as long as a flood lasted (TestSlab_AFloodThatRemovesAsItAdds…).
 func (m *entryMap) sweep() {
 	full := m.slabs.full
-	if m.removed < 2*len(full) || len(full) == 0 {
+	if 4*m.removed < m.fullSlots || len(full) == 0 {
 		return
 	}
 	m.removed = 0
 	live := make([]slab, 0, len(full))
+	slots := 0
 	for i := range full {
 		if !full[i].dead() {
 			live = append(live, full[i])
+			slots += int(full[i].cap)
 		}
 	}
 	if len(live) == len(full) {
 		return
 	}
-	m.slabs = &slabSet{full: live}
+	m.slabs, m.fullSlots = &slabSet{full: live}, slots
 }
 
 // shrink rebuilds a table that deletions left less than a sixteenth

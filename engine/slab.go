@@ -154,6 +154,7 @@ func slotIn[S any](m *entryMap, k int) *S {
 		if m.open[k].Load() == o { // else another new key's slab came first
 			if o != nil {
 				m.slabs.full = append(m.slabs.full, o.slab)
+				m.fullSlots += int(o.cap)
 			}
 			m.open[k].Store(fresh)
 		}
