@@ -2,6 +2,7 @@ package propagation
 
 import (
 	"context"
+	"fmt"
 	"testing"
 	"time"
 
@@ -10,6 +11,7 @@ import (
 
 	"github.com/edgelimit/caddy-ratelimit/engine"
 	"github.com/edgelimit/caddy-ratelimit/internal/mysqltest"
+	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
 )
 
 func TestCleanup_DeletesExpiredRowsOnly(t *testing.T) {
@@ -205,5 +207,37 @@ func TestStop_WritesTheOverrideChangesItHolds(t *testing.T) {
 	a.p.Stop(bg)
 	if n := countRows(t, s.dsn, "ratelimit_overrides", "WHERE identifier = 'cust' AND limit_units = 500"); n != 1 {
 		t.Fatalf("%d rows of the change after Stop, want 1", n)
+	}
+}
+
+// TestOutage_AFloodOfFirstDenialsWhileMySQLIsDownIsKept: first denials
+// wait in a queue of a flush's worth until a flush moves them into the
+// rows kept for writing. With MySQL down no flush ran (the schema waits)
+// or each took seconds, and a flood past the queue lost the rest with
+// the kept rows far from their bound. The queue now drains on its own.
+func TestOutage_AFloodOfFirstDenialsWhileMySQLIsDownIsKept(t *testing.T) {
+	mysqltest.Require(t)
+	srv := mysqltest.Start(t)
+	dsn := srv.NewDatabase(t)
+	srv.Stop()
+	eng := engine.New(engine.Config{Manual: true})
+	defer eng.Close(bg)
+	p, err := New(Config{DSN: dsn, Region: "a", Timeout: 200 * time.Millisecond}, eng, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.Start()
+	defer p.Stop(bg)
+	const n = 3 * denialQueue
+	for i := range n {
+		key := engine.Key{Namespace: "z", Identifier: fmt.Sprintf("k%d", i), Window: time.Hour}
+		p.FirstDenial(engine.GlobalDenial{Denial: engine.Denial{Limit: engine.Limit{Key: key, Limit: 10}, Sequence: 1},
+			Cur: 10, RegionalUsed: 10})
+		if i%1000 == 999 {
+			redistest.Eventually(t, 5*time.Second, "the queue drained with MySQL down", func() bool { return len(p.denials) == 0 })
+		}
+	}
+	if st := p.Stats(); st.DenialQueueDrops != 0 || st.PendingDenials != n {
+		t.Fatalf("%d first denials lost and %d kept of %d, with MySQL down", st.DenialQueueDrops, st.PendingDenials, n)
 	}
 }
