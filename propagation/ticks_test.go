@@ -3,6 +3,7 @@ package propagation
 import (
 	"context"
 	"fmt"
+	"runtime"
 	"testing"
 	"time"
 
@@ -240,4 +241,45 @@ func TestOutage_AFloodOfFirstDenialsWhileMySQLIsDownIsKept(t *testing.T) {
 	if st := p.Stats(); st.DenialQueueDrops != 0 || st.PendingDenials != n {
 		t.Fatalf("%d first denials lost and %d kept of %d, with MySQL down", st.DenialQueueDrops, st.PendingDenials, n)
 	}
+}
+
+// TestPrune_EmptyMapsGiveTheirRoomBack: a Go map keeps the room of its
+// largest size; after a flood of denial rows had been written, the
+// layer's empty maps held tens of MB (an audit: 65 MB after 190,000
+// keys). The prune makes an empty map anew.
+func TestPrune_EmptyMapsGiveTheirRoomBack(t *testing.T) {
+	mysqltest.Require(t)
+	srv := mysqltest.Start(t)
+	dsn := srv.NewDatabase(t)
+	srv.Stop()
+	eng := engine.New(engine.Config{Manual: true})
+	defer eng.Close(bg)
+	p, err := New(Config{DSN: dsn, Region: "a", Timeout: 200 * time.Millisecond}, eng, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	const n = 200_000
+	p.mu.Lock()
+	for i := range n {
+		p.pending[Cell{Namespace: "z", Identifier: fmt.Sprintf("k%d", i), WindowMs: 60_000, Sequence: 1}] = &BlocklistRow{}
+	}
+	for c := range p.pending {
+		delete(p.pending, c) // written
+	}
+	p.mu.Unlock()
+	held := heapInUse()
+	p.prune(time.Now().UnixMilli())
+	after := heapInUse()
+	runtime.KeepAlive(p)
+	if freed := int64(held) - int64(after); freed < 4<<20 {
+		t.Fatalf("the prune gave back %d bytes of an empty map that held %d rows", freed, n)
+	}
+}
+
+func heapInUse() uint64 {
+	var m runtime.MemStats
+	runtime.GC()
+	runtime.GC()
+	runtime.ReadMemStats(&m)
+	return m.HeapAlloc
 }
