@@ -217,16 +217,7 @@ func TestStop_WritesTheOverrideChangesItHolds(t *testing.T) {
 // or each took seconds, and a flood past the queue lost the rest with
 // the kept rows far from their bound. The queue now drains on its own.
 func TestOutage_AFloodOfFirstDenialsWhileMySQLIsDownIsKept(t *testing.T) {
-	mysqltest.Require(t)
-	srv := mysqltest.Start(t)
-	dsn := srv.NewDatabase(t)
-	srv.Stop()
-	eng := engine.New(engine.Config{Manual: true})
-	defer eng.Close(bg)
-	p, err := New(Config{DSN: dsn, Region: "a", Timeout: 200 * time.Millisecond}, eng, Options{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	p := layerWithMySQLDown(t)
 	p.Start()
 	defer p.Stop(bg)
 	const n = 3 * denialQueue
@@ -248,16 +239,7 @@ func TestOutage_AFloodOfFirstDenialsWhileMySQLIsDownIsKept(t *testing.T) {
 // layer's empty maps held tens of MB (an audit: 65 MB after 190,000
 // keys). The prune makes an empty map anew.
 func TestPrune_EmptyMapsGiveTheirRoomBack(t *testing.T) {
-	mysqltest.Require(t)
-	srv := mysqltest.Start(t)
-	dsn := srv.NewDatabase(t)
-	srv.Stop()
-	eng := engine.New(engine.Config{Manual: true})
-	defer eng.Close(bg)
-	p, err := New(Config{DSN: dsn, Region: "a", Timeout: 200 * time.Millisecond}, eng, Options{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	p := layerWithMySQLDown(t)
 	const n = 200_000
 	p.mu.Lock()
 	for i := range n {
@@ -282,4 +264,21 @@ func heapInUse() uint64 {
 	runtime.GC()
 	runtime.ReadMemStats(&m)
 	return m.HeapAlloc
+}
+
+// layerWithMySQLDown is a layer of region a whose database's server has
+// stopped, not started.
+func layerWithMySQLDown(t *testing.T) *Propagator {
+	t.Helper()
+	mysqltest.Require(t)
+	srv := mysqltest.Start(t)
+	dsn := srv.NewDatabase(t)
+	srv.Stop()
+	eng := engine.New(engine.Config{Manual: true})
+	t.Cleanup(func() { _ = eng.Close(bg) })
+	p, err := New(Config{DSN: dsn, Region: "a", Timeout: 200 * time.Millisecond}, eng, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p
 }
