@@ -62,6 +62,8 @@ var redisKind = backendKind{
 //	    redis          <url>              # repeat: partitions
 //	    redis_cluster  <addr> [<addr>…]
 //	    redis_sentinel <master> <addr> [<addr>…]
+//	    sentinel_username <name>          # after redis_sentinel
+//	    sentinel_password <password>      # after redis_sentinel
 //	    tls_ca_file    <file>
 //	    prefix         <prefix>
 //	    replay_workers <n>
@@ -92,6 +94,8 @@ var redisLines = func() []optionLine {
 			originOf(a).Sentinel = &origin.SentinelConfig{Master: args[0], Addrs: args[1:]}
 			return nil
 		}),
+		sentinelLine("sentinel_username", func(s *origin.SentinelConfig, v string) { s.SentinelUsername = v }),
+		sentinelLine("sentinel_password", func(s *origin.SentinelConfig, v string) { s.SentinelPassword = v }),
 		stringLine("tls_ca_file", nil, func(a *App, v string) { originOf(a).TLSCAFile = v }),
 		// An empty prefix, which would be the default one, is refused as
 		// any empty value is (oneArg).
@@ -120,6 +124,23 @@ var redisLines = func() []optionLine {
 	}
 	return lines
 }()
+
+// sentinelLine is a line of the sentinels' own credentials, which the
+// URLs of redis_sentinel do not carry (theirs are the master's): until
+// 2026-11-29 only the JSON config could set them (an audit).
+func sentinelLine(name string, set func(*origin.SentinelConfig, string)) optionLine {
+	return optionLine{name: name, parse: func(d *caddyfile.Dispenser, a *App) error {
+		v, err := oneArg(d)
+		if err != nil {
+			return err
+		}
+		if a.Origin == nil || a.Origin.Sentinel == nil {
+			return d.Errf("%s needs a redis_sentinel line before it", name)
+		}
+		set(a.Origin.Sentinel, v)
+		return nil
+	}}
+}
 
 // caddyfileBreakerNames is err with the breaker settings named as the
 // Caddyfile's lines (breaker_interval), not as the origin's JSON fields
