@@ -113,9 +113,10 @@ func (p *Propagator) takeDenials(ctx context.Context) {
 	}
 }
 
-// writeDenials writes up to Batch denial rows: rows past their expiry are
-// dropped, and a failed write keeps the rest for the next tick. Rows
-// taken from the region and written (or expired) are removed there.
+// writeDenials writes the pending denial rows, up to maxDenialBatches
+// batches of Batch rows: rows past their expiry are dropped, and a failed
+// write keeps the rest for the next tick. Rows taken from the region and
+// written (or expired) are removed there.
 func (p *Propagator) writeDenials(ctx context.Context) {
 	now := p.now().UnixMilli()
 	var done []BlocklistRow
@@ -135,15 +136,13 @@ func (p *Propagator) writeDenials(ctx context.Context) {
 	}
 	p.mu.Unlock()
 	slices.SortFunc(rows, compareBlock)
-	if len(rows) > p.cfg.Batch {
-		rows = rows[:p.cfg.Batch]
-	}
-	if len(rows) > 0 {
-		if err := p.write(ctx, func(ctx context.Context) error { return p.store.UpsertDenials(ctx, rows) }); err != nil {
-			p.writeFailed("denial rows", len(rows), err)
-		} else {
-			done = p.denialsWritten(rows, done)
+	for i := 0; i < len(rows) && i < maxDenialBatches*p.cfg.Batch; i += p.cfg.Batch {
+		batch := rows[i:min(i+p.cfg.Batch, len(rows))]
+		if err := p.write(ctx, func(ctx context.Context) error { return p.store.UpsertDenials(ctx, batch) }); err != nil {
+			p.writeFailed("denial rows", len(batch), err)
+			break
 		}
+		done = p.denialsWritten(batch, done)
 	}
 	if len(done) > 0 && p.region != nil {
 		if err := p.query(ctx, func(ctx context.Context) error { return p.region.DenialsWritten(ctx, done) }); err != nil {
