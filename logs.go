@@ -21,8 +21,17 @@ import (
 // failureStreakLog is the number of consecutive failed calls to one origin
 // endpoint after which one warning is logged: a single timeout is noise
 // that the metrics show, a run of them is an outage the log should name.
-// The recovery is logged once too, so a streak costs two lines.
+// The recovery is logged once too, so an outage costs two lines.
 const failureStreakLog = 5
+
+// recoveryHold is how long every call to an endpoint must succeed, after
+// its warning, before the recovery is logged. An endpoint whose calls
+// fail and succeed by turns (a Redis Cluster with one master down, whose
+// other masters answer) logged a warning and a recovery several times a
+// second until the Cluster failed over; now its outage is one warning,
+// and one recovery line once calls have succeeded for this long, which
+// counts the runs of failures the outage had.
+const recoveryHold = time.Second
 
 // observer reports what the process-wide engine and origin do: it
 // installs the engine's hooks and turns origin calls and breaker changes
@@ -33,8 +42,8 @@ type observer struct {
 	// apps is the state's registry: its newest app's logger and identifier
 	// treatment are what the hooks use.
 	apps *liveApps
-	// streaks counts consecutive failed calls per endpoint address.
-	streaks sync.Map // string → *atomic.Int64
+	// streaks holds each endpoint address's failure streak.
+	streaks sync.Map // string → *streakLog
 	// evictions bounds the eviction warning (see evicted).
 	evictions evictionLog
 }
@@ -136,8 +145,22 @@ func (o *observer) scriptsRefused(address string, err error) {
 		zap.String("endpoint", address), zap.Error(err))
 }
 
-// originCall records one origin call and logs the start and the end of a
-// streak of failures. Calls the breaker rejected did no I/O: they neither
+// streakLog is one endpoint's failures as the log tells them: a warning
+// once failureStreakLog calls in a row failed, and one recovery line once
+// every call has succeeded for recoveryHold since.
+type streakLog struct {
+	run    atomic.Int64 // calls failed in a row
+	warned atomic.Bool  // a warning stands that no recovery line followed
+
+	mu      sync.Mutex
+	failed  int64     // calls failed since the warning, its streak's included
+	runs    int64     // runs of failures since the warning (the first included)
+	okSince time.Time // since when calls succeed; zero while they fail
+	timer   *time.Timer
+}
+
+// originCall records one origin call and logs the start and the end of an
+// endpoint's failures. Calls the breaker rejected did no I/O: they neither
 // extend nor end a streak.
 func (o *observer) originCall(ci origin.CallInfo) {
 	observeOriginCall(ci)
@@ -146,29 +169,86 @@ func (o *observer) originCall(ci origin.CallInfo) {
 	}
 	s := o.streak(ci.Endpoint)
 	if ci.Outcome == origin.OutcomeOK {
-		if n := s.Swap(0); n >= failureStreakLog {
-			o.view().logger.Info("redis calls succeed again",
-				zap.String("endpoint", ci.Endpoint),
-				zap.Int64("failed_calls", n))
+		s.run.Store(0)
+		if s.warned.Load() {
+			o.succeeding(ci.Endpoint, s)
 		}
 		return
 	}
-	if s.Add(1) == failureStreakLog {
-		o.view().logger.Warn("redis calls failing: decisions use local counts until they recover",
-			zap.String("endpoint", ci.Endpoint),
-			zap.Stringer("op", ci.Op),
-			zap.Stringer("outcome", ci.Outcome),
-			zap.Int("consecutive_failures", failureStreakLog),
-			zap.Error(ci.Err))
+	n := s.run.Add(1)
+	if s.warned.Load() {
+		s.mu.Lock()
+		s.failed++
+		if !s.okSince.IsZero() {
+			s.okSince = time.Time{}
+			s.runs++
+		}
+		s.mu.Unlock()
+		return
+	}
+	if n != failureStreakLog {
+		return
+	}
+	s.mu.Lock()
+	if s.warned.Load() {
+		s.mu.Unlock()
+		return
+	}
+	s.failed, s.runs, s.okSince = n, 1, time.Time{}
+	s.warned.Store(true)
+	s.mu.Unlock()
+	o.view().logger.Warn("redis calls failing: decisions use local counts until they recover",
+		zap.String("endpoint", ci.Endpoint),
+		zap.Stringer("op", ci.Op),
+		zap.Stringer("outcome", ci.Outcome),
+		zap.Int("consecutive_failures", failureStreakLog),
+		zap.Error(ci.Err))
+}
+
+// succeeding notes a success on an endpoint under a warning: the first
+// since a failure starts the hold, which recovered ends.
+func (o *observer) succeeding(endpoint string, s *streakLog) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if !s.warned.Load() || !s.okSince.IsZero() {
+		return
+	}
+	s.okSince = time.Now()
+	if s.timer == nil {
+		s.timer = time.AfterFunc(recoveryHold, func() { o.recovered(endpoint, s) })
+	} else {
+		s.timer.Reset(recoveryHold)
 	}
 }
 
-func (o *observer) streak(endpoint string) *atomic.Int64 {
-	if s, ok := o.streaks.Load(endpoint); ok {
-		return s.(*atomic.Int64)
+// recovered logs the end of an endpoint's failures once its calls have
+// succeeded for recoveryHold, or waits for the rest of it.
+func (o *observer) recovered(endpoint string, s *streakLog) {
+	s.mu.Lock()
+	if !s.warned.Load() || s.okSince.IsZero() {
+		s.mu.Unlock()
+		return
 	}
-	s, _ := o.streaks.LoadOrStore(endpoint, new(atomic.Int64))
-	return s.(*atomic.Int64)
+	if left := recoveryHold - time.Since(s.okSince); left > 0 {
+		s.timer.Reset(left)
+		s.mu.Unlock()
+		return
+	}
+	failed, runs := s.failed, s.runs
+	s.warned.Store(false)
+	s.mu.Unlock()
+	o.view().logger.Info("redis calls succeed again",
+		zap.String("endpoint", endpoint),
+		zap.Int64("failed_calls", failed),
+		zap.Int64("failure_runs", runs))
+}
+
+func (o *observer) streak(endpoint string) *streakLog {
+	if s, ok := o.streaks.Load(endpoint); ok {
+		return s.(*streakLog)
+	}
+	s, _ := o.streaks.LoadOrStore(endpoint, new(streakLog))
+	return s.(*streakLog)
 }
 
 // breakerChanged logs a breaker transition and counts it. An open breaker

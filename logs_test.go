@@ -7,6 +7,7 @@ import (
 	"regexp"
 	"strings"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"go.uber.org/zap"
@@ -68,46 +69,110 @@ func TestObserver_FirstDenialLoggedOnceAtDebug(t *testing.T) {
 }
 
 // TestObserver_OriginFailureStreak: a streak of failed calls is one warning
-// when it reaches failureStreakLog and one info line when a call succeeds
-// again; calls the breaker rejected neither extend nor end it.
+// when it reaches failureStreakLog and one info line once calls have
+// succeeded for recoveryHold; calls the breaker rejected neither extend
+// nor end it.
 func TestObserver_OriginFailureStreak(t *testing.T) {
-	o := observer{apps: new(liveApps)}
-	app, logs := observedApp(zapcore.DebugLevel, identities{})
-	o.apps.provision(app)
-	const ep = "redis://streak.example:6379/0"
-	call := func(oc origin.Outcome) {
-		o.originCall(origin.CallInfo{Endpoint: ep, Op: origin.OpRead, Outcome: oc, Duration: time.Millisecond})
-	}
-	okBefore := counterValue(t, endpointMetrics(ep).calls[origin.OpRead][origin.OutcomeOK])
-	timeoutsBefore := counterValue(t, endpointMetrics(ep).calls[origin.OpRead][origin.OutcomeTimeout])
+	synctest.Test(t, func(t *testing.T) {
+		o := observer{apps: new(liveApps)}
+		app, logs := observedApp(zapcore.DebugLevel, identities{})
+		o.apps.provision(app)
+		const ep = "redis://streak.example:6379/0"
+		call := func(oc origin.Outcome) {
+			o.originCall(origin.CallInfo{Endpoint: ep, Op: origin.OpRead, Outcome: oc, Duration: time.Millisecond})
+		}
+		okBefore := counterValue(t, endpointMetrics(ep).calls[origin.OpRead][origin.OutcomeOK])
+		timeoutsBefore := counterValue(t, endpointMetrics(ep).calls[origin.OpRead][origin.OutcomeTimeout])
 
-	for range failureStreakLog - 1 {
-		call(origin.OutcomeError)
-	}
-	call(origin.OutcomeOK) // a short streak ends silently
-	if logs.Len() != 0 {
-		t.Fatalf("%d lines for a streak shorter than %d", logs.Len(), failureStreakLog)
-	}
-	for range 3 * failureStreakLog {
-		call(origin.OutcomeTimeout)
-		call(origin.OutcomeRejected)
-	}
-	warn := logs.FilterLevelExact(zapcore.WarnLevel).All()
-	if len(warn) != 1 || warn[0].ContextMap()["endpoint"] != ep {
-		t.Fatalf("warnings %v, want one naming the endpoint", warn)
-	}
-	call(origin.OutcomeOK)
-	call(origin.OutcomeOK)
-	info := logs.FilterLevelExact(zapcore.InfoLevel).All()
-	if len(info) != 1 || info[0].ContextMap()["failed_calls"] != int64(3*failureStreakLog) {
-		t.Fatalf("recovery lines %v, want one with failed_calls %d", info, 3*failureStreakLog)
-	}
-	if got := counterValue(t, endpointMetrics(ep).calls[origin.OpRead][origin.OutcomeTimeout]) - timeoutsBefore; got != 3*failureStreakLog {
-		t.Fatalf("timeouts counted %v, want %d", got, 3*failureStreakLog)
-	}
-	if got := counterValue(t, endpointMetrics(ep).calls[origin.OpRead][origin.OutcomeOK]) - okBefore; got != 3 {
-		t.Fatalf("ok calls counted %v, want 3", got)
-	}
+		for range failureStreakLog - 1 {
+			call(origin.OutcomeError)
+		}
+		call(origin.OutcomeOK) // a short streak ends silently
+		time.Sleep(2 * recoveryHold)
+		synctest.Wait()
+		if logs.Len() != 0 {
+			t.Fatalf("%d lines for a streak shorter than %d", logs.Len(), failureStreakLog)
+		}
+		for range 3 * failureStreakLog {
+			call(origin.OutcomeTimeout)
+			call(origin.OutcomeRejected)
+		}
+		warn := logs.FilterLevelExact(zapcore.WarnLevel).All()
+		if len(warn) != 1 || warn[0].ContextMap()["endpoint"] != ep {
+			t.Fatalf("warnings %v, want one naming the endpoint", warn)
+		}
+		call(origin.OutcomeOK)
+		time.Sleep(recoveryHold / 2)
+		call(origin.OutcomeOK)
+		synctest.Wait()
+		if n := logs.FilterLevelExact(zapcore.InfoLevel).Len(); n != 0 {
+			t.Fatalf("%d recovery lines %s after the first success, want none before %s", n, recoveryHold/2, recoveryHold)
+		}
+		time.Sleep(recoveryHold / 2)
+		synctest.Wait()
+		info := logs.FilterLevelExact(zapcore.InfoLevel).All()
+		if len(info) != 1 || info[0].ContextMap()["failed_calls"] != int64(3*failureStreakLog) || info[0].ContextMap()["failure_runs"] != int64(1) {
+			t.Fatalf("recovery lines %v, want one with failed_calls %d and failure_runs 1", info, 3*failureStreakLog)
+		}
+		if got := counterValue(t, endpointMetrics(ep).calls[origin.OpRead][origin.OutcomeTimeout]) - timeoutsBefore; got != 3*failureStreakLog {
+			t.Fatalf("timeouts counted %v, want %d", got, 3*failureStreakLog)
+		}
+		if got := counterValue(t, endpointMetrics(ep).calls[origin.OpRead][origin.OutcomeOK]) - okBefore; got != 3 {
+			t.Fatalf("ok calls counted %v, want 3", got)
+		}
+	})
+}
+
+// TestObserver_AnEndpointFailingByTurnsIsOneOutage: calls to one endpoint
+// that fail and succeed by turns (a Redis Cluster with one master down,
+// its other masters answering, an audit saw it for some 20 s) logged a
+// warning and a recovery several times a second. Now it is one warning,
+// and one recovery line once calls have succeeded for recoveryHold, which
+// counts the runs of failures; a later outage warns again.
+func TestObserver_AnEndpointFailingByTurnsIsOneOutage(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		o := observer{apps: new(liveApps)}
+		app, logs := observedApp(zapcore.DebugLevel, identities{})
+		o.apps.provision(app)
+		const ep = "redis://by-turns.example:6379/0"
+		call := func(oc origin.Outcome) {
+			o.originCall(origin.CallInfo{Endpoint: ep, Op: origin.OpFlush, Outcome: oc, Duration: time.Millisecond})
+		}
+		const flaps = 20
+		for range failureStreakLog {
+			call(origin.OutcomeError)
+		}
+		for range flaps {
+			call(origin.OutcomeOK)
+			time.Sleep(recoveryHold / 4)
+			for range failureStreakLog {
+				call(origin.OutcomeTimeout)
+			}
+			time.Sleep(recoveryHold / 4)
+		}
+		synctest.Wait()
+		warnings := logs.FilterMessage("redis calls failing: decisions use local counts until they recover").Len()
+		recoveries := logs.FilterMessage("redis calls succeed again").Len()
+		if warnings != 1 || recoveries != 0 {
+			t.Fatalf("%d warnings and %d recovery lines over %d runs of failures %s apart, want 1 and 0", warnings, recoveries, flaps+1, recoveryHold/2)
+		}
+		call(origin.OutcomeOK)
+		time.Sleep(recoveryHold)
+		synctest.Wait()
+		info := logs.FilterMessage("redis calls succeed again").All()
+		if len(info) != 1 {
+			t.Fatalf("%d recovery lines %s after the last failure, want 1", len(info), recoveryHold)
+		}
+		if f := info[0].ContextMap(); f["failed_calls"] != int64((flaps+1)*failureStreakLog) || f["failure_runs"] != int64(flaps+1) {
+			t.Fatalf("recovery line %v, want failed_calls %d and failure_runs %d", f, (flaps+1)*failureStreakLog, flaps+1)
+		}
+		for range failureStreakLog {
+			call(origin.OutcomeError)
+		}
+		if n := logs.FilterMessage("redis calls failing: decisions use local counts until they recover").Len(); n != 2 {
+			t.Fatalf("%d warnings after a new outage, want 2", n)
+		}
+	})
 }
 
 func TestObserver_BreakerTransitions(t *testing.T) {
