@@ -88,7 +88,9 @@ type Origin interface {
 	// of the previous cell (seq − 1), with Mine the record of incarnation
 	// inc; it registers inc in the cell (see Totals.Shared). The engine
 	// calls it with a deadline in ctx (the read timeout) and never on a
-	// denial.
+	// denial. An error that refused the call without sending it (an open
+	// breaker) says so with a method Refused() bool (see refused): the
+	// decision waited for nothing, and no read is counted.
 	Read(ctx context.Context, key Key, seq int64, inc uint32) (Totals, error)
 	// Flush raises, for each item, this process's contribution to the cell
 	// to batch[i].Own, adds the difference to the cell, and stores the

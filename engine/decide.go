@@ -87,10 +87,7 @@ func (e *Engine) decideLocated(ctx context.Context, d *Decision, l *Limit, o Ori
 	defer dl.stop()
 	for i := 0; ; i++ {
 		if f := e.converge(o, &lc, l, now, false); f != nil {
-			e.stats.syncReads.Add(1)
-			if !dl.wait(ctx, e, f.done) {
-				e.stats.readWaitTimeouts.Add(1)
-			}
+			e.waitRead(ctx, &dl, f)
 		}
 		// The key's entry let go (forgotten, evicted) while this request
 		// waited for a read or a reservation: its units were written, or
@@ -254,8 +251,9 @@ func (e *Engine) committed(lc *located, cost, effective, limit int64) {
 		return
 	}
 	// The first units of a cell replay on the fast tick: a key that starts
-	// on several processes at once is known to be shared within a tick.
-	fast := lc.cur.state()&stShared != 0 || x.own.Load() == 0 || pressureAtLeast(effective, limit, 1, 2)
+	// on several processes at once is known to be shared within a tick. So
+	// do units admitted on a view behind the region (see Engine.behind).
+	fast := lc.cur.state()&stShared != 0 || x.own.Load() == 0 || lc.behind || pressureAtLeast(effective, limit, 1, 2)
 	e.markDirty(lc.zone, lc.en, lc.cur, fast)
 }
 

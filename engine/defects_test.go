@@ -3,6 +3,7 @@ package engine
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strconv"
 	"sync/atomic"
 	"testing"
@@ -650,6 +651,106 @@ func TestStale_ANodeThatHasNotMetTheOthersReadsFirstUnderASmallLimit(t *testing.
 	if got := a.Stats().Reads; got != reads {
 		t.Fatalf("a stale view of a limit of 2^20 read %d times before a request of cost 1", got-reads)
 	}
+}
+
+// TestStale_AViewBehindTheRegion is an audit's case with three Caddy
+// processes: node A meets a key alone (its answer showed no other
+// process), node B takes it to its limit in the next 300 ms, and A, its
+// view fresh for a second, admitted 97 to 98 more of a limit of 100 (and
+// one request of cost 98) before its own replay brought the region's
+// count back; under a limit of 2^20 it passed 5 to 9 % of the limit on a
+// stale view. In a region of several processes a view older than two
+// slow ticks is now read first, or, under a limit far above one request,
+// passes only the share an unread cell has, its units on the fast tick.
+// A key this process keeps using reads nothing more.
+func TestStale_AViewBehindTheRegion(t *testing.T) {
+	for _, cost := range []int64{1, 98} {
+		t.Run(fmt.Sprintf("cost %d", cost), func(t *testing.T) {
+			a, b, clk, _ := twoNodes(t)
+			a.SetProcesses(2)
+			b.SetProcesses(2)
+			l := lim("k", time.Minute, 100, 1)
+			for range 2 { // 250 ms apart: the key grows up in A
+				if !a.Decide(bg, l).Allowed {
+					t.Fatal("A's request denied")
+				}
+				replayAll(t, a) // A's answer: alone in the key
+				clk.Advance(250 * time.Millisecond)
+			}
+			clk.Advance(50 * time.Millisecond)
+			for i := range 98 {
+				if !b.Decide(bg, l).Allowed {
+					t.Fatalf("B's request %d denied below the limit", i)
+				}
+			}
+			replayAll(t, b)
+			l.Cost = cost
+			admitted := 0
+			for range 10 {
+				if a.Decide(bg, l).Allowed {
+					admitted++
+				}
+			}
+			if admitted != 0 {
+				t.Fatalf("A admitted %d more requests of cost %d with the region at the limit of 100, its view 300 ms old", admitted, cost)
+			}
+		})
+	}
+	t.Run("a key in use reads nothing more", func(t *testing.T) {
+		a, _, clk, _ := twoNodes(t)
+		a.SetProcesses(2)
+		l := lim("k", time.Minute, 100, 1)
+		a.Decide(bg, l)
+		replayAll(t, a)
+		reads := a.Stats().Reads
+		for range 20 { // a request every 150 ms, each replayed within a slow tick
+			clk.Advance(150 * time.Millisecond)
+			if !a.Decide(bg, l).Allowed {
+				t.Fatal("denied below the limit")
+			}
+			replayAll(t, a)
+		}
+		if got := a.Stats().Reads - reads; got != 0 {
+			t.Fatalf("%d reads of a key used every 150 ms", got)
+		}
+	})
+	t.Run("alone in the region", func(t *testing.T) {
+		a, _, clk, _ := twoNodes(t)
+		a.SetProcesses(1)
+		l := lim("k", time.Minute, 100, 1)
+		a.Decide(bg, l)
+		replayAll(t, a)
+		clk.Advance(500 * time.Millisecond)
+		reads := a.Stats().Reads
+		a.Decide(bg, l)
+		if got := a.Stats().Reads - reads; got != 0 {
+			t.Fatalf("%d reads of a fresh view with no other process in the region", got)
+		}
+	})
+	t.Run("a limit far above one request", func(t *testing.T) {
+		a, _, clk, o := twoNodes(t)
+		a.SetProcesses(2)
+		const limit = 1 << 20
+		l := lim("big", time.Hour, limit, 1)
+		seq := clk.UnixMilli() / time.Hour.Milliseconds()
+		a.Decide(bg, l)
+		replayAll(t, a)
+		clk.Advance(2 * time.Second)
+		o.add(l.Key, seq, limit-1) // the other processes, meanwhile
+		reads := a.Stats().Reads
+		admitted := int64(0)
+		for range 3000 {
+			if a.Decide(bg, l).Allowed {
+				admitted++
+			}
+		}
+		if share := int64(limit / unreadShare); admitted > share {
+			t.Fatalf("A admitted %d on a view 2 s old with the region at its limit of %d, more than the share of %d", admitted, limit, share)
+		}
+		if a.Stats().Reads == reads {
+			t.Fatal("the view behind the region was never read")
+		}
+	})
 }
 
 // TestBurst_NodesMeetAKeyAtOnce is the accuracy audit's burst: N

@@ -21,6 +21,9 @@ type located struct {
 	// denial it would have been.
 	wouldDeny bool
 	dryRetry  time.Duration
+	// behind records that converge let the decision pass on a view behind
+	// the region (see Engine.behind): its units replay on the fast tick.
+	behind bool
 }
 
 func (lc *located) key() Key { return lc.zone.key(lc.id) }

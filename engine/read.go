@@ -2,6 +2,7 @@ package engine
 
 import (
 	"context"
+	"errors"
 	"time"
 )
 
@@ -153,6 +154,28 @@ const maxBackgroundReads = 64
 // flight is one origin call shared by every request that needs it.
 type flight struct {
 	done chan struct{}
+	// refused is set, before done is closed, when the origin refused the
+	// read without sending it (see refused).
+	refused bool
+}
+
+// refused reports whether err says the origin refused a call without
+// sending it (an open breaker): an error with a method Refused() bool.
+func refused(err error) bool {
+	var r interface{ Refused() bool }
+	return errors.As(err, &r) && r.Refused()
+}
+
+// waitRead waits for f within dl, counting a decision that waited for a
+// read (syncReads: one the origin refused at once waited for nothing) and
+// one that ran out of time.
+func (e *Engine) waitRead(ctx context.Context, dl *deadline, f *flight) {
+	if !dl.wait(ctx, e, f.done) {
+		e.stats.readWaitTimeouts.Add(1)
+		e.stats.syncReads.Add(1)
+	} else if !f.refused {
+		e.stats.syncReads.Add(1)
+	}
 }
 
 // deadline is one decision's budget for the origin: one read timeout from
@@ -229,7 +252,8 @@ func (e *Engine) converge(o Origin, lc *located, l *Limit, now int64, denied boo
 		return e.readFor(o, lc, denied)
 	}
 	suspect := e.suspect(lc.key(), now, fresh)
-	if now < fresh && !suspect {
+	behind := e.behind(lc, fresh, now)
+	if now < fresh && !suspect && !behind {
 		return nil
 	}
 	_, cur, prev := lc.snapshot()
@@ -247,8 +271,17 @@ func (e *Engine) converge(o Origin, lc *located, l *Limit, now int64, denied boo
 		// in, under a limit far above one request (as unread has it), this
 		// request passes and its units replay within a tick; the replay
 		// brings both cells back as a read would, so a read now would only
-		// repeat it.
-		return nil
+		// repeat it. A view behind the region passes so only within the
+		// share an unread cell has, its units on the fast tick: past it,
+		// it reads first.
+		if !behind {
+			return nil
+		}
+		if SatAdd(lc.cur.pending(), l.Cost) <= l.Limit/unreadShare {
+			lc.behind = true
+			return nil
+		}
+		return e.readFor(o, lc, denied)
 	case l.Cost > 0:
 		// Under a smaller limit a stale view may be far behind the region:
 		// another process this one has not met yet (its last answer showed
@@ -260,6 +293,26 @@ func (e *Engine) converge(o Origin, lc *located, l *Limit, now int64, denied boo
 		e.stats.backgroundReads.Add(1)
 	}
 	return nil
+}
+
+// behind reports whether lc's cell, read before, holds a view the region
+// may have left far behind, whose freshness deadline is fresh, at now: in
+// a region of several processes, one taken more than two slow ticks ago.
+// A key this process keeps using has a newer one, from its own replay
+// (within a slow tick, below half its limit); an older one is a key this
+// process left idle while another may have taken it anywhere, up to its
+// limit: a view fresh for a second let a node that had met a key alone
+// admit 98 more of a limit of 100 after another node took it to its limit
+// in the 300 ms before (an audit; TestStale_AViewBehindTheRegion). Such a
+// view is read first, as a stale one is (freshness), but for a limit far
+// above one request, whose share (as unread's) passes on the fast tick.
+// Not while the key's partition fails, whose reads would only fail.
+func (e *Engine) behind(lc *located, fresh, now int64) bool {
+	if e.processes.Load() <= 1 {
+		return false
+	}
+	seen := fresh - e.freshnessMs()
+	return now-seen > 2*time.Duration(e.slowTick.Load()).Milliseconds() && !e.failingFor(lc.key())
 }
 
 // readFor returns the read of lc's cell a decision waits for, or, when the
@@ -335,14 +388,11 @@ func (e *Engine) convergeAll(ctx context.Context, o Origin, lcs []located, ls []
 			continue
 		}
 		if f := e.converge(o, &lcs[i], &ls[i], now, denied); f != nil {
-			e.stats.syncReads.Add(1)
 			fs = append(fs, f)
 		}
 	}
 	for _, f := range fs {
-		if !dl.wait(ctx, e, f.done) {
-			e.stats.readWaitTimeouts.Add(1)
-		}
+		e.waitRead(ctx, dl, f)
 	}
 }
 
@@ -382,21 +432,24 @@ func (e *Engine) startRead(o Origin, lc *located, wait bool) (*flight, bool) {
 	}
 	z, key, en, c := lc.zone, lc.key(), lc.en, lc.cur
 	go func() {
+		var notSent bool
 		defer func() {
 			e.flights.Delete(c)
+			f.refused = notSent
 			close(f.done)
 			if !wait {
 				e.bgReads.Add(-1)
 			}
 		}()
-		e.readCell(o, z, key, en, c)
+		notSent = e.readCell(o, z, key, en, c)
 	}()
 	return f, true
 }
 
 // readCell performs one origin read of c and the cell before it and merges
-// the totals.
-func (e *Engine) readCell(o Origin, z *Zone, key Key, en *entry, c *cell) {
+// the totals. It reports whether the origin refused the read without
+// sending it (see refused), which counts as no read, failed or not.
+func (e *Engine) readCell(o Origin, z *Zone, key Key, en *entry, c *cell) (notSent bool) {
 	// A forget of the key writing its units: the origin lacks them until
 	// it is done.
 	e.forgets.wait(key, e.readTimeoutD())
@@ -406,12 +459,15 @@ func (e *Engine) readCell(o Origin, z *Zone, key Key, en *entry, c *cell) {
 	t, err := o.Read(ctx, key, c.seq(), c.incarnation())
 	now := e.nowMs()
 	if err != nil {
-		e.stats.readErrors.Add(1)
+		notSent = refused(err)
+		if !notSent {
+			e.stats.readErrors.Add(1)
+		}
 		e.originFailed(e.partition(key))
 		if x := c.links(); x != nil && c.state()&stRead == 0 {
 			x.fresh.Store(now + e.coldReadRetry())
 		}
-		return
+		return notSent
 	}
 	e.stats.reads.Add(1)
 	e.stats.lastRead.Store(now)
@@ -419,6 +475,7 @@ func (e *Engine) readCell(o Origin, z *Zone, key Key, en *entry, c *cell) {
 	// Freshness counts from when the read was sent: the origin's answer is
 	// at least that recent.
 	e.merge(z, en, c, t, start, key, true)
+	return false
 }
 
 // merge brings the origin's totals t of c (and of the cell before it) into

@@ -1,6 +1,8 @@
 package engine
 
 import (
+	"errors"
+	"fmt"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -405,4 +407,38 @@ func TestRead_ADenialOfAColdCellDoesNotWaitForItsRead(t *testing.T) {
 			t.Fatalf("the read did not make the cell fresh: %+v", ks)
 		}
 	})
+}
+
+// refusedErr is an origin's refusal of a call it never sent (an open
+// breaker).
+type refusedErr struct{}
+
+func (refusedErr) Error() string { return "circuit breaker open" }
+func (refusedErr) Refused() bool { return true }
+
+// TestRead_ARefusedReadIsNoRead: an audit saw sync_reads_total rise by 200
+// over 100 requests of two zones while the breaker was open, and
+// cell_reads_total{outcome="error"} by 301 against 17 failed calls: a read
+// the origin refused without sending it counted as a decision that waited
+// for Redis and as a failed read, exactly when nothing waited. A refused
+// read now counts as neither; a read sent that failed counts as both, as
+// before.
+func TestRead_ARefusedReadIsNoRead(t *testing.T) {
+	e, _, o := withOrigin(t, Config{})
+	o.failReads(fmt.Errorf("redis://r:6379: %w", refusedErr{}))
+	for i := range 100 {
+		if !e.Decide(bg, lim(fmt.Sprintf("refused-%d", i), time.Minute, 10, 1)).Allowed {
+			t.Fatal("denied while reads are refused")
+		}
+	}
+	if st := e.Stats(); st.SyncReads != 0 || st.ReadErrors != 0 {
+		t.Fatalf("100 cold keys with every read refused unsent: %d sync reads, %d read errors; want 0 and 0", st.SyncReads, st.ReadErrors)
+	}
+	o.failReads(errors.New("connection reset by peer"))
+	for i := range 10 {
+		e.Decide(bg, lim(fmt.Sprintf("failed-%d", i), time.Minute, 10, 1))
+	}
+	if st := e.Stats(); st.SyncReads != 10 || st.ReadErrors != 10 {
+		t.Fatalf("10 cold keys whose reads were sent and failed: %d sync reads, %d read errors; want 10 and 10", st.SyncReads, st.ReadErrors)
+	}
 }

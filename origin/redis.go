@@ -113,11 +113,21 @@ const maxBuild = 100
 // Errors returned by Read and Flush, wrapped with the endpoint's address.
 var (
 	// ErrBreakerOpen: the endpoint's breaker is open (or half-open with its
-	// probe in flight); nothing was sent.
-	ErrBreakerOpen = errors.New("circuit breaker open")
+	// probe in flight); nothing was sent, which it tells the engine with
+	// its method Refused (engine.Origin's Read).
+	ErrBreakerOpen error = breakerOpen{}
 	// ErrClosed: Close was called.
 	ErrClosed = errors.New("origin closed")
 )
+
+// breakerOpen is ErrBreakerOpen's type.
+type breakerOpen struct{}
+
+func (breakerOpen) Error() string { return "circuit breaker open" }
+
+// Refused tells the engine that the call was never sent: a decision that
+// waited for it waited for nothing, and no read is counted.
+func (breakerOpen) Refused() bool { return true }
 
 // New validates cfg and returns the origin. It does not dial: connections
 // are made by the first Read or Flush, so it is safe in Caddy's Provision.
