@@ -381,15 +381,15 @@ func (b *mysqlBackend) use(st *state) {
 	currentProp.Store(b.prop)
 }
 
-// flush writes what the propagator holds (denial rows, grown counts)
-// before another config's takes over or the process stops.
+// flush writes what the propagator holds (denial rows, every count that
+// grew: see FlushAll) before the process stops.
 func (b *mysqlBackend) flush(*state) {
 	if !b.prop.Ready() {
 		return
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), closeTimeout)
 	defer cancel()
-	b.prop.FlushOnce(ctx)
+	b.prop.FlushAll(ctx)
 }
 
 // letGo stops the propagator's loops once the state has handed the engine

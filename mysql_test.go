@@ -369,3 +369,72 @@ func TestCaddy_AReloadAddingOrRemovingRedisCountsNoUnitTwice(t *testing.T) {
 		})
 	}
 }
+
+// TestCaddy_TheLastNodeOfARegionPublishesAsItStops: a process's flushes
+// publish the cells at half their limit or more, and the cells between
+// publish_floor and half wait for a global sync. A region's last node
+// that stopped (a single-node region restarted in a deploy, a region
+// drained) took those counts with it: an audit stopped such a node after
+// 120 requests of a limit of 300, and the other region admitted 300 more
+// (420 to 436 in all, 6 runs of 6). Its last flush now publishes every
+// count that grew.
+func TestCaddy_TheLastNodeOfARegionPublishesAsItStops(t *testing.T) {
+	srv := mysqltest.Start(t)
+	dsn := srv.NewDatabase(t)
+	t.Setenv("RATELIMIT_TEST_MYSQL_DSN", dsn)
+	t.Setenv("RATELIMIT_TEST_LAST_REDIS", redistest.Start(t).URL())
+	tester, admin, base := startCaddy(t, func(admin, port int) string {
+		return caddyConfig(admin, port, `	ratelimit {
+		region test-last
+		redis  {env.RATELIMIT_TEST_LAST_REDIS}
+		mysql  {env.RATELIMIT_TEST_MYSQL_DSN}
+		mysql_flush 20ms
+		global_sync 1h
+		min_window 1s
+	}`, `
+	handle {
+		ratelimit {
+			zone last_node {
+				key    {http.request.header.X-Key}
+				limit  100
+				window 1h
+			}
+		}
+		respond "ok"
+	}`)
+	})
+	redistest.Eventually(t, 20*time.Second, "the layer ready", func() bool {
+		return metricValue(t, admin, "caddy_ratelimit_propagation_ready") == 1
+	})
+	const sent = 30 // above publish_floor (20), below half the limit
+	for range sent {
+		req, _ := http.NewRequest(http.MethodGet, base+"/", nil)
+		req.Header.Set("X-Key", "last")
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, _ = io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK {
+			t.Fatalf("status %d below the limit", resp.StatusCode)
+		}
+	}
+	db := mysqltest.Open(t, dsn)
+	published := func() int64 {
+		var n int64
+		if err := db.QueryRow(`SELECT COALESCE(SUM(count), 0) FROM ratelimit_global_counts WHERE identifier = 'last'`).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	if n := published(); n != 0 {
+		t.Fatalf("%d units published below half the limit before a global sync; the test needs none", n)
+	}
+	// The node stops: a config without the rate limiter, as the last
+	// config's stop at shutdown.
+	tester.InitServer(e2eConfig(admin, redistest.MustFreePort(t), ""), "caddyfile")
+	if n := published(); n != sent {
+		t.Fatalf("%d units published once the region's last node stopped, want %d", n, sent)
+	}
+}

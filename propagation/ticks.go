@@ -91,6 +91,22 @@ func (p *Propagator) GlobalSyncOnce(ctx context.Context) {
 	p.checkClock(ctx)
 }
 
+// FlushAll is a flush that publishes every cell worth it that grew, as
+// the flush after a global sync does: the last flush of a process that
+// stops. Its flushes had published only the cells at half their limit or
+// more, and the cells below waited for a global sync of a process of the
+// region that never came when it was the region's last: the other
+// regions never saw those units (an audit: a single-node region stopped
+// after 120 requests of a limit of 300, and the other region admitted
+// 300 more; TestCaddy_TheLastNodeOfARegionPublishesAsItStops).
+func (p *Propagator) FlushAll(ctx context.Context) {
+	p.mu.Lock()
+	p.fullPush = true
+	p.pushes++
+	p.mu.Unlock()
+	p.FlushOnce(ctx)
+}
+
 // BlocklistSyncOnce is one blocklist sync tick: every wholeEvery syncs the
 // next flush reads the denial rows whole.
 func (p *Propagator) BlocklistSyncOnce(context.Context) {
