@@ -9,9 +9,12 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
 	"github.com/edgelimit/caddy-ratelimit/internal/testclock"
 )
 
@@ -150,6 +153,70 @@ func TestTwoCaddyProcesses_ExactNearASmallLimit(t *testing.T) {
 		// Redis: never one per request.
 		if reservations > 150 {
 			t.Errorf("run %d: %v reservations for 300 requests", run, reservations)
+		}
+	}
+}
+
+// TestTwoCaddyProcesses_AViewBehindTheRegion is an audit's case: node A
+// meets a key alone (two requests, its answers showing no other
+// process), node B takes the key to its limit of 100 over the next 300
+// ms, and then a burst comes to A. A's view of the key was fresh for a
+// second, and A admitted 97 to 98 more before its own replay brought the
+// region's count back. In a region of several processes a view older than
+// two slow ticks is now read first: A admits nothing more, as one central
+// count would.
+func TestTwoCaddyProcesses_AViewBehindTheRegion(t *testing.T) {
+	srv := redisAndCaddy(t, "builds Caddy and runs two processes")
+	window, fits := testclock.FreshWindow(time.Now(), 30*time.Second, 120*time.Second, 2*nodeStartTimeout+20*time.Second)
+	if !fits {
+		t.Fatal("no window length in [30s, 120s] leaves room for the test")
+	}
+	site := keyedSite("behind", 100, window)
+	global := "\t\tredis " + srv.URL()
+	a, b := startNode(t, global, site), startNode(t, global, site)
+	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 32}, Timeout: 5 * time.Second}
+	for _, n := range []*node{a, b} {
+		redistest.Eventually(t, 10*time.Second, "each node counts both processes", func() bool {
+			return n.metric(t, "caddy_ratelimit_origin_processes", "") == 2
+		})
+	}
+	for run := range 3 {
+		key := fmt.Sprintf("behind-%d", run)
+		for range 2 { // 250 ms apart: the key grows up in A
+			if code := sendKey(client, a.url("/"), key); code != http.StatusOK {
+				t.Fatalf("run %d: A's request: status %d", run, code)
+			}
+			time.Sleep(250 * time.Millisecond) // the scenario's pace, not a wait for a condition
+		}
+		seen := time.Now()
+		pace := time.NewTicker(3 * time.Millisecond)
+		for i := range 98 {
+			<-pace.C
+			if code := sendKey(client, b.url("/"), key); code != http.StatusOK {
+				t.Fatalf("run %d: B's request %d: status %d below the limit", run, i, code)
+			}
+		}
+		pace.Stop()
+		redistest.Eventually(t, 5*time.Second, "B's units written to Redis", func() bool {
+			return b.metric(t, "caddy_ratelimit_replay_pending_cells", "") == 0
+		})
+		time.Sleep(time.Until(seen.Add(400 * time.Millisecond))) // A's view at least 400 ms old
+		var admitted atomic.Int64
+		var wg sync.WaitGroup
+		for range 8 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for range 5 {
+					if sendKey(client, a.url("/"), key) == http.StatusOK {
+						admitted.Add(1)
+					}
+				}
+			}()
+		}
+		wg.Wait()
+		if n := admitted.Load(); n != 0 {
+			t.Errorf("run %d: A admitted %d of a burst of 40 with the region at its limit of 100 (B's 98 written 300 ms after A's last answer)", run, n)
 		}
 	}
 }
