@@ -147,7 +147,14 @@ func (b *breaker) settings(name string, gen uint64, interval time.Duration, minR
 // closes an open breaker at once, made anew, when the round trip began
 // after it opened and came within its slow-call threshold (a Redis that
 // answers slowly opened the request path's breaker, and would at once
-// again). A breaker whose timeout passed is left to its own probe.
+// again). So does one whose timeout passed with no call to probe it (an
+// idle node): the breaker's recorded state says whether it is still open,
+// not gobreaker's State(), which moves such a breaker to half-open
+// ("probing", with nothing probing). Until 2026-11-29 the watch asked
+// State(), and after an outage longer than breaker_timeout left the
+// breaker half-open until the next request came
+// (TestBreaker_TheWatchClosesItAfterItsTimeoutPassed). One a call moved
+// to half-open is left to that call's probe.
 //
 // Nor one that Redis opened by refusing calls with a reply (READONLY from
 // a replica, NOPERM, MISCONF, scripts refused): the server answers the
@@ -170,8 +177,8 @@ func (b *breaker) answeredOutside(start time.Time, rtt time.Duration) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	old := b.cb.Load()
-	if old.State() != gobreaker.StateOpen {
-		return
+	if gobreaker.State(b.state.Load()) != gobreaker.StateOpen {
+		return // a call moved it to half-open meanwhile, or closed it
 	}
 	gen := b.gen.Add(1)
 	b.cb.Store(b.fresh(gen))

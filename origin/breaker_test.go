@@ -538,6 +538,50 @@ func TestBreaker_ClosesOnceTheRestartWatchHearsRedisAgain(t *testing.T) {
 	})
 }
 
+// TestBreaker_TheWatchClosesItAfterItsTimeoutPassed: on an idle node an
+// outage longer than breaker_timeout leaves the breakers open with their
+// timeout passed and no call to probe. The watch asked gobreaker for the
+// state before closing one, which moved it to half-open instead (and
+// logged "half-open: probing" with nothing probing): the request path's
+// breaker then showed half-open until the next request. The watch's
+// answer closes it, with no half-open between.
+func TestBreaker_TheWatchClosesItAfterItsTimeoutPassed(t *testing.T) {
+	srv := redistest.Start(t)
+	var states stateLog
+	timeout := 100 * time.Millisecond
+	cfg := Config{Redis: []string{srv.URL()}, Breaker: BreakerConfig{Timeout: Duration(timeout)}}
+	o := newOrigin(t, cfg, Options{NodeID: "idle", OnStateChange: states.hook})
+	k, seq := key("idle"), nowSeq()
+	o.WatchRestarts(20*time.Millisecond, func() {})
+	srv.Stop()
+	openBoth(t, o, k, seq)
+	ep := o.endpoints[0]
+	redistest.Eventually(t, 5*time.Second, "both breakers' timeout passed", func() bool {
+		last := max(ep.requests.openedAt.Load(), ep.replay.openedAt.Load())
+		return time.Since(time.Unix(0, last)) > 2*timeout
+	})
+	// Opening them took calls, which may have probed: only what comes
+	// after counts.
+	before := map[string]int{}
+	for _, name := range []string{BreakerName, ReplayBreakerName} {
+		before[name] = len(states.transitions(name))
+	}
+	srv.Restart()
+	// No call goes through either breaker: only the watch hears Redis.
+	redistest.Eventually(t, 5*time.Second, "both breakers closed", func() bool {
+		st := o.Stats().Endpoints[0]
+		return st.Breaker == BreakerClosed && st.ReplayBreaker == BreakerClosed
+	})
+	for _, name := range []string{BreakerName, ReplayBreakerName} {
+		redistest.Eventually(t, time.Second, name+"'s closing reported", func() bool {
+			return slices.Contains(states.transitions(name)[before[name]:], "open>closed")
+		})
+		if seen := states.transitions(name)[before[name]:]; !slices.Equal(seen, []string{"open>closed"}) {
+			t.Fatalf("%s once Redis was back, with no call: %v, want open>closed", name, seen)
+		}
+	}
+}
+
 // TestBreaker_ASlowAnswerOutsideItLeavesItOpen: the watch's answer closes
 // the request path's breaker only within its slow-call threshold (a
 // Redis answering slowly opened it, and would again at once), and only an
