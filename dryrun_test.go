@@ -9,12 +9,14 @@ import (
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 	logobserver "go.uber.org/zap/zaptest/observer"
+
+	"github.com/edgelimit/caddy-ratelimit/internal/redistest"
 )
 
 // TestHandler_DryRunLogsOncePerWindowAtInfo: each would-be denial is a debug
 // line, and the zone says so at info level once per window.
 func TestHandler_DryRunLogsOncePerWindowAtInfo(t *testing.T) {
-	useClock(t, 0)
+	clk := useClock(t, 0)
 	core, logs := logobserver.New(zapcore.DebugLevel)
 	h := &Handler{Zones: []*Zone{zoneOf("dry_log", 1, time.Hour)}, DryRun: true}
 	provisionTest(t, nil, h)
@@ -30,14 +32,17 @@ func TestHandler_DryRunLogsOncePerWindowAtInfo(t *testing.T) {
 	if f := debug[0].ContextMap(); f["zone"] != "dry_log" || f["identifier_truncated"] != "sk_liv…" {
 		t.Fatalf("debug fields %v", f)
 	}
-	// One line per real hour window; a test that straddles the hour sees two.
-	info := logs.FilterLevelExact(zapcore.InfoLevel).All()
-	var total int64
-	for _, e := range info {
-		total += e.ContextMap()["would_be_denied"].(int64)
+	// The window's line comes once it ended: here at the next window's
+	// first would-be denial.
+	if info := logs.FilterLevelExact(zapcore.InfoLevel).Len(); info != 0 {
+		t.Fatalf("%d info lines within the window, want none until it ended", info)
 	}
-	if len(info) < 1 || len(info) > 2 || total > 10 {
-		t.Fatalf("%d info lines reporting %d would-be denials", len(info), total)
+	clk.Advance(time.Hour)
+	wantStatus(t, serve(h, map[string]string{"dry_log": id}), 200)
+	wantStatus(t, serve(h, map[string]string{"dry_log": id}), 200)
+	info := logs.FilterLevelExact(zapcore.InfoLevel).All()
+	if len(info) != 1 || info[0].ContextMap()["would_be_denied"] != int64(10) {
+		t.Fatalf("info lines %v once the window ended, want one reporting 10", info)
 	}
 }
 
@@ -86,17 +91,57 @@ func TestHandler_DryRunLogsOncePerZoneAndWindowAcrossHandlers(t *testing.T) {
 	for range 3 { // three more in the same window
 		wantStatus(t, serve(reloaded, id), http.StatusOK)
 	}
-	if lines := logs.All(); len(lines) != 1 || lines[0].ContextMap()["would_be_denied"] != int64(1) {
-		t.Fatalf("within one window the zone logged %d lines (%v), want one reporting 1", len(lines), lines)
+	if lines := logs.All(); len(lines) != 0 {
+		t.Fatalf("within one window the zone logged %d lines (%v), want none until it ended", len(lines), lines)
 	}
 	clk.Advance(time.Hour)
 	wantStatus(t, serve(reloaded, id), http.StatusOK)
 	lines := logs.All()
-	if len(lines) != 2 {
-		t.Fatalf("after the window turned the zone logged %d lines, want 2", len(lines))
+	if len(lines) != 1 {
+		t.Fatalf("after the window turned the zone logged %d lines, want 1", len(lines))
 	}
-	if got := lines[1].ContextMap()["would_be_denied"]; got != int64(5) {
-		t.Fatalf("the next window's line reports %v would-be denials since the last line, want 5 (1 + 3 before the window turned, 1 after)", got)
+	if got := lines[0].ContextMap()["would_be_denied"]; got != int64(5) {
+		t.Fatalf("the ended window's line reports %v would-be denials, want 5 (2 through the first handler, 3 through the second)", got)
+	}
+}
+
+// TestHandler_DryRunLogsEachWindowsOwnNumber: each window's info line
+// gives that window's would-be denials, missing keys among them. The line
+// came at a window's first would-be denial with the number since the
+// previous line: a window of 2 would-be denials and a missing key logged
+// 1, the next window's line 3 (2 + 1), and the rest of the last window
+// went unreported, the lines' total short of decisions_total's. An idle
+// zone's last window is logged at its end.
+func TestHandler_DryRunLogsEachWindowsOwnNumber(t *testing.T) {
+	clk := useClock(t, 0)
+	core, logs := logobserver.New(zapcore.InfoLevel)
+	h := provisionTest(t, nil, &Handler{Zones: []*Zone{zoneOf("dry_own", 3, time.Minute)}, DryRun: true, OnMissingKey: "deny"})
+	h.logger = zap.New(core)
+	id := map[string]string{"dry_own": "k"}
+	for range 5 { // 2 would-be denials
+		wantStatus(t, serve(h, id), http.StatusOK)
+	}
+	wantStatus(t, serve(h, nil), http.StatusOK) // and a missing key
+	// The next window, near its end: its timer is due in 50 ms.
+	clk.Set(windowStart.Add(2*time.Minute - 50*time.Millisecond))
+	for range 8 { // 5 would-be denials
+		wantStatus(t, serve(h, id), http.StatusOK)
+	}
+	redistest.EventuallyShow(t, 5*time.Second, "the second window's line, at its end", func() (bool, string) {
+		return logs.Len() >= 2, fmt.Sprint(logs.All())
+	})
+	lines := logs.All()
+	if len(lines) != 2 {
+		t.Fatalf("%d lines for two windows (%v), want 2", len(lines), lines)
+	}
+	for i, want := range []struct {
+		n     int64
+		start time.Time
+	}{{3, windowStart}, {5, windowStart.Add(time.Minute)}} {
+		f := lines[i].ContextMap()
+		if start, _ := f["window_start"].(time.Time); f["would_be_denied"] != want.n || !start.Equal(want.start) {
+			t.Fatalf("line %d: %v, want would_be_denied %d for the window from %v", i, f, want.n, want.start)
+		}
 	}
 }
 

@@ -61,8 +61,15 @@ type evictionLog struct {
 	mu         sync.Mutex
 	last       time.Time // of the last warning; zero: none yet
 	keys, runs int64     // since it
-	// now is the clock (time.Now); tests set it.
-	now func() time.Time
+	// due logs them once the minute since the last warning passed, when
+	// no run comes then to log them (evictionsDue); nil: none pending.
+	// gen numbers the timers, so that one stopped too late logs nothing.
+	due *time.Timer
+	gen uint64
+	// now is the clock (time.Now), and after time.AfterFunc; tests set
+	// them.
+	now   func() time.Time
+	after func(time.Duration, func()) *time.Timer
 }
 
 // view returns the newest app's settings.
@@ -97,27 +104,70 @@ func (o *observer) firstDenial(d engine.Denial) {
 
 // evicted warns that the entry cap forced the engine to forget keys,
 // which in local-only mode forgets their counts: at the first eviction
-// run, then at the first run a minute or more after the last warning,
-// with what the runs between evicted.
+// run, then at most once a minute, with what the runs between evicted:
+// at the first run a minute or more after the last warning, or, when
+// none comes, once the minute passed (evictionsDue). Until 2026-11-29
+// only a run logged them, and the runs of the last minute before a flood
+// stopped went unreported (TestObserver_EvictionsWarnOnceAMinute).
 func (o *observer) evicted(n int) {
 	l := &o.evictions
 	l.mu.Lock()
-	now := time.Now
-	if l.now != nil {
-		now = l.now
-	}
-	t := now()
+	t := l.clock()
 	l.keys += int64(n)
 	l.runs++
-	if !l.last.IsZero() && t.Sub(l.last) < evictLogEvery && t.Sub(l.last) >= 0 {
+	if since := t.Sub(l.last); !l.last.IsZero() && since < evictLogEvery && since >= 0 {
+		if l.due == nil {
+			after := time.AfterFunc
+			if l.after != nil {
+				after = l.after
+			}
+			gen := l.gen
+			l.due = after(evictLogEvery-since, func() { o.evictionsDue(&gen) })
+		}
 		l.mu.Unlock()
 		return
 	}
-	keys, runs := l.keys, l.runs
-	l.last, l.keys, l.runs = t, 0, 0
+	keys, runs := l.take(t)
 	l.mu.Unlock()
 	o.view().logger.Warn("live entries reached the cap: evicted the coldest keys",
 		zap.Int("evicted", n), zap.Int64("evicted_since_last_line", keys), zap.Int64("runs_since_last_line", runs))
+}
+
+// evictionsDue logs the eviction runs since the last warning, if no run
+// logged them since: evicted's timer number *gen, or (nil) the state's
+// Destruct at the end. The line has no run of its own: evicted is 0.
+func (o *observer) evictionsDue(gen *uint64) {
+	l := &o.evictions
+	l.mu.Lock()
+	if l.runs == 0 || (gen != nil && *gen != l.gen) {
+		l.mu.Unlock()
+		return
+	}
+	keys, runs := l.take(l.clock())
+	l.mu.Unlock()
+	o.view().logger.Warn("live entries reached the cap: evicted the coldest keys",
+		zap.Int("evicted", 0), zap.Int64("evicted_since_last_line", keys), zap.Int64("runs_since_last_line", runs))
+}
+
+// clock reads the eviction log's clock; l.mu is held.
+func (l *evictionLog) clock() time.Time {
+	if l.now != nil {
+		return l.now()
+	}
+	return time.Now()
+}
+
+// take returns what the runs since the last warning evicted, and starts
+// counting afresh from a warning at t; l.mu is held.
+func (l *evictionLog) take(t time.Time) (keys, runs int64) {
+	keys, runs = l.keys, l.runs
+	l.last, l.keys, l.runs = t, 0, 0
+	l.gen++
+	if l.due != nil {
+		l.due.Stop()
+		l.due = nil
+	}
+	return keys, runs
 }
 
 // originOptions returns the hooks the regional origin must be created

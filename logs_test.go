@@ -5,6 +5,7 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strings"
 	"testing"
 	"testing/synctest"
@@ -370,5 +371,59 @@ func TestObserver_EvictionsWarnOnceAMinute(t *testing.T) {
 	f := lines[1].ContextMap()
 	if f["evicted"] != int64(7) || f["evicted_since_last_line"] != int64(49*100+7) || f["runs_since_last_line"] != int64(50) {
 		t.Fatalf("second warning %v, want evicted 7, evicted_since_last_line %d, runs_since_last_line 50", f, 49*100+7)
+	}
+}
+
+// TestObserver_EvictionsAfterTheLastLineAreLoggedOnceTheMinutePasses: the
+// runs after a warning were logged only by a run a minute or more after
+// it, so those of the last minute before a flood stopped were never
+// reported. A line comes once the minute passed (one timer, however many
+// runs), and none when a run logged them first.
+func TestObserver_EvictionsAfterTheLastLineAreLoggedOnceTheMinutePasses(t *testing.T) {
+	o := observer{apps: new(liveApps)}
+	app, logs := observedApp(zapcore.DebugLevel, identities{})
+	o.apps.provision(app)
+	clk := testclock.New(time.Unix(1_700_000_000, 0))
+	o.evictions.now = clk.Now
+	var armed []time.Duration
+	var due []func()
+	o.evictions.after = func(d time.Duration, f func()) *time.Timer {
+		armed, due = append(armed, d), append(due, f)
+		return time.AfterFunc(time.Hour, func() {})
+	}
+	const msg = "live entries reached the cap: evicted the coldest keys"
+	o.evicted(100) // the first run's line
+	for range 10 {
+		clk.Advance(time.Second)
+		o.evicted(30)
+	}
+	if n := logs.FilterMessage(msg).Len(); n != 1 {
+		t.Fatalf("%d warnings for 11 runs in 10 s, want 1", n)
+	}
+	if !slices.Equal(armed, []time.Duration{evictLogEvery - time.Second}) {
+		t.Fatalf("timers armed %v, want one for the minute's end", armed)
+	}
+	clk.Advance(evictLogEvery)
+	due[0]()
+	lines := logs.FilterMessage(msg).All()
+	if len(lines) != 2 {
+		t.Fatalf("%d warnings once the minute passed, want 2", len(lines))
+	}
+	if f := lines[1].ContextMap(); f["evicted"] != int64(0) || f["evicted_since_last_line"] != int64(300) || f["runs_since_last_line"] != int64(10) {
+		t.Fatalf("deferred warning %v, want evicted 0, evicted_since_last_line 300, runs_since_last_line 10", f)
+	}
+	// A run within the minute arms the next; a run after it logs, and the
+	// timer, late, logs nothing more.
+	clk.Advance(time.Second)
+	o.evicted(5)
+	clk.Advance(evictLogEvery)
+	o.evicted(6)
+	if len(due) != 2 {
+		t.Fatalf("%d timers armed, want 2", len(due))
+	}
+	due[1]()
+	lines = logs.FilterMessage(msg).All()
+	if len(lines) != 3 || lines[2].ContextMap()["evicted_since_last_line"] != int64(11) {
+		t.Fatalf("warnings %v, want a third reporting 11 and no more", lines)
 	}
 }

@@ -212,6 +212,13 @@ func (s *state) Destruct() error {
 	ctx, cancel := context.WithTimeout(context.Background(), closeTimeout)
 	defer cancel()
 	overrides.clock.drop(s.engine)
+	// The windows still counting, and the evictions since the last
+	// warning, are reported as they stand, and their timers stopped.
+	s.dryRuns.Range(func(_, d any) bool {
+		d.(*dryRunLog).close()
+		return true
+	})
+	s.obs.evictionsDue(nil)
 	if err := s.engine.Close(ctx); err != nil {
 		return fmt.Errorf("closing ratelimit engine: %w", err)
 	}
