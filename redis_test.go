@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"net/http"
 	"strconv"
@@ -540,4 +541,71 @@ func TestCaddy_AReloadThatFailsToStartWritesNoCountToItsRedis(t *testing.T) {
 	if len(keys) > 0 {
 		t.Fatalf("the failed config's Redis holds counts: %v", keys)
 	}
+}
+
+// TestCaddy_NoStrictKeysWithoutRedis: strict mode makes a decision refresh
+// from Redis first, so without Redis no key is in it. A key denied at its
+// limit with Redis kept its deadline through a reload without Redis, and
+// the status (strict_keys beside "origin": null), the strict_keys gauge,
+// /ratelimit/strict and the key's strict_until showed it until the
+// deadline, up to a window. The deadline is kept, hidden: a reload back to
+// Redis within it puts the key in strict mode again, since Redis still
+// holds the count it was denied at.
+func TestCaddy_NoStrictKeysWithoutRedis(t *testing.T) {
+	window, ok := testclock.FreshWindow(time.Now(), time.Minute, 2*time.Minute, 30*time.Second)
+	if !ok {
+		t.Fatal("no window length in [1m, 2m] leaves 30 s")
+	}
+	srv := redistest.Start(t)
+	t.Setenv("RATELIMIT_TEST_REDIS_URL", srv.URL())
+	admin, port := e2eAdminPort(t), redistest.MustFreePort(t)
+	base := fmt.Sprintf("http://127.0.0.1:%d/", port)
+	withRedis := redisConfig(admin, port, `	ratelimit {
+		redis {env.RATELIMIT_TEST_REDIS_URL}
+		prefix strictless
+	}`, window)
+	tester := caddytest.NewTester(t).WithDefaultOverrides(caddytest.Config{AdminPort: admin})
+	tester.InitServer(withRedis, "caddyfile")
+	if t.Failed() {
+		t.FailNow()
+	}
+	defer tester.InitServer(e2eConfig(admin, port, ""), "caddyfile") // unload: the next test starts without an engine
+	for range 5 {
+		get(t, tester, base, "X-Key", "erin").expect(t, 200, "ok")
+	}
+	get(t, tester, base, "X-Key", "erin").expect(t, 429, "")
+	strict := func(want int, when string) {
+		t.Helper()
+		var doc struct {
+			Origin json.RawMessage `json:"origin"`
+			Engine struct {
+				StrictKeys int `json:"strict_keys"`
+			} `json:"engine"`
+		}
+		adminDo(t, admin, "GET", "/ratelimit/status").decode(t, 200, &doc)
+		var listed struct {
+			Total int `json:"total"`
+		}
+		adminDo(t, admin, "GET", "/ratelimit/strict").decode(t, 200, &listed)
+		var key struct {
+			StrictUntil *time.Time `json:"strict_until"`
+		}
+		adminDo(t, admin, "GET", "/ratelimit/counters?zone=e2e_redis&identifier=erin").decode(t, 200, &key)
+		gauge := metricValue(t, admin, "caddy_ratelimit_strict_keys")
+		if doc.Engine.StrictKeys != want || listed.Total != want || gauge != float64(want) || (key.StrictUntil != nil) != (want == 1) {
+			t.Fatalf("%s (origin %s): status strict_keys %d, /ratelimit/strict total %d, gauge %v, strict_until %v; want %d",
+				when, doc.Origin, doc.Engine.StrictKeys, listed.Total, gauge, key.StrictUntil, want)
+		}
+	}
+	strict(1, "denied with Redis")
+	tester.InitServer(redisConfig(admin, port, "", window), "caddyfile")
+	if t.Failed() {
+		t.FailNow()
+	}
+	strict(0, "after a reload without Redis")
+	tester.InitServer(withRedis, "caddyfile")
+	if t.Failed() {
+		t.FailNow()
+	}
+	strict(1, "after a reload back to Redis within the deadline")
 }

@@ -96,7 +96,7 @@ func (e *Engine) inspect(z *Zone, id string, en *entry, now int64) (KeyState, bo
 		}
 	}
 	ks.Effective = curN + weighted(prevN, w, r)
-	if s := strictUntil(z, id, now); s > now {
+	if s := strictUntil(z, id, now); s > now && e.strictOn() {
 		ks.StrictUntil = time.UnixMilli(s)
 	}
 	return ks, true
@@ -219,10 +219,13 @@ type StrictKey struct {
 }
 
 // StrictKeys returns the keys whose strict deadline has not passed, sorted
-// by namespace, identifier and window.
+// by namespace, identifier and window; none without an origin (strictOn).
 func (e *Engine) StrictKeys() []StrictKey {
 	now := e.nowMs()
 	var out []StrictKey
+	if !e.strictOn() {
+		return out
+	}
 	e.rangeZones(func(z *Zone) bool {
 		z.strict.Range(func(id string, d *atomic.Int64) bool {
 			if u := d.Load(); u > now && !strictStale(z, u, now) {

@@ -122,6 +122,9 @@ func (e *Engine) Stats() Stats {
 func (e *Engine) strictCount() int64 {
 	now := e.nowMs()
 	var n int64
+	if !e.strictOn() {
+		return 0
+	}
 	e.rangeZones(func(z *Zone) bool {
 		z.strict.Range(func(_ string, d *atomic.Int64) bool {
 			if u := d.Load(); u > now && !strictStale(z, u, now) {

@@ -60,3 +60,14 @@ func strictUntil(z *Zone, id string, now int64) int64 {
 	}
 	return 0
 }
+
+// strictOn reports whether strict mode applies: only with an origin,
+// whose count a deadline makes a decision refresh from. A detached origin
+// (a reload without Redis) leaves the deadlines its denials set, and they
+// count again if one comes back before they pass: the denials were at
+// the region's count, which Redis still holds. Meanwhile no key is in
+// strict mode: until 2026-11-29 the status, the strict_keys gauge,
+// /ratelimit/strict and a key's strict_until showed them without an
+// origin, up to a window after the reload
+// (TestCaddy_NoStrictKeysWithoutRedis in the root package).
+func (e *Engine) strictOn() bool { return e.origin.Load() != nil }
