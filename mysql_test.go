@@ -385,7 +385,7 @@ func TestCaddy_TheLastNodeOfARegionPublishesAsItStops(t *testing.T) {
 	t.Setenv("RATELIMIT_TEST_LAST_REDIS", redistest.Start(t).URL())
 	tester, admin, base := startCaddy(t, func(admin, port int) string {
 		return caddyConfig(admin, port, `	ratelimit {
-		region test-last
+		region test-a
 		redis  {env.RATELIMIT_TEST_LAST_REDIS}
 		mysql  {env.RATELIMIT_TEST_MYSQL_DSN}
 		mysql_flush 20ms
