@@ -223,6 +223,9 @@ func (h *Handler) serve(w http.ResponseWriter, r *http.Request, lims []engine.Li
 	lims, zi, ownLimits, missing := h.limits(r, repl, lims, zi)
 	switch {
 	case missing >= 0 && !h.DryRun:
+		if decidedEarlier(r, repl) {
+			dropEarlierHeaders(w.Header())
+		}
 		h.setMissing(r, repl, missing, decisionDenied)
 		return false, h.zones[missing].missing
 	case len(lims) == 0 && missing >= 0:
@@ -237,6 +240,9 @@ func (h *Handler) serve(w http.ResponseWriter, r *http.Request, lims []engine.Li
 	allowed := h.decide(r, lims, decs)
 	h.countDecisions(decs, zi, allowed)
 	hdr := w.Header()
+	if decidedEarlier(r, repl) {
+		dropEarlierHeaders(hdr)
+	}
 	retry := int64(-1) // Retry-After in seconds, on a denial that can pass later
 	if !allowed && !h.DryRun {
 		if secs, ok := h.retryAfter(decs); ok {

@@ -60,6 +60,19 @@ var (
 	hdrRetryAfter   = http.CanonicalHeaderKey("Retry-After")
 )
 
+// dropEarlierHeaders removes the rate limit headers an earlier directive
+// wrote on the request (see decidedEarlier): the response's headers are
+// the last decision's, whatever its header mode. Each directive set only
+// its own mode's, so a second directive's 429 carried the first's
+// RateLimit (98 units left) beside its own X-RateLimit-Remaining: 0 until
+// 2026-11-29 (TestCaddy_HeadersSpeakOfTheLastDirective). An earlier
+// decision admitted the request, so it wrote no Retry-After.
+func dropEarlierHeaders(hdr http.Header) {
+	for _, k := range [...]string{hdrPolicy, hdrRateLimit, hdrLegacyLimit, hdrLegacyRemain, hdrLegacyReset} {
+		delete(hdr, k)
+	}
+}
+
 // writeHeaders sets the configured rate limit headers for the decided
 // zones, and Retry-After when retry (seconds) is not negative, whatever
 // the header mode. Every dynamic value is appended to one buffer, made as

@@ -170,6 +170,17 @@ func decidedBefore(r *http.Request, repl *caddy.Replacer) bool {
 	return false
 }
 
+// decidedEarlier reports whether a directive decided r before, as
+// decidedBefore does, without recording anything.
+func decidedEarlier(r *http.Request, repl *caddy.Replacer) bool {
+	if vars, ok := r.Context().Value(caddyhttp.VarsCtxKey).(map[string]any); ok {
+		_, earlier := vars[decidedVar]
+		return earlier
+	}
+	_, earlier := repl.Get(outcomeKeys[0])
+	return earlier
+}
+
 // outcome is the outcome of a request decided against lims; k as for
 // setOutcome.
 func (h *Handler) outcome(decision string, lims []engine.Limit, decs []engine.Decision, zi []int, k int) outcome {

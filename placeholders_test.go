@@ -282,3 +282,95 @@ func TestCaddy_PlaceholdersSpeakOfTheLastDirective(t *testing.T) {
 	get(t, tester, base+"/two", "X-Key", "k").expect(t, 429, "denied e2e_ph_strict 0",
 		"RateLimit", `"e2e_ph_strict";r=0;t=45`)
 }
+
+// TestCaddy_HeadersSpeakOfTheLastDirective: two directives on one request
+// in different header modes, the second denying. Each set only its own
+// mode's headers, so the second's 429 carried the first's RateLimit (98
+// units left) beside its own X-RateLimit-Remaining: 0, and the other way
+// round the first's X-RateLimit-* beside the second's RateLimit (an
+// audit). The response's headers are the last decision's; a second
+// directive's missing key, a 429 without rate limit headers, drops the
+// first's too.
+func TestCaddy_HeadersSpeakOfTheLastDirective(t *testing.T) {
+	useClock(t, 15*time.Second)
+	routes := `
+	route /draft-then-legacy {
+		ratelimit {
+			zone e2e_hd_first {
+				key    {http.request.header.X-Key}
+				limit  100
+				window 1m
+			}
+		}
+		ratelimit {
+			zone e2e_hd_second {
+				key    {http.request.header.X-Key}
+				limit  1
+				window 1m
+			}
+			headers legacy
+		}
+		respond "ok"
+	}
+	route /legacy-then-draft {
+		ratelimit {
+			zone e2e_hd_third {
+				key    {http.request.header.X-Key}
+				limit  100
+				window 1m
+			}
+			headers legacy
+		}
+		ratelimit {
+			zone e2e_hd_fourth {
+				key    {http.request.header.X-Key}
+				limit  1
+				window 1m
+			}
+		}
+		respond "ok"
+	}
+	route /then-missing {
+		ratelimit {
+			zone e2e_hd_fifth {
+				key    {http.request.header.X-Key}
+				limit  100
+				window 1m
+			}
+			headers both
+		}
+		ratelimit {
+			zone e2e_hd_sixth {
+				key    {http.request.header.X-Other}
+				limit  1
+				window 1m
+			}
+			on_missing_key deny
+		}
+		respond "ok"
+	}`
+	tester, _, base := startCaddy(t, func(admin, port int) string { return e2eConfig(admin, port, routes) })
+	none := func(r e2eResponse, path string, names ...string) {
+		t.Helper()
+		for _, n := range names {
+			if v := r.header.Values(n); len(v) != 0 {
+				t.Errorf("%s: %d %s: %q, an earlier directive's", path, r.status, n, v)
+			}
+		}
+	}
+	get(t, tester, base+"/draft-then-legacy", "X-Key", "k").expect(t, 200, "ok", "X-RateLimit-Remaining", "0")
+	r := get(t, tester, base+"/draft-then-legacy", "X-Key", "k")
+	r.expect(t, 429, "", "X-RateLimit-Remaining", "0")
+	none(r, "/draft-then-legacy", "RateLimit", "RateLimit-Policy")
+
+	get(t, tester, base+"/legacy-then-draft", "X-Key", "k").expect(t, 200, "ok", "RateLimit", `"e2e_hd_fourth";r=0;t=45`)
+	r = get(t, tester, base+"/legacy-then-draft", "X-Key", "k")
+	r.expect(t, 429, "", "RateLimit", `"e2e_hd_fourth";r=0;t=45`)
+	none(r, "/legacy-then-draft", "X-RateLimit-Limit", "X-RateLimit-Remaining", "X-RateLimit-Reset")
+
+	r = get(t, tester, base+"/then-missing", "X-Key", "k")
+	if r.status != 429 {
+		t.Fatalf("/then-missing: status %d, want the missing key's 429", r.status)
+	}
+	none(r, "/then-missing", "RateLimit", "RateLimit-Policy", "X-RateLimit-Limit", "X-RateLimit-Remaining", "X-RateLimit-Reset")
+}
