@@ -304,15 +304,32 @@ func validatePlaceholderName(name string) string {
 		return ""
 	case !isToken(field):
 		return fmt.Sprintf("whose header name %q is no HTTP field name (RFC 9110: letters, digits and !#$%%&'*+-.^_`|~), which no request has", field)
+	case isMovedHeader(field):
+		// Until 2026-11-29 {header.Host} was accepted, and every client
+		// shared the count of the empty key (an audit;
+		// `go test -run 'Golden/err_key_header_host' .`).
+		return fmt.Sprintf("of the header %q, which Go's HTTP server takes out of the request's header fields", field)
 	}
 	return ""
 }
 
+// isMovedHeader says whether Go's HTTP server takes the header field out
+// of a request's header map (Host into Request.Host; Transfer-Encoding and
+// Trailer into the body's framing), so that a placeholder of it is empty.
+func isMovedHeader(field string) bool {
+	return strings.EqualFold(field, "Host") || strings.EqualFold(field, "Transfer-Encoding") || strings.EqualFold(field, "Trailer")
+}
+
 // writeHeader is the advice after validatePlaceholderName's reason: the
-// placeholder to write, for a header of no name.
+// placeholder to write, for a header of no name or the Host header.
 func writeHeader(name string) string {
 	if name == "http.request.header" || name == "header" {
 		return "; write {http.request.header.NAME}"
+	}
+	for _, p := range []string{"http.request.header.", "header."} {
+		if f, ok := strings.CutPrefix(name, p); ok && strings.EqualFold(f, "Host") {
+			return "; write {http.request.host} (the host without the port) or {http.request.hostport}"
+		}
 	}
 	return ""
 }
