@@ -88,7 +88,10 @@ type Origin interface {
 	// of the previous cell (seq − 1), with Mine the record of incarnation
 	// inc; it registers inc in the cell (see Totals.Shared). The engine
 	// calls it with a deadline in ctx (the read timeout) and never on a
-	// denial. An error that refused the call without sending it (an open
+	// denial, and it must return by that deadline: a decision that waits
+	// for a read runs it on its own goroutine (a goroutine of its own for
+	// every read cost a cold decision about 15 % of its CPU), so a Read
+	// that outlives its ctx holds the request. An error that refused the call without sending it (an open
 	// breaker) says so with a method Refused() bool (see refused): the
 	// decision waited for nothing, and no read is counted.
 	Read(ctx context.Context, key Key, seq int64, inc uint32) (Totals, error)

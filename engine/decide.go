@@ -87,7 +87,7 @@ func (e *Engine) decideLocated(ctx context.Context, d *Decision, l *Limit, o Ori
 	defer dl.stop()
 	for i := 0; ; i++ {
 		if f := e.converge(o, &lc, l, now, false); f != nil {
-			e.waitRead(ctx, &dl, f)
+			e.waitRead(ctx, &dl, &lc, f)
 		}
 		// The key's entry let go (forgotten, evicted) while this request
 		// waited for a read or a reservation: its units were written, or

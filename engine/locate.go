@@ -24,6 +24,9 @@ type located struct {
 	// behind records that converge let the decision pass on a view behind
 	// the region (see Engine.behind): its units replay on the fast tick.
 	behind bool
+	// started is a read of the cell this decision started and runs (see
+	// Engine.waitRead), nil once it has.
+	started *flight
 }
 
 func (lc *located) key() Key { return lc.zone.key(lc.id) }

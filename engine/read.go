@@ -157,6 +157,13 @@ type flight struct {
 	// refused is set, before done is closed, when the origin refused the
 	// read without sending it (see refused).
 	refused bool
+	// What the read reads, for the decision that started it and runs it
+	// (see startRead).
+	o   Origin
+	z   *Zone
+	key Key
+	en  *entry
+	c   *cell
 }
 
 // refused reports whether err says the origin refused a call without
@@ -168,14 +175,50 @@ func refused(err error) bool {
 
 // waitRead waits for f within dl, counting a decision that waited for a
 // read (syncReads: one the origin refused at once waited for nothing) and
-// one that ran out of time.
-func (e *Engine) waitRead(ctx context.Context, dl *deadline, f *flight) {
+// one that ran out of time. A read lc's decision started (lc.started) it
+// runs itself, on its own goroutine, within dl: a goroutine of its own
+// for every synchronous read, and the timer a decision waited for it
+// with, cost a cold decision's CPU (BenchmarkColdDecide).
+func (e *Engine) waitRead(ctx context.Context, dl *deadline, lc *located, f *flight) {
+	if lc.started == f {
+		lc.started = nil
+		dl.start(e)
+		if e.runRead(f, dl.at) {
+			e.stats.readWaitTimeouts.Add(1)
+		}
+		if !f.refused {
+			e.stats.syncReads.Add(1)
+		}
+		return
+	}
 	if !dl.wait(ctx, e, f.done) {
 		e.stats.readWaitTimeouts.Add(1)
 		e.stats.syncReads.Add(1)
 	} else if !f.refused {
 		e.stats.syncReads.Add(1)
 	}
+}
+
+// launch runs the read lc's decision started on a goroutine of its own,
+// for a batch that waits for several at once.
+func (e *Engine) launch(lc *located, f *flight) {
+	if lc.started != f {
+		return
+	}
+	lc.started = nil
+	go e.runRead(f, time.Now().Add(e.readTimeoutD()))
+}
+
+// runRead performs the read f, started by startRead, by deadline, and
+// ends it for every decision waiting: it reports whether the deadline
+// passed before the origin answered.
+func (e *Engine) runRead(f *flight, deadline time.Time) (late bool) {
+	defer func() {
+		e.flights.Delete(f.c)
+		close(f.done)
+	}()
+	f.refused, late = e.readCell(f.o, f.z, f.key, f.en, f.c, deadline)
+	return late
 }
 
 // deadline is one decision's budget for the origin: one read timeout from
@@ -388,16 +431,19 @@ func (e *Engine) convergeAll(ctx context.Context, o Origin, lcs []located, ls []
 			continue
 		}
 		if f := e.converge(o, &lcs[i], &ls[i], now, denied); f != nil {
+			e.launch(&lcs[i], f)
 			fs = append(fs, f)
 		}
 	}
+	var none located
 	for _, f := range fs {
-		e.waitRead(ctx, dl, f)
+		e.waitRead(ctx, dl, &none, f)
 	}
 }
 
 // syncRead returns the read of lc's cell that a decision waits for,
-// starting one or joining the one in flight.
+// starting one (lc.started: the decision runs it, see waitRead) or
+// joining the one in flight.
 func (e *Engine) syncRead(o Origin, lc *located) *flight {
 	f, started := e.startRead(o, lc, true)
 	if f != nil && !started {
@@ -408,7 +454,8 @@ func (e *Engine) syncRead(o Origin, lc *located) *flight {
 
 // startRead returns the read in flight for lc's cell, starting one if
 // there is none. It reports whether this call started it. A background
-// caller over budget gets nil.
+// caller over budget gets nil. A read a decision waits for (wait) is
+// left to it to run (lc.started); a background one runs on its own.
 func (e *Engine) startRead(o Origin, lc *located, wait bool) (*flight, bool) {
 	if f, ok := e.flights.Load(lc.cur); ok {
 		return f, false
@@ -430,35 +477,36 @@ func (e *Engine) startRead(o Origin, lc *located, wait bool) (*flight, bool) {
 		}
 		return f, false
 	}
-	z, key, en, c := lc.zone, lc.key(), lc.en, lc.cur
+	f.o, f.z, f.key, f.en, f.c = o, lc.zone, lc.key(), lc.en, lc.cur
+	if wait {
+		lc.started = f
+		return f, true
+	}
 	go func() {
-		var notSent bool
-		defer func() {
-			e.flights.Delete(c)
-			f.refused = notSent
-			close(f.done)
-			if !wait {
-				e.bgReads.Add(-1)
-			}
-		}()
-		notSent = e.readCell(o, z, key, en, c)
+		defer e.bgReads.Add(-1)
+		e.runRead(f, time.Now().Add(e.readTimeoutD()))
 	}()
 	return f, true
 }
 
-// readCell performs one origin read of c and the cell before it and merges
-// the totals. It reports whether the origin refused the read without
-// sending it (see refused), which counts as no read, failed or not.
-func (e *Engine) readCell(o Origin, z *Zone, key Key, en *entry, c *cell) (notSent bool) {
+// readCell performs one origin read of c and the cell before it, by
+// deadline, and merges the totals. It reports whether the origin refused
+// the read without sending it (see refused), which counts as no read,
+// failed or not, and whether the deadline passed first.
+func (e *Engine) readCell(o Origin, z *Zone, key Key, en *entry, c *cell, deadline time.Time) (notSent, late bool) {
 	// A forget of the key writing its units: the origin lacks them until
 	// it is done.
-	e.forgets.wait(key, e.readTimeoutD())
-	ctx, cancel := context.WithTimeout(context.Background(), e.readTimeoutD())
+	e.forgets.wait(key, time.Until(deadline))
+	if !time.Now().Before(deadline) {
+		return true, true // the time went to the forget: no read was sent
+	}
+	ctx, cancel := context.WithDeadline(context.Background(), deadline)
 	defer cancel()
 	start := e.nowMs()
 	t, err := o.Read(ctx, key, c.seq(), c.incarnation())
 	now := e.nowMs()
 	if err != nil {
+		late = ctx.Err() != nil
 		notSent = refused(err)
 		if !notSent {
 			e.stats.readErrors.Add(1)
@@ -467,7 +515,7 @@ func (e *Engine) readCell(o Origin, z *Zone, key Key, en *entry, c *cell) (notSe
 		if x := c.links(); x != nil && c.state()&stRead == 0 {
 			x.fresh.Store(now + e.coldReadRetry())
 		}
-		return notSent
+		return notSent, late
 	}
 	e.stats.reads.Add(1)
 	e.stats.lastRead.Store(now)
@@ -475,7 +523,7 @@ func (e *Engine) readCell(o Origin, z *Zone, key Key, en *entry, c *cell) (notSe
 	// Freshness counts from when the read was sent: the origin's answer is
 	// at least that recent.
 	e.merge(z, en, c, t, start, key, true)
-	return false
+	return false, false
 }
 
 // merge brings the origin's totals t of c (and of the cell before it) into
