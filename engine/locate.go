@@ -27,6 +27,9 @@ type located struct {
 	// started is a read of the cell this decision started and runs (see
 	// Engine.waitRead), nil once it has.
 	started *flight
+	// noGrow: a read this decision starts does not grow the cell up (see
+	// Engine.converge).
+	noGrow bool
 }
 
 func (lc *located) key() Key { return lc.zone.key(lc.id) }
