@@ -127,14 +127,21 @@ func (c *regionConn) Lease(_ context.Context, ttl time.Duration) (string, error)
 	return roleCall(c, func(int64) (string, int64, int64) {
 		s := &c.r.role
 		now := c.r.now()
-		processed := int64(2)
+		// The script (origin's leaseScript) with the region and database
+		// guards a node always names: EVALSHA and three GETs (the
+		// region's guard, the database's, the lease), and when it holds
+		// the lease, its PEXPIRE or SET and both guards' SETs. The model
+		// counted the EVALSHA, one GET and one write, and an idle region
+		// of four nodes sent Redis 361 commands a second in the model
+		// against 412 (an audit).
+		processed := int64(4)
 		switch {
 		case s.holder == c.node && s.until > now:
 			s.until = now + ttl.Milliseconds()
-			processed++
+			processed += 3
 		case s.holder == "" || s.until <= now:
 			s.holder, s.until = c.node, now+ttl.Milliseconds()
-			processed++
+			processed += 3
 		}
 		return s.holder, 1, processed
 	})
