@@ -223,8 +223,8 @@ func (h *Handler) serve(w http.ResponseWriter, r *http.Request, lims []engine.Li
 	lims, zi, ownLimits, missing := h.limits(r, repl, lims, zi)
 	switch {
 	case missing >= 0 && !h.DryRun:
-		if decidedEarlier(r, repl) {
-			dropEarlierHeaders(w.Header())
+		if hdr := w.Header(); earlierHeaders(hdr, r, repl) {
+			dropEarlierHeaders(hdr)
 		}
 		h.setMissing(r, repl, missing, decisionDenied)
 		return false, h.zones[missing].missing
@@ -240,7 +240,7 @@ func (h *Handler) serve(w http.ResponseWriter, r *http.Request, lims []engine.Li
 	allowed := h.decide(r, lims, decs)
 	h.countDecisions(decs, zi, allowed)
 	hdr := w.Header()
-	if decidedEarlier(r, repl) {
+	if earlierHeaders(hdr, r, repl) {
 		dropEarlierHeaders(hdr)
 	}
 	retry := int64(-1) // Retry-After in seconds, on a denial that can pass later

@@ -4,6 +4,7 @@ package ratelimit
 // legacy X-RateLimit-* fields, and Retry-After on a denial.
 
 import (
+	"github.com/caddyserver/caddy/v2"
 	"math/rand/v2"
 	"net/http"
 	"strconv"
@@ -71,6 +72,14 @@ func dropEarlierHeaders(hdr http.Header) {
 	for _, k := range [...]string{hdrPolicy, hdrRateLimit, hdrLegacyLimit, hdrLegacyRemain, hdrLegacyReset} {
 		delete(hdr, k)
 	}
+}
+
+// earlierHeaders reports whether an earlier directive on r wrote rate
+// limit headers to hdr: it wrote RateLimit or X-RateLimit-Limit, whatever
+// its mode but off. A first decision finds neither and asks r nothing
+// (its context is many values deep).
+func earlierHeaders(hdr http.Header, r *http.Request, repl *caddy.Replacer) bool {
+	return (hdr[hdrRateLimit] != nil || hdr[hdrLegacyLimit] != nil) && decidedEarlier(r, repl)
 }
 
 // writeHeaders sets the configured rate limit headers for the decided

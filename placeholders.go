@@ -159,26 +159,29 @@ const decidedVar = "\x00ratelimit decided"
 // server) is still asked through its replacer.
 func decidedBefore(r *http.Request, repl *caddy.Replacer) bool {
 	vars, ok := r.Context().Value(caddyhttp.VarsCtxKey).(map[string]any)
-	if !ok {
-		_, earlier := repl.Get(outcomeKeys[0])
+	if earlier := decidedIn(vars, ok, repl); earlier || !ok {
 		return earlier
-	}
-	if _, earlier := vars[decidedVar]; earlier {
-		return true
 	}
 	vars[decidedVar] = true
 	return false
 }
 
+// decidedIn is decidedBefore's answer from the request's variables (ok:
+// it has them) or, without them, its replacer; it records nothing.
+func decidedIn(vars map[string]any, ok bool, repl *caddy.Replacer) bool {
+	if !ok {
+		_, earlier := repl.Get(outcomeKeys[0])
+		return earlier
+	}
+	_, earlier := vars[decidedVar]
+	return earlier
+}
+
 // decidedEarlier reports whether a directive decided r before, as
 // decidedBefore does, without recording anything.
 func decidedEarlier(r *http.Request, repl *caddy.Replacer) bool {
-	if vars, ok := r.Context().Value(caddyhttp.VarsCtxKey).(map[string]any); ok {
-		_, earlier := vars[decidedVar]
-		return earlier
-	}
-	_, earlier := repl.Get(outcomeKeys[0])
-	return earlier
+	vars, ok := r.Context().Value(caddyhttp.VarsCtxKey).(map[string]any)
+	return decidedIn(vars, ok, repl)
 }
 
 // outcome is the outcome of a request decided against lims; k as for

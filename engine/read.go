@@ -192,6 +192,11 @@ func (e *Engine) waitRead(ctx context.Context, dl *deadline, lc *located, f *fli
 		}
 		return
 	}
+	e.waitFor(ctx, dl, f)
+}
+
+// waitFor waits for another's read f within dl, counting as waitRead does.
+func (e *Engine) waitFor(ctx context.Context, dl *deadline, f *flight) {
 	if !dl.wait(ctx, e, f.done) {
 		e.stats.readWaitTimeouts.Add(1)
 		e.stats.syncReads.Add(1)
@@ -446,9 +451,8 @@ func (e *Engine) convergeAll(ctx context.Context, o Origin, lcs []located, ls []
 			fs = append(fs, f)
 		}
 	}
-	var none located
 	for _, f := range fs {
-		e.waitRead(ctx, dl, &none, f)
+		e.waitFor(ctx, dl, f)
 	}
 }
 
