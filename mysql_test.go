@@ -404,7 +404,15 @@ func TestCaddy_TheLastNodeOfARegionPublishesAsItStops(t *testing.T) {
 	}`)
 	})
 	redistest.Eventually(t, 20*time.Second, "the layer ready", func() bool {
-		return metricValue(t, admin, "caddy_ratelimit_propagation_ready") == 1
+		return metricValue(t, admin, "caddy_ratelimit_propagation_ready") == 1 &&
+			metricValue(t, admin, "caddy_ratelimit_propagation_role_held") == 1
+	})
+	// The role's first flush publishes every registered cell (takeRole):
+	// from a flush that ended after the role was seen held, only hot
+	// cells are published.
+	held := float64(time.Now().Add(50*time.Millisecond).UnixMilli()) / 1000
+	redistest.Eventually(t, 10*time.Second, "a flush of the role after it was taken", func() bool {
+		return metricValue(t, admin, "caddy_ratelimit_propagation_last_pull_timestamp_seconds") >= held
 	})
 	const sent = 30 // above publish_floor (20), below half the limit
 	for range sent {
@@ -420,6 +428,13 @@ func TestCaddy_TheLastNodeOfARegionPublishesAsItStops(t *testing.T) {
 			t.Fatalf("status %d below the limit", resp.StatusCode)
 		}
 	}
+	// The units in the region's Redis first. In one clean-clone run of
+	// three the node published nothing at its stop, before this wait and
+	// the one for the role's first flush; the cause is not pinned down
+	// (the closing note of 2026-11-29): 0 failures in 24 runs since.
+	redistest.Eventually(t, 10*time.Second, "the units replayed to Redis", func() bool {
+		return metricValue(t, admin, "caddy_ratelimit_replay_pending_cells") == 0
+	})
 	db := mysqltest.Open(t, dsn)
 	published := func() int64 {
 		var n int64

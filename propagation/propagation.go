@@ -111,14 +111,18 @@ type Engine interface {
 // Propagator is the cross-region layer of one config. It implements
 // engine.Global: attach it with engine.SetGlobal after Start.
 type Propagator struct {
-	cfg    Config
-	eng    Engine
-	store  Store
-	region Region // nil: the process is its own region
-	log    *zap.Logger
-	addr   string
-	now    func() time.Time
-	cb     *gobreaker.CircuitBreaker[struct{}]
+	// flushing serialises FlushOnce: the stop's FlushAll runs while the
+	// loops still may, and a flush of the loop could take the region's
+	// registrations between FlushAll's look at them and its publish.
+	flushing sync.Mutex
+	cfg      Config
+	eng      Engine
+	store    Store
+	region   Region // nil: the process is its own region
+	log      *zap.Logger
+	addr     string
+	now      func() time.Time
+	cb       *gobreaker.CircuitBreaker[struct{}]
 	// cbState is the state cb last entered, for Stats: gobreaker's State()
 	// moves an open breaker whose timeout passed to half-open, so a status
 	// or a metrics scrape read that way turned it half-open (and logged

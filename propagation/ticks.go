@@ -20,6 +20,8 @@ import (
 // in both tables (or a table whole when due), and hands the imports on:
 // to the region's Redis, or to its own engine.
 func (p *Propagator) FlushOnce(ctx context.Context) {
+	p.flushing.Lock()
+	defer p.flushing.Unlock()
 	p.handDue()
 	if p.region != nil {
 		p.putDenials(ctx)
