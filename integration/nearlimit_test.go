@@ -81,7 +81,12 @@ func TestTwoCaddyProcesses_ExactNearASmallLimit(t *testing.T) {
 	}
 	windowEnd := time.UnixMilli((time.Now().UnixMilli()/window.Milliseconds() + 1) * window.Milliseconds())
 	site := keyedSite("small", 100, window)
-	global := "\t\tredis " + srv.URL()
+	// The scenario is the decisions of a Redis that answers: a read or a
+	// reservation that times out (50 ms by default) or is slow (20 ms)
+	// decides locally by design, which on a machine loaded by other tests
+	// (a clean clone's CI run once admitted 104 with 6 decisions at Redis)
+	// measures the machine. Generous bounds keep every call answered.
+	global := "\t\tredis " + srv.URL() + "\n\t\tread_timeout 2s\n\t\tbreaker_slow_call 2s"
 	nodes := []*node{startNode(t, global, site), startNode(t, global, site)}
 	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 4}, Timeout: 5 * time.Second}
 	for _, n := range nodes {
@@ -121,11 +126,12 @@ func TestTwoCaddyProcesses_ExactNearASmallLimit(t *testing.T) {
 			}
 			reservations += n.metric(t, "caddy_ratelimit_reservations_total", "") - resBefore[i]
 		}
-		t.Logf("run %d: %d of 300 admitted at a limit of 100; %v decisions made at Redis (errors %v), %v slow calls, breakers open %v",
-			run, admitted, reservations,
+		// Since the nodes started, not this run's alone.
+		calls := fmt.Sprintf("errors %v, %v slow calls, breakers open %v",
 			nodes[0].metric(t, "caddy_ratelimit_reservations_total", `result="error"`)+nodes[1].metric(t, "caddy_ratelimit_reservations_total", `result="error"`),
 			nodes[0].metric(t, "caddy_ratelimit_origin_slow_calls_total", "")+nodes[1].metric(t, "caddy_ratelimit_origin_slow_calls_total", ""),
 			nodes[0].metric(t, "caddy_ratelimit_origin_breaker_state", `state="open"`)+nodes[1].metric(t, "caddy_ratelimit_origin_breaker_state", `state="open"`))
+		t.Logf("run %d: %d of 300 admitted at a limit of 100; %v decisions made at Redis (%s)", run, admitted, reservations, calls)
 		if admitted > 102 {
 			for i, n := range nodes {
 				if resp, err := http.Get(fmt.Sprintf("http://localhost:%d/ratelimit/status", n.admin)); err == nil {
@@ -147,7 +153,7 @@ func TestTwoCaddyProcesses_ExactNearASmallLimit(t *testing.T) {
 			}
 		}
 		if admitted > 102 || admitted < 95 {
-			t.Errorf("run %d: admitted %d at a limit of 100, want 95–102", run, admitted)
+			t.Errorf("run %d: admitted %d at a limit of 100, want 95–102 (%v decisions at Redis; %s)", run, admitted, reservations, calls)
 		}
 		// The last tenth and the denials that a stale view let through to
 		// Redis: never one per request.
