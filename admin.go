@@ -117,7 +117,7 @@ func (a *AdminAPI) handleStatus(w http.ResponseWriter, r *http.Request) error {
 	}
 	doc.set("identifiers", ids)
 	doc.set("zones", st.zones.statuses())
-	s := st.engine.Stats()
+	s := engineStatsOf(st)
 	doc.set("engine", engineStats.section(&s))
 	for _, k := range backendKinds {
 		doc.set(k.name, k.status(st))

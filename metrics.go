@@ -220,7 +220,7 @@ func (*engineCollector) Collect(ch chan<- prometheus.Metric) {
 	if st == nil {
 		return
 	}
-	s := st.engine.Stats()
+	s := engineStatsOf(st)
 	engineStats.collect(ch, &s, nil)
 }
 

@@ -609,3 +609,63 @@ func TestCaddy_NoStrictKeysWithoutRedis(t *testing.T) {
 	}
 	strict(1, "after a reload back to Redis within the deadline")
 }
+
+// TestStrictKeys_CountsWhatTheListingLists: a reload that changes a
+// zone's window leaves the old window's strict deadlines until they pass,
+// which /ratelimit/strict does not list (no loaded config defines the
+// zone with that window); the status's strict_keys and the gauge, which
+// the README says count the keys as the listing lists them, counted them
+// (an audit of 2026-11-29: 50 against a listing of 1).
+func TestStrictKeys_CountsWhatTheListingLists(t *testing.T) {
+	window, ok := testclock.FreshWindow(time.Now(), time.Minute, 2*time.Minute, 30*time.Second)
+	if !ok {
+		t.Fatal("no window length in [1m, 2m] leaves 30 s")
+	}
+	srv := redistest.Start(t)
+	t.Setenv("RATELIMIT_TEST_REDIS_URL", srv.URL())
+	admin, port := e2eAdminPort(t), redistest.MustFreePort(t)
+	base := fmt.Sprintf("http://127.0.0.1:%d/", port)
+	global := `	ratelimit {
+		redis {env.RATELIMIT_TEST_REDIS_URL}
+		prefix strictwindows
+	}`
+	tester := caddytest.NewTester(t).WithDefaultOverrides(caddytest.Config{AdminPort: admin})
+	tester.InitServer(redisConfig(admin, port, global, window), "caddyfile")
+	if t.Failed() {
+		t.FailNow()
+	}
+	defer tester.InitServer(e2eConfig(admin, port, ""), "caddyfile") // unload: the next test starts without an engine
+	for range 5 {
+		get(t, tester, base, "X-Key", "frank").expect(t, 200, "ok")
+	}
+	get(t, tester, base, "X-Key", "frank").expect(t, 429, "")
+	strict := func(want int, when string) {
+		t.Helper()
+		var doc struct {
+			Engine struct {
+				StrictKeys int `json:"strict_keys"`
+			} `json:"engine"`
+		}
+		adminDo(t, admin, "GET", "/ratelimit/status").decode(t, 200, &doc)
+		var listed struct {
+			Total int `json:"total"`
+		}
+		adminDo(t, admin, "GET", "/ratelimit/strict").decode(t, 200, &listed)
+		gauge := metricValue(t, admin, "caddy_ratelimit_strict_keys")
+		if doc.Engine.StrictKeys != want || listed.Total != want || gauge != float64(want) {
+			t.Fatalf("%s: status strict_keys %d, /ratelimit/strict total %d, gauge %v; want %d",
+				when, doc.Engine.StrictKeys, listed.Total, gauge, want)
+		}
+	}
+	strict(1, "denied")
+	tester.InitServer(redisConfig(admin, port, global, 2*window), "caddyfile")
+	if t.Failed() {
+		t.FailNow()
+	}
+	strict(0, "after a reload that doubled the zone's window")
+	tester.InitServer(redisConfig(admin, port, global, window), "caddyfile")
+	if t.Failed() {
+		t.FailNow()
+	}
+	strict(1, "after a reload back to the window, within the deadline")
+}

@@ -386,6 +386,18 @@ func (e *Engine) Evict() int {
 				// held them: it holds the tombstone now.
 				e.buryCells(z, en, cells)
 			}
+			// Its strict deadline goes with it: a deadline is a live
+			// key's, and the deadlines stay within the entries, so the
+			// cap on them (markStrict) binds only when every key is in
+			// strict mode. Kept, a zone of a long window held the cap
+			// with the deadlines of keys evicted long before (a 30-day
+			// signup limit: a month of them), and a key denied in any
+			// other zone got no strict mode (an audit of 2026-11-29:
+			// TestEvict_TakesTheKeysStrictDeadline). The key's next
+			// request reads the origin first, as strict mode would, but
+			// for a limit far above its cost (see unread), which then
+			// passes the share a key met afresh passes.
+			e.dropStrict(z, id)
 			if class == threshold {
 				atThreshold--
 			}

@@ -119,13 +119,21 @@ func (e *Engine) Stats() Stats {
 // the strict_keys gauge stood above /ratelimit/strict until the
 // janitor's next pass, up to 10 s). It walks the keys in strict mode, few beside the
 // entries, once a scrape or status call.
-func (e *Engine) strictCount() int64 {
+func (e *Engine) strictCount() int64 { return e.StrictCountIn(nil) }
+
+// StrictCountIn is strictCount of the zones in accepts by namespace and
+// window (every zone when in is nil): a caller that knows which zones a
+// loaded config defines counts the keys of those alone, as it lists them.
+func (e *Engine) StrictCountIn(in func(namespace string, window time.Duration) bool) int64 {
 	now := e.nowMs()
 	var n int64
 	if !e.strictOn() {
 		return 0
 	}
 	e.rangeZones(func(z *Zone) bool {
+		if in != nil && !in(z.name, z.window) {
+			return true
+		}
 		z.strict.Range(func(_ string, d *atomic.Int64) bool {
 			if u := d.Load(); u > now && !strictStale(z, u, now) {
 				n++

@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -110,5 +111,55 @@ func TestStrict_ADeadlineFromAClockAheadLapsesWhenTheClockComesBack(t *testing.T
 	}
 	if ks, _ := e.Inspect(k.Key); !ks.StrictUntil.IsZero() {
 		t.Fatalf("strict until %v, an hour ahead of the clock", ks.StrictUntil)
+	}
+}
+
+// TestEvict_TakesTheKeysStrictDeadline: an audit's case (2026-11-29).
+// Strict deadlines are capped at MaxEntries, and a zone of a long window
+// (a signup limit of 1 per 30 days) holds its deadlines for a month:
+// once its denied keys filled the cap, evicting them kept their deadlines,
+// and a key denied at its limit in any other zone got no strict mode,
+// silently, for as long as the month lasted. The deadlines go with the
+// keys an eviction takes, so the cap binds only when every key is in
+// strict mode.
+func TestEvict_TakesTheKeysStrictDeadline(t *testing.T) {
+	e, clk, _ := withOrigin(t, Config{MaxEntries: 100})
+	for i := range 100 {
+		l := lim(fmt.Sprintf("ip%d", i), 30*24*time.Hour, 1, 1)
+		l.Key.Namespace = "signup"
+		e.Decide(bg, l)
+		if e.Decide(bg, l).Allowed { // denied at the limit: strict for 30 days
+			t.Fatalf("signup %d: a second request admitted at a limit of 1", i)
+		}
+	}
+	if n := len(e.StrictKeys()); n != 100 {
+		t.Fatalf("%d keys in strict mode after 100 denials; want 100", n)
+	}
+	clk.Advance(10 * time.Minute)
+	api := lim("key-alice", time.Minute, 10, 1)
+	api.Key.Namespace = "api"
+	for range 5 { // heavier than any signup key: an eviction takes those first
+		e.Decide(bg, api)
+	}
+	if n := e.Evict(); n == 0 { // as the janitor does when an insert passes the cap
+		t.Fatal("nothing evicted past the cap")
+	}
+	if n, live := len(e.StrictKeys()), e.Stats().Entries; int64(n) > live {
+		t.Errorf("%d keys in strict mode beside %d entries: an evicted key kept its deadline", n, live)
+	}
+	for range 6 {
+		e.Decide(bg, api) // the sixth is denied
+	}
+	if ks, _ := e.Inspect(api.Key); ks.StrictUntil.IsZero() {
+		t.Errorf("a key denied at its limit in a one-minute zone is in no strict mode: the 30-day zone's %d deadlines hold the cap", len(e.StrictKeys()))
+	}
+	// An evicted signup key comes back denied: its read brings the count.
+	back := lim("ip0", 30*24*time.Hour, 1, 1)
+	back.Key.Namespace = "signup"
+	for i := range 100 {
+		back.Key.Identifier = fmt.Sprintf("ip%d", i)
+		if e.Decide(bg, back).Allowed {
+			t.Fatalf("signup ip%d admitted again after its eviction", i)
+		}
 	}
 }
