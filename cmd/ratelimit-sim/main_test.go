@@ -93,6 +93,8 @@ func TestRun_RejectsWhatItCannotMean(t *testing.T) {
 		{"foo -regions 3", []string{`unexpected argument "foo"`}},
 		{"-regions 3 foo", []string{`unexpected argument "foo"`}},
 		{"-table nope", []string{`-table "nope"`, "want one of"}},
+		{"-table=", []string{`-table ""`, "want one of"}},
+		{"-table= -regions 2", []string{`-table ""`, "want one of"}},
 		{"-table regions -regions 3 -nodes 2", []string{"-table regions", "-nodes, -regions would not apply"}},
 		{"-table bars -minutes 1", []string{"-table bars", "-minutes would not apply"}},
 		{"-table failure -scenario even", []string{"-table failure", "-scenario would not apply"}},
