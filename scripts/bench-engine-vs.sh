@@ -40,8 +40,16 @@ head_name=$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- "$PKG" || echo
 
 for i in $(seq "$ROUNDS"); do
 	for side in ref head; do
+		# A benchmark that fails, or a BENCH that matches none of PKG's
+		# benchmarks on one side, ended the script with no word (grep found
+		# no line under pipefail); say which.
+		name=$head_name
+		[ "$side" = ref ] && name=$ref_name
 		"$tmp/$side.test" -test.run '^$' -test.bench "$BENCH" -test.benchmem \
-			-test.benchtime "$BENCHTIME" -test.count 1 | grep '^Benchmark' | sed "s/^/$side /" >>"$tmp/all.txt"
+			-test.benchtime "$BENCHTIME" -test.count 1 >"$tmp/out.txt" 2>&1 ||
+			{ cat "$tmp/out.txt" >&2; echo "bench-engine-vs: the benchmarks of $PKG failed on $name" >&2; exit 1; }
+		grep '^Benchmark' "$tmp/out.txt" | sed "s/^/$side /" >>"$tmp/all.txt" ||
+			{ echo "bench-engine-vs: no benchmark of $PKG matches BENCH='$BENCH' on $name" >&2; exit 1; }
 	done
 	echo "round $i of $ROUNDS done" >&2
 done
