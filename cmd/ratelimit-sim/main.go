@@ -98,6 +98,10 @@ func parse(args []string, stderr io.Writer) (options, error) {
 		return o, bad("hot", fmt.Sprintf("more hot keys than -keys %d", c.Keys))
 	case !slices.Contains(sim.Scenarios, sim.Scenario(scenario)):
 		return o, fmt.Errorf("-scenario %q: want one of %v", scenario, sim.Scenarios)
+	case sim.Scenario(scenario) == sim.Partition && c.Regions < 2:
+		// The cut-off region is one of the others: with one region there
+		// is none, and the run was a skewed one under partition's name.
+		return o, fmt.Errorf("-scenario partition cuts one region off from the others: want at least 2 -regions, not %d", c.Regions)
 	case c.Limit < 1:
 		return o, bad("limit", "want a positive limit")
 	case c.Window < time.Millisecond:

@@ -65,6 +65,7 @@ func TestRun_RejectsWhatItCannotMean(t *testing.T) {
 		{"-minutes 0.5", []string{"-minutes 0.5", "shorter than -window 1m0s"}},
 		{"-scenario sideways", []string{`-scenario "sideways"`, "want one of"}},
 		{"-scenario=", []string{`-scenario ""`, "want one of"}},
+		{"-scenario partition -regions 1", []string{"-scenario partition", "at least 2 -regions"}},
 		{"-limit 0", []string{"-limit 0", "positive limit"}},
 		{"-limit -1", []string{"-limit -1", "positive limit"}},
 		{"-window 0", []string{"-window 0s", "at least 1ms"}},
