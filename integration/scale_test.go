@@ -28,7 +28,8 @@ const (
 	scaleSync  = time.Second
 )
 
-func scaleSizes(env string, def []int) []int {
+func scaleSizes(t *testing.T, env string, def []int) []int {
+	t.Helper()
 	v := os.Getenv(env)
 	if v == "" {
 		return def
@@ -37,7 +38,7 @@ func scaleSizes(env string, def []int) []int {
 	for _, f := range strings.Split(v, ",") {
 		n, err := strconv.Atoi(strings.TrimSpace(f))
 		if err != nil || n < 1 {
-			panic(fmt.Sprintf("%s=%q: want a comma list of positive numbers", env, v))
+			t.Fatalf("%s=%q: want a comma list of positive numbers", env, v)
 		}
 		out = append(out, n)
 	}
@@ -173,8 +174,8 @@ func TestScale_Regions(t *testing.T) {
 	var b, cmp strings.Builder
 	b.WriteString(scaleHeader)
 	cmp.WriteString(compareHeader)
-	for _, regions := range scaleSizes("SCALE_REGIONS", []int{2, 3}) {
-		for _, nodes := range scaleSizes("SCALE_NODES", []int{1, 2, 4}) {
+	for _, regions := range scaleSizes(t, "SCALE_REGIONS", []int{2, 3}) {
+		for _, nodes := range scaleSizes(t, "SCALE_NODES", []int{1, 2, 4}) {
 			t.Run(fmt.Sprintf("%dx%d", regions, nodes), func(t *testing.T) {
 				c := startCluster(t, clusterSpec{regions: regions, nodes: nodes, limit: limit, window: pickWindow(3 * time.Minute),
 					replica: true, flush: scaleFlush, globalSync: scaleSync, blocklistSync: scaleSync})
@@ -225,7 +226,7 @@ func TestScale_SteadyRegion(t *testing.T) {
 	var b strings.Builder
 	b.WriteString("| nodes | statements/s: real · simulated | rows read/s: real · simulated |\n| --- | --- | --- |\n")
 	var first float64
-	for _, n := range scaleSizes("SCALE_NODES", []int{1, 2, 4}) {
+	for _, n := range scaleSizes(t, "SCALE_NODES", []int{1, 2, 4}) {
 		s, r := mysqlLoad(t, n, keys, d)
 		res, err := sim.Run(sim.HarnessSteady(n))
 		if err != nil {

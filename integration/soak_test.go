@@ -23,14 +23,15 @@ const (
 	soakFlush, soakGlobal, soakBlocklist = time.Second, 5 * time.Second, 10 * time.Second
 )
 
-func soakMinutes() int {
+func soakMinutes(t *testing.T) int {
+	t.Helper()
 	s := os.Getenv("SOAK_MINUTES")
 	if s == "" {
 		return 4
 	}
 	v, err := strconv.Atoi(strings.TrimSpace(s))
 	if err != nil || v < 1 {
-		panic(fmt.Sprintf("SOAK_MINUTES=%q: want a positive whole number of minutes", s))
+		t.Fatalf("SOAK_MINUTES=%q: want a positive whole number of minutes", s)
 	}
 	return v
 }
@@ -49,7 +50,7 @@ func TestSoak_EvenTraffic(t *testing.T) {
 	rate := 2 * limit / 60 // twice the limit per one-minute window
 
 	// Read before any server starts: a bad SOAK_MINUTES stops here.
-	dur := time.Duration(soakMinutes()) * time.Minute
+	dur := time.Duration(soakMinutes(t)) * time.Minute
 	c := soakCluster(t, 2, 2, limit)
 	key := freshKey("soak-even")
 	nodes := c.all()
