@@ -132,6 +132,19 @@ func TestRun_PrintsOneRunTheSameEveryTime(t *testing.T) {
 	}
 }
 
+// TestRun_NoHotKeysMeasureNoWindow: a run without hot keys measures no
+// window of a hot key, so its admitted / limit columns say so ("–")
+// rather than 0.000, which read as nothing admitted.
+func TestRun_NoHotKeysMeasureNoWindow(t *testing.T) {
+	var stdout, stderr strings.Builder
+	if code := run(strings.Fields("-regions 1 -nodes 1 -keys 5 -hot -1 -background 2 -minutes 1"), &stdout, &stderr); code != 0 {
+		t.Fatalf("exit %d: %s", code, stderr.String())
+	}
+	if !strings.Contains(stdout.String(), "\n| – | – | ") {
+		t.Fatalf("want the accuracy row to begin \"| – | – |\":\n%s", stdout.String())
+	}
+}
+
 // TestRun_ExitStatus: help is not an error; an unknown flag, an invalid
 // config and an unknown table exit 2 with a message on stderr.
 func TestRun_ExitStatus(t *testing.T) {

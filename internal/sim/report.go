@@ -210,7 +210,13 @@ func (r *Result) Print(w io.Writer) {
 	fmt.Fprintln(w)
 	fmt.Fprintln(w, "| admitted / limit per window: max | median | false allows | false denies | first denial → its count in every region: p50 / p99 | units uncounted / unpublished |")
 	fmt.Fprintln(w, "| ---: | ---: | ---: | ---: | ---: | ---: |")
-	fmt.Fprintf(w, "| %.3f | %.3f | %s | %s | %s | %d / %d |\n\n", r.WindowMax(), r.WindowMedian(),
+	// A run without hot keys (-hot -1) measures no window: its max and
+	// median were printed 0.000, as if nothing had been admitted.
+	wmax, wmed := "–", "–"
+	if len(r.Windows) > 0 {
+		wmax, wmed = fmt.Sprintf("%.3f", r.WindowMax()), fmt.Sprintf("%.3f", r.WindowMedian())
+	}
+	fmt.Fprintf(w, "| %s | %s | %s | %s | %s | %d / %d |\n\n", wmax, wmed,
 		pct(r.FalseAllows, r.Decisions), pct(r.FalseDenies, r.Decisions), r.BurstText(), r.Uncounted, r.Unpublished)
 	fmt.Fprintln(w, "| region | requests/s | Redis calls/request (request path + replay, role, INFO) | Redis calls/s | MySQL statements/s (primary + replica) | rows read/s (primary + replica) | rows written/s |")
 	fmt.Fprintln(w, "| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
