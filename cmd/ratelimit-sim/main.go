@@ -104,6 +104,10 @@ func parse(args []string, stderr io.Writer) (options, error) {
 		return o, fmt.Errorf("-scenario partition cuts one region off from the others: want at least 2 -regions, not %d", c.Regions)
 	case c.Limit < 1:
 		return o, bad("limit", "want a positive limit")
+	case c.Limit > 1<<53-1:
+		// The directive's bound, the largest count a JSON or Lua number
+		// holds exactly: the models of Redis count as its scripts do.
+		return o, bad("limit", "want at most 9007199254740991 (2^53−1), as the directive")
 	case c.Window < time.Millisecond:
 		return o, bad("window", "want at least 1ms")
 	case !(minutes > 0) || minutes > maxMinutes:
