@@ -12,13 +12,16 @@ import (
 // Proxy is a TCP proxy in front of a server that delays every reply: a
 // slow Redis, as a saturated or far-away one looks to its clients. Cut
 // makes it a black hole until Restore: a server behind a partition.
+// SetLatency makes it a long wire instead (a MySQL far from a region).
 type Proxy struct {
 	ln    net.Listener
 	delay atomic.Int64 // nanoseconds
-	wg    sync.WaitGroup
-	mu    sync.Mutex
-	conns []net.Conn
-	sent  atomic.Int64 // chunks the clients sent
+	// latency is the one-way time of the wire (SetLatency), nanoseconds.
+	latency atomic.Int64
+	wg      sync.WaitGroup
+	mu      sync.Mutex
+	conns   []net.Conn
+	sent    atomic.Int64 // chunks the clients sent
 	// upstream is where new connections go (SetUpstream).
 	upstream atomic.Pointer[string]
 	// cut is closed by Restore; nil while the path is whole. dropped are
@@ -75,8 +78,65 @@ func (p *Proxy) join(c net.Conn) {
 	p.conns = append(p.conns, u)
 	p.mu.Unlock()
 	p.wg.Add(2)
+	if lat := time.Duration(p.latency.Load()); lat > 0 {
+		go func() { defer p.wg.Done(); p.late(u, c, countingReader{c, &p.sent}, lat); u.Close() }()
+		go func() { defer p.wg.Done(); p.late(c, c, u, lat); c.Close() }()
+		return
+	}
 	go func() { defer p.wg.Done(); p.copy(u, c, countingReader{c, &p.sent}, nil); u.Close() }()
 	go func() { defer p.wg.Done(); p.copy(c, c, u, &p.delay); c.Close() }()
+}
+
+// late forwards src to dst, each chunk lat after it was read, as a wire
+// of that length carries it: the chunks behind it are not held longer
+// (copy's delay holds each in turn, which a reply of several chunks pays
+// several times). A cut swallows what is due while it lasts.
+func (p *Proxy) late(dst io.Writer, client net.Conn, src io.Reader, lat time.Duration) {
+	type chunk struct {
+		b   []byte
+		due time.Time
+	}
+	wire := make(chan chunk, 4096)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		failed := false
+		for c := range wire {
+			time.Sleep(time.Until(c.due))
+			if !failed && !p.pass(client) {
+				continue
+			}
+			if !failed {
+				_, err := dst.Write(c.b)
+				failed = err != nil // keep draining: the reader must not block
+			}
+		}
+	}()
+	buf := make([]byte, 64<<10)
+	for {
+		n, err := src.Read(buf)
+		if n > 0 {
+			wire <- chunk{b: append([]byte(nil), buf[:n]...), due: time.Now().Add(lat)}
+		}
+		if err != nil {
+			break
+		}
+	}
+	close(wire)
+	<-done
+}
+
+// pass reports whether a chunk of client's connection may go through
+// now; while the path is cut it may not, and client is marked for
+// Restore to close.
+func (p *Proxy) pass(client net.Conn) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.cut != nil {
+		p.dropped[client] = true
+		return false
+	}
+	return true
 }
 
 // copy forwards src to dst, holding each chunk for delay (nil: none); a
@@ -157,6 +217,12 @@ func (p *Proxy) Sent() int64 { return p.sent.Load() }
 
 // SetDelay changes the delay of later replies.
 func (p *Proxy) SetDelay(d time.Duration) { p.delay.Store(int64(d)) }
+
+// SetLatency makes the connections made from now on a wire of lat each
+// way (a round trip of 2 × lat), in place of the replies' delay: a
+// server far away, whose clients' calls overlap on it as they do on a
+// long link.
+func (p *Proxy) SetLatency(lat time.Duration) { p.latency.Store(int64(lat)) }
 
 // SetUpstream sends the connections made from now on to upstream
 // (host:port); those made before stay with the server they reach, as

@@ -71,3 +71,46 @@ func TestProxy_CutSwallowsCallsUntilRestored(t *testing.T) {
 		t.Fatalf("after the restore: %v", err)
 	}
 }
+
+// TestProxy_LatencyIsAWireEachWay: with a latency of 40 ms each way a call
+// takes one round trip of 80 ms, and a pipeline of many commands (a reply
+// of several chunks) still one, not one a chunk.
+func TestProxy_LatencyIsAWireEachWay(t *testing.T) {
+	s := Start(t)
+	p := StartDelayProxy(t, s.Addr(), 0)
+	p.SetLatency(40 * time.Millisecond)
+	opt, err := redis.ParseURL(p.URL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := redis.NewClient(opt)
+	defer c.Close()
+	ctx := context.Background()
+	if err := c.Set(ctx, "big", make([]byte, 256<<10), 0).Err(); err != nil {
+		t.Fatal(err)
+	}
+	t0 := time.Now()
+	if err := c.Ping(ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	if el := time.Since(t0); el < 80*time.Millisecond || el > 150*time.Millisecond {
+		t.Fatalf("a call over a wire of 40 ms each way took %s, want about 80 ms", el)
+	}
+	// The first pipeline grows the buffers on the way (about 250 ms
+	// here, against 90 after): the second is timed.
+	var el time.Duration
+	for range 2 {
+		t0 = time.Now()
+		pipe := c.Pipeline()
+		for range 8 {
+			pipe.Get(ctx, "big")
+		}
+		if _, err := pipe.Exec(ctx); err != nil {
+			t.Fatal(err)
+		}
+		el = time.Since(t0)
+	}
+	if el > 200*time.Millisecond {
+		t.Fatalf("a pipeline of 2 MB over a wire of 40 ms each way took %s, want about one round trip", el)
+	}
+}
