@@ -93,6 +93,14 @@ func (p *Pair) NewDatabase(t testing.TB) (primaryDSN, replicaDSN string) {
 // primary's binary log but applies nothing, as a lagging replica.
 func (p *Pair) StopApplying(t testing.TB) { t.Helper(); p.exec(t, "STOP SLAVE SQL_THREAD") }
 
+// SetDelay holds the replica d behind the primary (MASTER_DELAY, whole
+// seconds): it applies each transaction once d has passed since the
+// primary wrote it, as a replica far away or busy keeps its lag.
+func (p *Pair) SetDelay(t testing.TB, d time.Duration) {
+	t.Helper()
+	p.exec(t, "STOP SLAVE", fmt.Sprintf("CHANGE MASTER TO MASTER_DELAY=%d", int(d/time.Second)), "START SLAVE")
+}
+
 // StartApplying starts the replica's SQL thread again.
 func (p *Pair) StartApplying(t testing.TB) { t.Helper(); p.exec(t, "START SLAVE SQL_THREAD") }
 

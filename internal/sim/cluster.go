@@ -88,7 +88,7 @@ func (s *sim) build() error {
 			ToPrimary: simmodel.Link{Latency: jittered(rtt(i, c.Regions, c.LocalRTT, c.CrossRTT))},
 			Replica:   i > 0 && !c.NoReplicas,
 			Local:     simmodel.Link{Latency: jittered(float64(c.LocalRTT) / float64(time.Millisecond))},
-			Lag:       simmodel.Dist{Median: float64(c.ReplicaLag.Milliseconds()), P99: 3 * float64(c.ReplicaLag.Milliseconds())},
+			Lag:       simmodel.Dist{Median: float64(c.ReplicaLag.Milliseconds()), P99: float64(c.ReplicaLagP99.Milliseconds())},
 		}
 		for _, f := range c.faults() {
 			span := simmodel.Span{From: s.base + f.At.Milliseconds(), To: s.base + (f.At + f.For).Milliseconds()}

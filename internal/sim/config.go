@@ -91,11 +91,12 @@ type Config struct {
 	// RedisLoss the share of calls lost.
 	RedisRTT  simmodel.Dist
 	RedisLoss float64
-	// ReplicaLag is the replicas' median lag (their 99th percentile is
-	// three times it). NoReplicas sends every region's reads to the
-	// primary.
-	ReplicaLag time.Duration
-	NoReplicas bool
+	// ReplicaLag is the replicas' median lag, ReplicaLagP99 their 99th
+	// percentile (zero: three times the median; the median itself: every
+	// replica that far behind, as one held by MASTER_DELAY). NoReplicas
+	// sends every region's reads to the primary.
+	ReplicaLag, ReplicaLagP99 time.Duration
+	NoReplicas                bool
 
 	// Flush, GlobalSync, BlocklistSync, PublishFloor, Batch and
 	// MinWindow are the cross-region layer's settings (mysql_flush, …,
@@ -195,6 +196,7 @@ func (c Config) Defaults() Config {
 		c.RedisRTT = simmodel.Dist{Median: 0.5, P99: 2}
 	}
 	set(&c.ReplicaLag, time.Second)
+	set(&c.ReplicaLagP99, 3*c.ReplicaLag)
 	d := propagation.Config{}.WithDefaults()
 	set(&c.Flush, d.Flush)
 	set(&c.GlobalSync, d.GlobalSync)
@@ -224,6 +226,8 @@ func (c Config) Validate() error {
 		return fmt.Errorf("load %g, background %g: want finite rates, the load not negative", c.Load, c.Background)
 	case c.CrossRTT < 0 || c.LocalRTT < 0 || c.ReplicaLag < 0:
 		return fmt.Errorf("cross-region round trip %s, local %s, replica lag %s: want none negative", c.CrossRTT, c.LocalRTT, c.ReplicaLag)
+	case c.ReplicaLagP99 < c.ReplicaLag:
+		return fmt.Errorf("replica lag's 99th percentile %s below its median %s", c.ReplicaLagP99, c.ReplicaLag)
 	case !(c.RedisLoss >= 0 && c.RedisLoss <= 1):
 		return fmt.Errorf("redis loss %g: want a probability from 0 to 1", c.RedisLoss)
 	}

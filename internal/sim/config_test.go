@@ -48,6 +48,7 @@ func TestConfig_ValidateNamesWhatIsWrong(t *testing.T) {
 		{func(c *Config) { c.Background = math.Inf(1) }, "background"},
 		{func(c *Config) { c.CrossRTT = -time.Second }, "round trip"},
 		{func(c *Config) { c.ReplicaLag = -time.Second }, "replica lag"},
+		{func(c *Config) { c.ReplicaLagP99 = time.Millisecond }, "99th percentile"},
 		{func(c *Config) { c.RedisLoss = 1.5 }, "redis loss"},
 		{func(c *Config) { c.RedisLoss = -0.1 }, "redis loss"},
 		{func(c *Config) { c.Scenario = "sideways" }, "scenario"},

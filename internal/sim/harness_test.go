@@ -3,6 +3,7 @@ package sim
 import (
 	"fmt"
 	"math"
+	"slices"
 	"testing"
 	"time"
 
@@ -190,5 +191,44 @@ func TestMinWindow_ShorterWindowsStayInTheirRegion(t *testing.T) {
 		if len(res.Windows) != 6 || res.Windows[0] < tc.lo || res.WindowMax() > tc.hi {
 			t.Errorf("min_window %s: admitted / limit per window %.3f, want six in [%.2f, %.2f]", res.Config.MinWindow, res.Windows, tc.lo, tc.hi)
 		}
+	}
+}
+
+// TestHarnessTrace_ByKeyAndRegion: a trace's keys have their units by
+// region (summing to what was admitted) and their travel times, and a
+// replica held 2 s behind (its 99th percentile the median: MASTER_DELAY)
+// makes the burst's count reach the region reading it about 2 s later
+// than the primary does.
+func TestHarnessTrace_ByKeyAndRegion(t *testing.T) {
+	var reqs []Request
+	for i := range 200 { // a burst at region 0: twice the limit in a second
+		reqs = append(reqs, Request{At: HarnessStart + time.Duration(i)*5*time.Millisecond, Key: "burst", Region: 0})
+	}
+	for i := range 80 { // the same key at region 1, 20 a second
+		reqs = append(reqs, Request{At: HarnessStart + time.Duration(i)*50*time.Millisecond, Key: "burst", Region: 1})
+	}
+	slices.SortStableFunc(reqs, func(a, b Request) int { return int(a.At - b.At) })
+	travel := map[bool]int64{}
+	for _, replica := range []bool{false, true} {
+		c := HarnessTrace(2, 1, 100, time.Hour, harnessFlush, harnessSync, 5*time.Second, reqs, 1)
+		if replica {
+			c.NoReplicas, c.ReplicaLag, c.ReplicaLagP99 = false, 2*time.Second, 2*time.Second
+		}
+		res, err := Run(c)
+		if err != nil {
+			t.Fatal(err)
+		}
+		by := res.KeyAdmitted["burst"]
+		if len(by) != 2 || by[0]+by[1] != res.Admitted || by[0] != res.Regions[0].Admitted {
+			t.Fatalf("units by region %v, admitted %d (region 0: %d)", by, res.Admitted, res.Regions[0].Admitted)
+		}
+		ls := res.KeyLatencies["burst"]
+		if len(ls) != 1 || !slices.Equal(ls, res.Latencies) {
+			t.Fatalf("the key's travel times %v, the run's %v", ls, res.Latencies)
+		}
+		travel[replica] = ls[0]
+	}
+	if d := travel[true] - travel[false]; d < 1500 || d > 2500 {
+		t.Errorf("a count's travel: %d ms through a replica 2 s behind, %d ms from the primary", travel[true], travel[false])
 	}
 }

@@ -70,13 +70,16 @@ type measure struct {
 	regional                                     map[regKey]int64
 	armed                                        map[winKey]*armed
 	latencies                                    []int64
+	keyLatencies                                 map[string][]int64
+	keyAdmitted                                  map[int32][]int64
 	uncounted, unpublished                       int64
 	hotIndex                                     map[string]int32
 }
 
 func newMeasure(ks *keyspace, limit int64, w time.Duration, regions int) *measure {
 	m := &measure{ks: ks, limit: limit, w: w.Milliseconds(), regions: regions, refs: map[int32]*ref{},
-		admitted: map[winKey]int64{}, regional: map[regKey]int64{}, armed: map[winKey]*armed{}, hotIndex: map[string]int32{}}
+		admitted: map[winKey]int64{}, regional: map[regKey]int64{}, armed: map[winKey]*armed{}, hotIndex: map[string]int32{},
+		keyLatencies: map[string][]int64{}, keyAdmitted: map[int32][]int64{}}
 	for i := range ks.hot {
 		m.hotIndex[ks.name(int32(i))] = int32(i)
 	}
@@ -182,6 +185,10 @@ func (m *measure) record(req request, allowed bool, arm func(k winKey, region in
 	if allowed {
 		m.admitted[k]++
 		m.regional[regKey{k.key, k.seq, req.region}]++
+		if m.keyAdmitted[req.key] == nil {
+			m.keyAdmitted[req.key] = make([]int64, m.regions)
+		}
+		m.keyAdmitted[req.key][req.region]++
 	} else if m.armed[k] == nil {
 		a := &armed{at: req.at, target: m.refs[req.key].cur, pending: make([]bool, m.regions)}
 		for r := range m.regions {
@@ -215,6 +222,7 @@ func (m *measure) view(region int, id simmodel.CellID, cur simmodel.Hash, at int
 		a.pending[region] = false
 		a.left--
 		m.latencies = append(m.latencies, max(at-a.at, 0))
+		m.keyLatencies[id.Key.Identifier] = append(m.keyLatencies[id.Key.Identifier], max(at-a.at, 0))
 	}
 }
 

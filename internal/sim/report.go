@@ -30,6 +30,12 @@ type Result struct {
 	// there in the run.
 	Latencies []int64
 	Unreached int
+	// KeyLatencies are the same by key, in the order the views got
+	// there.
+	KeyLatencies map[string][]int64
+	// KeyAdmitted are the units each hot key's windows admitted, by
+	// region.
+	KeyAdmitted map[string][]int64
 	// Uncounted are units admitted that their region's Redis did not
 	// count; Unpublished units a region counted in a cell it registered
 	// that MySQL did not hold when the cell stopped weighing (hot keys).
@@ -69,6 +75,11 @@ func (s *sim) result() *Result {
 	res.InOrder = s.m.windows(s.base/w, s.end/w, c.Requests != nil)
 	res.Windows = slices.Sorted(slices.Values(res.InOrder))
 	res.Latencies = slices.Clone(s.m.latencies)
+	res.KeyLatencies = s.m.keyLatencies
+	res.KeyAdmitted = map[string][]int64{}
+	for k, by := range s.m.keyAdmitted {
+		res.KeyAdmitted[s.ks.name(k)] = by
+	}
 	slices.Sort(res.Latencies)
 	res.Total.Name = "total"
 	for i, r := range s.regions {
