@@ -251,14 +251,14 @@ func TestSimulator_ReplicaHeldBehindAgrees(t *testing.T) {
 		cfg.ReplicaLag = lag
 	})
 	t.Logf("with the lag drawn (p99 %s): region 1 admitted %.1f a key, travel p50 %s", 3*lag, drawn.beside[1], medianDur(drawn.lat[1]))
-	// The slack, from twelve runs on a 2-core machine beside other work
-	// (2026-11-29; five replayed on seed 1 alone, seven on eight seeds):
+	// The slack, from fourteen runs on a 2-core machine beside other work
+	// (2026-11-29; five replayed on seed 1 alone, nine on eight seeds):
 	// the second region admitted 48.7–52.3 units a key real against
 	// 50.8–51.2 simulated (at most 2.3 apart; with the lag drawn as the
 	// tables draw it, 54.8), the median key 1.49–1.53 against
 	// 1.508–1.510, the worst 1.51–1.59 against 1.529–1.536. The travel
 	// is to the count of the first denial, which comes with a flush after
-	// the one that stopped the second region: real 1.87–2.06 s at p50
+	// the one that stopped the second region: real 1.87–2.09 s at p50
 	// against 2.00–2.10 s, but in one run 2.73 s, three of six keys 2.9
 	// s (MariaDB holds an event until its binary log's timestamp, whole
 	// seconds, plus the delay: a count a second later now and then, which
@@ -309,17 +309,17 @@ func TestSimulator_DistantMySQLAgrees(t *testing.T) {
 	realStmts := float64(sent) / loadFor.Seconds()
 	simStmts := s.res.PerSecond(s.res.Regions[1].MySQL.Statements)
 	t.Logf("the distant region's statements a second over the load: real %.1f (the wire's requests) · simulated %.1f", realStmts, simStmts)
-	// The slack, from fifteen runs on a 2-core machine beside other work
-	// (2026-11-29; seven replayed on seed 1 alone, the figures below from
-	// the eight on eight seeds): 5.6–5.8 statements a second real against
+	// The slack, from seventeen runs on a 2-core machine beside other
+	// work (2026-11-29; seven replayed on seed 1 alone, the figures below
+	// from the ten on eight seeds): 5.6–5.8 statements a second real against
 	// 5.6–5.7; the median key 1.32–1.38 against 1.350–1.363, the worst
 	// 1.43–1.50 against 1.459–1.481; the near region beside the distant
 	// one's bursts admitted 27.6–35.6 units a key against 29.9–31.2 (at
-	// most 4.9 apart), the distant one 34.0–41.8 against 37.7–39.0
+	// most 5.1 apart), the distant one 34.0–41.8 against 37.7–39.0
 	// (3.7). The travel to the near region: real 453–857 ms at p50,
 	// simulated 763–801 (−94 to +347 ms apart). To the distant one the
-	// simulator is late: real 418–1,038 ms, simulated 909–1,067, up to
-	// 525 ms later, 250 ms or more in six runs of eight. The likely cause,
+	// simulator is late: real 418–1,050 ms, simulated 909–1,068, up to
+	// 525 ms later, 250 ms or more in seven runs of ten. The likely cause,
 	// not proven: the model runs a tick's statements at the tick's start
 	// and reads the primary as of then, where a distant holder's pull
 	// reaches the primary after the tick's round trips before it (a
