@@ -71,7 +71,12 @@ func in(spans []Span, at int64) bool {
 
 // call draws the fate of one call at at with a caller's timeout (ms):
 // its latency, and an error when it did not get through. applied reports
-// whether the server ran it (a late answer was still run there).
+// whether the server ran it (a late answer was still run there). A late
+// call's latency is its round trip, not the timeout: it reaches the server
+// half of that in, and the caller, which gives up at its timeout, pays
+// the timeout (Tick.add). Until 2026-11-29 it was the timeout, so a
+// statement slower than mysql_timeout landed half a timeout in, however
+// far the server: -cross-rtt 2s and 10000h gave the same table.
 func (l *Link) call(rng *rand.Rand, at int64, timeout float64) (lat float64, applied bool, err error) {
 	if in(l.Refusals, at) {
 		return 0, false, ErrDown
@@ -84,7 +89,7 @@ func (l *Link) call(rng *rand.Rand, at int64, timeout float64) (lat float64, app
 	}
 	lat = l.Latency.Sample(rng)
 	if timeout > 0 && lat > timeout {
-		return timeout, true, ErrTimeout
+		return lat, true, ErrTimeout
 	}
 	return lat, true, nil
 }
@@ -107,13 +112,18 @@ func (t *Tick) Begin(now int64) { t.Start, t.Elapsed = now, 0 }
 // At is the simulated time the iteration has reached.
 func (t *Tick) At() int64 { return t.Start + int64(math.Ceil(t.Elapsed)) }
 
-// add records a call's latency and returns when its effect lands: half
-// its round trip after the iteration's time before it.
-func (t *Tick) add(lat float64) int64 {
+// add records a call's round trip lat and returns when its effect lands:
+// half of it after the iteration's time before it. The iteration moves
+// on by the round trip, or by the caller's timeout (ms; 0: none) when
+// that is shorter: it stopped waiting then.
+func (t *Tick) add(lat, timeout float64) int64 {
 	if t == nil {
 		return 0
 	}
 	land := t.Start + int64(math.Ceil(t.Elapsed+lat/2))
+	if timeout > 0 {
+		lat = min(lat, timeout)
+	}
 	t.Elapsed += lat
 	return land
 }

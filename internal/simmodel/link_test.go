@@ -8,7 +8,8 @@ import (
 // TestLink_CallsFailAsTheLinkSays: a call during an outage or lost on the
 // way fails without running, costing the caller its timeout; one while
 // the server is not running is refused at once; one slower than the
-// caller's timeout fails for the caller but ran at the server.
+// caller's timeout fails for the caller but ran at the server, its round
+// trip what the link took (the caller pays its timeout: Tick.add).
 func TestLink_CallsFailAsTheLinkSays(t *testing.T) {
 	rng := newRand(1, 9)
 	five := Dist{Median: 5} // no P99: a constant
@@ -30,7 +31,7 @@ func TestLink_CallsFailAsTheLinkSays(t *testing.T) {
 		{"while killed", killed, 100, 50, 0, false, ErrDown},
 		{"restarted", killed, 200, 50, 5, true, nil},
 		{"lost", Link{Latency: five, Loss: 1}, 0, 50, 50, false, ErrLost},
-		{"late", Link{Latency: Dist{Median: 80}}, 0, 50, 50, true, ErrTimeout},
+		{"late", Link{Latency: Dist{Median: 80}}, 0, 50, 80, true, ErrTimeout},
 		{"no timeout", Link{Latency: Dist{Median: 80}}, 0, 0, 80, true, nil},
 	} {
 		lat, applied, err := tc.link.call(rng, tc.at, tc.timeout)
@@ -81,18 +82,29 @@ func TestDist_SampleHasItsMedianAndP99(t *testing.T) {
 func TestTick_ACallLandsHalfItsRoundTripIn(t *testing.T) {
 	tick := &Tick{}
 	tick.Begin(1000)
-	if land := tick.add(30); land != 1015 {
+	if land := tick.add(30, 0); land != 1015 {
 		t.Fatalf("first call lands at %d, want 1015", land)
 	}
-	if land := tick.add(10); land != 1035 {
+	if land := tick.add(10, 50); land != 1035 {
 		t.Fatalf("second call lands at %d, want 1035", land)
 	}
 	if tick.At() != 1040 {
 		t.Fatalf("the iteration reached %d, want 1040", tick.At())
 	}
 	var none *Tick
-	if land := none.add(10); land != 0 {
+	if land := none.add(10, 0); land != 0 {
 		t.Fatalf("a call without a tick lands at %d, want 0 (now)", land)
+	}
+	// A call slower than the caller's timeout lands half its round trip
+	// in, however far the server, and the caller waited its timeout: a
+	// statement to a MySQL 4 s away with mysql_timeout 1 s reached it 2 s
+	// in, not half a second (which made every round trip past the timeout
+	// the same to the simulator).
+	if land := tick.add(4000, 1000); land != 3040 {
+		t.Fatalf("a late call lands at %d, want 3040", land)
+	}
+	if tick.At() != 2040 {
+		t.Fatalf("after a late call the iteration reached %d, want 2040 (its timeout)", tick.At())
 	}
 	if s := (Span{From: 10, To: 20}); s.Has(9) || !s.Has(10) || !s.Has(19) || s.Has(20) {
 		t.Fatal("a span holds [From, To)")

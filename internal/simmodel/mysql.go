@@ -243,7 +243,7 @@ func (c *mysqlClient) toPrimary(now int64) (at int64, applied bool, err error) {
 		// Refused at once: a round trip, nothing run.
 		lat, applied, err = min(lat, m.timeout), false, ErrDown
 	}
-	at = c.tick.add(lat)
+	at = c.tick.add(lat, m.timeout)
 	if at == 0 {
 		at = now
 	}
@@ -337,7 +337,7 @@ func (c *mysqlClient) counted(applied bool, err error) {
 // statement the replica ran, or else an error. The caller holds m.mu.
 func (c *mysqlClient) toReplica(now int64) (applied bool, err error) {
 	lat, applied, err := c.r.Local.call(c.m.rng, c.sentAt(now), c.m.timeout)
-	c.tick.add(lat)
+	c.tick.add(lat, c.m.timeout)
 	if !applied {
 		c.r.Cost.Errors++
 		return false, err

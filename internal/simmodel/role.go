@@ -71,11 +71,11 @@ func (c *regionConn) begin() (int64, error) {
 	r.mu.Lock()
 	now := r.now()
 	if r.down {
-		c.tick.add(r.timeouts.Role)
+		c.tick.add(r.timeouts.Role, r.timeouts.Role)
 		return 0, ErrDown
 	}
 	lat, applied, err := r.link.call(r.rng, now, r.timeouts.Role)
-	at := c.tick.add(lat)
+	at := c.tick.add(lat, r.timeouts.Role)
 	if at == 0 {
 		at = now
 	}
@@ -208,7 +208,7 @@ func (c *regionConn) trip() {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	lat, _, _ := r.link.call(r.rng, r.now(), r.timeouts.Role)
-	c.tick.add(lat)
+	c.tick.add(lat, r.timeouts.Role)
 }
 
 // takeAll takes every registration that has not expired at now (a whole
