@@ -576,25 +576,13 @@ func TestCaddy_NoStrictKeysWithoutRedis(t *testing.T) {
 	get(t, tester, base, "X-Key", "erin").expect(t, 429, "")
 	strict := func(want int, when string) {
 		t.Helper()
-		var doc struct {
-			Origin json.RawMessage `json:"origin"`
-			Engine struct {
-				StrictKeys int `json:"strict_keys"`
-			} `json:"engine"`
-		}
-		adminDo(t, admin, "GET", "/ratelimit/status").decode(t, 200, &doc)
-		var listed struct {
-			Total int `json:"total"`
-		}
-		adminDo(t, admin, "GET", "/ratelimit/strict").decode(t, 200, &listed)
+		n := strictCounts(t, admin)
 		var key struct {
 			StrictUntil *time.Time `json:"strict_until"`
 		}
 		adminDo(t, admin, "GET", "/ratelimit/counters?zone=e2e_redis&identifier=erin").decode(t, 200, &key)
-		gauge := metricValue(t, admin, "caddy_ratelimit_strict_keys")
-		if doc.Engine.StrictKeys != want || listed.Total != want || gauge != float64(want) || (key.StrictUntil != nil) != (want == 1) {
-			t.Fatalf("%s (origin %s): status strict_keys %d, /ratelimit/strict total %d, gauge %v, strict_until %v; want %d",
-				when, doc.Origin, doc.Engine.StrictKeys, listed.Total, gauge, key.StrictUntil, want)
+		if !n.are(want) || (key.StrictUntil != nil) != (want == 1) {
+			t.Fatalf("%s: %s, strict_until %v; want %d", when, n, key.StrictUntil, want)
 		}
 	}
 	strict(1, "denied with Redis")
@@ -641,20 +629,8 @@ func TestStrictKeys_CountsWhatTheListingLists(t *testing.T) {
 	get(t, tester, base, "X-Key", "frank").expect(t, 429, "")
 	strict := func(want int, when string) {
 		t.Helper()
-		var doc struct {
-			Engine struct {
-				StrictKeys int `json:"strict_keys"`
-			} `json:"engine"`
-		}
-		adminDo(t, admin, "GET", "/ratelimit/status").decode(t, 200, &doc)
-		var listed struct {
-			Total int `json:"total"`
-		}
-		adminDo(t, admin, "GET", "/ratelimit/strict").decode(t, 200, &listed)
-		gauge := metricValue(t, admin, "caddy_ratelimit_strict_keys")
-		if doc.Engine.StrictKeys != want || listed.Total != want || gauge != float64(want) {
-			t.Fatalf("%s: status strict_keys %d, /ratelimit/strict total %d, gauge %v; want %d",
-				when, doc.Engine.StrictKeys, listed.Total, gauge, want)
+		if n := strictCounts(t, admin); !n.are(want) {
+			t.Fatalf("%s: %s; want %d", when, n, want)
 		}
 	}
 	strict(1, "denied")
@@ -668,4 +644,38 @@ func TestStrictKeys_CountsWhatTheListingLists(t *testing.T) {
 		t.FailNow()
 	}
 	strict(1, "after a reload back to the window, within the deadline")
+}
+
+// strictKeyCounts is what a node says of its keys in strict mode: the
+// status's strict_keys, /ratelimit/strict's total and the gauge (with the
+// status's origin section, for a failure's message).
+type strictKeyCounts struct {
+	status, listed int
+	gauge          float64
+	origin         json.RawMessage
+}
+
+func strictCounts(t *testing.T, admin int) strictKeyCounts {
+	t.Helper()
+	var doc struct {
+		Origin json.RawMessage `json:"origin"`
+		Engine struct {
+			StrictKeys int `json:"strict_keys"`
+		} `json:"engine"`
+	}
+	adminDo(t, admin, "GET", "/ratelimit/status").decode(t, 200, &doc)
+	var listed struct {
+		Total int `json:"total"`
+	}
+	adminDo(t, admin, "GET", "/ratelimit/strict").decode(t, 200, &listed)
+	return strictKeyCounts{doc.Engine.StrictKeys, listed.Total, metricValue(t, admin, "caddy_ratelimit_strict_keys"), doc.Origin}
+}
+
+// are reports whether every count is n.
+func (c strictKeyCounts) are(n int) bool {
+	return c.status == n && c.listed == n && c.gauge == float64(n)
+}
+
+func (c strictKeyCounts) String() string {
+	return fmt.Sprintf("status strict_keys %d, /ratelimit/strict total %d, gauge %v (origin %s)", c.status, c.listed, c.gauge, c.origin)
 }
