@@ -552,28 +552,9 @@ func TestCaddy_AReloadThatFailsToStartWritesNoCountToItsRedis(t *testing.T) {
 // Redis within it puts the key in strict mode again, since Redis still
 // holds the count it was denied at.
 func TestCaddy_NoStrictKeysWithoutRedis(t *testing.T) {
-	window, ok := testclock.FreshWindow(time.Now(), time.Minute, 2*time.Minute, 30*time.Second)
-	if !ok {
-		t.Fatal("no window length in [1m, 2m] leaves 30 s")
-	}
-	srv := redistest.Start(t)
-	t.Setenv("RATELIMIT_TEST_REDIS_URL", srv.URL())
-	admin, port := e2eAdminPort(t), redistest.MustFreePort(t)
-	base := fmt.Sprintf("http://127.0.0.1:%d/", port)
-	withRedis := redisConfig(admin, port, `	ratelimit {
-		redis {env.RATELIMIT_TEST_REDIS_URL}
-		prefix strictless
-	}`, window)
-	tester := caddytest.NewTester(t).WithDefaultOverrides(caddytest.Config{AdminPort: admin})
-	tester.InitServer(withRedis, "caddyfile")
-	if t.Failed() {
-		t.FailNow()
-	}
-	defer tester.InitServer(e2eConfig(admin, port, ""), "caddyfile") // unload: the next test starts without an engine
-	for range 5 {
-		get(t, tester, base, "X-Key", "erin").expect(t, 200, "ok")
-	}
-	get(t, tester, base, "X-Key", "erin").expect(t, 429, "")
+	d := deniedWithRedis(t, "strictless", "erin")
+	tester, admin, port, window := d.tester, d.admin, d.port, d.window
+	withRedis := redisConfig(admin, port, d.global, window)
 	strict := func(want int, when string) {
 		t.Helper()
 		n := strictCounts(t, admin)
@@ -605,28 +586,8 @@ func TestCaddy_NoStrictKeysWithoutRedis(t *testing.T) {
 // the README says count the keys as the listing lists them, counted them
 // (an audit of 2026-11-29: 50 against a listing of 1).
 func TestStrictKeys_CountsWhatTheListingLists(t *testing.T) {
-	window, ok := testclock.FreshWindow(time.Now(), time.Minute, 2*time.Minute, 30*time.Second)
-	if !ok {
-		t.Fatal("no window length in [1m, 2m] leaves 30 s")
-	}
-	srv := redistest.Start(t)
-	t.Setenv("RATELIMIT_TEST_REDIS_URL", srv.URL())
-	admin, port := e2eAdminPort(t), redistest.MustFreePort(t)
-	base := fmt.Sprintf("http://127.0.0.1:%d/", port)
-	global := `	ratelimit {
-		redis {env.RATELIMIT_TEST_REDIS_URL}
-		prefix strictwindows
-	}`
-	tester := caddytest.NewTester(t).WithDefaultOverrides(caddytest.Config{AdminPort: admin})
-	tester.InitServer(redisConfig(admin, port, global, window), "caddyfile")
-	if t.Failed() {
-		t.FailNow()
-	}
-	defer tester.InitServer(e2eConfig(admin, port, ""), "caddyfile") // unload: the next test starts without an engine
-	for range 5 {
-		get(t, tester, base, "X-Key", "frank").expect(t, 200, "ok")
-	}
-	get(t, tester, base, "X-Key", "frank").expect(t, 429, "")
+	d := deniedWithRedis(t, "strictwindows", "frank")
+	tester, admin, port, window, global := d.tester, d.admin, d.port, d.window, d.global
 	strict := func(want int, when string) {
 		t.Helper()
 		if n := strictCounts(t, admin); !n.are(want) {
@@ -678,4 +639,38 @@ func (c strictKeyCounts) are(n int) bool {
 
 func (c strictKeyCounts) String() string {
 	return fmt.Sprintf("status strict_keys %d, /ratelimit/strict total %d, gauge %v (origin %s)", c.status, c.listed, c.gauge, c.origin)
+}
+
+// deniedNode is a Caddy of redisConfig on a private Redis whose key was
+// just denied at its limit of 5 (strict mode); the test's end loads a
+// config without the limiter.
+type deniedNode struct {
+	tester      *caddytest.Tester
+	admin, port int
+	window      time.Duration
+	global      string // the global option: the Redis under prefix
+}
+
+func deniedWithRedis(t *testing.T, prefix, key string) deniedNode {
+	t.Helper()
+	window, ok := testclock.FreshWindow(time.Now(), time.Minute, 2*time.Minute, 30*time.Second)
+	if !ok {
+		t.Fatal("no window length in [1m, 2m] leaves 30 s")
+	}
+	srv := redistest.Start(t)
+	t.Setenv("RATELIMIT_TEST_REDIS_URL", srv.URL())
+	d := deniedNode{admin: e2eAdminPort(t), port: redistest.MustFreePort(t), window: window,
+		global: "\tratelimit {\n\t\tredis {env.RATELIMIT_TEST_REDIS_URL}\n\t\tprefix " + prefix + "\n\t}"}
+	d.tester = caddytest.NewTester(t).WithDefaultOverrides(caddytest.Config{AdminPort: d.admin})
+	d.tester.InitServer(redisConfig(d.admin, d.port, d.global, window), "caddyfile")
+	if t.Failed() {
+		t.FailNow()
+	}
+	t.Cleanup(func() { d.tester.InitServer(e2eConfig(d.admin, d.port, ""), "caddyfile") }) // unload: the next test starts without an engine
+	base := fmt.Sprintf("http://127.0.0.1:%d/", d.port)
+	for range 5 {
+		get(t, d.tester, base, "X-Key", key).expect(t, 200, "ok")
+	}
+	get(t, d.tester, base, "X-Key", key).expect(t, 429, "")
+	return d
 }
