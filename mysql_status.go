@@ -56,6 +56,8 @@ var propagationStats = statSet[propagation.Stats]{stats: []stat[propagation.Stat
 		value: func(s *propagation.Stats) any { return s.DenialQueueDrops }},
 	{json: "pending_denials", metric: "propagation_pending_denials", gauge: true, value: func(s *propagation.Stats) any { return s.PendingDenials },
 		help: "Denial rows waiting to be written."},
+	{json: "pending_overrides", metric: "propagation_pending_overrides", gauge: true, value: func(s *propagation.Stats) any { return s.PendingOverrides },
+		help: "Runtime override changes and global resets held for MySQL and not written yet (on the role's holder, or a process that is its own region): a change made while MySQL does not answer waits here."},
 	{json: "dropped_batches", metric: "propagation_dropped_batches_total", value: func(s *propagation.Stats) any { return s.DroppedBatches },
 		help: "Write batches dropped because MySQL failed or the write breaker was open (denial rows are retried until they expire; counts are published again)."},
 	{json: "errors.write", metric: "propagation_errors_total", label: [2]string{"op", "write"}, value: func(s *propagation.Stats) any { return s.WriteErrors },

@@ -330,3 +330,42 @@ func TestOverrides_ARemovalOfNoneSaysAnotherRegionsChangeMayBeOnItsWay(t *testin
 		t.Fatalf("without a cross-region layer the 404 names MySQL: %s", r.body)
 	}
 }
+
+// TestOverrides_AChangeWaitingForMySQLIsCounted: a global change made
+// while MySQL does not answer is answered 200 at once (it applies in the
+// region, and travels when MySQL answers), and nothing showed that it had
+// not reached MySQL: the holder held it with no count, its status and
+// metrics as after a change written. The holder now counts it
+// (propagation_pending_overrides, the status's pending_overrides) until it
+// is written.
+func TestOverrides_AChangeWaitingForMySQLIsCounted(t *testing.T) {
+	resetOverrides(t)
+	srv := redistest.Start(t)
+	my := mysqltest.Start(t)
+	db, admin, _ := regionOnMySQL(t, srv, my, "\t\tmysql_flush 50ms\n\t\tglobal_sync 200ms\n\t\tmysql_timeout 200ms\n")
+	redistest.Eventually(t, 20*time.Second, "the schema migrated and the role held", func() bool {
+		return rowCount(t, db, "ratelimit_overrides") == 0 && metricValue(t, admin, "caddy_ratelimit_propagation_role_held") == 1
+	})
+	pending := func() float64 { return metricValue(t, admin, "caddy_ratelimit_propagation_pending_overrides") }
+	if n := pending(); n != 0 {
+		t.Fatalf("%v changes pending before any was made", n)
+	}
+	my.Pause()
+	adminSend(t, admin, http.MethodPut, "/ratelimit/overrides?zone=ov&identifier=waits", `{"limit": 3}`).decode(t, http.StatusOK, &overrideDoc{})
+	redistest.Eventually(t, 10*time.Second, "the change counted as waiting for MySQL", func() bool { return pending() == 1 })
+	var doc struct {
+		Propagation struct {
+			PendingOverrides int `json:"pending_overrides"`
+		} `json:"propagation"`
+	}
+	adminDo(t, admin, http.MethodGet, "/ratelimit/status").decode(t, http.StatusOK, &doc)
+	if doc.Propagation.PendingOverrides != 1 {
+		t.Fatalf("status pending_overrides %d with MySQL paused, want 1", doc.Propagation.PendingOverrides)
+	}
+	my.Resume()
+	redistest.Eventually(t, 30*time.Second, "the change's row and no change pending once MySQL answers", func() bool {
+		var n int
+		err := db.QueryRow("SELECT COUNT(*) FROM ratelimit_overrides WHERE namespace = ? AND identifier = ? AND limit_units = 3", "ov", "waits").Scan(&n)
+		return err == nil && n == 1 && pending() == 0
+	})
+}
