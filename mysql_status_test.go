@@ -21,7 +21,7 @@ func TestPropagationStats_SectionKeepsItsKeys(t *testing.T) {
 	}
 	want := `{"region":"eu","database":"tcp(db:3306)/rl","ready":true,"breaker":"closed","last_push":null,"last_pull":null,` +
 		`"last_blocklist_pull":null,"rows_emitted":{"blocklist":1,"global_counts":2},"rows_applied":{"blocklist":3,"global_counts":4},` +
-		`"denials_filtered":0,"denials_expired":0,"denial_queue_drops":0,"pending_denials":0,"dropped_batches":0,` +
+		`"denials_filtered":0,"denials_expired":0,"denial_queue_drops":0,"pending_denials":0,"pending_overrides":0,"dropped_batches":0,` +
 		`"errors":{"write":5,"read":0,"migrate":0,"lease":7,"region":0},"imports":6,"import_drops":0,"cleanup_deleted":0,` +
 		`"role":"holder","holder":"n1","node_id":"n1","role_taken":1,"role_lost":0,"lease_renewals":10,"cells_registered":0,"denials_left":0,` +
 		`"registry_cells":0,"registry_drops":0,"imports_sent":0,"rows_read":{"blocklist":0,"global_counts":8},` +
