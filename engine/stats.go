@@ -79,11 +79,15 @@ type Stats struct {
 }
 
 // Stats returns a snapshot of the engine's counters.
-func (e *Engine) Stats() Stats {
+func (e *Engine) Stats() Stats { return e.StatsIn(nil) }
+
+// StatsIn is Stats with StrictKeys counted in the zones in accepts (see
+// StrictCountIn).
+func (e *Engine) StatsIn(in func(namespace string, window time.Duration) bool) Stats {
 	s := &e.stats
 	return Stats{
 		Entries:           e.live.Load(),
-		StrictKeys:        e.strictCount(),
+		StrictKeys:        e.StrictCountIn(in),
 		Evictions:         s.evictions.Load(),
 		EvictionsDeferred: s.evictionsDeferred.Load(),
 		FirstDenials:      s.firstDenials.Load(),
@@ -113,17 +117,15 @@ func (e *Engine) Stats() Stats {
 	}
 }
 
-// strictCount is how many keys are in strict mode now, as StrictKeys
-// lists them: a deadline that passed is left out, though the key lingers
-// in its zone's map until the next sweep (the count once included it, and
-// the strict_keys gauge stood above /ratelimit/strict until the
-// janitor's next pass, up to 10 s). It walks the keys in strict mode, few beside the
-// entries, once a scrape or status call.
-func (e *Engine) strictCount() int64 { return e.StrictCountIn(nil) }
-
-// StrictCountIn is strictCount of the zones in accepts by namespace and
-// window (every zone when in is nil): a caller that knows which zones a
-// loaded config defines counts the keys of those alone, as it lists them.
+// StrictCountIn is how many keys are in strict mode now in the zones in
+// accepts by namespace and window (every zone when in is nil), as
+// StrictKeys lists them: a caller that knows which zones a loaded config
+// defines counts the keys of those alone, as it lists them. A deadline
+// that passed is left out, though the key lingers in its zone's map until
+// the next sweep (the count once included it, and the strict_keys gauge
+// stood above /ratelimit/strict until the janitor's next pass, up to 10
+// s). It walks the keys in strict mode, few beside the entries, once a
+// scrape or status call.
 func (e *Engine) StrictCountIn(in func(namespace string, window time.Duration) bool) int64 {
 	now := e.nowMs()
 	var n int64

@@ -13,12 +13,7 @@ import (
 func TestProxy_DelaysEveryReply(t *testing.T) {
 	s := Start(t)
 	p := StartDelayProxy(t, s.Addr(), 30*time.Millisecond)
-	opt, err := redis.ParseURL(p.URL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	c := redis.NewClient(opt)
-	defer c.Close()
+	c := proxyClient(t, p)
 	ctx := context.Background()
 	if err := c.Ping(ctx).Err(); err != nil {
 		t.Fatal(err)
@@ -79,12 +74,7 @@ func TestProxy_LatencyIsAWireEachWay(t *testing.T) {
 	s := Start(t)
 	p := StartDelayProxy(t, s.Addr(), 0)
 	p.SetLatency(40 * time.Millisecond)
-	opt, err := redis.ParseURL(p.URL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	c := redis.NewClient(opt)
-	defer c.Close()
+	c := proxyClient(t, p)
 	ctx := context.Background()
 	if err := c.Set(ctx, "big", make([]byte, 256<<10), 0).Err(); err != nil {
 		t.Fatal(err)
@@ -113,4 +103,17 @@ func TestProxy_LatencyIsAWireEachWay(t *testing.T) {
 	if el > 200*time.Millisecond {
 		t.Fatalf("a pipeline of 2 MB over a wire of 40 ms each way took %s, want about one round trip", el)
 	}
+}
+
+// proxyClient is a client of the Redis behind p, through p, closed at the
+// test's end.
+func proxyClient(t *testing.T, p *Proxy) *redis.Client {
+	t.Helper()
+	opt, err := redis.ParseURL(p.URL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := redis.NewClient(opt)
+	t.Cleanup(func() { c.Close() })
+	return c
 }
